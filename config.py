@@ -1,0 +1,410 @@
+"""The configuration schema: one dataclass per section of parameters.yml.
+
+Every field has a default and a docstring (the string literal under it). `load_config` reads the YAML file,
+applies `--set section.key=value` overrides, rejects unknown keys by name (suggesting the closest valid key),
+checks types and impossible values, and raises `ConfigError` with a single line. `main.py` turns that into
+exit code 2 without a traceback: a typo in a config file is a user mistake, not a crash.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class UserError(Exception):
+    """A mistake in what the user gave us (config, data, checkpoint). main.py prints its one-line message and
+    exits with code 2, without a traceback."""
+
+
+class ConfigError(UserError):
+    """A user mistake in the configuration. Its message is one line naming the file and the key."""
+
+
+class DataError(UserError):
+    """Missing or malformed data. Its message names the file (and line, where there is one)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or unreadable. Its message names the path."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    dataset: str = "digits"
+    """Which dataset the task reads. image: `digits` (scikit-learn's bundled 8x8 digits) or `mnist` (IDX files)."""
+    data_dir: str = "data"
+    """Directory holding the dataset files (relative paths are relative to where you run main.py)."""
+    download: bool = True
+    """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank. 0 loads in the training process (best for small data)."""
+    dev_fraction: float = 0.15
+    """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
+    max_length: int = 128
+    """Text tasks: sequences are truncated to this many tokens (block size for language modelling)."""
+    group_by_length: bool = False
+    """Text tasks: batch samples of similar length together (less padding), still shuffled between batches."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """Architecture. image: `cnn`. Text tasks: a preset such as `bart-base`, `bert-base`, `gpt2`, or `tiny`."""
+    pretrained_dir: Optional[str] = None
+    """A Hugging Face checkpoint folder to start from (weights + tokenizer). None: random initialisation."""
+    channels: int = 32
+    """image: channels of the first convolution (the second has twice as many)."""
+    hidden: int = 128
+    """image: width of the hidden fully connected layer."""
+    dropout: float = 0.25
+    """Dropout probability (0 disables dropout)."""
+
+
+@dataclass
+class TrainConfig:
+    batch_size: Union[int, list] = 32
+    """Samples per optimizer micro-step on each process (per rank). The global batch is the sum over ranks."""
+    eval_batch_size: int = 256
+    """Samples per forward pass during evaluation, per rank."""
+    max_steps: int = 0
+    """Optimizer steps to train for. 0: derive from `epochs`. If both are set, whichever ends first wins."""
+    epochs: float = 20
+    """Passes over the training set (may be fractional). 0: train for `max_steps` only."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer: `adamw` or `sgd` (with momentum 0.9)."""
+    lr: float = 1e-3
+    """Peak learning rate (reached after warm-up)."""
+    warmup: float = 0
+    """Warm-up length: a number of optimizer steps (>= 1), or a fraction of all steps (< 1)."""
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate decay after warm-up: `constant`, `linear` to 0, or `cosine` to 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Compute precision: fp32, fp16 (autocast + dynamic loss scaling) or bf16 (autocast, no scaling)."""
+    eval_every: int = 200
+    """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
+    save_every: int = 200
+    """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
+    keep_last: int = 2
+    """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
+    resume: Union[str, bool] = "auto"
+    """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
+    checkpoint. false: start fresh (existing checkpoints of output_dir are left alone, new ones added)."""
+    patience: int = 0
+    """Early stopping: stop after this many evaluations without improvement of best_metric. 0: never."""
+    best_metric: str = "accuracy"
+    """Dev metric that decides the best checkpoint and early stopping (e.g. accuracy, f1, loss)."""
+    best_mode: Literal["auto", "max", "min"] = "auto"
+    """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
+    log_every: int = 20
+    """Print/log training loss, lr and throughput every N steps. Also the only place the host waits for the GPU."""
+
+
+@dataclass
+class DistConfig:
+    strategy: Literal["none", "dp", "ddp"] = "none"
+    """How the model is spread over devices: `none` (one process), `dp` (DataParallel, one process, all GPUs),
+    `ddp` (DistributedDataParallel, one process per device)."""
+    nodes: int = 1
+    """Number of machines taking part. Run the same command on each, with its own node_rank."""
+    procs_per_node: Union[None, int, list] = None
+    """Processes on each node: one number for all nodes, or a list with one entry per node (e.g. [4, 2, 1]).
+    None: the number of GPUs (1 on a machine without GPU). On CPU, each process is a gloo rank."""
+    node_rank: int = 0
+    """Index of this machine among the nodes (0 is the master)."""
+    master_addr: Optional[str] = None
+    """Address of node 0 for the tcp rendezvous. None: localhost, which only works with nodes == 1."""
+    master_port: int = 29500
+    """TCP port on master_addr for the rendezvous."""
+    init_method: str = "tcp"
+    """Rendezvous: `tcp` (master_addr:master_port) or `file:///shared/path/file` on a file system every node sees."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend. auto: nccl on GPUs, gloo on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to compute. auto: cuda when available, else cpu."""
+    timeout_s: int = 1800
+    """Seconds a collective may wait for the other ranks before the run fails (a hung node surfaces as an error)."""
+
+
+@dataclass
+class TestConfig:
+    checkpoint: Optional[str] = None
+    """Checkpoint to evaluate in `mode: test`. None: the best checkpoint of output_dir."""
+    splits: list = field(default_factory=lambda: ["dev", "test"])
+    """Splits to evaluate; each writes `<split>_results.json` into output_dir."""
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    """Write TensorBoard scalars under output_dir/tensorboard (rank 0)."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0 (turned off automatically when stdout is not a terminal)."""
+
+
+@dataclass
+class Config:
+    task: str = "image"
+    """What to train: `image` (CNN on digits/MNIST), `sst2`, `bert_pretrain`, `gpt2_lm`."""
+    mode: Literal["train", "test"] = "train"
+    """`train`, or `test`: evaluate a checkpoint (see the test section) on the dev and test splits."""
+    output_dir: str = "runs/digits"
+    """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
+    seed: int = 42
+    """Seed for parameters, data order and dropout. Same seed and config: same run."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    test: TestConfig = field(default_factory=TestConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig,
+            "test": TestConfig, "log": LogConfig}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading: YAML -> dict -> overrides -> dataclasses -> checks
+# --------------------------------------------------------------------------------------------------------------
+def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config."""
+    source = path or "<defaults>"
+    raw: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"{path}: file not found")
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw, source)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`train.lr=3e-4` -> raw['train']['lr'] = 3e-4. The value is parsed as YAML, so 3e-4, true, [1, 2] work."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected section.key=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) > 2 or not all(parts):
+        raise ConfigError(f"--set {item}: expected section.key=value or key=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    if len(parts) == 1:
+        raw[parts[0]] = parsed
+    else:
+        section = raw.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"--set {item}: `{parts[0]}` is not a section")
+        section[parts[1]] = parsed
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    """Build a Config from nested dicts, rejecting unknown keys and wrong types, then check combinations."""
+    top = {}
+    sections = {}
+    for key, value in raw.items():
+        if key in SECTIONS:
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: `{key}` must be a section (a mapping of keys), got {value!r}")
+            sections[key] = _build(SECTIONS[key], value, source, prefix=f"{key}.")
+        else:
+            top[key] = value
+    cfg = _build(Config, top, source, prefix="", extra_valid=list(SECTIONS))
+    for key, value in sections.items():
+        setattr(cfg, key, value)
+    validate(cfg, source)
+    return cfg
+
+
+def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] = ()):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in SECTIONS]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            valid = names + list(extra_valid)
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean `{prefix}{close[0]}`?)" if close else f" (valid keys: {', '.join(valid)})"
+            raise ConfigError(f"{source}: unknown key `{prefix}{key}`{hint}")
+        kwargs[key] = _check_type(value, hints[key], f"{prefix}{key}", source)
+    return cls(**kwargs)
+
+
+def _check_type(value: Any, hint, key: str, source: str):
+    """Return value (ints accepted for floats) if it matches the annotation, else raise a one-line ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        for option in typing.get_args(hint):
+            try:
+                return _check_type(value, option, key, source)
+            except ConfigError:
+                pass
+        expected = " or ".join(_type_name(a) for a in typing.get_args(hint))
+        raise ConfigError(f"{source}: `{key}` must be {expected}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{source}: `{key}` must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{source}: `{key}` must be null, got {value!r}")
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint in (str, bool, list) and isinstance(value, hint):
+        return value
+    raise ConfigError(f"{source}: `{key}` must be {_type_name(hint)}, got {value!r}")
+
+
+def _type_name(hint) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+            type(None): "null"}.get(hint, str(hint))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Combinations and impossible values
+# --------------------------------------------------------------------------------------------------------------
+def validate(cfg: Config, source: str) -> None:
+    def fail(key: str, why: str):
+        raise ConfigError(f"{source}: `{key}` {why}")
+
+    from tasks import TASKS  # here, not at the top: tasks import torch, and config errors should be instant
+    if cfg.task not in TASKS:
+        close = difflib.get_close_matches(cfg.task, list(TASKS), n=1)
+        fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
+             + (f"; did you mean {close[0]!r}?" if close else ""))
+    t, d = cfg.train, cfg.dist
+    if t.lr <= 0:
+        fail("train.lr", f"must be > 0, got {t.lr}")
+    for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "log_every"):
+        if getattr(t, key) < 1:
+            fail(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
+                "epochs"):
+        if getattr(t, key) < 0:
+            fail(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
+    if t.max_steps == 0 and t.epochs == 0:
+        fail("train.max_steps", "and train.epochs are both 0: set at least one")
+    if t.warmup >= 1 and t.warmup != int(t.warmup):
+        fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {t.warmup}")
+    if isinstance(t.resume, bool) and t.resume:
+        fail("train.resume", "must be auto, false or a checkpoint path (true is ambiguous)")
+    if not 0 <= cfg.model.dropout < 1:
+        fail("model.dropout", f"must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.data.dev_fraction < 1:
+        fail("data.dev_fraction", f"must be in [0, 1), got {cfg.data.dev_fraction}")
+    if cfg.data.num_workers < 0:
+        fail("data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")
+    if cfg.data.max_length < 1:
+        fail("data.max_length", f"must be >= 1, got {cfg.data.max_length}")
+
+    # Distribution
+    if d.nodes < 1:
+        fail("dist.nodes", f"must be >= 1, got {d.nodes}")
+    if not 0 <= d.node_rank < d.nodes:
+        fail("dist.node_rank", f"must be in [0, nodes-1] = [0, {d.nodes - 1}], got {d.node_rank}")
+    if not 0 < d.master_port < 65536:
+        fail("dist.master_port", f"must be a TCP port (1-65535), got {d.master_port}")
+    procs = d.procs_per_node
+    if isinstance(procs, list):
+        if len(procs) != d.nodes:
+            fail("dist.procs_per_node", f"lists {len(procs)} nodes but dist.nodes is {d.nodes}")
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in procs):
+            fail("dist.procs_per_node", f"must hold positive integers, got {procs}")
+    elif procs is not None and procs < 1:
+        fail("dist.procs_per_node", f"must be >= 1, got {procs}")
+    if d.init_method != "tcp" and not d.init_method.startswith("file://"):
+        fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {d.init_method!r}")
+    if d.nodes > 1 and d.init_method == "tcp" and not d.master_addr:
+        fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
+    cuda = _cuda_available()
+    if d.device == "cuda" and not cuda:
+        fail("dist.device", "is cuda but no CUDA device is available")
+    on_gpu = d.device == "cuda" or (d.device == "auto" and cuda)
+    if d.backend == "nccl" and not on_gpu:
+        fail("dist.backend", "is nccl, which needs GPUs; use gloo (or auto) on CPU")
+    world = world_size(cfg)
+    if d.strategy == "none" and world > 1:
+        fail("dist.strategy", f"is none but {world} processes are configured; use ddp (or procs_per_node: 1)")
+    if d.strategy == "dp":
+        if world > 1:
+            fail("dist.strategy", f"is dp, which runs in one process, but {world} processes are configured "
+                                  "(set procs_per_node: 1, or use ddp)")
+    if isinstance(t.batch_size, list):
+        if len(t.batch_size) != world:
+            fail("train.batch_size", f"lists {len(t.batch_size)} per-rank sizes but there are {world} ranks")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in t.batch_size):
+            fail("train.batch_size", f"must hold positive integers, got {t.batch_size}")
+    elif t.batch_size < 1:
+        fail("train.batch_size", f"must be >= 1, got {t.batch_size}")
+    if t.precision == "fp16" and d.strategy == "dp" and not on_gpu:
+        fail("train.precision", "fp16 with dp needs GPUs")
+    if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
+            os.path.join(cfg.output_dir, "checkpoints")):
+        fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+    for split in cfg.test.splits:
+        if split not in ("train", "dev", "test"):
+            fail("test.splits", f"must list train/dev/test, got {split!r}")
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def procs_per_node_list(cfg: Config) -> list[int]:
+    """Processes on each node, resolving the None default to the local GPU count (1 without GPUs)."""
+    d = cfg.dist
+    if isinstance(d.procs_per_node, list):
+        return list(d.procs_per_node)
+    if d.procs_per_node is not None:
+        return [d.procs_per_node] * d.nodes
+    if d.strategy in ("none", "dp"):
+        return [1] * d.nodes
+    import torch
+    use_gpu = d.device != "cpu" and torch.cuda.is_available()
+    return [max(1, torch.cuda.device_count()) if use_gpu else 1] * d.nodes
+
+
+def world_size(cfg: Config) -> int:
+    """Number of ranks: from torchrun/SLURM when they launched us, else from dist.nodes/procs_per_node."""
+    from distributed import launcher_env
+    env = launcher_env()
+    return env["world_size"] if env else sum(procs_per_node_list(cfg))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

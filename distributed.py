@@ -1,0 +1,104 @@
+"""Who am I among the processes, and how do we talk. Works under our own spawn, torchrun and SLURM.
+
+Rank layout: node k runs procs_per_node[k] processes; global rank = sum(procs_per_node[:k]) + local rank.
+Nodes may run different numbers of processes (a borrowed mix of lab machines).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: Optional[str]  # None: no process group (strategies none and dp)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def launcher_env() -> Optional[dict]:
+    """Rank information set by an external launcher: torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or SLURM's srun
+    (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID). None when main.py should start the processes itself."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
+        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+                "local_rank": int(env["LOCAL_RANK"]), "launcher": "torchrun", "rendezvous": "env://"}
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1 \
+            and "SLURM_STEP_ID" in env:  # inside `srun`, one task per process (not a bare sbatch script)
+        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+                "local_rank": int(env.get("SLURM_LOCALID", 0)), "launcher": "slurm", "rendezvous": None}
+    return None
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[str] = None) -> DistContext:
+    """Join the process group (strategies that need one) and return this process's context."""
+    d = cfg.dist
+    device = pick_device(d.device, local_rank)
+    if d.strategy in ("none", "dp"):
+        return DistContext(0, 1, 0, device, None)
+    backend = d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if rendezvous is None:
+        if d.init_method.startswith("file://"):
+            rendezvous = d.init_method
+        else:
+            rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=d.timeout_s))
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- small collectives; all of them are no-ops in a single process ---------------------------------------------
+def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_objects(ctx: DistContext, obj: Any) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(ctx: DistContext, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()

@@ -1,0 +1,12 @@
+"""Task registry: name -> "module:Class". Imported lazily, so the image task never imports transformers."""
+import importlib
+
+# -----> register a new task here (and write it as a subclass of tasks.base.Task).
+TASKS = {
+    "image": "tasks.image:ImageTask",
+}
+
+
+def build_task(cfg):
+    module, cls = TASKS[cfg.task].split(":")
+    return getattr(importlib.import_module(module), cls)(cfg)

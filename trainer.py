@@ -1,0 +1,451 @@
+"""The Trainer: train / eval / checkpoint / test, for any Task under any strategy.
+
+Read `train()` first: it is the whole loop. Everything else is a helper it calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+import checkpoint
+import distributed as D
+from config import Config, CheckpointError, dump_yaml
+from data_loader import GlobalBatchSampler, eval_batches, make_loader
+from strategies import STRATEGIES
+from tasks.base import Task
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that a checkpoint must restore (besides model, optimizer, scheduler, RNG)."""
+    step: int = 0             # optimizer steps done
+    epoch: int = 0            # current epoch
+    batch_in_epoch: int = 0   # micro-batches of the current epoch already consumed
+    best_value: Optional[float] = None
+    best_step: Optional[int] = None
+    evals_without_improvement: int = 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
+        self.cfg, self.task, self.ctx, self.t = cfg, task, ctx, cfg.train
+        self.log = setup_logging(cfg.output_dir, ctx.rank)
+        self.datasets = task.build_datasets()
+
+        # Same seed on every rank, so every replica (or shard) starts from the same parameters.
+        seed_everything(cfg.seed)
+        model = task.build_model().to(ctx.device)
+        self.par = STRATEGIES[cfg.dist.strategy](model, cfg, ctx)
+        # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should).
+        seed_everything(cfg.seed + ctx.rank)
+
+        train_set = self.datasets["train"]
+        self.batch_sizes = self.per_rank_batch_sizes()
+        self.sampler = GlobalBatchSampler(
+            len(train_set), self.batch_sizes, ctx.rank, cfg.seed,
+            shard_sizes=getattr(train_set, "shard_sizes", None),
+            lengths=task.lengths(train_set) if cfg.data.group_by_length else None)
+        self.total_steps = self.count_total_steps()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.par.optimizer, lr_lambda(
+            self.total_steps, self.t.warmup, self.t.schedule))
+        self.state = TrainState()
+        self.best_mode = self.t.best_mode if self.t.best_mode != "auto" else (
+            "min" if any(k in self.t.best_metric for k in ("loss", "perplexity")) else "max")
+        on_gpu = ctx.device.type == "cuda"
+        self.pin = on_gpu
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.t.precision)
+        self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+        self.tb = None
+
+    # ================================================================================================
+    # The loop
+    # ================================================================================================
+    def train(self) -> dict:
+        cfg, t, state = self.cfg, self.t, self.state
+        self.resume()
+        self.start_logging()
+        stream = self.micro_batches()
+        metrics, saved_at, evaluated_at = {}, None, None
+        window = Window(self.ctx)
+        bar = self.progress_bar()
+        while state.step < self.total_steps:
+            # -----> one optimizer step; change what happens per step in train_step().
+            batches = [next(stream) for _ in range(t.grad_accum_steps)]
+            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == self.total_steps
+            loss_sum, count, grad_norm = self.train_step(batches, need_norm=log_now)
+            state.step += 1
+            window.add(loss_sum, count, sum(len(b[next(iter(b))]) for b in batches))
+            if log_now:  # the only place the host waits for the device during training
+                self.log_train(window.flush(), grad_norm, bar)
+
+            last = state.step == self.total_steps
+            improved = stop = False
+            if (t.eval_every and state.step % t.eval_every == 0) or last:
+                metrics = self.evaluate("dev")
+                evaluated_at = state.step
+                improved, stop = self.track_best(metrics)
+            if (t.save_every and state.step % t.save_every == 0) or last or improved or stop:
+                self.save_checkpoint(metrics if evaluated_at == state.step else {})
+                saved_at = state.step
+            if stop:
+                self.log.info(f"early stopping at step {state.step}: no improvement of {t.best_metric} "
+                              f"in {t.patience} evaluations")
+                break
+        if bar is not None:
+            bar.close()
+        if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
+            self.save_checkpoint(metrics if evaluated_at == state.step else {})
+        self.close()
+        return metrics
+
+    def train_step(self, batches: list[dict], need_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over `batches` (the accumulation micro-batches of this rank)."""
+        par, ctx = self.par, self.ctx
+        # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
+        # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
+        # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
+        # all-reduce of one number is queued without making the host wait.
+        count = D.all_reduce_sum(ctx, torch.tensor(float(sum(self.task.count(b) for b in batches)),
+                                                   device=ctx.device))
+        scale = ctx.world_size / count
+        loss_total = torch.zeros((), device=ctx.device)
+        for i, batch in enumerate(batches):
+            batch = self.to_device(batch)
+            sync = contextlib.nullcontext() if i == len(batches) - 1 else par.no_sync()
+            with sync:  # gradients are synchronised on the last micro-batch only
+                with self.autocast():
+                    loss_sum = self.task.loss_sum(par.model, batch)
+                loss = loss_sum.float() * scale
+                (par.scaler.scale(loss) if par.scaler else loss).backward()
+            loss_total += loss_sum.detach().float()
+        if par.scaler:
+            par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
+        grad_norm = None
+        if self.t.clip_grad_norm > 0 or need_norm:
+            grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)
+        if par.scaler:
+            par.scaler.step(par.optimizer)  # skips the step if fp16 gradients overflowed
+            par.scaler.update()
+        else:
+            par.optimizer.step()
+        par.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_total, count, grad_norm
+
+    # ================================================================================================
+    # Evaluation
+    # ================================================================================================
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict:
+        """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice."""
+        ctx, dataset = self.ctx, self.datasets.get(split)
+        if dataset is None:
+            return {}
+        # Replicated strategies evaluate the plain module; sharded ones must go through the wrapper, and then
+        # every rank runs the same number of forward passes (extra ones on a dummy batch, results dropped).
+        model = self.par.model if self.par.eval_lockstep else self.par.raw_model
+        was_training = model.training
+        model.eval()
+        batches = eval_batches(len(dataset), ctx.rank, ctx.world_size, self.t.eval_batch_size)
+        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
+        sums, arrays = {}, {}
+        for batch in loader:
+            with self.autocast():
+                out = self.task.eval_batch(model, self.to_device(batch))
+            for k, v in out.items():
+                if v.dim() == 0:
+                    sums[k] = sums.get(k, 0) + v.double()
+                else:
+                    arrays.setdefault(k, []).append(v)
+        if self.par.eval_lockstep:
+            most = len(eval_batches(len(dataset), 0, ctx.world_size, self.t.eval_batch_size))
+            dummy = self.to_device(self.task.collate([dataset[0]]))
+            for _ in range(most - len(batches)):
+                with self.autocast():
+                    self.task.eval_batch(model, dummy)
+        local = {k: v.item() for k, v in sums.items()}
+        local.update({k: torch.cat(v).cpu().numpy() for k, v in arrays.items()})
+        totals = {}
+        for part in D.gather_objects(ctx, local):  # in rank order = dataset order
+            for k, v in part.items():
+                if isinstance(v, np.ndarray):
+                    totals[k] = np.concatenate([totals[k], v]) if k in totals else v
+                else:
+                    totals[k] = totals.get(k, 0.0) + v
+        model.train(was_training)
+        metrics = self.task.metrics(totals)
+        if ctx.is_main:
+            self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if self.tb:
+                for k, v in metrics.items():
+                    self.tb.add_scalar(f"{split}/{k}", v, self.state.step)
+        return metrics
+
+    def track_best(self, metrics: dict) -> tuple[bool, bool]:
+        """Update the best dev value; return (improved, should_stop)."""
+        s, t = self.state, self.t
+        if t.best_metric not in metrics:
+            raise CheckpointError(f"train.best_metric: {t.best_metric!r} is not among the dev metrics "
+                                  f"({', '.join(metrics)})")
+        value = metrics[t.best_metric]
+        better = s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
+        if better:
+            s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
+        else:
+            s.evals_without_improvement += 1
+        return better, bool(t.patience) and s.evals_without_improvement >= t.patience
+
+    # ================================================================================================
+    # Test mode: evaluate one checkpoint on dev and test, in one process
+    # ================================================================================================
+    def test(self) -> dict:
+        cfg = self.cfg
+        path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
+        if path is None:
+            raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
+        self.par.raw_model.load_state_dict(checkpoint.model_state_dict(path))
+        self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
+        self.log.info(f"testing {path}")
+        results = {}
+        for split in cfg.test.splits:
+            if self.datasets.get(split) is None:
+                self.log.info(f"no {split} split for this dataset: skipped")
+                continue
+            results[split] = self.evaluate(split)
+            if self.ctx.is_main:
+                with open(os.path.join(cfg.output_dir, f"{split}_results.json"), "w") as f:
+                    json.dump({"checkpoint": os.path.abspath(path), "split": split, "metrics": results[split]},
+                              f, indent=2)
+        return results
+
+    # ================================================================================================
+    # Checkpoints
+    # ================================================================================================
+    def save_checkpoint(self, metrics: dict) -> None:
+        rng = D.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
+
+        def write_files(directory: str) -> None:
+            self.par.save(directory)
+            if self.ctx.is_main:
+                torch.save({"scheduler": self.scheduler.state_dict(),
+                            "scaler": self.par.scaler.state_dict() if self.par.scaler else None,
+                            "rng": rng}, os.path.join(directory, "state.pt"))
+
+        meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
+                "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
+                "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict()}
+        path = checkpoint.write(self.cfg.output_dir, self.state.step, self.ctx, write_files, meta)
+        if self.ctx.is_main:
+            checkpoint.prune(self.cfg.output_dir, self.t.keep_last, keep={self.state.best_step})
+            self.log.info(f"saved {path}")
+
+    def resume(self) -> None:
+        r = self.t.resume
+        path = checkpoint.latest(self.cfg.output_dir) if r == "auto" else (r or None)
+        if path is None:
+            return
+        if not checkpoint.is_complete(path):
+            raise CheckpointError(f"train.resume: {path} is not a complete checkpoint directory (step-N/meta.json)")
+        meta = checkpoint.read_meta(path)
+        if meta.get("strategy") != self.cfg.dist.strategy and "sharded" in (meta.get("format") or ""):
+            raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')}, cannot resume under "
+                                  f"{self.cfg.dist.strategy}")
+        self.par.load(path)
+        extra = checkpoint.load_file(path, "state.pt")
+        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.par.scaler and extra["scaler"]:
+            self.par.scaler.load_state_dict(extra["scaler"])
+        self.state = TrainState(**meta["state"])
+        if meta.get("batch_sizes") != self.batch_sizes:
+            self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of {meta.get('batch_sizes')}"
+                             ": the data order of the current epoch changes")
+        if len(extra["rng"]) == self.ctx.world_size:
+            set_rng_state(extra["rng"][self.ctx.rank])
+        self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
+                      f"batch {self.state.batch_in_epoch})")
+
+    # ================================================================================================
+    # Data
+    # ================================================================================================
+    def micro_batches(self) -> Iterator[dict]:
+        """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
+        The state is updated as batches are handed out, so a checkpoint records the exact position."""
+        s = self.state
+        while True:
+            batches = self.sampler.batches(s.epoch, start=s.batch_in_epoch)
+            loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
+                                 self.pin, self.cfg.seed + s.epoch)
+            for batch in loader:
+                s.batch_in_epoch += 1
+                yield batch
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.ctx.device, non_blocking=self.pin) for k, v in batch.items()}
+
+    def per_rank_batch_sizes(self) -> list[int]:
+        b = self.t.batch_size
+        return list(b) if isinstance(b, list) else [b] * self.ctx.world_size
+
+    def count_total_steps(self) -> int:
+        per_epoch = self.sampler.batches_per_epoch() / self.t.grad_accum_steps
+        from_epochs = math.ceil(self.t.epochs * per_epoch) if self.t.epochs else None
+        return min(s for s in (self.t.max_steps or None, from_epochs) if s is not None)
+
+    # ================================================================================================
+    # Logging
+    # ================================================================================================
+    def start_logging(self) -> None:
+        if not self.ctx.is_main:
+            return
+        cfg, ctx = self.cfg, self.ctx
+        with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:
+            f.write(dump_yaml(cfg))
+        if cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+        self.log.info(self.plan())
+
+    def plan(self) -> str:
+        cfg, ctx, t = self.cfg, self.ctx, self.t
+        from config import procs_per_node_list
+        from distributed import launcher_env
+        env = launcher_env()
+        per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
+        return "\n".join([
+            "plan:",
+            f"  task {cfg.task} ({cfg.data.dataset}), {len(self.datasets['train'])} training samples",
+            f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
+            f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {t.precision}",
+            f"  batch per rank {self.batch_sizes} x {t.grad_accum_steps} accumulation, "
+            f"global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
+            f"  {self.total_steps} optimizer steps ({self.sampler.batches_per_epoch()} micro-batches per epoch), "
+            f"starting at step {self.state.step}",
+            f"  output {os.path.abspath(cfg.output_dir)}",
+        ])
+
+    def progress_bar(self):
+        if not (self.ctx.is_main and self.cfg.log.progress_bar and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.total_steps, initial=self.state.step, dynamic_ncols=True)
+
+    def log_train(self, w: dict, grad_norm: Optional[torch.Tensor], bar) -> None:
+        if not self.ctx.is_main:
+            return
+        lr = self.scheduler.get_last_lr()[0]
+        stats = {"loss": w["loss"], "lr": lr, "samples_per_s": w["samples_per_s"]}
+        if grad_norm is not None:
+            stats["grad_norm"] = float(grad_norm)
+        if bar is not None:
+            bar.n = self.state.step
+            bar.set_postfix(loss=f"{w['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{w['samples_per_s']:.0f}")
+        else:
+            self.log.info(f"step {self.state.step}/{self.total_steps} " +
+                          " ".join(f"{k}={v:.4g}" for k, v in stats.items()))
+        if self.tb:
+            for k, v in stats.items():
+                self.tb.add_scalar(f"train/{k}", v, self.state.step)
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()
+
+
+class Window:
+    """Loss and throughput since the last log line. Adds device tensors without waiting for them."""
+
+    def __init__(self, ctx: D.DistContext):
+        self.ctx = ctx
+        self.reset()
+
+    def reset(self):
+        self.loss = torch.zeros((), device=self.ctx.device)
+        self.count = torch.zeros((), device=self.ctx.device)
+        self.samples, self.start = 0, time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int):
+        self.loss += loss_sum
+        self.count += count  # already summed over ranks; loss_sum is this rank's own
+        self.samples += samples
+
+    def flush(self) -> dict:
+        loss = D.all_reduce_sum(self.ctx, self.loss.clone())
+        samples = D.all_reduce_sum(self.ctx, torch.tensor(float(self.samples), device=self.ctx.device))
+        out = {"loss": (loss / self.count).item(),
+               "samples_per_s": samples.item() / max(time.perf_counter() - self.start, 1e-9)}
+        self.reset()
+        return out
+
+
+def lr_lambda(total: int, warmup: float, schedule: str):
+    warm = int(warmup) if warmup >= 1 else round(warmup * total)
+
+    def factor(step: int) -> float:  # step = optimizer steps done so far
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return factor
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _numpy_state():
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def setup_logging(output_dir: str, rank: int) -> logging.Logger:
+    """Every rank logs to output_dir/logs/rank{N}.log; rank 0 also to the console."""
+    os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
+    log = logging.getLogger(f"trainer.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"))
+    fh.setFormatter(fmt)
+    log.addHandler(fh)
+    if rank == 0:
+        sh = logging.StreamHandler(sys.stdout)
+        sh.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(sh)
+    return log
