@@ -4,6 +4,7 @@ A checkpoint is written into a hidden temporary directory and renamed to `step-N
 there, with `meta.json` written last. So a crash (or a full disk) during a save leaves the previous checkpoints
 untouched, and resume only ever sees complete ones. Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies.Parallel.save); model.pt is a plain state dict
+    model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
 """
@@ -120,4 +121,20 @@ def model_state_dict(path: str) -> dict:
     """A plain `{name: tensor}` state dict from any checkpoint, whatever strategy wrote it."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.exists(os.path.join(path, "model.pt")) and os.path.isdir(os.path.join(path, "model_dcp")):
+        return dcp_model_state_dict(os.path.join(path, "model_dcp"))
     return load_file(path, "model.pt")
+
+
+def dcp_model_state_dict(dcp_dir: str) -> dict:
+    """Assemble the shards of a torch.distributed.checkpoint folder (fsdp) into one plain state dict, in this
+    process, without a process group: its keys are the plain model's parameter names."""
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            dcp_to_torch_save(dcp_dir, os.path.join(tmp, "model.pt"))
+        except Exception as e:  # missing shard files, truncated metadata, ...
+            raise CheckpointError(f"{dcp_dir}: cannot be read as a sharded checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        return load_file(tmp, "model.pt")

@@ -53,6 +53,10 @@ class DataConfig:
     """Text tasks: sequences are truncated to this many tokens (block size for language modelling)."""
     group_by_length: bool = False
     """Text tasks: batch samples of similar length together (less padding), still shuffled between batches."""
+    train_files: Optional[str] = None
+    """bert_pretrain: glob of the training HDF5 shards. None: `<data_dir>/training/*.hdf5` (NVIDIA's layout)."""
+    dev_files: Optional[str] = None
+    """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout)."""
 
 
 @dataclass
@@ -71,8 +75,16 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: Union[int, list] = 32
-    """Samples per optimizer micro-step on each process (per rank). The global batch is the sum over ranks."""
+    batch_size: Union[int, list, str] = 32
+    """Samples per optimizer micro-step on each process (per rank). The global batch is the sum over ranks.
+    A list gives one size per rank (uneven machines). `auto`: split `global_batch_size` over the ranks in
+    proportion to their speed, measured before training (see docs/heterogeneous.md)."""
+    global_batch_size: Optional[int] = None
+    """With batch_size auto: the samples of one micro-step summed over all ranks (it stays fixed; only the split
+    between ranks follows their speed). Required with auto, unused otherwise."""
+    balance_steps: int = 5
+    """With batch_size auto: timed forward+backward passes per rank used to measure its speed (the model is
+    left unchanged)."""
     eval_batch_size: int = 256
     """Samples per forward pass during evaluation, per rank."""
     max_steps: int = 0
@@ -116,9 +128,20 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    strategy: Literal["none", "dp", "ddp"] = "none"
+    strategy: Literal["none", "dp", "ddp", "oss", "fsdp"] = "none"
     """How the model is spread over devices: `none` (one process), `dp` (DataParallel, one process, all GPUs),
-    `ddp` (DistributedDataParallel, one process per device)."""
+    `ddp` (DistributedDataParallel, one process per device), `oss` (ddp with the optimizer state sharded over
+    ranks, ZeRO-1/2) or `fsdp` (parameters, gradients and optimizer state sharded, ZeRO-3). See docs/sharded.md."""
+    shard_grads: bool = False
+    """oss (fairscale): also shard gradients with fairscale's ShardedDataParallel (ZeRO-2): each gradient is
+    reduced to the rank that owns its optimizer state, and freed on the others."""
+    oss_impl: Literal["fairscale", "torch"] = "fairscale"
+    """oss: `fairscale` (fairscale.optim.OSS) or `torch` (torch.distributed.optim.ZeroRedundancyOptimizer)."""
+    fsdp_impl: Literal["torch", "fairscale"] = "torch"
+    """fsdp: `torch` (PyTorch's fully_shard, FSDP2) or `fairscale` (fairscale's FullyShardedDataParallel, CUDA only)."""
+    reshard_after_forward: bool = True
+    """fsdp: free each unit's gathered parameters after its forward and gather them again for backward (less
+    memory, one more all-gather per unit). false: keep them until backward."""
     nodes: int = 1
     """Number of machines taking part. Run the same command on each, with its own node_rank."""
     procs_per_node: Union[None, int, list] = None
@@ -138,6 +161,9 @@ class DistConfig:
     """Where to compute. auto: cuda when available, else cpu."""
     timeout_s: int = 1800
     """Seconds a collective may wait for the other ranks before the run fails (a hung node surfaces as an error)."""
+    simulate_slowdown: Optional[list] = None
+    """Testing heterogeneous clusters on one machine: one factor >= 1 per rank; rank r's forward+backward is made
+    that many times slower (by sleeping). None: no slowdown."""
 
 
 @dataclass
@@ -253,11 +279,20 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
     for key, value in values.items():
         if key not in names:
             valid = names + list(extra_valid)
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f" (did you mean `{prefix}{close[0]}`?)" if close else f" (valid keys: {', '.join(valid)})"
+            close = closest(str(key), valid)
+            hint = f" (did you mean `{prefix}{close}`?)" if close else f" (valid keys: {', '.join(valid)})"
             raise ConfigError(f"{source}: unknown key `{prefix}{key}`{hint}")
         kwargs[key] = _check_type(value, hints[key], f"{prefix}{key}", source)
     return cls(**kwargs)
+
+
+def closest(key: str, valid: list[str]):
+    """The valid key the user most likely meant: a near spelling, else one that the key starts with."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    starts = [v for v in valid if key.startswith(v) or v.startswith(key)]
+    return max(starts, key=len) if starts else None
 
 
 def _check_type(value: Any, hint, key: str, source: str):
@@ -282,6 +317,11 @@ def _check_type(value: Any, hint, key: str, source: str):
         return value
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if hint in (str, bool, list) and isinstance(value, hint):
@@ -303,9 +343,9 @@ def validate(cfg: Config, source: str) -> None:
 
     from tasks import TASKS  # here, not at the top: tasks import torch, and config errors should be instant
     if cfg.task not in TASKS:
-        close = difflib.get_close_matches(cfg.task, list(TASKS), n=1)
+        close = closest(cfg.task, list(TASKS))
         fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
-             + (f"; did you mean {close[0]!r}?" if close else ""))
+             + (f"; did you mean {close!r}?" if close else ""))
     t, d = cfg.train, cfg.dist
     if t.lr <= 0:
         fail("train.lr", f"must be > 0, got {t.lr}")
@@ -368,10 +408,35 @@ def validate(cfg: Config, source: str) -> None:
             fail("train.batch_size", f"lists {len(t.batch_size)} per-rank sizes but there are {world} ranks")
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in t.batch_size):
             fail("train.batch_size", f"must hold positive integers, got {t.batch_size}")
+    elif isinstance(t.batch_size, str):
+        if t.batch_size != "auto":
+            fail("train.batch_size", f"must be a positive integer, a list per rank, or auto, got {t.batch_size!r}")
+        if t.global_batch_size is None:
+            fail("train.global_batch_size", "must be set when train.batch_size is auto (the total over ranks)")
+        if t.global_batch_size < world:
+            fail("train.global_batch_size", f"must be >= the number of ranks ({world}), got {t.global_batch_size}")
+        if t.balance_steps < 1:
+            fail("train.balance_steps", f"must be >= 1, got {t.balance_steps}")
     elif t.batch_size < 1:
         fail("train.batch_size", f"must be >= 1, got {t.batch_size}")
+    if t.global_batch_size is not None and t.batch_size != "auto":
+        fail("train.global_batch_size", "is only used with train.batch_size: auto (else the global batch is the "
+                                        "sum of the per-rank sizes)")
+    slow = d.simulate_slowdown
+    if slow is not None:
+        if len(slow) != world:
+            fail("dist.simulate_slowdown", f"lists {len(slow)} factors but there are {world} ranks")
+        if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1 for f in slow):
+            fail("dist.simulate_slowdown", f"must hold numbers >= 1 (1 = full speed), got {slow}")
     if t.precision == "fp16" and d.strategy == "dp" and not on_gpu:
         fail("train.precision", "fp16 with dp needs GPUs")
+    # Sharded strategies. World size 1 is allowed: nothing is saved, but it runs, and it is how a sharded
+    # checkpoint is resumed on one process.
+    if d.shard_grads and (d.strategy != "oss" or d.oss_impl != "fairscale"):
+        fail("dist.shard_grads", "needs dist.strategy: oss with dist.oss_impl: fairscale (PyTorch's "
+                                 "ZeroRedundancyOptimizer shards optimizer state only; use fsdp to shard more)")
+    if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and not on_gpu:
+        fail("dist.fsdp_impl", "is fairscale, whose FullyShardedDataParallel needs CUDA; use fsdp_impl: torch on CPU")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")

@@ -18,10 +18,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+import balance
 import checkpoint
 import distributed as D
 from config import Config, CheckpointError, dump_yaml
-from data_loader import GlobalBatchSampler, eval_batches, make_loader
+from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from strategies import STRATEGIES
 from tasks.base import Task
 
@@ -73,6 +74,7 @@ class Trainer:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.t.precision)
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.tb = None
+        self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
 
     # ================================================================================================
     # The loop
@@ -80,6 +82,7 @@ class Trainer:
     def train(self) -> dict:
         cfg, t, state = self.cfg, self.t, self.state
         self.resume()
+        self.balance_batches()
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
@@ -129,7 +132,7 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = self.to_device(batch)
             sync = contextlib.nullcontext() if i == len(batches) - 1 else par.no_sync()
-            with sync:  # gradients are synchronised on the last micro-batch only
+            with sync, balance.slowdown(self.cfg, ctx):  # gradients are synchronised on the last micro-batch only
                 with self.autocast():
                     loss_sum = self.task.loss_sum(par.model, batch)
                 loss = loss_sum.float() * scale
@@ -250,6 +253,7 @@ class Trainer:
 
         meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
+                "format": self.par.checkpoint_format,
                 "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict()}
         path = checkpoint.write(self.cfg.output_dir, self.state.step, self.ctx, write_files, meta)
         if self.ctx.is_main:
@@ -264,16 +268,18 @@ class Trainer:
         if not checkpoint.is_complete(path):
             raise CheckpointError(f"train.resume: {path} is not a complete checkpoint directory (step-N/meta.json)")
         meta = checkpoint.read_meta(path)
-        if meta.get("strategy") != self.cfg.dist.strategy and "sharded" in (meta.get("format") or ""):
-            raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')}, cannot resume under "
-                                  f"{self.cfg.dist.strategy}")
+        saved = meta.get("format") or "full"
+        if saved != self.par.checkpoint_format and "sharded" in saved + self.par.checkpoint_format:
+            raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, cannot "
+                                  f"resume under {self.cfg.dist.strategy} (format {self.par.checkpoint_format})")
         self.par.load(path)
         extra = checkpoint.load_file(path, "state.pt")
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.par.scaler and extra["scaler"]:
             self.par.scaler.load_state_dict(extra["scaler"])
         self.state = TrainState(**meta["state"])
-        if meta.get("batch_sizes") != self.batch_sizes:
+        self.resumed_batch_sizes = meta.get("batch_sizes")
+        if self.t.batch_size != "auto" and meta.get("batch_sizes") != self.batch_sizes:
             self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of {meta.get('batch_sizes')}"
                              ": the data order of the current epoch changes")
         if len(extra["rng"]) == self.ctx.world_size:
@@ -302,7 +308,19 @@ class Trainer:
 
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.t.batch_size
+        if b == "auto":  # an equal split until balance_batches() has measured the ranks
+            return split_proportional(self.t.global_batch_size, [1] * self.ctx.world_size, minimum=1)
         return list(b) if isinstance(b, list) else [b] * self.ctx.world_size
+
+    def balance_batches(self) -> None:
+        """batch_size auto: split the global batch by measured rank speed (after a resume: the split the
+        checkpoint used, so the epoch continues in the same order). The global batch, hence the number of
+        batches per epoch and of steps, stays as it is; only the sampler is rebuilt."""
+        if self.t.batch_size != "auto":
+            return
+        self.batch_sizes, self.balance_note = balance.auto_batch_sizes(self, self.resumed_batch_sizes)
+        s = self.sampler
+        self.sampler = GlobalBatchSampler(s.n, self.batch_sizes, s.rank, s.seed, s.shard_sizes, s.lengths)
 
     def count_total_steps(self) -> int:
         per_epoch = self.sampler.batches_per_epoch() / self.t.grad_accum_steps
@@ -336,6 +354,7 @@ class Trainer:
             f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {t.precision}",
             f"  batch per rank {self.batch_sizes} x {t.grad_accum_steps} accumulation, "
             f"global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
+            *([f"  {self.balance_note}"] if self.balance_note else []),
             f"  {self.total_steps} optimizer steps ({self.sampler.batches_per_epoch()} micro-batches per epoch), "
             f"starting at step {self.state.step}",
             f"  output {os.path.abspath(cfg.output_dir)}",

@@ -4,6 +4,9 @@ import importlib
 # -----> register a new task here (and write it as a subclass of tasks.base.Task).
 TASKS = {
     "image": "tasks.image:ImageTask",
+    "sst2": "tasks.sst2:SST2Task",
+    "bert_pretrain": "tasks.bert_pretrain:BertPretrainTask",
+    "gpt2_lm": "tasks.gpt2_lm:GPT2LMTask",
 }
 
 

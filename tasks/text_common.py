@@ -1,0 +1,89 @@
+"""Helpers the text tasks share: where the tokenizer comes from, and rank-0-first file writing.
+
+A tokenizer is either loaded from `model.pretrained_dir` (the checkpoint's own), or, for randomly initialised
+models, trained once on the training texts and saved to `<output_dir>/tokenizer`. Later runs on the same
+output_dir (resume, `mode: test`, generate.py) load that folder, so ids never change under a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+from config import DataError
+
+# -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
+TRAINED_VOCAB_SIZE = 8000
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def note(message: str) -> None:
+    """A message for the user, printed once (by rank 0)."""
+    if is_main_process():
+        print(message, flush=True)
+
+
+def main_first(make: Callable[[], None]) -> None:
+    """Run `make` on rank 0 while the other ranks wait, so a file is written once and then read by everyone."""
+    if is_main_process():
+        make()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def tokenizer_dir(cfg) -> str:
+    return os.path.join(cfg.output_dir, "tokenizer")
+
+
+def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], kind: str):
+    """The tokenizer of this run: pretrained_dir's, else output_dir/tokenizer, else train one (`kind`: `bpe`
+    byte-level BPE with BART's special tokens, `gpt2` byte-level BPE with <|endoftext|>) and save it there."""
+    from transformers import AutoTokenizer
+    if cfg.model.pretrained_dir:
+        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
+    folder = tokenizer_dir(cfg)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        if texts is None or cfg.mode == "test":
+            raise DataError(f"{folder}: no tokenizer saved there; train first (it is written by the training run) "
+                            "or set model.pretrained_dir")
+        main_first(lambda: train_tokenizer(texts(), kind).save_pretrained(folder))
+    # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
+    # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def train_tokenizer(texts: Iterable[str], kind: str):
+    """A byte-level BPE trained on `texts` (no unknown tokens: every byte has an id), wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    if kind == "gpt2":
+        specials = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                    "pad_token": "<|endoftext|>"}
+        special_list = ["<|endoftext|>"]
+    else:  # BART's ids: <s>=0, <pad>=1, </s>=2, <unk>=3, as BartConfig's defaults expect
+        specials = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+                    "mask_token": "<mask>"}
+        special_list = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB_SIZE, special_tokens=special_list,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    if kind != "gpt2":  # sequence classification with BART reads the final </s>: wrap every text as <s> ... </s>
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+            special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024, **specials)
+
+
+def check_pretrained_dir(path: str) -> str:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise DataError(f"model.pretrained_dir: {path}/config.json not found. Download a checkpoint with "
+                        f"`python scripts/download_pretrained.py MODEL_ID {path}` (needs network), point it at "
+                        "another Hugging Face folder, or set it to null for a random model")
+    return path

@@ -1,0 +1,73 @@
+"""Shared test helpers. Tests run on CPU; multi-process ones use gloo on localhost with a free port."""
+import os
+import socket
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(output_dir, **sections):
+    """A Config for tests: `make_config(tmp, train={"max_steps": 5}, dist={"strategy": "ddp"})`.
+    Defaults: no progress bar, no TensorBoard, a free port."""
+    from config import config_from_dict
+    raw = {"output_dir": str(output_dir), "log": {"progress_bar": False, "tensorboard": False}}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
+    raw.setdefault("dist", {}).setdefault("master_port", free_port())
+    return config_from_dict(raw, "test")
+
+
+def load_model_state(output_dir, step):
+    import torch
+    return torch.load(os.path.join(output_dir, "checkpoints", f"step-{step}", "model.pt"), weights_only=True)
+
+
+@pytest.fixture
+def shared_data():
+    if not os.path.isdir(SHARED):
+        pytest.skip("../shared/data is absent")
+    return SHARED
+
+
+def _train_rank(local_rank, cfg, world, out_dir):
+    """Spawned by run_ranks: one rank trains, then writes its own copy of the parameters."""
+    import torch
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    torch.set_num_threads(1)
+    ctx = D.init(cfg, local_rank, world, local_rank)
+    try:
+        trainer = Trainer(cfg, build_task(cfg), ctx)
+        trainer.train()
+        torch.save({k: v.detach().cpu() for k, v in trainer.par.raw_model.state_dict().items()},
+                   os.path.join(out_dir, f"rank{local_rank}.pt"))
+    finally:
+        D.shutdown(ctx)
+
+
+def run_ranks(cfg, world, out_dir):
+    """Train `cfg` with `world` local processes; return every rank's final parameters (a list of state dicts)."""
+    import torch
+    import torch.multiprocessing as mp
+    os.makedirs(out_dir, exist_ok=True)
+    mp.spawn(_train_rank, args=(cfg, world, str(out_dir)), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
