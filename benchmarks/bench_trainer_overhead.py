@@ -1,0 +1,105 @@
+"""Trainer overhead: the Trainer's step vs a minimal hand-written PyTorch loop, same model, data and batch.
+
+    python benchmarks/bench_trainer_overhead.py [--rounds 10 --steps 20 --batch 64]
+
+Both sides start from the same weights and read the same batches through a DataLoader. They run in alternating
+blocks (trainer, loop, trainer, loop, ...) so that drift of this shared machine hits both alike; the ratio of the
+median block times is printed. What the Trainer side runs per step is its loop body: the next micro-batch from its
+resumable stream, train_step (loss normalisation over the global batch, AdamW step, LR schedule) and the loss
+window; evaluation and checkpoints are not part of a step. Data: the real MNIST t10k images from ../shared/data
+when present (28x28), else scikit-learn digits upsampled to 28x28.
+"""
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import distributed as D  # noqa: E402
+from config import config_from_dict  # noqa: E402
+from data_loader import make_loader  # noqa: E402
+from tasks import build_task  # noqa: E402
+from tasks.image import TensorImages, load_mnist  # noqa: E402
+from trainer import Trainer, Window  # noqa: E402
+
+
+def images_28x28():
+    mnist = os.path.join(os.path.dirname(ROOT), "shared", "data", "mnist")
+    if os.path.isdir(mnist):
+        images, labels = load_mnist(mnist, "t10k", download=False)
+        return TensorImages(images / 255.0, labels, 0.1307, 0.3081), "MNIST t10k (real)"
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    up = torch.nn.functional.interpolate(torch.tensor(d.images, dtype=torch.float32)[:, None], size=28)[:, 0]
+    return TensorImages(up.numpy() / 16.0, d.target, 0.3, 0.4), "digits upsampled (MNIST absent)"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20, help="steps per block")
+    p.add_argument("--batch", type=int, default=64)
+    args = p.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    cfg = config_from_dict({"output_dir": "/tmp/bench_overhead", "train": {
+        "batch_size": args.batch, "max_steps": 10**6, "lr": 1e-3, "schedule": "cosine", "warmup": 0.0},
+        "log": {"progress_bar": False, "tensorboard": False}})
+    task = build_task(cfg)
+    dataset, data_name = images_28x28()
+    task.build_datasets = lambda: {"train": dataset, "dev": None, "test": None}  # same data for both sides
+    task.image_size = 28
+    trainer = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+    stream, window = trainer.micro_batches(), Window(trainer.ctx)
+
+    # The hand-written loop: plain model, AdamW, DataLoader over the same batches, nothing else.
+    model = copy.deepcopy(trainer.par.raw_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    order = [list(b) for b in np.array_split(np.random.default_rng(0).permutation(len(dataset)),
+                                              len(dataset) // args.batch)]
+    order = [b[:args.batch] for b in order if len(b) >= args.batch]
+
+    def loop_batches():
+        while True:
+            yield from make_loader(dataset, order, task.collate, 0, False, 0)
+    hand_stream = loop_batches()
+
+    def trainer_block():
+        for _ in range(args.steps):
+            batch = next(stream)
+            loss_sum, count, _ = trainer.train_step([batch], need_norm=False)
+            window.add(loss_sum, count, len(batch["labels"]))
+        window.flush()
+
+    def hand_block():
+        for _ in range(args.steps):
+            batch = next(hand_stream)
+            loss = F.cross_entropy(model(batch["images"]), batch["labels"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    trainer_block(), hand_block()  # warm-up
+    times = {"trainer": [], "hand": []}
+    for _ in range(args.rounds):
+        for name, block in (("trainer", trainer_block), ("hand", hand_block)):
+            start = time.perf_counter()
+            block()
+            times[name].append((time.perf_counter() - start) / args.steps)
+    t, h = statistics.median(times["trainer"]), statistics.median(times["hand"])
+    print(f"data: {data_name}, batch {args.batch}, {args.rounds} rounds x {args.steps} steps, "
+          f"{torch.get_num_threads()} threads")
+    print(f"median step: trainer {t * 1e3:.2f} ms, hand-written loop {h * 1e3:.2f} ms")
+    print(f"ratio trainer/hand: {t / h:.3f} (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()
