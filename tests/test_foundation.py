@@ -109,7 +109,7 @@ def test_loss_falls_and_accuracy_rises(tmp_path):
     import distributed as D
     from tasks import build_task
     from trainer import Trainer
-    cfg = make_config(tmp_path, train={"max_steps": 60, "eval_every": 0, "save_every": 0})
+    cfg = make_config(tmp_path, train={"max_steps": 80, "eval_every": 0, "save_every": 0, "lr": 3e-3})
     trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
     before = trainer.evaluate("dev")
     after = trainer.train()
@@ -216,7 +216,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
 
 
 def test_test_mode_on_a_ddp_checkpoint_in_one_process(tmp_path):
-    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2},
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, log={"tensorboard": True},
                       train={"max_steps": 30, "eval_every": 10, "save_every": 10, "batch_size": 16})
     assert main.run(cfg) == 0
     best = checkpoint.best(str(tmp_path))
@@ -230,6 +230,11 @@ def test_test_mode_on_a_ddp_checkpoint_in_one_process(tmp_path):
     assert dev["metrics"]["samples"] == trained["samples"] == 225
     assert dev["metrics"]["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-12)
     assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
+    # The notebook that inspects a run works on this one.
+    nb = json.load(open(os.path.join(ROOT, "notebooks", "inspect_run.ipynb")))
+    code = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "code")
+    code = code.replace("sys.path.insert(0, '..')", "").replace("'../runs/digits'", repr(str(tmp_path)))
+    exec(compile(code, "inspect_run.ipynb", "exec"), {})
 
 
 # ---------------------------------------------------------------------------------------------------------------
