@@ -1,0 +1,69 @@
+"""main.py runs unchanged under torchrun and under SLURM's srun (simulated by its environment variables), and
+dp in one process."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, free_port, load_model_state, make_config, max_diff
+
+import checkpoint
+import main
+
+ARGS = ["--set", "dist.strategy=ddp", "--set", "train.max_steps=6", "--set", "train.eval_every=0",
+        "--set", "train.batch_size=16", "--set", "model.dropout=0", "--set", "log.progress_bar=false",
+        "--set", "log.tensorboard=false"]
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def reference(tmp_path):
+    """The same 6 steps by our own spawn with 2 processes."""
+    cfg = make_config(tmp_path / "spawn", dist={"strategy": "ddp", "procs_per_node": 2}, model={"dropout": 0.0},
+                      train={"max_steps": 6, "eval_every": 0, "batch_size": 16})
+    assert main.run(cfg) == 0
+    return load_model_state(tmp_path / "spawn", 6)
+
+
+def test_torchrun(tmp_path):
+    out = tmp_path / "torchrun"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "main.py", "--params", "parameters.yml",
+                        "--set", f"output_dir={out}", *ARGS], cwd=ROOT, env=clean_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world size 2, ranks per node launched by torchrun" in r.stdout
+    assert os.path.isfile(out / "logs" / "rank1.log")
+    assert max_diff(load_model_state(out, 6), reference(tmp_path)) < 1e-6
+
+
+def test_slurm_environment(tmp_path):
+    out, port = tmp_path / "slurm", free_port()
+    procs = []
+    for rank in range(2):
+        env = clean_env()
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0",
+                   SLURM_JOB_ID="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "main.py", "--params", "parameters.yml", "--set", f"output_dir={out}",
+             "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}", *ARGS],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert "launched by slurm" in outputs[0][0]
+    assert max_diff(load_model_state(out, 6), reference(tmp_path)) < 1e-6
+
+
+def test_dp_runs_in_one_process(tmp_path):
+    """On CPU, DataParallel has no GPUs to scatter to and runs the module as is: same result as `none`."""
+    runs = {}
+    for strategy in ("dp", "none"):
+        cfg = make_config(tmp_path / strategy, dist={"strategy": strategy}, train={"max_steps": 5, "eval_every": 0})
+        assert main.run(cfg) == 0
+        runs[strategy] = load_model_state(tmp_path / strategy, 5)
+    assert max_diff(runs["dp"], runs["none"]) == 0.0
+    assert checkpoint.read_meta(checkpoint.latest(str(tmp_path / "dp")))["strategy"] == "dp"
