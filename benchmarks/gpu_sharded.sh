@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Sharded strategies on CUDA: the paths a CPU machine cannot run (fp16/bf16 with FSDP2, fairscale FSDP, fairscale
+# OSS + ShardedDataParallel over NCCL). Run from the repository root:  bash benchmarks/gpu_sharded.sh
+# One process per GPU; with a single GPU everything runs at world size 1 (NCCL cannot put two ranks on one GPU),
+# which still exercises mixed precision, loss scaling and the checkpoint formats, but not the sharding itself.
+set -euo pipefail
+NGPU=$(nvidia-smi -L | wc -l)
+OUT=${OUT:-/tmp/gpu_sharded}
+rm -rf "$OUT"
+COMMON="--params /dev/null --set log.progress_bar=false --set log.tensorboard=false --set dist.procs_per_node=$NGPU
+        --set train.max_steps=200 --set train.eval_every=100 --set train.save_every=100 --set model.dropout=0"
+echo "GPUs: $NGPU"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python -c "import torch, fairscale; print('torch', torch.__version__, 'fairscale', fairscale.__version__)"
+
+run() {  # run NAME SETTINGS...: train, then evaluate its best checkpoint in test mode (one process)
+  local name=$1; shift
+  echo "=== $name: $*"
+  python main.py $COMMON --set output_dir="$OUT/$name" "$@" 2>&1 | grep -E "step 200|dev:|error" | tail -3
+  python main.py --params /dev/null --set mode=test --set output_dir="$OUT/$name" 2>&1 | grep -E "test:|error"
+}
+
+# FSDP2 (fully_shard): bf16 (no scaler) and fp16 (ShardedGradScaler); reshard_after_forward both ways.
+run fsdp-bf16        --set dist.strategy=fsdp --set train.precision=bf16
+run fsdp-fp16        --set dist.strategy=fsdp --set train.precision=fp16
+run fsdp-bf16-keep   --set dist.strategy=fsdp --set train.precision=bf16 --set dist.reshard_after_forward=false
+run fsdp-fp16-accum  --set dist.strategy=fsdp --set train.precision=fp16 --set train.grad_accum_steps=4 \
+                     --set train.clip_grad_norm=1.0
+# fairscale FullyShardedDataParallel (CUDA only)
+run fsfsdp-fp16      --set dist.strategy=fsdp --set dist.fsdp_impl=fairscale --set train.precision=fp16
+run fsfsdp-bf16      --set dist.strategy=fsdp --set dist.fsdp_impl=fairscale --set train.precision=bf16
+run fsfsdp-fp32      --set dist.strategy=fsdp --set dist.fsdp_impl=fairscale --set train.clip_grad_norm=1.0
+# OSS over NCCL, fp16
+run oss-fp16         --set dist.strategy=oss --set train.precision=fp16
+run oss-grads-fp16   --set dist.strategy=oss --set dist.shard_grads=true --set train.precision=fp16
+run zero-torch-bf16  --set dist.strategy=oss --set dist.oss_impl=torch --set train.precision=bf16
+
+# Resume: continue fsdp-fp16 from step 100 to 200 in a new directory; compare with the uninterrupted run.
+python main.py $COMMON --set output_dir="$OUT/fsdp-fp16-resumed" --set dist.strategy=fsdp --set train.precision=fp16 \
+  --set train.resume="$OUT/fsdp-fp16/checkpoints/step-100" 2>&1 | grep -E "resumed|step 200|error"
+python - "$OUT" <<'PY'
+import sys; sys.path.insert(0, ".")
+import torch
+from checkpoint import model_state_dict
+out = sys.argv[1]
+a = model_state_dict(f"{out}/fsdp-fp16/checkpoints/step-200")
+b = model_state_dict(f"{out}/fsdp-fp16-resumed/checkpoints/step-200")
+print("fsdp fp16 resume: max |diff| =", max((a[k] - b[k]).abs().max().item() for k in a))
+PY
+
