@@ -11,13 +11,14 @@ gradient over the global batch, whatever the split.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 import distributed as D
+from config import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
 
 
@@ -27,59 +28,89 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def slowdown(cfg, ctx: D.DistContext):
-    """Context manager for one micro-batch's forward+backward. With dist.simulate_slowdown, it then sleeps
-    (factor - 1) x the time the block took, so this rank behaves like a device `factor` times slower.
-    On the micro-batch that syncs gradients the timed block also holds the wait for the other ranks; the slowed
-    rank is normally the last to arrive, so that wait is small."""
+def slowdown(cfg, ctx: D.DistContext, model: torch.nn.Module):
+    """Context manager for one micro-batch's forward+backward of `model`. With dist.simulate_slowdown, this rank
+    behaves like a device `factor` times slower: its gradients become ready `factor` times later."""
     factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
     if factor == 1.0:
-        return contextlib.nullcontext()  # the normal case: no timing, and no GPU synchronisation
-    return _sleep_after(factor, ctx.device)
+        return contextlib.nullcontext()  # the normal case: no timing, no hooks, no GPU synchronisation
+    return _stretched(factor, model, ctx.device)
 
 
 @contextlib.contextmanager
-def _sleep_after(factor: float, device: torch.device):
+def _stretched(factor: float, model: torch.nn.Module, device: torch.device):
+    # Each time backward has accumulated a parameter's gradient, wait until the time since the start of the block
+    # is `factor` x the compute in it. Waiting there, before DDP hands that gradient to the all-reduce, delays the
+    # other ranks exactly as a slow device would. Waiting after backward instead would stretch the rank's wait for
+    # the others' gradients too, and delay nobody until the next step.
     synchronize(device)
-    start = time.perf_counter()
-    yield
-    synchronize(device)
-    time.sleep((factor - 1.0) * (time.perf_counter() - start))
+    start, waited = time.perf_counter(), 0.0
+
+    def stretch(_param):
+        nonlocal waited
+        synchronize(device)
+        computed = time.perf_counter() - start - waited
+        end = start + factor * computed
+        # Busy-wait rather than sleep: on a CPU shared with other processes the OS scheduler favours a process
+        # that slept, so a sleeping rank would get more than its share of the CPU and look less slow than it is.
+        while time.perf_counter() < end:
+            pass
+        waited = (factor - 1.0) * computed
+
+    hooks = [p.register_post_accumulate_grad_hook(stretch) for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def measure_speed(trainer, batch_size: int, steps: int) -> float:
     """This rank's samples/s for forward+backward on real training batches of `batch_size`.
 
-    One untimed batch first (it pays for allocations and lazy initialisation), then the median of `steps` timed
-    ones (robust to a hiccup of a shared machine). The run must not notice: gradients stay local (no_sync) and
-    are dropped, there is no optimizer step, and buffers and the random state are restored afterwards.
+    One untimed batch first (it pays for allocations and lazy initialisation), then `steps` timed ones. The run
+    must not notice: gradients stay local (no_sync) and are dropped, there is no optimizer step, and buffers and
+    the random state are restored afterwards.
     """
     par, task, ctx, cfg = trainer.par, trainer.task, trainer.ctx, trainer.cfg
     dataset = trainer.datasets["train"]
-    sampler = GlobalBatchSampler(len(dataset), [batch_size] * ctx.world_size, ctx.rank, cfg.seed)
-    batches = sampler.batches(epoch=0)
+    batches = GlobalBatchSampler(len(dataset), [batch_size] * ctx.world_size, ctx.rank, cfg.seed).batches(0)
+    model = par.model
+
+    def forward_backward(i: int) -> float:
+        batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
+        synchronize(ctx.device)
+        start = time.perf_counter()
+        with slowdown(cfg, ctx, par.raw_model):
+            with trainer.autocast():
+                loss = task.loss_sum(model, batch)
+            loss.float().backward()
+        synchronize(ctx.device)
+        return time.perf_counter() - start
+
     buffers = [b.detach().clone() for b in par.raw_model.buffers()]  # e.g. batch-norm running statistics
-    model, times = par.model, []
     was_training = model.training
     model.train()
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), par.no_sync():
-        for i in range(steps + 1):
-            batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
-            synchronize(ctx.device)
-            start = time.perf_counter()
-            with slowdown(cfg, ctx):
-                with trainer.autocast():
-                    loss = task.loss_sum(model, batch)
-                loss.float().backward()
-            synchronize(ctx.device)
-            times.append(time.perf_counter() - start)
+        forward_backward(0)  # untimed
+        seconds = sum(forward_backward(i) for i in range(1, steps + 1))
+        # Stay busy (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
+        # rank that stopped early would hand its share to the others and make them look faster than they are
+        # in training, where all ranks compute at once.
+        if ctx.distributed:
+            work = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
+            i = steps
+            while not work.is_completed():
+                i += 1
+                forward_backward(i)
+            work.wait()
     par.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for b, saved in zip(par.raw_model.buffers(), buffers):
             b.copy_(saved)
     model.train(was_training)
-    return batch_size / statistics.median(times[1:])
+    return batch_size * steps / seconds
 
 
 def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
@@ -89,6 +120,10 @@ def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
     continues in exactly the same data order (re-measuring could give a different split).
     """
     t, ctx = trainer.t, trainer.ctx
+    if trainer.par.eval_lockstep:
+        raise ConfigError(f"`train.batch_size` is auto, which needs a replicated strategy such as ddp; under "
+                          f"{trainer.cfg.dist.strategy} every forward waits for all ranks, so no rank's own speed "
+                          "can be measured (give per-rank sizes as a list instead)")
     if stored is not None and len(stored) == ctx.world_size and sum(stored) == t.global_batch_size:
         return list(stored), f"batch_size auto: per-rank batches {stored} reused from the checkpoint"
     if ctx.world_size == 1:

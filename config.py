@@ -163,7 +163,7 @@ class DistConfig:
     """Seconds a collective may wait for the other ranks before the run fails (a hung node surfaces as an error)."""
     simulate_slowdown: Optional[list] = None
     """Testing heterogeneous clusters on one machine: one factor >= 1 per rank; rank r's forward+backward is made
-    that many times slower (by sleeping). None: no slowdown."""
+    that many times slower (it busy-waits in backward, before its gradients are shared). None: no slowdown."""
 
 
 @dataclass

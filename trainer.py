@@ -80,9 +80,9 @@ class Trainer:
     # The loop
     # ================================================================================================
     def train(self) -> dict:
-        cfg, t, state = self.cfg, self.t, self.state
-        self.resume()
+        self.resume()  # first: it replaces self.state
         self.balance_batches()
+        cfg, t, state = self.cfg, self.t, self.state
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
@@ -125,14 +125,14 @@ class Trainer:
         # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
         # all-reduce of one number is queued without making the host wait.
-        count = D.all_reduce_sum(ctx, torch.tensor(float(sum(self.task.count(b) for b in batches)),
-                                                   device=ctx.device))
+        count = torch.tensor(float(sum(self.task.count(b) for b in batches)))
+        count = D.all_reduce_sum(ctx, self.to_device({"n": count})["n"])  # pinned + non-blocking on GPU
         scale = ctx.world_size / count
         loss_total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(batches):
             batch = self.to_device(batch)
             sync = contextlib.nullcontext() if i == len(batches) - 1 else par.no_sync()
-            with sync, balance.slowdown(self.cfg, ctx):  # gradients are synchronised on the last micro-batch only
+            with sync, balance.slowdown(self.cfg, ctx, par.raw_model):  # gradients sync on the last one only
                 with self.autocast():
                     loss_sum = self.task.loss_sum(par.model, batch)
                 loss = loss_sum.float() * scale
@@ -304,6 +304,9 @@ class Trainer:
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
 
     def to_device(self, batch: dict) -> dict:
+        """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
+        if self.pin:
+            batch = {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
         return {k: v.to(self.ctx.device, non_blocking=self.pin) for k, v in batch.items()}
 
     def per_rank_batch_sizes(self) -> list[int]:

@@ -31,7 +31,11 @@ from tasks.image import TensorImages, load_mnist  # noqa: E402
 from trainer import Trainer, Window  # noqa: E402
 
 
-def images_28x28():
+def images(small: bool):
+    if small:  # 8x8 digits: a tiny step, where any per-step overhead of the Trainer shows most
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        return TensorImages(d.images / 16.0, d.target, 0.3, 0.4), "digits 8x8 (tiny steps)"
     mnist = os.path.join(os.path.dirname(ROOT), "shared", "data", "mnist")
     if os.path.isdir(mnist):
         images, labels = load_mnist(mnist, "t10k", download=False)
@@ -47,16 +51,18 @@ def main():
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=20, help="steps per block")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: least disturbed by other load)")
+    p.add_argument("--small", action="store_true", help="8x8 digits instead of 28x28 images")
     args = p.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
 
     cfg = config_from_dict({"output_dir": "/tmp/bench_overhead", "train": {
         "batch_size": args.batch, "max_steps": 10**6, "lr": 1e-3, "schedule": "cosine", "warmup": 0.0},
         "log": {"progress_bar": False, "tensorboard": False}})
     task = build_task(cfg)
-    dataset, data_name = images_28x28()
+    dataset, data_name = images(args.small)
     task.build_datasets = lambda: {"train": dataset, "dev": None, "test": None}  # same data for both sides
-    task.image_size = 28
+    task.image_size = dataset.images.shape[-1]
     trainer = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
     stream, window = trainer.micro_batches(), Window(trainer.ctx)
 
