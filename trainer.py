@@ -94,7 +94,7 @@ class Trainer:
             log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == self.total_steps
             loss_sum, count, grad_norm = self.train_step(batches, need_norm=log_now)
             state.step += 1
-            window.add(loss_sum, count, sum(len(b[next(iter(b))]) for b in batches))
+            window.add(loss_sum, count, samples=sum(len(next(iter(b.values()))) for b in batches))
             if log_now:  # the only place the host waits for the device during training
                 self.log_train(window.flush(), grad_norm, bar)
 

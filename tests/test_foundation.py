@@ -175,6 +175,16 @@ def test_resume_mid_epoch_is_bit_exact(tmp_path):
     assert meta["state"]["epoch"] == 0 and meta["state"]["batch_in_epoch"] == 15
 
 
+def test_early_stopping_after_patience_evaluations(tmp_path):
+    # A learning rate this small leaves dev accuracy where it is: the 2nd and 3rd evaluations do not improve.
+    cfg = make_config(tmp_path, train={"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2,
+                                       "lr": 1e-12, "schedule": "constant"})
+    assert main.run(cfg) == 0
+    meta = checkpoint.read_meta(checkpoint.latest(str(tmp_path)))
+    assert meta["step"] == 15 and meta["state"]["best_step"] == 5
+    assert meta["state"]["evals_without_improvement"] == 2
+
+
 def test_keep_last_and_best(tmp_path):
     cfg = make_config(tmp_path, train={"max_steps": 40, "save_every": 5, "eval_every": 5, "keep_last": 2})
     assert main.run(cfg) == 0
