@@ -46,11 +46,17 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     if cfg.model.pretrained_dir:
         return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
     folder = tokenizer_dir(cfg)
-    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        if texts is None or cfg.mode == "test":
+    saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
+    if texts is None or cfg.mode == "test":  # nothing to train on: the training run must have saved one
+        if not saved():
             raise DataError(f"{folder}: no tokenizer saved there; train first (it is written by the training run) "
                             "or set model.pretrained_dir")
-        main_first(lambda: train_tokenizer(texts(), kind).save_pretrained(folder))
+    else:
+        def make():  # rank 0 decides and writes; every rank takes part in the barrier either way
+            if not saved():
+                train_tokenizer(texts(), kind).save_pretrained(folder + ".part")
+                os.replace(folder + ".part", folder)  # never a half-written folder under the final name
+        main_first(make)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
     # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
     return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,76 @@
+"""Sample text from a trained gpt2_lm checkpoint.
+
+    python generate.py --params configs/gpt2_lm.yml --prompt "Once upon a time" --max-new-tokens 20
+    python generate.py --params configs/gpt2_lm.yml --checkpoint runs/gpt2_lm/checkpoints/step-400 --prompt "..."
+
+Uses the same config as training: the model comes from model.name / pretrained_dir, the weights from the
+checkpoint (default: the best one in output_dir), the tokenizer from pretrained_dir or <output_dir>/tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from config import UserError, load_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Sample text from a gpt2_lm checkpoint.")
+    p.add_argument("--params", required=True, help="the YAML config the model was trained with")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    p.add_argument("--checkpoint", default=None, help="a step-N checkpoint folder (default: best in output_dir)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (always the likeliest token)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, context: int):
+    """Append tokens one at a time; the whole (cropped) sequence is re-run each step: simple, not fast."""
+    import torch
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids[:, -context:]).logits[:, -1, :].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            if top_k:
+                kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.params, args.set)
+        if cfg.task != "gpt2_lm":
+            raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
+        import torch
+        import checkpoint
+        from tasks import build_task
+        path = args.checkpoint or checkpoint.best(cfg.output_dir)
+        if path is None:
+            raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
+        task = build_task(cfg)
+        tokenizer = task.load_tokenizer()
+        model = task.build_model()
+        model.load_state_dict(checkpoint.model_state_dict(path))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = tokenizer(args.prompt)["input_ids"] or [tokenizer.eos_token_id]  # empty prompt: start of a text
+    with torch.no_grad():
+        out = sample(model, torch.tensor([prompt]), args.max_new_tokens, args.temperature, args.top_k,
+                     model.config.n_positions)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

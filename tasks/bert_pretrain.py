@@ -1,0 +1,198 @@
+"""BERT pre-training (masked LM + next-sentence prediction) on NVIDIA DeepLearningExamples' HDF5 shards.
+
+Each shard holds, for N sequences of fixed length L (128 or 512):
+    input_ids, input_mask, segment_ids   [N, L]  token ids, 1 for real tokens, sentence A/B
+    masked_lm_positions, masked_lm_ids   [N, P]  where tokens were masked and their original ids (0-padded)
+    next_sentence_labels                 [N]     1 if sentence B is a random sentence, 0 if it follows A
+`scripts/make_bert_shards.py` writes the same format from raw text.
+
+Memory: start-up reads only each shard's shape; samples are read row by row from the one shard that is open.
+The dataset exposes `shard_sizes`, so the Trainer's sampler shuffles shard order and samples within a shard and
+a rank reads one file at a time, as NVIDIA's loader does.
+
+Loss, and what `count` means: one unit is one SEQUENCE. Each sequence contributes
+    (mean cross-entropy over its own masked tokens) + (its next-sentence cross-entropy),
+so loss_sum is a sum over sequences and the Trainer's global mean is the mean over sequences of the batch.
+(NVIDIA averages MLM over all masked tokens of the batch instead; with ~20 masked tokens in nearly every
+sequence the two are almost the same, and ours adds up exactly across ranks and accumulation steps.)
+Dev metrics: mlm_loss and mlm_accuracy are per masked TOKEN (the usual numbers to compare with papers),
+nsp_accuracy per sequence, and `loss` is the training objective above.
+"""
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from config import DataError
+from tasks.base import Task
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+
+BERT_PRESETS = {  # randomly initialised sizes; vocab 30522 = the uncased WordPiece vocab the shards are made with
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
+}
+
+
+class HDF5Shards(Dataset):
+    """Map-style view over a list of shard files; sample i lives in shard `bisect(starts, i) - 1`."""
+
+    def __init__(self, files: list[str]):
+        import h5py
+        self.files = files
+        self.shard_sizes = []
+        for path in files:  # shapes only: h5py reads metadata, no sample data
+            try:
+                with h5py.File(path, "r") as f:
+                    missing = [k for k in KEYS if k not in f]
+                    if missing:
+                        raise DataError(f"{path}: not a BERT pre-training shard (missing {', '.join(missing)})")
+                    n = f["input_ids"].shape[0]
+                    if any(f[k].shape[0] != n for k in KEYS):
+                        raise DataError(f"{path}: datasets disagree on the number of sequences "
+                                        f"({', '.join(f'{k}={f[k].shape[0]}' for k in KEYS)})")
+                    self.seq_length = f["input_ids"].shape[1]
+            except OSError as e:
+                raise DataError(f"{path}: not a readable HDF5 file ({e})") from None
+            self.shard_sizes.append(n)
+        self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).tolist()
+        self.open_index, self.open_file = None, None  # the one shard this process has open
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self):  # DataLoader workers get a copy without the open handle and open their own
+        state = dict(self.__dict__)
+        state["open_index"], state["open_file"] = None, None
+        return state
+
+    def shard(self, s: int):
+        if self.open_index != s:
+            import h5py
+            if self.open_file is not None:
+                self.open_file.close()
+            self.open_file, self.open_index = h5py.File(self.files[s], "r"), s
+        return self.open_file
+
+    def __getitem__(self, i: int) -> dict:
+        s = bisect.bisect_right(self.starts, i) - 1
+        f, j = self.shard(s), i - self.starts[s]
+        row = {k: torch.from_numpy(np.asarray(f[k][j]).astype(np.int64)) for k in KEYS}
+        # Unused prediction slots are padded with position 0, which is [CLS] and never masked.
+        positions, ids = row["masked_lm_positions"], row["masked_lm_ids"]
+        used = positions != 0
+        mlm_labels = torch.full_like(row["input_ids"], -100)  # -100: not a prediction target
+        mlm_labels[positions[used]] = ids[used]
+        return {"input_ids": row["input_ids"], "attention_mask": row["input_mask"],
+                "token_type_ids": row["segment_ids"], "mlm_labels": mlm_labels,
+                "nsp_labels": row["next_sentence_labels"].reshape(())}
+
+
+class PretrainingModel(nn.Module):
+    """BertForPreTraining whose forward scores only the masked positions (the vocabulary projection of every
+    position would cost ~7x the memory of the rest of the model at seq 128). It is one module with one forward,
+    so DDP and the other strategies see every parameter used."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert  # transformers' BertForPreTraining: .bert (encoder) and .cls (both heads)
+
+    def forward(self, input_ids, attention_mask, token_type_ids, mlm_labels):
+        out = self.bert.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        hidden, pooled = out.last_hidden_state, out.pooler_output
+        masked = mlm_labels != -100
+        mlm_logits = self.bert.cls.predictions(hidden[masked])  # [masked tokens, vocab]
+        nsp_logits = self.bert.cls.seq_relationship(pooled)     # [batch, 2]
+        return mlm_logits, nsp_logits
+
+
+class BertPretrainTask(Task):
+    best_metric_default = "loss"
+
+    def build_datasets(self) -> dict:
+        d = self.cfg.data
+        train = self.find_shards(d.train_files or os.path.join(d.data_dir, "training", "*.hdf5"), "train_files")
+        dev = self.find_shards(d.dev_files or os.path.join(d.data_dir, "test", "*.hdf5"), "dev_files")
+        datasets = {"train": HDF5Shards(train), "dev": HDF5Shards(dev), "test": None}
+        if datasets["train"].seq_length != datasets["dev"].seq_length:
+            raise DataError(f"{dev[0]}: sequence length {datasets['dev'].seq_length} differs from the training "
+                            f"shards' {datasets['train'].seq_length}")
+        return datasets
+
+    @staticmethod
+    def find_shards(pattern: str, key: str) -> list[str]:
+        files = sorted(glob.glob(pattern))  # sorted: the same index order on every rank and every run
+        if not files:
+            raise DataError(f"data.{key}: no HDF5 shards match {pattern!r} (make some with "
+                            "scripts/make_bert_shards.py, or set data.train_files / data.dev_files)")
+        return files
+
+    def build_model(self) -> nn.Module:
+        from transformers import BertConfig, BertForPreTraining
+        m = self.cfg.model
+        if m.pretrained_dir:
+            # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
+            return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir))
+        if m.name not in BERT_PRESETS:
+            raise DataError(f"model.name: bert_pretrain builds {', '.join(BERT_PRESETS)}, not {m.name!r}")
+        # -----> the randomly initialised model: change its sizes in BERT_PRESETS.
+        config = BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=m.dropout,
+                            attention_probs_dropout_prob=m.dropout, **BERT_PRESETS[m.name])
+        return PretrainingModel(BertForPreTraining(config))
+
+    def collate(self, samples: list) -> dict:
+        batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+        # Shards pad every sequence to L; cut the columns that are padding in every row of this batch.
+        width = int(batch["attention_mask"].sum(1).max())
+        return {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
+
+    def count(self, batch: dict) -> int:
+        return len(batch["nsp_labels"])  # one unit = one sequence (see the module docstring)
+
+    def losses(self, model: nn.Module, batch: dict):
+        """Per-token MLM cross-entropy, the sequence each masked token belongs to, per-sequence NSP loss."""
+        mlm_logits, nsp_logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+                                       batch["mlm_labels"])
+        masked = batch["mlm_labels"] != -100
+        targets = batch["mlm_labels"][masked]
+        mlm = F.cross_entropy(mlm_logits.float(), targets, reduction="none")
+        owner = masked.nonzero()[:, 0]  # row of each masked token, in the same (row-major) order as mlm
+        nsp = F.cross_entropy(nsp_logits.float(), batch["nsp_labels"], reduction="none")
+        return mlm, mlm_logits, targets, owner, nsp, nsp_logits
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        # -----> the pre-training objective: per-sequence mean MLM loss + NSP loss, summed over sequences.
+        mlm, _, _, owner, nsp, _ = self.losses(model, batch)
+        per_seq = masked_mean_per_row(mlm, owner, len(nsp))
+        return per_seq.sum() + nsp.sum()
+
+    def eval_batch(self, model: nn.Module, batch: dict) -> dict:
+        mlm, mlm_logits, targets, owner, nsp, nsp_logits = self.losses(model, batch)
+        one = lambda x: torch.as_tensor(x, dtype=torch.float64, device=nsp.device)  # noqa: E731
+        return {"objective_sum": masked_mean_per_row(mlm, owner, len(nsp)).sum() + nsp.sum(),
+                "mlm_loss_sum": mlm.sum(), "mlm_correct": (mlm_logits.argmax(-1) == targets).sum().double(),
+                "mlm_tokens": one(len(targets)), "nsp_loss_sum": nsp.sum(),
+                "nsp_correct": (nsp_logits.argmax(-1) == batch["nsp_labels"]).sum().double(),
+                "sequences": one(len(nsp))}
+
+    def metrics(self, totals: dict) -> dict:
+        tokens, seqs = max(totals["mlm_tokens"], 1), max(totals["sequences"], 1)
+        return {"loss": totals["objective_sum"] / seqs, "mlm_loss": totals["mlm_loss_sum"] / tokens,
+                "mlm_accuracy": totals["mlm_correct"] / tokens, "nsp_loss": totals["nsp_loss_sum"] / seqs,
+                "nsp_accuracy": totals["nsp_correct"] / seqs, "sequences": int(totals["sequences"])}
+
+
+def masked_mean_per_row(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Mean of `values` grouped by `rows` (0 for a row without values): [n_rows]."""
+    sums = torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add_(0, rows, values)
+    counts = torch.zeros(n_rows, device=values.device, dtype=values.dtype).index_add_(
+        0, rows, torch.ones_like(values))
+    return sums / counts.clamp(min=1)

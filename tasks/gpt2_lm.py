@@ -1,0 +1,133 @@
+"""Causal language modelling with GPT-2 on a JSON array of texts.
+
+Data: `train.json` in data.data_dir, a JSON array of strings; `dev.json` likewise, or, when it is absent, a fixed
+data.dev_fraction of the training texts; `test.json` optional. Texts are tokenized once, joined with an
+end-of-text token, and cut into blocks: block k is tokens [kT, kT + T] (T = data.max_length), its first T tokens
+the input and its last T the targets, so every token is a target exactly once. One unit of the loss is one
+TARGET TOKEN: count = batch x T, and dev `loss` is the mean per token, `perplexity` its exp.
+
+Tokenizer: model.pretrained_dir's, or a byte-level BPE trained on the training texts and saved to
+<output_dir>/tokenizer (generate.py and `mode: test` load it from there).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from config import DataError
+from tasks.base import Task
+from tasks.text_common import load_or_train_tokenizer
+
+GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
+    "tiny": dict(n_embd=64, n_layer=2, n_head=2),
+}
+
+
+def read_texts(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            texts = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise DataError(f"{path}: expected a JSON array of strings")
+    if not texts:
+        raise DataError(f"{path}: no texts")
+    return texts
+
+
+class Blocks(Dataset):
+    """[N, T + 1] token ids; sample k is one block (inputs = [:-1], targets = [1:])."""
+
+    def __init__(self, texts: list[str], tokenizer, block: int, path: str):
+        ids = []
+        for text_ids in tokenizer(texts)["input_ids"]:
+            ids += text_ids + [tokenizer.eos_token_id]  # the end-of-text token separates documents
+        n = (len(ids) - 1) // block
+        if n == 0:
+            raise DataError(f"{path}: {len(ids)} tokens, fewer than one block of data.max_length={block} + 1")
+        flat = torch.tensor(ids[: n * block + 1])
+        self.blocks = flat.unfold(0, block + 1, block)  # overlapping by one token: [n, block + 1]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.blocks[i, :-1], "labels": self.blocks[i, 1:]}
+
+
+class GPT2LMTask(Task):
+    best_metric_default = "loss"
+
+    def read_splits(self) -> dict:
+        d = self.cfg.data
+        path = lambda split: os.path.join(d.data_dir, f"{split}.json")  # noqa: E731
+        if not os.path.isfile(path("train")):
+            raise DataError(f"{path('train')}: missing. gpt2_lm reads a JSON array of texts from data.data_dir")
+        texts = {"train": read_texts(path("train"))}
+        if os.path.isfile(path("dev")):
+            texts["dev"] = read_texts(path("dev"))
+        else:  # a fixed holdout of whole texts, independent of the training seed
+            order = np.random.default_rng(0).permutation(len(texts["train"]))
+            n_dev = max(1, int(round(len(order) * d.dev_fraction)))
+            if n_dev >= len(order):
+                raise DataError(f"{path('train')}: {len(order)} texts, too few to hold out a dev split "
+                                f"(add {path('dev')})")
+            texts["dev"] = [texts["train"][i] for i in sorted(order[:n_dev])]
+            texts["train"] = [texts["train"][i] for i in sorted(order[n_dev:])]
+        if os.path.isfile(path("test")):
+            texts["test"] = read_texts(path("test"))
+        return texts
+
+    def build_datasets(self) -> dict:
+        texts = self.read_splits()
+        self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: texts["train"], kind="gpt2")
+        where = {split: os.path.join(self.cfg.data.data_dir, f"{split}.json") for split in texts}
+        datasets = {s: Blocks(t, self.tokenizer, self.cfg.data.max_length, where[s]) for s, t in texts.items()}
+        datasets.setdefault("test", None)
+        return datasets
+
+    def build_model(self) -> nn.Module:
+        """Needs self.tokenizer (build_datasets, or load_tokenizer for generation)."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+        m = self.cfg.model
+        if m.pretrained_dir:
+            # -----> start from another causal LM checkpoint (any GPT-2 style HF folder).
+            return GPT2LMHeadModel.from_pretrained(m.pretrained_dir)
+        if m.name not in GPT2_PRESETS:
+            raise DataError(f"model.name: gpt2_lm builds {', '.join(GPT2_PRESETS)}, not {m.name!r}")
+        # -----> the randomly initialised model: change its sizes in GPT2_PRESETS.
+        config = GPT2Config(vocab_size=len(self.tokenizer), n_positions=max(1024, self.cfg.data.max_length),
+                            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                            bos_token_id=self.tokenizer.eos_token_id, eos_token_id=self.tokenizer.eos_token_id,
+                            **GPT2_PRESETS[m.name])
+        return GPT2LMHeadModel(config)
+
+    def load_tokenizer(self):
+        """For generation: the tokenizer the training run used (never trains a new one)."""
+        self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="gpt2")
+        return self.tokenizer
+
+    def count(self, batch: dict) -> int:
+        return batch["labels"].numel()  # one unit = one target token
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        # -----> the LM loss: next-token cross-entropy summed over every target token.
+        logits = model(input_ids=batch["input_ids"]).logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+    def eval_batch(self, model: nn.Module, batch: dict) -> dict:
+        loss = self.loss_sum(model, batch)
+        return {"loss_sum": loss, "tokens": torch.tensor(float(batch["labels"].numel()), device=loss.device)}
+
+    def metrics(self, totals: dict) -> dict:
+        loss = totals["loss_sum"] / max(totals["tokens"], 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(totals["tokens"])}
