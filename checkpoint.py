@@ -67,7 +67,7 @@ def best(output_dir: str) -> Optional[str]:
     last = latest(output_dir)
     if last is None:
         return None
-    best_step = read_meta(last).get("best_step")
+    best_step = read_meta(last)["state"].get("best_step")
     candidate = os.path.join(root(output_dir), f"step-{best_step}")
     return candidate if best_step is not None and is_complete(candidate) else last
 

@@ -118,8 +118,9 @@ class TrainConfig:
     checkpoint. false: start fresh (existing checkpoints of output_dir are left alone, new ones added)."""
     patience: int = 0
     """Early stopping: stop after this many evaluations without improvement of best_metric. 0: never."""
-    best_metric: str = "accuracy"
-    """Dev metric that decides the best checkpoint and early stopping (e.g. accuracy, f1, loss)."""
+    best_metric: Optional[str] = None
+    """Dev metric that decides the best checkpoint and early stopping (e.g. accuracy, f1, loss).
+    None: the task's own choice (accuracy for classification, loss for pretraining and language modelling)."""
     best_mode: Literal["auto", "max", "min"] = "auto"
     """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
     log_every: int = 20

@@ -21,7 +21,7 @@ import torch
 import balance
 import checkpoint
 import distributed as D
-from config import Config, CheckpointError, dump_yaml
+from config import Config, CheckpointError, ConfigError, dump_yaml
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from strategies import STRATEGIES
 from tasks.base import Task
@@ -67,8 +67,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.par.optimizer, lr_lambda(
             self.total_steps, self.t.warmup, self.t.schedule))
         self.state = TrainState()
+        self.best_metric = self.t.best_metric or task.best_metric_default
         self.best_mode = self.t.best_mode if self.t.best_mode != "auto" else (
-            "min" if any(k in self.t.best_metric for k in ("loss", "perplexity")) else "max")
+            "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         on_gpu = ctx.device.type == "cuda"
         self.pin = on_gpu
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.t.precision)
@@ -108,7 +109,7 @@ class Trainer:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
             if stop:
-                self.log.info(f"early stopping at step {state.step}: no improvement of {t.best_metric} "
+                self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
                               f"in {t.patience} evaluations")
                 break
         if bar is not None:
@@ -204,10 +205,10 @@ class Trainer:
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
         s, t = self.state, self.t
-        if t.best_metric not in metrics:
-            raise CheckpointError(f"train.best_metric: {t.best_metric!r} is not among the dev metrics "
-                                  f"({', '.join(metrics)})")
-        value = metrics[t.best_metric]
+        if self.best_metric not in metrics:
+            raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
+                              f"({', '.join(metrics)})")
+        value = metrics[self.best_metric]
         better = s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
         if better:
             s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0

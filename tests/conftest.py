@@ -5,6 +5,10 @@ import sys
 
 import pytest
 
+# Idle OpenMP threads sleep instead of spinning: on a 2-core machine running several ranks (and other jobs),
+# spinning threads steal the cores the ranks need. Set before torch is imported; spawned ranks inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")

@@ -183,6 +183,15 @@ def test_early_stopping_after_patience_evaluations(tmp_path):
     meta = checkpoint.read_meta(checkpoint.latest(str(tmp_path)))
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5
     assert meta["state"]["evals_without_improvement"] == 2
+    assert checkpoint.best(str(tmp_path)).endswith("step-5")  # kept, and found as the best
+
+
+def test_unknown_best_metric_is_a_one_line_error(tmp_path, capsys):
+    cfg = make_config(tmp_path, train={"max_steps": 4, "eval_every": 2, "best_metric": "acc"})
+    assert main.run(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert "`train.best_metric` is 'acc', not among the dev metrics (loss, accuracy" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_keep_last_and_best(tmp_path):

@@ -9,7 +9,6 @@ import pickle
 import re
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spawned ranks sharing a busy CPU: do not spin-wait
 
 import numpy as np
 import pytest
