@@ -313,3 +313,20 @@ def test_sst2_with_the_pretrained_minilm_package(data, tmp_path):
     assert batch["input_ids"][0, 0] == task.tokenizer.cls_token_id
     out = task.eval_batch(model.eval(), batch)
     assert out["preds"].shape == (4,) and 0 < out["loss_sum"].item() / 4 < 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every task under the sharded strategies and mixed precision
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["sst2", "gpt2_lm", "bert_pretrain"])
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("oss", "fp16")])
+def test_text_tasks_train_sharded_with_mixed_precision(data, tmp_path, task, strategy, precision):
+    """Two gloo ranks: FSDP2 (per-block sharding of the Hugging Face model, bf16 compute) and fairscale OSS with
+    fp16 loss scaling, evaluation included (FSDP evaluates in lockstep)."""
+    import main
+    cfg = task_config(task, data, tmp_path, 2, precision=precision, eval_every=8)
+    cfg.dist.strategy = strategy
+    assert main.run(cfg) == 0
+    log = open(os.path.join(cfg.output_dir, "logs", "rank0.log")).read()
+    assert_falls([float(x) for x in re.findall(r"step \d+/\d+ loss=([\d.]+)", log)], 0.9)
+    assert re.search(r"step 16 dev: loss=[\d.]+", log)  # evaluated (on every rank, in lockstep for fsdp)
