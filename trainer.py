@@ -83,7 +83,7 @@ class Trainer:
     def train(self) -> dict:
         self.resume()  # first: it replaces self.state
         self.balance_batches()
-        cfg, t, state = self.cfg, self.t, self.state
+        t, state = self.t, self.state
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
@@ -337,7 +337,7 @@ class Trainer:
     def start_logging(self) -> None:
         if not self.ctx.is_main:
             return
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:
             f.write(dump_yaml(cfg))
         if cfg.log.tensorboard:

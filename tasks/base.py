@@ -56,6 +56,15 @@ class Task:
         return None
 
 
+def classification_batch(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """eval_batch of a classifier: summed loss and count (summed over batches), predictions and labels
+    (concatenated), which classification_metrics turns into the split's metrics."""
+    logits = logits.float()
+    return {"loss_sum": torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+            "count": torch.tensor(float(len(logits)), device=logits.device),
+            "preds": logits.argmax(-1), "labels": labels}
+
+
 def classification_metrics(preds: np.ndarray, labels: np.ndarray, loss_sum: float, count: float,
                            average: str = "macro") -> dict:
     """Accuracy, F1 (macro by default; `binary` for two classes) and MCC via scikit-learn, plus the mean loss."""

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task, classification_metrics
+from tasks.base import Task, classification_batch, classification_metrics
 
 MNIST_FILES = {  # name -> MD5 as published with the dataset
     "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
@@ -96,10 +96,7 @@ class ImageTask(Task):
         return F.cross_entropy(model(batch["images"]).float(), batch["labels"], reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        logits = model(batch["images"]).float()
-        return {"loss_sum": F.cross_entropy(logits, batch["labels"], reduction="sum"),
-                "count": torch.tensor(float(len(logits)), device=logits.device),
-                "preds": logits.argmax(-1), "labels": batch["labels"]}
+        return classification_batch(model(batch["images"]), batch["labels"])
 
     def metrics(self, totals: dict) -> dict:
         # -----> metrics of a task, from everything eval_batch returned over the whole split.

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task, classification_metrics
+from tasks.base import Task, classification_batch, classification_metrics
 from tasks.text_common import load_or_train_tokenizer, note
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
@@ -133,10 +133,7 @@ class SST2Task(Task):
         return F.cross_entropy(self.logits(model, batch), batch["labels"], reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        logits = self.logits(model, batch)
-        return {"loss_sum": F.cross_entropy(logits, batch["labels"], reduction="sum"),
-                "count": torch.tensor(float(len(logits)), device=logits.device),
-                "preds": logits.argmax(-1), "labels": batch["labels"]}
+        return classification_batch(self.logits(model, batch), batch["labels"])
 
     def metrics(self, totals: dict) -> dict:
         return classification_metrics(np.asarray(totals["preds"]), np.asarray(totals["labels"]),
