@@ -195,6 +195,30 @@ def test_unknown_best_metric_is_a_one_line_error(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_ddp_resume_restores_every_ranks_random_stream(tmp_path):
+    """Two ranks with dropout on: each rank's RNG must come back, or rank 1's masks (and the result) change."""
+    train = {"max_steps": 20, "save_every": 7, "eval_every": 0, "keep_last": 5, "batch_size": 16}
+    dist = {"strategy": "ddp", "procs_per_node": 2}
+    assert main.run(make_config(tmp_path / "full", train=train, dist=dist)) == 0
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "full/checkpoints/step-7", tmp_path / "resumed/checkpoints/step-7")
+    assert main.run(make_config(tmp_path / "resumed", train=train, dist=dist)) == 0
+    a, b = load_model_state(tmp_path / "full", 20), load_model_state(tmp_path / "resumed", 20)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rng = torch.load(tmp_path / "full/checkpoints/step-7/state.pt", weights_only=True)["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])
+
+
+def test_data_loader_workers_do_not_change_the_run(tmp_path):
+    runs = []
+    for workers in (0, 2):
+        cfg = make_config(tmp_path / f"w{workers}", data={"num_workers": workers},
+                          train={"max_steps": 6, "eval_every": 6, "save_every": 0})
+        assert main.run(cfg) == 0
+        runs.append(load_model_state(tmp_path / f"w{workers}", 6))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
 def test_keep_last_and_best(tmp_path):
     cfg = make_config(tmp_path, train={"max_steps": 40, "save_every": 5, "eval_every": 5, "keep_last": 2})
     assert main.run(cfg) == 0
