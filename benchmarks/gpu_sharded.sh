@@ -3,7 +3,7 @@
 # OSS + ShardedDataParallel over NCCL). Run from the repository root:  bash benchmarks/gpu_sharded.sh
 # One process per GPU; with a single GPU everything runs at world size 1 (NCCL cannot put two ranks on one GPU),
 # which still exercises mixed precision, loss scaling and the checkpoint formats, but not the sharding itself.
-set -euo pipefail
+set -uo pipefail  # no -e: a failing run is reported by run() and the others still go
 NGPU=$(nvidia-smi -L | wc -l)
 OUT=${OUT:-/tmp/gpu_sharded}
 rm -rf "$OUT"
@@ -15,8 +15,15 @@ python -c "import torch, fairscale; print('torch', torch.__version__, 'fairscale
 run() {  # run NAME SETTINGS...: train, then evaluate its best checkpoint in test mode (one process)
   local name=$1; shift
   echo "=== $name: $*"
-  python main.py $COMMON --set output_dir="$OUT/$name" "$@" 2>&1 | grep -E "step 200|dev:|error" | tail -3
-  python main.py --params /dev/null --set mode=test --set output_dir="$OUT/$name" 2>&1 | grep -E "test:|error"
+  mkdir -p "$OUT/$name"
+  # Full output to a file; on failure its tail is shown and the next run still goes (one session, one try).
+  if python main.py $COMMON --set output_dir="$OUT/$name" "$@" > "$OUT/$name/train.out" 2>&1; then
+    grep -E "step 200|dev:" "$OUT/$name/train.out" | tail -3
+  else
+    echo "FAILED: $name (tail of $OUT/$name/train.out)"; tail -15 "$OUT/$name/train.out"; return
+  fi
+  python main.py --params /dev/null --set mode=test --set output_dir="$OUT/$name" > "$OUT/$name/test.out" 2>&1 \
+    && grep -E "test:" "$OUT/$name/test.out" || { echo "FAILED: $name test mode"; tail -15 "$OUT/$name/test.out"; }
 }
 
 # FSDP2 (fully_shard): bf16 (no scaler) and fp16 (ShardedGradScaler); reshard_after_forward both ways.
