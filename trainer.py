@@ -410,10 +410,11 @@ class Window:
         self.samples += samples
 
     def flush(self) -> dict:
-        loss = D.all_reduce_sum(self.ctx, self.loss.clone())
-        samples = D.all_reduce_sum(self.ctx, torch.tensor(float(self.samples), device=self.ctx.device))
-        out = {"loss": (loss / self.count).item(),
-               "samples_per_s": samples.item() / max(time.perf_counter() - self.start, 1e-9)}
+        # One all-reduce for both sums, then one wait for the device (.tolist()).
+        sums = torch.stack([self.loss, torch.tensor(float(self.samples), device=self.ctx.device)])
+        loss, samples = D.all_reduce_sum(self.ctx, sums).tolist()
+        out = {"loss": loss / self.count.item(),
+               "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
         self.reset()
         return out
 
