@@ -58,11 +58,9 @@ class Trainer:
         seed_everything(cfg.seed + ctx.rank)
 
         train_set = self.datasets["train"]
+        self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
         self.batch_sizes = self.per_rank_batch_sizes()
-        self.sampler = GlobalBatchSampler(
-            len(train_set), self.batch_sizes, ctx.rank, cfg.seed,
-            shard_sizes=getattr(train_set, "shard_sizes", None),
-            lengths=task.lengths(train_set) if cfg.data.group_by_length else None)
+        self.sampler = self.make_sampler()
         self.total_steps = self.count_total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.par.optimizer, lr_lambda(
             self.total_steps, self.t.warmup, self.t.schedule))
@@ -323,8 +321,13 @@ class Trainer:
         if self.t.batch_size != "auto":
             return
         self.batch_sizes, self.balance_note = balance.auto_batch_sizes(self, self.resumed_batch_sizes)
-        s = self.sampler
-        self.sampler = GlobalBatchSampler(s.n, self.batch_sizes, s.rank, s.seed, s.shard_sizes, s.lengths)
+        self.sampler = self.make_sampler()
+
+    def make_sampler(self) -> GlobalBatchSampler:
+        """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
+        train_set = self.datasets["train"]
+        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.ctx.rank, self.cfg.seed,
+                                  shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths)
 
     def count_total_steps(self) -> int:
         per_epoch = self.sampler.batches_per_epoch() / self.t.grad_accum_steps
