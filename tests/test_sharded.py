@@ -4,11 +4,14 @@ import json
 import os
 import re
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fairscale_cpu
 from conftest import free_port, make_config
 
 STEPS, SAVE_AT = 6, 3
@@ -34,6 +37,13 @@ def train(output_dir, dist_section, batch_size, procs, **train):
     cfg = make_config(output_dir, model=MODEL, train={**TRAIN, "batch_size": batch_size, **train},
                       dist={**dist_section, "procs_per_node": procs})
     return run(cfg)
+
+
+def train_fairscale_fsdp(output_dir, batch_size, procs, **train):
+    """fsdp_impl: fairscale on CPU, through the test-only shim (tests/fairscale_cpu.py)."""
+    cfg = make_config(output_dir, model=MODEL, train={**TRAIN, "batch_size": batch_size, **train},
+                      dist={"strategy": "fsdp", "procs_per_node": procs})
+    return fairscale_cpu.train(cfg, procs)
 
 
 def params(output_dir, step):
@@ -63,6 +73,8 @@ def runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(name)
             if name == "none":
                 assert train(out, {"strategy": "none"}, 32, 1) == 0
+            elif name == "fairscale-fsdp":
+                assert train_fairscale_fsdp(out, 16, 2) == 0
             else:
                 assert train(out, SHARDED[name], 16, 2) == 0
             done[name] = out
@@ -145,8 +157,11 @@ def _memory_worker(rank, port, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
-    for name, section in [("ddp", {"strategy": "ddp"}), *SHARDED.items()]:
+    fairscale_cpu.install()  # changes nothing for the other strategies (there is no CUDA to call)
+    for name, section in [("ddp", {"strategy": "ddp"}), *SHARDED.items(), ("fairscale-fsdp", {"strategy": "fsdp"})]:
         cfg = make_config("/tmp/unused", model=MODEL, dist={**section, "procs_per_node": 2})
+        if name == "fairscale-fsdp":  # validate() refuses it on CPU, where only the shim makes it run
+            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
         task = build_task(cfg)
         train_set = task.build_datasets()["train"]
         torch.manual_seed(0)
@@ -163,7 +178,7 @@ def memory():
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_memory_worker, args=(free_port(), queue), nprocs=2, join=True)
     out = {}
-    for _ in range(2 * (1 + len(SHARDED))):
+    for _ in range(2 * (2 + len(SHARDED))):
         name, rank, counts = queue.get()
         out.setdefault(name, [None, None])[rank] = counts
     return out
@@ -184,11 +199,64 @@ def test_oss_shards_optimizer_state(memory, name):
         assert all(r["grads"] == ddp["grads"] for r in ranks)
 
 
-def test_fsdp_shards_all_model_state(memory):
+@pytest.mark.parametrize("name", ["fsdp", "fairscale-fsdp"])
+def test_fsdp_shards_all_model_state(memory, name):
     ddp = sum(memory["ddp"][0].values())
-    for rank in memory["fsdp"]:
+    for rank in memory[name]:
         assert 0.45 * ddp <= sum(rank.values()) <= 0.55 * ddp, (rank, ddp)
         assert rank["params"] <= 0.55 * memory["ddp"][0]["params"]
+
+
+# ---- fairscale FSDP: CUDA only in the product; on CPU through the shim in tests/fairscale_cpu.py ----------------
+def test_fairscale_fsdp_matches_one_process(runs):
+    """Per-block wrapping, no_sync accumulation and fairscale's global-norm clipping give the one-process result;
+    model.pt is gathered from the shards (so test mode and any world size read it), the optimizer stays sharded."""
+    out = runs("fairscale-fsdp")
+    assert_close(params(out, STEPS), params(runs("none"), STEPS), TOL)
+    assert logged_grad_norms(out) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-3)
+    ckpt = out / "checkpoints" / f"step-{STEPS}"
+    assert json.loads((ckpt / "meta.json").read_text())["format"] == "sharded-fairscale"
+    assert {"model.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= {p.name for p in ckpt.iterdir()}
+    shards = [torch.load(ckpt / f"optimizer-rank{r}.pt", weights_only=True)["state"] for r in (0, 1)]
+    momentum = [sum(s["momentum_buffer"].numel() for s in shard.values()) for shard in shards]
+    n_params = sum(v.numel() for v in params(out, STEPS).values())
+    assert all(0.45 * n_params <= m <= 0.55 * n_params for m in momentum), (momentum, n_params)
+
+
+def test_fairscale_fsdp_resume_is_exact(runs, tmp_path):
+    first = runs("fairscale-fsdp")
+    assert train_fairscale_fsdp(tmp_path, 16, 2, resume=str(first / "checkpoints" / f"step-{SAVE_AT}")) == 0
+    resumed, uninterrupted = params(tmp_path, STEPS), params(first, STEPS)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_fairscale_fsdp_refuses_another_world_size(runs, tmp_path, capfd):
+    """Its optimizer shards are fairscale's own format, one per rank: resuming on 1 process fails in one line."""
+    ckpt = runs("fairscale-fsdp") / "checkpoints" / f"step-{SAVE_AT}"
+    assert train_fairscale_fsdp(tmp_path, 32, 1, resume=str(ckpt)) == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "written by 2 ranks" in errors[0] and "resume with 2 processes" in errors[0]
+
+
+def test_fairscale_fsdp_checkpoint_in_test_mode(runs, tmp_path):
+    from main import run
+    ckpt = runs("fairscale-fsdp") / "checkpoints" / f"step-{STEPS}"
+    assert run(make_config(tmp_path, mode="test", model=MODEL, test={"checkpoint": str(ckpt)})) == 0
+    dev = json.loads((tmp_path / "dev_results.json").read_text())
+    trained = json.loads((ckpt / "meta.json").read_text())["metrics"]  # dev metrics from the 2-rank run
+    assert dev["metrics"]["accuracy"] == pytest.approx(trained["accuracy"])
+    assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fairscale_fsdp_mixed_precision(runs, tmp_path, precision):
+    """fairscale's mixed_precision (low-precision compute copies of fp32 shards, fp32 reduce-scatter) under
+    autocast; fp16 with the sharded grad scaler, whose state is checkpointed."""
+    assert train_fairscale_fsdp(tmp_path, 16, 2, precision=precision) == 0
+    assert logged_grad_norms(tmp_path) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-2)
+    assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), 1e-3)  # parameters stay fp32
+    state = torch.load(tmp_path / "checkpoints" / f"step-{STEPS}" / "state.pt", weights_only=True)
+    assert (state["scaler"]["scale"] > 1) if precision == "fp16" else state["scaler"] is None
 
 
 def test_impossible_combinations_are_one_line_config_errors(tmp_path):
