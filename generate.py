@@ -28,10 +28,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, context: int):
-    """Append tokens one at a time; the whole (cropped) sequence is re-run each step: simple, not fast."""
+    """Append tokens one at a time. While the text fits in the context window, the model's key/value cache
+    means each step runs only the newest token; beyond it, the window slides and the cropped sequence is re-run
+    (cached keys carry absolute positions, so they cannot slide with it)."""
     import torch
+    past = None
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids[:, -context:]).logits[:, -1, :].float()
+        if past is not None and ids.shape[1] <= context:
+            out = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=True)
+        else:
+            out = model(input_ids=ids[:, -context:], use_cache=ids.shape[1] < context)
+        past = out.past_key_values if ids.shape[1] < context else None
+        logits = out.logits[:, -1, :].float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
