@@ -269,3 +269,15 @@ def test_impossible_combinations_are_one_line_config_errors(tmp_path):
         with pytest.raises(ConfigError, match="fsdp_impl.*CUDA") as e:
             make_config(tmp_path, dist={"strategy": "fsdp", "fsdp_impl": "fairscale"})
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("source,target", [("none", "oss"), ("oss", "ddp"), ("oss-torch", "oss"),
+                                           ("oss-shard-grads", "none")])
+def test_full_checkpoints_resume_across_strategies(runs, tmp_path, source, target):
+    """ddp, none and oss all write the `full` format (oss consolidates its optimizer state first), so a run may
+    switch between them: the resumed run ends where the uninterrupted one did."""
+    ckpt = runs(source) / "checkpoints" / f"step-{SAVE_AT}"
+    procs = 1 if target == "none" else 2
+    section = SHARDED.get(target, {"strategy": target})
+    assert train(tmp_path, section, 32 // procs, procs, resume=str(ckpt)) == 0
+    assert_close(params(tmp_path, STEPS), params(runs(source), STEPS), TOL)
