@@ -81,6 +81,7 @@ def worker(local_rank: int, cfg: Config, first_rank: int, world: int, rendezvous
         os.makedirs(cfg.output_dir, exist_ok=True)
         trainer = Trainer(cfg, build_task(cfg), ctx)
         trainer.test() if cfg.mode == "test" else trainer.train()
+        D.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         return 0
     except UserError as e:
         prefix = f"rank {rank}: " if world > 1 else ""

@@ -253,6 +253,7 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
                                        compute_dtype=low, fp32_reduce_scatter=low is not None)
         for unit in fsdp_units(model):
             replace_module(model, unit, wrap(unit))
+        model.register_forward_hook(join_output_grads)
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -263,6 +264,46 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
     # The optimizer is built after sharding, on the DTensor parameters (the same names and shapes as before).
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return FSDPParallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
+
+
+class _JoinGrads(torch.autograd.Function):
+    """Identity on several tensors. Its backward runs once, when all of their gradients are in."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def join_output_grads(module: nn.Module, inputs, output):
+    """Forward hook on the model under fairscale FSDP's root. fairscale readies the root for backward in a hook
+    on each output tensor and frees each parameter as soon as its gradient is done. With two outputs (BERT's MLM
+    and NSP logits), the NSP head's gradients can be done, and freed, before the MLM output's hook runs, which
+    then fails (`assert self.has_full_params`). Through one identity node, every output's hook runs first."""
+    found = []
+
+    def visit(x, replace=None):
+        if isinstance(x, torch.Tensor):
+            if replace is not None:
+                return replace.get(id(x), x)
+            if x.requires_grad:
+                found.append(x)
+            return x
+        if isinstance(x, dict):  # in place: keeps dict subclasses such as transformers' ModelOutput intact
+            for k in list(x.keys()):
+                x[k] = visit(x[k], replace)
+            return x
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(visit(v, replace) for v in x)
+        return x
+
+    visit(output)
+    if len(found) < 2:
+        return output
+    return visit(output, {id(t): j for t, j in zip(found, _JoinGrads.apply(*found))})
 
 
 def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:

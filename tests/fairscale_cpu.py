@@ -20,7 +20,15 @@ import torch
 
 
 class _NoStream:
-    """Stands in for torch.cuda.Stream on CPU, where there is only one, synchronous, stream."""
+    """Stands in for torch.cuda.Stream on CPU, where there is only one, synchronous, stream: every
+    `_NoStream()` is the same object (fairscale asserts that the current stream is the one it switched to).
+    A class, not a function, because libraries annotate with it (`torch.cuda.Stream | None`)."""
+    _the_one = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._the_one is None:
+            cls._the_one = super().__new__(cls)
+        return cls._the_one
 
     def wait_stream(self, stream) -> None:
         pass
@@ -42,10 +50,9 @@ def install() -> None:
     import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp
 
     assert not torch.cuda.is_available(), "the shim is for CPU runs only"
-    the_stream = _NoStream()  # one: fairscale asserts that the current stream is the one it switched to
-    torch.cuda.Stream = lambda *args, **kwargs: the_stream
+    torch.cuda.Stream = _NoStream
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: the_stream
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.synchronize = lambda *args, **kwargs: None
     record_stream = torch.Tensor.record_stream
     torch.Tensor.record_stream = lambda t, s: None if t.device.type == "cpu" else record_stream(t, s)
@@ -56,7 +63,7 @@ def install() -> None:
         setup_streams(self)  # creates no streams without CUDA, but shares the (empty) dict with the children
         if self._is_root:
             for name in ("fp32_to_fp16", "all_gather", "post_backward"):
-                self._streams.setdefault(name, the_stream)
+                self._streams.setdefault(name, _NoStream())
 
     fsdp.FullyShardedDataParallel._setup_streams = setup_cpu_streams
     bucketer.ReduceScatterBucketer._get_shard_size = lambda self, element_size, num_shards: 0

@@ -170,6 +170,7 @@ def _memory_worker(rank, port, queue):
         task.loss_sum(par.model, batch).backward()
         par.optimizer.step()
         queue.put((name, rank, state_bytes(par)))  # before zero_grad: parameters, gradients and state
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -281,3 +282,42 @@ def test_full_checkpoints_resume_across_strategies(runs, tmp_path, source, targe
     section = SHARDED.get(target, {"strategy": target})
     assert train(tmp_path, section, 32 // procs, procs, resume=str(ckpt)) == 0
     assert_close(params(tmp_path, STEPS), params(runs(source), STEPS), TOL)
+
+
+def test_join_output_grads_runs_every_output_hook_before_any_parameter_gradient():
+    """The forward hook apply_fsdp puts on the model under fairscale FSDP's root: values and gradients are
+    unchanged, and the hooks fairscale puts on the outputs all run before any parameter's gradient is done
+    (without it, the second head's gradient is done before the first output's hook: what crashed BERT)."""
+    from transformers.utils import ModelOutput
+    from strategies import join_output_grads
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return ModelOutput(first=self.a(x), second=self.b(x), extra=(x.sum(), "not a tensor"))
+
+    def run(joined):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        if joined:
+            model.register_forward_hook(join_output_grads)
+        events = []
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: events.append("grad " + name))
+        out = model(torch.randn(5, 4, requires_grad=True))
+        for key in ("first", "second"):
+            out[key].register_hook(lambda g, key=key: events.append("output " + key))
+        (out.first.sum() * 2 + out["second"].sum()).backward()
+        assert out.extra[1] == "not a tensor" and isinstance(out, ModelOutput)
+        return events, {n: p.grad for n, p in model.named_parameters()}, out
+
+    (events, grads, out), (plain_events, plain_grads, plain_out) = run(True), run(False)
+    assert torch.equal(out.first, plain_out.first) and torch.equal(out.second, plain_out.second)
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    outputs_done = max(i for i, e in enumerate(events) if e.startswith("output"))
+    assert outputs_done < min(i for i, e in enumerate(events) if e.startswith("grad"))
+    assert not max(i for i, e in enumerate(plain_events) if e.startswith("output")) < min(
+        i for i, e in enumerate(plain_events) if e.startswith("grad"))  # the problem is real without it

@@ -324,14 +324,18 @@ def test_sst2_with_the_pretrained_minilm_package(data, tmp_path):
 # Every task under the sharded strategies and mixed precision
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("task", ["sst2", "gpt2_lm", "bert_pretrain"])
-@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("oss", "fp16")])
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("oss", "fp16"), ("fairscale-fsdp", "bf16")])
 def test_text_tasks_train_sharded_with_mixed_precision(data, tmp_path, task, strategy, precision):
-    """Two gloo ranks: FSDP2 (per-block sharding of the Hugging Face model, bf16 compute) and fairscale OSS with
-    fp16 loss scaling, evaluation included (FSDP evaluates in lockstep)."""
+    """Two gloo ranks: FSDP2 (per-block sharding of the Hugging Face model, bf16 compute), fairscale OSS with
+    fp16 loss scaling, fairscale FSDP (through the CPU shim), evaluation included (FSDP evaluates in lockstep)."""
+    import fairscale_cpu
     import main
     cfg = task_config(task, data, tmp_path, 2, precision=precision, eval_every=8)
-    cfg.dist.strategy = strategy
-    assert main.run(cfg) == 0
+    if strategy == "fairscale-fsdp":
+        assert fairscale_cpu.train(cfg, 2) == 0
+    else:
+        cfg.dist.strategy = strategy
+        assert main.run(cfg) == 0
     assert_falls(logged_losses(cfg.output_dir), 0.9)
     log = open(os.path.join(cfg.output_dir, "logs", "rank0.log")).read()
     assert re.search(r"step 16 dev: loss=[\d.]+", log)  # evaluated (on every rank, in lockstep for fsdp)
