@@ -91,6 +91,17 @@ def test_sharded_training_matches_one_process(runs, name):
     assert meta["format"] == ("sharded-dcp" if name == "fsdp" else "full")
 
 
+@pytest.mark.parametrize("name", [*SHARDED, "fairscale-fsdp"])
+def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
+    """A fast and a slow device with batches [24, 8]: the sharded strategies weight the gradients exactly too
+    (their reductions average over ranks; the loss is scaled by world / global count, as under DDP)."""
+    if name == "fairscale-fsdp":
+        assert train_fairscale_fsdp(tmp_path, [24, 8], 2) == 0
+    else:
+        assert train(tmp_path, SHARDED[name], [24, 8], 2) == 0
+    assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), TOL)
+
+
 def test_fsdp_fp16_with_sharded_loss_scaling(runs, tmp_path):
     """fp16 autocast + FSDP2 fp16 parameters + ShardedGradScaler: trains like fp32 up to fp16 rounding, and
     the scaler state is checkpointed."""
