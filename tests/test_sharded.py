@@ -102,6 +102,20 @@ def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
     assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), TOL)
 
 
+@pytest.mark.parametrize("name", ["oss-shard-grads", "fsdp", "fairscale-fsdp"])
+def test_early_stopping_under_sharding(tmp_path, name):
+    """Every rank reaches the same stop decision (it is made from the gathered dev metrics): stopping at step
+    15, after two evaluations without improvement, instead of hanging with one rank still in a collective."""
+    from checkpoint import best, latest, read_meta
+    stop = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
+    if name == "fairscale-fsdp":
+        assert train_fairscale_fsdp(tmp_path, 16, 2, **stop) == 0
+    else:
+        assert train(tmp_path, SHARDED[name], 16, 2, **stop) == 0
+    meta = read_meta(latest(str(tmp_path)))
+    assert meta["step"] == 15 and meta["state"]["best_step"] == 5 and best(str(tmp_path)).endswith("step-5")
+
+
 def test_fsdp_fp16_with_sharded_loss_scaling(runs, tmp_path):
     """fp16 autocast + FSDP2 fp16 parameters + ShardedGradScaler: trains like fp32 up to fp16 rounding, and
     the scaler state is checkpointed."""
