@@ -10,6 +10,7 @@ untouched, and resume only ever sees complete ones. Files:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,6 +116,37 @@ def load_file(path: str, name: str):
     except Exception as e:  # truncated file, foreign pickle, ...
         raise CheckpointError(f"{full}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
+
+
+@contextlib.contextmanager
+def fits_model(path: str, cfg=None):
+    """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
+    model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
+    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
+        if isinstance(e, CheckpointException):  # DCP (fsdp): one wrapped exception per failing rank
+            e = next(iter(e.failures.values()))[0]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
+        what = (details[0] if details else type(e).__name__)[:160]
+        more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
+        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
+            from None
+
+
+def _settings_changed(path: str, cfg) -> str:
+    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
+    if cfg is None or not os.path.isfile(os.path.join(path, "meta.json")):
+        return ""
+    saved = read_meta(path).get("config") or {}
+    now = cfg.to_dict()
+    diffs = [f"task={saved['task']!r} (now {now['task']!r})"] if saved.get("task", now["task"]) != now["task"] else []
+    diffs += [f"model.{k}={v!r} (now {now['model'][k]!r})" for k, v in (saved.get("model") or {}).items()
+              if k in now["model"] and v != now["model"][k]]
+    return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
 def model_state_dict(path: str) -> dict:

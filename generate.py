@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         task = build_task(cfg)
         tokenizer = task.load_tokenizer()
         model = task.build_model()
-        model.load_state_dict(checkpoint.model_state_dict(path))
+        with checkpoint.fits_model(path, cfg):
+            model.load_state_dict(checkpoint.model_state_dict(path))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -222,7 +222,8 @@ class Trainer:
         path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
         if path is None:
             raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-        self.par.raw_model.load_state_dict(checkpoint.model_state_dict(path))
+        with checkpoint.fits_model(path, cfg):
+            self.par.raw_model.load_state_dict(checkpoint.model_state_dict(path))
         self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
         self.log.info(f"testing {path}")
         results = {}
@@ -271,7 +272,12 @@ class Trainer:
         if saved != self.par.checkpoint_format and "sharded" in saved + self.par.checkpoint_format:
             raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, cannot "
                                   f"resume under {self.cfg.dist.strategy} (format {self.par.checkpoint_format})")
-        self.par.load(path)
+        was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
+        if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
+            raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {self.t.optimizer}; "
+                                  f"resume with {was}, or start over with train.resume: false")
+        with checkpoint.fits_model(path, self.cfg):
+            self.par.load(path)
         extra = checkpoint.load_file(path, "state.pt")
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.par.scaler and extra["scaler"]:

@@ -259,6 +259,25 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "step-5/optimizer.pt: cannot be loaded" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"model": {"hidden": 64}, "mode": "train"},
+     ["does not fit this model: size mismatch for fc1.weight", "saved with model.hidden=128 (now 64)"]),
+    ({"model": {"channels": 8}, "mode": "test"},
+     ["does not fit this model: size mismatch for conv1.weight", "saved with model.channels=32 (now 8)"]),
+    ({"train": {"optimizer": "sgd"}, "mode": "train"},
+     ["holds adamw optimizer state, but train.optimizer is sgd", "train.resume: false"]),
+])
+def test_checkpoint_of_another_model_is_a_one_line_error(tmp_path, capsys, change, words):
+    """Resume or test with a changed model/optimizer setting: one line naming the checkpoint and the setting,
+    not PyTorch's list of every mismatched tensor (or, for the optimizer, a KeyError at the first step)."""
+    assert main.run(make_config(tmp_path, train={"max_steps": 3, "eval_every": 0, "optimizer": "adamw"})) == 0
+    capsys.readouterr()
+    train = {"max_steps": 6, "eval_every": 0, "optimizer": "adamw", **change.get("train", {})}
+    assert main.run(make_config(tmp_path, mode=change["mode"], model=change.get("model", {}), train=train)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step-3: " in err and all(w in err for w in words), err
+
+
 def test_test_mode_on_a_ddp_checkpoint_in_one_process(tmp_path):
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, log={"tensorboard": True},
                       train={"max_steps": 30, "eval_every": 10, "save_every": 10, "batch_size": 16})

@@ -146,6 +146,17 @@ def test_fsdp_resumes_on_one_process(runs, tmp_path):
     assert_close(params(tmp_path, STEPS), params(first, STEPS), TOL)
 
 
+def test_fsdp_checkpoint_of_another_model_is_a_one_line_error(runs, tmp_path, capfd):
+    from main import run
+    ckpt = runs("fsdp") / "checkpoints" / f"step-{SAVE_AT}"
+    cfg = make_config(tmp_path, model={**MODEL, "hidden": 64}, train={**TRAIN, "batch_size": 16, "resume": str(ckpt)},
+                      dist={**SHARDED["fsdp"], "procs_per_node": 2})
+    assert run(cfg) == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("does not fit this model" in e and "model.hidden=128 (now 64)" in e
+                                    for e in errors), errors  # one line per rank, each naming the setting
+
+
 def test_oss_consolidated_checkpoint_resumes_on_one_process(runs, tmp_path):
     first = runs("oss-shard-grads")
     assert train(tmp_path, {"strategy": "oss"}, 32, 1, resume=str(first / "checkpoints" / f"step-{SAVE_AT}")) == 0
