@@ -230,6 +230,8 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:
         apply_override(raw, item)
+    if overrides:  # a bad value may come from either: name both places to look
+        source += " + --set"
     return config_from_dict(raw, source)
 
 
@@ -246,6 +248,8 @@ def apply_override(raw: dict, item: str) -> None:
     except yaml.YAMLError:
         parsed = value
     if len(parts) == 1:
+        if parts[0] in SECTIONS:
+            raise ConfigError(f"--set {item}: `{parts[0]}` is a section; set one of its keys: {parts[0]}.KEY=VALUE")
         raw[parts[0]] = parsed
     else:
         section = raw.setdefault(parts[0], {})

@@ -42,6 +42,7 @@ def run_cli(*args, cwd=ROOT):
     (["train.batch_size=[8, 8, 8]", "dist.strategy=ddp", "dist.procs_per_node=2"], "train.batch_size", "3"),
     (["task=imag"], "task", "did you mean 'image'"),
     (["model.pretrained_dir=pretrained/nope"], "model.pretrained_dir", "download_pretrained.py"),
+    (["train=3", "train.lr=0.1"], "train", "is a section; set one of its keys: train.KEY=VALUE"),
 ])
 def test_config_errors_exit_2_naming_the_key(overrides, key, words):
     args = ["--params", "parameters.yml"]
@@ -50,6 +51,7 @@ def test_config_errors_exit_2_naming_the_key(overrides, key, words):
     r = run_cli(*args)
     assert r.returncode == 2, r.stderr
     assert f"`{key}`" in r.stderr and words in r.stderr, r.stderr
+    assert r.stderr.startswith("error: parameters.yml + --set: ") or r.stderr.startswith("error: --set "), r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
