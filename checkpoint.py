@@ -127,11 +127,13 @@ def fits_model(path: str, cfg=None):
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
-        if isinstance(e, CheckpointException):  # DCP (fsdp): one wrapped exception per failing rank
-            e = next(iter(e.failures.values()))[0]
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e  # DCP: per rank
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        if isinstance(cause, RuntimeError) and not any(
+                w in str(cause) for w in ("state_dict", "size mismatch", "Missing key", "Unexpected key")):
+            raise  # not a mismatch (a failing collective, say): keep the original error
         details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
-        what = (details[0] if details else type(e).__name__)[:160]
+        what = (details[0] if details else type(cause).__name__)[:160]
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
         raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
             from None

@@ -249,8 +249,9 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
         # place (p.data becomes the shard), so the same Parameter objects remain in the groups.
         groups, cls, kwargs = optimizer_recipe(model, cfg.train)
         wrap = lambda m: FairscaleFSDP(m, reshard_after_forward=d.reshard_after_forward,  # noqa: E731
-                                       compute_device=ctx.device, flatten_parameters=False, mixed_precision=low is not None,
-                                       compute_dtype=low, fp32_reduce_scatter=low is not None)
+                                       compute_device=ctx.device, flatten_parameters=False,
+                                       mixed_precision=low is not None, compute_dtype=low,
+                                       fp32_reduce_scatter=low is not None)
         for unit in fsdp_units(model):
             replace_module(model, unit, wrap(unit))
         model.register_forward_hook(join_output_grads)
