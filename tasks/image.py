@@ -26,7 +26,8 @@ MNIST_FILES = {  # name -> MD5 as published with the dataset
     "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
 }
-MNIST_MIRRORS = ["https://ossci-datasets.s3.amazonaws.com/mnist/", "https://storage.googleapis.com/cvdf-datasets/mnist/"]
+MNIST_MIRRORS = ["https://ossci-datasets.s3.amazonaws.com/mnist/",
+                 "https://storage.googleapis.com/cvdf-datasets/mnist/"]
 
 
 class Net(nn.Module):
