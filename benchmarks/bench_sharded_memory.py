@@ -29,6 +29,7 @@ STRATEGIES = [
     ("oss torch ZeRO-1", {"strategy": "oss", "oss_impl": "torch"}, lambda n: 4 + 4 + 8 / n),
     ("oss + shard_grads (ZeRO-2)", {"strategy": "oss", "shard_grads": True}, lambda n: 4 + (4 + 8) / n),
     ("fsdp (FSDP2, ZeRO-3)", {"strategy": "fsdp"}, lambda n: (4 + 4 + 8) / n),
+    ("fsdp fairscale (ZeRO-3; CPU shim)", {"strategy": "fsdp", "fsdp_impl": "fairscale"}, lambda n: (4 + 4 + 8) / n),
 ]
 
 
@@ -40,12 +41,20 @@ def build_model(name: str):
 
 
 def worker(rank: int, world: int, port: int, dist_section: dict, model_name: str, queue) -> None:
+    import dataclasses
     from config import config_from_dict
     from distributed import DistContext
     from strategies import STRATEGIES as APPLY, state_bytes
     torch.set_num_threads(1)
+    fairscale_fsdp = dist_section.get("fsdp_impl") == "fairscale"
+    if fairscale_fsdp:  # CUDA only in the product; on CPU through the shim the tests use (tests/fairscale_cpu.py)
+        from tests import fairscale_cpu
+        fairscale_cpu.install()
+        dist_section = {k: v for k, v in dist_section.items() if k != "fsdp_impl"}
     cfg = config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
                             "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
+    if fairscale_fsdp:
+        cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
     backend = None
     if cfg.dist.strategy != "none":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
