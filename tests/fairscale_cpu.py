@@ -11,7 +11,7 @@ things gloo needs:
 - clip_grad_norm_ moves the local norm with `.cuda()`: on CPU it stays where it is.
 
 What this cannot show is the CUDA-only part: streams overlapping, NCCL, fp16 on a GPU (tests/test_gpu.py).
-train() starts the ranks with the shim installed in each."""
+train() starts the ranks with the shim installed in each; benchmarks/bench_sharded_memory.py uses install()."""
 import contextlib
 import dataclasses
 import sys
