@@ -116,10 +116,12 @@ def test_early_stopping_under_sharding(tmp_path, name):
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5 and best(str(tmp_path)).endswith("step-5")
 
 
-def test_fsdp_fp16_with_sharded_loss_scaling(runs, tmp_path):
-    """fp16 autocast + FSDP2 fp16 parameters + ShardedGradScaler: trains like fp32 up to fp16 rounding, and
-    the scaler state is checkpointed."""
-    assert train(tmp_path, SHARDED["fsdp"], 16, 2, precision="fp16") == 0
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_fp16_with_loss_scaling_under_sharding(runs, tmp_path, name):
+    """fp16 autocast with loss scaling (ShardedGradScaler where ranks hold different gradients: fsdp, oss +
+    shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient): trains like fp32 up to
+    fp16 rounding, and the scaler state is checkpointed."""
+    assert train(tmp_path, SHARDED[name], 16, 2, precision="fp16") == 0
     assert logged_grad_norms(tmp_path) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-2)
     state = torch.load(tmp_path / "checkpoints" / f"step-{STEPS}" / "state.pt", weights_only=True)
     assert state["scaler"]["scale"] > 1
