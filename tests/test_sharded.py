@@ -116,15 +116,17 @@ def test_early_stopping_under_sharding(tmp_path, name):
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5 and best(str(tmp_path)).endswith("step-5")
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(SHARDED))
-def test_fp16_with_loss_scaling_under_sharding(runs, tmp_path, name):
+def test_mixed_precision_under_sharding(runs, tmp_path, name, precision):
     """fp16 autocast with loss scaling (ShardedGradScaler where ranks hold different gradients: fsdp, oss +
-    shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient): trains like fp32 up to
-    fp16 rounding, and the scaler state is checkpointed."""
-    assert train(tmp_path, SHARDED[name], 16, 2, precision="fp16") == 0
+    shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient), or bf16 without: trains
+    like fp32 up to rounding, parameters stay fp32, and the scaler state (fp16) is checkpointed."""
+    assert train(tmp_path, SHARDED[name], 16, 2, precision=precision) == 0
     assert logged_grad_norms(tmp_path) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-2)
+    assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), 1e-3)
     state = torch.load(tmp_path / "checkpoints" / f"step-{STEPS}" / "state.pt", weights_only=True)
-    assert state["scaler"]["scale"] > 1
+    assert (state["scaler"]["scale"] > 1) if precision == "fp16" else state["scaler"] is None
 
 
 def test_fsdp_checkpoint_holds_shards_not_model_pt(runs):
