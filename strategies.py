@@ -87,11 +87,14 @@ class DDPParallel(Parallel):
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
     backward. The Trainer scales the loss so that average is the mean over the global batch."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    wrapped = DDP(model, device_ids=device_ids)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return DDPParallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return DDPParallel(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+
+
+def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DistributedDataParallel on this rank's device (GPU: device_ids names it; CPU: none)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
 # ---- sharded strategies: oss (ZeRO-1/2) and fsdp (ZeRO-3); see docs/sharded.md ------------------------------
@@ -105,12 +108,10 @@ def sharded_scaler(cfg, ctx: DistContext):
     return ShardedGradScaler(ctx.device.type)
 
 
-class OSSParallel(Parallel):
+class OSSParallel(DDPParallel):
     """Optimizer state sharded over ranks (ZeRO-1; ZeRO-2 when gradients are sharded too). Each rank updates
-    only the parameters it owns, then broadcasts them, so parameters stay whole and replicated."""
-
-    def no_sync(self):
-        return self.model.no_sync()  # DDP and ShardedDataParallel both have it
+    only the parameters it owns, then broadcasts them, so parameters stay whole and replicated. The model is
+    DDP or fairscale's ShardedDataParallel: both have DDP's no_sync()."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         from fairscale.optim import OSS
@@ -133,23 +134,21 @@ def apply_oss(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
     """Optimizer state sharding. fairscale OSS (default) with DDP gradients = ZeRO-1; with dist.shard_grads,
     fairscale ShardedDataParallel reduces each gradient to its owner only = ZeRO-2. dist.oss_impl: torch uses
     PyTorch's ZeroRedundancyOptimizer with DDP (ZeRO-1)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     if cfg.dist.oss_impl == "torch":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
-        return OSSParallel(DDP(model, device_ids=device_ids), model, optimizer, ctx, make_scaler(cfg, ctx))
-    from fairscale.optim import OSS
-    optimizer = OSS(groups, optim=cls, **kwargs)
-    if not cfg.dist.shard_grads:
-        return OSSParallel(DDP(model, device_ids=device_ids), model, optimizer, ctx, make_scaler(cfg, ctx))
-    from fairscale.nn.data_parallel import ShardedDataParallel
-    # No reduce buckets: bucketed gradients are views into ShardedDataParallel's buffers, which the trainer's
-    # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed, each
-    # gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
-    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
-    return OSSParallel(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
+    else:
+        from fairscale.optim import OSS
+        optimizer = OSS(groups, optim=cls, **kwargs)
+    if cfg.dist.shard_grads:  # config.validate allows it with fairscale OSS only
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        # No reduce buckets: bucketed gradients are views into ShardedDataParallel's buffers, which the trainer's
+        # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed,
+        # each gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
+        return OSSParallel(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
+    return OSSParallel(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
