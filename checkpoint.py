@@ -151,6 +151,12 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
+def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
+    with fits_model(path, cfg):
+        model.load_state_dict(model_state_dict(path))
+
+
 def model_state_dict(path: str) -> dict:
     """A plain `{name: tensor}` state dict from any checkpoint, whatever strategy wrote it."""
     if not os.path.isdir(path):

@@ -34,11 +34,12 @@ def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, cont
     import torch
     past = None
     for _ in range(max_new_tokens):
-        if past is not None and ids.shape[1] <= context:
+        fits = ids.shape[1] < context  # the token appended now still gets a position inside the window
+        if past is None:
+            out = model(input_ids=ids[:, -context:], use_cache=fits)
+        else:  # only set when the previous step fitted, so the newest token's position is in the window
             out = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=True)
-        else:
-            out = model(input_ids=ids[:, -context:], use_cache=ids.shape[1] < context)
-        past = out.past_key_values if ids.shape[1] < context else None
+        past = out.past_key_values if fits else None
         logits = out.logits[:, -1, :].float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
@@ -66,8 +67,7 @@ def main(argv=None) -> int:
         task = build_task(cfg)
         tokenizer = task.load_tokenizer()
         model = task.build_model()
-        with checkpoint.fits_model(path, cfg):
-            model.load_state_dict(checkpoint.model_state_dict(path))
+        checkpoint.load_model(model, path, cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -222,8 +222,7 @@ class Trainer:
         path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
         if path is None:
             raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-        with checkpoint.fits_model(path, cfg):
-            self.par.raw_model.load_state_dict(checkpoint.model_state_dict(path))
+        checkpoint.load_model(self.par.raw_model, path, cfg)
         self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
         self.log.info(f"testing {path}")
         results = {}
