@@ -168,16 +168,20 @@ class BertPretrainTask(Task):
         nsp = F.cross_entropy(nsp_logits.float(), batch["nsp_labels"], reduction="none")
         return mlm, mlm_logits, targets, owner, nsp, nsp_logits
 
-    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+    @staticmethod
+    def objective_sum(mlm: torch.Tensor, owner: torch.Tensor, nsp: torch.Tensor) -> torch.Tensor:
         # -----> the pre-training objective: per-sequence mean MLM loss + NSP loss, summed over sequences.
+        # Training minimises it (loss_sum) and dev reports it as `loss` (eval_batch): one definition for both.
+        return masked_mean_per_row(mlm, owner, len(nsp)).sum() + nsp.sum()
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
         mlm, _, _, owner, nsp, _ = self.losses(model, batch)
-        per_seq = masked_mean_per_row(mlm, owner, len(nsp))
-        return per_seq.sum() + nsp.sum()
+        return self.objective_sum(mlm, owner, nsp)
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
         mlm, mlm_logits, targets, owner, nsp, nsp_logits = self.losses(model, batch)
         one = lambda x: torch.as_tensor(x, dtype=torch.float64, device=nsp.device)  # noqa: E731
-        return {"objective_sum": masked_mean_per_row(mlm, owner, len(nsp)).sum() + nsp.sum(),
+        return {"objective_sum": self.objective_sum(mlm, owner, nsp),
                 "mlm_loss_sum": mlm.sum(), "mlm_correct": (mlm_logits.argmax(-1) == targets).sum().double(),
                 "mlm_tokens": one(len(targets)), "nsp_loss_sum": nsp.sum(),
                 "nsp_correct": (nsp_logits.argmax(-1) == batch["nsp_labels"]).sum().double(),
