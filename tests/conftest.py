@@ -34,6 +34,14 @@ def make_config(output_dir, **sections):
     return config_from_dict(raw, "test")
 
 
+def logged(output_dir, key: str) -> list[float]:
+    """The values of `key` (loss, grad_norm, lr, ...) in rank 0's training lines (`step 3/6 loss=2.31 ...`), in
+    order. Anything that is not a number (nan, inf included, which float() reads) fails loudly."""
+    import re
+    with open(os.path.join(output_dir, "logs", "rank0.log")) as f:
+        return [float(v) for v in re.findall(rf"step \d+/\d+ [^\n]*?\b{key}=(\S+)", f.read())]
+
+
 def load_model_state(output_dir, step):
     import torch
     return torch.load(os.path.join(output_dir, "checkpoints", f"step-{step}", "model.pt"), weights_only=True)

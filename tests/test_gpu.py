@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from conftest import make_config
+from conftest import logged, make_config
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -38,7 +38,7 @@ def run_image(out, precision, dist=None, device="cuda", **train):
     log = open(os.path.join(out, "logs", "rank0.log")).read()
     backend = {"none": "-", "dp": "-"}.get(dist["strategy"], "nccl" if device == "cuda" else "gloo")
     assert f"backend {backend}, device {device}, precision {precision}" in log  # the plan: really on the GPU
-    losses = [float(x) for x in re.findall(r"step \d+/\d+ loss=(\S+)", log)]
+    losses = logged(out, "loss")
     dev = {int(s): float(a) for s, a in re.findall(r"step (\d+) dev: .*?accuracy=(\S+)", log)}
     return losses, dev
 

@@ -2,7 +2,6 @@
 exact resume, sharded checkpoints readable by test mode and by another world size."""
 import json
 import os
-import re
 
 import dataclasses
 
@@ -12,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fairscale_cpu
-from conftest import free_port, make_config
+from conftest import free_port, logged, make_config
 
 STEPS, SAVE_AT = 6, 3
 # Two ranks with 16 samples each see exactly the samples of one process with 32 (GlobalBatchSampler). With
@@ -51,12 +50,6 @@ def params(output_dir, step):
     return model_state_dict(os.path.join(output_dir, "checkpoints", f"step-{step}"))
 
 
-def logged_grad_norms(output_dir):
-    """The global gradient norm before clipping, as rank 0 logged it at every step."""
-    log = (output_dir / "logs" / "rank0.log").read_text()
-    return [float(m) for m in re.findall(r"grad_norm=(\S+)", log)]
-
-
 def assert_close(a, b, atol):
     assert a.keys() == b.keys()
     for k in a:
@@ -85,8 +78,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SHARDED))
 def test_sharded_training_matches_one_process(runs, name):
     assert_close(params(runs(name), STEPS), params(runs("none"), STEPS), TOL)
-    norms = logged_grad_norms(runs(name))
-    assert len(norms) == STEPS and norms == pytest.approx(logged_grad_norms(runs("none")), rel=1e-3)
+    norms = logged(runs(name), "grad_norm")
+    assert len(norms) == STEPS and norms == pytest.approx(logged(runs("none"), "grad_norm"), rel=1e-3)
     meta = json.loads((runs(name) / "checkpoints" / f"step-{STEPS}" / "meta.json").read_text())
     assert meta["format"] == ("sharded-dcp" if name == "fsdp" else "full")
 
@@ -123,7 +116,7 @@ def test_mixed_precision_under_sharding(runs, tmp_path, name, precision):
     shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient), or bf16 without: trains
     like fp32 up to rounding, parameters stay fp32, and the scaler state (fp16) is checkpointed."""
     assert train(tmp_path, SHARDED[name], 16, 2, precision=precision) == 0
-    assert logged_grad_norms(tmp_path) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-2)
+    assert logged(tmp_path, "grad_norm") == pytest.approx(logged(runs("none"), "grad_norm"), rel=1e-2)
     assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), 1e-3)
     state = torch.load(tmp_path / "checkpoints" / f"step-{STEPS}" / "state.pt", weights_only=True)
     assert (state["scaler"]["scale"] > 1) if precision == "fp16" else state["scaler"] is None
@@ -254,7 +247,7 @@ def test_fairscale_fsdp_matches_one_process(runs):
     model.pt is gathered from the shards (so test mode and any world size read it), the optimizer stays sharded."""
     out = runs("fairscale-fsdp")
     assert_close(params(out, STEPS), params(runs("none"), STEPS), TOL)
-    assert logged_grad_norms(out) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-3)
+    assert logged(out, "grad_norm") == pytest.approx(logged(runs("none"), "grad_norm"), rel=1e-3)
     ckpt = out / "checkpoints" / f"step-{STEPS}"
     assert json.loads((ckpt / "meta.json").read_text())["format"] == "sharded-fairscale"
     assert {"model.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= {p.name for p in ckpt.iterdir()}
@@ -294,7 +287,7 @@ def test_fairscale_fsdp_mixed_precision(runs, tmp_path, precision):
     """fairscale's mixed_precision (low-precision compute copies of fp32 shards, fp32 reduce-scatter) under
     autocast; fp16 with the sharded grad scaler, whose state is checkpointed."""
     assert train_fairscale_fsdp(tmp_path, 16, 2, precision=precision) == 0
-    assert logged_grad_norms(tmp_path) == pytest.approx(logged_grad_norms(runs("none")), rel=1e-2)
+    assert logged(tmp_path, "grad_norm") == pytest.approx(logged(runs("none"), "grad_norm"), rel=1e-2)
     assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), 1e-3)  # parameters stay fp32
     state = torch.load(tmp_path / "checkpoints" / f"step-{STEPS}" / "state.pt", weights_only=True)
     assert (state["scaler"]["scale"] > 1) if precision == "fp16" else state["scaler"] is None

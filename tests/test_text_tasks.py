@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, make_config, run_ranks
+from conftest import ROOT, logged, make_config, run_ranks
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_bert_shards  # noqa: E402
@@ -64,13 +64,7 @@ def train(cfg, world: int):
         Trainer(cfg, build_task(cfg), ctx).train()
     else:
         run_ranks(cfg, world, os.path.join(cfg.output_dir, "params"))
-    return logged_losses(cfg.output_dir)
-
-
-def logged_losses(output_dir) -> list[float]:
-    """The training losses rank 0 logged, in order."""
-    log = open(os.path.join(output_dir, "logs", "rank0.log")).read()
-    return [float(x) for x in re.findall(r"step \d+/\d+ loss=([\d.]+)", log)]
+    return logged(cfg.output_dir, "loss")
 
 
 def assert_falls(losses, factor):
@@ -336,7 +330,7 @@ def test_text_tasks_train_sharded_with_mixed_precision(data, tmp_path, task, str
     else:
         cfg.dist.strategy = strategy
         assert main.run(cfg) == 0
-    assert_falls(logged_losses(cfg.output_dir), 0.9)
+    assert_falls(logged(cfg.output_dir, "loss"), 0.9)
     log = open(os.path.join(cfg.output_dir, "logs", "rank0.log")).read()
     assert re.search(r"step 16 dev: loss=[\d.]+", log)  # evaluated (on every rank, in lockstep for fsdp)
 
