@@ -125,7 +125,18 @@ class TrainConfig:
     best_mode: Literal["auto", "max", "min"] = "auto"
     """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
     log_every: int = 20
-    """Print/log training loss, lr and throughput every N steps. Also the only place the host waits for the GPU."""
+    """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
+    time_limit: Union[None, int, float, str] = None
+    """Wall-clock budget of this run: seconds, or `HH:MM:SS` / `D-HH:MM:SS` as SLURM writes it. When it is used
+    up, every rank stops after the current step and a checkpoint is saved (exit code 3: run again to resume).
+    Set it a few minutes below the job's limit, leaving time for one step and one save. None: no limit."""
+    stop_signal: Optional[Literal["SIGUSR1", "SIGUSR2", "SIGHUP"]] = "SIGUSR1"
+    """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
+    `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
+    max_bad_steps: int = 5
+    """Steps whose gradient norm is NaN/Inf are skipped (parameters and optimizer state unchanged). After this
+    many in a row, training stops (exit code 4) naming the last checkpoint. fp16: overflow steps are the loss
+    scaler's business and count only once its scale has fallen below 1."""
 
 
 @dataclass
@@ -163,6 +174,10 @@ class DistConfig:
     """Where to compute. auto: cuda when available, else cpu."""
     timeout_s: int = 1800
     """Seconds a collective may wait for the other ranks before the run fails (a hung node surfaces as an error)."""
+    hang_timeout_s: float = 600
+    """Watchdog: a rank whose heartbeat stops (a frozen or dead process), or a run where no rank makes progress,
+    for this many seconds ends the run, naming the rank(s) and the step; every live rank dumps its Python stacks
+    to its log. 0: no watchdog. Raise it if one step, one evaluation or one save can take longer."""
     simulate_slowdown: Optional[list] = None
     """Testing heterogeneous clusters on one machine: one factor >= 1 per rank; rank r's forward+backward is made
     that many times slower (it busy-waits in backward, before its gradients are shared). None: no slowdown."""
@@ -366,6 +381,15 @@ def validate(cfg: Config, source: str) -> None:
         fail("train.max_steps", "and train.epochs are both 0: set at least one")
     if t.warmup >= 1 and t.warmup != int(t.warmup):
         fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {t.warmup}")
+    if t.max_bad_steps < 1:
+        fail("train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    try:
+        from faults import parse_duration
+        limit = parse_duration(t.time_limit)
+    except ValueError:
+        fail("train.time_limit", f"must be seconds or HH:MM:SS (D-HH:MM:SS), got {t.time_limit!r}")
+    if limit is not None and limit < 0:
+        fail("train.time_limit", f"must be >= 0, got {t.time_limit!r}")
     if isinstance(t.resume, bool) and t.resume:
         fail("train.resume", "must be auto, false or a checkpoint path (true is ambiguous)")
     if not 0 <= cfg.model.dropout < 1:
@@ -384,6 +408,8 @@ def validate(cfg: Config, source: str) -> None:
                                          "scripts/download_pretrained.py, or set null for a random model)")
 
     # Distribution
+    if d.hang_timeout_s < 0:
+        fail("dist.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {d.hang_timeout_s}")
     if d.nodes < 1:
         fail("dist.nodes", f"must be >= 1, got {d.nodes}")
     if not 0 <= d.node_rank < d.nodes:

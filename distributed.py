@@ -21,6 +21,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: Optional[str]  # None: no process group (strategies none and dp)
+    rendezvous: Optional[str] = None  # tcp://host:port, env:// or file://...: where the ranks met (faults.py)
 
     @property
     def is_main(self) -> bool:
@@ -66,7 +67,7 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
-    return DistContext(rank, world_size, local_rank, device, backend)
+    return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
+import time
 
-from config import Config, UserError, load_config, procs_per_node_list
+from config import Config, UserError, load_config, procs_per_node_list, world_size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,14 +37,21 @@ def main(argv=None) -> int:
 
 
 def run(cfg: Config) -> int:
-    """Start this node's processes and wait for them. Returns the exit code (0 ok, 2 user error)."""
-    import torch.multiprocessing as mp
+    """Start this node's processes and wait for them. Returns the exit code (see faults.py: 0 finished, 1 crash,
+    2 user error, 3 stopped by a signal or the time limit after saving, 4 diverged)."""
     from distributed import launcher_env
 
     if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     env = launcher_env()
+    try:
+        check_output_dir(cfg.output_dir)
+        if env is None:
+            check_port_free(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if env is not None:  # torchrun / srun started us: we are exactly one rank
         return worker(env["local_rank"], cfg, env["rank"] - env["local_rank"], env["world_size"],
                       env["rendezvous"], 1)
@@ -50,46 +59,211 @@ def run(cfg: Config) -> int:
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     if here == 1:
         return worker(0, cfg, first_rank, world, None, 1)
+    return supervise(cfg, here, first_rank, world)
+
+
+def check_output_dir(path: str) -> None:
+    """A mistake here would otherwise surface as a traceback from every rank, or at the first save."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"output_dir {path!r} is a file, not a directory")
     try:
-        mp.spawn(_spawned_worker, args=(cfg, first_rank, world, None, here), nprocs=here, join=True)
-    except mp.ProcessExitedException as e:
-        return 2 if e.exit_code == 2 else 1
-    except mp.ProcessRaisedException:
-        return 1
-    return 0
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output_dir {path!r} is not a writable directory ({e.strerror})") from None
 
 
-def _spawned_worker(local_rank: int, *args) -> None:
-    code = worker(local_rank, *args)
-    if code:
-        sys.exit(code)
+def check_port_free(cfg: Config) -> None:
+    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
+    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
+    import socket
+    d = cfg.dist
+    if d.strategy in ("none", "dp") or d.node_rank != 0 or d.init_method != "tcp" or \
+            (cfg.mode == "test") or world_size(cfg) == 1:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
+        try:
+            s.bind((d.master_addr or "127.0.0.1", d.master_port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another "
+                                f"run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}") from None
+            # EADDRNOTAVAIL: master_addr names another machine; nothing to check from here
+
+
+# ==============================================================================================================
+# Our own launcher: one process per device, watched
+# ==============================================================================================================
+GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
+
+
+def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
+    """Start `nprocs` ranks and watch them. Unlike torch.multiprocessing.spawn, this says which rank failed and
+    how: each rank leaves its last word in a report file, a rank that died without one is named with its signal
+    or exit code and the step it was at, and identical lines from several ranks are printed once. Signals sent
+    to this process (Ctrl-C, SIGTERM, the stop signal) are passed on to every rank, which stop together after
+    saving. A failed rank takes the others down within GRACE_S seconds; if this process is killed, even with
+    -9, the ranks die with it (faults.set_parent_death_signal)."""
+    import multiprocessing as mp
+    import shutil
+    import signal
+    import tempfile
+    from multiprocessing.connection import wait
+
+    mpc = mp.get_context("spawn")
+    report_dir = tempfile.mkdtemp(prefix="trainer-reports-")
+    steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
+    procs = [mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
+                         args=(i, cfg, first_rank, world, nprocs, report_dir, steps, os.getpid()))
+             for i in range(nprocs)]
+    signals_seen, kill_at, exit_order = [], None, []
+
+    def forward(signum, frame):  # the ranks run in their own process group: only we hear the terminal's Ctrl-C
+        nonlocal kill_at
+        signals_seen.append(signum)
+        for p in procs:
+            if p.exitcode is None and p.pid:
+                os.kill(p.pid, signum)
+        if len(signals_seen) > 1 and kill_at is None:  # asked twice: no more waiting for a checkpoint
+            kill_at = time.monotonic() + 10
+
+    names = ["SIGINT", "SIGTERM"] + ([cfg.train.stop_signal] if cfg.train.stop_signal else [])
+    previous = {n: signal.signal(getattr(signal, n), forward) for n in names}
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            for p in procs:
+                if p.exitcode is not None and p not in exit_order:
+                    exit_order.append(p)
+            if not alive:
+                break
+            failed = [p for p in exit_order if p.exitcode not in (0, 3)]
+            if failed and kill_at is None:
+                kill_at = time.monotonic() + GRACE_S
+            if kill_at is not None and time.monotonic() >= kill_at:
+                for p in alive:
+                    p.kill()
+            wait([p.sentinel for p in alive], timeout=0.5)
+        for p in procs:
+            p.join()
+        return summarize(procs, exit_order, first_rank, report_dir, steps)
+    finally:
+        for n, handler in previous.items():
+            signal.signal(getattr(signal, n), handler)
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int:
+    """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3)."""
+    import json
+    import signal
+    from faults import HOST
+    reports = {}
+    for i, p in enumerate(procs):
+        path = os.path.join(report_dir, f"rank{first_rank + i}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                reports[i] = json.load(f)
+    first_failed = next((p for p in exit_order if p.exitcode not in (0, 3)), None)
+    said = {}  # line -> ranks that said it, in the order said
+    for i, p in sorted(enumerate(procs), key=lambda ip: reports.get(ip[0], {}).get("time", float("inf"))):
+        rank = first_rank + i
+        if i in reports:
+            line, detail = reports[i]["line"], reports[i]["detail"]
+        elif p.exitcode and p.exitcode < 0:
+            if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
+                continue  # killed by us, after another rank failed
+            line = (f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name} at step "
+                    f"{steps[i]}")
+            detail = ""
+        elif p.exitcode:
+            line, detail = f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} at step " \
+                           f"{steps[i]} without a report (see logs/rank{rank}.log)", ""
+        else:
+            continue
+        if line in said:
+            said[line][0].append(rank)
+        else:
+            said[line] = ([rank], detail)
+    for line, (ranks, detail) in said.items():
+        stream = sys.stdout if line.startswith("stopped") or "already complete" in line else sys.stderr
+        print(line, file=stream, flush=True)
+        if detail:
+            print(detail, file=sys.stderr, flush=True)
+    if first_failed is None:
+        return max(p.exitcode for p in procs)  # 0, or 3 when stopped
+    i = procs.index(first_failed)
+    return reports[i]["code"] if i in reports else 1
+
+
+def _spawned_worker(local_rank: int, cfg, first_rank, world, nprocs, report_dir, steps, parent_pid) -> None:
+    import faults
+    faults.set_parent_death_signal(parent_pid)
+    os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
+    faults.progress.shared, faults.progress.slot = steps, local_rank
+    faults.report.report_dir = report_dir
+    sys.exit(worker(local_rank, cfg, first_rank, world, None, nprocs))
 
 
 def worker(local_rank: int, cfg: Config, first_rank: int, world: int, rendezvous, local_procs: int) -> int:
-    """One rank: join the group, build task and Trainer, train or test."""
-    import torch
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    """One rank: join the group, build task and Trainer, train or test. Returns the exit code; whatever goes
+    wrong is reported once (faults.report), naming this rank, its host and the step."""
+    import faults
+    from faults import HOST, report
 
     rank = first_rank + local_rank
-    # Processes sharing a CPU should not each start one thread per core.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
-    ctx = None
+    faults.progress.rank = rank
+    if cfg.mode == "train":
+        faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
+    ctx = watchdog = None
     try:
+        import torch
+        import distributed as D
+        from tasks import build_task
+        from trainer import Trainer, setup_logging
+
+        # Processes sharing a CPU should not each start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+        log = report.log = setup_logging(cfg.output_dir, rank)
+        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {local_rank} of {local_procs}, "
+                 f"{world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        faults.stop_request.log = log
         ctx = D.init(cfg, rank, world, local_rank, rendezvous)
-        os.makedirs(cfg.output_dir, exist_ok=True)
+        watchdog = faults.Watchdog.start(cfg, ctx)
+        if watchdog is not None:
+            report.store = watchdog.store
         trainer = Trainer(cfg, build_task(cfg), ctx)
         trainer.test() if cfg.mode == "test" else trainer.train()
+        faults.progress.at(faults.progress.step, "done")
         D.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
-        return 0
+        code = faults.EXIT_OK
     except UserError as e:
-        prefix = f"rank {rank}: " if world > 1 else ""
-        print(f"error: {prefix}{e}", file=sys.stderr)
-        return 2
+        return report(faults.EXIT_USER_ERROR, f"error: {e}")
+    except (faults.Stopped, faults.Diverged) as e:
+        code = report(e.exit_code, str(e))
+    except faults.Interrupted as e:
+        return report(128 + e.signum, f"rank {rank} on {HOST}: stopped at once by a second {e}, "
+                                      f"{faults.progress.where()}, without saving")
+    except KeyboardInterrupt:  # test mode, or before the handlers were installed
+        return report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
+    except BaseException as e:  # a crash: never lost, never silent
+        return faults.crash_report(e, watchdog)
     finally:
-        if ctx is not None:
-            D.shutdown(ctx)
+        if watchdog is not None:
+            watchdog.stop()
+    # Only after a clean end: after a failure, peers may be gone and tearing down the group could wait on them.
+    if ctx is not None:
+        D.shutdown(ctx)
+    return code
 
 
 if __name__ == "__main__":

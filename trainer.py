@@ -21,6 +21,7 @@ import torch
 import balance
 import checkpoint
 import distributed as D
+import faults
 from config import Config, CheckpointError, ConfigError, dump_yaml
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from strategies import STRATEGIES
@@ -74,6 +75,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
+        self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
 
     # ================================================================================================
     # The loop
@@ -82,6 +84,8 @@ class Trainer:
         self.resume()  # first: it replaces self.state
         self.balance_batches()
         t, state = self.t, self.state
+        if self.already_complete():
+            return {}
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
@@ -89,15 +93,21 @@ class Trainer:
         bar = self.progress_bar()
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
+            faults.progress.at(state.step + 1, "train")
             batches = [next(stream) for _ in range(t.grad_accum_steps)]
-            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == self.total_steps
-            loss_sum, count, grad_norm = self.train_step(batches, need_norm=log_now)
+            loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
-            window.add(loss_sum, count, samples=sum(len(next(iter(b.values()))) for b in batches))
-            if log_now:  # the only place the host waits for the device during training
-                self.log_train(window.flush(), grad_norm, bar)
-
+            if math.isfinite(grad_norm):
+                self.bad_steps = 0
+                window.add(loss_sum, count, samples=sum(len(next(iter(b.values()))) for b in batches))
+            else:
+                self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
+            if state.step % t.log_every == 0 or last:  # the loss window waits for the device here only
+                self.log_train(window.flush(), grad_norm, bar)
+            if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
+                self.stop(bar, metrics if evaluated_at == state.step else {}, saved_at)
+
             improved = stop = False
             if (t.eval_every and state.step % t.eval_every == 0) or last:
                 metrics = self.evaluate("dev")
@@ -117,15 +127,18 @@ class Trainer:
         self.close()
         return metrics
 
-    def train_step(self, batches: list[dict], need_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step over `batches` (the accumulation micro-batches of this rank)."""
+    def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
+        summed loss, the global count, the global gradient norm, and whether any rank asked to stop."""
         par, ctx = self.par, self.ctx
         # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
         # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
-        # all-reduce of one number is queued without making the host wait.
-        count = torch.tensor(float(sum(self.task.count(b) for b in batches)))
-        count = D.all_reduce_sum(ctx, self.to_device({"n": count})["n"])  # pinned + non-blocking on GPU
+        # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
+        # or the time limit, see faults.py), so every rank learns of a stop in the same step, for free.
+        local = torch.tensor([float(sum(self.task.count(b) for b in batches)), faults.stop_request.vote()])
+        counts = D.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
+        count = counts[0]
         scale = ctx.world_size / count
         loss_total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(batches):
@@ -139,17 +152,58 @@ class Trainer:
             loss_total += loss_sum.detach().float()
         if par.scaler:
             par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
-        grad_norm = None
-        if self.t.clip_grad_norm > 0 or need_norm:
-            grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)
+        grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)  # global: equal on every rank
+        # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
+        # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
+        norm, votes = torch.stack([grad_norm.float().reshape(()), counts[1]]).tolist()
         if par.scaler:
-            par.scaler.step(par.optimizer)  # skips the step if fp16 gradients overflowed
+            par.scaler.step(par.optimizer)  # skips the step by itself if fp16 gradients overflowed
             par.scaler.update()
-        else:
+        elif math.isfinite(norm):
             par.optimizer.step()
         par.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_total, count, grad_norm
+        return loss_total, count, norm, votes > 0
+
+    def skipped_step(self, norm: float) -> None:
+        """The step just done had a NaN/Inf gradient norm, so train_step did not apply it. Several in a row mean
+        training has diverged: stop, keeping the checkpoints written before (every rank sees the same global
+        norm, so all stop at the same step)."""
+        if self.par.scaler is not None and self.par.scaler.get_scale() >= 1:
+            return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
+        self.bad_steps += 1
+        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.bad_steps} in a "
+                         f"row; train.max_bad_steps={self.t.max_bad_steps})")
+        if self.bad_steps >= self.t.max_bad_steps:
+            last = checkpoint.latest(self.cfg.output_dir)
+            D.barrier(self.ctx)
+            raise faults.Diverged(
+                f"training diverged: {self.bad_steps} steps in a row up to step {self.state.step} had a non-finite "
+                f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
+                f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
+
+    def stop(self, bar, metrics: dict, saved_at: Optional[int]) -> None:
+        """Every rank asked (or was told) to stop after this step: save, and leave with faults.Stopped."""
+        reasons = [r for r in D.gather_objects(self.ctx, faults.stop_request.reason) if r]
+        reason = reasons[0] if reasons else "a signal"
+        if reason == "time limit":
+            reason = f"the time limit (train.time_limit={self.t.time_limit})"
+        if bar is not None:
+            bar.close()
+        if saved_at != self.state.step:
+            self.save_checkpoint(metrics)
+        self.close()
+        raise faults.Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
+                             f"run the same command to resume")
+
+    def already_complete(self) -> bool:
+        """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
+        s, t = self.state, self.t
+        done = s.step >= self.total_steps or bool(t.patience and s.evals_without_improvement >= t.patience)
+        if done and s.step > 0:
+            self.log.info(f"already complete at step {s.step} ({checkpoint.latest(self.cfg.output_dir)}): nothing "
+                          f"to do; use another output_dir or train.resume=false")
+        return done and s.step > 0
 
     # ================================================================================================
     # Evaluation
@@ -169,6 +223,7 @@ class Trainer:
         loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
         sums, arrays = {}, {}
         for batch in loader:
+            faults.progress.at(self.state.step, "eval")  # the watchdog sees evaluation advance
             with self.autocast():
                 out = self.task.eval_batch(model, self.to_device(batch))
             for k, v in out.items():
@@ -207,7 +262,8 @@ class Trainer:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})")
         value = metrics[self.best_metric]
-        better = s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
+        better = math.isfinite(value) and (  # NaN is never best
+            s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value))
         if better:
             s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
         else:
@@ -241,6 +297,8 @@ class Trainer:
     # Checkpoints
     # ================================================================================================
     def save_checkpoint(self, metrics: dict) -> None:
+        faults.progress.at(self.state.step, "save")
+        self.check_finite_parameters()
         rng = D.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
 
         def write_files(directory: str) -> None:
@@ -259,37 +317,68 @@ class Trainer:
             checkpoint.prune(self.cfg.output_dir, self.t.keep_last, keep={self.state.best_step})
             self.log.info(f"saved {path}")
 
+    def check_finite_parameters(self) -> None:
+        """A checkpoint is never written with NaN/Inf parameters. Skipped steps cannot put them there, but a finite
+        update can still overflow; then stop and keep the good checkpoints rather than replace them."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.par.raw_model.parameters()]
+        bad = torch.stack([~torch.isfinite(p).all() for p in local]).sum().float() if local else \
+            torch.zeros((), device=self.ctx.device)
+        if D.all_reduce_sum(self.ctx, bad).item() > 0:
+            raise faults.Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
+                                  f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
+
     def resume(self) -> None:
+        """Continue from a checkpoint (train.resume): `auto` takes the newest one that loads on every rank,
+        skipping (with a warning) any that cannot be read; an explicit path loads that one or stops."""
+        if self.ctx.is_main:  # left by a save or prune that was killed; nothing reads them, they only take space
+            for path in checkpoint.clean_stale(self.cfg.output_dir):
+                self.log.info(f"removed {path}: left by an interrupted save or prune")
+        D.barrier(self.ctx)
+
+        def load(path: str) -> None:
+            # Everything that may fail is read and checked before the run's state changes, except model and
+            # optimizer (a later file may fail after them); the next checkpoint tried overwrites both entirely.
+            meta = checkpoint.read_meta(path)
+            saved = meta.get("format") or "full"
+            if saved != self.par.checkpoint_format and "sharded" in saved + self.par.checkpoint_format:
+                raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
+                                      f"cannot resume under {self.cfg.dist.strategy} (format "
+                                      f"{self.par.checkpoint_format})")
+            was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
+            if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
+                raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is "
+                                      f"{self.t.optimizer}; resume with {was}, or start over with "
+                                      "train.resume: false")
+            try:
+                state = TrainState(**meta["state"])
+            except TypeError as e:
+                raise checkpoint.Unloadable(f"{path}/meta.json: unreadable (`state`: {e})") from None
+            extra = checkpoint.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
+            with checkpoint.fits_model(path, self.cfg):
+                self.par.load(path)
+            self.scheduler.load_state_dict(extra["scheduler"])
+            if self.par.scaler and extra["scaler"]:
+                self.par.scaler.load_state_dict(extra["scaler"])
+            self.state = state
+            self.resumed_batch_sizes = meta.get("batch_sizes")
+            if self.t.batch_size != "auto" and meta.get("batch_sizes") != self.batch_sizes:
+                self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of "
+                                 f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
+            if len(extra["rng"]) == self.ctx.world_size:
+                set_rng_state(extra["rng"][self.ctx.rank])
+
         r = self.t.resume
-        path = checkpoint.latest(self.cfg.output_dir) if r == "auto" else (r or None)
-        if path is None:
-            return
-        if not checkpoint.is_complete(path):
-            raise CheckpointError(f"train.resume: {path} is not a complete checkpoint directory (step-N/meta.json)")
-        meta = checkpoint.read_meta(path)
-        saved = meta.get("format") or "full"
-        if saved != self.par.checkpoint_format and "sharded" in saved + self.par.checkpoint_format:
-            raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, cannot "
-                                  f"resume under {self.cfg.dist.strategy} (format {self.par.checkpoint_format})")
-        was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
-        if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
-            raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {self.t.optimizer}; "
-                                  f"resume with {was}, or start over with train.resume: false")
-        with checkpoint.fits_model(path, self.cfg):
-            self.par.load(path)
-        extra = checkpoint.load_file(path, "state.pt")
-        self.scheduler.load_state_dict(extra["scheduler"])
-        if self.par.scaler and extra["scaler"]:
-            self.par.scaler.load_state_dict(extra["scaler"])
-        self.state = TrainState(**meta["state"])
-        self.resumed_batch_sizes = meta.get("batch_sizes")
-        if self.t.batch_size != "auto" and meta.get("batch_sizes") != self.batch_sizes:
-            self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of {meta.get('batch_sizes')}"
-                             ": the data order of the current epoch changes")
-        if len(extra["rng"]) == self.ctx.world_size:
-            set_rng_state(extra["rng"][self.ctx.rank])
-        self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
-                      f"batch {self.state.batch_in_epoch})")
+        if r == "auto":
+            path = checkpoint.load_newest(self.cfg.output_dir, self.ctx, load, self.log.warning)
+        elif r:  # an explicit path never falls back to another checkpoint
+            if not checkpoint.is_complete(r):
+                raise CheckpointError(f"train.resume: {r} is not a complete checkpoint directory (step-N/meta.json)")
+            path = checkpoint.load_on_every_rank(self.ctx, load, r)
+        else:
+            path = None
+        if path is not None:
+            self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
+                          f"batch {self.state.batch_in_epoch})")
 
     # ================================================================================================
     # Data
@@ -378,19 +467,16 @@ class Trainer:
         from tqdm import tqdm
         return tqdm(total=self.total_steps, initial=self.state.step, dynamic_ncols=True)
 
-    def log_train(self, w: dict, grad_norm: Optional[torch.Tensor], bar) -> None:
-        if not self.ctx.is_main:
-            return
+    def log_train(self, w: dict, grad_norm: float, bar) -> None:
+        """Every rank writes the line to its own log (rank 0 also to the console, or the progress bar)."""
         lr = self.scheduler.get_last_lr()[0]
-        stats = {"loss": w["loss"], "lr": lr, "samples_per_s": w["samples_per_s"]}
-        if grad_norm is not None:
-            stats["grad_norm"] = float(grad_norm)
+        stats = {"loss": w["loss"], "lr": lr, "samples_per_s": w["samples_per_s"], "grad_norm": grad_norm}
         if bar is not None:
             bar.n = self.state.step
             bar.set_postfix(loss=f"{w['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{w['samples_per_s']:.0f}")
-        else:
-            self.log.info(f"step {self.state.step}/{self.total_steps} " +
-                          " ".join(f"{k}={v:.4g}" for k, v in stats.items()))
+        self.log.info(f"step {self.state.step}/{self.total_steps} " + " ".join(f"{k}={v:.4g}" for k, v in
+                                                                              stats.items()),
+                      extra={"file_only": bar is not None})  # the bar shows it on the console
         if self.tb:
             for k, v in stats.items():
                 self.tb.add_scalar(f"train/{k}", v, self.state.step)
@@ -421,7 +507,8 @@ class Window:
         # One all-reduce for both sums, then one wait for the device (.tolist()).
         sums = torch.stack([self.loss, torch.tensor(float(self.samples), device=self.ctx.device)])
         loss, samples = D.all_reduce_sum(self.ctx, sums).tolist()
-        out = {"loss": loss / self.count.item(),
+        count = self.count.item()
+        out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
                "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
         self.reset()
         return out
@@ -479,5 +566,6 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     if rank == 0:
         sh = logging.StreamHandler(sys.stdout)
         sh.setFormatter(logging.Formatter("%(message)s"))
+        sh.addFilter(lambda record: not getattr(record, "file_only", False))
         log.addHandler(sh)
     return log

@@ -1,0 +1,345 @@
+"""When things go wrong: stop requests (signals, time limit), hung and dead ranks, and how a failure is reported.
+
+A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rules this file implements:
+- a signal (SIGTERM, SIGINT, train.stop_signal) or train.time_limit stops every rank at the same step boundary,
+  after a checkpoint is saved (the Trainer folds the request into an all-reduce each step already does);
+- a rank that stops responding is named within dist.hang_timeout_s by a watchdog thread that beats through the
+  rendezvous store; the live ranks dump their Python stacks to their logs and exit;
+- every failure is reported once, naming the rank, the host and the step; a user mistake is one line.
+
+Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
+    0  finished, or nothing left to do
+    1  crashed: a bug, a dead or hung rank (the failing rank's traceback is printed and in its log)
+    2  a user mistake (config, data, checkpoint): one line `error: ...`
+    3  stopped by a signal or by train.time_limit, after saving a checkpoint: run the same command to resume
+    4  training diverged: train.max_bad_steps non-finite steps in a row; nothing more was saved
+    128+N  stopped at once by a second signal N (e.g. 130 for a second Ctrl-C), without saving
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Optional
+
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4
+HOST = socket.gethostname()
+
+
+class Stopped(Exception):
+    """Raised by the Trainer once every rank has agreed to stop and the checkpoint is saved."""
+    exit_code = EXIT_STOPPED
+
+
+class Diverged(Exception):
+    """Raised by the Trainer when training produced too many non-finite steps in a row (or parameters)."""
+    exit_code = EXIT_DIVERGED
+
+
+class Interrupted(BaseException):
+    """A second stop signal: stop at once, without saving. BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# ==============================================================================================================
+# Where this rank is
+# ==============================================================================================================
+class Progress:
+    """What this rank is doing. Read by the watchdog thread, by crash reports, and (through shared memory) by
+    the launching process when this rank dies without a word. Updating it costs a few attribute writes."""
+
+    def __init__(self):
+        self.rank, self.step, self.ticks, self.phase = 0, 0, 0, "setup"
+        self.shared, self.slot = None, 0  # main.py's spawn: a shared array of steps, one slot per local rank
+
+    def at(self, step: int, phase: str) -> None:
+        """Called as the rank works: `step` is the optimizer step being computed (or evaluated, or saved)."""
+        self.step, self.phase = step, phase
+        self.ticks += 1
+        if self.shared is not None:
+            self.shared[self.slot] = step
+
+    def where(self) -> str:
+        return {"setup": "before training (setup)", "train": f"at step {self.step}",
+                "eval": f"evaluating at step {self.step}", "save": f"saving step {self.step}",
+                "done": f"after the last step ({self.step})"}.get(self.phase, f"at step {self.step}")
+
+
+progress = Progress()
+
+
+# ==============================================================================================================
+# Stop requests: signals and the time limit
+# ==============================================================================================================
+class StopRequest:
+    """Set by a signal handler or the time limit; the Trainer votes it into the step's all-reduce, so all ranks
+    stop after the same step. A second signal stops at once (Interrupted), as users expect from Ctrl-C twice."""
+
+    def __init__(self):
+        self.reason: Optional[str] = None
+        self.deadline: Optional[float] = None
+        self.log: Optional[logging.Logger] = None
+
+    def install(self, extra_signal: Optional[str], time_limit_s: Optional[float]) -> None:
+        """First thing in a rank (before torch is imported), so that a signal during setup is not lost."""
+        self.deadline = time.monotonic() + time_limit_s if time_limit_s else None
+        for name in ("SIGTERM", "SIGINT") + ((extra_signal,) if extra_signal else ()):
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None and self.reason != "time limit":
+            raise Interrupted(signum)
+        self.reason = signal.Signals(signum).name
+        if self.log:
+            self.log.warning(f"{self.reason} received: stopping after the current step, once a checkpoint is "
+                             f"saved (send it again to stop at once, without saving)")
+
+    def vote(self) -> float:
+        """1.0 if this rank wants to stop (a signal came, or the time limit is reached), else 0.0."""
+        if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.reason = "time limit"
+        return 0.0 if self.reason is None else 1.0
+
+
+stop_request = StopRequest()
+
+
+def parse_duration(value) -> Optional[float]:
+    """train.time_limit: seconds (a number) or 'HH:MM:SS' / 'MM:SS' / 'D-HH:MM:SS' as SLURM writes it."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip()
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+        raise ValueError(text)
+    seconds = 0.0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + 86400 * int(days or 0)
+
+
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
+    train on as orphans. (No-op elsewhere.)"""
+    try:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(EXIT_CRASH)
+
+
+# ==============================================================================================================
+# Reporting a failure: once, by rank and host
+# ==============================================================================================================
+class Reporter:
+    """Where this rank's final word goes. Under main.py's own spawn, into a file the launcher reads (it prints
+    identical lines from several ranks once). Under torchrun or srun there is no such launcher: the rank prints
+    itself, and identical lines are printed once through the rendezvous store."""
+
+    def __init__(self):
+        self.report_dir: Optional[str] = None
+        self.log: Optional[logging.Logger] = None
+        self.store = None
+
+    def __call__(self, code: int, line: str, detail: str = "") -> int:
+        if self.log:  # the log file only: the console gets it below, once
+            (self.log.info if code in (EXIT_OK, EXIT_STOPPED) else self.log.error)(
+                line + ("\n" + detail if detail else ""), extra={"file_only": True})
+        if self.report_dir:
+            record = {"rank": progress.rank, "code": code, "line": line, "detail": detail, "time": time.time()}
+            tmp = os.path.join(self.report_dir, f".rank{progress.rank}.json")
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, os.path.join(self.report_dir, f"rank{progress.rank}.json"))
+        elif self._first_to_say(line):
+            print(line, file=sys.stdout if code in (EXIT_OK, EXIT_STOPPED) else sys.stderr, flush=True)
+            if detail:
+                print(detail, file=sys.stderr, flush=True)
+        return code
+
+    def _first_to_say(self, line: str) -> bool:
+        if self.store is None:
+            return True
+        import hashlib
+        try:
+            return self.store.add("said/" + hashlib.sha1(line.encode()).hexdigest(), 1) == 1
+        except Exception:  # the store is gone with its host: better said twice than never
+            return True
+
+
+report = Reporter()
+
+
+def crash_report(exc: BaseException, watchdog: Optional["Watchdog"]) -> int:
+    """`rank R on HOST failed at step S: ...` with the traceback, to the log and the launcher. If the error came
+    from a collective whose peers vanished, name the ranks that stopped beating."""
+    summary = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    lost = watchdog.silent_ranks() if watchdog is not None and looks_like_lost_peer(exc) else None
+    if lost:
+        summary = f"lost {ranks_text(lost)}, which stopped responding (died or froze); {summary}"
+    line = f"rank {progress.rank} on {HOST} failed {progress.where()}: {summary}"
+    return report(EXIT_CRASH, line, "".join(traceback.format_exception(exc)).rstrip())
+
+
+def looks_like_lost_peer(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
+                                   "timeout", "nccl", "gloo"))
+
+
+def ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+# ==============================================================================================================
+# The watchdog: heartbeats through the rendezvous store
+# ==============================================================================================================
+class Watchdog:
+    """A daemon thread per rank. Every `interval` seconds it writes this rank's heartbeat (a beat counter, the
+    Progress ticks, step and phase) into the rendezvous store and looks for a verdict. Rank 0's thread checks
+    everyone (rank 1's checks rank 0): a rank whose beat has not changed for `timeout` seconds is frozen or dead
+    (SIGSTOP, a stuck node); if every rank is training but none has made progress for `timeout`, the run is
+    hung. The verdict goes into the store; every live rank then dumps its Python stacks into its log and exits
+    with code 1, so the launcher (or torchrun, or srun) ends the run. Beats come from a thread, so a long step
+    is not a hang; the GIL is released by every collective and kernel, so a busy rank still beats."""
+
+    def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float):
+        self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
+        self.interval = min(1.0, timeout / 4)
+        self.op_timeout = op_timeout
+        self.beat = 0
+        self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
+        self.unreachable_since: Optional[float] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    @classmethod
+    def start(cls, cfg, ctx) -> Optional["Watchdog"]:
+        timeout = cfg.dist.hang_timeout_s
+        if not ctx.distributed or not timeout:
+            return None
+        op_timeout = max(2.0, min(10.0, timeout / 2))
+        store = open_store(ctx, op_timeout)
+        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"), op_timeout)
+        w.thread.start()
+        return w
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- the thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat += 1
+                self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} "
+                                                      f"{progress.phase} {HOST}")
+                verdict = self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
+                if verdict is None and self.ctx.rank in (0, 1):
+                    verdict = self._check(list(range(self.ctx.world_size)) if self.ctx.rank == 0 else [0])
+                    if verdict:
+                        self.store.set("verdict", verdict)
+                        # Rank 0 hosts the store (under our launchers): give the others time to read the verdict
+                        # before it goes, rather than leave them with a store that vanished.
+                        self._stop.wait(2 * self.interval + 0.5)
+                self.unreachable_since = None
+            except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
+                now = time.monotonic()
+                self.unreachable_since = self.unreachable_since or now
+                if now - self.unreachable_since < self.timeout or self._stop.is_set():
+                    continue
+                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s: the process hosting "
+                           f"it (rank 0, or torchrun's agent) froze or died ({type(e).__name__})")
+            if verdict and not self._stop.is_set():
+                self._give_up(verdict)
+
+    def _check(self, ranks: list[int]) -> Optional[str]:
+        now = time.monotonic()
+        values = self.store.multi_get([f"hb/{r}" for r in ranks]) if all(
+            self.store.check([f"hb/{r}"]) for r in ranks) else None
+        if values is None:  # some rank has not beaten once yet: it is still starting
+            return None
+        phases, steps, hosts = {}, {}, {}
+        for r, raw in zip(ranks, values):
+            beat, ticks, step, phase, hosts[r] = raw.decode().split()
+            b0, t0, tb, tt = self.seen.get(r, (None, None, now, now))
+            self.seen[r] = (beat, ticks, now if beat != b0 else tb, now if ticks != t0 else tt)
+            phases[r], steps[r] = phase, int(step)
+        frozen = [r for r in ranks if now - self.seen[r][2] > self.timeout]
+        if frozen:
+            on = ", ".join(sorted({hosts[r] for r in frozen}))
+            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (no heartbeat for "
+                    f"{self.timeout:g} s: frozen or dead); see logs/rank*.log for the others' stacks")
+        if len(ranks) > 1 and all(phases[r] in ("train", "eval") for r in ranks) and \
+                all(now - self.seen[r][3] > self.timeout for r in ranks):
+            behind = [r for r in ranks if steps[r] == min(steps.values())]
+            who = ranks_text(behind) if len(behind) < len(ranks) else "every rank"
+            return (f"no progress for {self.timeout:g} s at step {min(steps.values())} ({who} stuck; "
+                    f"dist.hang_timeout_s); Python stacks of every rank are in logs/rank*.log")
+        return None
+
+    def _give_up(self, verdict: str) -> None:
+        """Dump this rank's Python stacks to its log, report, and leave at once: the main thread is stuck in
+        a collective that will not return."""
+        try:
+            with open(self.log_path, "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} rank{self.ctx.rank} watchdog: {verdict}\n"
+                        f"Python stacks of rank {self.ctx.rank} ({progress.where()}):\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            report(EXIT_CRASH, f"hang detected by the watchdog: {verdict}")  # the same line on every rank
+        finally:
+            os._exit(EXIT_CRASH)
+
+    def silent_ranks(self, wait: Optional[float] = None) -> Optional[list[int]]:
+        """Ranks whose heartbeat does not move during `wait` seconds (used after a collective failed, to name
+        the peers that died). None if the store cannot tell."""
+        try:
+            keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
+            before = [v.split()[0] for v in self.store.multi_get(keys)]
+            time.sleep(wait if wait is not None else 3 * self.interval + 0.5)
+            after = [v.split()[0] for v in self.store.multi_get(keys)]
+        except Exception:
+            return None
+        return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
+
+
+def open_store(ctx, op_timeout: float):
+    """A store connection of the watchdog's own, with a short timeout, so that a frozen store host makes the
+    watchdog notice instead of blocking it as long as the process group's timeout (dist.timeout_s)."""
+    import torch.distributed as dist
+    from urllib.parse import urlparse
+    timeout = datetime.timedelta(seconds=op_timeout)
+    address = None
+    if ctx.rendezvous and ctx.rendezvous.startswith("tcp://"):
+        u = urlparse(ctx.rendezvous)
+        address = (u.hostname, u.port)
+    elif ctx.rendezvous == "env://":
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if address is not None:
+        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
+    else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
+        from torch.distributed import distributed_c10d as c10d
+        store = c10d._get_default_store()
+    # torchrun keeps its store across restarts of the workers: a verdict of the last attempt must not end this one.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trainer-watchdog/{attempt}/", store)

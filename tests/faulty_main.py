@@ -1,0 +1,46 @@
+"""main.py with one fault injected into a rank, for tests/test_faults.py.
+
+    FAULT=raise:RANK:STEP  rank RANK raises ValueError("injected fault") in step STEP
+    FAULT=nan:RANK:STEP    rank RANK's loss is NaN in step STEP (so is every rank's gradient, after the all-reduce)
+    FAULT=hang:RANK:STEP   rank RANK's main thread sleeps for an hour in step STEP (its watchdog thread still beats)
+    FAULT=slow:RANK:STEP   every step sleeps STEP milliseconds on rank RANK (-1: all ranks): time to send signals
+
+The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
+again (as __mp_main__), so they are patched too. The product has no test hook.
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import trainer  # noqa: E402
+
+FAULT = os.environ.get("FAULT", "")
+if FAULT:
+    kind, fault_rank, fault_step = FAULT.split(":")
+    original_step = trainer.Trainer.train_step
+
+    def train_step(self, batches):
+        here = int(fault_rank) in (self.ctx.rank, -1)
+        if kind == "slow" and here:
+            time.sleep(int(fault_step) / 1000)
+        elif here and self.state.step + 1 == int(fault_step):
+            if kind == "raise":
+                raise ValueError("injected fault")
+            if kind == "hang":
+                time.sleep(3600)
+            if kind == "nan":
+                loss_sum = self.task.loss_sum
+                self.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
+                try:
+                    return original_step(self, batches)
+                finally:
+                    self.task.loss_sum = loss_sum
+        return original_step(self, batches)
+
+    trainer.Trainer.train_step = train_step
+
+if __name__ == "__main__":
+    import main
+    sys.exit(main.main())

@@ -1,0 +1,314 @@
+"""Faults: a rank that crashes, dies, freezes or hangs; signals and the time limit; NaN; user mistakes at start.
+
+Multi-process runs go through `python tests/faulty_main.py` (main.py plus an injected fault) as a user would run
+them: a separate process group, signals sent from outside, stdout/stderr and exit codes read as they are.
+"""
+import copy
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, free_port, load_model_state, make_config, max_diff
+
+import faults
+import main
+
+HOST = socket.gethostname()
+
+
+def args(out, *extra, procs=2, steps=40):
+    return ["--set", f"output_dir={out}", "--set", "dist.strategy=ddp", "--set", f"dist.procs_per_node={procs}",
+            "--set", f"dist.master_port={free_port()}", "--set", "log.tensorboard=false",
+            "--set", "log.progress_bar=false", "--set", "model.dropout=0", "--set", "train.eval_every=0",
+            "--set", f"train.max_steps={steps}", "--set", "train.epochs=0", "--set", "train.log_every=1",
+            "--set", "train.batch_size=16", *extra]
+
+
+def start(out, *extra, fault=None, procs=2, steps=40):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "FAULT"))}
+    env["OMP_NUM_THREADS"] = "1"
+    if fault:
+        env["FAULT"] = fault
+    return subprocess.Popen([sys.executable, "tests/faulty_main.py", *args(out, *extra, procs=procs, steps=steps)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, like a job started from a shell
+
+
+def wait_for_log(out, rank, pattern, timeout=60):
+    path = os.path.join(out, "logs", f"rank{rank}.log")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                if re.search(pattern, f.read()):
+                    return
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} not in {path} after {timeout} s")
+
+
+def ranks_of(proc):
+    """The rank processes main.py started (its children that are Python processes, in start order)."""
+    kids = [c for c in psutil.Process(proc.pid).children() if "python" in c.name().lower()]
+    return sorted((c for c in kids if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+
+
+def finish(proc, timeout=60):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            c.kill()
+        raise
+    return proc.returncode, out, err
+
+
+# ==============================================================================================================
+# Signals and the time limit: every rank stops at the same step, saves, exits 3; the run resumes exactly
+# ==============================================================================================================
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, fault="slow:-1:100")  # 0.1 s per step: time to send the signal mid-run
+    wait_for_log(out, 1, r"step 5/40")
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc)
+    assert code == faults.EXIT_STOPPED, stderr
+    lines = [line for line in stdout.splitlines() if line.startswith("stopped by")]
+    assert len(lines) == 1, stdout  # said by both ranks, printed once
+    m = re.fullmatch(r"stopped by SIGTERM at step (\d+); saved step-\1; run the same command to resume", lines[0])
+    assert m, lines
+    step = int(m.group(1))
+    assert 5 <= step < 40 and (out / "checkpoints" / f"step-{step}" / "meta.json").exists()
+    assert "Traceback" not in stderr
+    with open(out / "logs" / "rank1.log") as f:  # every rank's log has its own lines
+        log1 = f.read()
+    assert "SIGTERM received" in log1 and "step 5/40" in log1 and lines[0] in log1
+
+    code, _, stderr = finish(start(out))  # the same command again: resumes and finishes
+    assert code == 0, stderr
+    ref = tmp_path / "ref"
+    code, _, stderr = finish(start(ref))
+    assert code == 0, stderr
+    assert max_diff(load_model_state(out, 40), load_model_state(ref, 40)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "SIGUSR1", "time_limit"])
+def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
+    out = tmp_path / how
+    extra = ["--set", "train.time_limit=00:00:04"] if how == "time_limit" else []
+    proc = start(out, *extra, fault="slow:-1:100", steps=400)
+    if how != "time_limit":  # (the clock starts with the ranks: a slow setup may use up 4 s before step 3)
+        wait_for_log(out, 0, r"step 3/400")
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground process group
+    elif how == "SIGUSR1":
+        proc.send_signal(signal.SIGUSR1)
+    code, stdout, stderr = finish(proc)
+    assert code == faults.EXIT_STOPPED, stderr
+    reason = {"ctrl-c": "SIGINT", "SIGUSR1": "SIGUSR1",
+              "time_limit": r"the time limit \(train.time_limit=00:00:04\)"}[how]
+    m = re.search(rf"^stopped by {reason} at step (\d+); saved step-(\d+); run the same command to resume$",
+                  stdout, re.M)
+    assert m and m.group(1) == m.group(2), stdout + stderr
+    assert (out / "checkpoints" / f"step-{m.group(1)}" / "meta.json").exists()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+
+
+# ==============================================================================================================
+# A crashing, dying, freezing or hanging rank: reported once by rank, host and step; the run ends fast
+# ==============================================================================================================
+@pytest.mark.slow
+def test_crash_in_one_rank_is_reported_with_rank_host_step_and_traceback(tmp_path):
+    out = tmp_path / "run"
+    code, _, stderr = finish(start(out, fault="raise:1:3"))
+    assert code == faults.EXIT_CRASH
+    first = stderr.splitlines()[0]
+    assert first == f"rank 1 on {HOST} failed at step 3: ValueError: injected fault", stderr
+    assert stderr.count("ValueError: injected fault") == 2  # the heading and the traceback's last line, once
+    assert "Traceback (most recent call last)" in stderr and "faulty_main.py" in stderr
+    with open(out / "logs" / "rank1.log") as f:
+        log1 = f.read()
+    assert first in log1 and "Traceback" in log1
+
+
+@pytest.mark.slow
+def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
+    proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
+    wait_for_log(tmp_path / "run", 1, r"step 3/")
+    ranks = ranks_of(proc)
+    assert len(ranks) == 2
+    ranks[1].kill()
+    t0 = time.monotonic()
+    code, _, stderr = finish(proc, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert code == faults.EXIT_CRASH
+    assert re.match(rf"rank 1 on {HOST} \(pid {ranks[1].pid}\) died from SIGKILL at step \d+$", stderr.splitlines()[0]), \
+        stderr
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+@pytest.mark.slow
+def test_workers_die_with_their_launcher_killed_by_sigkill(tmp_path):
+    proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
+    wait_for_log(tmp_path / "run", 1, r"step 3/")
+    ranks = ranks_of(proc)
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=5)
+    assert not alive, [p.pid for p in alive]
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, "--set", "dist.hang_timeout_s=3", fault="slow:-1:20", steps=100000)
+    wait_for_log(out, 1, r"step 3/")
+    ranks = ranks_of(proc)
+    ranks[1].suspend()  # SIGSTOP: the process, its heartbeat thread included, stops
+    t0 = time.monotonic()
+    code, _, stderr = finish(proc, timeout=60)
+    assert time.monotonic() - t0 < 3 + 6  # the timeout, plus a beat interval and the launcher's grace
+    assert code == faults.EXIT_CRASH
+    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ ", stderr), \
+        stderr
+    with open(out / "logs" / "rank0.log") as f:
+        log0 = f.read()
+    assert "Python stacks of rank 0" in log0 and "in train_step" in log0
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+@pytest.mark.slow
+def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
+    out = tmp_path / "run"
+    code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", fault="hang:1:4"), timeout=60)
+    assert code == faults.EXIT_CRASH
+    assert len(stderr.splitlines()) == 1, stderr  # every rank saw the verdict; said once
+    assert "no progress for 3 s at step 4" in stderr
+    with open(out / "logs" / "rank1.log") as f:
+        assert "faulty_main.py" in f.read()  # rank 1's stack shows where it hangs
+
+
+# ==============================================================================================================
+# User mistakes: one line, exit 2, before training
+# ==============================================================================================================
+def test_same_user_error_on_every_rank_is_printed_once(tmp_path):
+    code, _, stderr = finish(start(tmp_path / "run", "--set", "data.dataset=mnist",
+                                   "--set", f"data.data_dir={tmp_path}/none", "--set", "data.download=false"))
+    assert code == faults.EXIT_USER_ERROR
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
+
+
+def test_port_in_use_is_one_line_with_the_fix(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, _, stderr = finish(start(tmp_path / "run", "--set", f"dist.master_port={port}"))
+    assert code == faults.EXIT_USER_ERROR
+    assert stderr.strip() == (f"error: dist.master_port {port} is already in use on this machine (another run?); "
+                              f"pick a free one, e.g. --set dist.master_port={port + 1}")
+
+
+def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    cfg = make_config(tmp_path / "file", train={"max_steps": 1})
+    assert main.run(cfg) == faults.EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip() == f"error: output_dir {str(tmp_path / 'file')!r} is a file, not a directory"
+    cfg = make_config(tmp_path / "file" / "sub", train={"max_steps": 1})
+    assert main.run(cfg) == faults.EXIT_USER_ERROR
+    assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_finished_run_says_already_complete(tmp_path, capsys):
+    cfg = make_config(tmp_path, train={"max_steps": 3, "eval_every": 0})
+    assert main.run(cfg) == 0
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    capsys.readouterr()
+    assert main.run(cfg) == 0
+    assert (f"already complete at step 3 ({tmp_path}/checkpoints/step-3): nothing to do; use another output_dir "
+            f"or train.resume=false") in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+
+
+def test_time_limit_and_signal_config():
+    assert faults.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert faults.parse_duration("05:00") == 300 and faults.parse_duration(90) == 90
+    from config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match="train.time_limit"):
+        config_from_dict({"train": {"time_limit": "3 hours"}})
+    with pytest.raises(ConfigError, match="train.stop_signal"):
+        config_from_dict({"train": {"stop_signal": "SIGKILL"}})
+
+
+# ==============================================================================================================
+# Non-finite steps never reach the parameters
+# ==============================================================================================================
+def make_trainer(tmp_path, **train):
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, **train})
+    return Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nan_step_leaves_parameters_and_optimizer_state_unchanged(tmp_path, precision):
+    tr = make_trainer(tmp_path, precision=precision)
+    stream = tr.micro_batches()
+    tr.train_step([next(stream)])  # the optimizer has state now
+    params = copy.deepcopy(tr.par.raw_model.state_dict())
+    opt = copy.deepcopy(tr.par.optimizer.state_dict())
+    loss_sum = tr.task.loss_sum
+    tr.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
+    _, _, norm, _ = tr.train_step([next(stream)])
+    assert norm != norm  # nan
+    assert max_diff(tr.par.raw_model.state_dict(), params) == 0
+    after = tr.par.optimizer.state_dict()["state"]
+    assert all(torch.equal(after[k][n], opt["state"][k][n]) for k in after for n in after[k])
+    tr.task.loss_sum = loss_sum
+    _, _, norm, _ = tr.train_step([next(stream)])  # and training goes on
+    assert norm == norm and max_diff(tr.par.raw_model.state_dict(), params) > 0
+
+
+def test_diverged_run_stops_with_exit_4_keeping_good_checkpoints(tmp_path, capsys):
+    cfg = make_config(tmp_path, train={"max_steps": 50, "eval_every": 0, "save_every": 1, "lr": 1e6,
+                                       "max_bad_steps": 3})
+    assert main.run(cfg) == faults.EXIT_DIVERGED
+    err = capsys.readouterr().err
+    m = re.search(r"training diverged: 3 steps in a row up to step (\d+) had a non-finite gradient norm .*; last "
+                  r"checkpoint: (\S+) ", err)
+    assert m, err
+    import checkpoint
+    found = checkpoint.complete_checkpoints(str(tmp_path))
+    assert found and m.group(2) == found[-1][1]
+    for _, path in found:  # every checkpoint written is finite
+        assert all(torch.isfinite(v).all() for v in torch.load(os.path.join(path, "model.pt")).values())
+
+
+def test_nan_is_never_best(tmp_path):
+    tr = make_trainer(tmp_path, best_metric="accuracy")
+    assert tr.track_best({"accuracy": 0.5})[0]
+    assert not tr.track_best({"accuracy": float("nan")})[0]
+    assert tr.state.best_value == 0.5
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    out = tmp_path / "run"
+    code, _, stderr = finish(start(out, fault="nan:1:3", steps=6))
+    assert code == 0, stderr
+    for rank in (0, 1):
+        with open(out / "logs" / f"rank{rank}.log") as f:
+            assert "step 3: gradient norm is nan: update skipped (1 in a row" in f.read()
+    assert all(torch.isfinite(v).all() for v in load_model_state(out, 6).values())
