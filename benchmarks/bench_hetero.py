@@ -32,13 +32,13 @@ def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
     """(samples this rank trained on, wall seconds, CPU seconds of this process) for `steps` optimizer steps,
     after one untimed step."""
     import distributed as D
-    trainer.train_step([next(stream)], need_norm=False)
+    trainer.train_step([next(stream)])
     D.barrier(trainer.ctx)
     start, cpu_start, samples = time.perf_counter(), time.process_time(), 0
     for _ in range(steps):
         batch = next(stream)
         samples += trainer.task.count(batch)
-        trainer.train_step([batch], need_norm=False)
+        trainer.train_step([batch])
     D.barrier(trainer.ctx)  # the step is over when the slowest rank is done
     return samples, time.perf_counter() - start, time.process_time() - cpu_start
 
