@@ -6,9 +6,12 @@ Each shard holds, for N sequences of fixed length L (128 or 512):
     next_sentence_labels                 [N]     1 if sentence B is a random sentence, 0 if it follows A
 `scripts/make_bert_shards.py` writes the same format from raw text.
 
-Memory: start-up reads only each shard's shape; samples are read row by row from the one shard that is open.
-The dataset exposes `shard_sizes`, so the Trainer's sampler shuffles shard order and samples within a shard and
-a rank reads one file at a time, as NVIDIA's loader does.
+Memory: samples are read row by row from the one shard that is open. The dataset exposes `shard_sizes`, so the
+Trainer's sampler shuffles shard order and samples within a shard and a rank reads one file at a time, as NVIDIA's
+loader does. At start-up every shard is checked once, whole arrays at a time (in chunks of rows, vectorised):
+a value the model cannot take (a token id outside the vocabulary, a masked position outside the sequence, a
+label other than 0/1, ...) is a DataError naming the shard and `dataset[row][column]`, before training starts,
+instead of an index error (or a CUDA device-side assert) whenever its batch comes up.
 
 Loss, and what `count` means: one unit is one SEQUENCE. Each sequence contributes
     (mean cross-entropy over its own masked tokens) + (its next-sentence cross-entropy),
@@ -23,6 +26,7 @@ from __future__ import annotations
 import bisect
 import glob
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,10 +36,23 @@ from torch.utils.data import Dataset
 
 from config import DataError
 from tasks.base import Task
+from tasks.text_common import check_pretrained_dir
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
-BERT_PRESETS = {  # randomly initialised sizes; vocab 30522 = the uncased WordPiece vocab the shards are made with
+
+class ModelLimits(NamedTuple):
+    """What the model can index: token ids < vocab_size, segment ids < type_vocab_size, sequences of at most
+    max_positions tokens. The shards are checked against these before training."""
+    vocab_size: int = 30522  # the uncased WordPiece vocab the shards are made with
+    type_vocab_size: int = 2  # sentence A and sentence B
+    max_positions: int = 512
+
+
+RANDOM_MODEL = ModelLimits()  # the randomly initialised models of BERT_PRESETS
+CHECK_ELEMENTS = 1 << 22  # values per [rows, L] array read at once by the start-up check (16 MB of int32)
+
+BERT_PRESETS = {  # randomly initialised sizes (vocabulary and positions: RANDOM_MODEL)
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
@@ -43,26 +60,35 @@ BERT_PRESETS = {  # randomly initialised sizes; vocab 30522 = the uncased WordPi
 
 
 class HDF5Shards(Dataset):
-    """Map-style view over a list of shard files; sample i lives in shard `bisect(starts, i) - 1`."""
+    """Map-style view over a list of shard files; sample i lives in shard `bisect(starts, i) - 1`.
+    Every shard is checked at construction against what the model can index (`limits`, see check_shards)."""
 
-    def __init__(self, files: list[str]):
+    def __init__(self, files: list[str], limits: ModelLimits = RANDOM_MODEL):
         import h5py
         self.files = files
         self.shard_sizes = []
-        for path in files:  # shapes only: h5py reads metadata, no sample data
+        for path in files:  # the shapes, on every rank (metadata only); the values are check_shards' work
             try:
                 with h5py.File(path, "r") as f:
                     missing = [k for k in KEYS if k not in f]
                     if missing:
                         raise DataError(f"{path}: not a BERT pre-training shard (missing {', '.join(missing)})")
+                    flat = [k for k in KEYS if not isinstance(f[k], h5py.Dataset) or not f[k].shape]
+                    if flat:
+                        raise DataError(f"{path}: {', '.join(flat)} must be arrays with one row per sequence")
                     n = f["input_ids"].shape[0]
                     if any(f[k].shape[0] != n for k in KEYS):
                         raise DataError(f"{path}: datasets disagree on the number of sequences "
                                         f"({', '.join(f'{k}={f[k].shape[0]}' for k in KEYS)})")
-                    self.seq_length = f["input_ids"].shape[1]
+                    length = check_shapes(path, f)
+                    if self.shard_sizes and length != self.seq_length:  # a batch stacks rows of several shards
+                        raise DataError(f"{path}: sequences of {length} tokens, but {files[0]} has {self.seq_length}; "
+                                        "all shards of a split need one sequence length")
+                    self.seq_length = length
             except OSError as e:
                 raise DataError(f"{path}: not a readable HDF5 file ({e})") from None
             self.shard_sizes.append(n)
+        check_shards(files, limits)
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).tolist()
         self.open_index, self.open_file = None, None  # the one shard this process has open
 
@@ -96,6 +122,107 @@ class HDF5Shards(Dataset):
                 "nsp_labels": row["next_sentence_labels"].reshape(())}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The start-up check of a shard: shapes, then every value, whole arrays at a time
+# ----------------------------------------------------------------------------------------------------------------
+def check_shapes(path: str, f) -> int:
+    """Integer arrays of the shapes __getitem__ and collate rely on. Returns the sequence length L."""
+    for key in KEYS:
+        if f[key].dtype.kind not in "iu":  # float ids would be truncated silently by astype(int64)
+            raise DataError(f"{path}: {key} holds {f[key].dtype} values; token ids, masks, positions and labels "
+                            "are integers")
+    n, shape = f["input_ids"].shape[0], lambda key: "x".join(map(str, f[key].shape))  # noqa: E731
+    if len(f["input_ids"].shape) != 2:
+        raise DataError(f"{path}: input_ids is {shape('input_ids')}; expected [sequences, sequence length]")
+    for key in ("input_mask", "segment_ids"):
+        if f[key].shape != f["input_ids"].shape:
+            raise DataError(f"{path}: {key} is {shape(key)} but input_ids {shape('input_ids')}; they must match")
+    if len(f["masked_lm_positions"].shape) != 2 or f["masked_lm_ids"].shape != f["masked_lm_positions"].shape:
+        raise DataError(f"{path}: masked_lm_positions is {shape('masked_lm_positions')} and masked_lm_ids "
+                        f"{shape('masked_lm_ids')}; both must be [sequences, max predictions]")
+    if f["next_sentence_labels"].shape not in ((n,), (n, 1)):
+        raise DataError(f"{path}: next_sentence_labels is {shape('next_sentence_labels')}; expected one label per "
+                        f"sequence ({n})")
+    return f["input_ids"].shape[1]
+
+
+def check_shards(files: list[str], limits: ModelLimits) -> None:
+    """check_shard on every file. Under torch.distributed each rank checks every world-th file (reading all the
+    data once per job, not once per rank) and the ranks then share what they found, so every rank raises the
+    same one-line DataError, or none does."""
+    import h5py
+    import torch.distributed as dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = None
+    for path in files[rank::world]:
+        try:
+            with h5py.File(path, "r") as f:
+                check_shard(path, f, limits)
+        except DataError as e:
+            found = str(e)
+        except OSError as e:  # a chunk that cannot be read or decompressed
+            found = f"{path}: not a readable HDF5 file ({e})"
+        if found:
+            break
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, found)  # the rank order decides which error is shown: the same everywhere
+        found = next((e for e in everyone if e), None)
+    if found:
+        raise DataError(found)
+
+
+def check_shard(path: str, f, limits: ModelLimits) -> None:
+    """Every value of the shard is one the model can take, checked with numpy on blocks of rows, each array read
+    once. The first bad value is reported as `dataset[row][column] = value`, with what is allowed.
+    Cost, measured on a generated 100,000 x 128 shard (2 shared CPU cores): 0.1 s uncompressed, 0.7 s gzipped
+    (the numpy part 0.06 s; the rest is reading, i.e. decompressing, the arrays once), against 2 min (35 min
+    gzipped) for __getitem__ to read the rows of one epoch."""
+    n, length = f["input_ids"].shape
+    rows = max(1, CHECK_ELEMENTS // max(length, 1))
+    for start in range(0, n, rows):
+        block = {k: f[k][start:start + rows] for k in KEYS}
+        check_block(path, block, start, length, limits)
+
+
+def check_block(path: str, b: dict, start: int, length: int, limits: ModelLimits) -> None:
+    """check_shard on rows start.. of the shard (`b`: each dataset's rows)."""
+    def fail_if(bad: np.ndarray, key: str, values: np.ndarray, what: str) -> None:
+        """DataError at the first True of `bad`: `key[row][column] = value what`, and how many more there are."""
+        if bad.any():
+            first = np.unravel_index(int(np.argmax(bad)), bad.shape)  # argmax: the first True, row-major
+            where = f"{key}[{start + first[0]}]" + "".join(f"[{i}]" for i in first[1:])
+            more = int(bad.sum()) - 1
+            others = f" (and {more} more in rows {start}-{start + len(bad) - 1})" if more else ""
+            raise DataError(f"{path}: {where} {what.format(values[first])}{others}")
+
+    mask, ids, segments = b["input_mask"], b["input_ids"], b["segment_ids"]
+    fail_if((mask != 0) & (mask != 1), "input_mask", mask, "= {} is not 0 or 1 (1: a real token, 0: padding)")
+    # collate keeps the first max(real tokens) columns of a batch: real tokens come first, then padding.
+    after_padding = np.zeros(mask.shape, bool)
+    after_padding[:, 1:] = mask[:, 1:] > mask[:, :-1]
+    fail_if(after_padding, "input_mask", mask, "= {} follows a 0: real tokens must come first, then padding")
+    real = mask.sum(axis=1)
+    fail_if(real == 0, "input_mask", real, "is all 0: an empty sequence (a sequence has at least [CLS])")
+    fail_if(real > limits.max_positions, "input_mask", real, f"has {{}} real tokens, more than the model's "
+            f"{limits.max_positions} positions (max_position_embeddings)")
+    vocab = f"(vocab_size {limits.vocab_size}: ids 0-{limits.vocab_size - 1})"
+    fail_if((ids < 0) | (ids >= limits.vocab_size), "input_ids", ids, f"= {{}} is outside the vocabulary {vocab}")
+    fail_if((segments < 0) | (segments >= limits.type_vocab_size), "segment_ids", segments,
+            f"= {{}} is not a segment id (0-{limits.type_vocab_size - 1}: 0 for sentence A, 1 for sentence B)")
+    positions, targets = b["masked_lm_positions"], b["masked_lm_ids"]
+    fail_if((positions < 0) | (positions >= length), "masked_lm_positions", positions,
+            f"= {{}} is outside the sequence (length {length}: positions 0-{length - 1})")
+    # 0 marks an unused slot ([CLS] is never masked); a used one must point at a real token, not at padding.
+    fail_if((positions != 0) & (positions >= real[:, None]), "masked_lm_positions", positions,
+            "= {} points at padding, past the sequence's real tokens (input_mask is 0 there)")
+    fail_if((targets < 0) | (targets >= limits.vocab_size), "masked_lm_ids", targets,
+            f"= {{}} is outside the vocabulary {vocab}")
+    labels = b["next_sentence_labels"].reshape(-1)
+    fail_if((labels != 0) & (labels != 1), "next_sentence_labels", labels,
+            "= {} is not 0 or 1 (0: sentence B follows A, 1: B is a random sentence)")
+
+
 class PretrainingModel(nn.Module):
     """BertForPreTraining whose forward scores only the masked positions (the vocabulary projection of every
     position would cost ~7x the memory of the rest of the model at seq 128). It is one module with one forward,
@@ -121,7 +248,8 @@ class BertPretrainTask(Task):
         d = self.cfg.data
         train = self.find_shards(d.train_files or os.path.join(d.data_dir, "training", "*.hdf5"), "train_files")
         dev = self.find_shards(d.dev_files or os.path.join(d.data_dir, "test", "*.hdf5"), "dev_files")
-        datasets = {"train": HDF5Shards(train), "dev": HDF5Shards(dev), "test": None}
+        limits = self.model_limits()
+        datasets = {"train": HDF5Shards(train, limits), "dev": HDF5Shards(dev, limits), "test": None}
         if datasets["train"].seq_length != datasets["dev"].seq_length:
             raise DataError(f"{dev[0]}: sequence length {datasets['dev'].seq_length} differs from the training "
                             f"shards' {datasets['train'].seq_length}")
@@ -135,6 +263,15 @@ class BertPretrainTask(Task):
                             "scripts/make_bert_shards.py, or set data.train_files / data.dev_files)")
         return files
 
+    def model_limits(self) -> ModelLimits:
+        """What build_model's model can index, known before it is built (the shards are checked against it):
+        pretrained_dir's config.json, or the random models' sizes."""
+        if not self.cfg.model.pretrained_dir:
+            return RANDOM_MODEL
+        from transformers import BertConfig
+        c = BertConfig.from_pretrained(check_pretrained_dir(self.cfg.model.pretrained_dir))
+        return ModelLimits(c.vocab_size, c.type_vocab_size, c.max_position_embeddings)
+
     def build_model(self) -> nn.Module:
         from transformers import BertConfig, BertForPreTraining
         m = self.cfg.model
@@ -144,7 +281,8 @@ class BertPretrainTask(Task):
         if m.name not in BERT_PRESETS:
             raise DataError(f"model.name: bert_pretrain builds {', '.join(BERT_PRESETS)}, not {m.name!r}")
         # -----> the randomly initialised model: change its sizes in BERT_PRESETS.
-        config = BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=m.dropout,
+        config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,
+                            max_position_embeddings=RANDOM_MODEL.max_positions, hidden_dropout_prob=m.dropout,
                             attention_probs_dropout_prob=m.dropout, **BERT_PRESETS[m.name])
         return PretrainingModel(BertForPreTraining(config))
 

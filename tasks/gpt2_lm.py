@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from config import DataError
 from tasks.base import Task
-from tasks.text_common import load_or_train_tokenizer
+from tasks.text_common import load_or_train_tokenizer, read_utf8
 
 GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
     "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
@@ -32,16 +32,42 @@ GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
 
 
 def read_texts(path: str) -> list[str]:
+    """The JSON array of strings in `path`. Everything the tokenizer would choke on later (invalid UTF-8, JSON
+    that is not an array of strings, a lone surrogate) is a DataError naming the file, and the line or item."""
     try:
-        with open(path, encoding="utf-8") as f:
-            texts = json.load(f)
+        texts = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise DataError(f"{path}: expected a JSON array of strings")
+        raise DataError(f"{path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg})") from None
+    if not isinstance(texts, list):
+        raise DataError(f"{path}: expected a JSON array of strings, got {json_kind(texts)}")
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise DataError(f"{path}: expected a JSON array of strings; item {bad} is {json_kind(texts[bad])}")
     if not texts:
         raise DataError(f"{path}: no texts")
+    check_surrogates(path, texts)
     return texts
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (a dict is an object, a float a number)."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", int: "a number",
+             float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def check_surrogates(path: str, texts: list[str]) -> None:
+    """JSON may spell a lone UTF-16 surrogate (`"\\ud800"`): valid JSON, but not text. The tokenizer refuses it
+    with a bare TypeError naming nothing, so find it here: one encode of all texts, item by item only on error."""
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path}: item {i} holds a lone surrogate \\u{ord(text[e.start]):04x} at character "
+                                f"{e.start}, which is not text; escapes \\ud800-\\udfff must come in valid pairs")
 
 
 class Blocks(Dataset):
@@ -55,6 +81,7 @@ class Blocks(Dataset):
         if n == 0:
             raise DataError(f"{path}: {len(ids)} tokens, fewer than one block of data.max_length={block} + 1")
         flat = torch.tensor(ids[: n * block + 1])
+        self.path = path
         self.blocks = flat.unfold(0, block + 1, block)  # overlapping by one token: [n, block + 1]
 
     def __len__(self) -> int:
@@ -92,6 +119,7 @@ class GPT2LMTask(Task):
         self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: texts["train"], kind="gpt2")
         where = {split: os.path.join(self.cfg.data.data_dir, f"{split}.json") for split in texts}
         datasets = {s: Blocks(t, self.tokenizer, self.cfg.data.max_length, where[s]) for s, t in texts.items()}
+        self.datasets = datasets  # for check_fits, once the model is known
         datasets.setdefault("test", None)
         return datasets
 
@@ -101,7 +129,9 @@ class GPT2LMTask(Task):
         m = self.cfg.model
         if m.pretrained_dir:
             # -----> start from another causal LM checkpoint (any GPT-2 style HF folder).
-            return GPT2LMHeadModel.from_pretrained(m.pretrained_dir)
+            model = GPT2LMHeadModel.from_pretrained(m.pretrained_dir)
+            self.check_fits(model.config)
+            return model
         if m.name not in GPT2_PRESETS:
             raise DataError(f"model.name: gpt2_lm builds {', '.join(GPT2_PRESETS)}, not {m.name!r}")
         # -----> the randomly initialised model: change its sizes in GPT2_PRESETS.
@@ -110,6 +140,23 @@ class GPT2LMTask(Task):
                             bos_token_id=self.tokenizer.eos_token_id, eos_token_id=self.tokenizer.eos_token_id,
                             **GPT2_PRESETS[m.name])
         return GPT2LMHeadModel(config)
+
+    def check_fits(self, config) -> None:
+        """The blocks fit the pretrained model: token ids inside its vocabulary (a tokenizer with added tokens
+        and a model not resized to it disagree), data.max_length inside its position table. Checked before
+        training; otherwise the embedding lookup fails mid-run with an index error naming no file."""
+        if self.cfg.data.max_length > config.n_positions:
+            raise DataError(f"data.max_length={self.cfg.data.max_length} is longer than the {config.n_positions} "
+                            f"positions of model.pretrained_dir's model; set it to at most {config.n_positions}")
+        for split, blocks in getattr(self, "datasets", {}).items():
+            if blocks is None:
+                continue
+            flat = blocks.blocks.reshape(-1)
+            top = int(flat.argmax())
+            if int(flat[top]) >= config.vocab_size:
+                raise DataError(f"{blocks.path}: block {top // blocks.blocks.shape[1]} has token id {int(flat[top])}, "
+                                f"outside the model's vocabulary (vocab_size {config.vocab_size}: ids 0-"
+                                f"{config.vocab_size - 1}); model.pretrained_dir's tokenizer and model disagree")
 
     def load_tokenizer(self):
         """For generation: the tokenizer the training run used (never trains a new one)."""

@@ -30,11 +30,15 @@ MNIST_MIRRORS = ["https://ossci-datasets.s3.amazonaws.com/mnist/",
                  "https://storage.googleapis.com/cvdf-datasets/mnist/"]
 
 
+CLASSES = 10  # the digits 0-9: Net's output size, and the labels the data may hold
+MIN_IMAGE_SIZE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
+
+
 class Net(nn.Module):
     """pytorch/examples' MNIST network, sized from the image: two 3x3 convolutions, max-pool, two linear layers."""
 
     def __init__(self, image_size: int, channels: int = 32, hidden: int = 128, dropout: float = 0.25,
-                 classes: int = 10):
+                 classes: int = CLASSES):
         super().__init__()
         self.conv1 = nn.Conv2d(1, channels, 3, 1)
         self.conv2 = nn.Conv2d(channels, 2 * channels, 3, 1)
@@ -80,6 +84,9 @@ class ImageTask(Task):
         elif d.dataset == "mnist":
             images, labels = load_mnist(d.data_dir, "train", d.download)
             test_images, test_labels = load_mnist(d.data_dir, "t10k", d.download)
+            if test_images.shape[1:] != images.shape[1:]:  # one model is sized for both: say so now, not in test
+                raise DataError(f"{d.data_dir}: t10k images are {'x'.join(map(str, test_images.shape[1:]))} but "
+                                f"train images {'x'.join(map(str, images.shape[1:]))}; both splits need one size")
             scale, mean, std = 255.0, 0.1307, 0.3081
         else:
             raise DataError(f"data.dataset: the image task reads `digits` or `mnist`, not {d.dataset!r}")
@@ -169,7 +176,50 @@ def load_mnist(data_dir: str, split: str, download: bool = True):
     images, labels = read_idx(paths[0]), read_idx(paths[1])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise DataError(f"{paths[0]}: {images.shape} images do not match {labels.shape} labels in {paths[1]}")
-    return images, labels.astype(np.int64)
+    check_images(paths[0], images)
+    return images, check_labels(paths[1], labels)
+
+
+def check_images(path: str, images: np.ndarray) -> None:
+    """Images the CNN can take: square (it is sized from one side), large enough for its two convolutions and the
+    pooling, and finite (a float IDX file may hold NaN, which would only show up as a NaN loss mid-run)."""
+    n, height, width = images.shape
+    if n == 0:
+        raise DataError(f"{path}: no images")
+    if height != width or width < MIN_IMAGE_SIZE:
+        raise DataError(f"{path}: images are {height}x{width}; the CNN needs square images of at least "
+                        f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}")
+    if images.dtype.kind == "f":
+        bad = ~np.isfinite(images.reshape(n, -1)).all(axis=1)
+        if bad.any():
+            first = int(np.argmax(bad))
+            raise DataError(f"{path}: image at index {first} holds non-finite pixels (NaN or infinity)"
+                            f"{others(int(bad.sum()), 'images')}; pixels must be finite numbers")
+
+
+def check_labels(path: str, labels: np.ndarray) -> np.ndarray:
+    """int64 labels, all classes of the network (0..CLASSES-1). Checked here, in one vectorised pass, because an
+    out-of-range label otherwise passes silently until cross_entropy raises a traceback mid-run (on a GPU, a
+    device-side assert that names nothing)."""
+    if labels.dtype.kind == "f":  # a float IDX file: 3.0 is a class, 3.5 is not (astype would truncate it)
+        bad = ~np.isfinite(labels) | (labels != np.round(labels))
+        if bad.any():
+            first = int(np.argmax(bad))
+            raise DataError(f"{path}: label {labels[first]} at index {first} is not a whole number"
+                            f"{others(int(bad.sum()), 'labels')}; labels are classes 0-{CLASSES - 1}")
+    bad = (labels < 0) | (labels >= CLASSES)
+    if bad.any():
+        first = int(np.argmax(bad))
+        value = labels[first].item()
+        value = int(value) if float(value).is_integer() else value  # 12.0 in a float file reads as 12
+        raise DataError(f"{path}: label {value} at index {first} is outside the {CLASSES} classes "
+                        f"(0-{CLASSES - 1}){others(int(bad.sum()), 'labels')}")
+    return labels.astype(np.int64)
+
+
+def others(count: int, what: str) -> str:
+    """` (42 bad labels in all)` after the first bad value, so one message says how widespread the damage is."""
+    return f" ({count} bad {what} in all)" if count > 1 else ""
 
 
 def download_mnist_file(data_dir: str, name: str):

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from config import DataError
 from tasks.base import Task, classification_batch, classification_metrics
-from tasks.text_common import load_or_train_tokenizer, note
+from tasks.text_common import load_or_train_tokenizer, note, read_utf8
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -33,31 +33,35 @@ BART_PRESETS = {
 
 
 def read_tsv(path: str) -> tuple[list[str], list[int]]:
-    """Sentences and 0/1 labels of a `sentence<TAB>label` file. A malformed line is a DataError naming it."""
-    sentences, labels = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing one) carry nothing
-            parts = line.split("\t")
-            if number == 1 and [p.strip().lower() for p in parts] == ["sentence", "label"]:
-                continue
-            # Real SST-2 lines may end with "sentence \t1": strip the space before the tab.
-            if len(parts) != 2 or parts[1].strip() not in ("0", "1") or not parts[0].strip():
-                raise DataError(f"{path}:{number}: expected `sentence<TAB>label` with label 0 or 1, "
-                                f"got {line[:80]!r}")
-            sentences.append(parts[0].strip())
-            labels.append(int(parts[1]))
+    """Sentences and 0/1 labels of a `sentence<TAB>label` file. A malformed line (invalid UTF-8 included) is a
+    DataError naming it: every line is checked here, before training, not when its batch comes up."""
+    return read_tsv_lines(path)[:2]
+
+
+def read_tsv_lines(path: str) -> tuple[list[str], list[int], list[int]]:
+    """read_tsv, plus each example's line number (for messages about an example found later)."""
+    sentences, labels, lines = [], [], []
+    for number, line in enumerate(read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue  # blank lines (e.g. a trailing one) carry nothing
+        parts = line.split("\t")
+        if number == 1 and [p.strip().lower() for p in parts] == ["sentence", "label"]:
+            continue
+        # Real SST-2 lines may end with "sentence \t1": strip the space before the tab.
+        if len(parts) != 2 or parts[1].strip() not in ("0", "1") or not parts[0].strip():
+            raise DataError(f"{path}:{number}: expected `sentence<TAB>label` with label 0 or 1, "
+                            f"got {line[:80]!r}")
+        sentences.append(parts[0].strip())
+        labels.append(int(parts[1]))
+        lines.append(number)
     if not sentences:
         raise DataError(f"{path}: no examples")
-    return sentences, labels
+    return sentences, labels, lines
 
 
 def has_labels(path: str) -> bool:
     """False for GLUE's unlabelled test.tsv, whose header is `index<TAB>sentence`."""
-    with open(path, encoding="utf-8") as f:
-        header = [p.strip().lower() for p in f.readline().rstrip("\r\n").split("\t")]
+    header = [p.strip().lower() for p in read_utf8(path).split("\n", 1)[0].split("\t")]
     return header != ["index", "sentence"]
 
 
@@ -75,6 +79,13 @@ class TokenizedSentences(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
+def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
+    """(largest measure(sentence ids), its index): `max` gives the largest token id, `len` the longest sentence."""
+    values = np.fromiter((measure(x) if x else 0 for x in ids), dtype=np.int64, count=len(ids))
+    index = int(np.argmax(values))
+    return int(values[index]), index
+
+
 class SST2Task(Task):
     def build_datasets(self) -> dict:
         d = self.cfg.data
@@ -83,14 +94,16 @@ class SST2Task(Task):
             if not os.path.isfile(paths[split]):
                 raise DataError(f"{paths[split]}: missing. SST-2 needs train.tsv and dev.tsv "
                                 f"(`sentence<TAB>label` lines) in data.data_dir={d.data_dir!r}")
-        raw = {split: read_tsv(paths[split]) for split in ("train", "dev")}
+        raw = {split: read_tsv_lines(paths[split]) for split in ("train", "dev")}
         if os.path.isfile(paths["test"]):
             if has_labels(paths["test"]):
-                raw["test"] = read_tsv(paths["test"])
+                raw["test"] = read_tsv_lines(paths["test"])
             else:
                 note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
         self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe")
-        datasets = {split: TokenizedSentences(*raw[split], self.tokenizer, d.max_length) for split in raw}
+        datasets = {split: TokenizedSentences(*raw[split][:2], self.tokenizer, d.max_length) for split in raw}
+        # For the checks of build_model, which name the file and line of an example that does not fit the model.
+        self.datasets, self.where = datasets, {s: (paths[s], raw[s][2]) for s in raw}
         datasets.setdefault("test", None)
         return datasets
 
@@ -99,7 +112,9 @@ class SST2Task(Task):
         from transformers import AutoModelForSequenceClassification, BartConfig, BartForSequenceClassification
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
-            return AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir, num_labels=2)
+            model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir, num_labels=2)
+            self.check_fits(model.config)
+            return model
         if m.name not in BART_PRESETS:
             raise DataError(f"model.name: sst2 without pretrained_dir builds a random BART "
                             f"({', '.join(BART_PRESETS)}), not {m.name!r}")
@@ -110,6 +125,25 @@ class SST2Task(Task):
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
                             forced_eos_token_id=tok.eos_token_id, **BART_PRESETS[m.name])
         return BartForSequenceClassification(config)
+
+    def check_fits(self, config) -> None:
+        """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
+        table. Checked once the model's config is known, still before training; otherwise the embedding lookup
+        fails mid-run with an index error naming no file."""
+        positions = getattr(config, "max_position_embeddings", None)
+        for split, ds in getattr(self, "datasets", {}).items():
+            if ds is None:
+                continue
+            path, lines = self.where[split]
+            top, index = longest_or_largest(ds.ids, max)
+            if top >= config.vocab_size:
+                raise DataError(f"{path}:{lines[index]}: token id {top} is outside the model's vocabulary "
+                                f"(vocab_size {config.vocab_size}: ids 0-{config.vocab_size - 1}); "
+                                "model.pretrained_dir's tokenizer and model disagree")
+            length, index = longest_or_largest(ds.ids, len)
+            if positions and length > positions:
+                raise DataError(f"{path}:{lines[index]}: {length} tokens, more than the model's {positions} "
+                                f"positions; set data.max_length to at most {positions}")
 
     def collate(self, samples: list) -> dict:
         # Dynamic padding: pad to the longest sentence of this batch, not to data.max_length.

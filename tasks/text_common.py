@@ -6,6 +6,7 @@ output_dir (resume, `mode: test`, generate.py) load that folder, so ids never ch
 """
 from __future__ import annotations
 
+import codecs
 import os
 from typing import Callable, Iterable, Optional
 
@@ -85,6 +86,36 @@ def train_tokenizer(texts: Iterable[str], kind: str):
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
             special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024, **specials)
+
+
+def read_utf8(path: str) -> str:
+    """The text of `path`, decoded as strict UTF-8 in one call (a leading byte-order mark is dropped), with line
+    ends made `\\n` (`\\r\\n` and a lone `\\r` too, as Python's text mode reads them). Invalid bytes are a DataError
+    naming the line and column: decoding lazily line by line would instead raise a UnicodeDecodeError traceback
+    that names neither (text mode decodes 8 KB blocks at a time, far ahead of the line being read)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = str(memoryview(data)[start:], "utf-8")  # no copy of the bytes; the error path below is the slow one
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{utf8_error_where(data, start, start + e.start, start + e.end)}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def utf8_error_where(data: bytes, start: int, bad: int, bad_end: int) -> str:
+    """`LINE: not valid UTF-8 (byte 0xff at column C)` for the invalid bytes data[bad:bad_end]; lines counted as
+    read_utf8 splits them, the column in characters (what an editor shows: all before the bad byte is valid)."""
+    head = data[start:bad].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    line_start = head.rfind(b"\n") + 1
+    column = len(head[line_start:].decode("utf-8")) + 1
+    shown = data[bad:max(bad_end, bad + 1)]
+    what = f"byte 0x{shown.hex()}" if len(shown) == 1 else "bytes " + " ".join(f"0x{b:02x}" for b in shown)
+    line = head.count(b"\n") + 1
+    return f"{line}: not valid UTF-8 ({what} at column {column}); the file must be saved as UTF-8"
 
 
 def check_pretrained_dir(path: str) -> str:
