@@ -1,18 +1,28 @@
 """Checkpoint directories: `output_dir/checkpoints/step-N/`, written atomically, never overwritten in place.
 
-A checkpoint is written into a hidden temporary directory and renamed to `step-N` only once every file is
-there, with `meta.json` written last. So a crash (or a full disk) during a save leaves the previous checkpoints
-untouched, and resume only ever sees complete ones. Files:
+A checkpoint is written into a hidden temporary directory `.tmp-step-N-*` and renamed to `step-N` only once every
+file is there and on disk (each file, the directories and, after the rename, checkpoints/ itself are fsynced),
+with `meta.json` written last. So a crash, a power loss or a full disk during a save leaves the previous
+checkpoints untouched, and resume only ever sees complete ones. Pruning removes `meta.json` first, so a kill
+halfway leaves a directory that resume ignores. What interrupted saves and prunes leave behind is removed when the
+next run starts (clean_stale). Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies.Parallel.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
+
+Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True), and DCP folders
+through a reader that unpickles `.metadata` with only DCP's metadata classes allowed (read_dcp_metadata).
+`resume: auto` skips a checkpoint that cannot be read (Unloadable) for the newest one that can (load_newest).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -21,9 +31,18 @@ from typing import Callable, Optional
 import torch
 
 from config import CheckpointError
-from distributed import DistContext, barrier, broadcast_object
+from distributed import DistContext, broadcast_object, gather_objects
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
+META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
+META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
+
+
+class Unloadable(CheckpointError):
+    """A checkpoint whose files are missing, empty, truncated, malformed or refused (they would run code).
+    `resume: auto` then falls back to an older checkpoint. Other CheckpointErrors (a checkpoint that does not fit
+    this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
 
 
 def root(output_dir: str) -> str:
@@ -54,13 +73,23 @@ def latest(output_dir: str) -> Optional[str]:
 
 
 def read_meta(path: str) -> dict:
+    """meta.json of checkpoint `path`, checked for the keys that are read without a default."""
+    full = os.path.join(path, "meta.json")
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
+        with open(full) as f:
+            meta = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/meta.json: unreadable ({e})") from None
+        raise Unloadable(f"{path}: not a complete checkpoint (no meta.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Unloadable(f"{full}: unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise Unloadable(f"{full}: unreadable (a JSON {type(meta).__name__}, not an object)")
+    present = {k: t for k, t in META_OPTIONAL.items() if meta.get(k) is not None}
+    for key, kind in {**META_REQUIRED, **present}.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            what = "missing" if key not in meta else f"not a{'n' if kind is int else ''} {kind.__name__}"
+            raise Unloadable(f"{full}: unreadable (`{key}` is {what})")
+    return meta
 
 
 def best(output_dir: str) -> Optional[str]:
@@ -73,49 +102,218 @@ def best(output_dir: str) -> Optional[str]:
     return candidate if best_step is not None and is_complete(candidate) else last
 
 
+# ---- writing ------------------------------------------------------------------------------------------------
 def write(output_dir: str, step: int, ctx: DistContext, write_files: Callable[[str], None], meta: dict) -> str:
     """Collective: every rank calls it. `write_files(tmp_dir)` runs on every rank (sharded strategies write
-    their own pieces); rank 0 then writes meta.json and renames the directory into place."""
+    their own pieces); rank 0 then makes everything durable, writes meta.json and renames the directory into
+    place. After each part every rank learns whether any rank failed, so none waits forever for a failed one:
+    all of them raise. A full disk is one line on every rank, `no space left on device writing .../step-N`; the
+    temporary directory is then removed and the earlier checkpoints are untouched."""
     final = os.path.join(root(output_dir), f"step-{step}")
-    tmp = None
-    if ctx.is_main:
-        os.makedirs(root(output_dir), exist_ok=True)
-        tmp = os.path.join(root(output_dir), f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-    tmp = broadcast_object(ctx, tmp)
-    write_files(tmp)
-    barrier(ctx)
-    if ctx.is_main:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # the same step saved again (e.g. right after a resume): keep the old one
-            shutil.rmtree(tmp)
-        else:
-            os.rename(tmp, final)
-    barrier(ctx)
+    tmp = broadcast_object(ctx, os.path.join(root(output_dir), f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"))
+
+    def make_tmp():
+        if ctx.is_main:
+            os.makedirs(tmp)
+
+    def publish():
+        if ctx.is_main:
+            _publish(tmp, final, meta)
+
+    _on_every_rank(ctx, make_tmp, final, tmp)
+    _on_every_rank(ctx, lambda: write_files(tmp), final, tmp)
+    _on_every_rank(ctx, publish, final, tmp)
     return final
 
 
+def _publish(tmp: str, final: str, meta: dict) -> None:
+    # Without the fsyncs, a power loss after the rename could leave a step-N that has meta.json but truncated
+    # or empty files: the OS may write the rename to disk before the data. Rank 0 fsyncs what every rank wrote
+    # (all have finished: write() waited for them).
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    for folder, _, _ in os.walk(tmp, topdown=False):  # the directories: the names of the files in them
+        _fsync(folder)
+    if os.path.exists(final):  # the same step saved again (e.g. right after a resume): keep the old one
+        shutil.rmtree(tmp)
+        return
+    os.rename(tmp, final)
+    _fsync(os.path.dirname(final))  # the rename itself
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: str) -> None:
+    """Run this rank's `part` of writing checkpoint `final`, then raise on every rank if it failed on any."""
+    error = None
+    try:
+        part()
+    except Exception as e:
+        error = e
+    except BaseException as e:  # DCP's CheckpointException is one; Ctrl-C, a second signal, exit: leave at once
+        from torch.distributed.checkpoint.api import CheckpointException
+        if not isinstance(e, CheckpointException):
+            raise
+        error = e
+    status = None if error is None else (ctx.rank, _no_space(error, tmp))
+    failed = [s for s in gather_objects(ctx, status) if s is not None]
+    if not failed:
+        return
+    if any(no_space for _, no_space in failed):
+        # Drop the error first: its traceback holds the frames of the failed torch.save, whose file (open, as
+        # torch leaves it on a failed write) would keep taking its disk space after the rmtree, until the GC.
+        error = None
+        if ctx.is_main:  # every rank is done with it
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"no space left on device writing {final} (the earlier checkpoints are intact: "
+                              f"free some space and run the same command to resume)") from None
+    if error is not None:
+        raise error
+    raise RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
+
+
+def _no_space(error: BaseException, directory: str) -> bool:
+    """Whether `error`, raised while writing into `directory`, comes from a full disk (or quota). An OSError
+    says so by its errno (also inside DCP's CheckpointException); torch.save does not: on a full disk it raises
+    RuntimeError('... unexpected pos ...', after 'basic_ios::clear: iostream error'). Then the free space
+    decides: a write that failed for lack of space leaves (almost) none."""
+    seen, stack = [], [error]
+    while stack:
+        e = stack.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in (errno.ENOSPC, errno.EDQUOT)
+        stack += [e.__cause__, e.__context__]
+        stack += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    if isinstance(error, OSError):  # an OSError without an errno was raised on purpose, not by a full disk
+        return False
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
+
+
 def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:
-    """Delete complete checkpoints older than the last `keep_last`, except the steps in `keep` (the best)."""
+    """Delete complete checkpoints older than the last `keep_last`, except the steps in `keep` (the best).
+    meta.json goes first, and that reaches the disk before anything else is deleted: a kill halfway leaves a
+    directory that resume ignores (and the next run removes), never one that looks complete and cannot load."""
     found = complete_checkpoints(output_dir)
     for step, path in found[:-keep_last] if keep_last else found:
         if step not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, "meta.json"))
+            _fsync(path)
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load_file(path: str, name: str):
-    """torch.load with weights_only=True: loading a checkpoint never runs code from it."""
-    full = os.path.join(path, name)
-    if not os.path.exists(full):
-        raise CheckpointError(f"{full}: missing from the checkpoint")
+def clean_stale(output_dir: str) -> list[str]:
+    """Remove what interrupted saves (`.tmp-step-*`) and prunes (a `step-N` without meta.json) left in
+    checkpoints/; return their paths. Run once at the start of training, by rank 0, before any rank saves:
+    nothing reads them, and on a full disk they would take the space the next checkpoint needs."""
+    base = root(output_dir)
+    if not os.path.isdir(base):
+        return []
+    removed = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        if os.path.isdir(path) and (TMP_DIR.match(name) or (STEP_DIR.match(name) and not is_complete(path))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+def load_on_every_rank(ctx: DistContext, load: Callable[[str], None], path: str) -> str:
+    """Collective: `load(path)` on every rank. If it failed on any rank, every rank raises that rank's error
+    (as Unloadable if it was one), so all ranks go on, or stop, together. Returns `path`."""
+    error = None
     try:
-        return torch.load(full, map_location="cpu", weights_only=True)
+        load(path)
+    except CheckpointError as e:
+        error = (isinstance(e, Unloadable), str(e))
+    failed = [e for e in gather_objects(ctx, error) if e is not None]
+    if failed:
+        unloadable, message = failed[0]
+        raise (Unloadable if unloadable else CheckpointError)(message)
+    return path
+
+
+def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
+                warn: Callable[[str], None]) -> Optional[str]:
+    """Collective, for `resume: auto`: `load(path)` on every rank the newest complete checkpoint that loads on
+    all of them; return its path (None: there is none). One that cannot be read (Unloadable, on any rank) is
+    skipped with a warning naming it and why, and once an older one has loaded, moved aside to
+    `step-N.unloadable`, so that this run can save step N again. A partly loaded checkpoint changes nothing
+    for good: `load` of the next one overwrites everything that loading changes."""
+    paths = broadcast_object(ctx, [path for _, path in complete_checkpoints(output_dir)])  # same list everywhere
+    skipped, why = [], []
+    for path in reversed(paths):
+        try:
+            load_on_every_rank(ctx, load, path)
+        except Unloadable as e:
+            skipped.append(path)
+            why.append(str(e))
+            warn(f"resume: skipping {path}, which cannot be loaded: {e}")
+            continue
+        if ctx.is_main:
+            for bad in skipped:
+                aside = _unused(f"{bad}.unloadable")
+                os.rename(bad, aside)
+                warn(f"resume: moved {bad} aside to {aside}, and resumed from {path} instead")
+        return path
+    if skipped:  # nothing to fall back to: the newest one's reason, and how to start over
+        older = "no older checkpoint loads either" if len(skipped) > 1 else "there is no older checkpoint"
+        raise CheckpointError(f"{why[0]}; {older} (to start over, set train.resume: false or use another "
+                              "output_dir)")
+    return None
+
+
+def _unused(path: str) -> str:
+    n, candidate = 1, path
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
+    """torch.load with weights_only=True: loading a checkpoint never runs code from it. `keys`: the entries the
+    loaded dict must have."""
+    full = os.path.join(path, name)
+    if not os.path.isfile(full):
+        raise Unloadable(f"{full}: missing from the checkpoint")
+    if os.path.getsize(full) == 0:
+        raise Unloadable(f"{full}: empty (0 bytes)")
+    try:
+        obj = torch.load(full, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, foreign pickle, ...
-        raise CheckpointError(f"{full}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-            from None
+        raise Unloadable(f"{full}: cannot be loaded ({_first_line(e)})") from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
+    return obj
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 @contextlib.contextmanager
@@ -127,11 +325,17 @@ def fits_model(path: str, cfg=None):
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e  # DCP: per rank
-        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        if isinstance(cause, RuntimeError) and not any(
-                w in str(cause) for w in ("state_dict", "size mismatch", "Missing key", "Unexpected key")):
+        dcp_failed = isinstance(e, CheckpointException)
+        cause = next(iter(e.failures.values()))[0] if dcp_failed else e  # DCP: per rank
+        if isinstance(cause, CheckpointError):  # from our DCP reader or planner: a refused pickle, ...
+            raise cause from None
+        mismatch = any(w in str(cause).lower() for w in ("state_dict", "size mismatch", "mismatch sizes",
+                                                          "missing key", "unexpected key"))
+        if dcp_failed and not mismatch:  # DCP could not read its own files: a missing or truncated shard, ...
+            raise Unloadable(f"{path}: cannot be loaded ({_first_line(cause)})") from None
+        if isinstance(cause, RuntimeError) and not mismatch:
             raise  # not a mismatch (a failing collective, say): keep the original error
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
         details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
         what = (details[0] if details else type(cause).__name__)[:160]
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
@@ -141,12 +345,17 @@ def fits_model(path: str, cfg=None):
 
 def _settings_changed(path: str, cfg) -> str:
     """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
-    if cfg is None or not os.path.isfile(os.path.join(path, "meta.json")):
+    if cfg is None:
         return ""
-    saved = read_meta(path).get("config") or {}
+    try:
+        saved = read_meta(path).get("config")
+    except CheckpointError:  # no (readable) meta.json: nothing to compare with
+        return ""
+    saved = saved if isinstance(saved, dict) else {}
+    saved_model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
     now = cfg.to_dict()
     diffs = [f"task={saved['task']!r} (now {now['task']!r})"] if saved.get("task", now["task"]) != now["task"] else []
-    diffs += [f"model.{k}={v!r} (now {now['model'][k]!r})" for k, v in (saved.get("model") or {}).items()
+    diffs += [f"model.{k}={v!r} (now {now['model'][k]!r})" for k, v in saved_model.items()
               if k in now["model"] and v != now["model"][k]]
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
@@ -166,15 +375,136 @@ def model_state_dict(path: str) -> dict:
     return load_file(path, "model.pt")
 
 
+# ---- torch.distributed.checkpoint (fsdp) folders, read without running code -----------------------------------
+# DCP itself unpickles checkpoint bytes in two places with nothing to stop code from running: `.metadata` with
+# plain pickle.load (FileSystemReader.read_metadata), and the entries that are not tensors (the optimizer's lr,
+# betas, ...) with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes). Both are replaced here.
+def dcp_load(state_dict: dict, dcp_dir: str) -> None:
+    """dcp.load(state_dict) from the folder `dcp_dir` (collective), refusing anything in it that would run code."""
+    import torch.distributed.checkpoint as dcp
+    read_dcp_metadata(dcp_dir)  # a refusal here is one line, on every rank, before DCP's collectives
+    dcp.load(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir))
+
+
 def dcp_model_state_dict(dcp_dir: str) -> dict:
     """Assemble the shards of a torch.distributed.checkpoint folder (fsdp) into one plain state dict, in this
     process, without a process group: its keys are the plain model's parameter names."""
-    import tempfile
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    with tempfile.TemporaryDirectory() as tmp:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    read_dcp_metadata(dcp_dir)
+    state_dict = {}
+    try:  # what torch's format_utils.dcp_to_torch_save does, with the checked reader and planner
+        _load_state_dict(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir, empty=True),
+                         no_dist=True)
+    except (Exception, CheckpointException) as e:  # missing shard files, truncated ones, ...
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise Unloadable(f"{dcp_dir}: cannot be read as a sharded checkpoint ({_first_line(cause)})") from None
+    return state_dict
+
+
+def read_dcp_metadata(dcp_dir: str, name: str = ".metadata"):
+    """The Metadata object of a DCP folder, unpickled with only DCP's metadata classes (and the torch values in
+    them) allowed: a crafted file that would import anything else is refused before anything of it runs."""
+    full = os.path.join(dcp_dir, name)
+    if not os.path.isfile(full):
+        raise Unloadable(f"{full}: missing from the checkpoint")
+    with open(full, "rb") as f:
         try:
-            dcp_to_torch_save(dcp_dir, os.path.join(tmp, "model.pt"))
-        except Exception as e:  # missing shard files, truncated metadata, ...
-            raise CheckpointError(f"{dcp_dir}: cannot be read as a sharded checkpoint "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-        return load_file(tmp, "model.pt")
+            metadata = _MetadataUnpickler(f, full).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # empty, truncated, not a pickle
+            raise Unloadable(f"{full}: cannot be loaded ({_first_line(e)})") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise Unloadable(f"{full}: cannot be loaded (a {type(metadata).__name__}, not DCP metadata)")
+    # The shard files it lists must hold what it says they hold; checked here, a missing or truncated one is
+    # named in one line before DCP's collectives start, instead of failing inside them without a file name.
+    need = {}
+    for info in metadata.storage_data.values():
+        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not (isinstance(name, str) and name == os.path.basename(name) and isinstance(offset, int)
+                and isinstance(length, int)):  # DCP writes the names of files next to .metadata
+            raise Unloadable(f"{full}: cannot be loaded (malformed storage entry {str(info)[:100]})")
+        need[name] = max(need.get(name, 0), offset + length)
+    for name, size in sorted(need.items()):
+        shard = os.path.join(dcp_dir, name)
+        if not os.path.isfile(shard):
+            raise Unloadable(f"{shard}: missing from the checkpoint")
+        if os.path.getsize(shard) < size:
+            raise Unloadable(f"{shard}: truncated ({os.path.getsize(shard)} of {size} bytes)")
+    return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        allowed = _metadata_globals()
+        if (module, name) not in allowed:
+            raise Unloadable(f"{self.path}: refused: it would import {module}.{name} (a checkpoint must never run "
+                             f"code)")
+        return allowed[module, name]
+
+
+@functools.cache
+def _metadata_globals() -> dict:
+    """Everything a DCP `.metadata` may name, found by unpickling real fsdp checkpoints with a recording
+    find_class: DCP's metadata classes (dataclasses and one enum), the storage info of its file reader,
+    torch.Size, dtypes, layouts (by name, through torch's own lookup) and the checkpoint's path. None of them
+    runs code other than storing its arguments."""
+    import pathlib
+    from torch.distributed.checkpoint import filesystem, metadata
+    allowed = {(metadata.__name__, n): v for n, v in vars(metadata).items()
+               if isinstance(v, type) and v.__module__ == metadata.__name__}
+    allowed[filesystem.__name__, "_StorageInfo"] = filesystem._StorageInfo
+    allowed["torch", "Size"] = torch.Size
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    allowed["torch.serialization", "_get_layout"] = torch.serialization._get_layout
+    for module in ("pathlib", "pathlib._local"):  # where Python <= 3.12 and >= 3.13 define the path classes
+        allowed.update({(module, n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath",
+                                                                   "PurePosixPath", "PureWindowsPath")})
+    return allowed
+
+
+def _reader(dcp_dir: str):
+    """DCP's file reader, unpickling `.metadata` with _MetadataUnpickler instead of pickle.load."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class NoCodeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata, but for the unpickler
+            path = self._get_metadata_path(kwargs.get("rank"))
+            metadata = read_dcp_metadata(os.path.dirname(path), os.path.basename(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+    return NoCodeReader(dcp_dir)
+
+
+def _planner(dcp_dir: str, empty: bool = False):
+    """DCP's load planner (`empty`: the one that loads every entry into an empty dict), whose entries that are
+    not tensors must first pass torch's weights-only unpickler; the bytes are in memory, so what is checked is
+    what is then loaded."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class NoCodePlanner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            entry = f"{dcp_dir}: entry {read_item.dest_index.fqn}"
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+                value.seek(0)
+                if not unsafe:
+                    torch.load(value, weights_only=True)
+            except Exception as e:  # not a torch.save file, truncated, ...
+                raise Unloadable(f"{entry}: cannot be loaded ({_first_line(e)})") from None
+            if unsafe:
+                raise Unloadable(f"{entry}: refused: it would import {unsafe[0]} (a checkpoint must never run code)")
+            value.seek(0)
+            super().load_bytes(read_item, value)
+    return NoCodePlanner()

@@ -194,16 +194,18 @@ class FSDPParallel(Parallel):
     def load(self, directory: str) -> None:
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
         # the pieces each rank's shards need.
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from checkpoint import dcp_load
         from config import CheckpointError
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes only from checkpoints that "
                                       "fsdp wrote (test mode reads any checkpoint)")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.load(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
-        dcp.load(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
+        # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
+        # so a crafted checkpoint could run code; checkpoint.dcp_load refuses it in one line instead.
+        dcp_load(model_sd, os.path.join(directory, "model_dcp"))
+        dcp_load(optim_sd, os.path.join(directory, "optimizer_dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
