@@ -247,21 +247,22 @@ def worker(local_rank: int, cfg: Config, first_rank: int, world: int, rendezvous
         D.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         code = faults.EXIT_OK
     except UserError as e:
-        return report(faults.EXIT_USER_ERROR, f"error: {e}")
-    except (faults.Stopped, faults.Diverged) as e:
+        code = report(faults.EXIT_USER_ERROR, f"error: {e}")
+    except (faults.Stopped, faults.Diverged) as e:  # every rank raised it at the same step
         code = report(e.exit_code, str(e))
     except faults.Interrupted as e:
-        return report(128 + e.signum, f"rank {rank} on {HOST}: stopped at once by a second {e}, "
+        code = report(128 + e.signum, f"rank {rank} on {HOST}: stopped at once by a second {e}, "
                                       f"{faults.progress.where()}, without saving")
     except KeyboardInterrupt:  # test mode, or before the handlers were installed
-        return report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
+        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
     except BaseException as e:  # a crash: never lost, never silent
-        return faults.crash_report(e, watchdog)
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-    # Only after a clean end: after a failure, peers may be gone and tearing down the group could wait on them.
-    if ctx is not None:
+        code = faults.crash_report(e, watchdog)
+    if watchdog is not None:
+        watchdog.stop()
+    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
+    # tearing down could wait on them (the launcher ends this process instead).
+    if ctx is not None and (code in (faults.EXIT_OK, faults.EXIT_STOPPED, faults.EXIT_DIVERGED)
+                            or ctx.world_size == 1):
         D.shutdown(ctx)
     return code
 

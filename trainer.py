@@ -76,6 +76,7 @@ class Trainer:
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
+        self.resumed_train: dict = {}  # the train section of the checkpoint resumed from (schedule_changes)
 
     # ================================================================================================
     # The loop
@@ -360,6 +361,7 @@ class Trainer:
             if self.par.scaler and extra["scaler"]:
                 self.par.scaler.load_state_dict(extra["scaler"])
             self.state = state
+            self.resumed_train = (meta.get("config") or {}).get("train") or {}
             self.resumed_batch_sizes = meta.get("batch_sizes")
             if self.t.batch_size != "auto" and meta.get("batch_sizes") != self.batch_sizes:
                 self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of "
@@ -379,6 +381,23 @@ class Trainer:
         if path is not None:
             self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
                           f"batch {self.state.batch_in_epoch})")
+            self.schedule_changes(self.resumed_train)
+
+    def schedule_changes(self, saved: dict) -> None:
+        """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the
+        learning rate from here on is not what the first run would have used: say so. The new lr takes effect
+        (the scheduler's saved state would otherwise keep the old one)."""
+        keys = ("lr", "max_steps", "epochs", "warmup", "schedule")
+        changed = [f"train.{k} {saved[k]} -> {getattr(self.t, k)}" for k in keys
+                   if k in saved and saved[k] != getattr(self.t, k)]
+        if not changed:
+            return
+        sched = self.scheduler
+        sched.base_lrs = [self.t.lr for _ in sched.base_lrs]
+        for group, factor in zip(self.par.optimizer.param_groups, sched.lr_lambdas):
+            group["initial_lr"], group["lr"] = self.t.lr, self.t.lr * factor(sched.last_epoch)
+        self.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
+                         f"{self.state.step} on (now {self.total_steps} steps in all)")
 
     # ================================================================================================
     # Data

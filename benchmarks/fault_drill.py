@@ -22,7 +22,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,12 +130,15 @@ def signal_trials(tmp, n):
     return ok, total
 
 
-def detection_seconds(tmp, how):
-    out = os.path.join(tmp, f"detect-{how}")
+def detection_seconds(tmp, how, trial):
+    out = os.path.join(tmp, f"detect-{how}{trial}")
     p = start(cmd(out, "--set", "dist.hang_timeout_s=5", steps=100000, script="tests/faulty_main.py"),
               fault="slow:-1:20")
-    wait_log(out, 1, r"step 3/")
-    victim = ranks_of(p)[1]
+    ranks = ranks_of(p) if wait_log(out, 1, r"step 3/") else []
+    if len(ranks) < 2:
+        p.kill()
+        return float("nan"), "did not start: " + p.communicate()[1].strip()[-300:]
+    victim = ranks[1]
     victim.kill() if how == "dead" else victim.suspend()
     t0 = time.monotonic()
     _, stderr = p.communicate(timeout=120)
@@ -153,6 +155,8 @@ def nan_runs(tmp, n):
                      if d.startswith("step-") for v in model_of(out, int(d[5:])).values()) \
             if os.path.isdir(os.path.join(out, "checkpoints")) else True
         stopped += r.returncode == 4 and finite
+        if r.returncode != 4:
+            print(f"  lr {10 ** (5 + i)}: exit {r.returncode} (did not diverge: {r.stdout.strip().splitlines()[-1]})")
     return stopped
 
 
@@ -239,27 +243,34 @@ def main():
     p.add_argument("--kill-trials", type=int, default=12)
     p.add_argument("--signal-trials", type=int, default=2, help="per kind of signal")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan"])
     args = p.parse_args()
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="fault-drill-")
+    say = lambda text: print(text, flush=True)  # noqa: E731
     try:
         t0 = time.monotonic()
-        clean, kinds, failures = bad_inputs(tmp)
-        print(f"bad inputs: {clean}/{kinds} kinds end with exit 2 and one `error:` line, no traceback", flush=True)
-        for f in failures:
-            print(f"  not clean: {f}")
-        exact = kill_trials(tmp, args.kill_trials, rng)
-        print(f"kill -9 of the whole job at random times (every step saves + prunes): {exact}/{args.kill_trials} "
-              f"resumed to bit-equal final parameters")
-        ok, total = signal_trials(tmp, args.signal_trials)
-        print(f"SIGTERM/SIGINT/SIGUSR1/time limit: {ok}/{total} stopped with exit 3 and a complete checkpoint", flush=True)
-        for how in ("dead", "hung"):
-            secs = [detection_seconds(tmp, how) for _ in range(2)]
-            print(f"{'kill -9' if how == 'dead' else 'SIGSTOP'} of rank 1 -> run ended in "
-                  f"{statistics.median(s for s, _ in secs):.1f} s (median of 2; hang_timeout_s=5): {secs[0][1]}")
-        n = nan_runs(tmp, 3)
-        print(f"NaN (lr 1e5, 1e6, 1e7): {n}/3 stopped with exit 4 and only finite checkpoints", flush=True)
-        print(f"drill time {time.monotonic() - t0:.0f} s", flush=True)
+        if "bad" in args.only:
+            clean, kinds, failures = bad_inputs(tmp)
+            say(f"bad inputs: {clean}/{kinds} kinds end with exit 2 and one `error:` line, no traceback")
+            for f in failures:
+                say(f"  not clean: {f}")
+        if "kill" in args.only:
+            exact = kill_trials(tmp, args.kill_trials, rng)
+            say(f"kill -9 of the whole job at random times (every step saves + prunes): {exact}/{args.kill_trials} "
+                f"resumed to bit-equal final parameters")
+        if "signal" in args.only:
+            ok, total = signal_trials(tmp, args.signal_trials)
+            say(f"SIGTERM/SIGINT/SIGUSR1/time limit: {ok}/{total} stopped with exit 3 and a complete checkpoint")
+        if "detect" in args.only:
+            for how in ("dead", "hung"):
+                secs = [detection_seconds(tmp, how, i) for i in range(3)]
+                say(f"{'kill -9' if how == 'dead' else 'SIGSTOP'} of rank 1 -> run ended in "
+                    f"{', '.join(f'{s:.1f}' for s, _ in secs)} s (hang_timeout_s=5): {secs[0][1]}")
+        if "nan" in args.only:
+            n = nan_runs(tmp, 3)
+            say(f"NaN (lr 1e5, 1e6, 1e7): {n}/3 stopped with exit 4 and only finite checkpoints")
+        say(f"drill time {time.monotonic() - t0:.0f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -312,3 +312,16 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
         with open(out / "logs" / f"rank{rank}.log") as f:
             assert "step 3: gradient norm is nan: update skipped (1 in a row" in f.read()
     assert all(torch.isfinite(v).all() for v in load_model_state(out, 6).values())
+
+
+def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, capsys):
+    assert main.run(make_config(tmp_path, train={"max_steps": 4, "eval_every": 0, "schedule": "constant"})) == 0
+    capsys.readouterr()
+    cfg = make_config(tmp_path, train={"max_steps": 8, "eval_every": 0, "schedule": "constant", "lr": 5e-4,
+                                       "log_every": 1})
+    assert main.run(cfg) == 0
+    out = capsys.readouterr().out
+    assert ("resuming with train.lr 0.001 -> 0.0005, train.max_steps 4 -> 8: the learning-rate schedule changes "
+            "from step 4 on (now 8 steps in all)") in out
+    import conftest
+    assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
