@@ -8,6 +8,7 @@ function here.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable, Optional
 
@@ -47,6 +48,8 @@ class Parallel:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping."""
+        if math.isinf(max_norm):  # the Trainer wants the norm every step (NaN check): skip clipping's extra pass
+            return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
 
     # ---- checkpoints: files written into a checkpoint directory -----------------------------------------
