@@ -13,7 +13,7 @@ Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
     2  a user mistake (config, data, checkpoint): one line `error: ...`
     3  stopped by a signal or by train.time_limit, after saving a checkpoint: run the same command to resume
     4  training diverged: train.max_bad_steps non-finite steps in a row; nothing more was saved
-    128+N  stopped at once by a second signal N (e.g. 130 for a second Ctrl-C), without saving
+    130    stopped at once by a second Ctrl-C (SIGINT), without saving
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ progress = Progress()
 # ==============================================================================================================
 class StopRequest:
     """Set by a signal handler or the time limit; the Trainer votes it into the step's all-reduce, so all ranks
-    stop after the same step. A second signal stops at once (Interrupted), as users expect from Ctrl-C twice."""
+    stop after the same step. A second Ctrl-C stops at once (Interrupted), as users expect; other repeats wait."""
 
     def __init__(self):
         self.reason: Optional[str] = None
@@ -100,7 +100,11 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None and self.reason != "time limit":
-            raise Interrupted(signum)
+            # Only a second Ctrl-C means "now". SLURM may send SIGTERM twice in a row at preemption (GraceTime 0):
+            # that must not abort the save the first one started.
+            if signum == signal.SIGINT:
+                raise Interrupted(signum)
+            return
         self.reason = signal.Signals(signum).name
         if self.log:
             self.log.warning(f"{self.reason} received: stopping after the current step, once a checkpoint is "
