@@ -32,6 +32,7 @@ import torch
 
 from config import CheckpointError
 from distributed import DistContext, broadcast_object, gather_objects
+from faults import first_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
@@ -304,16 +305,11 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     try:
         obj = torch.load(full, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, foreign pickle, ...
-        raise Unloadable(f"{full}: cannot be loaded ({_first_line(e)})") from None
+        raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
     if missing:
         raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
     return obj
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 @contextlib.contextmanager
@@ -326,13 +322,13 @@ def fits_model(path: str, cfg=None):
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
         dcp_failed = isinstance(e, CheckpointException)
-        cause = next(iter(e.failures.values()))[0] if dcp_failed else e  # DCP: per rank
+        cause = _dcp_cause(e)
         if isinstance(cause, CheckpointError):  # from our DCP reader or planner: a refused pickle, ...
             raise cause from None
         mismatch = any(w in str(cause).lower() for w in ("state_dict", "size mismatch", "mismatch sizes",
                                                           "missing key", "unexpected key"))
         if dcp_failed and not mismatch:  # DCP could not read its own files: a missing or truncated shard, ...
-            raise Unloadable(f"{path}: cannot be loaded ({_first_line(cause)})") from None
+            raise Unloadable(f"{path}: cannot be loaded ({first_line(cause)})") from None
         if isinstance(cause, RuntimeError) and not mismatch:
             raise  # not a mismatch (a failing collective, say): keep the original error
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
@@ -341,6 +337,13 @@ def fits_model(path: str, cfg=None):
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
         raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
             from None
+
+
+def _dcp_cause(e: BaseException) -> BaseException:
+    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
+    rank's exception. Any other exception is its own cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
 
 
 def _settings_changed(path: str, cfg) -> str:
@@ -397,10 +400,10 @@ def dcp_model_state_dict(dcp_dir: str) -> dict:
         _load_state_dict(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir, empty=True),
                          no_dist=True)
     except (Exception, CheckpointException) as e:  # missing shard files, truncated ones, ...
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        cause = _dcp_cause(e)
         if isinstance(cause, CheckpointError):
             raise cause from None
-        raise Unloadable(f"{dcp_dir}: cannot be read as a sharded checkpoint ({_first_line(cause)})") from None
+        raise Unloadable(f"{dcp_dir}: cannot be read as a sharded checkpoint ({first_line(cause)})") from None
     return state_dict
 
 
@@ -416,7 +419,7 @@ def read_dcp_metadata(dcp_dir: str, name: str = ".metadata"):
         except CheckpointError:
             raise
         except Exception as e:  # empty, truncated, not a pickle
-            raise Unloadable(f"{full}: cannot be loaded ({_first_line(e)})") from None
+            raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
     from torch.distributed.checkpoint.metadata import Metadata
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise Unloadable(f"{full}: cannot be loaded (a {type(metadata).__name__}, not DCP metadata)")
@@ -502,7 +505,7 @@ def _planner(dcp_dir: str, empty: bool = False):
                 if not unsafe:
                     torch.load(value, weights_only=True)
             except Exception as e:  # not a torch.save file, truncated, ...
-                raise Unloadable(f"{entry}: cannot be loaded ({_first_line(e)})") from None
+                raise Unloadable(f"{entry}: cannot be loaded ({first_line(e)})") from None
             if unsafe:
                 raise Unloadable(f"{entry}: refused: it would import {unsafe[0]} (a checkpoint must never run code)")
             value.seek(0)

@@ -165,7 +165,7 @@ class Reporter:
 
     def __call__(self, code: int, line: str, detail: str = "") -> int:
         if self.log:  # the log file only: the console gets it below, once
-            (self.log.info if code in (EXIT_OK, EXIT_STOPPED) else self.log.error)(
+            (self.log.info if console(code) is sys.stdout else self.log.error)(
                 line + ("\n" + detail if detail else ""), extra={"file_only": True})
         if self.report_dir:
             record = {"rank": progress.rank, "code": code, "line": line, "detail": detail, "time": time.time()}
@@ -174,9 +174,7 @@ class Reporter:
                 json.dump(record, f)
             os.replace(tmp, os.path.join(self.report_dir, f"rank{progress.rank}.json"))
         elif self._first_to_say(line):
-            print(line, file=sys.stdout if code in (EXIT_OK, EXIT_STOPPED) else sys.stderr, flush=True)
-            if detail:
-                print(detail, file=sys.stderr, flush=True)
+            say(code, line, detail)
         return code
 
     def _first_to_say(self, line: str) -> bool:
@@ -192,10 +190,29 @@ class Reporter:
 report = Reporter()
 
 
+def console(code: int):
+    """Where a final word with exit code `code` is printed: stdout for an end as planned (finished, stopped and
+    saved), stderr for a failure."""
+    return sys.stdout if code in (EXIT_OK, EXIT_STOPPED) else sys.stderr
+
+
+def say(code: int, line: str, detail: str = "") -> None:
+    """Print one final word (by this rank, or by main.py's launcher for its ranks); details go to stderr."""
+    print(line, file=console(code), flush=True)
+    if detail:
+        print(detail, file=sys.stderr, flush=True)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message` (cut at `limit`): an exception in one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__
+
+
 def crash_report(exc: BaseException, watchdog: Optional["Watchdog"]) -> int:
     """`rank R on HOST failed at step S: ...` with the traceback, to the log and the launcher. If the error came
     from a collective whose peers vanished, name the ranks that stopped beating."""
-    summary = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    summary = first_line(exc, limit=300)
     lost = watchdog.silent_ranks() if watchdog is not None and looks_like_lost_peer(exc) else None
     if lost:
         summary = f"lost {ranks_text(lost)}, which stopped responding (died or froze); {summary}"
@@ -226,10 +243,9 @@ class Watchdog:
     with code 1, so the launcher (or torchrun, or srun) ends the run. Beats come from a thread, so a long step
     is not a hang; the GIL is released by every collective and kernel, so a busy rank still beats."""
 
-    def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float):
+    def __init__(self, store, ctx, timeout: float, log_path: str):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
         self.interval = min(1.0, timeout / 4)
-        self.op_timeout = op_timeout
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
         self.unreachable_since: Optional[float] = None
@@ -241,9 +257,8 @@ class Watchdog:
         timeout = cfg.dist.hang_timeout_s
         if not ctx.distributed or not timeout:
             return None
-        op_timeout = max(2.0, min(10.0, timeout / 2))
-        store = open_store(ctx, op_timeout)
-        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"), op_timeout)
+        store = open_store(ctx, op_timeout=max(2.0, min(10.0, timeout / 2)))
+        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"))
         w.thread.start()
         return w
 

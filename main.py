@@ -166,7 +166,7 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
     """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3)."""
     import json
     import signal
-    from faults import HOST
+    from faults import EXIT_CRASH, HOST, say
     reports = {}
     for i, p in enumerate(procs):
         path = os.path.join(report_dir, f"rank{first_rank + i}.json")
@@ -174,31 +174,24 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
             with open(path) as f:
                 reports[i] = json.load(f)
     first_failed = next((p for p in exit_order if p.exitcode not in (0, 3)), None)
-    said = {}  # line -> ranks that said it, in the order said
+    said = set()
     for i, p in sorted(enumerate(procs), key=lambda ip: reports.get(ip[0], {}).get("time", float("inf"))):
         rank = first_rank + i
         if i in reports:
-            line, detail = reports[i]["line"], reports[i]["detail"]
+            code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
         elif p.exitcode and p.exitcode < 0:
             if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
                 continue  # killed by us, after another rank failed
-            line = (f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name} at step "
-                    f"{steps[i]}")
-            detail = ""
+            code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) died from "
+                                              f"{signal.Signals(-p.exitcode).name} at step {steps[i]}"), ""
         elif p.exitcode:
-            line, detail = f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} at step " \
-                           f"{steps[i]} without a report (see logs/rank{rank}.log)", ""
+            code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} "
+                                              f"at step {steps[i]} without a report (see logs/rank{rank}.log)"), ""
         else:
             continue
-        if line in said:
-            said[line][0].append(rank)
-        else:
-            said[line] = ([rank], detail)
-    for line, (ranks, detail) in said.items():
-        stream = sys.stdout if line.startswith("stopped") or "already complete" in line else sys.stderr
-        print(line, file=stream, flush=True)
-        if detail:
-            print(detail, file=sys.stderr, flush=True)
+        if line not in said:  # the same final word from several ranks: once
+            said.add(line)
+            say(code, line, detail)
     if first_failed is None:
         return max(p.exitcode for p in procs)  # 0, or 3 when stopped
     i = procs.index(first_failed)

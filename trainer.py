@@ -107,7 +107,7 @@ class Trainer:
             if state.step % t.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(), grad_norm, bar)
             if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
-                self.stop(bar, metrics if evaluated_at == state.step else {}, saved_at)
+                self.stop(bar)
 
             improved = stop = False
             if (t.eval_every and state.step % t.eval_every == 0) or last:
@@ -183,16 +183,16 @@ class Trainer:
                 f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
                 f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
 
-    def stop(self, bar, metrics: dict, saved_at: Optional[int]) -> None:
-        """Every rank asked (or was told) to stop after this step: save, and leave with faults.Stopped."""
+    def stop(self, bar) -> None:
+        """Every rank asked (or was told) to stop after this step: save, and leave with faults.Stopped. (Called
+        before this step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
         reasons = [r for r in D.gather_objects(self.ctx, faults.stop_request.reason) if r]
         reason = reasons[0] if reasons else "a signal"
         if reason == "time limit":
             reason = f"the time limit (train.time_limit={self.t.time_limit})"
         if bar is not None:
             bar.close()
-        if saved_at != self.state.step:
-            self.save_checkpoint(metrics)
+        self.save_checkpoint({})
         self.close()
         raise faults.Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")

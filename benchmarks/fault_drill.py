@@ -15,7 +15,6 @@ Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
 Every case runs `python main.py` (or tests/faulty_main.py, for a slowed run) in a subprocess, as a user would.
 """
 import argparse
-import json
 import os
 import random
 import re
