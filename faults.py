@@ -303,11 +303,17 @@ class Watchdog:
             b0, t0, tb, tt = self.seen.get(r, (None, None, now, now))
             self.seen[r] = (beat, ticks, now if beat != b0 else tb, now if ticks != t0 else tt)
             phases[r], steps[r] = phase, int(step)
-        frozen = [r for r in ranks if now - self.seen[r][2] > self.timeout]
-        if frozen:
+        silent = {r: now - self.seen[r][2] for r in ranks}
+        if max(silent.values()) > self.timeout:
+            # Beats come once an interval, so ranks that fell silent together (a node) cross the timeout up to an
+            # interval apart: name every rank that has missed nearly as many beats, not only the first one.
+            frozen = [r for r in ranks if silent[r] > self.timeout - self.interval]
+            live = [r for r in ranks if r not in frozen]
             on = ", ".join(sorted({hosts[r] for r in frozen}))
-            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (no heartbeat for "
-                    f"{self.timeout:g} s: frozen or dead); see logs/rank*.log for the others' stacks")
+            now_at = f"; rank {live[0]} is at step {steps[live[0]]}" if live else ""
+            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (their last "
+                    f"heartbeat{now_at}; none for {self.timeout:g} s: frozen or dead); see logs/rank*.log for the "
+                    f"others' stacks")
         if len(ranks) > 1 and all(phases[r] in ("train", "eval") for r in ranks) and \
                 all(now - self.seen[r][3] > self.timeout for r in ranks):
             behind = [r for r in ranks if steps[r] == min(steps.values())]

@@ -54,7 +54,7 @@ def run(cfg: Config) -> int:
         return 2
     if env is not None:  # torchrun / srun started us: we are exactly one rank
         return worker(env["local_rank"], cfg, env["rank"] - env["local_rank"], env["world_size"],
-                      env["rendezvous"], 1)
+                      env["rendezvous"], env["local_world_size"])
     procs = procs_per_node_list(cfg)
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     if here == 1:

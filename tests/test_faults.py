@@ -180,8 +180,8 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     code, _, stderr = finish(proc, timeout=60)
     assert time.monotonic() - t0 < 3 + 6  # the timeout, plus a beat interval and the launcher's grace
     assert code == faults.EXIT_CRASH
-    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ ", stderr), \
-        stderr
+    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ \(their last "
+                    rf"heartbeat; rank 0 is at step \d+; none for 3 s", stderr), stderr
     with open(out / "logs" / "rank0.log") as f:
         log0 = f.read()
     assert "Python stacks of rank 0" in log0 and "in train_step" in log0
@@ -325,3 +325,31 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
             "from step 4 on (now 8 steps in all)") in out
     import conftest
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
+
+
+def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
+    """Ranks 1 and 2 (one node) stop beating half an interval apart: the verdict names both, not the first."""
+    from types import SimpleNamespace
+
+    class Store(dict):
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def multi_get(self, keys):
+            return [self[k].encode() for k in keys]
+
+    store, clock = Store(), [0.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
+    beats = {0: 0, 1: 0, 2: 0}
+    verdict = None
+    while verdict is None and clock[0] < 20:
+        for r in beats:  # rank 1 falls silent at t=2, rank 2 half an interval later
+            if not (r == 1 and clock[0] >= 2) and not (r == 2 and clock[0] >= 2.5):
+                beats[r] += 1
+            store[f"hb/{r}"] = f"{beats[r]} {beats[r]} {beats[r]} train host{r}"
+        verdict = w._check([0, 1, 2])
+        clock[0] += w.interval
+    assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding at step 2 "), \
+        verdict
+    assert "rank 0 is at step 7;" in verdict  # where the run is, beside where the silent ranks were
