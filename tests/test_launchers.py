@@ -84,3 +84,16 @@ def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatc
     assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}) == 1
     assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "2,3", "SLURM_NODEID": "1"}) == 3
     assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "weird"}) == 1
+
+
+def test_torchrun_ranks_say_the_same_error_once(tmp_path):
+    """Under torchrun each rank prints its own final word (no launcher of ours collects them); the same user
+    error from both ranks still reaches the console once, deduplicated through the rendezvous store."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "main.py", "--params", "parameters.yml",
+                        "--set", f"output_dir={tmp_path / 'run'}", "--set", "data.dataset=mnist",
+                        "--set", f"data.data_dir={tmp_path / 'none'}", "--set", "data.download=false", *ARGS],
+                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "MNIST IDX files" in errors[0], r.stderr[-3000:]
