@@ -141,10 +141,11 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    strategy: Literal["none", "dp", "ddp", "oss", "fsdp"] = "none"
+    strategy: Literal["none", "dp", "ddp", "oss", "fsdp", "pipe"] = "none"
     """How the model is spread over devices: `none` (one process), `dp` (DataParallel, one process, all GPUs),
     `ddp` (DistributedDataParallel, one process per device), `oss` (ddp with the optimizer state sharded over
-    ranks, ZeRO-1/2) or `fsdp` (parameters, gradients and optimizer state sharded, ZeRO-3). See docs/sharded.md."""
+    ranks, ZeRO-1/2), `fsdp` (parameters, gradients and optimizer state sharded, ZeRO-3; see docs/sharded.md) or
+    `pipe` (the layers cut into pp_stages stages on different ranks; see docs/pipeline.md)."""
     shard_grads: bool = False
     """oss (fairscale): also shard gradients with fairscale's ShardedDataParallel (ZeRO-2): each gradient is
     reduced to the rank that owns its optimizer state, and freed on the others."""
@@ -155,6 +156,24 @@ class DistConfig:
     reshard_after_forward: bool = True
     """fsdp: free each unit's gathered parameters after its forward and gather them again for backward (less
     memory, one more all-gather per unit). false: keep them until backward."""
+    pp_stages: int = 2
+    """pipe: stages per pipeline. The world size must be a multiple; world size / pp_stages pipelines train side
+    by side (data parallel), each on its own share of the global batch. Ranks: rank = stage * pipelines + pipeline,
+    so the replicas of one stage are neighbours (one node) and a pipeline spans nodes (only activations cross)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """pipe: the order of forward and backward micro-batches. gpipe: all forwards, then all backwards (simplest,
+    keeps every micro-batch's activations); 1f1b: one forward one backward (same bubble, less memory);
+    interleaved_1f1b and zero_bubble: two smaller stages per rank (looped), smaller bubble, more messages."""
+    pp_microbatches: int = 4
+    """pipe: micro-batches each pipeline batch is cut into (train.batch_size per pipeline must divide by it).
+    More micro-batches: a smaller bubble ((stages-1)/(microbatches+stages-1) for gpipe and 1f1b)."""
+    pp_dp: Literal["ddp", "fsdp"] = "ddp"
+    """pipe with several pipelines: how each stage's replicas stay in sync. ddp: gradients all-reduced; fsdp:
+    the stage's parameters sharded over its replicas (FSDP2)."""
+    pp_split: Union[str, list] = "even"
+    """pipe: how the task's layers are cut into stages. even: the same number of layers per stage; auto: time
+    each stage's layers during a short warm-up (on its own device, with dist.simulate_slowdown on CPU) and give
+    faster stages more layers; or a list of layer counts, one per stage (its sum = the task's layer count)."""
     nodes: int = 1
     """Number of machines taking part. Run the same command on each, with its own node_rank."""
     procs_per_node: Union[None, int, list] = None
@@ -441,9 +460,13 @@ def validate(cfg: Config, source: str) -> None:
         if world > 1:
             fail("dist.strategy", f"is dp, which runs in one process, but {world} processes are configured "
                                   "(set procs_per_node: 1, or use ddp)")
+    # Ranks that each read their own share of the global batch: all of them, or one per pipeline under pipe.
+    readers, who = world, "ranks"
+    if d.strategy == "pipe":
+        readers, who = check_pipe(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
     if isinstance(t.batch_size, list):
-        if len(t.batch_size) != world:
-            fail("train.batch_size", f"lists {len(t.batch_size)} per-rank sizes but there are {world} ranks")
+        if len(t.batch_size) != readers:
+            fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in t.batch_size):
             fail("train.batch_size", f"must hold positive integers, got {t.batch_size}")
     elif isinstance(t.batch_size, str):
@@ -481,6 +504,33 @@ def validate(cfg: Config, source: str) -> None:
     for split in cfg.test.splits:
         if split not in ("train", "dev", "test"):
             fail("test.splits", f"must list train/dev/test, got {split!r}")
+
+
+def check_pipe(cfg: Config, world: int, fail) -> int:
+    """The pipe settings fit together; returns the number of pipelines."""
+    d, t = cfg.dist, cfg.train
+    if d.pp_stages < 1 or world % d.pp_stages:
+        fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes) into pipelines")
+    if d.pp_microbatches < 1:
+        fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
+    if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
+        fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
+                                     f"got {d.pp_microbatches}")
+    if t.batch_size == "auto":
+        fail("train.batch_size", "auto is not available with dist.strategy: pipe; give one size per pipeline")
+    sizes = t.batch_size if isinstance(t.batch_size, list) else [t.batch_size]
+    if any(isinstance(b, int) and b % d.pp_microbatches for b in sizes):
+        fail("train.batch_size", f"{t.batch_size} per pipeline: each must divide into dist.pp_microbatches="
+                                 f"{d.pp_microbatches} equal micro-batches (a pipeline stage needs constant shapes)")
+    split = d.pp_split
+    if isinstance(split, str) and split not in ("even", "auto"):
+        fail("dist.pp_split", f"must be even, auto or a list of layer counts per stage, got {split!r}")
+    if isinstance(split, list):
+        v = 2 if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        if len(split) != v * d.pp_stages or not all(isinstance(n, int) and n >= 1 for n in split):
+            fail("dist.pp_split", f"must list {v * d.pp_stages} positive layer counts ({v} stage(s) per rank with "
+                                  f"{d.pp_schedule}), got {split}")
+    return world // d.pp_stages
 
 
 def resolve_package_path(path: str) -> str:

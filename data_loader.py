@@ -48,9 +48,10 @@ class GlobalBatchSampler:
     """Yields the index lists of one rank for one epoch, from a given batch position (for mid-epoch resume)."""
 
     def __init__(self, n: int, batch_sizes: Sequence[int], rank: int, seed: int,
-                 shard_sizes: Optional[Sequence[int]] = None, lengths: Optional[Sequence[int]] = None):
+                 shard_sizes: Optional[Sequence[int]] = None, lengths: Optional[Sequence[int]] = None,
+                 drop_last: bool = False):
         self.n, self.batch_sizes, self.rank, self.seed = n, list(batch_sizes), rank, seed
-        self.shard_sizes, self.lengths = shard_sizes, lengths
+        self.shard_sizes, self.lengths, self.drop_last = shard_sizes, lengths, drop_last
         self.global_batch = sum(self.batch_sizes)
         if n < len(self.batch_sizes):
             raise ValueError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} ranks")
@@ -60,7 +61,7 @@ class GlobalBatchSampler:
         g = self.global_batch
         cuts = list(range(0, self.n, g))
         batches = [order[c:c + g] for c in cuts]
-        if len(batches[-1]) < len(self.batch_sizes):
+        if len(batches[-1]) < (g if self.drop_last else len(self.batch_sizes)):
             batches.pop()  # a tail smaller than the number of ranks cannot give every rank a sample: dropped
         if self.lengths is not None:  # group similar lengths: sort inside windows of 50 global batches
             lengths = np.asarray(self.lengths)
@@ -85,7 +86,7 @@ class GlobalBatchSampler:
 
     def batches_per_epoch(self) -> int:
         full, tail = divmod(self.n, self.global_batch)
-        return full + (tail >= len(self.batch_sizes))
+        return full + (tail >= len(self.batch_sizes) and not self.drop_last)
 
 
 def eval_shard(n: int, rank: int, world: int) -> range:

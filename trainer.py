@@ -54,7 +54,10 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model().to(ctx.device)
-        self.par = STRATEGIES[cfg.dist.strategy](model, cfg, ctx)
+        if cfg.dist.strategy == "pipe":  # cuts the model into the task's chain of layers (strategies/pipeline.py)
+            self.par = STRATEGIES["pipe"](model, cfg, ctx, task, self.datasets["train"])
+        else:
+            self.par = STRATEGIES[cfg.dist.strategy](model, cfg, ctx)
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should).
         seed_everything(cfg.seed + ctx.rank)
 
@@ -100,7 +103,8 @@ class Trainer:
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
-                window.add(loss_sum, count, samples=sum(len(next(iter(b.values()))) for b in batches))
+                window.add(loss_sum, count, samples=self.par.counts_batch * sum(len(next(iter(b.values())))
+                                                                                 for b in batches))
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
@@ -137,13 +141,17 @@ class Trainer:
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
         # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit, see faults.py), so every rank learns of a stop in the same step, for free.
-        local = torch.tensor([float(sum(self.task.count(b) for b in batches)), faults.stop_request.vote()])
+        n = sum(self.task.count(b) for b in batches) if par.counts_batch else 0  # pipe: one rank per pipeline
+        local = torch.tensor([float(n), faults.stop_request.vote()])
         counts = D.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
-        scale = ctx.world_size / count
+        scale = par.grad_replicas / count  # grad_replicas: the world size, or the pipelines under pipe
         loss_total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(batches):
             batch = self.to_device(batch)
+            if par.pipelined:  # pipe: the schedule runs forward and backward of the batch's micro-batches
+                loss_total += par.step(self.task, batch, scale, self.autocast)
+                continue
             sync = contextlib.nullcontext() if i == len(batches) - 1 else par.no_sync()
             with sync, balance.slowdown(self.cfg, ctx, par.raw_model):  # gradients sync on the last one only
                 with self.autocast():
@@ -220,24 +228,23 @@ class Trainer:
         model = self.par.model if self.par.eval_lockstep else self.par.raw_model
         was_training = model.training
         model.eval()
-        batches = eval_batches(len(dataset), ctx.rank, ctx.world_size, self.t.eval_batch_size)
+        par = self.par
+        batches = eval_batches(len(dataset), par.data_rank, par.data_world, self.t.eval_batch_size)
         loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
         sums, arrays = {}, {}
         for batch in loader:
             faults.progress.at(self.state.step, "eval")  # the watchdog sees evaluation advance
-            with self.autocast():
-                out = self.task.eval_batch(model, self.to_device(batch))
+            out = self.eval_batch(model, self.to_device(batch))
             for k, v in out.items():
                 if v.dim() == 0:
                     sums[k] = sums.get(k, 0) + v.double()
                 else:
                     arrays.setdefault(k, []).append(v)
         if self.par.eval_lockstep:
-            most = len(eval_batches(len(dataset), 0, ctx.world_size, self.t.eval_batch_size))
+            most = len(eval_batches(len(dataset), 0, par.data_world, self.t.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
-                with self.autocast():
-                    self.task.eval_batch(model, dummy)
+                self.eval_batch(model, dummy)
         local = {k: v.item() for k, v in sums.items()}
         local.update({k: torch.cat(v).cpu().numpy() for k, v in arrays.items()})
         totals = {}
@@ -255,6 +262,12 @@ class Trainer:
                 for k, v in metrics.items():
                     self.tb.add_scalar(f"{split}/{k}", v, self.state.step)
         return metrics
+
+    def eval_batch(self, model, batch: dict) -> dict:
+        if self.par.pipelined:  # pipe: the batch goes through the stages; the last stage's rank gets the results
+            return self.par.eval_batch(self.task, batch, self.autocast)
+        with self.autocast():
+            return self.task.eval_batch(model, batch)
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
@@ -358,6 +371,8 @@ class Trainer:
             with checkpoint.fits_model(path, self.cfg):
                 self.par.load(path)
             self.scheduler.load_state_dict(extra["scheduler"])
+            for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
             if self.par.scaler and extra["scaler"]:
                 self.par.scaler.load_state_dict(extra["scaler"])
             self.state = state
@@ -425,7 +440,7 @@ class Trainer:
         b = self.t.batch_size
         if b == "auto":  # an equal split until balance_batches() has measured the ranks
             return split_proportional(self.t.global_batch_size, [1] * self.ctx.world_size, minimum=1)
-        return list(b) if isinstance(b, list) else [b] * self.ctx.world_size
+        return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
 
     def balance_batches(self) -> None:
         """batch_size auto: split the global batch by measured rank speed (after a resume: the split the
@@ -439,8 +454,9 @@ class Trainer:
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
         train_set = self.datasets["train"]
-        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.ctx.rank, self.cfg.seed,
-                                  shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths)
+        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.par.data_rank, self.cfg.seed,
+                                  shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths,
+                                  drop_last=self.par.pipelined)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:
         per_epoch = self.sampler.batches_per_epoch() / self.t.grad_accum_steps

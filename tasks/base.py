@@ -51,9 +51,46 @@ class Task:
         """Final metrics from the summed / concatenated results of `eval_batch` over the whole split."""
         raise NotImplementedError
 
+    # ---- pipe (dist.strategy: pipe, strategies/pipeline.py): the model as a chain of layers --------------------
+    # -----> to pipeline a new model: list its layers in order; each takes the previous one's output (a tensor or a
+    # tuple of tensors, e.g. hidden states and an attention mask) and must keep constant shapes from step to step.
+    def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The model's forward as a chain: layers[0](*pipeline_inputs(batch)), then each layer on the previous
+        output; the last layer's output goes to loss_from_output / eval_from_output. The stages cut this list."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its model splits into pipeline stages "
+                                  "(Task.pipeline_layers)")
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple:
+        """What the first layer takes."""
+        raise NotImplementedError
+
+    def pipeline_target(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One tensor the last stage's loss needs, cut into micro-batches along dim 0 like the inputs."""
+        return batch["labels"]
+
+    def loss_from_output(self, output, target: torch.Tensor) -> torch.Tensor:
+        """loss_sum computed from the model's (the last layer's) output, for one micro-batch."""
+        raise NotImplementedError
+
+    def eval_from_output(self, output, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """eval_batch computed from the model's (the last layer's) output, for a whole evaluation batch."""
+        raise NotImplementedError
+
     def lengths(self, dataset: Dataset) -> Optional[list[int]]:
         """Per-sample lengths for `data.group_by_length` (None: the task has no notion of length)."""
         return None
+
+
+class Layer(nn.Module):
+    """One link of a pipeline chain: `fn(*inputs)` using `modules` of the model (shared, not copied), so that a
+    stage holding this layer holds exactly their parameters."""
+
+    def __init__(self, fn, *modules: nn.Module):
+        super().__init__()
+        self.fn, self.parts = fn, nn.ModuleList(modules)
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
 
 
 def classification_batch(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task
-from tasks.text_common import check_pretrained_dir
+from tasks.base import Layer, Task
+from tasks.text_common import bert_pipeline_layers, check_pretrained_dir
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -288,6 +288,8 @@ class BertPretrainTask(Task):
 
     def collate(self, samples: list) -> dict:
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+        if self.cfg.dist.strategy == "pipe":
+            return batch  # pipeline stages need the same shapes every step: keep the shards' length L
         # Shards pad every sequence to L; cut the columns that are padding in every row of this batch.
         width = int(batch["attention_mask"].sum(1).max())
         return {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
@@ -296,14 +298,21 @@ class BertPretrainTask(Task):
         return len(batch["nsp_labels"])  # one unit = one sequence (see the module docstring)
 
     def losses(self, model: nn.Module, batch: dict):
-        """Per-token MLM cross-entropy, the sequence each masked token belongs to, per-sequence NSP loss."""
-        mlm_logits, nsp_logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-                                       batch["mlm_labels"])
-        masked = batch["mlm_labels"] != -100
-        targets = batch["mlm_labels"][masked]
+        output = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], batch["mlm_labels"])
+        return self.losses_from_output(output, batch["mlm_labels"], batch["nsp_labels"])
+
+    @staticmethod
+    def losses_from_output(output, mlm_labels: torch.Tensor, nsp_labels: torch.Tensor):
+        """Per-token MLM cross-entropy, the sequence each masked token belongs to, per-sequence NSP loss. The
+        MLM logits are for the masked tokens only, or (under pipe) for every position."""
+        mlm_logits, nsp_logits = output
+        masked = mlm_labels != -100
+        if mlm_logits.dim() == 3:
+            mlm_logits = mlm_logits[masked]
+        targets = mlm_labels[masked]
         mlm = F.cross_entropy(mlm_logits.float(), targets, reduction="none")
         owner = masked.nonzero()[:, 0]  # row of each masked token, in the same (row-major) order as mlm
-        nsp = F.cross_entropy(nsp_logits.float(), batch["nsp_labels"], reduction="none")
+        nsp = F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="none")
         return mlm, mlm_logits, targets, owner, nsp, nsp_logits
 
     @staticmethod
@@ -317,13 +326,40 @@ class BertPretrainTask(Task):
         return self.objective_sum(mlm, owner, nsp)
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        mlm, mlm_logits, targets, owner, nsp, nsp_logits = self.losses(model, batch)
+        return self.eval_from_losses(batch, *self.losses(model, batch))
+
+    def eval_from_losses(self, batch, mlm, mlm_logits, targets, owner, nsp, nsp_logits) -> dict:
         one = lambda x: torch.as_tensor(x, dtype=torch.float64, device=nsp.device)  # noqa: E731
         return {"objective_sum": self.objective_sum(mlm, owner, nsp),
                 "mlm_loss_sum": mlm.sum(), "mlm_correct": (mlm_logits.argmax(-1) == targets).sum().double(),
                 "mlm_tokens": one(len(targets)), "nsp_loss_sum": nsp.sum(),
                 "nsp_correct": (nsp_logits.argmax(-1) == batch["nsp_labels"]).sum().double(),
                 "sequences": one(len(nsp))}
+
+    # ---- pipe: BertForPreTraining as a chain (embeddings, encoder layers, heads) ------------------------------
+    def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The last link scores every position: the masked positions are picked out in the loss, which alone sees
+        the labels. The MLM decoder shares its weight with the word embeddings (added up under pipe)."""
+        bert, heads = model.bert.bert, model.bert.cls
+
+        def head(hidden, attention_mask):
+            return heads.predictions(hidden), heads.seq_relationship(bert.pooler(hidden))
+        return bert_pipeline_layers(bert, Layer(head, bert.pooler, heads))
+
+    def pipeline_inputs(self, batch: dict) -> tuple:
+        return batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+
+    def pipeline_target(self, batch: dict) -> torch.Tensor:
+        # One tensor, cut into micro-batches with the inputs: the MLM labels and, as a last column, the NSP label.
+        return torch.cat([batch["mlm_labels"], batch["nsp_labels"][:, None]], 1)
+
+    def loss_from_output(self, output, target: torch.Tensor) -> torch.Tensor:
+        mlm, _, _, owner, nsp, _ = self.losses_from_output(output, target[:, :-1], target[:, -1])
+        return self.objective_sum(mlm, owner, nsp)
+
+    def eval_from_output(self, output, batch: dict) -> dict:
+        return self.eval_from_losses(batch, *self.losses_from_output(output, batch["mlm_labels"],
+                                                                      batch["nsp_labels"]))
 
     def metrics(self, totals: dict) -> dict:
         tokens, seqs = max(totals["mlm_tokens"], 1), max(totals["sequences"], 1)

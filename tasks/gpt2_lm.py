@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task
+from tasks.base import Layer, Task
 from tasks.text_common import load_or_train_tokenizer, read_utf8
 
 GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
@@ -167,13 +167,35 @@ class GPT2LMTask(Task):
         return batch["labels"].numel()  # one unit = one target token
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return self.loss_from_output(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+
+    def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # -----> the LM loss: next-token cross-entropy summed over every target token.
-        logits = model(input_ids=batch["input_ids"]).logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        loss = self.loss_sum(model, batch)
+        return self.eval_from_output(model(input_ids=batch["input_ids"]).logits, batch)
+
+    def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        loss = self.loss_from_output(logits, batch["labels"])
         return {"loss_sum": loss, "tokens": torch.tensor(float(batch["labels"].numel()), device=loss.device)}
+
+    def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
+        """GPT-2 as a chain: embeddings, the blocks, final norm + LM head (GPT2Model.forward without caches or
+        padding masks: every block is a fixed-length causal window). The LM head shares its weight with the
+        token embedding; under pipe each end holds a copy and their gradients are added up."""
+        t = model.transformer
+
+        def embed(input_ids):
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            return t.drop(t.wte(input_ids) + t.wpe(positions)[None])
+
+        def head(hidden):
+            return model.lm_head(t.ln_f(hidden))
+        return [Layer(embed, t.wte, t.wpe, t.drop), *t.h, Layer(head, t.ln_f, model.lm_head)]
+
+    def pipeline_inputs(self, batch: dict) -> tuple:
+        return (batch["input_ids"],)
 
     def metrics(self, totals: dict) -> dict:
         loss = totals["loss_sum"] / max(totals["tokens"], 1)

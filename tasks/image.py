@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task, classification_batch, classification_metrics
+from tasks.base import Layer, Task, classification_batch, classification_metrics
 
 MNIST_FILES = {  # name -> MD5 as published with the dataset
     "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
@@ -48,9 +48,19 @@ class Net(nn.Module):
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(2 * dropout)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(images))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+        return self.head(self.hidden(self.features2(self.features1(images))))
+
+    # The forward in four pieces: pipe cuts the network between them (ImageTask.pipeline_layers).
+    def features1(self, images: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv1(images))
+
+    def features2(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(F.relu(self.conv2(x)), 2)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout2(x))
 
 
@@ -100,11 +110,24 @@ class ImageTask(Task):
                 "test": make(test_images, test_labels)}
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return self.loss_from_output(model(batch["images"]), batch["labels"])
+
+    def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # -----> the loss of a task: summed over the batch (the Trainer divides by the global count).
-        return F.cross_entropy(model(batch["images"]).float(), batch["labels"], reduction="sum")
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        return classification_batch(model(batch["images"]), batch["labels"])
+        return self.eval_from_output(model(batch["images"]), batch)
+
+    def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        return classification_batch(logits, batch["labels"])
+
+    def pipeline_layers(self, model: Net) -> list[nn.Module]:
+        return [Layer(model.features1, model.conv1), Layer(model.features2, model.conv2),
+                Layer(model.hidden, model.fc1), Layer(model.head, model.fc2)]
+
+    def pipeline_inputs(self, batch: dict) -> tuple:
+        return (batch["images"],)
 
     def metrics(self, totals: dict) -> dict:
         # -----> metrics of a task, from everything eval_batch returned over the whole split.

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.base import Task, classification_batch, classification_metrics
-from tasks.text_common import load_or_train_tokenizer, note, read_utf8
+from tasks.base import Layer, Task, classification_batch, classification_metrics
+from tasks.text_common import bert_pipeline_layers, load_or_train_tokenizer, note, read_utf8
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -146,8 +146,11 @@ class SST2Task(Task):
                                 f"positions; set data.max_length to at most {positions}")
 
     def collate(self, samples: list) -> dict:
-        # Dynamic padding: pad to the longest sentence of this batch, not to data.max_length.
+        # Dynamic padding: pad to the longest sentence of this batch, not to data.max_length. Under pipe, always
+        # to data.max_length: pipeline stages need the same shapes every step.
         width = max(len(s["input_ids"]) for s in samples)
+        if self.cfg.dist.strategy == "pipe":
+            width = self.cfg.data.max_length
         ids = torch.full((len(samples), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(samples), width), dtype=torch.long)
         for row, s in enumerate(samples):
@@ -161,13 +164,33 @@ class SST2Task(Task):
 
     def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         # labels are not passed: the loss is computed here, summed, as the Trainer expects
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return F.cross_entropy(self.logits(model, batch), batch["labels"], reduction="sum")
+        return self.loss_from_output(self.logits(model, batch), batch["labels"])
+
+    def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        return classification_batch(self.logits(model, batch), batch["labels"])
+        return self.eval_from_output(self.logits(model, batch), batch)
+
+    def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        return classification_batch(logits, batch["labels"])
+
+    def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
+        """BERT-style classifiers (BertForSequenceClassification: MiniLM, BERT, ... from model.pretrained_dir):
+        the encoder's chain, then pooler + dropout + classifier."""
+        if not hasattr(model, "bert"):
+            raise DataError(f"dist.strategy pipe: sst2 splits BERT-style classifiers (model.pretrained_dir of a "
+                            f"BERT or MiniLM); {type(model).__name__} (an encoder-decoder) is not split yet")
+
+        def head(hidden, attention_mask):
+            return model.classifier(model.dropout(model.bert.pooler(hidden)))
+        return bert_pipeline_layers(model.bert, Layer(head, model.bert.pooler, model.dropout, model.classifier))
+
+    def pipeline_inputs(self, batch: dict) -> tuple:
+        return batch["input_ids"], batch["attention_mask"]
 
     def metrics(self, totals: dict) -> dict:
         return classification_metrics(np.asarray(totals["preds"]), np.asarray(totals["labels"]),

@@ -124,3 +124,24 @@ def check_pretrained_dir(path: str) -> str:
                         f"`python scripts/download_pretrained.py MODEL_ID {path}` (needs network), point it at "
                         "another Hugging Face folder, or set it to null for a random model")
     return path
+
+
+def bert_pipeline_layers(bert, head) -> list:
+    """A transformers BertModel (BERT, MiniLM, ...) as a pipeline chain (Task.pipeline_layers): embeddings, each
+    encoder layer, then `head`, a Layer taking (hidden states, attention mask). This is what BertModel.forward
+    does, link by link. The attention mask travels along with the hidden states, as 0/1 integers: a float
+    tensor between stages would be taken for an activation that needs a gradient."""
+    from tasks.base import Layer
+
+    def embed(input_ids, attention_mask, token_type_ids=None):
+        return bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), attention_mask
+
+    def encoder_layer(layer):
+        def run(hidden, attention_mask):
+            # The additive mask BertModel builds once, rebuilt per layer (cheap) so that no stage needs another's.
+            mask, _ = bert._create_attention_masks(attention_mask=attention_mask, encoder_attention_mask=None,
+                                                   embedding_output=hidden, encoder_hidden_states=None,
+                                                   past_key_values=None)
+            return layer(hidden, attention_mask=mask), attention_mask
+        return Layer(run, layer)
+    return [Layer(embed, bert.embeddings), *[encoder_layer(x) for x in bert.encoder.layer], head]

@@ -1,0 +1,102 @@
+"""What every strategy returns: a `Parallel`, the one object the Trainer talks to. Also the optimizer recipe and
+the loss scalers the strategies share, and `state_bytes` (what a rank holds)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from checkpoint import load_file
+from distributed import DistContext
+
+
+def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False) -> tuple[list[dict], type, dict]:
+    """(param groups, optimizer class, kwargs). Weight decay applies to matrices only, not biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"] or keep_empty]
+    # -----> choose another optimizer here.
+    if train_cfg.optimizer == "sgd":
+        return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9}
+    return groups, torch.optim.AdamW, {"lr": train_cfg.lr}
+
+
+class Parallel:
+    """A model prepared for a strategy. Defaults describe replicated strategies (none, dp, ddp): every rank
+    holds the full state, and rank 0 alone writes it."""
+
+    eval_lockstep = False  # True: every rank must run the same number of forward passes (sharded params)
+    checkpoint_format = "full"  # recorded in meta.json; a format containing "sharded" resumes only under itself
+    pipelined = False  # pipe: the Trainer hands whole batches to step() / eval_batch() (strategies/pipeline.py)
+
+    def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
+        self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
+        # How the data is shared out: this rank reads share `data_rank` of `data_world` of each global batch, and
+        # its samples count toward the global count. The gradient all-reduce averages over `grad_replicas` ranks
+        # (the Trainer multiplies the loss by it to undo the average). Under pipe, the ranks of one pipeline read
+        # the same batch: one share per pipeline.
+        self.data_rank, self.data_world, self.grad_replicas = ctx.rank, ctx.world_size, ctx.world_size
+        self.counts_batch = True
+
+    def no_sync(self):
+        """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping."""
+        if math.isinf(max_norm):  # the Trainer wants the norm every step (NaN check): skip clipping's extra pass
+            return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
+        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+
+    # ---- checkpoints: files written into a checkpoint directory -----------------------------------------
+    def save(self, directory: str) -> None:
+        """Called on every rank; writes model.pt (a plain state dict) and optimizer.pt."""
+        if self.ctx.is_main:
+            torch.save(self.raw_model.state_dict(), os.path.join(directory, "model.pt"))
+            torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+
+    def load(self, directory: str) -> None:
+        self.raw_model.load_state_dict(load_file(directory, "model.pt"))
+        self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
+
+
+def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
+    """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
+    return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
+
+
+def sharded_scaler(cfg, ctx: DistContext):
+    """fp16 loss scaling when ranks hold different gradients: every rank must skip the same steps, so the
+    overflow flag is all-reduced. PyTorch's ShardedGradScaler does this on CPU and GPU; fairscale's copy of it
+    moves the flag to CUDA and so cannot run on CPU."""
+    if cfg.train.precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    return ShardedGradScaler(ctx.device.type)
+
+
+def state_bytes(par: Parallel) -> dict[str, int]:
+    """Bytes of model state held by this rank right now: parameters, gradients, optimizer state (local shards
+    only; tensors sharing storage counted once). Library-internal buffers are not visible here: DDP's gradient
+    buckets, FSDP's transient all-gather buffers."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(tensors) -> int:
+        storages = {}
+        for t in tensors:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            if t is not None and t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    params = list(par.model.parameters())
+    local_opt = getattr(par.optimizer, "optim", par.optimizer)  # OSS / ZeroRedundancyOptimizer: this rank's part
+    state = [v for s in local_opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer": nbytes(state)}

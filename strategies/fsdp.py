@@ -1,0 +1,179 @@
+"""fsdp: parameters, gradients and optimizer state all sharded (ZeRO-3), with PyTorch's FSDP2 (`fully_shard`) or
+fairscale's FullyShardedDataParallel (CUDA only), and the fairscale workarounds. See docs/sharded.md."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from checkpoint import load_file
+from distributed import DistContext
+from strategies.base import Parallel, optimizer_recipe, sharded_scaler
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP shards as units of their own (one all-gather each), innermost first: every member of
+    an nn.ModuleList, i.e. the blocks of a transformer (BERT's encoder.layer, BART's encoder.layers and
+    decoder.layers, GPT-2's h). The root takes whatever is left (embeddings, heads; all of the CNN)."""
+    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return units[::-1]
+
+
+class FSDPParallel(Parallel):
+    """PyTorch FSDP2 (`fully_shard`, ZeRO-3): parameters, gradients and optimizer state are DTensors sharded
+    along dim 0; each unit's parameters are all-gathered just for its forward and backward."""
+    eval_lockstep = True  # a forward pass is a collective (the all-gather)
+    checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
+
+    def no_sync(self):
+        @contextlib.contextmanager
+        def local_grads():  # accumulate unsharded gradients locally; reduce-scatter on the last micro-batch
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        return local_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # On DTensor gradients the norm is a DTensor whose local value covers this shard only; full_tensor()
+        # reduces it to the global norm (clipping itself already used the global one).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def save(self, directory: str) -> None:
+        # Every rank writes its own shards: nothing is gathered. get_state_dict keys the entries by the plain
+        # model's parameter names, so the files do not depend on the world size.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
+        dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
+
+    def load(self, directory: str) -> None:
+        # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
+        # the pieces each rank's shards need.
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from checkpoint import dcp_load
+        from config import CheckpointError
+        for name in ("model_dcp", "optimizer_dcp"):
+            if not os.path.isfile(os.path.join(directory, name, ".metadata")):
+                raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes only from checkpoints that "
+                                      "fsdp wrote (test mode reads any checkpoint)")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
+        # so a crafted checkpoint could run code; checkpoint.dcp_load refuses it in one line instead.
+        dcp_load(model_sd, os.path.join(directory, "model_dcp"))
+        dcp_load(optim_sd, os.path.join(directory, "optimizer_dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+class FairscaleFSDPParallel(Parallel):
+    """fairscale FullyShardedDataParallel (CUDA only). model.pt is gathered at save time (fairscale cannot
+    write sharded files that another world size reads); the optimizer is saved as one shard per rank."""
+    eval_lockstep = True
+    checkpoint_format = "sharded-fairscale"
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.model.clip_grad_norm_(max_norm)  # the global norm over all shards
+
+    def save(self, directory: str) -> None:
+        full = self.model.state_dict()  # collective: every rank takes part in the gather
+        if self.ctx.is_main:
+            torch.save(full, os.path.join(directory, "model.pt"))
+        torch.save(self.optimizer.state_dict(), os.path.join(directory, f"optimizer-rank{self.ctx.rank}.pt"))
+
+    def load(self, directory: str) -> None:
+        from checkpoint import read_meta
+        from config import CheckpointError
+        saved = read_meta(directory).get("world_size")
+        if saved != self.ctx.world_size:
+            raise CheckpointError(f"{directory}: fairscale FSDP optimizer shards were written by {saved} ranks, "
+                                  f"this run has {self.ctx.world_size}; resume with {saved} processes")
+        self.model.load_state_dict(load_file(directory, "model.pt"))
+        self.optimizer.load_state_dict(load_file(directory, f"optimizer-rank{self.ctx.rank}.pt"))
+
+
+def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+    """Fully sharded data parallel. Default: PyTorch's fully_shard (FSDP2) per fsdp_units() and then the root,
+    computing in train.precision (bf16/fp16) while reducing gradients and stepping in fp32.
+    dist.fsdp_impl: fairscale uses fairscale's FullyShardedDataParallel (CUDA only)."""
+    d, precision = cfg.dist, cfg.train.precision
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if d.fsdp_impl == "fairscale":
+        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+        # The weight-decay groups are built first: without flattening, fairscale shards each parameter in
+        # place (p.data becomes the shard), so the same Parameter objects remain in the groups.
+        groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+        wrap = lambda m: FairscaleFSDP(m, reshard_after_forward=d.reshard_after_forward,  # noqa: E731
+                                       compute_device=ctx.device, flatten_parameters=False,
+                                       mixed_precision=low is not None, compute_dtype=low,
+                                       fp32_reduce_scatter=low is not None)
+        for unit in fsdp_units(model):
+            replace_module(model, unit, wrap(unit))
+        model.register_forward_hook(join_output_grads)
+        root = wrap(model)
+        return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    for unit in fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+    # The optimizer is built after sharding, on the DTensor parameters (the same names and shapes as before).
+    groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+    return FSDPParallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
+
+
+class _JoinGrads(torch.autograd.Function):
+    """Identity on several tensors. Its backward runs once, when all of their gradients are in."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def join_output_grads(module: nn.Module, inputs, output):
+    """Forward hook on the model under fairscale FSDP's root. fairscale readies the root for backward in a hook
+    on each output tensor and frees each parameter as soon as its gradient is done. With two outputs (BERT's MLM
+    and NSP logits), the NSP head's gradients can be done, and freed, before the MLM output's hook runs, which
+    then fails (`assert self.has_full_params`). Through one identity node, every output's hook runs first."""
+    found = []
+
+    def visit(x, replace=None):
+        if isinstance(x, torch.Tensor):
+            if replace is not None:
+                return replace.get(id(x), x)
+            if x.requires_grad:
+                found.append(x)
+            return x
+        if isinstance(x, dict):  # in place: keeps dict subclasses such as transformers' ModelOutput intact
+            for k in list(x.keys()):
+                x[k] = visit(x[k], replace)
+            return x
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(visit(v, replace) for v in x)
+        return x
+
+    visit(output)
+    if len(found) < 2:
+        return output
+    return visit(output, {id(t): j for t, j in zip(found, _JoinGrads.apply(*found))})
+
+
+def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` where `old` sits inside `root` (fairscale wraps modules instead of changing them in place)."""
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return

@@ -1,0 +1,367 @@
+"""pipe: pipeline parallelism with torch.distributed.pipelining. See docs/pipeline.md.
+
+The task lists its model as a chain of layers (`Task.pipeline_layers`): layer i's output is layer i+1's input.
+The chain is cut into stages, one per rank of a pipeline (two with the interleaved schedules), and each rank
+frees the parameters of the stages it does not hold. A batch is cut into micro-batches that flow through the
+stages: while stage 1 computes micro-batch 0, stage 0 already computes micro-batch 1. The schedule (gpipe, 1f1b,
+...) is the order in which each stage runs the forwards and backwards of its micro-batches.
+
+Several pipelines (world size / pp_stages) can train side by side, each on its own share of the global batch,
+like DDP ranks. Rank layout: rank = stage * pipelines + pipeline, i.e. a ("pp", "dp") device mesh whose rows are
+stages. The replicas of one stage are neighbours, so on nodes of `pipelines` GPUs they share a node and their
+gradient all-reduce (the heavy traffic) stays inside it; only activations cross nodes.
+
+What the Trainer sees is the usual `Parallel`, plus `step()` (forward + backward of one batch through the
+schedule) and `eval_batch()`; everything about stages stays in this file.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from config import CheckpointError, DataError
+from data_loader import split_proportional
+from distributed import DistContext
+from strategies.base import Parallel, optimizer_recipe, sharded_scaler
+
+# Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
+# r holds stages r and r + pp_stages) and so need twice as many layers.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zero_bubble": "ScheduleInterleavedZeroBubble"}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+
+class Stage(nn.Module):
+    """A run of consecutive layers of the chain, called as one module by the pipeline."""
+
+    def __init__(self, layers: list[nn.Module], slowdown: float = 1.0):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.slowdown = slowdown  # dist.simulate_slowdown of this rank
+
+    def forward(self, *carry):
+        start = time.perf_counter()
+        for layer in self.layers:
+            carry = layer(*carry)
+            carry = carry if isinstance(carry, tuple) else (carry,)
+        if self.slowdown > 1 and torch.is_grad_enabled():
+            # A device `slowdown` times slower, simulated: the forward also waits for the backward's extra time
+            # (backward ~ 2x forward). Busy, not asleep, as in balance.py.
+            end = time.perf_counter() + 3 * (self.slowdown - 1) * (time.perf_counter() - start)
+            while time.perf_counter() < end:
+                pass
+        return carry if len(carry) > 1 else carry[0]
+
+
+class PipeParallel(Parallel):
+    checkpoint_format = "sharded-pipe"  # DCP folders model_dcp/ and optimizer_dcp/ keyed by whole-model names
+
+    pipelined = True  # the Trainer calls step() and eval_batch() below instead of running the model itself
+
+    def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
+                 optimizer, cfg, ctx: DistContext, mesh, scaler, tied: list, unowned: set):
+        local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
+        super().__init__(local, local, optimizer, ctx, scaler)
+        d = cfg.dist
+        self.full_model, self.stages, self.cfg = full_model, stages, cfg
+        self.pp, self.pipelines = d.pp_stages, ctx.world_size // d.pp_stages
+        self.stage_rank, self.pipeline = divmod(ctx.rank, self.pipelines)
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.n_stages = d.pp_stages * STAGES_PER_RANK[d.pp_schedule]
+        self.eval_lockstep = d.pp_dp == "fsdp" and self.pipelines > 1  # a forward is an all-gather over replicas
+        # What the Trainer reads to share out the data (see trainer.train_step): each pipeline reads its own
+        # share of the global batch; the gradient all-reduce averages over the pipelines.
+        self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines
+        self.counts_batch = self.stage_rank == 0  # one rank per pipeline counts its samples
+        self.tied = tied
+        # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
+        # Tensors that no layer holds (an unused head, say) are kept and saved by the first stage.
+        mine = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
+        self.names = [k for k, v in full_model.state_dict(keep_vars=True).items()
+                      if id(v) in mine or (k in unowned and self.stage_rank == 0)]
+        self.scale = 1.0
+        self.first_shapes: Optional[dict] = None
+        from torch.distributed import pipelining
+        pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=self.pp_group)
+                       for i in sorted(wrapped)]
+        schedule_cls = getattr(pipelining, SCHEDULES[d.pp_schedule])
+        if STAGES_PER_RANK[d.pp_schedule] == 1:
+            pipe_stages = pipe_stages[0]
+        # scale_grads=False: the loss is already summed and divided by the global count (see loss_fn).
+        self.schedule = schedule_cls(pipe_stages, n_microbatches=d.pp_microbatches, loss_fn=self.loss_fn,
+                                     scale_grads=False)
+        self.is_last = self.n_stages - 1 in stages
+        self.task = None
+
+    def loss_fn(self, output, target):
+        loss = self.task.loss_from_output(output, target).float() * self.scale
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
+        """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
+        the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
+        self.task, self.scale = task, scale
+        self.check_shapes(batch)
+        losses = []
+        args = task.pipeline_inputs(batch) if 0 in self.stages else ()
+        target = task.pipeline_target(batch) if self.is_last else None
+        with autocast():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.sync_tied_grads()
+        if not losses:
+            return torch.zeros((), device=self.ctx.device)
+        total = torch.stack([x.detach().float() for x in losses]).sum()
+        if self.scaler:
+            total = total / self.scaler.get_scale()
+        return total / scale
+
+    def check_shapes(self, batch: dict) -> None:
+        """A stage learns the shapes it receives on the first step and cannot take others later (the failure
+        would be a size mismatch deep in gloo/NCCL). Every rank of a pipeline reads the same batch, so all of
+        them stop here together with a message that says why."""
+        shapes = {k: tuple(v.shape) for k, v in batch.items()}
+        if self.first_shapes is None:
+            self.first_shapes = shapes
+        elif shapes != self.first_shapes:
+            changed = ", ".join(f"{k} {self.first_shapes.get(k)} -> {s}" for k, s in shapes.items()
+                                if self.first_shapes.get(k) != s)
+            raise DataError(f"pipe: the batch shapes changed ({changed}); pipeline stages need the same shapes "
+                            f"every step: give the task fixed-length inputs (data.max_length) and batch sizes "
+                            f"divisible by dist.pp_microbatches")
+
+    def sync_tied_grads(self) -> None:
+        """A parameter used by layers on two ranks (GPT-2's token embedding is also its output projection) has a
+        copy on each: add up their gradients so both copies take the same update, as the one tensor would."""
+        for param, group in self.tied:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm: squares summed over this rank's stages, then over the stages of the pipeline. With
+        DDP all replicas hold the same averaged gradients (summed over dp too, then divided by the replicas); with
+        FSDP each holds a shard. A tied parameter is counted on one of its ranks only."""
+        from torch.distributed.tensor import DTensor
+        skip = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
+        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None and id(p) not in skip]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        square = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), device=self.ctx.device)
+        dist.all_reduce(square)
+        if self.cfg.dist.pp_dp == "ddp":
+            square = square / self.pipelines
+        norm = square.sqrt()
+        if not math.isinf(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(self.raw_model.parameters(), max_norm, norm)
+        return norm
+
+    @torch.no_grad()
+    def eval_batch(self, task, batch: dict, autocast) -> dict:
+        """Forward only, one stage after the other (no micro-batches: evaluation has no backward to overlap, and
+        its last batch may be smaller). The last stage computes the task's results; the other ranks return {}."""
+        carry = task.pipeline_inputs(batch)
+        for i in sorted(self.stages):
+            if i > 0:
+                carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
+            with autocast():
+                out = self.stages[i](*carry)
+            carry = out if isinstance(out, tuple) else (out,)
+            if i < self.n_stages - 1:
+                send_tensors(carry, self.rank_of(i + 1))
+        return task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch) if self.is_last else {}
+
+    def rank_of(self, stage: int) -> int:
+        return (stage % self.pp) * self.pipelines + self.pipeline
+
+    # ---- checkpoints: every rank writes its own stages' tensors under whole-model names, nothing gathered ----
+    def model_state(self) -> dict:
+        full = self.full_model.state_dict()
+        return {k: full[k] for k in self.names}
+
+    def optimizer_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(self.full_model, self.optimizer)
+
+    def save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.model_state(), checkpoint_id=os.path.join(directory, "model_dcp"))
+        # Only the per-parameter state: param_groups list this stage's names and differ between ranks (the
+        # learning rate comes back with the scheduler).
+        dcp.save({"state": self.optimizer_state()["state"]}, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
+
+    def load(self, directory: str) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from checkpoint import dcp_load
+        for name in ("model_dcp", "optimizer_dcp"):
+            if not os.path.isfile(os.path.join(directory, name, ".metadata")):
+                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes only from checkpoints that pipe "
+                                      "or fsdp wrote (test mode reads any checkpoint)")
+        model_sd = self.model_state()
+        dcp_load(model_sd, os.path.join(directory, "model_dcp"))  # in place: the tensors are the parameters
+        optim_sd = self.optimizer_state()
+        state = {"state": optim_sd["state"]}
+        dcp_load(state, os.path.join(directory, "optimizer_dcp"))
+        set_optimizer_state_dict(self.full_model, self.optimizer, {"state": state["state"],
+                                                                   "param_groups": optim_sd["param_groups"]})
+
+
+def send_tensors(tensors: tuple, dst: int) -> None:
+    dist.send_object_list([[(t.shape, t.dtype) for t in tensors]], dst=dst)
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst)
+
+
+def recv_tensors(src: int, device: torch.device) -> tuple:
+    meta = [None]
+    dist.recv_object_list(meta, src=src)
+    out = []
+    for shape, dtype in meta[0]:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=src)
+        out.append(t)
+    return tuple(out)
+
+
+def split_layers(n_layers: int, n_stages: int, split) -> list[int]:
+    """Layers per stage: `even`, or the user's list."""
+    if isinstance(split, list):
+        if sum(split) != n_layers:
+            raise DataError(f"dist.pp_split: {split} adds up to {sum(split)} layers but the task's model has "
+                            f"{n_layers}")
+        return list(split)
+    if n_layers < n_stages:
+        raise DataError(f"dist.pp_stages: the model has {n_layers} layers, too few for {n_stages} stages")
+    return split_proportional(n_layers, [1] * n_stages, minimum=1)
+
+
+def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx: DistContext) -> list[int]:
+    """pp_split auto: every rank times forward + backward of each layer on one micro-batch (slowed by its
+    dist.simulate_slowdown factor); stage s then runs on the slowest of its replicas, and the chain is cut so
+    that the slowest stage is as fast as it can be (contiguous stages, minimising the maximum)."""
+    factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
+    times = [math.inf] * len(layers)
+    for _ in range(3):  # the fastest of three: the first pays for allocations
+        carry = example
+        for i, layer in enumerate(layers):
+            carry = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in carry)
+            start = time.perf_counter()
+            out = layer(*carry)
+            out = out if isinstance(out, tuple) else (out,)
+            floats = [o for o in out if o.is_floating_point() and o.requires_grad]
+            if floats:
+                torch.stack([o.float().sum() for o in floats]).sum().backward()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            times[i] = min(times[i], (time.perf_counter() - start) * factor)
+            carry = out
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    pipelines = ctx.world_size // n_stages
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, times)
+    cost = [[max(every[s * pipelines + j][i] for j in range(pipelines)) for i in range(len(layers))]
+            for s in range(n_stages)]
+    return min_max_partition(cost)
+
+
+def min_max_partition(cost: list[list[float]]) -> list[int]:
+    """Cut layers 0..n-1 into len(cost) contiguous non-empty runs; run s costs sum(cost[s][its layers]).
+    Returns the run lengths minimising the largest run's cost (dynamic programming over cut points)."""
+    p, n = len(cost), len(cost[0])
+    best = [[math.inf] * (n + 1) for _ in range(p + 1)]  # best[s][i]: stages 0..s-1 take layers 0..i-1
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        for i in range(s, n - (p - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], sum(cost[s - 1][j:i]))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], n
+    for s in range(p, 0, -1):
+        sizes.append(i - cut[s][i])
+        i = cut[s][i]
+    return sizes[::-1]
+
+
+def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
+    """Cut the task's layer chain into stages, keep this rank's, free the rest, wrap each kept stage for its
+    replicas (DDP or FSDP2 over the "dp" mesh dimension) and build the schedule."""
+    from torch.distributed.device_mesh import init_device_mesh
+    d = cfg.dist
+    pp, pipelines = d.pp_stages, ctx.world_size // d.pp_stages
+    mesh = init_device_mesh(ctx.device.type, (pp, pipelines), mesh_dim_names=("pp", "dp"))
+    stage_rank, pipeline = divmod(ctx.rank, pipelines)
+    # -----> a task cuts its model into a chain of layers in Task.pipeline_layers (tasks/base.py).
+    layers = task.pipeline_layers(model)
+    v = STAGES_PER_RANK[d.pp_schedule]
+    n_stages = pp * v
+    if d.pp_split == "auto":
+        if v != 1:
+            raise DataError(f"dist.pp_split: auto needs one stage per rank (gpipe or 1f1b), not {d.pp_schedule}")
+        mb = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else min(cfg.train.batch_size)
+        mb //= d.pp_microbatches
+        example = task.collate([train_set[i] for i in range(mb)])
+        example = task.pipeline_inputs({k: v.to(ctx.device) for k, v in example.items()})
+        sizes = auto_split(layers, example, n_stages, cfg, ctx)
+    else:
+        sizes = split_layers(len(layers), n_stages, d.pp_split)
+    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    chunks = [layers[s:s + n] for s, n in zip(starts, sizes)]
+    mine = [i for i in range(n_stages) if i % pp == stage_rank]  # looped placement
+    factor = d.simulate_slowdown[ctx.rank] if d.simulate_slowdown else 1.0
+    stages = {i: Stage(chunks[i], factor) for i in mine}
+
+    # Which ranks of a pipeline hold each parameter. One held by several (tied weights) gets a process group per
+    # pipeline to add up its gradient copies; every rank builds every group, in the same order (new_group's rule).
+    holders: dict[int, set] = {}
+    for i, chunk in enumerate(chunks):
+        for layer in chunk:
+            for p in layer.parameters():
+                holders.setdefault(id(p), set()).add(i % pp)
+    shared = []  # (group, stage index, name inside that stage) of this rank's tied parameters
+    for pid, ranks in holders.items():
+        if len(ranks) > 1:
+            for j in range(pipelines):
+                group = dist.new_group([r * pipelines + j for r in sorted(ranks)])
+                if j == pipeline and stage_rank in ranks:
+                    i, name = next((i, n) for i, st in stages.items() for n, q in st.named_parameters()
+                                   if id(q) == pid)
+                    shared.append((group, i, name))
+    covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
+    unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
+
+    # Free what this rank does not hold: parameters and buffers of the other stages become empty tensors.
+    kept = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
+    kept |= {id(v) for k, v in model.state_dict(keep_vars=True).items() if k in unowned and stage_rank == 0}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in kept:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    wrapped = dict(stages)
+    if pipelines > 1:
+        dp_mesh = mesh["dp"]
+        if d.pp_dp == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else \
+                MixedPrecisionPolicy()
+            for i, stage in stages.items():
+                fully_shard(stage, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            wrapped = {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                              process_group=dp_mesh.get_group()) for i, s in stages.items()}
+    # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
+    # scheduler saved by rank 0 have the same number of groups.
+    groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
+    tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
+    par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
+                       tied, unowned)
+    par.split = sizes
+    return par

@@ -1,0 +1,40 @@
+"""Replicated strategies: every rank holds the whole model and optimizer. `none` (one process), `dp` (DataParallel:
+one process, several GPUs), `ddp` (DistributedDataParallel: one process per device, gradients all-reduced)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distributed import DistContext
+from strategies.base import Parallel, make_scaler, optimizer_recipe
+
+
+def apply_none(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+    groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+    return Parallel(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+
+
+def apply_dp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+    """DataParallel: one process scatters each batch over all local GPUs. Simple, but the GIL and the
+    gather on GPU 0 make it slower than ddp; kept because it needs no launcher at all."""
+    groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+    wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 and ctx.device.type == "cuda" else model
+    return Parallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+
+
+class DDPParallel(Parallel):
+    def no_sync(self):
+        return self.model.no_sync()
+
+
+def apply_ddp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+    """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
+    backward. The Trainer scales the loss so that average is the mean over the global batch."""
+    groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+    return DDPParallel(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+
+
+def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DistributedDataParallel on this rank's device (GPU: device_ids names it; CPU: none)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

@@ -1,0 +1,53 @@
+"""oss: optimizer state sharded over ranks (ZeRO-1), and gradients too with dist.shard_grads (ZeRO-2), with
+fairscale's OSS / ShardedDataParallel or PyTorch's ZeroRedundancyOptimizer. See docs/sharded.md."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distributed import DistContext
+from strategies.base import Parallel, make_scaler, optimizer_recipe, sharded_scaler
+from strategies.replicated import DDPParallel, ddp_wrap
+
+
+class OSSParallel(DDPParallel):
+    """Optimizer state sharded over ranks (ZeRO-1; ZeRO-2 when gradients are sharded too). Each rank updates
+    only the parameters it owns, then broadcasts them, so parameters stay whole and replicated. The model is
+    DDP or fairscale's ShardedDataParallel: both have DDP's no_sync()."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        from fairscale.optim import OSS
+        if isinstance(self.optimizer, OSS):  # grads may exist only on their owner: norm over shards, all-reduced
+            return self.optimizer.clip_grad_norm(max_norm)
+        return super().clip_grad_norm(max_norm)  # ZeroRedundancyOptimizer: DDP grads are whole on every rank
+
+    def save(self, directory: str) -> None:
+        # Gather the optimizer shards on rank 0: optimizer.pt is then an ordinary state dict indexed over all
+        # parameters, which any world size (and oss_impl) can load, every rank keeping its own part.
+        from fairscale.optim import OSS
+        if isinstance(self.optimizer, OSS):
+            self.optimizer.consolidate_state_dict(recipient_rank=0)
+        else:
+            self.optimizer.consolidate_state_dict(to=0)
+        super().save(directory)
+
+
+def apply_oss(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+    """Optimizer state sharding. fairscale OSS (default) with DDP gradients = ZeRO-1; with dist.shard_grads,
+    fairscale ShardedDataParallel reduces each gradient to its owner only = ZeRO-2. dist.oss_impl: torch uses
+    PyTorch's ZeroRedundancyOptimizer with DDP (ZeRO-1)."""
+    groups, cls, kwargs = optimizer_recipe(model, cfg.train)
+    if cfg.dist.oss_impl == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+    else:
+        from fairscale.optim import OSS
+        optimizer = OSS(groups, optim=cls, **kwargs)
+    if cfg.dist.shard_grads:  # config.validate allows it with fairscale OSS only
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        # No reduce buckets: bucketed gradients are views into ShardedDataParallel's buffers, which the trainer's
+        # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed,
+        # each gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
+        return OSSParallel(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
+    return OSSParallel(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
