@@ -488,8 +488,9 @@ class Trainer:
             f"  task {cfg.task} ({cfg.data.dataset}), {len(self.datasets['train'])} training samples",
             f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
             f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {t.precision}",
-            f"  batch per rank {self.batch_sizes} x {t.grad_accum_steps} accumulation, "
-            f"global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
+            *self.par.plan_lines(),
+            f"  batch per {'pipeline' if self.par.pipelined else 'rank'} {self.batch_sizes} x {t.grad_accum_steps} "
+            f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
             *([f"  {self.balance_note}"] if self.balance_note else []),
             f"  {self.total_steps} optimizer steps ({self.sampler.batches_per_epoch()} micro-batches per epoch), "
             f"starting at step {self.state.step}",

@@ -44,6 +44,10 @@ class Parallel:
         self.data_rank, self.data_world, self.grad_replicas = ctx.rank, ctx.world_size, ctx.world_size
         self.counts_batch = True
 
+    def plan_lines(self) -> list[str]:
+        """Lines the run's plan adds for this strategy."""
+        return []
+
     def no_sync(self):
         """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
         return contextlib.nullcontext()

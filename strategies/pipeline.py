@@ -99,6 +99,21 @@ class PipeParallel(Parallel):
         self.is_last = self.n_stages - 1 in stages
         self.task = None
 
+    def plan_lines(self) -> list[str]:
+        d = self.cfg.dist
+        per_rank = STAGES_PER_RANK[d.pp_schedule]
+        first = lambda i: self.rank_of(i) - self.pipeline  # noqa: E731  (that stage in pipeline 0)
+        where = lambda i: f"ranks {first(i)}-{first(i) + self.pipelines - 1}" if self.pipelines > 1 else \
+            f"rank {first(i)}"  # noqa: E731
+        lines = [f"  pipe: {self.pipelines} pipeline(s) of {self.pp} ranks, {self.n_stages} stages "
+                 f"({per_rank} per rank), schedule {d.pp_schedule}, {d.pp_microbatches} micro-batches per batch, "
+                 f"replicas synced by {d.pp_dp if self.pipelines > 1 else '-'}",
+                 f"  layers per stage {self.split} ({d.pp_split} split): " + ", ".join(
+                     f"stage {i} on {where(i)}" for i in range(self.n_stages)),
+                 "  rank = stage x pipelines + pipeline: the replicas of a stage are neighbours (one node); "
+                 "inputs keep one shape every step (text padded to data.max_length)"]
+        return lines
+
     def loss_fn(self, output, target):
         loss = self.task.loss_from_output(output, target).float() * self.scale
         return self.scaler.scale(loss) if self.scaler else loss
