@@ -1,0 +1,191 @@
+"""Pipeline parallelism (dist.strategy: pipe) on gloo processes on CPU: every schedule trains like one process,
+2 stages x 2 pipelines too (DDP or FSDP2 replicas, uneven batches), tied weights (GPT-2) and BERT's chain, exact
+resume, test mode on one process, auto split, and one-line errors for what pipe cannot do."""
+import json
+import os
+import re
+import types
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import free_port, make_config
+from test_sharded import assert_close, params
+
+STEPS, SAVE_AT = 6, 3
+# As in test_sharded: SGD (its update is proportional to the gradient, so a wrong loss scale or clipping factor
+# shows), accumulation over 2 batches (two schedule steps per optimizer step), clipping on every step (the global
+# norm over all stages is ~0.35-0.46), no dropout. Only the order of floating-point sums differs from one process.
+TRAIN = {"max_steps": STEPS, "save_every": SAVE_AT, "eval_every": SAVE_AT, "keep_last": 5, "grad_accum_steps": 2,
+         "clip_grad_norm": 0.1, "optimizer": "sgd", "lr": 0.05, "log_every": 1, "eval_batch_size": 50}
+MODEL = {"dropout": 0.0}
+TOL = 1e-5  # measured ~1e-8; parameters move ~1e-3 over the run
+
+
+def train(output_dir, batch_size, procs, dist=None, **train):
+    from main import run
+    section = {"strategy": "pipe", "procs_per_node": procs, **(dist or {})} if procs > 1 else {"strategy": "none"}
+    cfg = make_config(output_dir, model=MODEL, train={**TRAIN, "batch_size": batch_size, **train}, dist=section)
+    return run(cfg)
+
+
+def meta(output_dir, step):
+    with open(os.path.join(output_dir, "checkpoints", f"step-{step}", "meta.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, batch 16 (= 2 pipelines of 8, or 4 + 12)."""
+    out = tmp_path_factory.mktemp("none")
+    assert train(out, 16, 1) == 0
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_each_schedule_trains_like_one_process(one_process, tmp_path, schedule):
+    # 2 ranks; the interleaved schedules put 2 of the CNN's 4 layers' stages on each rank (4 stages in all).
+    assert train(tmp_path, 16, 2, {"pp_schedule": schedule}) == 0
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+    # Evaluation through the stages counts every dev sample once: the same metrics as one process.
+    ours, ref = meta(tmp_path, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
+    assert ours["samples"] == ref["samples"] > 0
+    assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("pp_dp, batch", [("ddp", [4, 12]), ("fsdp", 8)])
+def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
+    # 4 ranks: stages on ranks {0,1} and {2,3}, pipelines {0,2} and {1,3}; uneven batches are weighted exactly.
+    assert train(tmp_path, batch, 4, {"pp_dp": pp_dp}) == 0
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+    with open(tmp_path / "logs" / "rank0.log") as f:
+        log = f.read()
+    assert "pipe: 2 pipeline(s) of 2 ranks, 2 stages" in log and "stage 0 on ranks 0-1, stage 1 on ranks 2-3" in log
+
+
+def test_resume_is_exact_and_test_mode_reads_a_pipe_checkpoint(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert train(full, 8, 2) == 0
+    # Resume from the middle: the same checkpoint, continued under the same layout, ends where the full run did.
+    import shutil
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / f"step-{STEPS}")
+    assert train(cut, 8, 2, resume="auto") == 0
+    with open(cut / "logs" / "rank0.log") as f:
+        assert f"resumed from {cut}/checkpoints/step-{SAVE_AT}" in f.read()
+    assert_close(params(cut, STEPS), params(full, STEPS), 0.0)
+    # Stages wrote their own tensors under whole-model names: one CPU process evaluates the checkpoint.
+    from main import run
+    cfg = make_config(full, mode="test", model=MODEL, dist={"strategy": "none"},
+                      test={"checkpoint": str(full / "checkpoints" / f"step-{STEPS}")})
+    assert run(cfg) == 0
+    with open(full / "dev_results.json") as f:
+        dev = json.load(f)["metrics"]
+    assert dev["accuracy"] == meta(full, STEPS)["metrics"]["accuracy"]
+    assert abs(dev["loss"] - meta(full, STEPS)["metrics"]["loss"]) < 1e-5
+
+
+def test_a_replicated_checkpoint_does_not_resume_under_pipe(tmp_path, capfd):
+    assert train(tmp_path, 16, 1, max_steps=1, save_every=1, eval_every=0) == 0
+    assert train(tmp_path, 16, 2, max_steps=2, resume=f"{tmp_path}/checkpoints/step-1") == 2
+    out = "".join(capfd.readouterr())
+    assert re.search(r"step-1: written by strategy none in format full, cannot resume under pipe", out), out
+
+
+def test_gpt2_tied_embeddings_and_bert_chain_match_one_process(tmp_path):
+    """GPT-2's LM head is its token embedding: a copy on each end of the pipeline, gradients added up. BERT's
+    chain carries the attention mask between stages; pipe keeps the shards' full length (no column cut)."""
+    from test_text_tasks import sample, make_bert_shards
+    import random
+    rng = random.Random(0)
+    gpt2 = sample.write_gpt2(str(tmp_path / "gpt2"), rng)
+    text = sample.write_bert_text(str(tmp_path / "bert.txt"), rng, documents=40)
+    assert make_bert_shards.main(["--input", text, "--output-dir", str(tmp_path / "bert"), "--seq-length", "32",
+                                  "--max-predictions", "5", "--shards", "2"]) == 0
+    from main import run
+    common = {"max_steps": 3, "save_every": 3, "eval_every": 3, "batch_size": 8, "optimizer": "sgd", "lr": 0.05,
+              "clip_grad_norm": 1.0, "log_every": 1}
+    for task, data in [("gpt2_lm", {"data_dir": gpt2, "max_length": 16}),
+                       ("bert_pretrain", {"data_dir": str(tmp_path / "bert")})]:
+        runs = {}
+        for name, section in [("one", {"strategy": "none"}),
+                              ("pipe", {"strategy": "pipe", "procs_per_node": 2, "pp_schedule": "gpipe"})]:
+            out = tmp_path / f"{task}-{name}"
+            cfg = make_config(out, task=task, data=data, model={"name": "tiny", "dropout": 0.0}, train=common,
+                              dist=section)
+            assert run(cfg) == 0
+            runs[name] = out
+        a, b = params(runs["one"], 3), params(runs["pipe"], 3)
+        assert_close(a, b, TOL)
+        if task == "gpt2_lm":  # both copies of the tied weight took the same updates
+            assert torch.equal(b["lm_head.weight"], b["transformer.wte.weight"])
+
+
+# ---- auto split, shapes, config ------------------------------------------------------------------------------
+def test_min_max_partition_balances_the_slowest_stage():
+    from strategies.pipeline import min_max_partition
+    assert min_max_partition([[1.0] * 8, [1.0] * 8]) == [4, 4]
+    assert min_max_partition([[1.0] * 8, [3.0] * 8]) == [6, 2]  # stage 1 is 3x slower: a quarter of the work
+    assert min_max_partition([[5, 1, 1, 1], [5, 1, 1, 1]]) == [1, 3]  # one heavy layer alone
+    assert sum(min_max_partition([[1.0] * 5] * 3)) == 5
+
+
+def _auto_split_rank(rank, port, out):
+    import torch.distributed as dist
+    from strategies.pipeline import auto_split
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
+    cfg = types.SimpleNamespace(dist=types.SimpleNamespace(simulate_slowdown=[1, 3]))
+    ctx = types.SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"))
+    sizes = auto_split(layers, (torch.randn(32, 64),), 2, cfg, ctx)
+    torch.save(sizes, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_auto_split_gives_the_slowed_stage_fewer_layers(tmp_path):
+    # 8 equal layers, rank 1 simulated 3x slower: its stage should get about a quarter of them (2).
+    mp.spawn(_auto_split_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    sizes = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert sizes[0] == sizes[1]  # every rank decides the same split
+    assert sum(sizes[0]) == 8 and sizes[0][1] < sizes[0][0] and sizes[0][1] <= 3, sizes
+
+
+def test_a_shape_change_is_one_line_naming_the_cause():
+    from config import DataError
+    from strategies.pipeline import PipeParallel
+    fake = types.SimpleNamespace(first_shapes=None)
+    PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
+    PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
+    with pytest.raises(DataError) as e:
+        PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 20), "labels": torch.zeros(8)})
+    assert "input_ids (8, 32) -> (8, 20)" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dist_section, train_section, key", [
+    ({"pp_stages": 3}, {}, "dist.pp_stages"),                        # 4 ranks do not make pipelines of 3
+    ({}, {"batch_size": 10}, "train.batch_size"),                     # 10 does not cut into 4 micro-batches
+    ({}, {"batch_size": [8, 8, 8]}, "train.batch_size"),              # 2 pipelines, 3 sizes
+    ({}, {"batch_size": "auto", "global_batch_size": 16}, "train.batch_size"),
+    ({"pp_split": [1, 1, 1]}, {}, "dist.pp_split"),                   # 2 stages, 3 counts
+    ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
+])
+def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
+    from config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        make_config(tmp_path, dist={"strategy": "pipe", "procs_per_node": 4, **dist_section},
+                    train={"batch_size": 8, **train_section})
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sst2_bart_says_it_cannot_be_split():
+    from config import DataError
+    from tasks.sst2 import SST2Task
+    from transformers import BartConfig, BartForSequenceClassification
+    bart = BartForSequenceClassification(BartConfig(vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1,
+                                                    encoder_attention_heads=1, decoder_attention_heads=1,
+                                                    encoder_ffn_dim=8, decoder_ffn_dim=8))
+    with pytest.raises(DataError, match="BartForSequenceClassification .* is not split yet"):
+        SST2Task.pipeline_layers(None, bart)
