@@ -123,6 +123,8 @@ class PipeParallel(Parallel):
         the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
         self.task, self.scale = task, scale
         self.check_shapes(batch)
+        if self.scaler:  # fp16: only the last stage scales a loss, but every rank's scaler unscales its gradients
+            self.scaler.scale(torch.zeros((), device=self.ctx.device))  # (this sets up its scale, equal everywhere)
         losses = []
         args = task.pipeline_inputs(batch) if 0 in self.stages else ()
         target = task.pipeline_target(batch) if self.is_last else None

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, make_config
+from conftest import free_port, logged, make_config
 from test_sharded import assert_close, params
 
 STEPS, SAVE_AT = 6, 3
@@ -62,6 +62,16 @@ def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     with open(tmp_path / "logs" / "rank0.log") as f:
         log = f.read()
     assert "pipe: 2 pipeline(s) of 2 ranks, 2 stages" in log and "stage 0 on ranks 0-1, stage 1 on ranks 2-3" in log
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_under_pipe(one_process, tmp_path, precision):
+    # fp16: only the last stage scales a loss, yet every rank's scaler must unscale (and agree on skipping).
+    assert train(tmp_path, 16, 2, precision=precision) == 0
+    ours, ref = logged(tmp_path, "loss"), logged(one_process, "loss")
+    assert len(ours) == len(ref) == STEPS
+    assert all(abs(a - b) < 0.02 for a, b in zip(ours, ref)), (ours, ref)
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), 2e-3)
 
 
 def test_resume_is_exact_and_test_mode_reads_a_pipe_checkpoint(tmp_path):
