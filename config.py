@@ -513,6 +513,9 @@ def check_pipe(cfg: Config, world: int, fail) -> int:
         fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes) into pipelines")
     if d.pp_microbatches < 1:
         fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
+    if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:
+        fail("dist.pp_microbatches", f"must be >= dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, got "
+                                     f"{d.pp_microbatches}")
     if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
         fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
                                      f"got {d.pp_microbatches}")

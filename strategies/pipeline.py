@@ -51,6 +51,8 @@ class Stage(nn.Module):
             carry = layer(*carry)
             carry = carry if isinstance(carry, tuple) else (carry,)
         if self.slowdown > 1 and torch.is_grad_enabled():
+            if carry[0].is_cuda:
+                torch.cuda.synchronize(carry[0].device)
             # A device `slowdown` times slower, simulated: the forward also waits for the backward's extra time
             # (backward ~ 2x forward). Busy, not asleep, as in balance.py.
             end = time.perf_counter() + 3 * (self.slowdown - 1) * (time.perf_counter() - start)
@@ -130,7 +132,6 @@ class PipeParallel(Parallel):
         target = task.pipeline_target(batch) if self.is_last else None
         with autocast():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        self.sync_tied_grads()
         if not losses:
             return torch.zeros((), device=self.ctx.device)
         total = torch.stack([x.detach().float() for x in losses]).sum()
@@ -164,6 +165,7 @@ class PipeParallel(Parallel):
         DDP all replicas hold the same averaged gradients (summed over dp too, then divided by the replicas); with
         FSDP each holds a shard. A tied parameter is counted on one of its ranks only."""
         from torch.distributed.tensor import DTensor
+        self.sync_tied_grads()  # here: once per optimizer step, after all accumulation batches
         skip = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
         grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None and id(p) not in skip]
         grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -217,7 +219,7 @@ class PipeParallel(Parallel):
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; pipe resumes only from checkpoints that pipe "
-                                      "or fsdp wrote (test mode reads any checkpoint)")
+                                      "wrote (test mode reads any checkpoint)")
         model_sd = self.model_state()
         dcp_load(model_sd, os.path.join(directory, "model_dcp"))  # in place: the tensors are the parameters
         optim_sd = self.optimizer_state()
@@ -262,6 +264,20 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
     that the slowest stage is as fast as it can be (contiguous stages, minimising the maximum)."""
     factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
     times = [math.inf] * len(layers)
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):  # dropout draws
+        measure(layers, example, times, factor, ctx.device)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    pipelines = ctx.world_size // n_stages
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, times)
+    cost = [[max(every[s * pipelines + j][i] for j in range(pipelines)) for i in range(len(layers))]
+            for s in range(n_stages)]
+    return min_max_partition(cost)
+
+
+def measure(layers: list[nn.Module], example: tuple, times: list[float], factor: float, device) -> None:
+    """Fill `times` with each layer's forward + backward seconds (x factor), the fastest of three passes."""
     for _ in range(3):  # the fastest of three: the first pays for allocations
         carry = example
         for i, layer in enumerate(layers):
@@ -272,18 +288,10 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
             floats = [o for o in out if o.is_floating_point() and o.requires_grad]
             if floats:
                 torch.stack([o.float().sum() for o in floats]).sum().backward()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times[i] = min(times[i], (time.perf_counter() - start) * factor)
             carry = out
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    pipelines = ctx.world_size // n_stages
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, times)
-    cost = [[max(every[s * pipelines + j][i] for j in range(pipelines)) for i in range(len(layers))]
-            for s in range(n_stages)]
-    return min_max_partition(cost)
 
 
 def min_max_partition(cost: list[list[float]]) -> list[int]:

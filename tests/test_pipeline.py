@@ -114,8 +114,9 @@ def test_gpt2_tied_embeddings_and_bert_chain_match_one_process(tmp_path):
     assert make_bert_shards.main(["--input", text, "--output-dir", str(tmp_path / "bert"), "--seq-length", "32",
                                   "--max-predictions", "5", "--shards", "2"]) == 0
     from main import run
+    # Accumulation over 2 batches: the tied copies' gradients are added once per optimizer step, not per batch.
     common = {"max_steps": 3, "save_every": 3, "eval_every": 3, "batch_size": 8, "optimizer": "sgd", "lr": 0.05,
-              "clip_grad_norm": 1.0, "log_every": 1}
+              "clip_grad_norm": 1.0, "log_every": 1, "grad_accum_steps": 2}
     for task, data in [("gpt2_lm", {"data_dir": gpt2, "max_length": 16}),
                        ("bert_pretrain", {"data_dir": str(tmp_path / "bert")})]:
         runs = {}
@@ -181,6 +182,7 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({}, {"batch_size": "auto", "global_batch_size": 16}, "train.batch_size"),
     ({"pp_split": [1, 1, 1]}, {}, "dist.pp_split"),                   # 2 stages, 3 counts
     ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
+    ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
     from config import ConfigError
