@@ -198,17 +198,29 @@ def test_unknown_best_metric_is_a_one_line_error(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
-def test_ddp_resume_restores_every_ranks_random_stream(tmp_path):
+# One uninterrupted 2-rank DDP run (dropout on, TensorBoard on), trained once for the module: the resume test
+# below resumes a copy of its step-7 and must end on it; the test-mode test evaluates its best checkpoint.
+DDP_RUN = {"dist": {"strategy": "ddp", "procs_per_node": 2}, "log": {"tensorboard": True},
+           "train": {"max_steps": 20, "save_every": 7, "eval_every": 10, "keep_last": 5, "batch_size": 16}}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp-run")
+    assert main.run(make_config(out, **DDP_RUN)) == 0
+    return out
+
+
+def test_ddp_resume_restores_every_ranks_random_stream(ddp_run, tmp_path):
     """Two ranks with dropout on: each rank's RNG must come back, or rank 1's masks (and the result) change."""
-    train = {"max_steps": 20, "save_every": 7, "eval_every": 0, "keep_last": 5, "batch_size": 16}
-    dist = {"strategy": "ddp", "procs_per_node": 2}
-    assert main.run(make_config(tmp_path / "full", train=train, dist=dist)) == 0
     os.makedirs(tmp_path / "resumed" / "checkpoints")
-    shutil.copytree(tmp_path / "full/checkpoints/step-7", tmp_path / "resumed/checkpoints/step-7")
-    assert main.run(make_config(tmp_path / "resumed", train=train, dist=dist)) == 0
-    a, b = load_model_state(tmp_path / "full", 20), load_model_state(tmp_path / "resumed", 20)
+    shutil.copytree(ddp_run / "checkpoints/step-7", tmp_path / "resumed/checkpoints/step-7")
+    assert main.run(make_config(tmp_path / "resumed", **DDP_RUN)) == 0
+    log = open(tmp_path / "resumed" / "logs" / "rank0.log").read()
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / 'step-7'}" in log  # not trained from scratch
+    a, b = load_model_state(ddp_run, 20), load_model_state(tmp_path / "resumed", 20)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    rng = torch.load(tmp_path / "full/checkpoints/step-7/state.pt", weights_only=True)["rng"]
+    rng = torch.load(ddp_run / "checkpoints/step-7/state.pt", weights_only=True)["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])
 
 
@@ -282,11 +294,12 @@ def test_checkpoint_of_another_model_is_a_one_line_error(tmp_path, capsys, chang
     assert len(err.splitlines()) == 1 and "step-3: " in err and all(w in err for w in words), err
 
 
-def test_test_mode_on_a_ddp_checkpoint_in_one_process(tmp_path):
-    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, log={"tensorboard": True},
-                      train={"max_steps": 30, "eval_every": 10, "save_every": 10, "batch_size": 16})
-    assert main.run(cfg) == 0
+def test_test_mode_on_a_ddp_checkpoint_in_one_process(ddp_run, tmp_path):
+    """The 2-rank run's best checkpoint (found in its output_dir, as `--set mode=test` does), in one process;
+    the results go to a copy of that output_dir (the run itself stays as trained, for the other tests)."""
+    shutil.copytree(ddp_run, tmp_path, dirs_exist_ok=True)
     best = checkpoint.best(str(tmp_path))
+    assert checkpoint.read_meta(best)["metrics"]  # an evaluated checkpoint (step 10 or 20)
     test_cfg = make_config(tmp_path, mode="test", dist={"strategy": "ddp", "procs_per_node": 2})
     assert main.run(test_cfg) == 0
     dev = json.load(open(tmp_path / "dev_results.json"))

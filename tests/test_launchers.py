@@ -4,14 +4,16 @@ import os
 import subprocess
 import sys
 
+from cluster import STEPS, TRAIN_SETS, spawn_reference  # noqa: F401 (fixture)
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
 import checkpoint
 import main
 
-ARGS = ["--set", "dist.strategy=ddp", "--set", "train.max_steps=6", "--set", "train.eval_every=0",
-        "--set", "train.batch_size=16", "--set", "model.dropout=0", "--set", "log.progress_bar=false",
-        "--set", "log.tensorboard=false"]
+# The launched runs train TRAIN_SETS (ddp, 2 x 16 samples, STEPS steps, no dropout) over parameters.yml and must
+# land on `spawn_reference`: the same run by main.py's own spawn, computed once a session and shared with
+# test_multinode.py and test_slurm.py (each test here used to train its own reference).
+ARGS = [a for kv in TRAIN_SETS for a in ("--set", kv)]
 
 
 def clean_env():
@@ -21,15 +23,7 @@ def clean_env():
     return env
 
 
-def reference(tmp_path):
-    """The same 6 steps by our own spawn with 2 processes."""
-    cfg = make_config(tmp_path / "spawn", dist={"strategy": "ddp", "procs_per_node": 2}, model={"dropout": 0.0},
-                      train={"max_steps": 6, "eval_every": 0, "batch_size": 16})
-    assert main.run(cfg) == 0
-    return load_model_state(tmp_path / "spawn", 6)
-
-
-def test_torchrun(tmp_path):
+def test_torchrun(tmp_path, spawn_reference):
     out = tmp_path / "torchrun"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         f"--master_port={free_port()}", "main.py", "--params", "parameters.yml",
@@ -38,10 +32,10 @@ def test_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world size 2, ranks per node launched by torchrun" in r.stdout
     assert os.path.isfile(out / "logs" / "rank1.log")
-    assert max_diff(load_model_state(out, 6), reference(tmp_path)) < 1e-6
+    assert max_diff(load_model_state(out, STEPS), spawn_reference) < 1e-6
 
 
-def test_slurm_environment(tmp_path):
+def test_slurm_environment(tmp_path, spawn_reference):
     out, port = tmp_path / "slurm", free_port()
     procs = []
     for rank in range(2):
@@ -55,7 +49,7 @@ def test_slurm_environment(tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert "launched by slurm" in outputs[0][0]
-    assert max_diff(load_model_state(out, 6), reference(tmp_path)) < 1e-6
+    assert max_diff(load_model_state(out, STEPS), spawn_reference) < 1e-6
 
 
 def test_dp_runs_in_one_process(tmp_path):

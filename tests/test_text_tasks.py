@@ -321,10 +321,12 @@ def test_sst2_with_the_pretrained_minilm_package(data, tmp_path):
 @pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("oss", "fp16"), ("fairscale-fsdp", "bf16")])
 def test_text_tasks_train_sharded_with_mixed_precision(data, tmp_path, task, strategy, precision):
     """Two gloo ranks: FSDP2 (per-block sharding of the Hugging Face model, bf16 compute), fairscale OSS with
-    fp16 loss scaling, fairscale FSDP (through the CPU shim), evaluation included (FSDP evaluates in lockstep)."""
+    fp16 loss scaling, fairscale FSDP (through the CPU shim), evaluation included (FSDP evaluates in lockstep).
+    12 steps, not 16 (nine 2-rank runs): measured, every task's loss is at 0.68-0.75 of its first logged value by
+    then (sst2 leaves chance after step 8), well under the 0.9 asked; one evaluation mid-run and one at the end."""
     import fairscale_cpu
     import main
-    cfg = task_config(task, data, tmp_path, 2, precision=precision, eval_every=8)
+    cfg = task_config(task, data, tmp_path, 2, precision=precision, max_steps=12, eval_every=6)
     if strategy == "fairscale-fsdp":
         assert fairscale_cpu.train(cfg, 2) == 0
     else:
@@ -332,7 +334,8 @@ def test_text_tasks_train_sharded_with_mixed_precision(data, tmp_path, task, str
         assert main.run(cfg) == 0
     assert_falls(logged(cfg.output_dir, "loss"), 0.9)
     log = open(os.path.join(cfg.output_dir, "logs", "rank0.log")).read()
-    assert re.search(r"step 16 dev: loss=[\d.]+", log)  # evaluated (on every rank, in lockstep for fsdp)
+    assert re.search(r"step 6 dev: loss=[\d.]+", log) and re.search(r"step 12 dev: loss=[\d.]+", log)  # evaluated
+    # (on every rank, in lockstep for fsdp), and training went on after the first evaluation
 
 
 def test_generate_kv_cache_matches_rerunning_the_window():
