@@ -100,6 +100,13 @@ class FairscaleFSDPParallel(Parallel):
         self.optimizer.load_state_dict(load_file(directory, f"optimizer-rank{self.ctx.rank}.pt"))
 
 
+def fsdp2_policy(precision: str):
+    """FSDP2 mixed precision: compute in train.precision (bf16/fp16), reduce gradients and step in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+
+
 def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
     """Fully sharded data parallel. Default: PyTorch's fully_shard (FSDP2) per fsdp_units() and then the root,
     computing in train.precision (bf16/fp16) while reducing gradients and stepping in fp32.
@@ -120,8 +127,8 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    from torch.distributed.fsdp import fully_shard
+    policy = fsdp2_policy(precision)
     for unit in fsdp_units(model):
         fully_shard(unit, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)

@@ -372,10 +372,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     if pipelines > 1:
         dp_mesh = mesh["dp"]
         if d.pp_dp == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else \
-                MixedPrecisionPolicy()
+            from torch.distributed.fsdp import fully_shard
+            from strategies.fsdp import fsdp2_policy
+            policy = fsdp2_policy(cfg.train.precision)
             for i, stage in stages.items():
                 fully_shard(stage, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
         else:
