@@ -11,6 +11,7 @@ gradient over the global batch, whatever the split.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from typing import Optional
 
@@ -74,7 +75,8 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     """
     par, task, ctx, cfg = trainer.par, trainer.task, trainer.ctx, trainer.cfg
     dataset = trainer.datasets["train"]
-    batches = GlobalBatchSampler(len(dataset), [batch_size] * ctx.world_size, ctx.rank, cfg.seed).batches(0)
+    sampler = GlobalBatchSampler(len(dataset), [batch_size] * ctx.world_size, ctx.rank, cfg.seed)
+    batches = list(itertools.islice(sampler.epoch_batches(0), steps + 1))  # not a whole epoch's lists
     model = par.model
 
     def forward_backward(i: int) -> float:

@@ -54,9 +54,11 @@ class DataConfig:
     group_by_length: bool = False
     """Text tasks: batch samples of similar length together (less padding), still shuffled between batches."""
     train_files: Optional[str] = None
-    """bert_pretrain: glob of the training HDF5 shards. None: `<data_dir>/training/*.hdf5` (NVIDIA's layout)."""
+    """bert_pretrain: glob of the training HDF5 shards. None: `<data_dir>/training/*.hdf5` (NVIDIA's layout), or
+    else `<data_dir>/*_training_*.hdf5` (the flat layout HetSeq and NVIDIA's older scripts leave)."""
     dev_files: Optional[str] = None
-    """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout)."""
+    """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout), or else
+    `<data_dir>/*_test_*.hdf5` (the flat layout)."""
 
 
 @dataclass
@@ -69,9 +71,13 @@ class ModelConfig:
     channels: int = 32
     """image: channels of the first convolution (the second has twice as many)."""
     hidden: int = 128
-    """image: width of the hidden fully connected layer."""
+    """image: width of the hidden fully connected layer; csv_text: size of the word embeddings."""
     dropout: float = 0.25
     """Dropout probability (0 disables dropout)."""
+    activation_checkpointing: bool = False
+    """Transformer tasks: keep only each block's input during forward and recompute the block's activations in
+    backward (torch.utils.checkpoint per block): less activation memory for about one more forward pass of
+    compute. Same gradients. Not with dist.strategy: pipe."""
 
 
 @dataclass
@@ -96,6 +102,19 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: `adamw` or `sgd` (with momentum 0.9)."""
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """How the optimizer updates the parameters. fused: one kernel for all of them (CPU and CUDA); foreach:
+    batched ops over the list of tensors; for_loop: one tensor at a time (PyTorch's default on CPU, several
+    times slower for many small tensors). auto: fused where the device supports it (CPU and CUDA), else foreach.
+    The same update within float rounding (tested, also under oss and fsdp)."""
+    compile: bool = False
+    """torch.compile the model (after the strategy wrapped it: the DDP module, or each FSDP2 block). The first
+    steps (and each new input shape, e.g. dynamic padding) pay the compilation; later steps run the compiled
+    code. Not with dist.strategy: pipe."""
+    profile_steps: Union[None, int, list] = None
+    """Record a torch.profiler trace of these optimizer steps: [first, last] (e.g. [10, 15]), or N for steps
+    1..N. Written to output_dir/profile/ (one .pt.trace.json per rank: TensorBoard's profiler plugin or
+    chrome://tracing / Perfetto opens it). None: no profiling."""
     lr: float = 1e-3
     """Peak learning rate (reached after warm-up)."""
     warmup: float = 0
@@ -106,8 +125,9 @@ class TrainConfig:
     """Decoupled weight decay (AdamW) or L2 (SGD)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    """Compute precision: fp32, fp16 (autocast + dynamic loss scaling) or bf16 (autocast, no scaling)."""
+    precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
+    """Compute precision: fp32, fp16 (autocast + dynamic loss scaling), bf16 (autocast, no scaling), or auto:
+    bf16 on GPUs that support it, fp32 on CPU (where bf16 is slow) and on older GPUs; the plan says which."""
     eval_every: int = 200
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
     save_every: int = 200
@@ -211,19 +231,34 @@ class TestConfig:
 
 
 @dataclass
+class ExportConfig:
+    dir: Optional[str] = None
+    """Where `mode: export` writes the checkpoint (test.checkpoint, else the best of output_dir). None:
+    <output_dir>/export. It must not exist yet: an export is written to a temporary folder, then renamed, and
+    never overwritten."""
+    format: Literal["auto", "hf", "state_dict", "torch_export"] = "auto"
+    """What to write. hf: a Hugging Face folder (save_pretrained model, tokenizer, config; text tasks).
+    state_dict: model.safetensors + config.json + a loading snippet in README.md; torch_export: a torch.export
+    program, model.pt2 (the image task). auto: hf for text tasks, state_dict and torch_export for image."""
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars under output_dir/tensorboard (rank 0)."""
     progress_bar: bool = True
-    """Show a tqdm progress bar on rank 0 (turned off automatically when stdout is not a terminal)."""
+    """Show tqdm progress bars on rank 0, for training and for each evaluation (only when stderr is a terminal).
+    Log lines are printed above the bar; the log files get every line either way, without bar or escape codes."""
 
 
 @dataclass
 class Config:
     task: str = "image"
-    """What to train: `image` (CNN on digits/MNIST), `sst2`, `bert_pretrain`, `gpt2_lm`."""
-    mode: Literal["train", "test"] = "train"
-    """`train`, or `test`: evaluate a checkpoint (see the test section) on the dev and test splits."""
+    """What to train: `image` (CNN on digits/MNIST), `sst2`, `bert_pretrain`, `gpt2_lm`, `csv_text` (text,label
+    CSV files; the tutorial's own task)."""
+    mode: Literal["train", "test", "export"] = "train"
+    """`train`; `test`: evaluate a checkpoint (see the test section) on the dev and test splits; `export`: write
+    it for use outside this project (see the export section)."""
     output_dir: str = "runs/digits"
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
@@ -233,6 +268,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     test: TestConfig = field(default_factory=TestConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
@@ -240,7 +276,7 @@ class Config:
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig,
-            "test": TestConfig, "log": LogConfig}
+            "test": TestConfig, "export": ExportConfig, "log": LogConfig}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -402,6 +438,7 @@ def validate(cfg: Config, source: str) -> None:
         fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {t.warmup}")
     if t.max_bad_steps < 1:
         fail("train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    check_profile_steps(t.profile_steps, fail)
     try:
         from faults import parse_duration
         limit = parse_duration(t.time_limit)
@@ -496,6 +533,15 @@ def validate(cfg: Config, source: str) -> None:
     if d.shard_grads and (d.strategy != "oss" or d.oss_impl != "fairscale"):
         fail("dist.shard_grads", "needs dist.strategy: oss with dist.oss_impl: fairscale (PyTorch's "
                                  "ZeroRedundancyOptimizer shards optimizer state only; use fsdp to shard more)")
+    if t.compile and cfg.task == "image" and not on_gpu:  # reproduced: the conv weights' gradients come out zero
+        fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
+                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
+    if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
+        fail("train.compile" if t.compile else "model.activation_checkpointing",
+             "is not available with dist.strategy: pipe (its stages run the layers themselves)")
+    if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and (t.compile or cfg.model.activation_checkpointing):
+        fail("train.compile" if t.compile else "model.activation_checkpointing",
+             "needs dist.fsdp_impl: torch (FSDP2 wraps the blocks in place; fairscale's FSDP replaces them)")
     if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and not on_gpu:
         fail("dist.fsdp_impl", "is fairscale, whose FullyShardedDataParallel needs CUDA; use fsdp_impl: torch on CPU")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
@@ -504,6 +550,19 @@ def validate(cfg: Config, source: str) -> None:
     for split in cfg.test.splits:
         if split not in ("train", "dev", "test"):
             fail("test.splits", f"must list train/dev/test, got {split!r}")
+
+
+def check_profile_steps(steps, fail) -> None:
+    """train.profile_steps: None, N >= 1, or [first, last] with 1 <= first <= last."""
+    if steps is None:
+        return
+    if isinstance(steps, int):
+        if steps < 1:
+            fail("train.profile_steps", f"must be >= 1 (profile steps 1..N), got {steps}")
+        return
+    if (len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            or not 1 <= steps[0] <= steps[1]):
+        fail("train.profile_steps", f"must be N or [first, last] with 1 <= first <= last, got {steps}")
 
 
 def check_pipe(cfg: Config, world: int, fail) -> int:

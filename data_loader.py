@@ -44,36 +44,83 @@ def epoch_permutation(n: int, seed: int, epoch: int, shard_sizes: Optional[Seque
     return np.concatenate([starts[s] + rng.permutation(shard_sizes[s]) for s in rng.permutation(len(shard_sizes))])
 
 
+class EpochOrder:
+    """epoch_permutation(n, seed, epoch, shard_sizes), computed a piece at a time: `take(a, b)` is its [a:b].
+
+    Without shard sizes it is the whole permutation (an in-memory dataset is O(n) anyway). With them, only the
+    shard order is drawn up front; each shard's inner permutation is drawn when a position inside it is asked
+    for, from the same random stream in the same order as epoch_permutation draws them, so the sample order is
+    identical. Memory: the last two shards' permutations plus the generator's state at the start of each shard
+    reached so far (to draw an earlier shard again without going back to the start), whatever n is."""
+
+    def __init__(self, n: int, seed: int, epoch: int, shard_sizes: Optional[Sequence[int]] = None):
+        rng = np.random.default_rng([seed, epoch])
+        self.n = n
+        if not shard_sizes:
+            self.whole = rng.permutation(n)
+            return
+        self.whole = None
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        visit = rng.permutation(len(sizes))  # the shards in the order the epoch reads them
+        self.first = np.concatenate([[0], np.cumsum(sizes)[:-1]])[visit]  # dataset index of each one's sample 0
+        self.sizes = sizes[visit]
+        self.ends = np.cumsum(self.sizes)  # epoch position just after each visited shard
+        self.states = [rng.bit_generator.state]  # the generator before the i-th visited shard's permutation
+        self.cache: dict[int, np.ndarray] = {}
+
+    def shard(self, i: int) -> np.ndarray:
+        """Dataset indices of the i-th visited shard, in this epoch's order."""
+        if i not in self.cache:
+            known = min(i, len(self.states) - 1)
+            gen = np.random.Generator(np.random.PCG64())
+            gen.bit_generator.state = self.states[known]
+            for j in range(known, i + 1):
+                perm = gen.permutation(self.sizes[j])  # earlier shards are drawn only to move the stream on
+                if j + 1 == len(self.states):
+                    self.states.append(gen.bit_generator.state)
+            if len(self.cache) >= 2:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[i] = self.first[i] + perm
+        return self.cache[i]
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        if self.whole is not None:
+            return self.whole[a:b]
+        parts, i = [], int(np.searchsorted(self.ends, a, side="right"))
+        while a < b:
+            begin = self.ends[i] - self.sizes[i]
+            parts.append(self.shard(i)[a - begin:min(b, self.ends[i]) - begin])
+            a, i = min(b, int(self.ends[i])), i + 1
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 class GlobalBatchSampler:
-    """Yields the index lists of one rank for one epoch, from a given batch position (for mid-epoch resume)."""
+    """Yields the index lists of one rank for one epoch, from a given batch position (for mid-epoch resume).
+    Batches are made as they are consumed (epoch_batches), so a sampler over a dataset larger than memory (with
+    shard_sizes) holds a few shards' worth of indices, not an epoch's."""
 
     def __init__(self, n: int, batch_sizes: Sequence[int], rank: int, seed: int,
                  shard_sizes: Optional[Sequence[int]] = None, lengths: Optional[Sequence[int]] = None,
                  drop_last: bool = False):
         self.n, self.batch_sizes, self.rank, self.seed = n, list(batch_sizes), rank, seed
-        self.shard_sizes, self.lengths, self.drop_last = shard_sizes, lengths, drop_last
+        # lengths: anything indexable by an index array (a list is made an array once; lazy shard readers pass
+        # their own object, see tasks/token_shards.py)
+        self.shard_sizes, self.drop_last = shard_sizes, drop_last
+        self.lengths = np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths
         self.global_batch = sum(self.batch_sizes)
         if n < len(self.batch_sizes):
             raise ValueError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} ranks")
 
+    def batches_per_epoch(self) -> int:
+        full, tail = divmod(self.n, self.global_batch)
+        return full + (tail >= len(self.batch_sizes) and not self.drop_last)
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> "EpochBatches":
+        """This rank's index lists of `epoch` from batch `start` on, made one at a time as they are iterated."""
+        return EpochBatches(self, epoch, start)
+
     def global_batches(self, epoch: int) -> list[np.ndarray]:
-        order = epoch_permutation(self.n, self.seed, epoch, self.shard_sizes)
-        g = self.global_batch
-        cuts = list(range(0, self.n, g))
-        batches = [order[c:c + g] for c in cuts]
-        if len(batches[-1]) < (g if self.drop_last else len(self.batch_sizes)):
-            batches.pop()  # a tail smaller than the number of ranks cannot give every rank a sample: dropped
-        if self.lengths is not None:  # group similar lengths: sort inside windows of 50 global batches
-            lengths = np.asarray(self.lengths)
-            grouped = []
-            for w in range(0, len(batches), 50):
-                flat = np.concatenate(batches[w:w + 50])
-                flat = flat[np.argsort(-lengths[flat], kind="stable")]
-                sizes = [len(b) for b in batches[w:w + 50]]
-                grouped += np.split(flat, np.cumsum(sizes)[:-1])
-            rng = np.random.default_rng([self.seed, epoch, 1])
-            batches = [grouped[i] for i in rng.permutation(len(grouped))]
-        return batches
+        return list(EpochBatches(self, epoch, 0).global_batches())
 
     def rank_slice(self, global_batch: np.ndarray) -> np.ndarray:
         sizes = self.batch_sizes if len(global_batch) == self.global_batch else \
@@ -82,11 +129,51 @@ class GlobalBatchSampler:
         return global_batch[start:start + sizes[self.rank]]
 
     def batches(self, epoch: int, start: int = 0) -> list[list[int]]:
-        return [self.rank_slice(b).tolist() for b in self.global_batches(epoch)[start:]]
+        return list(self.epoch_batches(epoch, start))
 
-    def batches_per_epoch(self) -> int:
-        full, tail = divmod(self.n, self.global_batch)
-        return full + (tail >= len(self.batch_sizes) and not self.drop_last)
+
+class EpochBatches:
+    """One rank's batches of one epoch from batch `start` on: a sized iterable of index lists, which DataLoader
+    takes as its batch_sampler. The epoch order is cut into global batches of sum(batch sizes) samples; a tail
+    smaller than the number of ranks (or than a global batch, with drop_last) cannot give every rank a sample and
+    is dropped. With lengths (group_by_length), samples are sorted by length inside windows of 50 global batches
+    and the batches are then shuffled, each window sorted when one of its batches is asked for."""
+    WINDOW = 50
+
+    def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int):
+        self.s, self.start = sampler, start
+        self.order = EpochOrder(sampler.n, sampler.seed, epoch, sampler.shard_sizes)
+        self.count = sampler.batches_per_epoch()
+        self.end = min(self.count * sampler.global_batch, sampler.n)  # epoch positions the batches cover
+        self.shuffle = None if sampler.lengths is None else \
+            np.random.default_rng([sampler.seed, epoch, 1]).permutation(self.count)
+        self.window: tuple[int, list] = (-1, [])
+
+    def __len__(self) -> int:
+        return max(0, self.count - self.start)
+
+    def __iter__(self):
+        for b in self.global_batches(self.start):
+            yield self.s.rank_slice(b).tolist()
+
+    def global_batches(self, start: int = 0):
+        g = self.s.global_batch
+        for k in range(start, self.count):
+            if self.shuffle is None:
+                yield self.order.take(k * g, min((k + 1) * g, self.end))
+            else:
+                w, i = divmod(int(self.shuffle[k]), self.WINDOW)
+                yield self.grouped(w)[i]
+
+    def grouped(self, w: int) -> list[np.ndarray]:
+        """The global batches of window w, its samples sorted by decreasing length (stable)."""
+        if self.window[0] != w:
+            g = self.s.global_batch
+            a, b = w * self.WINDOW * g, min((w + 1) * self.WINDOW * g, self.end)
+            flat = self.order.take(a, b)
+            flat = flat[np.argsort(-np.asarray(self.s.lengths[flat]), kind="stable")]
+            self.window = (w, np.split(flat, range(g, len(flat), g)))
+        return self.window[1]
 
 
 def eval_shard(n: int, rank: int, world: int) -> range:

@@ -22,6 +22,7 @@ class DistContext:
     device: torch.device
     backend: Optional[str]  # None: no process group (strategies none and dp)
     rendezvous: Optional[str] = None  # tcp://host:port, env:// or file://...: where the ranks met (faults.py)
+    cpu_threads: str = ""  # this rank's CPU threads and why (share_cores); the plan prints it
 
     @property
     def is_main(self) -> bool:
@@ -61,8 +62,13 @@ def slurm_tasks_on_this_node(env) -> int:
         return 1
 
 
+def pick_device_type(device: str) -> str:
+    """dist.device as `cpu` or `cuda` (auto: cuda where there is one)."""
+    return "cpu" if device == "cpu" or (device == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
 def pick_device(device: str, local_rank: int) -> torch.device:
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+    if pick_device_type(device) == "cpu":
         return torch.device("cpu")
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
@@ -83,6 +89,23 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
+
+
+def share_cores(ctx: DistContext, local_procs: int) -> str:
+    """This rank's share of the host's cores for torch's intra-op threads: cores // ranks on this host (at least
+    1), so that ranks on one CPU do not each start a thread per core and fight over them. OMP_NUM_THREADS, when
+    set (by you, or by torchrun, which sets 1), is kept. Returns the plan's line, with OMP_WAIT_POLICY (which
+    main.py sets to PASSIVE for CPU ranks sharing a host: see main.rank_environment)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.environ.get("OMP_NUM_THREADS"):
+        why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    else:
+        torch.set_num_threads(max(1, cores // local_procs))
+        why = f"{cores} cores shared by {local_procs} rank{'s' if local_procs > 1 else ''} on this host"
+    wait = os.environ.get("OMP_WAIT_POLICY")
+    if wait is None and local_procs > 1 and ctx.device.type == "cpu":
+        wait = "unset (idle threads spin: export OMP_WAIT_POLICY=PASSIVE before the launcher)"
+    return f"CPU threads per rank {torch.get_num_threads()} ({why}), OMP_WAIT_POLICY {wait or 'unset'}"
 
 
 def shutdown(ctx: DistContext) -> None:

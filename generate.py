@@ -1,14 +1,18 @@
-"""Sample text from a trained gpt2_lm checkpoint.
+"""Sample text from a trained gpt2_lm checkpoint, or from an export of one (`mode: export`).
 
     python generate.py --params configs/gpt2_lm.yml --prompt "Once upon a time" --max-new-tokens 20
     python generate.py --params configs/gpt2_lm.yml --checkpoint runs/gpt2_lm/checkpoints/step-400 --prompt "..."
+    python generate.py --export runs/gpt2_lm/export --prompt "..."
 
-Uses the same config as training: the model comes from model.name / pretrained_dir, the weights from the
-checkpoint (default: the best one in output_dir), the tokenizer from pretrained_dir or <output_dir>/tokenizer.
+With --params it uses the same config as training: the model comes from model.name / pretrained_dir, the weights
+from the checkpoint (default: the best one in output_dir), the tokenizer from pretrained_dir or
+<output_dir>/tokenizer. With --export, model and tokenizer come from the exported Hugging Face folder alone.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from config import UserError, load_config
@@ -16,9 +20,11 @@ from config import UserError, load_config
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Sample text from a gpt2_lm checkpoint.")
-    p.add_argument("--params", required=True, help="the YAML config the model was trained with")
+    p.add_argument("--params", help="the YAML config the model was trained with")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
     p.add_argument("--checkpoint", default=None, help="a step-N checkpoint folder (default: best in output_dir)")
+    p.add_argument("--export", default=None, metavar="FOLDER",
+                   help="instead of --params: a folder written by mode: export (any causal LM Hugging Face folder)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (always the likeliest token)")
@@ -52,31 +58,60 @@ def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, cont
     return ids
 
 
+def load_export(folder: str):
+    """Model and tokenizer of an exported Hugging Face folder."""
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        raise UserError(f"--export {folder}: no config.json there; give a folder written by mode: export")
+    with open(config) as f:
+        kinds = json.load(f).get("architectures") or []
+    if not any(k.endswith(("LMHeadModel", "ForCausalLM")) for k in kinds):  # else transformers would build a
+        raise UserError(f"--export {folder}: holds {', '.join(kinds) or 'no model class'}, not a causal language "
+                        "model (export a gpt2_lm run)")                   # causal LM around it, untrained head
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:  # not a causal LM, no tokenizer files, ...
+        raise UserError(f"--export {folder}: not a causal language model with its tokenizer "
+                        f"({str(e).strip().splitlines()[0]})") from None
+
+
+def load_checkpoint(args):
+    """Model and tokenizer of a checkpoint, rebuilt from the training config (as test mode does)."""
+    cfg = load_config(args.params, args.set)
+    if cfg.task != "gpt2_lm":
+        raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
+    import checkpoint
+    from tasks import build_task
+    path = args.checkpoint or checkpoint.best(cfg.output_dir)
+    if path is None:
+        raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
+    task = build_task(cfg)
+    tokenizer = task.load_tokenizer()
+    model = task.build_model()
+    checkpoint.load_model(model, path, cfg)
+    return model, tokenizer
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.params, args.set)
-        if cfg.task != "gpt2_lm":
-            raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
-        import torch
-        import checkpoint
-        from tasks import build_task
-        path = args.checkpoint or checkpoint.best(cfg.output_dir)
-        if path is None:
-            raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
-        task = build_task(cfg)
-        tokenizer = task.load_tokenizer()
-        model = task.build_model()
-        checkpoint.load_model(model, path, cfg)
+        if (args.params is None) == (args.export is None):
+            raise UserError("generate.py needs --params (a training config, for its checkpoints) or --export "
+                            "(an exported folder), one of the two")
+        if args.export and (args.checkpoint or args.set):
+            raise UserError("--export takes the model from the folder: --checkpoint and --set go with --params")
+        model, tokenizer = load_export(args.export) if args.export else load_checkpoint(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import torch
     model.eval()
     torch.manual_seed(args.seed)
     prompt = tokenizer(args.prompt)["input_ids"] or [tokenizer.eos_token_id]  # empty prompt: start of a text
     with torch.no_grad():
         out = sample(model, torch.tensor([prompt]), args.max_new_tokens, args.temperature, args.top_k,
-                     model.config.n_positions)
+                     getattr(model.config, "n_positions", None) or model.config.max_position_embeddings)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 

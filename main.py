@@ -5,15 +5,18 @@
 Reads and validates the config (a user mistake exits with code 2 and one line, before any process starts),
 then starts one process per device on this node with torch.multiprocessing.spawn, or runs as the single process
 that torchrun or SLURM's srun started. Each process builds the task and a Trainer, then trains or tests.
+`mode: export` writes a checkpoint for use elsewhere, in this process (export.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import os
 import sys
 import time
+from typing import Optional
 
 from config import Config, UserError, load_config, procs_per_node_list, world_size
 
@@ -41,6 +44,8 @@ def run(cfg: Config) -> int:
     2 user error, 3 stopped by a signal or the time limit after saving, 4 diverged)."""
     from distributed import launcher_env
 
+    if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out (export.py)
+        return run_export(cfg)
     if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", nodes=1,
                                                                 procs_per_node=1, node_rank=0))
@@ -53,13 +58,38 @@ def run(cfg: Config) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if env is not None:  # torchrun / srun started us: we are exactly one rank
-        return worker(env["local_rank"], cfg, env["rank"] - env["local_rank"], env["world_size"],
-                      env["rendezvous"], env["local_world_size"])
+        return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
+                                  env["rendezvous"]))
     procs = procs_per_node_list(cfg)
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     if here == 1:
-        return worker(0, cfg, first_rank, world, None, 1)
+        return worker(cfg, Launch(first_rank, 0, world, 1))
     return supervise(cfg, here, first_rank, world)
+
+
+@dataclasses.dataclass
+class Launch:
+    """Where one process sits among the ranks: what worker() needs besides the config."""
+    rank: int                         # global rank
+    local_rank: int                   # rank among the processes of this node (picks the GPU)
+    world: int                        # ranks in all, every node
+    local_procs: int                  # ranks on this node: they share its cores (see worker's thread count)
+    rendezvous: Optional[str] = None  # where ranks meet: env:// under torchrun; None: from cfg.dist
+
+
+def run_export(cfg: Config) -> int:
+    """mode: export. Under torchrun or srun, rank 0 alone writes the folder."""
+    import export as exporter
+    from distributed import launcher_env
+    env = launcher_env()
+    if env is not None and env["rank"] != 0:
+        return 0
+    try:
+        exporter.run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def check_output_dir(path: str) -> None:
@@ -118,7 +148,7 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     report_dir = tempfile.mkdtemp(prefix="trainer-reports-")
     steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
     procs = [mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
-                         args=(i, cfg, first_rank, world, nprocs, report_dir, steps, os.getpid()))
+                         args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, os.getpid()))
              for i in range(nprocs)]
     signals_seen, kill_at, exit_order = [], None, []
 
@@ -134,8 +164,9 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     names = ["SIGINT", "SIGTERM"] + ([cfg.train.stop_signal] if cfg.train.stop_signal else [])
     previous = {n: signal.signal(getattr(signal, n), forward) for n in names}
     try:
-        for p in procs:
-            p.start()
+        with environment(rank_environment(cfg, nprocs)):  # spawn: each rank starts with this environment
+            for p in procs:
+                p.start()
         while True:
             alive = [p for p in procs if p.exitcode is None]
             for p in procs:
@@ -157,9 +188,37 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
         for n, handler in previous.items():
             signal.signal(getattr(signal, n), handler)
         for p in procs:
-            if p.exitcode is None:
+            if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
                 p.kill()
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def rank_environment(cfg: Config, nprocs: int) -> dict:
+    """What the ranks' environment needs on top of ours. OpenMP threads waiting for work spin by default (GNU
+    OpenMP: for a while, then sleep); several CPU ranks on one host then spin on the cores the others need: two
+    MiniLM ranks with 2 threads each on a loaded 2-core machine ran at 0.6 samples/s, 11 with PASSIVE
+    (benchmarks/RESULTS.md, "OpenMP waiting"). OMP_WAIT_POLICY=PASSIVE makes idle threads sleep. OpenMP reads it
+    once, when torch loads it, so it must be in the environment a rank starts with. A value you set is kept; GPU
+    ranks keep OpenMP's default."""
+    from distributed import pick_device_type
+    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or pick_device_type(cfg.dist.device) != "cpu":
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def environment(extra: dict):
+    """os.environ with `extra` set, for processes started inside the block; restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int:
@@ -198,39 +257,39 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
     return reports[i]["code"] if i in reports else 1
 
 
-def _spawned_worker(local_rank: int, cfg, first_rank, world, nprocs, report_dir, steps, parent_pid) -> None:
+def _spawned_worker(cfg, launch: Launch, report_dir, steps, parent_pid) -> None:
     import faults
     faults.set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
-    faults.progress.shared, faults.progress.slot = steps, local_rank
+    faults.progress.shared, faults.progress.slot = steps, launch.local_rank
     faults.report.report_dir = report_dir
-    sys.exit(worker(local_rank, cfg, first_rank, world, None, nprocs))
+    sys.exit(worker(cfg, launch))
 
 
-def worker(local_rank: int, cfg: Config, first_rank: int, world: int, rendezvous, local_procs: int) -> int:
+def worker(cfg: Config, launch: Launch) -> int:
     """One rank: join the group, build task and Trainer, train or test. Returns the exit code; whatever goes
     wrong is reported once (faults.report), naming this rank, its host and the step."""
     import faults
     from faults import HOST, report
 
-    rank = first_rank + local_rank
+    rank = launch.rank
     faults.progress.rank = rank
+    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":
         faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
     ctx = watchdog = None
     try:
-        import torch
         import distributed as D
         from tasks import build_task
         from trainer import Trainer, setup_logging
 
-        # Processes sharing a CPU should not each start one thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
         log = report.log = setup_logging(cfg.output_dir, rank)
-        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {local_rank} of {local_procs}, "
-                 f"{world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {launch.local_rank} of "
+                 f"{launch.local_procs}, {launch.world} ranks in all, {cfg.mode}", extra={"file_only": True})
         faults.stop_request.log = log
-        ctx = D.init(cfg, rank, world, local_rank, rendezvous)
+        ctx = D.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
+        ctx.cpu_threads = D.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
         watchdog = faults.Watchdog.start(cfg, ctx)
         if watchdog is not None:
             report.store = watchdog.store

@@ -5,12 +5,14 @@ Read `train()` first: it is the whole loop. Everything else is a helper it calls
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 import random
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
@@ -25,6 +27,7 @@ import faults
 from config import Config, CheckpointError, ConfigError, dump_yaml
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from strategies import STRATEGIES
+from strategies.base import checkpoint_blocks
 from tasks.base import Task
 
 
@@ -39,6 +42,24 @@ class TrainState:
     evals_without_improvement: int = 0
 
 
+def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
+    """train.precision `auto`: bf16 autocast on GPUs that compute in bf16 (Ampere and later), fp32 everywhere
+    else. On a CPU bf16 autocast is much slower than fp32 (most kernels convert back and forth), and fp16 needs a
+    loss scaler: a choice to make knowingly, not a default. Returns the precision and how the plan shows it."""
+    if precision != "auto":
+        return precision, precision
+    if device_type == "cuda":
+        chosen, why = ("bf16", "GPU with bf16") if bf16_supported else ("fp32", "GPU without bf16")
+    else:
+        chosen, why = "fp32", device_type.upper()
+    return chosen, f"auto -> {chosen} ({why})"
+
+
+def bf16_supported(ctx: D.DistContext) -> bool:
+    """Native bf16 on this rank's GPU (without counting torch's slow emulation on older GPUs)."""
+    return ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -47,6 +68,9 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
+        # train.precision `auto` becomes what this device computes fast in, once, before anything reads it.
+        precision, self.precision_note = resolve_precision(cfg.train.precision, ctx.device.type, bf16_supported(ctx))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
         self.cfg, self.task, self.ctx, self.t = cfg, task, ctx, cfg.train
         self.log = setup_logging(cfg.output_dir, ctx.rank)
         self.datasets = task.build_datasets()
@@ -54,10 +78,15 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model().to(ctx.device)
+        if cfg.model.activation_checkpointing and not checkpoint_blocks(model):
+            raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to recompute "
+                              "(no nn.ModuleList of layers); set it to false")
         if cfg.dist.strategy == "pipe":  # cuts the model into the task's chain of layers (strategies/pipeline.py)
             self.par = STRATEGIES["pipe"](model, cfg, ctx, task, self.datasets["train"])
         else:
             self.par = STRATEGIES[cfg.dist.strategy](model, cfg, ctx)
+        if self.t.compile and cfg.mode == "train":
+            self.par.compile()  # the first steps (and each new input shape) pay the compilation
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should).
         seed_everything(cfg.seed + ctx.rank)
 
@@ -95,9 +124,11 @@ class Trainer:
         metrics, saved_at, evaluated_at = {}, None, None
         window = Window(self.ctx)
         bar = self.progress_bar()
+        profiler = StepProfiler(t.profile_steps, self.cfg.output_dir, self.ctx, self.log)
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             faults.progress.at(state.step + 1, "train")
+            profiler.before_step(state.step + 1)  # train.profile_steps: a trace of chosen steps
             batches = [next(stream) for _ in range(t.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
@@ -127,6 +158,7 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
+        profiler.stop()
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.close()
@@ -232,9 +264,11 @@ class Trainer:
         batches = eval_batches(len(dataset), par.data_rank, par.data_world, self.t.eval_batch_size)
         loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
         sums, arrays = {}, {}
+        progress = EvalProgress(self, split, len(batches))
         for batch in loader:
             faults.progress.at(self.state.step, "eval")  # the watchdog sees evaluation advance
             out = self.eval_batch(model, self.to_device(batch))
+            progress.batch_done()
             for k, v in out.items():
                 if v.dim() == 0:
                     sums[k] = sums.get(k, 0) + v.double()
@@ -422,7 +456,7 @@ class Trainer:
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
         s = self.state
         while True:
-            batches = self.sampler.batches(s.epoch, start=s.batch_in_epoch)
+            batches = self.sampler.epoch_batches(s.epoch, start=s.batch_in_epoch)  # made as consumed
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
                                  self.pin, self.cfg.seed + s.epoch)
             for batch in loader:
@@ -487,7 +521,8 @@ class Trainer:
             "plan:",
             f"  task {cfg.task} ({cfg.data.dataset}), {len(self.datasets['train'])} training samples",
             f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
-            f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {t.precision}",
+            f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {self.precision_note}",
+            *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
             *self.par.plan_lines(),
             f"  batch per {'pipeline' if self.par.pipelined else 'rank'} {self.batch_sizes} x {t.grad_accum_steps} "
             f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
@@ -497,11 +532,12 @@ class Trainer:
             f"  output {os.path.abspath(cfg.output_dir)}",
         ])
 
-    def progress_bar(self):
+    def progress_bar(self, **kwargs):
+        """Rank 0's tqdm bar on the terminal (log.progress_bar), else None. Log lines go above it (setup_logging)."""
         if not (self.ctx.is_main and self.cfg.log.progress_bar and sys.stderr.isatty()):
             return None
         from tqdm import tqdm
-        return tqdm(total=self.total_steps, initial=self.state.step, dynamic_ncols=True)
+        return tqdm(dynamic_ncols=True, **(kwargs or {"total": self.total_steps, "initial": self.state.step}))
 
     def log_train(self, w: dict, grad_norm: float, bar) -> None:
         """Every rank writes the line to its own log (rank 0 also to the console, or the progress bar)."""
@@ -520,6 +556,70 @@ class Trainer:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
+
+
+EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive
+
+
+class EvalProgress:
+    """An evaluation shows it is alive: a second bar under the training bar on rank 0 (when there is one), and,
+    every EVAL_LOG_EVERY_S seconds, a line in each rank's log (on rank 0's console too when there is no bar)."""
+
+    def __init__(self, trainer: Trainer, split: str, total: int):
+        self.log, self.total, self.done = trainer.log, total, 0
+        self.what = f"evaluating {split} at step {trainer.state.step}"
+        self.bar = trainer.progress_bar(total=total, desc=split, leave=False) if total else None
+        self.start = self.last = time.perf_counter()
+
+    def batch_done(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.done == self.total:
+                self.bar.close()
+        now = time.perf_counter()
+        if now - self.last >= EVAL_LOG_EVERY_S and self.done < self.total:
+            self.last = now
+            self.log.info(f"{self.what}: {self.done}/{self.total} batches, {now - self.start:.0f} s",
+                          extra={"file_only": self.bar is not None})
+
+
+class StepProfiler:
+    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
+    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
+    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
+    falls inside the range is in the trace too."""
+
+    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
+        self.first, self.last = ((1, steps) if isinstance(steps, int) else steps) if steps else (0, -1)
+        self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
+
+    def before_step(self, step: int) -> None:
+        if self.prof is not None:
+            if step > self.last:
+                self.stop()
+            else:
+                self.prof.step()  # marks the step boundaries (ProfilerStep#N) in the trace
+        elif self.first <= step <= self.last:  # a resume inside the range starts where it is
+            from torch.profiler import ProfilerAction, ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
+            # A schedule that always records: with one, the profiler marks each step as ProfilerStep#<step>.
+            self.prof = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, record_shapes=True,
+                                profile_memory=True)
+            self.prof.step_num = step
+            self.prof.start()
+            self.started = step
+        if self.prof is not None:
+            self.current = step
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        from torch.profiler import tensorboard_trace_handler
+        self.prof.stop()
+        tensorboard_trace_handler(self.dir, worker_name=f"rank{self.ctx.rank}")(self.prof)
+        self.log.info(f"profile of steps {self.started}-{self.current} written to {self.dir}")
+        self.prof = None
 
 
 class Window:
@@ -600,8 +700,29 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     fh.setFormatter(fmt)
     log.addHandler(fh)
     if rank == 0:
-        sh = logging.StreamHandler(sys.stdout)
+        sh = ConsoleHandler(sys.stdout)
         sh.setFormatter(logging.Formatter("%(message)s"))
         sh.addFilter(lambda record: not getattr(record, "file_only", False))
         log.addHandler(sh)
     return log
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """Rank 0's console. Lines go through tqdm.write, which lifts a progress bar off the screen, prints the line
+    and draws the bar again below it: a dev result is never glued onto the bar's last line. (Without a bar, it
+    is a plain print.)"""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        from tqdm import tqdm
+        # tqdm's default lock includes a multiprocessing semaphore, which a rank killed by the watchdog leaves
+        # behind (Python then warns of a leaked semaphore); only this process draws bars: a thread lock is enough.
+        tqdm.set_lock(threading.RLock())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:
+            self.handleError(record)

@@ -1,6 +1,6 @@
 """Per-rank model-state memory of the strategies, measured from the tensors each rank holds.
 
-    python benchmarks/bench_sharded_memory.py [--procs 2 4] [--model bert-base|tiny]
+    python benchmarks/bench_sharded_memory.py [--procs 2 4] [--model bert-base|tiny] [--json rows.json]
 
 For each strategy and world size, every rank builds BERT-base (BertForMaskedLM from a default BertConfig,
 random init, ~110M parameters), wraps it with the project's strategy (strategies.STRATEGIES), runs one fp32
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -40,61 +41,73 @@ def build_model(name: str):
     return BertForMaskedLM(config)
 
 
-def worker(rank: int, world: int, port: int, dist_section: dict, model_name: str, queue) -> None:
+def worker(rank: int, world: int, port: int, sections: list, model_name: str, queue) -> None:
+    """One rank: every strategy of `sections` in turn, in one process group (a process start costs more than the
+    measurement). fairscale's FSDP comes last: its CPU shim, once installed, stays."""
     import dataclasses
     from config import config_from_dict
     from distributed import DistContext
     from strategies import STRATEGIES as APPLY, state_bytes
     torch.set_num_threads(1)
-    fairscale_fsdp = dist_section.get("fsdp_impl") == "fairscale"
-    if fairscale_fsdp:  # CUDA only in the product; on CPU through the shim the tests use (tests/fairscale_cpu.py)
-        from tests import fairscale_cpu
-        fairscale_cpu.install()
-        dist_section = {k: v for k, v in dist_section.items() if k != "fsdp_impl"}
-    cfg = config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
-                            "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
-    if fairscale_fsdp:
-        cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
     backend = None
-    if cfg.dist.strategy != "none":
+    if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         backend = "gloo"
     ctx = DistContext(rank, world, rank, torch.device("cpu"), backend)
-    torch.manual_seed(0)
-    model = build_model(model_name)
-    n_params = sum(p.numel() for p in model.parameters())
-    par = APPLY[cfg.dist.strategy](model, cfg, ctx)
-    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
-    par.model(input_ids=ids, labels=ids).loss.backward()
-    par.optimizer.step()
-    queue.put((rank, n_params, state_bytes(par)))  # before zero_grad: params, grads and state all present
+    for index, dist_section in enumerate(sections):
+        fairscale_fsdp = dist_section.get("fsdp_impl") == "fairscale"
+        if fairscale_fsdp:  # CUDA only in the product; on CPU through the shim the tests use (tests/fairscale_cpu.py)
+            from tests import fairscale_cpu
+            fairscale_cpu.install()
+            dist_section = {k: v for k, v in dist_section.items() if k != "fsdp_impl"}
+        cfg = config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
+                                "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
+        if fairscale_fsdp:
+            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
+        torch.manual_seed(0)
+        model = build_model(model_name)
+        n_params = sum(p.numel() for p in model.parameters())
+        par = APPLY[cfg.dist.strategy](model, cfg, ctx)
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
+        par.model(input_ids=ids, labels=ids).loss.backward()
+        par.optimizer.step()
+        queue.put((index, rank, n_params, state_bytes(par)))  # before zero_grad: params, grads and state all present
+        del par, model
+        if backend:
+            dist.barrier()
     if backend:
-        dist.barrier()
         dist.destroy_process_group()
 
 
-def measure(world: int, dist_section: dict, model_name: str) -> tuple[int, list[dict]]:
+def measure(world: int, sections: list, model_name: str) -> list[tuple[int, list[dict]]]:
+    """[(parameters, [bytes held by each rank])] for each dist section, measured with `world` processes."""
     from tests.conftest import free_port
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(world, free_port(), dist_section, model_name, queue), nprocs=world, join=True)
-    results = sorted(queue.get() for _ in range(world))
-    return results[0][1], [r[2] for r in results]
+    mp.spawn(worker, args=(world, free_port(), sections, model_name, queue), nprocs=world, join=True)
+    results = sorted(queue.get() for _ in range(world * len(sections)))
+    return [(results[i * world][2], [r[3] for r in results[i * world:(i + 1) * world]]) for i in range(len(sections))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--model", default="bert-base", choices=["bert-base", "tiny"])
+    ap.add_argument("--json", help="also write the rows here (docs/tutorial/plots.py memory draws them)")
     args = ap.parse_args()
     mb = 2 ** 20
-    rows = []
-    n, per_rank = measure(1, {"strategy": "none"}, args.model)
-    rows.append(("none", 1, per_rank, 16.0))
+    [(n, per_rank)] = measure(1, [{"strategy": "none"}], args.model)
+    rows = [("none", 1, per_rank, 16.0)]
     for world in args.procs:
-        for label, section, formula in STRATEGIES:
-            n, per_rank = measure(world, section, args.model)
+        measured = measure(world, [section for _, section, _ in STRATEGIES], args.model)
+        for (label, _, formula), (n, per_rank) in zip(STRATEGIES, measured):
             rows.append((label, world, per_rank, formula(world)))
-            print(f"done: {label} x{world}", file=sys.stderr, flush=True)
+        print(f"done: {world} processes", file=sys.stderr, flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "parameters": n, "torch": torch.__version__, "rows": [
+                {"label": label, "procs": world, "per_rank": per_rank, "formula": formula}
+                for label, world, per_rank, formula in rows]}, f, indent=1)
     print(f"{args.model}: {n / 1e6:.1f}M parameters, fp32 AdamW, one step on a 1x16 batch, "
           f"{datetime.date.today()}, torch {torch.__version__}\n")
     print("| strategy | procs | params MiB | grads MiB | optimizer MiB | total MiB (rank 0) | bytes/param "

@@ -71,7 +71,11 @@ def main():
 
     # The hand-written loop: plain model, AdamW, DataLoader over the same batches, nothing else.
     model = copy.deepcopy(trainer.par.raw_model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    # The same AdamW kernel as the Trainer's (train.optimizer_impl auto: fused on CPU and CUDA), so the ratio
+    # measures the Trainer's own overhead, not a faster optimizer.
+    from strategies.base import optimizer_kernel
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0,
+                            **optimizer_kernel(cfg.train.optimizer_impl, list(model.parameters())))
     order = [list(b) for b in np.array_split(np.random.default_rng(0).permutation(len(dataset)),
                                               len(dataset) // args.batch)]
     order = [b[:args.batch] for b in order if len(b) >= args.batch]

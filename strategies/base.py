@@ -14,16 +14,56 @@ from checkpoint import load_file
 from distributed import DistContext
 
 
-def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False) -> tuple[list[dict], type, dict]:
-    """(param groups, optimizer class, kwargs). Weight decay applies to matrices only, not biases and norms."""
+def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
+                     fused_ok: bool = True) -> tuple[list[dict], type, dict]:
+    """(param groups, optimizer class, kwargs). Weight decay applies to matrices only, not biases and norms.
+    fused_ok=False: the caller's wrapper cannot run the fused kernel (train.optimizer_impl auto: foreach)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"] or keep_empty]
+    # torch 2.13 has no DTensor rule for the fused SGD kernel (aten._fused_sgd_): FSDP2's sharded parameters
+    # take foreach there (fused AdamW has one: tested under fsdp).
+    from torch.distributed.tensor import DTensor
+    if train_cfg.optimizer == "sgd" and any(isinstance(p, DTensor) for p in params):
+        fused_ok = False
+    kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok)
     # -----> choose another optimizer here.
     if train_cfg.optimizer == "sgd":
-        return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9}
-    return groups, torch.optim.AdamW, {"lr": train_cfg.lr}
+        return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9, **kernel}
+    return groups, torch.optim.AdamW, {"lr": train_cfg.lr, **kernel}
+
+
+def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
+    """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. PyTorch's own
+    default on CPU is the for-loop (one small op after another per tensor): for the ~100 tensors of a MiniLM that
+    was a third of a fine-tuning step on CPU, against 4% with fused (benchmarks/RESULTS.md). fused_ok=False is
+    for an optimizer wrapper that cannot run the fused kernel (none of ours on CPU needed it: tested)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
+                    for p in params)
+    if impl == "fused" and not (device_ok and fused_ok):
+        from config import ConfigError
+        where = "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}"
+        raise ConfigError(f"train.optimizer_impl: fused is not supported by {where}; use auto or foreach")
+    if impl == "auto":
+        impl = "fused" if device_ok and fused_ok else "foreach"
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """model.activation_checkpointing: each block (fsdp_units: the members of the model's nn.ModuleLists, i.e.
+    the transformer layers) keeps only its inputs in forward and recomputes its activations during backward.
+    Dropout draws the same masks again (the RNG state is saved), so the gradients are the same. Applied before
+    the strategy wraps the model: FSDP2 gathers a block's parameters before its backward, hence before the
+    recomputation. Returns the number of blocks."""
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    from strategies.fsdp import fsdp_units
+    blocks = fsdp_units(model)
+    for block in blocks:  # instance attribute: the module's own hooks (FSDP2's) still run around it
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
 
 
 class Parallel:
@@ -51,6 +91,11 @@ class Parallel:
     def no_sync(self):
         """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
         return contextlib.nullcontext()
+
+    def compile(self) -> None:
+        """train.compile: torch.compile the model in place (Module.compile: same module, same state-dict keys).
+        Under ddp/oss that is the DDP wrapper, so TorchDynamo splits the graph at DDP's gradient buckets."""
+        self.model.compile()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping."""

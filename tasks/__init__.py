@@ -7,6 +7,7 @@ TASKS = {
     "sst2": "tasks.sst2:SST2Task",
     "bert_pretrain": "tasks.bert_pretrain:BertPretrainTask",
     "gpt2_lm": "tasks.gpt2_lm:GPT2LMTask",
+    "csv_text": "tasks.csv_text:CSVTextTask",  # the tutorial's own task (docs/tutorial/07_your_own_task.md)
 }
 
 

@@ -27,6 +27,7 @@ class Task:
     def build_model(self) -> nn.Module:
         raise NotImplementedError
 
+    # -----> a task reads its data here: one Dataset per split, items that `collate` turns into batches.
     def build_datasets(self) -> dict[str, Optional[Dataset]]:
         """{'train': ..., 'dev': ..., 'test': ...}; a split the data lacks is None."""
         raise NotImplementedError
@@ -80,6 +81,33 @@ class Task:
         """Per-sample lengths for `data.group_by_length` (None: the task has no notion of length)."""
         return None
 
+    # ---- mode: export (export.py) and generate.py: the trained model outside the training loop ----------------
+    export_formats: tuple = ()
+    """What `mode: export` can write for this task (export.format); `auto` writes all of them."""
+
+    def prepare_inference(self) -> None:
+        """Set up what build_model needs, without preparing training: by default the datasets (the image task
+        sizes its network from them); text tasks load the tokenizer the training run used instead."""
+        self.build_datasets()
+
+    # -----> what an `hf` export saves: the transformers model (save_pretrained) inside the task's model, its
+    # tokenizer, and the transformers.pipeline task that serves it (named in the export's README).
+    def hf_model(self, model: nn.Module):
+        raise NotImplementedError(f"{type(self).__name__} does not say which Hugging Face model to export")
+
+    def hf_tokenizer(self):
+        return getattr(self, "tokenizer", None)
+
+    hf_pipeline: Optional[str] = None
+
+    # -----> what a `state_dict` / `torch_export` export needs: how to rebuild the model (written to config.json,
+    # {"class": "module:Class", "init": {constructor arguments}, "input": "what it takes"}) and example inputs.
+    def export_config(self, model: nn.Module) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} does not say how to rebuild its model")
+
+    def example_inputs(self) -> tuple:
+        raise NotImplementedError(f"{type(self).__name__} has no example inputs for torch.export")
+
 
 class Layer(nn.Module):
     """One link of a pipeline chain: `fn(*inputs)` using `modules` of the model (shared, not copied), so that a
@@ -93,23 +121,40 @@ class Layer(nn.Module):
         return self.fn(*inputs)
 
 
-def classification_batch(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+def classification_batch(logits: torch.Tensor, labels: torch.Tensor,
+                         loss_sum: torch.Tensor) -> dict[str, torch.Tensor]:
     """eval_batch of a classifier: summed loss and count (summed over batches), predictions and labels
-    (concatenated), which classification_metrics turns into the split's metrics."""
-    logits = logits.float()
-    return {"loss_sum": torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
-            "count": torch.tensor(float(len(logits)), device=logits.device),
+    (concatenated), which classification_metrics turns into the split's metrics. `loss_sum` is the task's own
+    training loss on these logits (its loss_from_output), so that the dev loss always follows the training loss."""
+    return {"loss_sum": loss_sum.float(), "count": torch.tensor(float(len(logits)), device=logits.device),
             "preds": logits.argmax(-1), "labels": labels}
 
 
 def classification_metrics(preds: np.ndarray, labels: np.ndarray, loss_sum: float, count: float,
                            average: str = "macro") -> dict:
-    """Accuracy, F1 (macro by default; `binary` for two classes) and MCC via scikit-learn, plus the mean loss."""
-    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+    """Accuracy, F1 (macro by default; `binary`: of class 1) and MCC, plus the mean loss. The same numbers as
+    scikit-learn's accuracy_score, f1_score and matthews_corrcoef (tested against them, degenerate cases
+    included), computed from the confusion matrix here: importing sklearn.metrics costs ~2 s of CPU (it loads
+    scipy.stats) in every rank at its first evaluation, more than a small job's training. Call scikit-learn in
+    your task's `metrics` if you want more of it."""
+    preds, labels = np.asarray(preds).astype(np.int64), np.asarray(labels).astype(np.int64)
+    classes = np.union1d(labels, preds)  # sklearn's unique_labels: the classes seen in either
+    cm = np.zeros((len(classes), len(classes)), dtype=np.int64)  # rows: true class, columns: predicted
+    np.add.at(cm, (np.searchsorted(classes, labels), np.searchsorted(classes, preds)), 1)
+    tp, true, predicted, n = np.diag(cm), cm.sum(1), cm.sum(0), cm.sum()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f1_per_class = np.where(true + predicted > 0, 2 * tp / (true + predicted), 0.0)  # 0 when undefined
+    if average == "binary":
+        f1 = float(f1_per_class[classes == 1].sum())  # class 1 never seen: 0, as sklearn
+    else:
+        f1 = float(f1_per_class.mean()) if len(classes) else 0.0
+    # MCC (multiclass form, Gorodkin 2004): (n * correct - sum(true_k * predicted_k)) / sqrt(...), 0 if undefined
+    cov_tp = n * tp.sum() - (true * predicted).sum()
+    denominator = np.sqrt(float(n * n - (predicted * predicted).sum()) * float(n * n - (true * true).sum()))
     return {
         "loss": float(loss_sum / max(count, 1)),
-        "accuracy": float(accuracy_score(labels, preds)),
-        "f1": float(f1_score(labels, preds, average=average)),
-        "mcc": float(matthews_corrcoef(labels, preds)),
+        "accuracy": float(tp.sum() / n) if n else 0.0,
+        "f1": f1,
+        "mcc": float(cov_tp / denominator) if denominator else 0.0,
         "samples": int(count),
     }

@@ -246,8 +246,8 @@ class BertPretrainTask(Task):
 
     def build_datasets(self) -> dict:
         d = self.cfg.data
-        train = self.find_shards(d.train_files or os.path.join(d.data_dir, "training", "*.hdf5"), "train_files")
-        dev = self.find_shards(d.dev_files or os.path.join(d.data_dir, "test", "*.hdf5"), "dev_files")
+        train = self.find_shards(d.train_files or self.default_pattern("training"), "train_files")
+        dev = self.find_shards(d.dev_files or self.default_pattern("test"), "dev_files")
         limits = self.model_limits()
         datasets = {"train": HDF5Shards(train, limits), "dev": HDF5Shards(dev, limits), "test": None}
         if datasets["train"].seq_length != datasets["dev"].seq_length:
@@ -255,12 +255,22 @@ class BertPretrainTask(Task):
                             f"shards' {datasets['train'].seq_length}")
         return datasets
 
+    def default_pattern(self, split: str) -> str:
+        """Where a split's shards are when data.train_files / dev_files are not set: NVIDIA's layout, one folder
+        per split (<data_dir>/training/*.hdf5, <data_dir>/test/*.hdf5), or else the flat one that HetSeq and
+        NVIDIA's older scripts leave, the splits side by side and told apart by file name
+        (<data_dir>/wikicorpus_en_training_0.hdf5 next to wikicorpus_en_test_0.hdf5)."""
+        folder = os.path.join(self.cfg.data.data_dir, split, "*.hdf5")
+        flat = os.path.join(self.cfg.data.data_dir, f"*_{split}_*.hdf5")
+        return flat if not glob.glob(folder) and glob.glob(flat) else folder
+
     @staticmethod
     def find_shards(pattern: str, key: str) -> list[str]:
         files = sorted(glob.glob(pattern))  # sorted: the same index order on every rank and every run
         if not files:
-            raise DataError(f"data.{key}: no HDF5 shards match {pattern!r} (make some with "
-                            "scripts/make_bert_shards.py, or set data.train_files / data.dev_files)")
+            raise DataError(f"data.{key}: no HDF5 shards match {pattern!r} (data.data_dir holds them in training/ "
+                            "and test/ folders, or side by side as *_training_N.hdf5 and *_test_N.hdf5; make some "
+                            "with scripts/make_bert_shards.py, or set data.train_files / data.dev_files)")
         return files
 
     def model_limits(self) -> ModelLimits:
@@ -360,6 +370,25 @@ class BertPretrainTask(Task):
     def eval_from_output(self, output, batch: dict) -> dict:
         return self.eval_from_losses(batch, *self.losses_from_output(output, batch["mlm_labels"],
                                                                       batch["nsp_labels"]))
+
+    # mode: export (export.py): the BertForPreTraining inside PretrainingModel, as a Hugging Face folder.
+    export_formats = ("hf",)
+    hf_pipeline = "fill-mask"
+
+    def prepare_inference(self) -> None:
+        pass  # build_model needs nothing from the data
+
+    def hf_model(self, model: nn.Module):
+        return model.bert
+
+    def hf_tokenizer(self):
+        """pretrained_dir's tokenizer. The shards were tokenized beforehand (scripts/make_bert_shards.py), so a
+        random model has none here: export.py says so, and which folder to copy in."""
+        d = self.cfg.model.pretrained_dir
+        if not d or not os.path.isfile(os.path.join(d, "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(d)
 
     def metrics(self, totals: dict) -> dict:
         tokens, seqs = max(totals["mlm_tokens"], 1), max(totals["sequences"], 1)

@@ -6,6 +6,10 @@ end-of-text token, and cut into blocks: block k is tokens [kT, kT + T] (T = data
 the input and its last T the targets, so every token is a target exactly once. One unit of the loss is one
 TARGET TOKEN: count = batch x T, and dev `loss` is the mean per token, `perplexity` its exp.
 
+Corpora larger than memory: data.data_dir may instead be a folder of token shards made by
+`scripts/prepare_text.py --task lm` (it holds manifest.json): they are read lazily, with the same blocks
+(tasks/token_shards.py), and the tokenizer is the one they were made with.
+
 Tokenizer: model.pretrained_dir's, or a byte-level BPE trained on the training texts and saved to
 <output_dir>/tokenizer (generate.py and `mode: test` load it from there).
 """
@@ -22,6 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
+from tasks import token_shards
 from tasks.base import Layer, Task
 from tasks.text_common import load_or_train_tokenizer, read_utf8
 
@@ -115,11 +120,27 @@ class GPT2LMTask(Task):
         return texts
 
     def build_datasets(self) -> dict:
+        if token_shards.is_prepared(self.cfg.data.data_dir):  # scripts/prepare_text.py's folder: read lazily
+            return self.build_shard_datasets()
         texts = self.read_splits()
         self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: texts["train"], kind="gpt2")
         where = {split: os.path.join(self.cfg.data.data_dir, f"{split}.json") for split in texts}
         datasets = {s: Blocks(t, self.tokenizer, self.cfg.data.max_length, where[s]) for s, t in texts.items()}
         self.datasets = datasets  # for check_fits, once the model is known
+        datasets.setdefault("test", None)
+        return datasets
+
+    def build_shard_datasets(self) -> dict:
+        """Corpora larger than memory: token shards made by scripts/prepare_text.py --task lm, memory-mapped
+        (tasks/token_shards.py). The blocks are the ones the JSON path cuts from the same texts."""
+        folder = self.cfg.data.data_dir
+        manifest = token_shards.read_manifest(folder, "lm")
+        if "dev" not in manifest["splits"]:
+            raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
+        self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
+        datasets = {split: token_shards.TokenBlocks(folder, manifest, split, self.cfg.data.max_length)
+                    for split in manifest["splits"]}
+        self.datasets = datasets  # for check_fits
         datasets.setdefault("test", None)
         return datasets
 
@@ -148,8 +169,11 @@ class GPT2LMTask(Task):
         if self.cfg.data.max_length > config.n_positions:
             raise DataError(f"data.max_length={self.cfg.data.max_length} is longer than the {config.n_positions} "
                             f"positions of model.pretrained_dir's model; set it to at most {config.n_positions}")
+        problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
+        if problem:  # shards: their manifest knows the largest id
+            raise DataError(problem)
         for split, blocks in getattr(self, "datasets", {}).items():
-            if blocks is None:
+            if blocks is None or not hasattr(blocks, "blocks"):
                 continue
             flat = blocks.blocks.reshape(-1)
             top = int(flat.argmax())
@@ -196,6 +220,16 @@ class GPT2LMTask(Task):
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["input_ids"],)
+
+    # mode: export (export.py): a Hugging Face folder for AutoModelForCausalLM / pipeline("text-generation").
+    export_formats = ("hf",)
+    hf_pipeline = "text-generation"
+
+    def prepare_inference(self) -> None:
+        self.load_tokenizer()
+
+    def hf_model(self, model: nn.Module):
+        return model
 
     def metrics(self, totals: dict) -> dict:
         loss = totals["loss_sum"] / max(totals["tokens"], 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import os
 import struct
 import urllib.request
@@ -100,7 +101,7 @@ class ImageTask(Task):
             scale, mean, std = 255.0, 0.1307, 0.3081
         else:
             raise DataError(f"data.dataset: the image task reads `digits` or `mnist`, not {d.dataset!r}")
-        self.image_size = images.shape[-1]
+        self.image_size, self.pixels = images.shape[-1], (scale, mean, std)  # pixels: for export_config
         # The dev split is a fixed slice of the training pool (independent of the training seed).
         order = np.random.default_rng(0).permutation(len(labels))
         n_dev = int(round(len(labels) * d.dev_fraction))
@@ -120,7 +121,7 @@ class ImageTask(Task):
         return self.eval_from_output(model(batch["images"]), batch)
 
     def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
-        return classification_batch(logits, batch["labels"])
+        return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def pipeline_layers(self, model: Net) -> list[nn.Module]:
         return [Layer(model.features1, model.conv1), Layer(model.features2, model.conv2),
@@ -128,6 +129,21 @@ class ImageTask(Task):
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["images"],)
+
+    # mode: export (export.py): the weights, how to rebuild Net around them, and a torch.export program.
+    export_formats = ("state_dict", "torch_export")
+
+    def export_config(self, model: Net) -> dict:
+        scale, mean, std = self.pixels
+        m = self.cfg.model
+        return {"class": "tasks.image:Net", "init": {"image_size": self.image_size, "channels": m.channels,
+                                                     "hidden": m.hidden, "dropout": m.dropout, "classes": CLASSES},
+                "input": f"float images [N, 1, {self.image_size}, {self.image_size}]: pixels / {scale:g}, then "
+                         f"(x - {mean:g}) / {std:g}",
+                "output": f"logits [N, {CLASSES}] (the digits 0-9)"}
+
+    def example_inputs(self) -> tuple:
+        return (torch.zeros(2, 1, self.image_size, self.image_size),)
 
     def metrics(self, totals: dict) -> dict:
         # -----> metrics of a task, from everything eval_batch returned over the whole split.
@@ -139,11 +155,24 @@ class ImageTask(Task):
 # ----------------------------------------------------------------------------------------------------------------
 def load_digits_split(test_size: int = 300):
     """(train images, train labels, test images, test labels); the test split is a fixed random 300."""
-    from sklearn.datasets import load_digits
-    digits = load_digits()
-    order = np.random.default_rng(1234).permutation(len(digits.target))
+    images, target = read_digits()
+    order = np.random.default_rng(1234).permutation(len(target))
     test, train = order[:test_size], order[test_size:]
-    return digits.images[train], digits.target[train], digits.images[test], digits.target[test]
+    return images[train], target[train], images[test], target[test]
+
+
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as (images [1797, 8, 8] float64, targets int), what `load_digits()` returns.
+    Read straight from the CSV that scikit-learn ships: importing sklearn.datasets costs 2-3 s of CPU in every
+    rank, which on a 2-core laptop is longer than training the CNN."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else ""
+    if not os.path.isfile(path):  # a scikit-learn that keeps it elsewhere: ask it
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        return digits.images, digits.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
 # ----------------------------------------------------------------------------------------------------------------

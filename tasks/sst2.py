@@ -8,6 +8,11 @@ Model: `model.pretrained_dir` (e.g. pretrained/bart-base, or the MiniLM BERT shi
 package), loaded with AutoModelForSequenceClassification (a fresh 2-way head if the checkpoint has none).
 Without a checkpoint, a randomly initialised BART of preset `model.name` with a byte-level BPE trained on the
 training sentences: no network needed, which is what the tests use.
+
+Corpora larger than memory, and other label sets: data.data_dir may instead be a folder of token shards made by
+`scripts/prepare_text.py --task classification` (TSV, CSV or JSON lines; it holds manifest.json). They are read
+lazily (tasks/token_shards.py), with the same examples as the TSV path, and the model gets the shards' number of
+labels.
 """
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
+from tasks import token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
-from tasks.text_common import bert_pipeline_layers, load_or_train_tokenizer, note, read_utf8
+from tasks.text_common import bart_pipeline_layers, bert_pipeline_layers, load_or_train_tokenizer, note, read_utf8
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -87,8 +93,12 @@ def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
 
 
 class SST2Task(Task):
+    num_labels = 2  # shards of another label set (scripts/prepare_text.py --labels ...) say how many they have
+
     def build_datasets(self) -> dict:
         d = self.cfg.data
+        if token_shards.is_prepared(d.data_dir):  # scripts/prepare_text.py's folder: read lazily
+            return self.build_shard_datasets()
         paths = {split: os.path.join(d.data_dir, f"{split}.tsv") for split in ("train", "dev", "test")}
         for split in ("train", "dev"):
             if not os.path.isfile(paths[split]):
@@ -107,12 +117,31 @@ class SST2Task(Task):
         datasets.setdefault("test", None)
         return datasets
 
+    def build_shard_datasets(self) -> dict:
+        """Classification corpora larger than memory (any label set): token shards made by scripts/prepare_text.py
+        --task classification, memory-mapped (tasks/token_shards.py); the same examples as the TSV path."""
+        folder = self.cfg.data.data_dir
+        manifest = token_shards.read_manifest(folder, "classification")
+        if "dev" not in manifest["splits"]:
+            raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
+        if self.cfg.data.max_length > manifest["max_length"]:
+            note(f"{folder}: examples were cut at {manifest['max_length']} tokens when prepared; data.max_length="
+                 f"{self.cfg.data.max_length} does not make them longer")
+        self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
+        self.num_labels = max(2, manifest["num_labels"])
+        datasets = {split: token_shards.TokenExamples(folder, manifest, split, self.cfg.data.max_length)
+                    for split in manifest["splits"]}
+        self.datasets = datasets  # for check_fits
+        datasets.setdefault("test", None)
+        return datasets
+
     def build_model(self) -> nn.Module:
         m = self.cfg.model
         from transformers import AutoModelForSequenceClassification, BartConfig, BartForSequenceClassification
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
-            model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir, num_labels=2)
+            model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir,
+                                                                       num_labels=self.num_labels)
             self.check_fits(model.config)
             return model
         if m.name not in BART_PRESETS:
@@ -120,7 +149,8 @@ class SST2Task(Task):
                             f"({', '.join(BART_PRESETS)}), not {m.name!r}")
         tok = self.tokenizer
         # -----> the randomly initialised model: change its sizes in BART_PRESETS.
-        config = BartConfig(vocab_size=len(tok), num_labels=2, dropout=m.dropout, max_position_embeddings=1024,
+        config = BartConfig(vocab_size=len(tok), num_labels=self.num_labels, dropout=m.dropout,
+                            max_position_embeddings=1024,
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
                             forced_eos_token_id=tok.eos_token_id, **BART_PRESETS[m.name])
@@ -131,7 +161,16 @@ class SST2Task(Task):
         table. Checked once the model's config is known, still before training; otherwise the embedding lookup
         fails mid-run with an index error naming no file."""
         positions = getattr(config, "max_position_embeddings", None)
+        problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
+        if problem:  # shards: their manifest knows the largest id and the longest example
+            raise DataError(problem)
         for split, ds in getattr(self, "datasets", {}).items():
+            if isinstance(ds, token_shards.TokenExamples):
+                length = min(ds.max_stored, ds.max_length)
+                if positions and length > positions:
+                    raise DataError(f"{ds.path}: examples of up to {length} tokens, more than the model's "
+                                    f"{positions} positions; set data.max_length to at most {positions}")
+                continue
             if ds is None:
                 continue
             path, lines = self.where[split]
@@ -160,6 +199,8 @@ class SST2Task(Task):
                 "labels": torch.tensor([s["labels"] for s in samples], dtype=torch.long)}
 
     def lengths(self, dataset: Dataset) -> list[int]:
+        if isinstance(dataset, token_shards.TokenExamples):
+            return token_shards.ShardLengths(dataset)  # read from the shards' index when the sampler asks
         return [len(ids) for ids in dataset.ids]
 
     def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -176,14 +217,26 @@ class SST2Task(Task):
         return self.eval_from_output(self.logits(model, batch), batch)
 
     def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
-        return classification_batch(logits, batch["labels"])
+        return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
-        """BERT-style classifiers (BertForSequenceClassification: MiniLM, BERT, ... from model.pretrained_dir):
-        the encoder's chain, then pooler + dropout + classifier."""
+        """BART (BartForSequenceClassification, the default): encoder and decoder chains, then the head on the
+        last <eos> token's hidden state. BERT-style classifiers (BertForSequenceClassification: MiniLM, BERT, ...
+        from model.pretrained_dir): the encoder's chain, then pooler + dropout + classifier."""
+        if hasattr(model, "classification_head") and hasattr(model, "model"):  # BART
+            eos = model.config.eos_token_id
+
+            def bart_head(hidden, attention_mask, input_ids):
+                # As BartForSequenceClassification.forward: the hidden state at each sentence's last <eos>. Found
+                # with argmax, not boolean indexing: the stage also runs on placeholder inputs (no <eos> at all)
+                # when the pipeline infers its shapes.
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                last = (input_ids.eq(eos) * positions).argmax(1)
+                return model.classification_head(hidden[torch.arange(len(hidden), device=hidden.device), last])
+            return bart_pipeline_layers(model.model, Layer(bart_head, model.classification_head))
         if not hasattr(model, "bert"):
-            raise DataError(f"dist.strategy pipe: sst2 splits BERT-style classifiers (model.pretrained_dir of a "
-                            f"BERT or MiniLM); {type(model).__name__} (an encoder-decoder) is not split yet")
+            raise DataError(f"dist.strategy pipe: sst2 splits BART and BERT-style classifiers; "
+                            f"{type(model).__name__} is not split yet (Task.pipeline_layers)")
 
         def head(hidden, attention_mask):
             return model.classifier(model.dropout(model.bert.pooler(hidden)))
@@ -192,6 +245,29 @@ class SST2Task(Task):
     def pipeline_inputs(self, batch: dict) -> tuple:
         return batch["input_ids"], batch["attention_mask"]
 
+    # mode: export (export.py): a Hugging Face folder that pipeline("text-classification", model=folder) reads.
+    export_formats = ("hf",)
+    hf_pipeline = "text-classification"
+
+    def prepare_inference(self) -> None:
+        if token_shards.is_prepared(self.cfg.data.data_dir):
+            self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
+            return
+        self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
+
+    def hf_model(self, model: nn.Module):
+        if model.config.num_labels == 2:  # SST-2's labels by name (other label sets keep LABEL_0, LABEL_1, ...)
+            model.config.id2label, model.config.label2id = {0: "negative", 1: "positive"}, {"negative": 0,
+                                                                                              "positive": 1}
+        return model
+
+    def hf_tokenizer(self):
+        # Sentences were cut at data.max_length in training: pipeline(..., truncation=True) then cuts them there too.
+        tok = self.tokenizer
+        tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
+        return tok
+
     def metrics(self, totals: dict) -> dict:
         return classification_metrics(np.asarray(totals["preds"]), np.asarray(totals["labels"]),
-                                      totals["loss_sum"], totals["count"], average="binary")
+                                      totals["loss_sum"], totals["count"],
+                                      average="binary" if self.num_labels == 2 else "macro")

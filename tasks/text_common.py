@@ -7,9 +7,12 @@ output_dir (resume, `mode: test`, generate.py) load that folder, so ids never ch
 from __future__ import annotations
 
 import codecs
+import logging
 import os
+import re
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 from config import DataError
@@ -44,6 +47,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     """The tokenizer of this run: pretrained_dir's, else output_dir/tokenizer, else train one (`kind`: `bpe`
     byte-level BPE with BART's special tokens, `gpt2` byte-level BPE with <|endoftext|>) and save it there."""
     from transformers import AutoTokenizer
+    plain_transformers_output()
     if cfg.model.pretrained_dir:
         return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
     folder = tokenizer_dir(cfg)
@@ -118,7 +122,35 @@ def utf8_error_where(data: bytes, start: int, bad: int, bad_end: int) -> str:
     return f"{line}: not valid UTF-8 ({what} at column {column}); the file must be saved as UTF-8"
 
 
+def plain_transformers_output() -> None:
+    """transformers draws loading bars and colours its load report with terminal escape codes, even when its
+    output goes to a file: in a log file both are noise. Bars off; colours kept on a terminal, stripped elsewhere
+    (the report's text stays). Called before the text tasks load anything; idempotent."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # transformers' bars, and huggingface_hub's
+    hf_logging.get_verbosity()  # makes sure transformers has installed its console handler
+    for handler in logging.getLogger("transformers").handlers:
+        if not any(isinstance(f, _PlainText) for f in handler.filters):
+            handler.addFilter(_PlainText(handler))
+
+
+class _PlainText(logging.Filter):
+    """Strips ANSI escape codes (ESC[1m ...) from records written by `handler`, unless it writes to a terminal."""
+    ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+    def __init__(self, handler: logging.Handler):
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        stream = getattr(self.handler, "stream", None)
+        if not (stream is not None and hasattr(stream, "isatty") and stream.isatty()):
+            record.msg, record.args = self.ANSI.sub("", record.getMessage()), None
+        return True
+
+
 def check_pretrained_dir(path: str) -> str:
+    plain_transformers_output()
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise DataError(f"model.pretrained_dir: {path}/config.json not found. Download a checkpoint with "
                         f"`python scripts/download_pretrained.py MODEL_ID {path}` (needs network), point it at "
@@ -145,3 +177,53 @@ def bert_pipeline_layers(bert, head) -> list:
             return layer(hidden, attention_mask=mask), attention_mask
         return Layer(run, layer)
     return [Layer(embed, bert.embeddings), *[encoder_layer(x) for x in bert.encoder.layer], head]
+
+
+def bart_pipeline_layers(bart, head) -> list:
+    """A transformers BartModel (encoder-decoder) as a pipeline chain: encoder embeddings, each encoder layer,
+    decoder embeddings, each decoder layer, then `head`, a Layer taking (decoder hidden states, attention mask,
+    input ids). This is BartModel.forward link by link, with decoder inputs = input ids shifted right (what BART
+    does when given none). Through the encoder the chain carries (hidden, mask, ids); through the decoder
+    (hidden, encoder output, mask, ids), since every decoder layer attends to the encoder output (its gradient
+    flows back through every decoder stage). The last decoder layer drops the encoder output: a stage input that
+    gets no gradient would stall the pipeline's backward. Masks and ids travel as integers (no gradient)."""
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    from tasks.base import Layer
+    config, encoder, decoder = bart.config, bart.encoder, bart.decoder
+
+    def embed(part, ids):
+        inputs = part.embed_tokens(ids)
+        positions = part.embed_positions(ids, 0, position_ids=torch.arange(ids.shape[1], device=ids.device))
+        hidden = part.layernorm_embedding(inputs + positions.to(inputs.device))
+        return torch.nn.functional.dropout(hidden, p=part.dropout, training=part.training)
+
+    def encoder_embed(input_ids, attention_mask):
+        return embed(encoder, input_ids), attention_mask, input_ids
+
+    def encoder_layer(layer):
+        def run(hidden, attention_mask, input_ids):
+            mask = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask)
+            return layer(hidden, mask), attention_mask, input_ids
+        return Layer(run, layer)
+
+    def decoder_embed(encoded, attention_mask, input_ids):
+        decoder_ids = shift_tokens_right(input_ids, config.pad_token_id, config.decoder_start_token_id)
+        return embed(decoder, decoder_ids), encoded, attention_mask, input_ids
+
+    def decoder_layer(layer, last):
+        def run(hidden, encoded, attention_mask, input_ids):
+            ones = torch.ones(hidden.shape[:2], device=hidden.device)  # what the decoder uses when given no mask
+            causal = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=ones,
+                                        past_key_values=None)
+            cross = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                              encoder_hidden_states=encoded)
+            hidden = layer(hidden, causal, encoded, encoder_attention_mask=cross)
+            return (hidden, attention_mask, input_ids) if last else (hidden, encoded, attention_mask, input_ids)
+        return Layer(run, layer)
+    n = len(decoder.layers)
+    return [Layer(encoder_embed, encoder.embed_tokens, encoder.embed_positions, encoder.layernorm_embedding),
+            *[encoder_layer(x) for x in encoder.layers],
+            Layer(decoder_embed, decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding),
+            *[decoder_layer(x, i == n - 1) for i, x in enumerate(decoder.layers)], head]

@@ -87,6 +87,6 @@ def train(cfg, procs: int) -> int:
 def _worker(local_rank: int, cfg, procs: int) -> None:
     import main
     install()
-    code = main.worker(local_rank, cfg, 0, procs, None, procs)
+    code = main.worker(cfg, main.Launch(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)

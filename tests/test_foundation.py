@@ -93,6 +93,9 @@ def test_customization_points_are_marked():
     for path in ["trainer.py", "strategies/__init__.py", "tasks/__init__.py", "tasks/base.py", "tasks/image.py"]:
         text = open(os.path.join(ROOT, path)).read()
         assert re.search(r"# ----->\s*\S", text), f"{path} lost its `# ----->` customization marker"
+    base = open(os.path.join(ROOT, "tasks", "base.py")).read()  # the Task methods a new task writes first
+    for method in ("build_model", "build_datasets"):
+        assert re.search(rf"# ----->.*\n\s*def {method}\(", base), f"tasks/base.py: `{method}` lost its marker"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,11 +313,7 @@ def test_test_mode_on_a_ddp_checkpoint_in_one_process(ddp_run, tmp_path):
     assert dev["metrics"]["samples"] == trained["samples"] == 225
     assert dev["metrics"]["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-12)
     assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
-    # The notebook that inspects a run works on this one.
-    nb = json.load(open(os.path.join(ROOT, "notebooks", "inspect_run.ipynb")))
-    code = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "code")
-    code = code.replace("sys.path.insert(0, '..')", "").replace("'../runs/digits'", repr(str(tmp_path)))
-    exec(compile(code, "inspect_run.ipynb", "exec"), {})
+    # (notebooks/inspect_run.ipynb is executed on a real run by tests/test_tutorial.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,3 +374,38 @@ def test_idx_reader_on_real_mnist(shared_data):
     assert images.shape == (10000, 28, 28) and images.dtype == np.uint8 and labels.shape == (10000,)
     assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
     assert images.max() == 255 and 30 < images.mean() < 36  # MNIST's mean pixel is ~33
+
+
+def test_digits_read_from_the_shipped_csv_equal_scikit_learns_loader():
+    """read_digits skips importing sklearn.datasets (seconds per rank); it must return what load_digits does."""
+    from sklearn.datasets import load_digits
+    from tasks.image import read_digits
+    images, target = read_digits()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and target.dtype == digits.target.dtype
+    assert np.array_equal(images, digits.images) and np.array_equal(target, digits.target)
+
+
+def test_classification_metrics_equal_scikit_learns():
+    """tasks.base.classification_metrics computes accuracy, F1 and MCC itself (sklearn.metrics costs seconds to
+    import in every rank); the numbers must be scikit-learn's, degenerate cases included."""
+    import warnings
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+    from tasks.base import classification_metrics
+    rng = np.random.default_rng(0)
+    cases = [(rng.integers(0, k, n), rng.integers(0, k, n)) for k in (2, 3, 10) for n in (1, 7, 500)]
+    cases += [(np.ones(5), np.ones(5)), (np.zeros(6), np.ones(6)), (np.zeros(4), np.zeros(4)),  # one class
+              (np.array([0, 0, 1]), np.array([0, 0, 0])), (np.array([2, 2, 3]), np.array([3, 2, 2])),
+              (np.array([1, 1, 1, 0]), np.array([1, 0, 1, 1]))]
+    for labels, preds in cases:
+        for average in ("macro", "binary"):
+            if average == "binary" and not set(np.union1d(labels, preds)) <= {0, 1}:
+                continue
+            got = classification_metrics(preds, labels, 3.0, len(labels), average=average)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # sklearn warns on undefined F1/MCC and returns 0
+                want = {"accuracy": accuracy_score(labels, preds),
+                        "f1": f1_score(labels, preds, average=average, zero_division=0.0),
+                        "mcc": matthews_corrcoef(labels, preds)}
+            for k, v in want.items():
+                assert abs(got[k] - v) < 1e-12, (labels, preds, average, k, got[k], v)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cluster import STEPS, TRAIN_SETS, spawn_reference  # noqa: F401 (fixture)
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
@@ -91,3 +93,37 @@ def test_torchrun_ranks_say_the_same_error_once(tmp_path):
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "MNIST IDX files" in errors[0], r.stderr[-3000:]
+
+
+def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypatch):
+    """p.start() failing for rank 1 (e.g. too many open files) surfaces as that error; rank 0, already started,
+    is killed, not left running, and the clean-up does not trip over the rank that never started."""
+    import multiprocessing.context as mpctx
+    import psutil
+    real_start, started = mpctx.SpawnProcess.start, []
+
+    def start(self):
+        if self.name == "rank1":
+            raise OSError(24, "Too many open files")
+        real_start(self)
+        started.append(self.pid)
+    monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
+    with pytest.raises(OSError, match="Too many open files"):
+        main.supervise(cfg, 2, 0, 2)
+    assert len(started) == 1
+    assert gone(started[0], psutil), f"rank 0 (pid {started[0]}) is still running"
+
+
+def gone(pid, psutil, wait_s=10.0) -> bool:
+    """The process has exited (a zombie not yet reaped counts): SIGKILL takes a moment to land."""
+    import time
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False

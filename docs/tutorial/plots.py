@@ -1,0 +1,194 @@
+"""The tutorial's figures and checks, made from what runs wrote: TensorBoard event files, checkpoints, JSON.
+
+    python docs/tutorial/plots.py curves  OUT.png RUN [RUN ...] [--tags train/loss dev/accuracy]
+    python docs/tutorial/plots.py compare RUN_OR_CHECKPOINT RUN_OR_CHECKPOINT [...]
+    python docs/tutorial/plots.py memory  OUT.png MEMORY.json      (from benchmarks/bench_sharded_memory.py --json)
+    python docs/tutorial/plots.py throughput OUT.png RUN [RUN ...]
+
+A RUN is an output_dir; its label in a figure is its folder name. `compare` prints the largest difference between
+the final parameters of the first run and each other one (a run's newest complete checkpoint, or a checkpoint
+folder). notebooks/inspect_run.ipynb imports the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # checkpoint.py, for compare
+
+
+def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
+    """{tag: (steps, values)} of a run's TensorBoard event files (train/loss, train/samples_per_s, dev/accuracy,
+    ...). A resumed run repeats the steps after its checkpoint in a second event file: the last value wins."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    folder = os.path.join(run, "tensorboard")
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: {folder}: no TensorBoard events (was log.tensorboard false?)")
+    acc = EventAccumulator(folder, size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        by_step = {e.step: e.value for e in acc.Scalars(tag)}
+        steps = sorted(by_step)
+        out[tag] = (steps, [by_step[s] for s in steps])
+    return out
+
+
+def label(run: str) -> str:
+    return os.path.basename(os.path.normpath(run))
+
+
+def plt():
+    import matplotlib.pyplot as pyplot
+    return pyplot
+
+
+def save(fig, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt().close(fig)
+    print(f"wrote {out}")
+
+
+def curves(out: str, runs: list[str], tags=("train/loss", "dev/accuracy")) -> dict:
+    """One panel per tag, one line per run. Returns {run label: {tag: last value}}."""
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, len(tags), figsize=(4.2 * len(tags), 3.2), squeeze=False)
+    last = {}
+    for i, run in enumerate(runs):
+        data = scalars(run)
+        last[label(run)] = {}
+        for ax, tag in zip(axes[0], tags):
+            if tag in data:
+                steps, values = data[tag]
+                # lines that coincide (chapter 2) stay visible: dashed and thinner, one after the other
+                ax.plot(steps, values, marker="." if len(steps) < 12 else None, label=label(run),
+                        linestyle=["-", "--", ":", "-."][i % 4], linewidth=max(3.0 - i, 1.0))
+                last[label(run)][tag] = values[-1]
+    for ax, tag in zip(axes[0], tags):
+        ax.set_title(tag)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    save(fig, out)
+    for name, values in last.items():
+        print(name + ": " + " ".join(f"{tag}={v:.4g}" for tag, v in values.items()))
+    return last
+
+
+def final_parameters(path: str) -> dict:
+    """The parameters of a checkpoint folder, or of a run's newest complete checkpoint."""
+    import checkpoint
+    if not os.path.isfile(os.path.join(path, "meta.json")):  # not a checkpoint (a copy may have any name): a run
+        found = checkpoint.complete_checkpoints(path)
+        if not found:
+            raise SystemExit(f"error: {path}: neither a checkpoint nor a run with one")
+        path = found[-1][1]
+    return checkpoint.model_state_dict(path)
+
+
+def compare(paths: list[str]) -> dict[str, float]:
+    """Largest |difference| of any parameter between the first and each other run. Returns {path: difference}."""
+    reference = final_parameters(paths[0])
+    result = {}
+    for other_path in paths[1:]:
+        other = final_parameters(other_path)
+        if other.keys() != reference.keys():
+            raise SystemExit(f"error: {other_path} and {paths[0]} hold different parameters")
+        diff = max((reference[k].float() - other[k].float()).abs().max().item() for k in reference)
+        scale = max(reference[k].float().abs().max().item() for k in reference)
+        result[other_path] = diff
+        print(f"{label(paths[0])} vs {label(other_path)}: largest parameter difference {diff:.2e} "
+              f"(largest parameter {scale:.2f})")
+    return result
+
+
+def memory(out: str, json_path: str) -> list:
+    """Per-rank bytes of parameters, gradients and optimizer state (rank 0, stacked) next to the ZeRO formula."""
+    with open(json_path) as f:
+        bench = json.load(f)
+    pyplot = plt()
+    rows, mib, n = bench["rows"], 2 ** 20, bench["parameters"]
+    fig, ax = pyplot.subplots(figsize=(max(6.0, 1.25 * len(rows)), 3.8))
+    for i, row in enumerate(rows):
+        rank0, bottom = row["per_rank"][0], 0.0
+        for part, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+            ax.bar(i - 0.18, rank0[part] / mib, 0.36, bottom=bottom, color=color, label=part if i == 0 else None)
+            bottom += rank0[part] / mib
+        ax.bar(i + 0.18, row["formula"] * n / mib, 0.36, color="lightgray", edgecolor="black", hatch="//",
+               label="ZeRO formula" if i == 0 else None)
+        for r, rank in enumerate(row["per_rank"][1:], 1):  # the other ranks' totals: equal, unless split unevenly
+            ax.plot(i - 0.18, sum(rank.values()) / mib, marker="_", markersize=22, markeredgewidth=2, color="black",
+                    label="total of another rank" if i == 1 and r == 1 else None)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['label']}\nx{r['procs']}".replace(" (", "\n(") for r in rows], fontsize=7)
+    ax.set_ylabel("MiB (bars: rank 0)")
+    ax.set_title(f"{bench['model']}: {n / 1e6:.1f}M parameters, fp32 AdamW, model state held per rank")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    save(fig, out)
+    for row in rows:
+        totals = [sum(rank.values()) for rank in row["per_rank"]]
+        print(f"{row['label']:34s} x{row['procs']}: rank 0 holds {totals[0] / mib:6.2f} MiB; bytes/param per rank "
+              + " ".join(f"{t / n:5.2f}" for t in totals) + f" (formula {row['formula']:.2f})")
+    return rows
+
+
+def throughput(out: str, runs: list[str]) -> dict[str, float]:
+    """Samples/s over the run (train/samples_per_s, the first log interval left out: it holds the start-up)."""
+    pyplot = plt()
+    fig, (left, right) = pyplot.subplots(1, 2, figsize=(9, 3.2))
+    means = {}
+    for run in runs:
+        steps, values = scalars(run)["train/samples_per_s"]
+        kept = values[1:] or values
+        means[label(run)] = sum(kept) / len(kept)
+        left.plot(steps, values, marker=".", label=label(run))
+    left.set_title("train/samples_per_s")
+    left.set_xlabel("optimizer step")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    right.bar(list(means), list(means.values()), color=[f"C{i}" for i in range(len(means))])  # the lines' colors
+    right.set_title("mean samples/s (after the first interval)")
+    right.grid(axis="y", alpha=0.3)
+    save(fig, out)
+    for name, value in means.items():
+        print(f"{name}: {value:.0f} samples/s")
+    return means
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("curves")
+    p.add_argument("out")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--tags", nargs="+", default=["train/loss", "dev/accuracy"])
+    p = sub.add_parser("compare")
+    p.add_argument("paths", nargs="+")
+    p = sub.add_parser("memory")
+    p.add_argument("out")
+    p.add_argument("json")
+    p = sub.add_parser("throughput")
+    p.add_argument("out")
+    p.add_argument("runs", nargs="+")
+    args = ap.parse_args()
+    if "MPLBACKEND" not in os.environ:
+        import matplotlib
+        matplotlib.use("Agg")  # from the command line: files only, no window
+    if args.what == "curves":
+        curves(args.out, args.runs, args.tags)
+    elif args.what == "compare":
+        compare(args.paths)
+    elif args.what == "memory":
+        memory(args.out, args.json)
+    else:
+        throughput(args.out, args.runs)
+
+
+if __name__ == "__main__":
+    main()

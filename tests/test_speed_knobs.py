@@ -1,0 +1,176 @@
+"""The speed knobs: train.optimizer_impl (fused / foreach / for_loop), model.activation_checkpointing,
+train.compile and train.profile_steps. Each gives the same training as without it (within a stated tolerance),
+and the impossible combinations are one-line config errors."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import make_config, max_diff
+
+import main
+from config import ConfigError
+
+
+def train(cfg):
+    """Run cfg (main.run starts the ranks); the model of its last checkpoint, whatever the format (FSDP: DCP)."""
+    from checkpoint import model_state_dict
+    assert main.run(cfg) == 0
+    return model_state_dict(os.path.join(cfg.output_dir, "checkpoints", f"step-{cfg.train.max_steps}"))
+
+
+# ---- optimizer implementation ---------------------------------------------------------------------------------
+def test_fused_foreach_and_for_loop_adamw_give_the_same_training(tmp_path):
+    common = dict(model={"dropout": 0.0}, train={"max_steps": 6, "eval_every": 0, "save_every": 0, "lr": 3e-3,
+                                                   "weight_decay": 0.01, "clip_grad_norm": 1.0})
+    runs = {impl: train(make_config(tmp_path / impl, **{**common, "train": {**common["train"],
+                                                                            "optimizer_impl": impl}}))
+            for impl in ("fused", "foreach", "for_loop")}
+    # Same update up to float rounding (the fused kernel orders its arithmetic differently).
+    assert max_diff(runs["fused"], runs["for_loop"]) < 1e-5
+    assert max_diff(runs["foreach"], runs["for_loop"]) < 1e-5
+
+
+def test_auto_picks_fused_on_cpu_and_foreach_when_a_wrapper_cannot():
+    from strategies.base import optimizer_kernel
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_kernel("auto", params) == {"fused": True, "foreach": False}
+    assert optimizer_kernel("auto", params, fused_ok=False) == {"fused": False, "foreach": True}
+    with pytest.raises(ConfigError, match="optimizer_impl: fused is not supported"):
+        optimizer_kernel("fused", params, fused_ok=False)
+
+
+@pytest.mark.parametrize("strategy", [{"strategy": "oss", "oss_impl": "torch"}, {"strategy": "oss"},
+                                      {"strategy": "fsdp"}])
+def test_fused_adamw_under_sharded_optimizers_matches_one_process(tmp_path, strategy):
+    """ZeroRedundancyOptimizer, fairscale OSS and FSDP2 (DTensor parameters) with the fused kernel: the same
+    parameters as one process with the for-loop AdamW on the combined batch."""
+    common = dict(model={"dropout": 0.0}, train={"max_steps": 4, "eval_every": 0, "save_every": 0, "lr": 3e-3,
+                                                   "weight_decay": 0.01})
+    sharded = make_config(tmp_path / "sharded", dist={**strategy, "procs_per_node": 2},
+                          **{**common, "train": {**common["train"], "batch_size": 16, "optimizer_impl": "fused"}})
+    one = make_config(tmp_path / "one", **{**common, "train": {**common["train"], "batch_size": 32,
+                                                              "optimizer_impl": "for_loop"}})
+    assert max_diff(train(sharded), train(one)) < 1e-5
+
+
+# ---- activation checkpointing ---------------------------------------------------------------------------------
+def tiny_gpt2(dropout):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=3, n_head=2,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def saved_bytes_and_grads(model, ids):
+    """Forward + backward; the bytes autograd kept for backward during forward, and the gradients."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    torch.manual_seed(1)  # the same dropout masks for both models
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    forward_saved = sum(saved)  # (recomputation in backward saves more, but only one block at a time)
+    loss.backward()
+    return forward_saved, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_same_gradients_less_saved_memory():
+    from strategies.base import checkpoint_blocks
+    plain, ckpt = tiny_gpt2(0.1), tiny_gpt2(0.1)
+    assert checkpoint_blocks(ckpt) == 3  # GPT-2's blocks, model.transformer.h
+    plain.train(), ckpt.train()
+    ids = torch.randint(0, 100, (8, 32))
+    plain_bytes, plain_grads = saved_bytes_and_grads(plain, ids)
+    ckpt_bytes, ckpt_grads = saved_bytes_and_grads(ckpt, ids)
+    assert max((plain_grads[n] - ckpt_grads[n]).abs().max().item() for n in plain_grads) < 1e-6  # dropout included
+    assert ckpt_bytes < 0.5 * plain_bytes, (ckpt_bytes, plain_bytes)
+
+
+def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_path):
+    cfg = make_config(tmp_path, model={"activation_checkpointing": True}, train={"max_steps": 1})
+    with pytest.raises(ConfigError, match="model.activation_checkpointing: the image model has no blocks"):
+        _build_trainer(cfg)
+    for key in ("model.activation_checkpointing", "train.compile"):
+        section, name = key.split(".")
+        with pytest.raises(ConfigError, match=f"`{key}` is not available with dist.strategy: pipe"):
+            make_config(tmp_path, task="gpt2_lm", **{section: {name: True}},
+                        dist={"strategy": "pipe", "procs_per_node": 2})
+
+
+def _build_trainer(cfg):
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    return Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+
+
+# ---- profiling ------------------------------------------------------------------------------------------------
+def test_profile_steps_write_a_readable_trace_of_those_steps(tmp_path):
+    cfg = make_config(tmp_path, train={"max_steps": 5, "eval_every": 0, "save_every": 0,
+                                       "profile_steps": [2, 3]})
+    assert main.run(cfg) == 0
+    traces = glob.glob(str(tmp_path / "profile" / "rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    with open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert any(e.get("name") == "aten::convolution" for e in events)  # the model's work is in it
+
+
+@pytest.mark.parametrize("steps", [0, [3, 2], [1, 2, 3]])
+def test_bad_profile_steps_are_one_line_errors(tmp_path, steps):
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+        make_config(tmp_path, train={"profile_steps": steps})
+
+
+# ---- torch.compile --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_gpt2_trains_like_eager():
+    """train.compile's path (Parallel.compile: Module.compile in place) on a tiny GPT-2: the same loss and
+    gradients as eager within relative 1e-4 for two steps with different lengths (inductor fuses and reorders
+    float arithmetic; it does not change the maths), and the state-dict keys stay the same."""
+    import distributed as D
+    from strategies.base import Parallel
+    eager, compiled = tiny_gpt2(0.0), tiny_gpt2(0.0)
+    Parallel(compiled, compiled, None, D.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)).compile()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for length in (16, 24):
+        ids = torch.randint(0, 100, (4, length))
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_compile_is_refused_for_the_cnn_on_cpu(tmp_path):
+    """torch 2.13's inductor on CPU returns zero gradients for the image CNN's convolutions (a 10-line repro is
+    in benchmarks/RESULTS.md): refused with one line rather than training silently wrong."""
+    with pytest.raises(ConfigError, match="train.compile` is refused for the image task on CPU"):
+        make_config(tmp_path, train={"compile": True}, dist={"device": "cpu"})
+
+
+def test_activation_checkpointing_in_a_run_under_ddp_trains_like_one_plain_process(tmp_path):
+    """Through the Trainer: GPT-2 with every block recomputed, 2 DDP ranks of 4, equals one process of 8 without
+    it (DDP's hooks fire on the recomputed backward too; recomputation uses the same values)."""
+    import random
+    from test_text_tasks import sample
+    data = sample.write_gpt2(str(tmp_path / "gpt2"), random.Random(0))
+    common = {"max_steps": 3, "eval_every": 0, "save_every": 3, "lr": 3e-3, "clip_grad_norm": 1.0}
+    runs = {}
+    for name, ckpt, dist, batch in [("plain", False, {"strategy": "none"}, 8),
+                                    ("ckpt", True, {"strategy": "ddp", "procs_per_node": 2}, 4)]:
+        runs[name] = train(make_config(tmp_path / name, task="gpt2_lm", data={"data_dir": data, "max_length": 16},
+                                       model={"name": "tiny", "dropout": 0.0, "activation_checkpointing": ckpt},
+                                       train={**common, "batch_size": batch}, dist=dist))
+    assert max_diff(runs["plain"], runs["ckpt"]) < 1e-5

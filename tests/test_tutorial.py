@@ -1,0 +1,191 @@
+"""The tutorial runs as written: every ```bash block of docs/tutorial/NN_*.md, in order, in one bash per chapter,
+with runs/tutorial/, docs/tutorial/img/ and data/ redirected to tmp_path; then what the chapter claims is checked
+on what the commands wrote. And notebooks/inspect_run.ipynb executes (nbclient) on a real run and prints the run's
+own numbers.
+
+A chapter starts 4 to 10 Python processes (each imports torch), so most take over 20 s: those are marked slow.
+Chapter 1, chapter 6 and the notebook (which reads chapter 6's run) stay in the quick loop."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port
+
+TUTORIAL = os.path.join(ROOT, "docs", "tutorial")
+CHAPTERS = sorted(name for name in os.listdir(TUTORIAL) if re.match(r"\d\d_\w+\.md$", name))
+# Paths in the commands that point at what a run writes; rewritten to the test's folder (only where a relative path
+# starts, so docs/tutorial/plots.py stays the repository's).
+REDIRECTED = re.compile(r"(?<![\w/.-])(runs/tutorial|docs/tutorial/img|data)(?=[/\s]|$)")
+
+
+def script(chapter: str, base) -> str:
+    """The chapter's ```bash blocks, joined, with the outputs redirected under `base`, and free ports: every
+    `python main.py` gets one (the default 29500 may be taken by another run on this machine), and a port the
+    chapter names (for the ranks of several commands to meet) becomes a free one."""
+    with open(os.path.join(TUTORIAL, chapter)) as f:
+        text = "\n".join(re.findall(r"^```bash\n(.*?)^```", f.read(), re.S | re.M))
+    text = re.sub(r"python main\.py", lambda _: f"python main.py --set dist.master_port={free_port()}", text)
+    text = re.sub(r"dist\.master_port=\d+(?=[\s\"])", lambda _: f"dist.master_port={free_port()}", text)
+    return REDIRECTED.sub(lambda m: f"{base}/{m.group(1)}", text)
+
+
+def run_chapter(number: str, base) -> str:
+    [chapter] = [c for c in CHAPTERS if c.startswith(number + "_")]
+    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script(chapter, base)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{chapter} failed (exit {result.returncode}):\n{output[-4000:]}"
+    return output
+
+
+def last_checkpoint_metrics(run) -> dict:
+    sys.path.insert(0, ROOT)
+    import checkpoint
+    return checkpoint.read_meta(checkpoint.complete_checkpoints(str(run))[-1][1])["metrics"]
+
+
+def test_every_chapter_has_commands_and_the_index_links_it():
+    with open(os.path.join(TUTORIAL, "README.md")) as f:
+        index = f.read()
+    assert len(CHAPTERS) == 7
+    for chapter in CHAPTERS:
+        assert f"({chapter})" in index, f"docs/tutorial/README.md does not link {chapter}"
+        assert "```bash" in open(os.path.join(TUTORIAL, chapter)).read(), f"{chapter} runs nothing"
+        for image in re.findall(r"\(img/([\w.]+\.png)\)", open(os.path.join(TUTORIAL, chapter)).read()):
+            assert os.path.isfile(os.path.join(TUTORIAL, "img", image)), f"{chapter}: img/{image} is missing"
+
+
+def test_01_one_process(tmp_path):
+    out = run_chapter("01", tmp_path)
+    assert (tmp_path / "docs/tutorial/img/01_curves.png").stat().st_size > 0
+    # plots.py printed the last dev accuracy from the event files: the one of the final checkpoint
+    printed = float(re.search(r"01-one: .*dev/accuracy=(\S+)", out).group(1))
+    assert printed == pytest.approx(last_checkpoint_metrics(tmp_path / "runs/tutorial/01-one")["accuracy"], abs=1e-4)
+    assert printed > 0.8
+
+
+@pytest.mark.slow
+def test_02_ddp_equals_one_process(tmp_path):
+    out = run_chapter("02", tmp_path)
+    assert float(re.search(r"each rank's mean: +off by (\S+)", out).group(1)) > 0.1
+    assert float(re.search(r"global count \(ours\): +off by (\S+)", out).group(1)) < 1e-5
+    diffs = re.findall(r"02-one vs (02-ddp-\S+): largest parameter difference (\S+)", out)
+    assert [name for name, _ in diffs] == ["02-ddp-16-16", "02-ddp-24-8"]
+    assert all(float(d) < 1e-5 for _, d in diffs), diffs
+    assert (tmp_path / "docs/tutorial/img/02_curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_03_memory_matches_the_formulas(tmp_path):
+    run_chapter("03", tmp_path)
+    with open(tmp_path / "runs/tutorial/03-memory.json") as f:
+        bench = json.load(f)
+    n = bench["parameters"]
+    for row in bench["rows"]:
+        per_param = [sum(rank.values()) / n for rank in row["per_rank"]]
+        if row["label"].startswith(("none", "ddp", "fsdp")):  # whole tensors split evenly: exactly the formula
+            assert per_param == pytest.approx([row["formula"]] * row["procs"], abs=0.02), row["label"]
+        else:  # oss splits whole tensors between ranks: on average the formula
+            assert sum(per_param) / len(per_param) == pytest.approx(row["formula"], abs=0.02), row["label"]
+    assert (tmp_path / "docs/tutorial/img/03_memory.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_04_mixed_precision(tmp_path):
+    out = run_chapter("04", tmp_path)
+    accuracy = {p: float(re.search(rf"04-{p}: .*dev/accuracy=(\S+)", out).group(1)) for p in ("fp32", "bf16", "fp16")}
+    assert accuracy["fp32"] > 0.7
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) < 0.1 and abs(accuracy["fp16"] - accuracy["fp32"]) < 0.1
+    for name in ("04_curves.png", "04_throughput.png"):
+        assert (tmp_path / "docs/tutorial/img" / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_05_two_nodes_and_balancing(tmp_path):
+    out = run_chapter("05", tmp_path)
+    runs = tmp_path / "runs/tutorial"
+    assert "world size 2, ranks per node [1, 1]" in out
+    assert (runs / "05-two-nodes/logs/rank1.log").is_file()
+    with open(runs / "05-auto/logs/rank0.log") as f:
+        fast, slow = map(int, re.search(r"batch per rank \[(\d+), (\d+)\]", f.read()).groups())
+    assert fast + slow == 256 and fast > slow  # rank 1 is twice as slow: it gets less
+    assert re.search(r"05-auto: \d+ samples/s", out)
+    assert (tmp_path / "docs/tutorial/img/05_throughput.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """Chapter 6, run once: a run that resumed and was tested (the notebook test reads it too)."""
+    base = tmp_path_factory.mktemp("tutorial06")
+    return base, run_chapter("06", base)
+
+
+def test_06_resume_is_exact_and_test_mode(resumed_run):
+    base, out = resumed_run
+    run = base / "runs/tutorial/06-resume"
+    assert float(re.search(r"06-resume: largest parameter difference (\S+)", out).group(1)) == 0.0
+    with open(run / "logs/rank0.log") as f:
+        assert re.search(r"resumed from \S+step-40 at step 40", f.read())
+    with open(run / "test_results.json") as f:
+        assert json.load(f)["metrics"]["accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_07_own_task(tmp_path):
+    run_chapter("07", tmp_path)
+    run = tmp_path / "runs/tutorial/07-reviews"
+    with open(run / "test_results.json") as f:
+        assert json.load(f)["metrics"]["accuracy"] > 0.9
+    with open(run / "config.yml") as f:
+        assert "csv_text" in f.read()
+    assert (tmp_path / "docs/tutorial/img/07_curves.png").stat().st_size > 0
+
+
+def test_the_task_file_is_under_60_lines_with_its_edit_places():
+    with open(os.path.join(ROOT, "tasks", "csv_text.py")) as f:
+        source = f.read()
+    assert source.count("\n") < 60
+    assert source.count("# ----->") >= 4
+
+
+def kernel(tmp_path) -> str:
+    """A kernelspec for this interpreter in tmp_path (found through JUPYTER_PATH), so the notebook runs with the
+    Python that runs the tests, whatever kernels (if any) the machine has installed."""
+    from ipykernel.kernelspec import install
+    install(kernel_name="tutorial-test", prefix=str(tmp_path / "jupyter"))
+    return str(tmp_path / "jupyter" / "share" / "jupyter")
+
+
+def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+    base, _ = resumed_run
+    run = base / "runs/tutorial/06-resume"
+    monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    path = os.path.join(ROOT, "notebooks", "inspect_run.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)  # cell ids included: nbconvert warns without them
+    [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert first is next(cell for cell in nb.cells if cell.cell_type == "code")  # parameters come first
+    first.source = f"run = {str(run)!r}\nfigures = {str(tmp_path / 'figures')!r}"
+    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
+                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    for split in ("dev", "test"):  # the results files, as printed
+        with open(run / f"{split}_results.json") as f:
+            accuracy = json.load(f)["metrics"]["accuracy"]
+        assert float(re.search(rf"{split} results: .*accuracy=(\S+)", printed).group(1)) == pytest.approx(accuracy,
+                                                                                                        abs=1e-4)
+    # the last training loss of the event files (the resumed run rewrote steps 41-60: the last write wins)
+    sys.path.insert(0, TUTORIAL)
+    import plots
+    loss = plots.scalars(str(run))["train/loss"][1][-1]
+    assert float(re.search(r"train/loss: last (\S+)", printed).group(1)) == pytest.approx(loss, rel=1e-3)
+    for name in ("curves.png", "dev.png"):
+        assert (tmp_path / "figures" / name).stat().st_size > 0
