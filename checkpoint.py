@@ -128,23 +128,26 @@ def write(output_dir: str, step: int, ctx: DistContext, write_files: Callable[[s
 
 
 def _publish(tmp: str, final: str, meta: dict) -> None:
-    # Without the fsyncs, a power loss after the rename could leave a step-N that has meta.json but truncated
-    # or empty files: the OS may write the rename to disk before the data. Rank 0 fsyncs what every rank wrote
-    # (all have finished: write() waited for them).
-    for folder, _, files in os.walk(tmp):
-        for name in files:
-            _fsync(os.path.join(folder, name))
+    # Rank 0 makes durable what every rank wrote (all have finished: write() waited for them), meta.json last.
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    for folder, _, _ in os.walk(tmp, topdown=False):  # the directories: the names of the files in them
-        _fsync(folder)
     if os.path.exists(final):  # the same step saved again (e.g. right after a resume): keep the old one
         shutil.rmtree(tmp)
         return
+    durable_rename(tmp, final)
+
+
+def durable_rename(tmp: str, final: str) -> None:
+    """Rename the finished folder `tmp` to `final` so that a power loss never leaves `final` with truncated or
+    empty files: the OS may write the rename to disk before the data. So every file, then every directory (the
+    names of the files in it) is fsynced first, and the parent after (the rename itself). Also used by export.py."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+    for folder, _, _ in os.walk(tmp, topdown=False):
+        _fsync(folder)
     os.rename(tmp, final)
-    _fsync(os.path.dirname(final))  # the rename itself
+    _fsync(os.path.dirname(os.path.abspath(final)))
 
 
 def _fsync(path: str) -> None:

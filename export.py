@@ -72,8 +72,8 @@ def destination(cfg: Config) -> str:
 
 
 def write_atomically(dest: str, write_files) -> None:
-    """write_files(tmp) into a fresh folder beside `dest`, then one rename: a crash leaves no half export under
-    the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is never replaced)."""
+    """write_files(tmp) into a fresh folder beside `dest`, then one durable rename: a crash or power loss leaves
+    no half export under the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is never replaced)."""
     parent = os.path.dirname(os.path.abspath(dest))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dest))}.part-", dir=parent)
@@ -87,7 +87,8 @@ def write_atomically(dest: str, write_files) -> None:
                 os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.lexists(dest):
             raise UserError(f"export.dir: {dest} appeared while exporting; it was left alone")
-        os.rename(tmp, dest)
+        from checkpoint import durable_rename
+        durable_rename(tmp, dest)  # fsynced like a checkpoint: no half export after a power loss
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -256,3 +256,26 @@ def test_a_failed_export_leaves_nothing_behind(cnn_run, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         exporter.run(make_config(cnn_run.output_dir, mode="export", export={"dir": str(tmp_path / "out")}))
     assert os.listdir(tmp_path) == []  # neither the export nor its temporary folder
+
+
+def test_an_export_is_fsynced_before_its_rename(tmp_path, monkeypatch):
+    """Like a checkpoint (checkpoint.durable_rename): every file and folder flushed, then the rename, then its
+    parent, so a power loss never leaves an export with empty files under its final name."""
+    import export as exporter
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a))), real_rename(a, b)))
+
+    def write_files(folder):
+        os.makedirs(os.path.join(folder, "sub"))
+        for name in ("model.safetensors", "sub/tokenizer.json"):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write("x")
+    exporter.write_atomically(str(tmp_path / "export"), write_files)
+    [at] = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    tmp, synced = events[at][1], {path for kind, path in events[:at] if kind == "fsync"}
+    for name in ("model.safetensors", "sub/tokenizer.json", "sub", ""):
+        assert os.path.normpath(os.path.join(tmp, name)) in synced, name
+    assert ("fsync", str(tmp_path)) in events[at:]
+    assert (tmp_path / "export" / "sub" / "tokenizer.json").read_text() == "x"
