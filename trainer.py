@@ -78,9 +78,10 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model().to(ctx.device)
-        if cfg.model.activation_checkpointing and not checkpoint_blocks(model):
-            raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to recompute "
-                              "(no nn.ModuleList of layers); set it to false")
+        if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
+            if not checkpoint_blocks(model):
+                raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
+                                  "recompute (no nn.ModuleList of layers); set it to false")
         if cfg.dist.strategy == "pipe":  # cuts the model into the task's chain of layers (strategies/pipeline.py)
             self.par = STRATEGIES["pipe"](model, cfg, ctx, task, self.datasets["train"])
         else:
