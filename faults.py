@@ -137,17 +137,29 @@ def parse_duration(value) -> Optional[float]:
     return seconds + 86400 * int(days or 0)
 
 
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
-    train on as orphans. (No-op elsewhere.)"""
+def set_parent_death_signal(launcher_pid: int) -> None:
+    """Linux: this process gets SIGKILL when its parent dies, even by kill -9, so workers never train on as
+    orphans. The parent is multiprocessing's fork server (main.RANK_PRELOAD), which exits as soon as the launcher
+    that started it is gone. (No-op elsewhere.)"""
+    parent = os.getppid()
     try:
         import ctypes
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent or not pid_alive(launcher_pid):  # gone before prctl took effect
         os._exit(EXIT_CRASH)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 # ==============================================================================================================
@@ -182,8 +194,9 @@ class Reporter:
             return True
         import hashlib
         try:
-            return self.store.add("said/" + hashlib.sha1(line.encode()).hexdigest(), 1) == 1
-        except Exception:  # the store is gone with its host: better said twice than never
+            key = "said/" + hashlib.sha1(line.encode()).hexdigest()
+            return Call(lambda: self.store.add(key, 1)).result(10.0) == 1
+        except Exception:  # the store is gone or frozen with its host: better said twice than never
             return True
 
 
@@ -243,12 +256,14 @@ class Watchdog:
     with code 1, so the launcher (or torchrun, or srun) ends the run. Beats come from a thread, so a long step
     is not a hang; the GIL is released by every collective and kernel, so a busy rank still beats."""
 
-    def __init__(self, store, ctx, timeout: float, log_path: str):
+    def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
+        self.op_timeout = op_timeout  # the store client's timeout: the longest one call of the thread can block
         self.interval = min(1.0, timeout / 4)
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
         self.unreachable_since: Optional[float] = None
+        self.announced = False  # this rank wrote the verdict into the store
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -257,29 +272,27 @@ class Watchdog:
         timeout = cfg.dist.hang_timeout_s
         if not ctx.distributed or not timeout:
             return None
-        store = open_store(ctx, op_timeout=max(2.0, min(10.0, timeout / 2)))
-        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"))
+        op_timeout = max(2.0, min(10.0, timeout / 2))
+        store = open_store(ctx, op_timeout=op_timeout)
+        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"), op_timeout)
+        w._write_beat()  # the first beat now: a rank frozen from here on is seen by the others (see _check)
         w.thread.start()
         return w
 
     def stop(self) -> None:
+        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see within())."""
         self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
 
     # ---- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        call = None  # the thread of the last beat's store calls
         while not self._stop.wait(self.interval):
             try:
-                self.beat += 1
-                self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} "
-                                                      f"{progress.phase} {HOST}")
-                verdict = self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
-                if verdict is None and self.ctx.rank in (0, 1):
-                    verdict = self._check(list(range(self.ctx.world_size)) if self.ctx.rank == 0 else [0])
-                    if verdict:
-                        self.store.set("verdict", verdict)
-                        # Rank 0 hosts the store (under our launchers): give the others time to read the verdict
-                        # before it goes, rather than leave them with a store that vanished.
-                        self._stop.wait(2 * self.interval + 0.5)
+                if call is None or not call.is_alive():  # (else it is still waiting for the store: wait more)
+                    call = Call(self._beat_once)
+                verdict = call.result(self.op_timeout)
                 self.unreachable_since = None
             except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
                 now = time.monotonic()
@@ -289,17 +302,35 @@ class Watchdog:
                 verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s: the process hosting "
                            f"it (rank 0, or torchrun's agent) froze or died ({type(e).__name__})")
             if verdict and not self._stop.is_set():
+                if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
+                    self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
                 self._give_up(verdict)
+
+    def _write_beat(self) -> None:  # (TCPStore's set does not wait for an answer)
+        self.beat += 1
+        self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} {progress.phase} {HOST}")
+
+    def _beat_once(self) -> Optional[str]:
+        """Write this rank's heartbeat; return the verdict in the store, or the one this rank comes to."""
+        self._write_beat()
+        verdict = self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
+        if verdict is None and self.ctx.rank in (0, 1):
+            verdict = self._check(list(range(self.ctx.world_size)) if self.ctx.rank == 0 else [0])
+            if verdict:
+                self.store.set("verdict", verdict)
+                self.announced = True
+        return verdict
 
     def _check(self, ranks: list[int]) -> Optional[str]:
         now = time.monotonic()
-        values = self.store.multi_get([f"hb/{r}" for r in ranks]) if all(
-            self.store.check([f"hb/{r}"]) for r in ranks) else None
-        if values is None:  # some rank has not beaten once yet: it is still starting
-            return None
+        # Every rank beats once as its watchdog starts, right after the process group formed (start()): a rank
+        # with no heartbeat yet is silent from the first time this rank looked (frozen before its first beat).
+        beaten = [r for r in ranks if self.store.check([f"hb/{r}"])]
+        raw = dict(zip(beaten, self.store.multi_get([f"hb/{r}" for r in beaten]))) if beaten else {}
         phases, steps, hosts = {}, {}, {}
-        for r, raw in zip(ranks, values):
-            beat, ticks, step, phase, hosts[r] = raw.decode().split()
+        for r in ranks:
+            beat, ticks, step, phase, host = raw[r].decode().split() if r in raw else ("-", "-", "0", "start", "")
+            hosts[r] = host or "a host it never named"
             b0, t0, tb, tt = self.seen.get(r, (None, None, now, now))
             self.seen[r] = (beat, ticks, now if beat != b0 else tb, now if ticks != t0 else tt)
             phases[r], steps[r] = phase, int(step)
@@ -340,12 +371,38 @@ class Watchdog:
         the peers that died). None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in self.store.multi_get(keys)]
+            before = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
             time.sleep(wait if wait is not None else 3 * self.interval + 0.5)
-            after = [v.split()[0] for v in self.store.multi_get(keys)]
+            after = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
         except Exception:
             return None
         return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
+
+
+class Call(threading.Thread):
+    """fn() in a thread of its own, so that the caller can stop waiting for it. For store calls: a frozen store
+    host (SIGSTOP, a stuck node) keeps its connections open and never answers, and TCPStore's own timeout does not
+    cover that (torch 2.13: get, check, multi_get and add then wait for ever; set does not wait). A call that does
+    not come back stays behind, blocked, in a daemon thread that holds none of our locks."""
+
+    def __init__(self, fn):
+        super().__init__(name="store-call", daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except Exception as e:
+            self.error = e
+
+    def result(self, timeout: float):
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"no answer in {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def open_store(ctx, op_timeout: float):

@@ -54,6 +54,15 @@ def shared_data():
     return SHARED
 
 
+def spawn(fn, args, nprocs: int, join: bool = True):
+    """torch.multiprocessing.spawn(fn, args, nprocs), with the processes forked from the fork server main.py
+    starts its ranks from (main.RANK_PRELOAD): each starts in a fraction of a second instead of importing torch."""
+    import main
+    import torch.multiprocessing as mp
+    main.start_fork_server()
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
 def _train_rank(local_rank, cfg, world, out_dir):
     """Spawned by run_ranks: one rank trains, then writes its own copy of the parameters."""
     import torch
@@ -74,9 +83,8 @@ def _train_rank(local_rank, cfg, world, out_dir):
 def run_ranks(cfg, world, out_dir):
     """Train `cfg` with `world` local processes; return every rank's final parameters (a list of state dicts)."""
     import torch
-    import torch.multiprocessing as mp
     os.makedirs(out_dir, exist_ok=True)
-    mp.spawn(_train_rank, args=(cfg, world, str(out_dir)), nprocs=world, join=True)
+    spawn(_train_rank, args=(cfg, world, str(out_dir)), nprocs=world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
 
 

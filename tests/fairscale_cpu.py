@@ -75,10 +75,11 @@ def train(cfg, procs: int) -> int:
     """main.run() for a config with fsdp_impl: fairscale on CPU: `procs` local ranks, each with the shim.
     Returns the exit code as main.run does (2 after a one-line user error)."""
     import torch.multiprocessing as mp
+    from conftest import spawn
     # validate() refuses fairscale FSDP on CPU (rightly: without this shim it cannot run), so it is set after.
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="fsdp", fsdp_impl="fairscale"))
     try:
-        mp.spawn(_worker, args=(cfg, procs), nprocs=procs, join=True)
+        spawn(_worker, args=(cfg, procs), nprocs=procs)
     except mp.ProcessExitedException as e:
         return e.exit_code
     return 0

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import ROOT, make_config
+from conftest import ROOT, make_config, spawn
 
 from config import DataError
 from tasks import build_task
@@ -272,11 +272,10 @@ def _check_on_rank(rank, files, port, out):
 
 def test_bert_ranks_share_the_check_and_all_report_the_error(tmp_path):
     """Under DDP each rank checks half the shards; a bad value found by rank 1 is raised on rank 0 as well."""
-    import torch.multiprocessing as mp
     from conftest import free_port
     root, bad = bert_data(tmp_path, setter("next_sentence_labels", 9, 5))  # shard 1 of 2: rank 1 checks it
     files = sorted(str(p) for p in (root / "training").iterdir())
-    mp.spawn(_check_on_rank, args=(files, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_check_on_rank, args=(files, free_port(), str(tmp_path)), nprocs=2)
     expected = f"{bad}: next_sentence_labels[9] = 5 is not 0 or 1 (0: sentence B follows A, 1: B is a random sentence)"
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [expected, expected]
 

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import load_model_state, make_config
+from conftest import load_model_state, make_config, spawn
 
 import checkpoint
 import main
@@ -467,11 +467,10 @@ def _agree_worker(rank, port, out, result_dir):
 
 
 def test_ranks_fall_back_together(tmp_path):
-    import torch.multiprocessing as mp
     from conftest import free_port
     for step in (1, 2, 3):
         checkpoint.write(str(tmp_path), step, SINGLE, lambda d: None, {"step": step, "state": {}})
-    mp.spawn(_agree_worker, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    spawn(_agree_worker, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert [r["path"] for r in results] == [ckpt(tmp_path, 2)] * 2
     assert results[0]["loaded"] == [ckpt(tmp_path, 3), ckpt(tmp_path, 2)]  # rank 0 loaded step-3, then step-2

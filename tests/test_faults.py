@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
@@ -56,10 +57,14 @@ def wait_for_log(out, rank, pattern, timeout=60):
     raise AssertionError(f"{pattern!r} not in {path} after {timeout} s")
 
 
-def ranks_of(proc):
-    """The rank processes main.py started (its children that are Python processes, in start order)."""
-    kids = [c for c in psutil.Process(proc.pid).children() if "python" in c.name().lower()]
-    return sorted((c for c in kids if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+def ranks_of(proc, out):
+    """The rank processes main.py started (the children of its fork server: main.RANK_PRELOAD), in rank order:
+    each rank's log names its pid."""
+    servers = [c for c in psutil.Process(proc.pid).children() if "forkserver" in " ".join(c.cmdline())]
+    by_pid = {r.pid: r for s in servers for r in s.children()}
+    pids = [int(re.search(r"rank \d+ on \S+: pid (\d+)", open(out / "logs" / f"rank{r}.log").read()).group(1))
+            for r in range(len(by_pid))]
+    return [by_pid[pid] for pid in pids]
 
 
 def finish(proc, timeout=60):
@@ -117,8 +122,9 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
         wait_for_log(out, 0, r"step 3/400")
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground process group
-    elif how == "SIGUSR1":
-        proc.send_signal(signal.SIGUSR1)
+    elif how == "SIGUSR1":  # to every process of the run, the launcher's fork server included, as SLURM's
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:  # --signal or
+            p.send_signal(signal.SIGUSR1)  # systemd's stop do: the ranks hear it twice (and the launcher forwards)
     code, stdout, stderr = finish(proc)
     assert code == faults.EXIT_STOPPED, stderr
     reason = {"ctrl-c": "SIGINT", "SIGUSR1": "SIGUSR1",
@@ -151,7 +157,7 @@ def test_crash_in_one_rank_is_reported_with_rank_host_step_and_traceback(tmp_pat
 def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
     proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
     wait_for_log(tmp_path / "run", 1, r"step 3/")
-    ranks = ranks_of(proc)
+    ranks = ranks_of(proc, tmp_path / "run")
     assert len(ranks) == 2
     ranks[1].kill()
     t0 = time.monotonic()
@@ -167,10 +173,11 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
 def test_workers_die_with_their_launcher_killed_by_sigkill(tmp_path):
     proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
     wait_for_log(tmp_path / "run", 1, r"step 3/")
-    ranks = ranks_of(proc)
+    ranks = ranks_of(proc, tmp_path / "run")
+    server = ranks[0].parent()
     proc.kill()
     proc.wait()
-    gone, alive = psutil.wait_procs(ranks, timeout=5)
+    gone, alive = psutil.wait_procs([*ranks, server], timeout=5)
     assert not alive, [p.pid for p in alive]
 
 
@@ -179,11 +186,12 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     out = tmp_path / "run"
     proc = start(out, "--set", "dist.hang_timeout_s=3", fault="slow:-1:20", steps=100000)
     wait_for_log(out, 1, r"step 3/")
-    ranks = ranks_of(proc)
+    ranks = ranks_of(proc, out)
     ranks[1].suspend()  # SIGSTOP: the process, its heartbeat thread included, stops
     t0 = time.monotonic()
     code, _, stderr = finish(proc, timeout=60)
-    assert time.monotonic() - t0 < 3 + 6  # the timeout, plus a beat interval and the launcher's grace
+    # The timeout, a beat interval, 2 s for the others to read the verdict, the launcher's 2 s of grace, exits
+    assert time.monotonic() - t0 < 3 + 7
     assert code == faults.EXIT_CRASH
     assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ \(their last "
                     rf"heartbeat; rank 0 is at step \d+; none for 3 s", stderr), stderr
@@ -360,3 +368,59 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding at step 2 "), \
         verdict
     assert "rank 0 is at step 7;" in verdict  # where the run is, beside where the silent ranks were
+
+
+def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
+    """Every rank beats once as its watchdog starts; a rank whose heartbeat never shows up counts as silent from
+    the first look (it used to count as "still starting" for ever: a rank frozen early was never named)."""
+    from types import SimpleNamespace
+
+    class Store(dict):
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def multi_get(self, keys):
+            return [self[k].encode() for k in keys]
+
+    store, clock = Store(), [0.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=2), timeout=4, log_path="/dev/null")
+    verdict = None
+    while verdict is None and clock[0] < 20:
+        store["hb/0"] = f"{int(clock[0] * 4)} 0 0 train host0"
+        verdict = w._check([0, 1])
+        clock[0] += w.interval
+    assert 4 < clock[0] - w.interval <= 4 + w.interval, clock[0]  # (the clock moved on after the verdict)
+    assert verdict.startswith("rank 1 on a host it never named stopped responding at step 0"), verdict
+
+
+def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
+    """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
+    open and never answers, and TCPStore's own timeout does not cover that (check/get/add wait for ever; tested
+    on torch 2.13). The watchdog gives its store calls a deadline of its own and says so within its timeout."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "1"
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
+                               wait_for_workers=False)
+        verdicts = []
+        w = faults.Watchdog(client, SimpleNamespace(rank=1, world_size=2), timeout=2,
+                            log_path=str(tmp_path / "log"), op_timeout=1.0)
+        monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
+        w._write_beat()
+        client.set("hb/0", f"1 1 1 train {HOST}")
+        w.thread.start()
+        time.sleep(1.5)
+        assert not verdicts and w.unreachable_since is None  # the store answers
+        host.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        w.thread.join(timeout=15)
+        assert verdicts and verdicts[0].startswith("the rendezvous store stopped answering for 2 s"), verdicts
+        assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
+    finally:
+        host.kill()

@@ -8,9 +8,8 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import free_port, logged, make_config
+from conftest import free_port, logged, make_config, spawn
 from test_sharded import assert_close, params
 
 STEPS, SAVE_AT = 6, 3
@@ -173,7 +172,7 @@ def _auto_split_rank(rank, port, out):
 
 def test_auto_split_gives_the_slowed_stage_fewer_layers(tmp_path):
     # 8 equal layers, rank 1 simulated 3x slower: its stage should get about a quarter of them (2).
-    mp.spawn(_auto_split_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn(_auto_split_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     sizes = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert sizes[0] == sizes[1]  # every rank decides the same split
     assert sum(sizes[0]) == 8 and sizes[0][1] < sizes[0][0] and sizes[0][1] <= 3, sizes

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fairscale_cpu
-from conftest import free_port, logged, make_config
+from conftest import free_port, logged, make_config, spawn
 
 STEPS, SAVE_AT = 6, 3
 # Two ranks with 16 samples each see exactly the samples of one process with 32 (GlobalBatchSampler). With
@@ -209,8 +209,8 @@ def _memory_worker(rank, port, queue):
 
 @pytest.fixture(scope="module")
 def memory():
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_memory_worker, args=(free_port(), queue), nprocs=2, join=True)
+    queue = mp.get_context("forkserver").SimpleQueue()
+    spawn(_memory_worker, args=(free_port(), queue), nprocs=2)
     out = {}
     for _ in range(2 * (2 + len(SHARDED))):
         name, rank, counts = queue.get()
@@ -264,12 +264,14 @@ def test_fairscale_fsdp_resume_is_exact(runs, tmp_path):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
-def test_fairscale_fsdp_refuses_another_world_size(runs, tmp_path, capfd):
+def test_fairscale_fsdp_refuses_another_world_size(runs, tmp_path):
     """Its optimizer shards are fairscale's own format, one per rank: resuming on 1 process fails in one line."""
     ckpt = runs("fairscale-fsdp") / "checkpoints" / f"step-{SAVE_AT}"
     assert train_fairscale_fsdp(tmp_path, 32, 1, resume=str(ckpt)) == 2
-    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "written by 2 ranks" in errors[0] and "resume with 2 processes" in errors[0]
+    # (the rank is a child of the fork server, whose stderr is not capfd's: its log has the same line)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    errors = [line for line in log.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "written by 2 ranks" in errors[0] and "resume with 2 processes" in errors[0], log
 
 
 def test_fairscale_fsdp_checkpoint_in_test_mode(runs, tmp_path):
