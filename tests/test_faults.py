@@ -342,18 +342,20 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
 
 
+class DictStore(dict):
+    """The two store calls Watchdog._check makes, over a dict of key -> str."""
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def multi_get(self, keys):
+        return [self[k].encode() for k in keys]
+
+
 def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     """Ranks 1 and 2 (one node) stop beating half an interval apart: the verdict names both, not the first."""
     from types import SimpleNamespace
 
-    class Store(dict):
-        def check(self, keys):
-            return all(k in self for k in keys)
-
-        def multi_get(self, keys):
-            return [self[k].encode() for k in keys]
-
-    store, clock = Store(), [0.0]
+    store, clock = DictStore(), [0.0]
     monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
     w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
     beats = {0: 0, 1: 0, 2: 0}
@@ -375,14 +377,7 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
     the first look (it used to count as "still starting" for ever: a rank frozen early was never named)."""
     from types import SimpleNamespace
 
-    class Store(dict):
-        def check(self, keys):
-            return all(k in self for k in keys)
-
-        def multi_get(self, keys):
-            return [self[k].encode() for k in keys]
-
-    store, clock = Store(), [0.0]
+    store, clock = DictStore(), [0.0]
     monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
     w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=2), timeout=4, log_path="/dev/null")
     verdict = None
