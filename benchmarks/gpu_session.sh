@@ -65,6 +65,8 @@ mkdir -p "$LOG/sharded" && (cd /tmp/gpu_session_sharded 2>/dev/null \
 stage bert_mfu 110 python benchmarks/bench_bert_mfu.py --model bert-base --precision bf16 --batch 64 \
   --steps 30 --rounds 8 --workers 4 "${SIDES[@]}"
 stage overhead 45 python benchmarks/bench_trainer_overhead.py --device cuda --rounds 10 --steps 50
+stage vs_hf_bart 90 python benchmarks/bench_vs_hf.py --device cuda --config configs/sst2_bart.yml \
+  --set model.pretrained_dir=null --steps 50 --rounds 3  # BART-base shapes vs transformers.Trainer (issue 12)
 stage bert_mfu_hdf5 90 python benchmarks/bench_bert_mfu.py --model bert-base --precision bf16 --batch 64 \
   --steps 20 --rounds 4 --workers 8 --data hdf5 --sides ours-masked
 
