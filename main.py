@@ -198,8 +198,9 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
 # a plain fork would copy) that imports these once, when the first rank starts. A rank then starts in a fraction
 # of a second instead of importing torch itself: ~4 s of CPU, half of it torch._dynamo, which torch.optim loads.
 # That is most of a small run's start-up, it is paid once rather than once per rank where ranks share a CPU, and
-# later runs from the same Python process (a notebook, the tests) reuse the server. Not transformers: it reads
-# settings from the environment when imported, which worker() sets first.
+# later runs from the same Python process (a notebook, the tests) reuse the server, and with it the environment it
+# started with (rank_environment's). Not transformers: it reads settings from the environment when imported, which
+# worker() sets first.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 # The signals a run is stopped with. The ranks die with the fork server (their parent; see
 # faults.set_parent_death_signal), so a SIGTERM sent to every process of the run (systemd, `kill 0`) must not end
