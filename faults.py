@@ -137,29 +137,17 @@ def parse_duration(value) -> Optional[float]:
     return seconds + 86400 * int(days or 0)
 
 
-def set_parent_death_signal(launcher_pid: int) -> None:
-    """Linux: this process gets SIGKILL when its parent dies, even by kill -9, so workers never train on as
-    orphans. The parent is multiprocessing's fork server (main.RANK_PRELOAD), which exits as soon as the launcher
-    that started it is gone. (No-op elsewhere.)"""
-    parent = os.getppid()
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
+    train on as orphans. (No-op elsewhere.)"""
     try:
         import ctypes
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent or not pid_alive(launcher_pid):  # gone before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(EXIT_CRASH)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 # ==============================================================================================================

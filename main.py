@@ -3,8 +3,8 @@
     python main.py --params parameters.yml [--set section.key=value ...]
 
 Reads and validates the config (a user mistake exits with code 2 and one line, before any process starts),
-then starts one process per device on this node (forked from a fork server: see RANK_PRELOAD), or runs as the
-single process that torchrun or SLURM's srun started. Each process builds the task and a Trainer, then trains or tests.
+then starts one process per device on this node with torch.multiprocessing.spawn, or runs as the single process
+that torchrun or SLURM's srun started. Each process builds the task and a Trainer, then trains or tests.
 `mode: export` writes a checkpoint for use elsewhere, in this process (export.py).
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     import tempfile
     from multiprocessing.connection import wait
 
-    mpc = mp.get_context("forkserver")  # see RANK_PRELOAD
+    mpc = mp.get_context("spawn")
     report_dir = tempfile.mkdtemp(prefix="trainer-reports-")
     steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
     procs = [mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
@@ -164,8 +164,7 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     names = ["SIGINT", "SIGTERM"] + ([cfg.train.stop_signal] if cfg.train.stop_signal else [])
     previous = {n: signal.signal(getattr(signal, n), forward) for n in names}
     try:
-        with environment(rank_environment(cfg, nprocs)):  # the fork server, and so each rank, starts with it
-            start_fork_server()
+        with environment(rank_environment(cfg, nprocs)):  # spawn: each rank starts with this environment
             for p in procs:
                 p.start()
         while True:
@@ -192,34 +191,6 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
             if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
                 p.kill()
         shutil.rmtree(report_dir, ignore_errors=True)
-
-
-# Ranks are forks of multiprocessing's fork server: a clean process (no threads or CUDA context of ours, which
-# a plain fork would copy) that imports these once, when the first rank starts. A rank then starts in a fraction
-# of a second instead of importing torch itself: ~4 s of CPU, half of it torch._dynamo, which torch.optim loads.
-# That is most of a small run's start-up, it is paid once rather than once per rank where ranks share a CPU, and
-# later runs from the same Python process (a notebook, the tests) reuse the server, and with it the environment it
-# started with (rank_environment's). Not transformers: it reads settings from the environment when imported, which
-# worker() sets first.
-RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
-# The signals a run is stopped with. The ranks die with the fork server (their parent; see
-# faults.set_parent_death_signal), so a SIGTERM sent to every process of the run (systemd, `kill 0`) must not end
-# the server before the ranks have saved: it starts with them blocked, and each rank unblocks them first thing.
-STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-
-
-def start_fork_server() -> None:
-    """Start multiprocessing's fork server (if it is not running yet), preloading RANK_PRELOAD, with STOP_SIGNALS
-    blocked."""
-    import signal
-    from multiprocessing import forkserver
-    forkserver.set_forkserver_preload(RANK_PRELOAD)
-    stop = {getattr(signal, n) for n in STOP_SIGNALS}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # inherited by the server; ours come after
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def rank_environment(cfg: Config, nprocs: int) -> dict:
@@ -287,17 +258,7 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
 
 
 def _spawned_worker(cfg, launch: Launch, report_dir, steps, parent_pid) -> None:
-    import signal
     import faults
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, n) for n in STOP_SIGNALS})  # see STOP_SIGNALS
-    # The fork server exits once the launcher is gone, even by kill -9, and this rank dies with it
-    # (faults.set_parent_death_signal); but it notices only when every copy of its keep-alive pipe is closed,
-    # and a forked rank inherits one (so that it could start processes through the server too): close ours.
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = server._forkserver_address = None  # a server of its own if it needs one
     faults.set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
     faults.progress.shared, faults.progress.slot = steps, launch.local_rank

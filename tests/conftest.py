@@ -55,12 +55,9 @@ def shared_data():
 
 
 def spawn(fn, args, nprocs: int, join: bool = True):
-    """torch.multiprocessing.spawn(fn, args, nprocs), with the processes forked from the fork server main.py
-    starts its ranks from (main.RANK_PRELOAD): each starts in a fraction of a second instead of importing torch."""
-    import main
+    """torch.multiprocessing.spawn(fn, args, nprocs): the test helpers' processes, started one way in one place."""
     import torch.multiprocessing as mp
-    main.start_fork_server()
-    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="spawn")
 
 
 def _train_rank(local_rank, cfg, world, out_dir):

@@ -58,13 +58,11 @@ def wait_for_log(out, rank, pattern, timeout=60):
 
 
 def ranks_of(proc, out):
-    """The rank processes main.py started (the children of its fork server: main.RANK_PRELOAD), in rank order:
-    each rank's log names its pid."""
-    servers = [c for c in psutil.Process(proc.pid).children() if "forkserver" in " ".join(c.cmdline())]
-    by_pid = {r.pid: r for s in servers for r in s.children()}
+    """The rank processes main.py started (its spawned children), in rank order: each rank's log names its pid."""
+    kids = {c.pid: c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())}
     pids = [int(re.search(r"rank \d+ on \S+: pid (\d+)", open(out / "logs" / f"rank{r}.log").read()).group(1))
-            for r in range(len(by_pid))]
-    return [by_pid[pid] for pid in pids]
+            for r in range(len(kids))]
+    return [kids[pid] for pid in pids]
 
 
 def finish(proc, timeout=60):
@@ -122,9 +120,9 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
         wait_for_log(out, 0, r"step 3/400")
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground process group
-    elif how == "SIGUSR1":  # to every process of the run, the launcher's fork server included, as SLURM's
-        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:  # --signal or
-            p.send_signal(signal.SIGUSR1)  # systemd's stop do: the ranks hear it twice (and the launcher forwards)
+    elif how == "SIGUSR1":  # to every process of the run, as SLURM's --signal or systemd's stop do: the ranks
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:  # hear it twice
+            p.send_signal(signal.SIGUSR1)  # (directly, and forwarded by the launcher)
     code, stdout, stderr = finish(proc)
     assert code == faults.EXIT_STOPPED, stderr
     reason = {"ctrl-c": "SIGINT", "SIGUSR1": "SIGUSR1",
@@ -174,10 +172,9 @@ def test_workers_die_with_their_launcher_killed_by_sigkill(tmp_path):
     proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
     wait_for_log(tmp_path / "run", 1, r"step 3/")
     ranks = ranks_of(proc, tmp_path / "run")
-    server = ranks[0].parent()
     proc.kill()
     proc.wait()
-    gone, alive = psutil.wait_procs([*ranks, server], timeout=5)
+    gone, alive = psutil.wait_procs(ranks, timeout=5)
     assert not alive, [p.pid for p in alive]
 
 

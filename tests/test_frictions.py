@@ -88,8 +88,7 @@ def test_rank_environment_sets_passive_waiting_only_for_cpu_ranks_sharing_a_host
 
 def test_spawned_ranks_start_with_passive_openmp_and_their_share_of_the_cores(tmp_path):
     """OMP_DISPLAY_ENV makes each process's OpenMP runtime print what it read when torch loaded it: with
-    PASSIVE its spin count is 0. The ranks are forks of the fork server, which loaded torch for them (so it
-    prints once for all of them); the launcher (which has no PASSIVE) prints its own, non-zero."""
+    PASSIVE its spin count is 0. The launcher (which has no PASSIVE) prints its own, non-zero."""
     r = subprocess.run([sys.executable, "main.py", "--set", f"output_dir={tmp_path}", "--set", "dist.strategy=ddp",
                         "--set", "dist.procs_per_node=2", "--set", "train.max_steps=2", "--set", "train.eval_every=0",
                         "--set", "log.tensorboard=false", "--set", "log.progress_bar=false"],
@@ -97,7 +96,7 @@ def test_spawned_ranks_start_with_passive_openmp_and_their_share_of_the_cores(tm
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     spins = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", r.stderr)  # (a process may load two OpenMP runtimes)
-    assert "0" in spins and "300000" in spins, spins  # the ranks passive, the launcher unchanged
+    assert spins.count("0") >= 2 and "300000" in spins, spins  # the ranks passive, the launcher unchanged
     cores = len(os.sched_getaffinity(0))
     assert (f"CPU threads per rank {max(1, cores // 2)} ({cores} cores shared by 2 ranks on this host), "
             f"OMP_WAIT_POLICY PASSIVE") in r.stdout

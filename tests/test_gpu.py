@@ -135,17 +135,3 @@ def test_two_ranks_train(tmp_path, dist, precision):
     assert meta["world_size"] == 2
     assert_scaler(state, precision)
 
-
-def _cuda_in_a_forked_rank(rank, out):
-    x = torch.ones(64, 64, device="cuda")
-    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-        f.write(str((x @ x).sum().item()))
-
-
-def test_ranks_forked_from_the_fork_server_use_cuda(tmp_path):
-    """main.py's ranks are forks of its fork server (main.RANK_PRELOAD). A fork of a process that initialised
-    CUDA cannot use CUDA, so importing what the server preloads must not touch the GPU: two forked ranks (on one
-    GPU, plain CUDA, no NCCL) each compute on it."""
-    from conftest import spawn
-    spawn(_cuda_in_a_forked_rank, args=(str(tmp_path),), nprocs=2)
-    assert [float((tmp_path / f"rank{r}.txt").read_text()) for r in (0, 1)] == [64.0 ** 3] * 2

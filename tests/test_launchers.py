@@ -100,14 +100,14 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypa
     is killed, not left running, and the clean-up does not trip over the rank that never started."""
     import multiprocessing.context as mpctx
     import psutil
-    real_start, started = mpctx.ForkServerProcess.start, []
+    real_start, started = mpctx.SpawnProcess.start, []
 
     def start(self):
         if self.name == "rank1":
             raise OSError(24, "Too many open files")
         real_start(self)
         started.append(self.pid)
-    monkeypatch.setattr(mpctx.ForkServerProcess, "start", start)
+    monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
     with pytest.raises(OSError, match="Too many open files"):
         main.supervise(cfg, 2, 0, 2)
