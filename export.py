@@ -73,7 +73,8 @@ def destination(cfg: Config) -> str:
 
 def write_atomically(dest: str, write_files) -> None:
     """write_files(tmp) into a fresh folder beside `dest`, then one durable rename: a crash or power loss leaves
-    no half export under the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is never replaced)."""
+    no half export under the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is
+    never replaced)."""
     parent = os.path.dirname(os.path.abspath(dest))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dest))}.part-", dir=parent)

@@ -246,7 +246,7 @@ class Watchdog:
 
     def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
-        self.op_timeout = op_timeout  # the store client's timeout: the longest one call of the thread can block
+        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (Call) before giving up
         self.interval = min(1.0, timeout / 4)
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
@@ -268,7 +268,7 @@ class Watchdog:
         return w
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see within())."""
+        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see Call)."""
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.op_timeout + self.interval + 1.0)

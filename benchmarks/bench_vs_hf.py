@@ -45,7 +45,8 @@ def dev_accuracy(model, task, dataset, batch_size=128) -> float:
     for i in range(0, len(dataset), batch_size):
         batch = task.collate([dataset[j] for j in range(i, min(i + batch_size, len(dataset)))])
         device = next(model.parameters()).device
-        logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits
         right += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
     model.train(was)
     return right / len(dataset)
@@ -118,7 +119,8 @@ def main():
 
     hf_args = transformers.TrainingArguments(
         output_dir=f"{out}/hf", per_device_train_batch_size=batch, learning_rate=t.lr, weight_decay=t.weight_decay,
-        warmup_steps=t.warmup, lr_scheduler_type={"constant": "constant_with_warmup"}.get(t.schedule, t.schedule), max_grad_norm=t.clip_grad_norm or 0.0,
+        warmup_steps=t.warmup, lr_scheduler_type={"constant": "constant_with_warmup"}.get(t.schedule, t.schedule),
+        max_grad_norm=t.clip_grad_norm or 0.0,
         max_steps=total, seed=cfg.seed, optim=args.hf_optim,
         train_sampling_strategy="random" if args.no_group else "group_by_length",
         use_cpu=args.device == "cpu", bf16=t.precision == "bf16", fp16=t.precision == "fp16", report_to="none",

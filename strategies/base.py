@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -25,20 +24,14 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
     groups = [g for g in groups if g["params"] or keep_empty]
     # torch 2.13 has no DTensor rule for the fused SGD kernel (aten._fused_sgd_): FSDP2's sharded parameters
     # take foreach there (fused AdamW has one: tested under fsdp).
-    if train_cfg.optimizer == "sgd" and any(is_dtensor(p) for p in params):
+    from torch.distributed.tensor import DTensor
+    if train_cfg.optimizer == "sgd" and any(isinstance(p, DTensor) for p in params):
         fused_ok = False
     kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok)
     # -----> choose another optimizer here.
     if train_cfg.optimizer == "sgd":
         return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9, **kernel}
     return groups, torch.optim.AdamW, {"lr": train_cfg.lr, **kernel}
-
-
-def is_dtensor(t) -> bool:
-    """True for FSDP2's sharded tensors. Asked without importing torch.distributed.tensor, which costs every
-    rank ~0.9 s of start-up (it loads sympy): if nothing imported it yet, no tensor can be a DTensor."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
@@ -141,10 +134,12 @@ def state_bytes(par: Parallel) -> dict[str, int]:
     """Bytes of model state held by this rank right now: parameters, gradients, optimizer state (local shards
     only; tensors sharing storage counted once). Library-internal buffers are not visible here: DDP's gradient
     buckets, FSDP's transient all-gather buffers."""
+    from torch.distributed.tensor import DTensor
+
     def nbytes(tensors) -> int:
         storages = {}
         for t in tensors:
-            t = t.to_local() if is_dtensor(t) else t
+            t = t.to_local() if isinstance(t, DTensor) else t
             if t is not None and t.numel():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
