@@ -381,6 +381,58 @@ def model_state_dict(path: str) -> dict:
     return load_file(path, "model.pt")
 
 
+# ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
+# Replicated strategies (none/dp/ddp/oss) write model.pt and optimizer.pt: the optimizer's state is indexed 0, 1,
+# ... in the order of strategies.base.param_groups. pipe writes each stage's tensors under the whole model's names
+# (model_dcp/, optimizer_dcp/). Going through names, either reads the other's checkpoint.
+def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
+    """{parameter name: its optimizer state} from `path`'s optimizer.pt (`order`: the names of the parameters in
+    the replicated optimizer's order) or from its optimizer_dcp/ folder (already by name)."""
+    if not os.path.isfile(os.path.join(path, "optimizer.pt")):
+        return dcp_model_state_dict(os.path.join(path, "optimizer_dcp")).get("state", {})
+    saved = load_file(path, "optimizer.pt", keys=("state", "param_groups"))
+    indices = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(indices) != len(order):
+        raise CheckpointError(f"{path}/optimizer.pt: holds {len(indices)} parameters, this model has {len(order)}")
+    name = dict(zip(indices, order))
+    return {name[i]: state for i, state in saved["state"].items()}
+
+
+def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, dict],
+                           names: dict[int, list[str]], path: str) -> None:
+    """Load state keyed by parameter name into `optimizer`, whose parameters are known by `names` (id -> every
+    name of that tensor: a tied weight has two, and the saving side may have used either). Wrappers that shard
+    the state (OSS, ZeroRedundancyOptimizer) take this full dict and keep their own part."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, p in enumerate(params):
+        found = [n for n in names[id(p)] if n in by_name]
+        if not found:
+            if by_name:  # state for some parameters but not this one: another model
+                raise CheckpointError(f"{path}: no optimizer state for {names[id(p)][0]}")
+            continue
+        state[i] = {}
+        for key, value in by_name[found[0]].items():
+            if isinstance(p, DTensor) and torch.is_tensor(value) and value.shape == p.shape:  # FSDP2's shards
+                value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            state[i][key] = value
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> all its names in `model` (tied weights have several), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 # ---- torch.distributed.checkpoint (fsdp) folders, read without running code -----------------------------------
 # DCP itself unpickles checkpoint bytes in two places with nothing to stop code from running: `.metadata` with
 # plain pickle.load (FileSystemReader.read_metadata), and the entries that are not tensors (the optimizer's lr,

@@ -77,7 +77,9 @@ class Trainer:
 
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
-        model = task.build_model().to(ctx.device)
+        model = task.build_model()
+        if cfg.dist.strategy != "pipe":  # pipe moves only this rank's stages to the device (strategies/pipeline.py)
+            model = model.to(ctx.device)
         if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
             if not checkpoint_blocks(model):
                 raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
@@ -389,10 +391,10 @@ class Trainer:
             # optimizer (a later file may fail after them); the next checkpoint tried overwrites both entirely.
             meta = checkpoint.read_meta(path)
             saved = meta.get("format") or "full"
-            if saved != self.par.checkpoint_format and "sharded" in saved + self.par.checkpoint_format:
+            if saved not in self.par.resumes_from:
                 raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
-                                      f"cannot resume under {self.cfg.dist.strategy} (format "
-                                      f"{self.par.checkpoint_format})")
+                                      f"cannot resume under {self.cfg.dist.strategy} (it reads "
+                                      f"{' or '.join(self.par.resumes_from)})")
             was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
             if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
                 raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is "

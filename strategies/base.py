@@ -18,10 +18,8 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
                      fused_ok: bool = True) -> tuple[list[dict], type, dict]:
     """(param groups, optimizer class, kwargs). Weight decay applies to matrices only, not biases and norms.
     fused_ok=False: the caller's wrapper cannot run the fused kernel (train.optimizer_impl auto: foreach)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"] or keep_empty]
+    groups = param_groups(model, train_cfg.weight_decay, keep_empty)
+    params = [p for g in groups for p in g["params"]]
     # torch 2.13 has no DTensor rule for the fused SGD kernel (aten._fused_sgd_): FSDP2's sharded parameters
     # take foreach there (fused AdamW has one: tested under fsdp).
     from torch.distributed.tensor import DTensor
@@ -32,6 +30,15 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
     if train_cfg.optimizer == "sgd":
         return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9, **kernel}
     return groups, torch.optim.AdamW, {"lr": train_cfg.lr, **kernel}
+
+
+def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
+    """Weight decay for matrices, none for biases and norms. The order of the parameters here is the order of
+    the optimizer's state in a replicated checkpoint (optimizer.pt indexes parameters 0, 1, ... in it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"] or keep_empty]
 
 
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
@@ -71,7 +78,8 @@ class Parallel:
     holds the full state, and rank 0 alone writes it."""
 
     eval_lockstep = False  # True: every rank must run the same number of forward passes (sharded params)
-    checkpoint_format = "full"  # recorded in meta.json; a format containing "sharded" resumes only under itself
+    checkpoint_format = "full"  # recorded in meta.json
+    resumes_from = ("full", "sharded-pipe")  # the formats load() reads; others are refused in one line
     pipelined = False  # pipe: the Trainer hands whole batches to step() / eval_batch() (strategies/pipeline.py)
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -111,8 +119,16 @@ class Parallel:
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
     def load(self, directory: str) -> None:
-        self.raw_model.load_state_dict(load_file(directory, "model.pt"))
-        self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
+        """Reads model.pt and optimizer.pt, or a pipe checkpoint (stages' tensors by whole-model name, assembled
+        here in every rank; the optimizer state is matched to this optimizer's parameters by name)."""
+        import checkpoint
+        self.raw_model.load_state_dict(checkpoint.model_state_dict(directory))
+        if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
+            self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
+        else:
+            by_name = checkpoint.optimizer_state_by_name(directory, [])
+            checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
+                                              directory)
 
 
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:

@@ -26,6 +26,7 @@ class FSDPParallel(Parallel):
     along dim 0; each unit's parameters are all-gathered just for its forward and backward."""
     eval_lockstep = True  # a forward pass is a collective (the all-gather)
     checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
+    resumes_from = ("sharded-dcp",)
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -82,6 +83,7 @@ class FairscaleFSDPParallel(Parallel):
     write sharded files that another world size reads); the optimizer is saved as one shard per rank."""
     eval_lockstep = True
     checkpoint_format = "sharded-fairscale"
+    resumes_from = ("sharded-fairscale",)
 
     def no_sync(self):
         return self.model.no_sync()

@@ -28,7 +28,7 @@ from torch import nn
 from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
-from strategies.base import Parallel, optimizer_recipe, sharded_scaler
+from strategies.base import Parallel, optimizer_recipe, param_groups, sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -63,11 +63,12 @@ class Stage(nn.Module):
 
 class PipeParallel(Parallel):
     checkpoint_format = "sharded-pipe"  # DCP folders model_dcp/ and optimizer_dcp/ keyed by whole-model names
+    resumes_from = ("sharded-pipe", "full")  # full: a replicated strategy's model.pt and optimizer.pt, by name
 
     pipelined = True  # the Trainer calls step() and eval_batch() below instead of running the model itself
 
     def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
-                 optimizer, cfg, ctx: DistContext, mesh, scaler, tied: list, unowned: set):
+                 optimizer, cfg, ctx: DistContext, mesh, scaler, tied: list, unowned: set, replicated_order: list):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
         d = cfg.dist
@@ -82,6 +83,7 @@ class PipeParallel(Parallel):
         self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines
         self.counts_batch = self.stage_rank == 0  # one rank per pipeline counts its samples
         self.tied = tied
+        self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
         # Tensors that no layer holds (an unused head, say) are kept and saved by the first stage.
         mine = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
@@ -216,6 +218,8 @@ class PipeParallel(Parallel):
     def load(self, directory: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         from checkpoint import dcp_load
+        if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
+            return self.load_replicated(directory)
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; pipe resumes only from checkpoints that pipe "
@@ -227,6 +231,32 @@ class PipeParallel(Parallel):
         dcp_load(state, os.path.join(directory, "optimizer_dcp"))
         set_optimizer_state_dict(self.full_model, self.optimizer, {"state": state["state"],
                                                                    "param_groups": optim_sd["param_groups"]})
+
+
+    def load_replicated(self, directory: str) -> None:
+        """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
+        tensors, found by name (the host briefly holds the whole model, as when it was built)."""
+        import checkpoint
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        whole = checkpoint.load_file(directory, "model.pt")
+        mine = self.model_state()
+        missing = [k for k in mine if k not in whole]
+        if missing:
+            raise KeyError(f"Missing key(s) in state_dict: {', '.join(missing[:3])}")
+        with torch.no_grad():
+            for k, t in mine.items():
+                value = whole[k]
+                if value.shape != t.shape:
+                    raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)} "
+                                       f"from checkpoint, the shape in current model is {tuple(t.shape)}")
+                if isinstance(t, DTensor):  # pp_dp fsdp: this replica's shard of it
+                    value = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+                t.copy_(value)
+        by_name = checkpoint.optimizer_state_by_name(directory, self.replicated_order)
+        names = checkpoint.parameter_names(self.full_model)
+        mine = {n for p in self.raw_model.parameters() for n in names[id(p)]}
+        checkpoint.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in mine}, names,
+                                          directory)
 
 
 def send_tensors(tensors: tuple, dst: int) -> None:
@@ -266,8 +296,6 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
     times = [math.inf] * len(layers)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):  # dropout draws
         measure(layers, example, times, factor, ctx.device)
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
     pipelines = ctx.world_size // n_stages
     every = [None] * ctx.world_size
     dist.all_gather_object(every, times)
@@ -277,13 +305,16 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
 
 
 def measure(layers: list[nn.Module], example: tuple, times: list[float], factor: float, device) -> None:
-    """Fill `times` with each layer's forward + backward seconds (x factor), the fastest of three passes."""
-    for _ in range(3):  # the fastest of three: the first pays for allocations
-        carry = example
-        for i, layer in enumerate(layers):
-            carry = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in carry)
+    """Fill `times` with each layer's forward + backward seconds (x factor), the fastest of three passes. One
+    layer at a time goes to the device and back: the whole model may not fit there."""
+    carry = example
+    for i, layer in enumerate(layers):
+        home = next((t.device for t in layer.parameters()), device)
+        layer.to(device)
+        for _ in range(3):  # the fastest of three: the first pays for allocations
+            inputs = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in carry)
             start = time.perf_counter()
-            out = layer(*carry)
+            out = layer(*inputs)
             out = out if isinstance(out, tuple) else (out,)
             floats = [o for o in out if o.is_floating_point() and o.requires_grad]
             if floats:
@@ -291,7 +322,9 @@ def measure(layers: list[nn.Module], example: tuple, times: list[float], factor:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[i] = min(times[i], (time.perf_counter() - start) * factor)
-            carry = out
+        layer.zero_grad(set_to_none=True)
+        layer.to(home)
+        carry = tuple(o.detach() for o in out)
 
 
 def min_max_partition(cost: list[list[float]]) -> list[int]:
@@ -358,6 +391,10 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
                     i, name = next((i, n) for i, st in stages.items() for n, q in st.named_parameters()
                                    if id(q) == pid)
                     shared.append((group, i, name))
+    # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
+    # (taken before freeing: the groups depend on the tensors' shapes).
+    first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    replicated_order = [first_name[id(p)] for g in param_groups(model, cfg.train.weight_decay) for p in g["params"]]
     covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
     unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
 
@@ -367,6 +404,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in kept:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    # The Trainer built the model on the CPU: only now, with the other stages emptied, does it go to the device,
+    # so a GPU never holds more than its stages (the host held the whole model while it was built).
+    model.to(ctx.device)
 
     wrapped = dict(stages)
     if pipelines > 1:
@@ -386,6 +426,6 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
     par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
-                       tied, unowned)
+                       tied, unowned, replicated_order)
     par.split = sizes
     return par

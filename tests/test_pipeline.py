@@ -42,13 +42,23 @@ def one_process(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def pipe_run(tmp_path_factory):
+    """2 stages, 1f1b (the default schedule), batch 16: pipe checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("pipe")
+    assert train(out, 16, 2) == 0
+    return out
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
-def test_each_schedule_trains_like_one_process(one_process, tmp_path, schedule):
+def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, schedule):
     # 2 ranks; the interleaved schedules put 2 of the CNN's 4 layers' stages on each rank (4 stages in all).
-    assert train(tmp_path, 16, 2, {"pp_schedule": schedule}) == 0
-    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+    out = pipe_run if schedule == "1f1b" else tmp_path
+    if schedule != "1f1b":
+        assert train(out, 16, 2, {"pp_schedule": schedule}) == 0
+    assert_close(params(out, STEPS), params(one_process, STEPS), TOL)
     # Evaluation through the stages counts every dev sample once: the same metrics as one process.
-    ours, ref = meta(tmp_path, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
+    ours, ref = meta(out, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
     assert ours["samples"] == ref["samples"] > 0
     assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
 
@@ -95,11 +105,70 @@ def test_resume_is_exact_and_test_mode_reads_a_pipe_checkpoint(tmp_path):
     assert abs(dev["loss"] - meta(full, STEPS)["metrics"]["loss"]) < 1e-5
 
 
-def test_a_replicated_checkpoint_does_not_resume_under_pipe(tmp_path, capfd):
+def test_checkpoints_carry_over_between_pipe_and_replicated_strategies(one_process, pipe_run, tmp_path):
+    """One process's checkpoint (model.pt; optimizer.pt indexed in parameter order) resumes under pipe, each
+    stage taking its tensors and their SGD momentum by name; a pipe checkpoint (the stages' DCP shards) resumes in
+    one process. Both end where one uninterrupted process does (momentum lost would show: ~1e-4)."""
+    import shutil
+    for source, target, procs in [(one_process, "to_pipe", 2), (pipe_run, "from_pipe", 1)]:
+        out = tmp_path / target
+        shutil.copytree(source, out)
+        shutil.rmtree(out / "checkpoints" / f"step-{STEPS}")
+        assert train(out, 16, procs, resume="auto") == 0
+        with open(out / "logs" / "rank0.log") as f:
+            assert f"resumed from {out}/checkpoints/step-{SAVE_AT}" in f.read()
+        assert meta(out, STEPS)["format"] == ("sharded-pipe" if procs > 1 else "full")
+        assert_close(params(out, STEPS), params(one_process, STEPS), TOL)
+
+
+def _device_moves_rank(local_rank, cfg, out_dir):
+    """Builds a pipe Trainer while counting the parameter elements that go through Tensor.to (a move to the
+    device): only this rank's stage may go there, never the whole model."""
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    torch.set_num_threads(1)
+    moved, original = [], torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        if isinstance(self, torch.nn.Parameter) and self.numel():
+            moved.append(self.numel())
+        return original(self, *args, **kwargs)
+    ctx = D.init(cfg, local_rank, 2, local_rank)
+    try:
+        torch.Tensor.to = spy
+        try:
+            task = build_task(cfg)
+            trainer = Trainer(cfg, task, ctx)
+        finally:
+            torch.Tensor.to = original
+        held = sum(p.numel() for p in trainer.par.raw_model.parameters())
+        whole = sum(p.numel() for p in task.build_model().parameters())
+        torch.save({"moved": sum(moved), "held": held, "whole": whole}, os.path.join(out_dir, f"{local_rank}.pt"))
+    finally:
+        D.shutdown(ctx)
+
+
+def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):
+    cfg = make_config(tmp_path, model=MODEL, train={**TRAIN, "batch_size": 16},
+                      dist={"strategy": "pipe", "procs_per_node": 2})
+    spawn(_device_moves_rank, args=(cfg, str(tmp_path)), nprocs=2)
+    counts = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert sum(c["held"] for c in counts) == counts[0]["whole"]  # the stages make up the model
+    for c in counts:
+        assert 0 < c["moved"] <= c["held"] < c["whole"], counts
+
+
+def test_a_checkpoint_pipe_cannot_read_is_one_line(tmp_path, capfd):
     assert train(tmp_path, 16, 1, max_steps=1, save_every=1, eval_every=0) == 0
-    assert train(tmp_path, 16, 2, max_steps=2, resume=f"{tmp_path}/checkpoints/step-1") == 2
+    path = tmp_path / "checkpoints" / "step-1"
+    saved = meta(tmp_path, 1)
+    saved.update(strategy="fsdp", format="sharded-fairscale")  # as fairscale's FSDP (CUDA only) writes it
+    (path / "meta.json").write_text(json.dumps(saved))
+    assert train(tmp_path, 16, 2, max_steps=2, resume=str(path)) == 2
     out = "".join(capfd.readouterr())
-    assert re.search(r"step-1: written by strategy none in format full, cannot resume under pipe", out), out
+    assert re.search(r"step-1: written by strategy fsdp in format sharded-fairscale, cannot resume under pipe "
+                     r"\(it reads sharded-pipe or full\)", out), out
 
 
 def test_gpt2_tied_embeddings_bert_and_bart_chains_match_one_process(tmp_path):
