@@ -115,6 +115,25 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     return batch_size * steps / seconds
 
 
+def pipe_batch_sizes(trainer) -> tuple[list[int], str]:
+    """batch_size auto under pipe: a pipeline goes at the pace of its slowest stage, so each rank times its own
+    stages on one micro-batch (strategies.pipeline.PipeParallel.seconds_per_sample) and the global batch is split
+    over the pipelines by 1 / their slowest stage's time, in whole sets of dist.pp_microbatches micro-batches."""
+    par, t, ctx, m = trainer.par, trainer.t, trainer.ctx, trainer.cfg.dist.pp_microbatches
+    if par.data_world == 1:
+        return [t.global_batch_size], "batch_size auto: one pipeline takes the whole global batch"
+    micro = trainer.batch_sizes[par.data_rank] // m  # one micro-batch of the equal split
+    dataset = trainer.datasets["train"]
+    batch = trainer.to_device(trainer.task.collate([dataset[i] for i in range(micro)]))
+    seconds = D.gather_objects(ctx, par.seconds_per_sample(trainer.task, batch, t.balance_steps))
+    slowest = [max(seconds[s * par.data_world + j] for s in range(par.pp)) for j in range(par.data_world)]
+    units = split_proportional(t.global_batch_size // m, [1 / s for s in slowest], minimum=1)
+    sizes = [u * m for u in units]
+    shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
+    return sizes, (f"batch_size auto: measured samples/s per pipeline (its slowest stage) [{shown}] -> per-pipeline "
+                   f"batches {sizes}")
+
+
 def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
     """(per-rank batch sizes for `train.batch_size: auto`, a line for the plan). Collective: all ranks call it.
 
@@ -126,8 +145,10 @@ def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
         raise ConfigError(f"`train.batch_size` is auto, which needs a replicated strategy such as ddp; under "
                           f"{trainer.cfg.dist.strategy} every forward waits for all ranks, so no rank's own speed "
                           "can be measured (give per-rank sizes as a list instead)")
-    if stored is not None and len(stored) == ctx.world_size and sum(stored) == t.global_batch_size:
+    if stored is not None and len(stored) == trainer.par.data_world and sum(stored) == t.global_batch_size:
         return list(stored), f"batch_size auto: per-rank batches {stored} reused from the checkpoint"
+    if trainer.par.pipelined:
+        return pipe_batch_sizes(trainer)
     if ctx.world_size == 1:
         return [t.global_batch_size], "batch_size auto: one rank takes the whole global batch"
     equal = t.global_batch_size // ctx.world_size

@@ -85,7 +85,8 @@ class TrainConfig:
     batch_size: Union[int, list, str] = 32
     """Samples per optimizer micro-step on each process (per rank). The global batch is the sum over ranks.
     A list gives one size per rank (uneven machines). `auto`: split `global_batch_size` over the ranks in
-    proportion to their speed, measured before training (see docs/heterogeneous.md)."""
+    proportion to their speed, measured before training (see docs/heterogeneous.md). Under pipe: per pipeline
+    (one size, a list per pipeline, or auto by the speed of each pipeline's slowest stage)."""
     global_batch_size: Optional[int] = None
     """With batch_size auto: the samples of one micro-step summed over all ranks (it stays fixed; only the split
     between ranks follows their speed). Required with auto, unused otherwise."""
@@ -578,8 +579,15 @@ def check_pipe(cfg: Config, world: int, fail) -> int:
     if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
         fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
                                      f"got {d.pp_microbatches}")
-    if t.batch_size == "auto":
-        fail("train.batch_size", "auto is not available with dist.strategy: pipe; give one size per pipeline")
+    pipelines = world // d.pp_stages
+    if t.batch_size == "auto" and d.pp_dp == "fsdp" and pipelines > 1:
+        fail("train.batch_size", "auto under pipe needs dist.pp_dp: ddp (fsdp replicas compute in lockstep, so "
+                                 "no pipeline's own speed can be measured); give one size per pipeline")
+    g, m = t.global_batch_size, d.pp_microbatches
+    if t.batch_size == "auto" and g is not None and (g % m or g < pipelines * m):
+        fail("train.global_batch_size", f"is {g}; with batch_size auto under pipe it must be a multiple of "
+                                        f"dist.pp_microbatches={m}, at least {pipelines} x {m} (a micro-batch "
+                                        "set per pipeline)")
     sizes = t.batch_size if isinstance(t.batch_size, list) else [t.batch_size]
     if any(isinstance(b, int) and b % d.pp_microbatches for b in sizes):
         fail("train.batch_size", f"{t.batch_size} per pipeline: each must divide into dist.pp_microbatches="
@@ -592,7 +600,7 @@ def check_pipe(cfg: Config, world: int, fail) -> int:
         if len(split) != v * d.pp_stages or not all(isinstance(n, int) and n >= 1 for n in split):
             fail("dist.pp_split", f"must list {v * d.pp_stages} positive layer counts ({v} stage(s) per rank with "
                                   f"{d.pp_schedule}), got {split}")
-    return world // d.pp_stages
+    return pipelines
 
 
 def resolve_package_path(path: str) -> str:

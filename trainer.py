@@ -476,7 +476,9 @@ class Trainer:
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.t.batch_size
         if b == "auto":  # an equal split until balance_batches() has measured the ranks
-            return split_proportional(self.t.global_batch_size, [1] * self.ctx.world_size, minimum=1)
+            unit = self.cfg.dist.pp_microbatches if self.par.pipelined else 1  # pipe: whole micro-batch sets
+            return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
+                                                         [1] * self.par.data_world, minimum=1)]
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
 
     def balance_batches(self) -> None:

@@ -196,6 +196,48 @@ class PipeParallel(Parallel):
                 send_tensors(carry, self.rank_of(i + 1))
         return task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch) if self.is_last else {}
 
+    def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
+        """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).
+        The stages' inputs travel once, as in eval_batch; then every rank times its stages alone, `steps` times
+        after an untimed pass, without the schedule: a replica's gradient all-reduce would make every pipeline
+        wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were."""
+        inputs = {}
+        with torch.no_grad():
+            carry = task.pipeline_inputs(batch)
+            for i in sorted(self.stages):
+                if i > 0:
+                    carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
+                inputs[i] = carry
+                out = self.stages[i](*carry)
+                carry = out if isinstance(out, tuple) else (out,)
+                if i < self.n_stages - 1:
+                    send_tensors(carry, self.rank_of(i + 1))
+
+        def forward_backward() -> float:
+            start = time.perf_counter()
+            for i, stage in self.stages.items():
+                out = stage(*(c.detach().requires_grad_(c.is_floating_point()) for c in inputs[i]))
+                out = out if isinstance(out, tuple) else (out,)
+                torch.stack([o.float().sum() for o in out if o.is_floating_point()]).sum().backward()
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            return time.perf_counter() - start
+
+        buffers = [b.detach().clone() for b in self.raw_model.buffers()]
+        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
+            forward_backward()
+            seconds = sum(forward_backward() for _ in range(steps))
+            # Busy until every rank has its numbers (ranks sharing a CPU would otherwise look faster: balance.py).
+            work = dist.all_reduce(torch.ones((), device=self.ctx.device), async_op=True)
+            while not work.is_completed():
+                forward_backward()
+            work.wait()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(self.raw_model.buffers(), buffers):
+                b.copy_(saved)
+        return seconds / steps / len(next(iter(batch.values())))
+
     def rank_of(self, stage: int) -> int:
         return (stage % self.pp) * self.pipelines + self.pipeline
 

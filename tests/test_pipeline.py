@@ -73,6 +73,18 @@ def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     assert "pipe: 2 pipeline(s) of 2 ranks, 2 stages" in log and "stage 0 on ranks 0-1, stage 1 on ranks 2-3" in log
 
 
+def test_batch_size_auto_gives_the_pipeline_with_a_slowed_stage_less(one_process, tmp_path):
+    # 2 pipelines of 2 stages; rank 1 (stage 0 of pipeline 1, the CNN's convolutions) computes 6x slower. Each
+    # rank times its own stage; a pipeline goes at its slowest stage's pace: pipeline 1 gets the smaller share,
+    # in whole sets of 4 micro-batches, and the run still equals one process on the global batch of 16.
+    assert train(tmp_path, "auto", 4, {"simulate_slowdown": [1, 6, 1, 1]}, global_batch_size=16) == 0
+    with open(tmp_path / "logs" / "rank0.log") as f:
+        sizes = json.loads(re.search(r"per-pipeline batches (\[[\d, ]+\])", f.read()).group(1))
+    assert sum(sizes) == 16 and all(b % 4 == 0 for b in sizes) and sizes[1] < sizes[0], sizes
+    assert meta(tmp_path, STEPS)["batch_sizes"] == sizes
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_under_pipe(one_process, tmp_path, precision):
     # fp16: only the last stage scales a loss, yet every rank's scaler must unscale (and agree on skipping).
@@ -262,7 +274,8 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"pp_stages": 3}, {}, "dist.pp_stages"),                        # 4 ranks do not make pipelines of 3
     ({}, {"batch_size": 10}, "train.batch_size"),                     # 10 does not cut into 4 micro-batches
     ({}, {"batch_size": [8, 8, 8]}, "train.batch_size"),              # 2 pipelines, 3 sizes
-    ({}, {"batch_size": "auto", "global_batch_size": 16}, "train.batch_size"),
+    ({}, {"batch_size": "auto", "global_batch_size": 10}, "train.global_batch_size"),  # not 4-micro-batch sets
+    ({"pp_dp": "fsdp"}, {"batch_size": "auto", "global_batch_size": 16}, "train.batch_size"),  # lockstep replicas
     ({"pp_split": [1, 1, 1]}, {}, "dist.pp_split"),                   # 2 stages, 3 counts
     ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
     ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
