@@ -63,6 +63,7 @@ class Progress:
     def __init__(self):
         self.rank, self.step, self.ticks, self.phase = 0, 0, 0, "setup"
         self.shared, self.slot = None, 0  # main.py's spawn: a shared array of steps, one slot per local rank
+        self.codes = None  # main.py's spawn: a shared array of exit codes, set when a rank is done (finished())
 
     def at(self, step: int, phase: str) -> None:
         """Called as the rank works: `step` is the optimizer step being computed (or evaluated, or saved)."""
@@ -70,6 +71,12 @@ class Progress:
         self.ticks += 1
         if self.shared is not None:
             self.shared[self.slot] = step
+
+    def finished(self, code: int) -> None:
+        """This rank is done (`code`: its exit code) and only tears down from here: the launcher may end it if
+        that hangs (main.supervise)."""
+        if self.codes is not None:
+            self.codes[self.slot] = code
 
     def where(self) -> str:
         return {"setup": "before training (setup)", "train": f"at step {self.step}",

@@ -129,6 +129,7 @@ def check_port_free(cfg: Config) -> None:
 # Our own launcher: one process per device, watched
 # ==============================================================================================================
 GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
+EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
 
 
 def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
@@ -137,19 +138,26 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     or exit code and the step it was at, and identical lines from several ranks are printed once. Signals sent
     to this process (Ctrl-C, SIGTERM, the stop signal) are passed on to every rank, which stop together after
     saving. A failed rank takes the others down within GRACE_S seconds; if this process is killed, even with
-    -9, the ranks die with it (faults.set_parent_death_signal)."""
+    -9, the ranks die with it (faults.set_parent_death_signal). A rank that is done (results saved) but whose
+    teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, with a warning, and
+    counts with the exit code it finished with."""
     import multiprocessing as mp
     import shutil
     import signal
     import tempfile
     from multiprocessing.connection import wait
+    from faults import HOST
 
     mpc = mp.get_context("spawn")
     report_dir = tempfile.mkdtemp(prefix="trainer-reports-")
     steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
+    finished = mpc.Array("i", [-1] * nprocs, lock=False)  # each rank's exit code once it is done (before teardown)
     procs = [mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
-                         args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, os.getpid()))
+                         args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, finished,
+                               os.getpid()))
              for i in range(nprocs)]
+    exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
+    done_at, stuck = {}, {}  # rank index -> when it was done; -> the exit code of a rank ended in its teardown
     signals_seen, kill_at, exit_order = [], None, []
 
     def forward(signum, frame):  # the ranks run in their own process group: only we hear the terminal's Ctrl-C
@@ -174,7 +182,12 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
                     exit_order.append(p)
             if not alive:
                 break
-            failed = [p for p in exit_order if p.exitcode not in (0, 3)]
+            for i, p in enumerate(procs):
+                if p.exitcode is None and finished[i] >= 0 and i not in stuck:
+                    if time.monotonic() - done_at.setdefault(i, time.monotonic()) > exit_grace:
+                        stuck[i] = finished[i]
+                        p.kill()
+            failed = [p for p in exit_order if stuck.get(procs.index(p), p.exitcode) not in (0, 3)]
             if failed and kill_at is None:
                 kill_at = time.monotonic() + GRACE_S
             if kill_at is not None and time.monotonic() >= kill_at:
@@ -183,7 +196,10 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
             wait([p.sentinel for p in alive], timeout=0.5)
         for p in procs:
             p.join()
-        return summarize(procs, exit_order, first_rank, report_dir, steps)
+        for i, code in stuck.items():
+            print(f"warning: rank {first_rank + i} on {HOST} (pid {procs[i].pid}) was done (exit code {code}) but "
+                  f"still tearing down {exit_grace:.0f} s later; ended it", file=sys.stderr, flush=True)
+        return summarize(procs, exit_order, first_rank, report_dir, steps, stuck)
     finally:
         for n, handler in previous.items():
             signal.signal(getattr(signal, n), handler)
@@ -221,8 +237,9 @@ def environment(extra: dict):
                 os.environ[k] = v
 
 
-def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int:
-    """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3)."""
+def summarize(procs, exit_order, first_rank: int, report_dir: str, steps, stuck: dict) -> int:
+    """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3).
+    `stuck`: ranks ended in their teardown, with the exit code they were done with."""
     import json
     import signal
     from faults import EXIT_CRASH, HOST, say
@@ -232,18 +249,19 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
         if os.path.exists(path):
             with open(path) as f:
                 reports[i] = json.load(f)
-    first_failed = next((p for p in exit_order if p.exitcode not in (0, 3)), None)
+    exitcode = {p: stuck.get(i, p.exitcode) for i, p in enumerate(procs)}
+    first_failed = next((p for p in exit_order if exitcode[p] not in (0, 3)), None)
     said = set()
     for i, p in sorted(enumerate(procs), key=lambda ip: reports.get(ip[0], {}).get("time", float("inf"))):
         rank = first_rank + i
         if i in reports:
             code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
-        elif p.exitcode and p.exitcode < 0:
+        elif exitcode[p] and exitcode[p] < 0:
             if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
                 continue  # killed by us, after another rank failed
             code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) died from "
                                               f"{signal.Signals(-p.exitcode).name} at step {steps[i]}"), ""
-        elif p.exitcode:
+        elif exitcode[p]:
             code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} "
                                               f"at step {steps[i]} without a report (see logs/rank{rank}.log)"), ""
         else:
@@ -252,16 +270,16 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps) -> int
             said.add(line)
             say(code, line, detail)
     if first_failed is None:
-        return max(p.exitcode for p in procs)  # 0, or 3 when stopped
+        return max(exitcode.values())  # 0, or 3 when stopped
     i = procs.index(first_failed)
     return reports[i]["code"] if i in reports else 1
 
 
-def _spawned_worker(cfg, launch: Launch, report_dir, steps, parent_pid) -> None:
+def _spawned_worker(cfg, launch: Launch, report_dir, steps, finished, parent_pid) -> None:
     import faults
     faults.set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
-    faults.progress.shared, faults.progress.slot = steps, launch.local_rank
+    faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, launch.local_rank, finished
     faults.report.report_dir = report_dir
     sys.exit(worker(cfg, launch))
 
@@ -311,6 +329,7 @@ def worker(cfg: Config, launch: Launch) -> int:
         code = faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()
+    faults.progress.finished(code)
     # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
     # tearing down could wait on them (the launcher ends this process instead).
     if ctx is not None and (code in (faults.EXIT_OK, faults.EXIT_STOPPED, faults.EXIT_DIVERGED)

@@ -4,6 +4,8 @@
     FAULT=nan:RANK:STEP    rank RANK's loss is NaN in step STEP (so is every rank's gradient, after the all-reduce)
     FAULT=hang:RANK:STEP   rank RANK's main thread sleeps for an hour in step STEP (its watchdog thread still beats)
     FAULT=slow:RANK:STEP   every step sleeps STEP milliseconds on rank RANK (-1: all ranks): time to send signals
+    FAULT=teardown:RANK:0  rank RANK, done, hangs for an hour closing its process group (as a stuck NCCL
+                           communicator can)
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
@@ -14,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distributed  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
@@ -40,6 +43,14 @@ if FAULT:
         return original_step(self, batches)
 
     trainer.Trainer.train_step = train_step
+    original_shutdown = distributed.shutdown
+
+    def shutdown(ctx):
+        if kind == "teardown" and ctx.rank == int(fault_rank):
+            time.sleep(3600)
+        return original_shutdown(ctx)
+
+    distributed.shutdown = shutdown
 
 if __name__ == "__main__":
     import main

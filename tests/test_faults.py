@@ -168,6 +168,21 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_path):
+    # Rank 1 trains, saves, is done, then hangs closing its process group (as a stuck NCCL communicator can):
+    # the launcher ends it after min(60 s, dist.hang_timeout_s) with a warning; the run's result stands.
+    out = tmp_path / "run"
+    proc = start(out, "--set", "dist.hang_timeout_s=3", "--set", "train.save_every=3", fault="teardown:1:0", steps=3)
+    code, stdout, stderr = finish(proc, timeout=60)
+    assert code == 0, stderr
+    assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down 3 s "
+                     r"later; ended it$", stderr, re.M), stderr
+    assert "rank 0" not in stderr  # rank 0 closed normally
+    from checkpoint import model_state_dict
+    assert model_state_dict(str(out / "checkpoints" / "step-3"))
+
+
+@pytest.mark.slow
 def test_workers_die_with_their_launcher_killed_by_sigkill(tmp_path):
     proc = start(tmp_path / "run", fault="slow:-1:20", steps=100000)
     wait_for_log(tmp_path / "run", 1, r"step 3/")
