@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,16 +97,7 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     with torch.random.fork_rng(devices=devices), par.no_sync():
         forward_backward(0)  # untimed
         seconds = sum(forward_backward(i) for i in range(1, steps + 1))
-        # Stay busy (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
-        # rank that stopped early would hand its share to the others and make them look faster than they are
-        # in training, where all ranks compute at once.
-        if ctx.distributed:
-            work = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
-            i = steps
-            while not work.is_completed():
-                i += 1
-                forward_backward(i)
-            work.wait()
+        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1))
     par.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for b, saved in zip(par.raw_model.buffers(), buffers):
@@ -132,6 +123,18 @@ def pipe_batch_sizes(trainer) -> tuple[list[int], str]:
     shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
     return sizes, (f"batch_size auto: measured samples/s per pipeline (its slowest stage) [{shown}] -> per-pipeline "
                    f"batches {sizes}")
+
+
+def busy_until_all_measured(ctx: D.DistContext, work: Callable[[], object]) -> None:
+    """Repeat `work` (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
+    rank that stopped early would hand its share to the others and make them look faster than they are in
+    training, where all ranks compute at once."""
+    if not ctx.distributed:
+        return
+    done = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
+    while not done.is_completed():
+        work()
+    done.wait()
 
 
 def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:

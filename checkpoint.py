@@ -403,7 +403,6 @@ def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, 
     """Load state keyed by parameter name into `optimizer`, whose parameters are known by `names` (id -> every
     name of that tensor: a tied weight has two, and the saving side may have used either). Wrappers that shard
     the state (OSS, ZeroRedundancyOptimizer) take this full dict and keep their own part."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for i, p in enumerate(params):
@@ -412,17 +411,22 @@ def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, 
             if by_name:  # state for some parameters but not this one: another model
                 raise CheckpointError(f"{path}: no optimizer state for {names[id(p)][0]}")
             continue
-        state[i] = {}
-        for key, value in by_name[found[0]].items():
-            if isinstance(p, DTensor) and torch.is_tensor(value) and value.shape == p.shape:  # FSDP2's shards
-                value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            state[i][key] = value
+        state[i] = {key: shard_like(value, p) for key, value in by_name[found[0]].items()}
     groups, start = [], 0
     for group in optimizer.param_groups:
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(start, start + len(group["params"])))})
         start += len(group["params"])
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def shard_like(value, param):
+    """A whole tensor as `param` holds it: FSDP2's parameters (DTensors) hold a shard, cut here from the whole
+    tensor every rank has read (no communication). Anything else (a step count, a plain tensor) as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:

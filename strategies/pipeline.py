@@ -28,6 +28,7 @@ from torch import nn
 from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
+from balance import busy_until_all_measured
 from strategies.base import Parallel, optimizer_recipe, param_groups, sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
@@ -227,11 +228,7 @@ class PipeParallel(Parallel):
         with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
             forward_backward()
             seconds = sum(forward_backward() for _ in range(steps))
-            # Busy until every rank has its numbers (ranks sharing a CPU would otherwise look faster: balance.py).
-            work = dist.all_reduce(torch.ones((), device=self.ctx.device), async_op=True)
-            while not work.is_completed():
-                forward_backward()
-            work.wait()
+            busy_until_all_measured(self.ctx, forward_backward)
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for b, saved in zip(self.raw_model.buffers(), buffers):
@@ -279,7 +276,6 @@ class PipeParallel(Parallel):
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
         tensors, found by name (the host briefly holds the whole model, as when it was built)."""
         import checkpoint
-        from torch.distributed.tensor import DTensor, distribute_tensor
         whole = checkpoint.load_file(directory, "model.pt")
         mine = self.model_state()
         missing = [k for k in mine if k not in whole]
@@ -291,13 +287,11 @@ class PipeParallel(Parallel):
                 if value.shape != t.shape:
                     raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)} "
                                        f"from checkpoint, the shape in current model is {tuple(t.shape)}")
-                if isinstance(t, DTensor):  # pp_dp fsdp: this replica's shard of it
-                    value = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
-                t.copy_(value)
+                t.copy_(checkpoint.shard_like(value, t))  # pp_dp fsdp: this replica's shard of it
         by_name = checkpoint.optimizer_state_by_name(directory, self.replicated_order)
         names = checkpoint.parameter_names(self.full_model)
-        mine = {n for p in self.raw_model.parameters() for n in names[id(p)]}
-        checkpoint.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in mine}, names,
+        held = {n for p in self.raw_model.parameters() for n in names[id(p)]}
+        checkpoint.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in held}, names,
                                           directory)
 
 
