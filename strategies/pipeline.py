@@ -113,7 +113,8 @@ class PipeParallel(Parallel):
         lines = [f"  pipe: {self.pipelines} pipeline(s) of {self.pp} ranks, {self.n_stages} stages "
                  f"({per_rank} per rank), schedule {d.pp_schedule}, {d.pp_microbatches} micro-batches per batch, "
                  f"replicas synced by {d.pp_dp if self.pipelines > 1 else '-'}",
-                 f"  layers per stage {self.split} ({d.pp_split} split): " + ", ".join(
+                 f"  layers per stage {self.split} ({d.pp_split} split), parameters per stage "
+                 f"[{', '.join(f'{n / 1e6:.3g}M' for n in self.stage_params)}]: " + ", ".join(
                      f"stage {i} on {where(i)}" for i in range(self.n_stages)),
                  "  rank = stage x pipelines + pipeline: the replicas of a stage are neighbours (one node); "
                  "inputs keep one shape every step (text padded to data.max_length)"]
@@ -434,6 +435,10 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
     unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
 
+    # What each stage holds (a tied weight in each of its stages): the device memory its rank needs for them.
+    stage_params = [sum(p.numel() for p in {id(p): p for layer in chunk for p in layer.parameters()}.values())
+                    for chunk in chunks]
+
     # Free what this rank does not hold: parameters and buffers of the other stages become empty tensors.
     kept = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
     kept |= {id(v) for k, v in model.state_dict(keep_vars=True).items() if k in unowned and stage_rank == 0}
@@ -463,5 +468,5 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
     par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
                        tied, unowned, replicated_order)
-    par.split = sizes
+    par.split, par.stage_params = sizes, stage_params
     return par

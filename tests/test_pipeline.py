@@ -161,7 +161,8 @@ def _device_moves_rank(local_rank, cfg, out_dir):
             torch.Tensor.to = original
         held = sum(p.numel() for p in trainer.par.raw_model.parameters())
         whole = sum(p.numel() for p in task.build_model().parameters())
-        torch.save({"moved": sum(moved), "held": held, "whole": whole}, os.path.join(out_dir, f"{local_rank}.pt"))
+        torch.save({"moved": sum(moved), "held": held, "whole": whole, "planned": trainer.par.stage_params},
+                   os.path.join(out_dir, f"{local_rank}.pt"))
     finally:
         D.shutdown(ctx)
 
@@ -172,8 +173,9 @@ def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):
     spawn(_device_moves_rank, args=(cfg, str(tmp_path)), nprocs=2)
     counts = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert sum(c["held"] for c in counts) == counts[0]["whole"]  # the stages make up the model
-    for c in counts:
+    for rank, c in enumerate(counts):
         assert 0 < c["moved"] <= c["held"] < c["whole"], counts
+        assert c["planned"][rank] == c["held"]  # what the plan prints per stage
 
 
 def test_a_checkpoint_pipe_cannot_read_is_one_line(tmp_path, capfd):
