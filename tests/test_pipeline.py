@@ -1,6 +1,7 @@
 """Pipeline parallelism (dist.strategy: pipe) on gloo processes on CPU: every schedule trains like one process,
-2 stages x 2 pipelines too (DDP or FSDP2 replicas, uneven batches), tied weights (GPT-2) and BERT's chain, exact
-resume, test mode on one process, auto split, and one-line errors for what pipe cannot do."""
+2 stages x 2 pipelines too (DDP or FSDP2 replicas, uneven or measured batches), tied weights (GPT-2), BERT's and
+BART's chains, exact resume, checkpoints carried over to and from one process, test mode on one process, only a
+rank's own stage on its device, auto split, and one-line errors for what pipe cannot do."""
 import json
 import os
 import re
