@@ -386,10 +386,8 @@ def model_state_dict(path: str) -> dict:
 # ... in the order of strategies.base.param_groups. pipe writes each stage's tensors under the whole model's names
 # (model_dcp/, optimizer_dcp/). Going through names, either reads the other's checkpoint.
 def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
-    """{parameter name: its optimizer state} from `path`'s optimizer.pt (`order`: the names of the parameters in
-    the replicated optimizer's order) or from its optimizer_dcp/ folder (already by name)."""
-    if not os.path.isfile(os.path.join(path, "optimizer.pt")):
-        return dcp_model_state_dict(os.path.join(path, "optimizer_dcp")).get("state", {})
+    """{parameter name: its optimizer state} from `path`'s optimizer.pt; `order`: the names of the parameters in
+    the replicated optimizer's order. (A pipe checkpoint's optimizer_dcp/ is by name already.)"""
     saved = load_file(path, "optimizer.pt", keys=("state", "param_groups"))
     indices = [i for group in saved["param_groups"] for i in group["params"]]
     if len(indices) != len(order):

@@ -125,8 +125,8 @@ class Parallel:
         self.raw_model.load_state_dict(checkpoint.model_state_dict(directory))
         if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
             self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
-        else:
-            by_name = checkpoint.optimizer_state_by_name(directory, [])
+        else:  # pipe's: the stages' shards, by whole-model name
+            by_name = checkpoint.dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
             checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
                                               directory)
 

@@ -262,8 +262,8 @@ class PipeParallel(Parallel):
             return self.load_replicated(directory)
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes only from checkpoints that pipe "
-                                      "wrote (test mode reads any checkpoint)")
+                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe or a "
+                                      "replicated strategy wrote (test mode reads any checkpoint)")
         model_sd = self.model_state()
         dcp_load(model_sd, os.path.join(directory, "model_dcp"))  # in place: the tensors are the parameters
         optim_sd = self.optimizer_state()
@@ -271,7 +271,6 @@ class PipeParallel(Parallel):
         dcp_load(state, os.path.join(directory, "optimizer_dcp"))
         set_optimizer_state_dict(self.full_model, self.optimizer, {"state": state["state"],
                                                                    "param_groups": optim_sd["param_groups"]})
-
 
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
@@ -430,8 +429,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
                     shared.append((group, i, name))
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
     # (taken before freeing: the groups depend on the tensors' shapes).
-    first_name = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-    replicated_order = [first_name[id(p)] for g in param_groups(model, cfg.train.weight_decay) for p in g["params"]]
+    from checkpoint import parameter_names
+    names = parameter_names(model)
+    replicated_order = [names[id(p)][0] for g in param_groups(model, cfg.train.weight_decay) for p in g["params"]]
     covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
     unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
 
