@@ -14,6 +14,12 @@ sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
+def slow(*values):
+    """A parametrize case that only the whole suite runs (`-m "not slow"` leaves it out): the other cases of its
+    test keep the path in the quick loop."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

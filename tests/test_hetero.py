@@ -152,6 +152,7 @@ def test_uneven_batches_with_accumulation_on_two_nodes_over_file_init(tmp_path):
     assert max_diff(load_model_state(tmp_path / "nodes", 21), load_model_state(tmp_path / "one", 21)) < 1e-5
 
 
+@pytest.mark.slow
 def test_three_ranks_on_two_unequal_nodes_evaluate_every_dev_sample_once(tmp_path):
     """procs_per_node [2, 1] over tcp: world 3, node 1 holds global rank 2. 299 dev samples do not split
     evenly over 3 ranks; the gathered metrics must still count each exactly once."""

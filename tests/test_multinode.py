@@ -58,6 +58,7 @@ def read(path):
         return f.read()
 
 
+@pytest.mark.slow
 def test_two_nodes_over_a_network_equal_one_process_on_the_combined_batch(two_nodes, tmp_path):
     """Node 0 runs rank 0, node 1 runs ranks 1 and 2; 3 x 8 samples per step against one process with 24."""
     out = tmp_path / "nodes"

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from conftest import free_port, logged, make_config, spawn
+from conftest import free_port, logged, make_config, slow, spawn
 from test_sharded import assert_close, params
 
 STEPS, SAVE_AT = 6, 3
@@ -64,7 +64,7 @@ def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, 
     assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("pp_dp, batch", [("ddp", [4, 12]), ("fsdp", 8)])
+@pytest.mark.parametrize("pp_dp, batch", [slow("ddp", [4, 12]), ("fsdp", 8)])
 def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     # 4 ranks: stages on ranks {0,1} and {2,3}, pipelines {0,2} and {1,3}; uneven batches are weighted exactly.
     # The fsdp case starts from one process's step-3 checkpoint: each replica cuts its shard of its stage's
@@ -79,6 +79,7 @@ def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     assert "pipe: 2 pipeline(s) of 2 ranks, 2 stages" in log and "stage 0 on ranks 0-1, stage 1 on ranks 2-3" in log
 
 
+@pytest.mark.slow
 def test_batch_size_auto_gives_the_pipeline_with_a_slowed_stage_less(one_process, tmp_path):
     # 2 pipelines of 2 stages; rank 1 (stage 0 of pipeline 1, the CNN's convolutions) computes 6x slower. Each
     # rank times its own stage; a pipeline goes at its slowest stage's pace: pipeline 1 gets the smaller share,
@@ -191,6 +192,7 @@ def test_a_checkpoint_pipe_cannot_read_is_one_line(tmp_path, capfd):
                      r"\(it reads sharded-pipe or full\)", out), out
 
 
+@pytest.mark.slow
 def test_gpt2_tied_embeddings_bert_and_bart_chains_match_one_process(tmp_path):
     """GPT-2's LM head is its token embedding: a copy on each end of the pipeline, gradients added up. BERT's
     chain carries the attention mask between stages; pipe keeps the shards' full length (no column cut). BART

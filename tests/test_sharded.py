@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fairscale_cpu
-from conftest import free_port, logged, make_config, spawn
+from conftest import free_port, logged, make_config, slow, spawn
 
 STEPS, SAVE_AT = 6, 3
 # Two ranks with 16 samples each see exactly the samples of one process with 32 (GlobalBatchSampler). With
@@ -84,7 +84,7 @@ def test_sharded_training_matches_one_process(runs, name):
     assert meta["format"] == ("sharded-dcp" if name == "fsdp" else "full")
 
 
-@pytest.mark.parametrize("name", [*SHARDED, "fairscale-fsdp"])
+@pytest.mark.parametrize("name", ["fsdp", *map(slow, ["oss", "oss-torch", "oss-shard-grads", "fairscale-fsdp"])])
 def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
     """A fast and a slow device with batches [24, 8]: the sharded strategies weight the gradients exactly too
     (their reductions average over ranks; the loss is scaled by world / global count, as under DDP)."""
@@ -95,7 +95,7 @@ def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
     assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), TOL)
 
 
-@pytest.mark.parametrize("name", ["oss-shard-grads", "fsdp", "fairscale-fsdp"])
+@pytest.mark.parametrize("name", ["fsdp", slow("oss-shard-grads"), slow("fairscale-fsdp")])
 def test_early_stopping_under_sharding(tmp_path, name):
     """Every rank reaches the same stop decision (it is made from the gathered dev metrics): stopping at step
     15, after two evaluations without improvement, instead of hanging with one rank still in a collective."""
@@ -109,8 +109,8 @@ def test_early_stopping_under_sharding(tmp_path, name):
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5 and best(str(tmp_path)).endswith("step-5")
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("name", list(SHARDED))
+@pytest.mark.parametrize("name, precision", [  # quick loop: GradScaler (oss) and ShardedGradScaler (fsdp)
+    (n, p) if (n, p) in {("oss", "fp16"), ("fsdp", "fp16")} else slow(n, p) for n in SHARDED for p in ["fp16", "bf16"]])
 def test_mixed_precision_under_sharding(runs, tmp_path, name, precision):
     """fp16 autocast with loss scaling (ShardedGradScaler where ranks hold different gradients: fsdp, oss +
     shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient), or bf16 without: trains
@@ -284,7 +284,7 @@ def test_fairscale_fsdp_checkpoint_in_test_mode(runs, tmp_path):
     assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", [slow("bf16"), "fp16"])
 def test_fairscale_fsdp_mixed_precision(runs, tmp_path, precision):
     """fairscale's mixed_precision (low-precision compute copies of fp32 shards, fp32 reduce-scatter) under
     autocast; fp16 with the sharded grad scaler, whose state is checkpointed."""

@@ -20,6 +20,7 @@ from cluster import (JOB_NAME, ROOT, STEPS, TRAIN_ARGS, checkpoint_steps, freeze
 from conftest import free_port, load_model_state, max_diff
 
 
+@pytest.mark.slow
 def test_srun_two_tasks_train_like_our_own_spawn(slurm, tmp_path, spawn_reference):
     out = tmp_path / "run"
     r = slurm.run("srun", "--ntasks=2", f"--job-name={JOB_NAME}", sys.executable, "main.py", *TRAIN_ARGS,

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import make_config, max_diff
+from conftest import make_config, max_diff, slow
 
 import main
 from config import ConfigError
@@ -42,7 +42,7 @@ def test_auto_picks_fused_on_cpu_and_foreach_when_a_wrapper_cannot():
         optimizer_kernel("fused", params, fused_ok=False)
 
 
-@pytest.mark.parametrize("strategy", [{"strategy": "oss", "oss_impl": "torch"}, {"strategy": "oss"},
+@pytest.mark.parametrize("strategy", [slow({"strategy": "oss", "oss_impl": "torch"}), slow({"strategy": "oss"}),
                                       {"strategy": "fsdp"}])
 def test_fused_adamw_under_sharded_optimizers_matches_one_process(tmp_path, strategy):
     """ZeroRedundancyOptimizer, fairscale OSS and FSDP2 (DTensor parameters) with the fused kernel: the same

@@ -269,6 +269,7 @@ def test_csv_chunks_cut_between_records_only(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Preparation: killed and run again, identical output
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_killed_preparation_finishes_identically(corpus, tmp_path, capsys):
     from tasks import build_task
     args = ["--task", "lm", "--train", str(corpus["root"] / "train.jsonl"), "--dev-fraction", "0.1",

@@ -60,6 +60,7 @@ def test_every_chapter_has_commands_and_the_index_links_it():
             assert os.path.isfile(os.path.join(TUTORIAL, "img", image)), f"{chapter}: img/{image} is missing"
 
 
+@pytest.mark.slow
 def test_01_one_process(tmp_path):
     out = run_chapter("01", tmp_path)
     assert (tmp_path / "docs/tutorial/img/01_curves.png").stat().st_size > 0
@@ -125,6 +126,7 @@ def resumed_run(tmp_path_factory):
     return base, run_chapter("06", base)
 
 
+@pytest.mark.slow
 def test_06_resume_is_exact_and_test_mode(resumed_run):
     base, out = resumed_run
     run = base / "runs/tutorial/06-resume"
@@ -161,6 +163,7 @@ def kernel(tmp_path) -> str:
     return str(tmp_path / "jupyter" / "share" / "jupyter")
 
 
+@pytest.mark.slow
 def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
