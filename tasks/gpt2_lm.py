@@ -135,8 +135,6 @@ class GPT2LMTask(Task):
         (tasks/token_shards.py). The blocks are the ones the JSON path cuts from the same texts."""
         folder = self.cfg.data.data_dir
         manifest = token_shards.read_manifest(folder, "lm")
-        if "dev" not in manifest["splits"]:
-            raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
         self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
         datasets = {split: token_shards.TokenBlocks(folder, manifest, split, self.cfg.data.max_length)
                     for split in manifest["splits"]}

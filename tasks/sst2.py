@@ -122,8 +122,6 @@ class SST2Task(Task):
         --task classification, memory-mapped (tasks/token_shards.py); the same examples as the TSV path."""
         folder = self.cfg.data.data_dir
         manifest = token_shards.read_manifest(folder, "classification")
-        if "dev" not in manifest["splits"]:
-            raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
         if self.cfg.data.max_length > manifest["max_length"]:
             note(f"{folder}: examples were cut at {manifest['max_length']} tokens when prepared; data.max_length="
                  f"{self.cfg.data.max_length} does not make them longer")

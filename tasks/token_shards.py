@@ -50,7 +50,8 @@ def is_prepared(folder: str) -> bool:
 
 
 def read_manifest(folder: str, task: str) -> dict:
-    """The manifest of a finished preparation for `task` (lm or classification); anything else is a DataError."""
+    """The manifest of a finished preparation for `task` (lm or classification), with a dev split (training
+    evaluates on it); anything else is a DataError."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         raise DataError(f"{folder}: the preparation of these shards has not finished (no {MANIFEST}); run the same "
@@ -65,6 +66,8 @@ def read_manifest(folder: str, task: str) -> dict:
     if manifest.get("task") != task:
         raise DataError(f"{path}: shards prepared for --task {manifest.get('task')}, but this task reads "
                         f"--task {task} shards")
+    if "dev" not in manifest.get("splits", {}):
+        raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
     return manifest
 
 

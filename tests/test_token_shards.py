@@ -240,6 +240,14 @@ def test_classification_label_names_and_errors(tmp_path):
     assert manifest["num_labels"] == 3 and manifest["label_names"] == ["neg", "pos", "mixed"]
     labels = np.load(tmp_path / "out" / "train-00000.labels.npy")
     assert set(labels.tolist()) <= {0, 1, 2} and len(labels) == manifest["splits"]["train"]["documents"]
+    from tasks import token_shards  # what a task reading these shards refuses, in one line
+    with pytest.raises(DataError, match="shards prepared for --task classification, but this task reads --task lm"):
+        token_shards.read_manifest(str(tmp_path / "out"), "lm")
+    del manifest["splits"]["dev"]
+    (tmp_path / "no_dev").mkdir()
+    (tmp_path / "no_dev" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="no dev split in these shards; prepare them with --dev or --dev-fraction"):
+        token_shards.read_manifest(str(tmp_path / "no_dev"), "classification")
     bad = tmp_path / "bad.tsv"
     bad.write_text("sentence\tlabel\ngood film\t1\nno label here\n")
     with pytest.raises(DataError, match=f"{bad}:3: expected `text<TAB>label`"):
