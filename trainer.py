@@ -645,10 +645,11 @@ class Window:
         self.samples += samples
 
     def flush(self) -> dict:
-        # One all-reduce for both sums, then one wait for the device (.tolist()).
-        sums = torch.stack([self.loss, torch.tensor(float(self.samples), device=self.ctx.device)])
-        loss, samples = D.all_reduce_sum(self.ctx, sums).tolist()
-        count = self.count.item()
+        # One all-reduce for both sums, then one wait for the device (.tolist()) that reads the count too (it is
+        # global already).
+        samples = torch.tensor(float(self.samples), device=self.ctx.device)
+        sums = D.all_reduce_sum(self.ctx, torch.stack([self.loss, samples]))
+        loss, samples, count = torch.cat([sums, self.count.reshape(1)]).tolist()
         out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
                "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
         self.reset()

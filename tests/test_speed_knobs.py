@@ -193,3 +193,38 @@ def test_compile_under_ddp_and_per_block_under_fsdp2_trains_like_eager(tmp_path,
                                               "batch_size": 4, "compile": compiled},
                                        dist={"strategy": strategy, "procs_per_node": 2}))
     assert max_diff(runs["eager"], runs["compiled"]) < 2e-4
+
+
+# ---- host syncs -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(tmp_path, monkeypatch, precision):
+    """On a GPU every read of a tensor's value on the host (.item(), .tolist(), float(t), bool(t), .cpu(),
+    .numpy()) makes the CPU wait for the device, which then idles until the CPU has queued more work. The loop
+    reads once per step (train_step: the gradient norm, which decides whether the update is applied, and the
+    stop votes) and once per log line (the loss window). On CPU nothing waits, but the reads can be counted by
+    the line of this project's code that makes them: one read added to the loop by an edit fails here."""
+    import sys
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    ours, trainer, reads = os.path.dirname(os.path.abspath(main.__file__)), None, {}
+    for name in ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"]:
+        def counted(self, *args, _read=getattr(torch.Tensor, name), _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if trainer is not None and caller.startswith(ours) and os.sep + "tests" + os.sep not in caller:
+                where = f"{os.path.basename(caller)}:{sys._getframe(1).f_lineno} {_name}"
+                reads.setdefault(trainer.state.step, []).append(where)  # by the steps done when it was made
+            return _read(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    cfg = make_config(tmp_path, train={"max_steps": 10, "log_every": 4, "eval_every": 0, "save_every": 0,
+                                       "precision": precision}, dist={"device": "cpu"})
+    ctx = D.init(cfg, 0, 1, 0)
+    try:
+        trainer = Trainer(cfg, build_task(cfg), ctx)
+        trainer.train()
+    finally:
+        D.shutdown(ctx)
+    # After s steps: the next step's read, and after steps 4 and 8 the log line's (after 10 come the last log
+    # line, the evaluation and the save, which wait for the device anyway).
+    middle = {s: len(r) for s, r in reads.items() if s < 10}
+    assert middle == {s: 2 if s in (4, 8) else 1 for s in range(10)}, {s: reads[s] for s in sorted(reads)}
