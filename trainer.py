@@ -392,9 +392,10 @@ class Trainer:
             meta = checkpoint.read_meta(path)
             saved = meta.get("format") or "full"
             if saved not in self.par.resumes_from:
+                *others, last = self.par.resumes_from
+                reads = f"{', '.join(others)} or {last}" if others else last
                 raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
-                                      f"cannot resume under {self.cfg.dist.strategy} (it reads "
-                                      f"{' or '.join(self.par.resumes_from)})")
+                                      f"cannot resume under {self.cfg.dist.strategy} (it reads {reads})")
             was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
             if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
                 raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is "

@@ -79,7 +79,7 @@ class Parallel:
 
     eval_lockstep = False  # True: every rank must run the same number of forward passes (sharded params)
     checkpoint_format = "full"  # recorded in meta.json
-    resumes_from = ("full", "sharded-pipe")  # the formats load() reads; others are refused in one line
+    resumes_from = ("full", "sharded-pipe", "sharded-dcp")  # the formats load() reads; others: refused in one line
     pipelined = False  # pipe: the Trainer hands whole batches to step() / eval_batch() (strategies/pipeline.py)
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -119,13 +119,14 @@ class Parallel:
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
     def load(self, directory: str) -> None:
-        """Reads model.pt and optimizer.pt, or a pipe checkpoint (stages' tensors by whole-model name, assembled
-        here in every rank; the optimizer state is matched to this optimizer's parameters by name)."""
+        """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
+        names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
+        name)."""
         import checkpoint
         self.raw_model.load_state_dict(checkpoint.model_state_dict(directory))
         if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
             self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
-        else:  # pipe's: the stages' shards, by whole-model name
+        else:  # pipe's (the stages' tensors) or fsdp's (every rank's shards), by whole-model name
             by_name = checkpoint.dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
             checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
                                               directory)

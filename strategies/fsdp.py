@@ -10,7 +10,7 @@ from torch import nn
 
 from checkpoint import load_file
 from distributed import DistContext
-from strategies.base import Parallel, optimizer_recipe, sharded_scaler
+from strategies.base import Parallel, optimizer_recipe, param_groups, sharded_scaler
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -26,7 +26,7 @@ class FSDPParallel(Parallel):
     along dim 0; each unit's parameters are all-gathered just for its forward and backward."""
     eval_lockstep = True  # a forward pass is a collective (the all-gather)
     checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
-    resumes_from = ("sharded-dcp",)
+    resumes_from = ("sharded-dcp", "full", "sharded-pipe")
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -62,20 +62,40 @@ class FSDPParallel(Parallel):
 
     def load(self, directory: str) -> None:
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
-        # the pieces each rank's shards need.
+        # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from checkpoint import dcp_load
+        import checkpoint
         from config import CheckpointError
+        if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
+            return self.load_full(directory)
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes only from checkpoints that "
-                                      "fsdp wrote (test mode reads any checkpoint)")
+                raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes from checkpoints that fsdp, pipe "
+                                      "or a replicated strategy wrote (test mode reads any checkpoint)")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
         # so a crafted checkpoint could run code; checkpoint.dcp_load refuses it in one line instead.
-        dcp_load(model_sd, os.path.join(directory, "model_dcp"))
-        dcp_load(optim_sd, os.path.join(directory, "optimizer_dcp"))
+        checkpoint.dcp_load(model_sd, os.path.join(directory, "model_dcp"))
+        # pipe keeps the per-parameter state only (its ranks' param_groups differ): this run's groups stay, and
+        # the learning rate comes back with the scheduler.
+        pipe = checkpoint.read_meta(directory).get("format") == "sharded-pipe"
+        checkpoint.dcp_load({"state": optim_sd["state"]} if pipe else optim_sd,
+                            os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    def load_full(self, directory: str) -> None:
+        """A replicated strategy's model.pt and optimizer.pt: every rank reads them whole and keeps its shard of
+        each tensor, cut locally (checkpoint.shard_like, no communication; the host holds the whole model
+        meanwhile, as when it was built). The optimizer state is matched to the parameters by name."""
+        import checkpoint
+        mine = self.raw_model.state_dict()
+        whole = checkpoint.load_file(directory, "model.pt")
+        self.raw_model.load_state_dict({k: checkpoint.shard_like(v, mine[k]) if k in mine else v
+                                        for k, v in whole.items()})
+        names = checkpoint.parameter_names(self.raw_model)
+        order = [names[id(p)][0] for g in param_groups(self.raw_model, 0.0) for p in g["params"]]
+        checkpoint.load_optimizer_by_name(self.optimizer, checkpoint.optimizer_state_by_name(directory, order),
+                                          names, directory)
 
 
 class FairscaleFSDPParallel(Parallel):

@@ -64,7 +64,8 @@ class Stage(nn.Module):
 
 class PipeParallel(Parallel):
     checkpoint_format = "sharded-pipe"  # DCP folders model_dcp/ and optimizer_dcp/ keyed by whole-model names
-    resumes_from = ("sharded-pipe", "full")  # full: a replicated strategy's model.pt and optimizer.pt, by name
+    resumes_from = ("sharded-pipe", "full", "sharded-dcp")  # full: a replicated strategy's model.pt and
+    # optimizer.pt, by name; sharded-dcp: fsdp's folders, which hold the same names as pipe's
 
     pipelined = True  # the Trainer calls step() and eval_batch() below instead of running the model itself
 
@@ -262,8 +263,8 @@ class PipeParallel(Parallel):
             return self.load_replicated(directory)
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe or a "
-                                      "replicated strategy wrote (test mode reads any checkpoint)")
+                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
+                                      "or a replicated strategy wrote (test mode reads any checkpoint)")
         model_sd = self.model_state()
         dcp_load(model_sd, os.path.join(directory, "model_dcp"))  # in place: the tensors are the parameters
         optim_sd = self.optimizer_state()

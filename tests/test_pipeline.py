@@ -140,6 +140,26 @@ def test_checkpoints_carry_over_between_pipe_and_replicated_strategies(one_proce
         assert_close(params(out, STEPS), params(one_process, STEPS), TOL)
 
 
+@pytest.mark.parametrize("direction", ["pipe_to_fsdp", slow("fsdp_to_pipe")])
+def test_checkpoints_carry_over_between_pipe_and_fsdp(one_process, pipe_run, tmp_path, direction):
+    """Both write DCP folders keyed by whole-model names: fsdp (2 ranks, each resharding every tensor) resumes
+    pipe's step 3, and 2 stages resume the step 3 of an fsdp run. Both end where one process does."""
+    import shutil
+    if direction == "pipe_to_fsdp":
+        source, target, dist = pipe_run, tmp_path / "fsdp", {"strategy": "fsdp"}
+    else:
+        source, target, dist = tmp_path / "fsdp", tmp_path / "pipe", None
+        assert train(source, 8, 2, {"strategy": "fsdp"}) == 0
+        assert meta(source, SAVE_AT)["format"] == "sharded-dcp"
+    step = f"step-{SAVE_AT}"
+    shutil.copytree(source / "checkpoints" / step, target / "checkpoints" / step)
+    assert train(target, 8 if dist else 16, 2, dist, resume="auto") == 0  # 16 a step either way
+    with open(target / "logs" / "rank0.log") as f:
+        assert f"resumed from {target}/checkpoints/{step}" in f.read()
+    assert meta(target, STEPS)["format"] == ("sharded-dcp" if dist else "sharded-pipe")
+    assert_close(params(target, STEPS), params(one_process, STEPS), TOL)
+
+
 def _device_moves_rank(local_rank, cfg, out_dir):
     """Builds a pipe Trainer while counting the parameter elements that go through Tensor.to (a move to the
     device): only this rank's stage may go there, never the whole model."""
@@ -189,7 +209,7 @@ def test_a_checkpoint_pipe_cannot_read_is_one_line(tmp_path, capfd):
     assert train(tmp_path, 16, 2, max_steps=2, resume=str(path)) == 2
     out = "".join(capfd.readouterr())
     assert re.search(r"step-1: written by strategy fsdp in format sharded-fairscale, cannot resume under pipe "
-                     r"\(it reads sharded-pipe or full\)", out), out
+                     r"\(it reads sharded-pipe, full or sharded-dcp\)", out), out
 
 
 @pytest.mark.slow

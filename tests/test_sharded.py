@@ -175,11 +175,11 @@ def test_fsdp_checkpoint_in_test_mode(runs, tmp_path):
     assert test["metrics"]["samples"] > 0
 
 
-def test_fsdp_refuses_a_full_checkpoint(runs, tmp_path, capsys):
-    ckpt = runs("none") / "checkpoints" / f"step-{SAVE_AT}"
+def test_fsdp_refuses_a_fairscale_fsdp_checkpoint(runs, tmp_path, capsys):
+    ckpt = runs("fairscale-fsdp") / "checkpoints" / f"step-{SAVE_AT}"
     assert train(tmp_path, SHARDED["fsdp"], 32, 1, resume=str(ckpt)) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "cannot resume under fsdp" in errors[0]
+    assert len(errors) == 1 and "format sharded-fairscale, cannot resume under fsdp" in errors[0], errors
 
 
 # ---- memory: count the state each rank holds after one step ---------------------------------------------------
@@ -308,10 +308,13 @@ def test_impossible_combinations_are_one_line_config_errors(tmp_path):
 
 
 @pytest.mark.parametrize("source,target", [("none", "oss"), ("oss", "ddp"), ("oss-torch", "oss"),
-                                           ("oss-shard-grads", "none")])
-def test_full_checkpoints_resume_across_strategies(runs, tmp_path, source, target):
+                                           ("oss-shard-grads", "none"), ("none", "fsdp"), ("fsdp", "none"),
+                                           slow("fsdp", "ddp")])
+def test_checkpoints_resume_across_strategies(runs, tmp_path, source, target):
     """ddp, none and oss all write the `full` format (oss consolidates its optimizer state first), so a run may
-    switch between them: the resumed run ends where the uninterrupted one did."""
+    switch between them; fsdp cuts its shards out of a full checkpoint (each rank from the whole tensors), and
+    its DCP folders are assembled by parameter name under the others. The resumed run ends where the
+    uninterrupted one did, momentum included."""
     ckpt = runs(source) / "checkpoints" / f"step-{SAVE_AT}"
     procs = 1 if target == "none" else 2
     section = SHARDED.get(target, {"strategy": target})
