@@ -143,9 +143,11 @@ def test_fsdp_resumes_on_one_process(runs, tmp_path):
     assert_close(params(tmp_path, STEPS), params(first, STEPS), TOL)
 
 
-def test_fsdp_checkpoint_of_another_model_is_a_one_line_error(runs, tmp_path, capfd):
+@pytest.mark.parametrize("source", ["fsdp", "none"])
+def test_fsdp_checkpoint_of_another_model_is_a_one_line_error(runs, tmp_path, capfd, source):
+    """Its own DCP folders or a full checkpoint (cut into shards by each rank), made for a wider model."""
     from main import run
-    ckpt = runs("fsdp") / "checkpoints" / f"step-{SAVE_AT}"
+    ckpt = runs(source) / "checkpoints" / f"step-{SAVE_AT}"
     cfg = make_config(tmp_path, model={**MODEL, "hidden": 64}, train={**TRAIN, "batch_size": 16, "resume": str(ckpt)},
                       dist={**SHARDED["fsdp"], "procs_per_node": 2})
     assert run(cfg) == 2
