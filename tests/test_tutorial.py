@@ -3,8 +3,8 @@ with runs/tutorial/, docs/tutorial/img/ and data/ redirected to tmp_path; then w
 on what the commands wrote. And notebooks/inspect_run.ipynb executes (nbclient) on a real run and prints the run's
 own numbers.
 
-A chapter starts 4 to 10 Python processes (each imports torch), so most take over 20 s: those are marked slow.
-Chapter 1, chapter 6 and the notebook (which reads chapter 6's run) stay in the quick loop."""
+A chapter starts 4 to 10 Python processes (each imports torch) and takes 10-30 s: the chapters and the notebook
+are marked slow (the whole suite runs them; the quick loop checks the index and the task file only)."""
 import json
 import os
 import re
@@ -52,7 +52,7 @@ def last_checkpoint_metrics(run) -> dict:
 def test_every_chapter_has_commands_and_the_index_links_it():
     with open(os.path.join(TUTORIAL, "README.md")) as f:
         index = f.read()
-    assert len(CHAPTERS) == 7
+    assert len(CHAPTERS) == 8
     for chapter in CHAPTERS:
         assert f"({chapter})" in index, f"docs/tutorial/README.md does not link {chapter}"
         assert "```bash" in open(os.path.join(TUTORIAL, chapter)).read(), f"{chapter} runs nothing"
@@ -146,6 +146,19 @@ def test_07_own_task(tmp_path):
     with open(run / "config.yml") as f:
         assert "csv_text" in f.read()
     assert (tmp_path / "docs/tutorial/img/07_curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_08_pipeline_equals_one_process_and_carries_on_under_fsdp(tmp_path):
+    out = run_chapter("08", tmp_path)
+    assert "layers per stage [2, 2] (even split), parameters per stage [0.0188M, 0.0342M]" in out
+    assert re.search(r"resumed from \S+/runs/tutorial/08-switch/checkpoints/step-40 at step 40", out)
+    diffs = re.findall(r"08-one vs (08-\S+): largest parameter difference (\S+)", out)
+    assert [name for name, _ in diffs] == ["08-pipe", "08-switch"]
+    assert all(float(d) < 1e-5 for _, d in diffs), diffs
+    with open(tmp_path / "runs/tutorial/08-switch/checkpoints/step-60/meta.json") as f:
+        assert json.load(f)["format"] == "sharded-dcp"  # the last steps ran under fsdp
+    assert (tmp_path / "docs/tutorial/img/08_curves.png").stat().st_size > 0
 
 
 def test_the_task_file_is_under_60_lines_with_its_edit_places():
