@@ -139,8 +139,8 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     to this process (Ctrl-C, SIGTERM, the stop signal) are passed on to every rank, which stop together after
     saving. A failed rank takes the others down within GRACE_S seconds; if this process is killed, even with
     -9, the ranks die with it (faults.set_parent_death_signal). A rank that is done (results saved) but whose
-    teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, with a warning, and
-    counts with the exit code it finished with."""
+    teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, or crashes (gloo can
+    abort at exit), with a warning, and counts with the exit code it finished with."""
     import multiprocessing as mp
     import shutil
     import signal
@@ -157,8 +157,12 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
                                os.getpid()))
              for i in range(nprocs)]
     exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
-    done_at, stuck = {}, {}  # rank index -> when it was done; -> the exit code of a rank ended in its teardown
+    done_at, stuck = {}, {}  # rank index -> when it was done; -> its exit code if its teardown hung or crashed
     signals_seen, kill_at, exit_order = [], None, []
+
+    def teardown_failed(i: int) -> bool:  # done, then ended by anything but its own return (we never SIGKILL a
+        p = procs[i]                      # rank that is done, unless its teardown hangs or another rank failed)
+        return finished[i] >= 0 and p.exitcode not in (None, finished[i], -signal.SIGKILL)
 
     def forward(signum, frame):  # the ranks run in their own process group: only we hear the terminal's Ctrl-C
         nonlocal kill_at
@@ -177,9 +181,11 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
                 p.start()
         while True:
             alive = [p for p in procs if p.exitcode is None]
-            for p in procs:
+            for i, p in enumerate(procs):
                 if p.exitcode is not None and p not in exit_order:
                     exit_order.append(p)
+                if teardown_failed(i):
+                    stuck[i] = finished[i]  # crashed after it was done (a C++ abort closing gloo, say)
             if not alive:
                 break
             for i, p in enumerate(procs):
@@ -197,8 +203,12 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
         for p in procs:
             p.join()
         for i, code in stuck.items():
-            print(f"warning: rank {first_rank + i} on {HOST} (pid {procs[i].pid}) was done (exit code {code}) but "
-                  f"still tearing down {exit_grace:.0f} s later; ended it", file=sys.stderr, flush=True)
+            p = procs[i]
+            what = (f"still tearing down {exit_grace:.0f} s later; ended it" if p.exitcode == -signal.SIGKILL else
+                    "its teardown ended with " + (signal.Signals(-p.exitcode).name if p.exitcode < 0 else
+                                                   f"exit code {p.exitcode}") + "; counted as done")
+            print(f"warning: rank {first_rank + i} on {HOST} (pid {p.pid}) was done (exit code {code}) but {what}",
+                  file=sys.stderr, flush=True)
         return summarize(procs, exit_order, first_rank, report_dir, steps, stuck)
     finally:
         for n, handler in previous.items():
@@ -296,7 +306,7 @@ def worker(cfg: Config, launch: Launch) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":
         faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
-    ctx = watchdog = None
+    ctx = watchdog = trainer = None
     try:
         import distributed as D
         from tasks import build_task
@@ -329,6 +339,7 @@ def worker(cfg: Config, launch: Launch) -> int:
         code = faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()
+    trainer = None  # it holds the process group (DDP, FSDP, sharded optimizers): D.shutdown frees the group
     faults.progress.finished(code)
     # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
     # tearing down could wait on them (the launcher ends this process instead).

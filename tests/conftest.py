@@ -79,6 +79,7 @@ def _train_rank(local_rank, cfg, world, out_dir):
         trainer.train()
         torch.save({k: v.detach().cpu() for k, v in trainer.par.raw_model.state_dict().items()},
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
+        trainer = None  # it holds the process group, which D.shutdown must free (see there)
     finally:
         D.shutdown(ctx)
 

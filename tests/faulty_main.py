@@ -6,6 +6,8 @@
     FAULT=slow:RANK:STEP   every step sleeps STEP milliseconds on rank RANK (-1: all ranks): time to send signals
     FAULT=teardown:RANK:0  rank RANK, done, hangs for an hour closing its process group (as a stuck NCCL
                            communicator can)
+    FAULT=abort:RANK:0     rank RANK, done, aborts (SIGABRT) closing its process group (as gloo's C++ can:
+                           "terminate called without an active exception")
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
@@ -48,6 +50,8 @@ if FAULT:
     def shutdown(ctx):
         if kind == "teardown" and ctx.rank == int(fault_rank):
             time.sleep(3600)
+        if kind == "abort" and ctx.rank == int(fault_rank):
+            os.abort()
         return original_shutdown(ctx)
 
     distributed.shutdown = shutdown
