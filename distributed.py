@@ -114,7 +114,7 @@ def shutdown(ctx: DistContext) -> None:
     the sharded optimizers keep a reference). Then the group is freed here, with the GIL released while gloo's
     worker threads finish, instead of during the interpreter's teardown, where a worker thread still freeing
     the tensors of a last collective needs the GIL that is going away and aborts the process ("terminate called
-    without an active exception", SIGABRT after the run was done: seen once in ~10 test runs)."""
+    without an active exception", SIGABRT after the run was done: 3 in 72 two-rank test runs, benchmarks/RESULTS.md)."""
     if ctx.distributed and dist.is_initialized():
         gc.collect()  # the Trainer's reference cycles, which would otherwise hold the group until then
         dist.destroy_process_group()

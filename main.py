@@ -204,9 +204,13 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
             p.join()
         for i, code in stuck.items():
             p = procs[i]
-            what = (f"still tearing down {exit_grace:.0f} s later; ended it" if p.exitcode == -signal.SIGKILL else
-                    "its teardown ended with " + (signal.Signals(-p.exitcode).name if p.exitcode < 0 else
-                                                   f"exit code {p.exitcode}") + "; counted as done")
+            if p.exitcode == -signal.SIGKILL:
+                what = f"still tearing down {exit_grace:.0f} s later; ended it"
+            elif code in (0, 3):  # (after a failure, its report says what matters)
+                what = "its teardown ended with " + (signal.Signals(-p.exitcode).name if p.exitcode < 0 else
+                                                     f"exit code {p.exitcode}") + "; counted as done"
+            else:
+                continue
             print(f"warning: rank {first_rank + i} on {HOST} (pid {p.pid}) was done (exit code {code}) but {what}",
                   file=sys.stderr, flush=True)
         return summarize(procs, exit_order, first_rank, report_dir, steps, stuck)

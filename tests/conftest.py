@@ -82,6 +82,17 @@ def _train_rank(local_rank, cfg, world, out_dir):
         trainer = None  # it holds the process group, which D.shutdown must free (see there)
     finally:
         D.shutdown(ctx)
+    leave_rank()
+
+
+def leave_rank():
+    """End a helper's rank process, its work done, without the interpreter's teardown: gloo can still abort a
+    process there (benchmarks/RESULTS.md, "A rank aborting after the run was done": rarer since
+    distributed.shutdown frees the group first, not never). main.py's launcher lets such a rank be, with a warning;
+    torch.multiprocessing.spawn, which starts the helpers, would count it as failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(cfg, world, out_dir):
