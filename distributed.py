@@ -6,7 +6,6 @@ Nodes may run different numbers of processes (a borrowed mix of lab machines).
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -110,13 +109,10 @@ def share_cores(ctx: DistContext, local_procs: int) -> str:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Close the process group. Call it once nothing else holds the group (drop the Trainer first: DDP, FSDP and
-    the sharded optimizers keep a reference). Then the group is freed here, with the GIL released while gloo's
-    worker threads finish, instead of during the interpreter's teardown, where a worker thread still freeing
-    the tensors of a last collective needs the GIL that is going away and aborts the process ("terminate called
-    without an active exception", SIGABRT after the run was done: 3 in 72 two-rank test runs, benchmarks/RESULTS.md)."""
+    """Close the process group. (It is not freed: torch keeps references to it, so gloo's threads live until
+    the process ends; main.leave() ends a rank's process without the interpreter's teardown, which they can
+    abort.)"""
     if ctx.distributed and dist.is_initialized():
-        gc.collect()  # the Trainer's reference cycles, which would otherwise hold the group until then
         dist.destroy_process_group()
 
 

@@ -295,7 +295,20 @@ def _spawned_worker(cfg, launch: Launch, report_dir, steps, finished, parent_pid
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
     faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, launch.local_rank, finished
     faults.report.report_dir = report_dir
-    sys.exit(worker(cfg, launch))
+    leave(worker(cfg, launch))
+
+
+def leave(code: int) -> None:
+    """End a rank's process with `code`, skipping the interpreter's teardown: by now its results are saved, its
+    logs flushed and its process group closed, but not freed: torch still holds the group, so gloo's worker
+    threads live on, and one still freeing the tensors of a last collective while Python tears down aborts the
+    process after the run was done (SIGABRT, "terminate called without an active exception"; benchmarks/
+    RESULTS.md, "A rank aborting after the run was done")."""
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def worker(cfg: Config, launch: Launch) -> int:
@@ -310,7 +323,7 @@ def worker(cfg: Config, launch: Launch) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":
         faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
-    ctx = watchdog = trainer = None
+    ctx = watchdog = None
     try:
         import distributed as D
         from tasks import build_task
@@ -343,7 +356,6 @@ def worker(cfg: Config, launch: Launch) -> int:
         code = faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()
-    trainer = None  # it holds the process group (DDP, FSDP, sharded optimizers): D.shutdown frees the group
     faults.progress.finished(code)
     # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
     # tearing down could wait on them (the launcher ends this process instead).
@@ -354,4 +366,8 @@ def worker(cfg: Config, launch: Launch) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from distributed import launcher_env
+    if launcher_env() is not None:  # torchrun or srun started this process as one rank: it ends as ours do
+        leave(code)
+    sys.exit(code)

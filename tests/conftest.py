@@ -79,20 +79,10 @@ def _train_rank(local_rank, cfg, world, out_dir):
         trainer.train()
         torch.save({k: v.detach().cpu() for k, v in trainer.par.raw_model.state_dict().items()},
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
-        trainer = None  # it holds the process group, which D.shutdown must free (see there)
     finally:
         D.shutdown(ctx)
-    leave_rank()
-
-
-def leave_rank():
-    """End a helper's rank process, its work done, without the interpreter's teardown: gloo can still abort a
-    process there (benchmarks/RESULTS.md, "A rank aborting after the run was done": rarer since
-    distributed.shutdown frees the group first, not never). main.py's launcher lets such a rank be, with a warning;
-    torch.multiprocessing.spawn, which starts the helpers, would count it as failed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    import main
+    main.leave(0)  # as main.py's ranks end: without the interpreter's teardown, which gloo's threads can abort
 
 
 def run_ranks(cfg, world, out_dir):

@@ -91,5 +91,4 @@ def _worker(local_rank: int, cfg, procs: int) -> None:
     code = main.worker(cfg, main.Launch(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)
-    from conftest import leave_rank
-    leave_rank()  # done: without the interpreter's teardown (see there)
+    main.leave(0)  # as main.py's ranks end (see there)
