@@ -90,20 +90,28 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
         synchronize(ctx.device)
         return time.perf_counter() - start
 
-    buffers = [b.detach().clone() for b in par.raw_model.buffers()]  # e.g. batch-norm running statistics
     was_training = model.training
     model.train()
-    devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), par.no_sync():
-        forward_backward(0)  # untimed
+    with par.no_sync():
+        seconds = time_unnoticed(par, ctx, forward_backward, steps)
+    model.train(was_training)
+    return batch_size * steps / seconds
+
+
+def time_unnoticed(par, ctx: D.DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
+    """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
+    allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
+    random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""
+    buffers = [b.detach().clone() for b in par.raw_model.buffers()]
+    with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
+        forward_backward(0)
         seconds = sum(forward_backward(i) for i in range(1, steps + 1))
         busy_until_all_measured(ctx, lambda: forward_backward(steps + 1))
     par.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for b, saved in zip(par.raw_model.buffers(), buffers):
             b.copy_(saved)
-    model.train(was_training)
-    return batch_size * steps / seconds
+    return seconds
 
 
 def pipe_batch_sizes(trainer) -> tuple[list[int], str]:

@@ -253,7 +253,7 @@ def environment(extra: dict):
 
 def summarize(procs, exit_order, first_rank: int, report_dir: str, steps, stuck: dict) -> int:
     """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3).
-    `stuck`: ranks ended in their teardown, with the exit code they were done with."""
+    `stuck`: ranks whose teardown hung (ended by us) or crashed, with the exit code they were done with."""
     import json
     import signal
     from faults import EXIT_CRASH, HOST, say

@@ -41,6 +41,14 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
     return [g for g in groups if g["params"] or keep_empty]
 
 
+def replicated_order(model: nn.Module) -> list[str]:
+    """The names of `model`'s parameters in the order a replicated optimizer.pt indexes them (param_groups'),
+    first name of a tied weight: how a checkpoint of none/dp/ddp/oss is read by name (checkpoint.py)."""
+    from checkpoint import parameter_names
+    names = parameter_names(model)
+    return [names[id(p)][0] for g in param_groups(model, 0.0) for p in g["params"]]
+
+
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
     """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. PyTorch's own
     default on CPU is the for-loop (one small op after another per tensor): for the ~100 tensors of a MiniLM that

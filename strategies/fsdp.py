@@ -10,7 +10,7 @@ from torch import nn
 
 from checkpoint import load_file
 from distributed import DistContext
-from strategies.base import Parallel, optimizer_recipe, param_groups, sharded_scaler
+from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -92,10 +92,9 @@ class FSDPParallel(Parallel):
         whole = checkpoint.load_file(directory, "model.pt")
         self.raw_model.load_state_dict({k: checkpoint.shard_like(v, mine[k]) if k in mine else v
                                         for k, v in whole.items()})
-        names = checkpoint.parameter_names(self.raw_model)
-        order = [names[id(p)][0] for g in param_groups(self.raw_model, 0.0) for p in g["params"]]
-        checkpoint.load_optimizer_by_name(self.optimizer, checkpoint.optimizer_state_by_name(directory, order),
-                                          names, directory)
+        by_name = checkpoint.optimizer_state_by_name(directory, replicated_order(self.raw_model))
+        checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
+                                          directory)
 
 
 class FairscaleFSDPParallel(Parallel):

@@ -28,8 +28,8 @@ from torch import nn
 from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
-from balance import busy_until_all_measured
-from strategies.base import Parallel, optimizer_recipe, param_groups, sharded_scaler
+from balance import synchronize, time_unnoticed
+from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -203,7 +203,8 @@ class PipeParallel(Parallel):
         """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).
         The stages' inputs travel once, as in eval_batch; then every rank times its stages alone, `steps` times
         after an untimed pass, without the schedule: a replica's gradient all-reduce would make every pipeline
-        wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were."""
+        wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were
+        (balance.time_unnoticed)."""
         inputs = {}
         with torch.no_grad():
             carry = task.pipeline_inputs(batch)
@@ -216,25 +217,16 @@ class PipeParallel(Parallel):
                 if i < self.n_stages - 1:
                     send_tensors(carry, self.rank_of(i + 1))
 
-        def forward_backward() -> float:
+        def forward_backward(_) -> float:
             start = time.perf_counter()
             for i, stage in self.stages.items():
                 out = stage(*(c.detach().requires_grad_(c.is_floating_point()) for c in inputs[i]))
                 out = out if isinstance(out, tuple) else (out,)
                 torch.stack([o.float().sum() for o in out if o.is_floating_point()]).sum().backward()
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize(self.ctx.device)
+            synchronize(self.ctx.device)
             return time.perf_counter() - start
 
-        buffers = [b.detach().clone() for b in self.raw_model.buffers()]
-        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
-            forward_backward()
-            seconds = sum(forward_backward() for _ in range(steps))
-            busy_until_all_measured(self.ctx, forward_backward)
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for b, saved in zip(self.raw_model.buffers(), buffers):
-                b.copy_(saved)
+        seconds = time_unnoticed(self, self.ctx, forward_backward, steps)
         return seconds / steps / len(next(iter(batch.values())))
 
     def rank_of(self, stage: int) -> int:
@@ -430,9 +422,7 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
                     shared.append((group, i, name))
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
     # (taken before freeing: the groups depend on the tensors' shapes).
-    from checkpoint import parameter_names
-    names = parameter_names(model)
-    replicated_order = [names[id(p)][0] for g in param_groups(model, cfg.train.weight_decay) for p in g["params"]]
+    order = replicated_order(model)
     covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
     unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
 
@@ -468,6 +458,6 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
     par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
-                       tied, unowned, replicated_order)
+                       tied, unowned, order)
     par.split, par.stage_params = sizes, stage_params
     return par
