@@ -1,5 +1,4 @@
 """Text classification from `text,label` CSV files data.data_dir/{train,dev[,test]}.csv; see docs/tutorial/07."""
-import csv
 import os
 import re
 
@@ -8,6 +7,7 @@ from torch import nn
 
 from config import DataError
 from tasks.base import Task, classification_batch, classification_metrics
+from tasks.text_common import read_csv
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -19,11 +19,7 @@ class CSVTextTask(Task):
         path = os.path.join(self.cfg.data.data_dir, f"{split}.csv")
         if not os.path.isfile(path):
             return None
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        if not rows or not {"text", "label"} <= rows[0].keys():
-            raise DataError(f"{path}: expected a `text,label` header and at least one row")
-        return [r["text"] for r in rows], [r["label"] for r in rows]
+        return read_csv(path, ("text", "label"), required=("label",))  # every row checked: DataError naming the line
 
     def build_datasets(self):
         raw = {split: self.read(split) for split in ("train", "dev", "test")}

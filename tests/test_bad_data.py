@@ -393,3 +393,82 @@ def test_gpt2_blocks_must_fit_the_pretrained_model(tmp_path):
     with pytest.raises(DataError, match=re.escape("data.max_length=8 is longer than the 4 positions")):
         task.check_fits(SimpleNamespace(vocab_size=10 ** 6, n_positions=4))
     task.check_fits(SimpleNamespace(vocab_size=top + 1, n_positions=8))  # fits exactly
+
+
+@pytest.mark.parametrize("bad_line", ["a film with no label", "a film\t", "a film\t ", "\t1"])
+def test_sst2_missing_or_empty_label_or_sentence(tmp_path, bad_line):
+    """An empty label is an error naming the line, never a class of its own."""
+    folder = sst2_data(tmp_path, train=f"sentence\tlabel\ngood \t1\n{bad_line}\nbad \t0\n".encode())
+    with pytest.raises(DataError, match=re.escape(f"{folder / 'train.tsv'}:3: expected `sentence<TAB>label` with "
+                                                  "label 0 or 1, got")):
+        datasets_of(sst2_config(tmp_path, folder))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CSV text files (task csv_text)
+# ---------------------------------------------------------------------------------------------------------------
+def csv_data(tmp_path, train=b"text,label\na fine film,pos\nawful,neg\n", dev=b"text,label\ngood,pos\nbad,neg\n"):
+    folder = tmp_path / "csv"
+    folder.mkdir(exist_ok=True)
+    (folder / "train.csv").write_bytes(train)
+    (folder / "dev.csv").write_bytes(dev)
+    return folder
+
+
+def csv_config(tmp_path, folder):
+    return make_config(tmp_path / "run", task="csv_text", data={"data_dir": str(folder)})
+
+
+def test_good_csv_loads_with_quotes_blank_lines_and_byte_order_mark(tmp_path):
+    folder = csv_data(tmp_path, train='\ufefftext,label\r\n"fine, and ""moving""",pos\r\n\r\n"two\r\nlines",neg\r\n'
+                                      "plain,pos\n".encode())
+    task = build_task(csv_config(tmp_path, folder))
+    assert task.read("train") == (['fine, and "moving"', "two\nlines", "plain"], ["pos", "neg", "pos"])
+    datasets = task.build_datasets()
+    assert task.classes == ["neg", "pos"] and [s["labels"] for s in datasets["train"]] == [1, 0, 1]
+
+
+FIELD_LIMIT = 131072  # csv.field_size_limit(), unless a program raised it
+BAD_CSV = {  # name: (train.csv, its line, what the message says after `train.csv:LINE: `)
+    "missing label": (b"text,label\na,pos\nno label here\nb,neg\n", 3, "1 field but the header has 2 (text,label); "
+                                                                       "quote a text that holds a comma"),
+    "empty label": (b"text,label\na,pos\nb,neg\nc,\n", 4, "empty label; every row needs one"),
+    "blank label": (b"text,label\na,pos\nb,  \n", 3, "empty label"),
+    "an unquoted comma": (b"text,label\na,pos\nslow, but fine,pos\n", 3, "3 fields but the header has 2"),
+    "a quote never closed": (b'text,label\na,pos\n"never closed,neg\nb,pos\nc,neg\n', 3,
+                             "a quote opened in this row is never closed; close it"),
+    "text after a closing quote": (b'text,label\n"quoted" then not,pos\n', 2,
+                                   "not valid CSV (',' expected after '\"'); quote a text that holds a comma"),
+    "not UTF-8": (b"text,label\na,pos\ncaf\xe9 cr\xe8me,neg\n", 3, "not valid UTF-8 (byte 0xe9 at column 4); "
+                                                                     "the file must be saved as UTF-8"),
+    "a field over the limit": (f"text,label\na,pos\n{'x' * (FIELD_LIMIT + 1)},neg\n".encode(), 3,
+                               f"a field longer than {FIELD_LIMIT} characters: a quote never closed, or a "
+                               "text to cut"),
+    "an unclosed quote before many rows": (b'text,label\n"a,pos\n' + b"more text,neg\n" * 20000, 2,
+                                           "a field longer than"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CSV))
+def test_csv_bad_row_names_file_and_line(tmp_path, name):
+    content, line, says = BAD_CSV[name]
+    folder = csv_data(tmp_path, train=content)
+    with pytest.raises(DataError) as caught:
+        datasets_of(csv_config(tmp_path, folder))
+    message = str(caught.value)
+    assert message.startswith(f"{folder / 'train.csv'}:{line}: {says}"), message
+    assert "\n" not in message and len(message) < 400, message
+
+
+def test_csv_bad_row_in_dev_names_dev(tmp_path):
+    folder = csv_data(tmp_path, dev=b"text,label\ngood,pos\nbad\n")
+    with pytest.raises(DataError, match=re.escape(f"{folder / 'dev.csv'}:3: 1 field but the header has 2")):
+        datasets_of(csv_config(tmp_path, folder))
+
+
+def test_csv_bad_row_through_main_is_one_line_and_exit_2(tmp_path, capsys):
+    import main
+    folder = csv_data(tmp_path, train=b"text,label\na,pos\nb,\n")
+    assert main.run(csv_config(tmp_path, folder)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"error: {folder / 'train.csv'}:3: empty label; every row needs one"], err
