@@ -273,8 +273,10 @@ def summarize(procs, exit_order, first_rank: int, report_dir: str, steps, stuck:
         elif exitcode[p] and exitcode[p] < 0:
             if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
                 continue  # killed by us, after another rank failed
+            # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
+            oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
             code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) died from "
-                                              f"{signal.Signals(-p.exitcode).name} at step {steps[i]}"), ""
+                                              f"{signal.Signals(-p.exitcode).name}{oom} at step {steps[i]}"), ""
         elif exitcode[p]:
             code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} "
                                               f"at step {steps[i]} without a report (see logs/rank{rank}.log)"), ""
