@@ -209,3 +209,21 @@ def test_dev_loss_follows_an_edited_training_loss(tmp_path):
     with torch.no_grad():
         expected = edited_trainer.task.loss_sum(model, batch).item() / 225
     assert edited["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help says what there is to run (issue 23)
+# ---------------------------------------------------------------------------------------------------------------
+def test_help_lists_the_modes_the_presets_and_points_to_parameters_yml():
+    r = subprocess.run([sys.executable, "main.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "--set mode=" in out
+    for mode in ("train", "test", "export"):  # one line per mode, its name first
+        assert re.search(rf"^  {mode} +\S", out, re.M), f"--help does not describe mode {mode}:\n{out}"
+    presets = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith((".yml", ".yaml")))
+    assert presets, "configs/ holds no preset"
+    for name in presets:
+        assert re.search(rf"^  configs/{re.escape(name)}$", out, re.M), f"--help does not list configs/{name}"
+    after_presets = out.split("\n  configs/" + presets[-1])[-1]  # the epilog's pointer, not --params' default
+    assert "parameters.yml" in after_presets and "config.py" in after_presets, out

@@ -1,10 +1,12 @@
 """The tutorial runs as written: every ```bash block of docs/tutorial/NN_*.md, in order, in one bash per chapter,
-with runs/tutorial/, docs/tutorial/img/ and data/ redirected to tmp_path; then what the chapter claims is checked
-on what the commands wrote. And notebooks/inspect_run.ipynb executes (nbclient) on a real run and prints the run's
-own numbers.
+with runs/tutorial/ and data/ redirected to tmp_path; then what the chapter claims is checked on what the commands
+wrote and printed, and the chapter must leave docs/ and notebooks/ as they were (its figures go under
+runs/tutorial/img/; docs/tutorial/img/ is regenerated only when asked). And notebooks/inspect_run.ipynb executes
+(nbclient) on a real run and prints the run's own numbers.
 
 A chapter starts 4 to 10 Python processes (each imports torch) and takes 10-30 s: the chapters and the notebook
 are marked slow (the whole suite runs them; the quick loop checks the index and the task file only)."""
+import hashlib
 import json
 import os
 import re
@@ -18,8 +20,9 @@ from conftest import ROOT, free_port
 TUTORIAL = os.path.join(ROOT, "docs", "tutorial")
 CHAPTERS = sorted(name for name in os.listdir(TUTORIAL) if re.match(r"\d\d_\w+\.md$", name))
 # Paths in the commands that point at what a run writes; rewritten to the test's folder (only where a relative path
-# starts, so docs/tutorial/plots.py stays the repository's).
-REDIRECTED = re.compile(r"(?<![\w/.-])(runs/tutorial|docs/tutorial/img|data)(?=[/\s]|$)")
+# starts, so docs/tutorial/plots.py stays the repository's). docs/tutorial/img is not among them: a chapter that
+# wrote there would dirty the tree, which tree_state catches.
+REDIRECTED = re.compile(r"(?<![\w/.-])(runs/tutorial|data)(?=[/\s]|$)")
 
 
 def script(chapter: str, base) -> str:
@@ -33,14 +36,42 @@ def script(chapter: str, base) -> str:
     return REDIRECTED.sub(lambda m: f"{base}/{m.group(1)}", text)
 
 
-def run_chapter(number: str, base) -> str:
+def tree_state():
+    """`git status` of docs/ and notebooks/ (untracked files included), with the content hash of each file listed:
+    compared before and after a chapter, so edits elsewhere in the checkout (or made before) do not matter. None
+    outside a git checkout."""
+    result = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=all", "--",
+                             "docs", "notebooks"], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        return None
+    state = {}
+    for line in result.stdout.splitlines():
+        path = os.path.join(ROOT, line[3:])
+        state[line] = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else None
+    return state
+
+
+def run_chapter(number: str, base, omp_wait_policy="PASSIVE") -> str:
+    """Run the chapter's commands; `omp_wait_policy=None` runs them as from a shell that does not set it (a
+    reader's), where the test process otherwise passes PASSIVE on."""
     [chapter] = [c for c in CHAPTERS if c.startswith(number + "_")]
-    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_WAIT_POLICY": omp_wait_policy, "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if v is not None and k != "TUTORIAL_IMG_DIR"}  # figures where a reader's go
+    before = tree_state()
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script(chapter, base)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{chapter} failed (exit {result.returncode}):\n{output[-4000:]}"
+    assert tree_state() == before, f"{chapter} changed files of docs/ or notebooks/ (git status):\n{tree_state()}"
     return output
+
+
+def quoted_line(number: str, start: str) -> str:
+    """The one line of chapter `number` that starts with `start`: a line the chapter quotes from a run's output."""
+    [chapter] = [c for c in CHAPTERS if c.startswith(number + "_")]
+    with open(os.path.join(TUTORIAL, chapter)) as f:
+        [line] = [line for line in f.read().splitlines() if line.startswith(start)]
+    return line
 
 
 def last_checkpoint_metrics(run) -> dict:
@@ -60,10 +91,42 @@ def test_every_chapter_has_commands_and_the_index_links_it():
             assert os.path.isfile(os.path.join(TUTORIAL, "img", image)), f"{chapter}: img/{image} is missing"
 
 
+def test_the_chapters_make_their_figures_outside_the_tree_and_img_dir_regenerates_them(tmp_path):
+    """Each figure a chapter shows (img/NAME.png) is made by one of its commands under runs/tutorial/img/ (git-ignored),
+    so that TUTORIAL_IMG_DIR=docs/tutorial/img (or --img-dir) regenerates exactly the figures shown."""
+    for chapter in CHAPTERS:
+        with open(os.path.join(TUTORIAL, chapter)) as f:
+            text = f.read()
+        commands = "\n".join(re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M))
+        shown = set(re.findall(r"\(img/([\w.]+\.png)\)", text))
+        made = set(re.findall(r"plots\.py \w+ runs/tutorial/img/([\w.]+\.png)", commands))
+        assert shown == made, f"{chapter}: shows {sorted(shown)}, its commands make {sorted(made)}"
+        assert not re.search(r"(?<![\w/.-])(docs/(?!tutorial/plots\.py)|notebooks/)", commands), chapter
+    bench = {"model": "tiny", "parameters": 10, "rows": [
+        {"label": "none", "procs": 1, "formula": 16.0, "per_rank": [{"params": 40, "grads": 40, "optimizer": 80}]}]}
+    with open(tmp_path / "memory.json", "w") as f:
+        json.dump(bench, f)
+    env = {k: v for k, v in os.environ.items() if k != "TUTORIAL_IMG_DIR"}
+    env["MPLBACKEND"] = "Agg"
+    plot = [sys.executable, os.path.join(TUTORIAL, "plots.py"), "memory", "runs/tutorial/img/03_memory.png",
+            str(tmp_path / "memory.json")]
+    subprocess.run(plot, cwd=tmp_path, env=env, check=True, capture_output=True)
+    assert (tmp_path / "runs/tutorial/img/03_memory.png").stat().st_size > 0  # by default: OUT as given
+    subprocess.run(plot + ["--img-dir", str(tmp_path / "flag")], cwd=tmp_path, env=env, check=True,
+                   capture_output=True)
+    subprocess.run(plot, cwd=tmp_path, env={**env, "TUTORIAL_IMG_DIR": str(tmp_path / "variable")}, check=True,
+                   capture_output=True)
+    for folder in ("flag", "variable"):  # OUT's file name, in the folder asked for
+        assert (tmp_path / folder / "03_memory.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_01_one_process(tmp_path):
-    out = run_chapter("01", tmp_path)
-    assert (tmp_path / "docs/tutorial/img/01_curves.png").stat().st_size > 0
+    out = run_chapter("01", tmp_path, omp_wait_policy=None)
+    assert (tmp_path / "runs/tutorial/img/01_curves.png").stat().st_size > 0
+    # the plan's CPU line as quoted (its core count is the machine's; OMP_WAIT_POLICY is what one process gets)
+    quoted = quoted_line("01", "  CPU threads per rank ").rsplit(", OMP_WAIT_POLICY ", 1)[1]
+    assert re.search(r"^  CPU threads per rank .*, OMP_WAIT_POLICY (.*)$", out, re.M).group(1) == quoted
     # plots.py printed the last dev accuracy from the event files: the one of the final checkpoint
     printed = float(re.search(r"01-one: .*dev/accuracy=(\S+)", out).group(1))
     assert printed == pytest.approx(last_checkpoint_metrics(tmp_path / "runs/tutorial/01-one")["accuracy"], abs=1e-4)
@@ -78,7 +141,7 @@ def test_02_ddp_equals_one_process(tmp_path):
     diffs = re.findall(r"02-one vs (02-ddp-\S+): largest parameter difference (\S+)", out)
     assert [name for name, _ in diffs] == ["02-ddp-16-16", "02-ddp-24-8"]
     assert all(float(d) < 1e-5 for _, d in diffs), diffs
-    assert (tmp_path / "docs/tutorial/img/02_curves.png").stat().st_size > 0
+    assert (tmp_path / "runs/tutorial/img/02_curves.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -93,7 +156,7 @@ def test_03_memory_matches_the_formulas(tmp_path):
             assert per_param == pytest.approx([row["formula"]] * row["procs"], abs=0.02), row["label"]
         else:  # oss splits whole tensors between ranks: on average the formula
             assert sum(per_param) / len(per_param) == pytest.approx(row["formula"], abs=0.02), row["label"]
-    assert (tmp_path / "docs/tutorial/img/03_memory.png").stat().st_size > 0
+    assert (tmp_path / "runs/tutorial/img/03_memory.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -103,7 +166,7 @@ def test_04_mixed_precision(tmp_path):
     assert accuracy["fp32"] > 0.7
     assert abs(accuracy["bf16"] - accuracy["fp32"]) < 0.1 and abs(accuracy["fp16"] - accuracy["fp32"]) < 0.1
     for name in ("04_curves.png", "04_throughput.png"):
-        assert (tmp_path / "docs/tutorial/img" / name).stat().st_size > 0
+        assert (tmp_path / "runs/tutorial/img" / name).stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -116,7 +179,7 @@ def test_05_two_nodes_and_balancing(tmp_path):
         fast, slow = map(int, re.search(r"batch per rank \[(\d+), (\d+)\]", f.read()).groups())
     assert fast + slow == 256 and fast > slow  # rank 1 is twice as slow: it gets less
     assert re.search(r"05-auto: \d+ samples/s", out)
-    assert (tmp_path / "docs/tutorial/img/05_throughput.png").stat().st_size > 0
+    assert (tmp_path / "runs/tutorial/img/05_throughput.png").stat().st_size > 0
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +202,14 @@ def test_06_resume_is_exact_and_test_mode(resumed_run):
 
 @pytest.mark.slow
 def test_07_own_task(tmp_path):
-    run_chapter("07", tmp_path)
+    out = run_chapter("07", tmp_path)
+    assert quoted_line("07", "  task ") in out.splitlines()  # the plan's task line, as the chapter quotes it
     run = tmp_path / "runs/tutorial/07-reviews"
     with open(run / "test_results.json") as f:
         assert json.load(f)["metrics"]["accuracy"] > 0.9
     with open(run / "config.yml") as f:
         assert "csv_text" in f.read()
-    assert (tmp_path / "docs/tutorial/img/07_curves.png").stat().st_size > 0
+    assert (tmp_path / "runs/tutorial/img/07_curves.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -158,7 +222,7 @@ def test_08_pipeline_equals_one_process_and_carries_on_under_fsdp(tmp_path):
     assert all(float(d) < 1e-5 for _, d in diffs), diffs
     with open(tmp_path / "runs/tutorial/08-switch/checkpoints/step-60/meta.json") as f:
         assert json.load(f)["format"] == "sharded-dcp"  # the last steps ran under fsdp
-    assert (tmp_path / "docs/tutorial/img/08_curves.png").stat().st_size > 0
+    assert (tmp_path / "runs/tutorial/img/08_curves.png").stat().st_size > 0
 
 
 def test_the_task_file_is_under_60_lines_with_its_edit_places():

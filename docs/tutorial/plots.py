@@ -8,6 +8,10 @@
 A RUN is an output_dir; its label in a figure is its folder name. `compare` prints the largest difference between
 the final parameters of the first run and each other one (a run's newest complete checkpoint, or a checkpoint
 folder). notebooks/inspect_run.ipynb imports the same functions.
+
+The chapters write their figures under runs/tutorial/img/ (git-ignored). `--img-dir DIR` (or the environment
+variable TUTORIAL_IMG_DIR=DIR) writes OUT's file name into DIR instead: `--img-dir docs/tutorial/img` regenerates
+the figures the chapters show.
 """
 from __future__ import annotations
 
@@ -164,19 +168,26 @@ def throughput(out: str, runs: list[str]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("curves")
+    # Only an explicit flag or variable writes into the tracked docs/tutorial/img/: following the chapters leaves
+    # the git tree as it was.
+    img = argparse.ArgumentParser(add_help=False)
+    img.add_argument("--img-dir", default=os.environ.get("TUTORIAL_IMG_DIR") or None, metavar="DIR",
+                     help="write OUT's file name into DIR (default: $TUTORIAL_IMG_DIR, else OUT as given)")
+    p = sub.add_parser("curves", parents=[img])
     p.add_argument("out")
     p.add_argument("runs", nargs="+")
     p.add_argument("--tags", nargs="+", default=["train/loss", "dev/accuracy"])
     p = sub.add_parser("compare")
     p.add_argument("paths", nargs="+")
-    p = sub.add_parser("memory")
+    p = sub.add_parser("memory", parents=[img])
     p.add_argument("out")
     p.add_argument("json")
-    p = sub.add_parser("throughput")
+    p = sub.add_parser("throughput", parents=[img])
     p.add_argument("out")
     p.add_argument("runs", nargs="+")
     args = ap.parse_args()
+    if getattr(args, "img_dir", None):
+        args.out = os.path.join(args.img_dir, os.path.basename(args.out))
     if "MPLBACKEND" not in os.environ:
         import matplotlib
         matplotlib.use("Agg")  # from the command line: files only, no window
