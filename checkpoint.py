@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import uuid
 from typing import Callable, Optional
 
@@ -222,8 +223,18 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes durable what every rank wrote (all have finished: write() waited for them), meta.json last.
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    if os.path.exists(final):  # the same step saved again (e.g. right after a resume): keep the old one
-        shutil.rmtree(tmp)
+    if os.path.lexists(final):
+        # The same step saved again (a stop right after a resume): the new files replace the old ones, so "saved"
+        # is always true of what is on disk. The old one is first renamed to a temporary name, which the next
+        # run's clean_stale removes if we die before the rmtree below.
+        old = os.path.join(os.path.dirname(final), f".tmp-step-{os.path.basename(final)[5:]}-replaced-"
+                                                    f"{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        durable_rename(tmp, final)
+        if os.path.islink(old):
+            os.unlink(old)
+        else:
+            shutil.rmtree(old)
         return
     durable_rename(tmp, final)
 
@@ -383,7 +394,7 @@ def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
         return path
     if skipped:  # nothing to fall back to: the newest one's reason, and how to start over
         older = "no older checkpoint loads either" if len(skipped) > 1 else "there is no older checkpoint"
-        raise CheckpointError(f"{why[0]}; {older} (to start over, set train.resume: false or use another "
+        raise CheckpointError(f"{why[0]}; {older} (to start over, set train.start_over: true or use another "
                               "output_dir)")
     return None
 
@@ -456,13 +467,49 @@ def _settings_changed(path: str, cfg) -> str:
         saved = read_meta(path).get("config")
     except CheckpointError:  # no (readable) meta.json: nothing to compare with
         return ""
-    saved = saved if isinstance(saved, dict) else {}
-    saved_model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
-    now = cfg.to_dict()
-    diffs = [f"task={saved['task']!r} (now {now['task']!r})"] if saved.get("task", now["task"]) != now["task"] else []
-    diffs += [f"model.{k}={v!r} (now {now['model'][k]!r})" for k, v in saved_model.items()
-              if k in now["model"] and v != now["model"][k]]
+    diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
+
+
+# What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which the Trainer
+# compares): settings that only change speed or memory are left out.
+RESULT_SETTINGS = ("task", "seed", "model", "data")
+NOT_RESULT = {"model.activation_checkpointing", "data.num_workers", "data.download"}
+
+
+def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS) -> list[str]:
+    """["seed=1 (now 2)", "model.hidden=128 (now 64)"]: the settings among `keys` (a top-level key, or a whole
+    section) where the config `saved` with a checkpoint differs from `now`. Keys the saved one lacks are skipped."""
+    diffs = []
+    for key in keys:
+        if key not in saved:
+            continue
+        if isinstance(now[key], dict):
+            was = saved[key] if isinstance(saved[key], dict) else {}
+            diffs += [f"{key}.{k}={was[k]!r} (now {v!r})" for k, v in now[key].items()
+                      if k in was and was[k] != v and f"{key}.{k}" not in NOT_RESULT]
+        elif saved[key] != now[key]:
+            diffs.append(f"{key}={saved[key]!r} (now {now[key]!r})")
+    return diffs
+
+
+RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml")  # and *_results.json
+
+
+def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
+    """train.start_over: move what the previous run left in output_dir (checkpoints, TensorBoard files, results,
+    config; its logs stay, and say so) into output_dir/replaced-<date>-<time>/. Returns the names moved and where.
+    Only these known names are touched: output_dir may be a folder that holds other things too."""
+    names = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+    names += sorted(n for n in os.listdir(output_dir) if n.endswith("_results.json"))
+    if not names:
+        return [], None
+    aside = _unused(os.path.join(output_dir, time.strftime("replaced-%Y%m%d-%H%M%S")))
+    os.makedirs(aside)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    _fsync(output_dir)
+    return names, aside
 
 
 def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:

@@ -137,7 +137,15 @@ class TrainConfig:
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
     resume: Union[str, bool] = "auto"
     """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
-    checkpoint. false: start fresh (existing checkpoints of output_dir are left alone, new ones added)."""
+    checkpoint. false: start fresh, in an output_dir without checkpoints (one folder holds one run: into a folder
+    with another run's checkpoints it is refused; see start_over)."""
+    start_over: bool = False
+    """Start a new run in an output_dir that holds another run: its checkpoints, TensorBoard files, results and
+    config are first moved aside into output_dir/replaced-<date>-<time>/ (nothing is deleted). A one-off: give it
+    on the command line (`--set train.start_over=true`), or every run of that command starts over."""
+    resume_changed: bool = False
+    """Resume even though the checkpoint's run differs from this one in what changes the result (task, seed,
+    model.*, data.*, the global batch): the differences are then a warning. false: they are refused, listed."""
     patience: int = 0
     """Early stopping: stop after this many evaluations without improvement of best_metric. 0: never."""
     best_metric: Optional[str] = None

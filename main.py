@@ -55,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    keys = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in args.set}
+    if keys.get("train.max_steps", "0") != "0" and "train.epochs" not in keys:
+        # A length typed on the command line is the length wanted; the file's epochs must not end the run first.
+        args.set.append("train.epochs=0")
+        print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
+              f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
     try:
         cfg = load_config(args.params, args.set)
     except UserError as e:
@@ -76,6 +82,9 @@ def run(cfg: Config) -> int:
     env = launcher_env()
     try:
         check_output_dir(cfg.output_dir)
+        first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
+        if cfg.mode == "train" and first:
+            lock = hold_output_dir(cfg.output_dir)  # noqa: F841 (held until this process ends)
         if env is None:
             check_port_free(cfg)
     except UserError as e:
@@ -128,6 +137,28 @@ def check_output_dir(path: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"output_dir {path!r} is not a writable directory ({e.strerror})") from None
+
+
+def hold_output_dir(path: str):
+    """One run per output_dir: an exclusive lock on output_dir/.lock for as long as this process lives (the
+    kernel drops it when the process ends, however it ends, so a lock is never stale). A second run is refused
+    in one line naming the holder; two runs in one folder would resume, save and prune each other's steps."""
+    import fcntl
+    import socket
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"output_dir {path!r} is in use by another run ({holder}); wait for it to end, or use "
+                        "another output_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
 
 
 def check_port_free(cfg: Config) -> None:

@@ -165,6 +165,7 @@ class Trainer:
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.close()
+        self.summary()
         return metrics
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
@@ -243,11 +244,15 @@ class Trainer:
     def already_complete(self) -> bool:
         """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
         s, t = self.state, self.t
-        done = s.step >= self.total_steps or bool(t.patience and s.evals_without_improvement >= t.patience)
-        if done and s.step > 0:
-            self.log.info(f"already complete at step {s.step} ({checkpoint.latest(self.cfg.output_dir)}): nothing "
-                          f"to do; use another output_dir or train.resume=false")
-        return done and s.step > 0
+        stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
+        done = s.step > 0 and (s.step >= self.total_steps or stopped_early)
+        if done:
+            why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
+                   f"this run ends at step {self.total_steps} ({self.length_note})")
+            self.log.info(f"already complete at step {s.step} ({checkpoint.latest(self.cfg.output_dir)}): {why}; "
+                          "nothing to do. To train longer raise train.max_steps or train.epochs; for a new run use "
+                          "another output_dir or --set train.start_over=true")
+        return done
 
     # ================================================================================================
     # Evaluation
@@ -339,9 +344,11 @@ class Trainer:
                 continue
             results[split] = self.evaluate(split)
             if self.ctx.is_main:
-                with open(os.path.join(cfg.output_dir, f"{split}_results.json"), "w") as f:
+                where = os.path.join(cfg.output_dir, f"{split}_results.json")
+                with open(where, "w") as f:
                     json.dump({"checkpoint": os.path.abspath(path), "split": split, "metrics": results[split]},
                               f, indent=2)
+                self.log.info(f"wrote {where}")
         return results
 
     # ================================================================================================
@@ -381,10 +388,24 @@ class Trainer:
     def resume(self) -> None:
         """Continue from a checkpoint (train.resume): `auto` takes the newest one that loads on every rank,
         skipping (with a warning) any that cannot be read; an explicit path loads that one or stops."""
+        out, refusal = self.cfg.output_dir, None
         if self.ctx.is_main:  # left by a save or prune that was killed; nothing reads them, they only take space
-            for path in checkpoint.clean_stale(self.cfg.output_dir):
+            for path in checkpoint.clean_stale(out):
                 self.log.info(f"removed {path}: left by an interrupted save or prune")
-        D.barrier(self.ctx)
+            if self.t.start_over:
+                moved, aside = checkpoint.move_run_aside(out)
+                if moved:
+                    self.log.info(f"start over: moved the previous run's {', '.join(moved)} aside to {aside}")
+            elif self.t.resume is False and checkpoint.latest(out):
+                # Starting fresh beside another run's checkpoints would mix two runs in one folder: test mode and
+                # resume would pick whichever checkpoint is best or newest, from either run.
+                refusal = (f"{os.path.abspath(out)} holds another run (latest {checkpoint.latest(out)}) and "
+                           "train.resume is false: one folder holds one run; resume it (train.resume=auto), use "
+                           "another output_dir, or start over with --set train.start_over=true (moves the old run "
+                           "aside)")
+        refusal = D.broadcast_object(self.ctx, refusal)
+        if refusal:
+            raise CheckpointError(refusal)
 
         def load(path: str) -> None:
             # Everything that may fail is read and checked before the run's state changes, except model and
@@ -400,7 +421,7 @@ class Trainer:
             if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
                 raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is "
                                       f"{self.t.optimizer}; resume with {was}, or start over with "
-                                      "train.resume: false")
+                                      "train.start_over: true")
             try:
                 state = TrainState(**meta["state"])
             except TypeError as e:
@@ -408,6 +429,7 @@ class Trainer:
             extra = checkpoint.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
             with checkpoint.fits_model(path, self.cfg):
                 self.par.load(path)
+            self.check_same_run(path, meta)
             self.scheduler.load_state_dict(extra["scheduler"])
             for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
@@ -422,7 +444,7 @@ class Trainer:
             if len(extra["rng"]) == self.ctx.world_size:
                 set_rng_state(extra["rng"][self.ctx.rank])
 
-        r = self.t.resume
+        r = False if self.t.start_over else self.t.resume
         if r == "auto":
             path = checkpoint.load_newest(self.cfg.output_dir, self.ctx, load, self.log.warning)
         elif r:  # an explicit path never falls back to another checkpoint
@@ -435,6 +457,26 @@ class Trainer:
             self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
                           f"batch {self.state.batch_in_epoch})")
             self.schedule_changes(self.resumed_train)
+
+    def check_same_run(self, path: str, meta: dict) -> None:
+        """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task,
+        seed, model, data, global batch) would silently make a run that is neither: refused with the differences
+        listed, unless train.resume_changed says that is what is wanted."""
+        saved = meta.get("config") or {}
+        diffs = checkpoint.differences(saved, self.cfg.to_dict())
+        sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
+        if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
+            was, now = sum(sizes) * accum, sum(self.batch_sizes) * self.t.grad_accum_steps
+            if was != now:
+                diffs.append(f"global batch {was} (now {now})")
+        if not diffs:
+            return
+        if not self.t.resume_changed:
+            raise CheckpointError(f"{path} was written by another run: {', '.join(diffs)}; use another output_dir, "
+                                  "start over (--set train.start_over=true), or resume it anyway "
+                                  "(--set train.resume_changed=true)")
+        self.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} "
+                         "(train.resume_changed)")
 
     def schedule_changes(self, saved: dict) -> None:
         """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the
@@ -450,7 +492,7 @@ class Trainer:
         for group, factor in zip(self.par.optimizer.param_groups, sched.lr_lambdas):
             group["initial_lr"], group["lr"] = self.t.lr, self.t.lr * factor(sched.last_epoch)
         self.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
-                         f"{self.state.step} on (now {self.total_steps} steps in all)")
+                         f"{self.state.step} on (now {self.total_steps} steps in all: {self.length_note})")
 
     # ================================================================================================
     # Data
@@ -499,9 +541,19 @@ class Trainer:
                                   drop_last=self.par.pipelined)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:
-        per_epoch = self.sampler.batches_per_epoch() / self.t.grad_accum_steps
-        from_epochs = math.ceil(self.t.epochs * per_epoch) if self.t.epochs else None
-        return min(s for s in (self.t.max_steps or None, from_epochs) if s is not None)
+        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
+        which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
+        t = self.t
+        per_epoch = self.sampler.batches_per_epoch() / t.grad_accum_steps
+        from_epochs = math.ceil(t.epochs * per_epoch) if t.epochs else None
+        limits = [(n, f"{key}={value:g}") for n, key, value in ((from_epochs, "epochs", t.epochs),
+                                                                (t.max_steps or None, "max_steps", t.max_steps))
+                  if n is not None]
+        total, first = min(limits)
+        others = [what for n, what in limits if what != first]
+        verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
+        self.length_note = first + (f" {verb} {others[0]}" if others else "")
+        return total
 
     # ================================================================================================
     # Logging
@@ -510,8 +562,8 @@ class Trainer:
         if not self.ctx.is_main:
             return
         cfg = self.cfg
-        with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:
-            f.write(dump_yaml(cfg))
+        with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:  # start_over: this start's, not the run's
+            f.write(dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
@@ -533,8 +585,8 @@ class Trainer:
             f"  batch per {'pipeline' if self.par.pipelined else 'rank'} {self.batch_sizes} x {t.grad_accum_steps} "
             f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
             *([f"  {self.balance_note}"] if self.balance_note else []),
-            f"  {self.total_steps} optimizer steps ({self.sampler.batches_per_epoch()} micro-batches per epoch), "
-            f"starting at step {self.state.step}",
+            f"  {self.total_steps} optimizer steps: {self.length_note} ({self.sampler.batches_per_epoch()} "
+            f"micro-batches per epoch), starting at step {self.state.step}",
             f"  output {os.path.abspath(cfg.output_dir)}",
         ])
 
@@ -562,6 +614,25 @@ class Trainer:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
+
+    def summary(self) -> None:
+        """The run's last lines (rank 0): what it did, where its files are, and what to run next."""
+        if not self.ctx.is_main:
+            return
+        out, s = self.cfg.output_dir, self.state
+        best = (f"best dev {self.best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
+                else "no dev result")
+        params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
+        lines = [f"done: {s.step} steps; {best}",
+                 f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out)})",
+                 f"  logs         {os.path.join(out, 'logs')}"]
+        if self.cfg.log.tensorboard:
+            lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+        lines += [f"  test         python main.py --params {params} --set mode=test",
+                  f"  export       python main.py --params {params} --set mode=export"]
+        if self.cfg.task == "gpt2_lm":
+            lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
+        self.log.info("\n".join(lines))
 
 
 EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive

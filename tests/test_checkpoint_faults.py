@@ -230,7 +230,7 @@ def test_no_checkpoint_loads_is_a_one_line_error(reference, tmp_path, capsys):
     assert run(tmp_path) == 2
     err = errors(capsys)
     assert err == [f"error: {ckpt(tmp_path, 2)}/state.pt: empty (0 bytes); no older checkpoint loads either (to "
-                   "start over, set train.resume: false or use another output_dir)"]
+                   "start over, set train.start_over: true or use another output_dir)"]
     assert f"skipping {ckpt(tmp_path, 1)}, which cannot be loaded: {ckpt(tmp_path, 1)}/model.pt: empty" in \
         rank_log(tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-1", "step-2"]  # nothing moved or deleted

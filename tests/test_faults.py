@@ -279,8 +279,10 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     before = sorted(os.listdir(tmp_path / "checkpoints"))
     capsys.readouterr()
     assert main.run(cfg) == 0
-    assert (f"already complete at step 3 ({tmp_path}/checkpoints/step-3): nothing to do; use another output_dir "
-            f"or train.resume=false") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (f"already complete at step 3 ({tmp_path}/checkpoints/step-3): this run ends at step 3 (max_steps=3 "
+            "ends before epochs=") in out
+    assert "another output_dir or --set train.start_over=true" in out
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 

@@ -284,7 +284,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     ({"model": {"channels": 8}, "mode": "test"},
      ["does not fit this model: size mismatch for conv1.weight", "saved with model.channels=32 (now 8)"]),
     ({"train": {"optimizer": "sgd"}, "mode": "train"},
-     ["holds adamw optimizer state, but train.optimizer is sgd", "train.resume: false"]),
+     ["holds adamw optimizer state, but train.optimizer is sgd", "train.start_over: true"]),
 ])
 def test_checkpoint_of_another_model_is_a_one_line_error(tmp_path, capsys, change, words):
     """Resume or test with a changed model/optimizer setting: one line naming the checkpoint and the setting,

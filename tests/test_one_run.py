@@ -1,0 +1,146 @@
+"""One output_dir holds one run (issue 23 item 1, issue 20's lock): a fresh start into a folder with another run's
+checkpoints is refused unless asked to start over (then the old run is moved aside, and test mode scores the new
+model); a checkpoint whose run differs in what changes the result is refused with the differences listed; a step
+saved again replaces the old files; a second run on a folder in use is refused. And a run says which limit ends it
+and ends with a summary whose commands work (items 2 and 3)."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import ROOT, make_config
+
+import checkpoint
+import main
+from distributed import DistContext
+
+TRAIN = {"max_steps": 6, "epochs": 0, "eval_every": 3, "save_every": 3, "log_every": 3}
+
+
+def run(out, train=None, **sections) -> int:
+    return main.run(make_config(out, train={**TRAIN, **(train or {})}, **sections))
+
+
+def md5(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.md5(f.read()).hexdigest()
+
+
+def errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_a_fresh_start_into_another_runs_folder_is_refused_or_starts_over(tmp_path, capsys):
+    """The issue's two commands: the default job, then the same with resume=false and another lr. It used to print
+    'saved step-N' while keeping the old model.pt, and test mode scored the old model."""
+    assert run(tmp_path) == 0
+    old = md5(tmp_path / "checkpoints/step-6/model.pt")
+    capsys.readouterr()
+    assert run(tmp_path, train={"resume": False, "lr": 1e-4}) == 2
+    assert errors(capsys) == [f"error: {tmp_path} holds another run (latest {tmp_path}/checkpoints/step-6) and "
+                              "train.resume is false: one folder holds one run; resume it (train.resume=auto), use "
+                              "another output_dir, or start over with --set train.start_over=true (moves the old "
+                              "run aside)"]
+    assert md5(tmp_path / "checkpoints/step-6/model.pt") == old  # untouched
+
+    assert run(tmp_path, train={"start_over": True, "lr": 1e-4}) == 0
+    out = capsys.readouterr().out
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("replaced-")]
+    assert len(aside) == 1 and f"moved the previous run's checkpoints, config.yml aside to {tmp_path / aside[0]}" in out
+    assert md5(tmp_path / aside[0] / "checkpoints/step-6/model.pt") == old  # nothing was deleted
+    assert md5(tmp_path / "checkpoints/step-6/model.pt") != old  # the new run's bytes
+    assert "start_over: false" in (tmp_path / "config.yml").read_text()  # a one-off, not a setting of the run
+
+    # Test mode scores the new model: its dev result is the one the new run logged at its best step.
+    assert main.main(["--params", str(tmp_path / "config.yml"), "--set", "mode=test"]) == 0
+    result = json.loads((tmp_path / "dev_results.json").read_text())
+    best = checkpoint.read_meta(str(tmp_path / "checkpoints/step-6"))["state"]["best_step"]
+    assert result["checkpoint"] == str(tmp_path / f"checkpoints/step-{best}")
+    logged = checkpoint.read_meta(result["checkpoint"])["metrics"]
+    assert abs(result["metrics"]["loss"] - logged["loss"]) < 1e-6 and result["metrics"]["accuracy"] == logged["accuracy"]
+    assert f"wrote {tmp_path}/dev_results.json" in capsys.readouterr().out
+
+
+def test_resuming_another_runs_checkpoint_lists_the_differences(tmp_path, capsys):
+    assert run(tmp_path, train={"max_steps": 3}) == 0
+    capsys.readouterr()
+    assert run(tmp_path, seed=3, model={"dropout": 0.0}) == 2
+    assert errors(capsys) == [f"error: {tmp_path}/checkpoints/step-3 was written by another run: seed=42 (now 3), "
+                              "model.dropout=0.25 (now 0.0); use another output_dir, start over (--set "
+                              "train.start_over=true), or resume it anyway (--set train.resume_changed=true)"]
+    assert run(tmp_path, train={"batch_size": 16}) == 2
+    assert "global batch 32 (now 16)" in errors(capsys)[0]
+    # lr and length may change (extending a run is common): a warning, not a refusal; speed-only settings too.
+    assert run(tmp_path, train={"lr": 5e-4}, model={"activation_checkpointing": False}) == 0
+    assert "resuming with train.lr 0.001 -> 0.0005" in capsys.readouterr().out
+    # An explicit yes: resumed, the differences said once.
+    assert run(tmp_path, seed=3, train={"max_steps": 9, "resume_changed": True}) == 0
+    out = capsys.readouterr().out
+    assert "written by a run that differs: seed=42 (now 3) (train.resume_changed)" in out
+    assert checkpoint.latest(str(tmp_path)).endswith("step-9")
+
+
+def test_a_step_saved_again_replaces_the_old_files(tmp_path):
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+    for value in (1.0, 2.0):
+        path = checkpoint.write(str(tmp_path), 5, ctx, lambda d, v=value: torch.save({"w": torch.tensor(v)},
+                                                                                   os.path.join(d, "model.pt")),
+                                {"step": 5, "state": {}})
+        assert torch.load(os.path.join(path, "model.pt"))["w"].item() == value
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-5"]  # the old copy is gone, nothing left over
+
+
+def test_the_plan_says_which_limit_ends_the_run(tmp_path, capsys):
+    # digits: 1272 samples, batch 32 -> 40 batches an epoch; epochs=1 ends before max_steps=1000.
+    assert run(tmp_path, train={"epochs": 1, "max_steps": 1000, "eval_every": 0, "save_every": 0}) == 0
+    assert "  40 optimizer steps: epochs=1 ends before max_steps=1000 (40 micro-batches per epoch)" in \
+        capsys.readouterr().out
+    # --set train.max_steps alone on the command line makes it the limit, and says so; resuming extends the run.
+    params = tmp_path / "config.yml"
+    assert main.main(["--params", str(params), "--set", "train.max_steps=50"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --set train.max_steps=50 without train.epochs: the run lasts 50 steps" in out
+    assert "(now 50 steps in all: max_steps=50)" in out and "already complete" not in out
+    assert checkpoint.latest(str(tmp_path)).endswith("step-50")
+    # Run again: complete, and the message says why, consistently with the plan.
+    assert main.main(["--params", str(params), "--set", "train.max_steps=50"]) == 0
+    assert f"already complete at step 50 ({tmp_path}/checkpoints/step-50): this run ends at step 50 " \
+           "(max_steps=50)" in capsys.readouterr().out
+
+
+def test_a_run_ends_with_a_summary_whose_commands_work(tmp_path, capsys):
+    assert run(tmp_path, log={"tensorboard": True}) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("done: 6 steps; best dev accuracy="):].splitlines()
+    assert summary[1] == f"  checkpoints  {tmp_path}/checkpoints (best: {checkpoint.best(str(tmp_path))})"
+    assert summary[3] == f"  tensorboard  tensorboard --logdir {tmp_path}/tensorboard"
+    commands = {line.split()[0]: line.split(None, 1)[1] for line in summary[4:6]}
+    assert commands["test"] == f"python main.py --params {tmp_path}/config.yml --set mode=test"
+    for mode, wrote in (("test", "test_results.json"), ("export", "export")):
+        argv = commands[mode].split()[2:]
+        assert main.main(argv) == 0
+        assert os.path.exists(tmp_path / wrote)
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, main; lock = main.hold_output_dir(sys.argv[1]);"
+                               " print('held', flush=True); time.sleep(60)", str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        held_by = (tmp_path / ".lock").read_text().strip()
+        assert held_by.startswith(f"pid {holder.pid} on {os.uname().nodename}, started ")
+        started = time.time()
+        assert run(tmp_path) == 2
+        assert errors(capsys) == [f"error: output_dir {str(tmp_path)!r} is in use by another run ({held_by}); wait "
+                                  "for it to end, or use another output_dir"]
+        assert time.time() - started < 5 and not os.path.exists(tmp_path / "checkpoints")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(tmp_path) == 0  # the lock ends with its process, however it ended: never stale
+
