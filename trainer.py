@@ -22,6 +22,7 @@ import torch
 
 import balance
 import checkpoint
+import checkpoint_io
 import distributed as D
 import faults
 from config import Config, CheckpointError, ConfigError, dump_yaml
@@ -334,7 +335,7 @@ class Trainer:
         path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
         if path is None:
             raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-        checkpoint.load_model(self.par.raw_model, path, cfg)
+        checkpoint_io.load_model(self.par.raw_model, path, cfg)
         self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
         self.log.info(f"testing {path}")
         results = {}
@@ -426,8 +427,8 @@ class Trainer:
                 state = TrainState(**meta["state"])
             except TypeError as e:
                 raise checkpoint.Unloadable(f"{path}/meta.json: unreadable (`state`: {e})") from None
-            extra = checkpoint.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
-            with checkpoint.fits_model(path, self.cfg):
+            extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
+            with checkpoint_io.fits_model(path, self.cfg):
                 self.par.load(path)
             self.check_same_run(path, meta)
             self.scheduler.load_state_dict(extra["scheduler"])
