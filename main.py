@@ -384,7 +384,8 @@ def worker(cfg: Config, launch: Launch) -> int:
     try:
         import distributed as D
         from tasks import build_task
-        from trainer import Trainer, setup_logging
+        from run_log import setup_logging
+        from trainer import Trainer
 
         log = report.log = setup_logging(cfg.output_dir, rank)
         log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {launch.local_rank} of "

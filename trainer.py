@@ -1,19 +1,16 @@
 """The Trainer: train / eval / checkpoint / test, for any Task under any strategy.
 
-Read `train()` first: it is the whole loop. Everything else is a helper it calls.
+Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and
+records (log lines, progress bars, TensorBoard, profiles) is written by run_log.py.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import random
-import sys
-import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
@@ -25,9 +22,11 @@ import checkpoint
 import checkpoint_io
 import distributed as D
 import faults
-from config import Config, CheckpointError, ConfigError, dump_yaml
+import run_log
+from config import Config, CheckpointError, ConfigError, procs_per_node_list
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from strategies import STRATEGIES
+from run_log import EvalProgress, StepProfiler, Window, setup_logging
+import strategies
 from strategies.base import checkpoint_blocks
 from tasks.base import Task
 
@@ -61,12 +60,6 @@ def bf16_supported(ctx: D.DistContext) -> bool:
     return ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 class Trainer:
     def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
         # train.precision `auto` becomes what this device computes fast in, once, before anything reads it.
@@ -78,21 +71,17 @@ class Trainer:
 
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
-        model = task.build_model()
-        if cfg.dist.strategy != "pipe":  # pipe moves only this rank's stages to the device (strategies/pipeline.py)
-            model = model.to(ctx.device)
+        model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
         if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
             if not checkpoint_blocks(model):
                 raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
                                   "recompute (no nn.ModuleList of layers); set it to false")
-        if cfg.dist.strategy == "pipe":  # cuts the model into the task's chain of layers (strategies/pipeline.py)
-            self.par = STRATEGIES["pipe"](model, cfg, ctx, task, self.datasets["train"])
-        else:
-            self.par = STRATEGIES[cfg.dist.strategy](model, cfg, ctx)
+        self.par = strategies.apply(model, cfg, ctx, task, self.datasets["train"])  # dist.strategy (and dist.tp)
         if self.t.compile and cfg.mode == "train":
             self.par.compile()  # the first steps (and each new input shape) pay the compilation
-        # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should).
-        seed_everything(cfg.seed + ctx.rank)
+        # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;
+        # the ranks of a tp group share one, see Parallel.seed_rank).
+        seed_everything(cfg.seed + self.par.seed_rank)
 
         train_set = self.datasets["train"]
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
@@ -178,24 +167,14 @@ class Trainer:
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
         # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit, see faults.py), so every rank learns of a stop in the same step, for free.
-        n = sum(self.task.count(b) for b in batches) if par.counts_batch else 0  # pipe: one rank per pipeline
+        n = sum(self.task.count(b) for b in batches) if par.counts_batch else 0  # one rank per replica counts
         local = torch.tensor([float(n), faults.stop_request.vote()])
         counts = D.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
-        scale = par.grad_replicas / count  # grad_replicas: the world size, or the pipelines under pipe
-        loss_total = torch.zeros((), device=ctx.device)
-        for i, batch in enumerate(batches):
-            batch = self.to_device(batch)
-            if par.pipelined:  # pipe: the schedule runs forward and backward of the batch's micro-batches
-                loss_total += par.step(self.task, batch, scale, self.autocast)
-                continue
-            sync = contextlib.nullcontext() if i == len(batches) - 1 else par.no_sync()
-            with sync, balance.slowdown(self.cfg, ctx, par.raw_model):  # gradients sync on the last one only
-                with self.autocast():
-                    loss_sum = self.task.loss_sum(par.model, batch)
-                loss = loss_sum.float() * scale
-                (par.scaler.scale(loss) if par.scaler else loss).backward()
-            loss_total += loss_sum.detach().float()
+        scale = par.grad_replicas / count  # grad_replicas: the ranks (pipelines, tp groups) gradients average over
+        # -----> the forward and backward of each micro-batch: Parallel.forward_backward (strategies/base.py)
+        loss_total = par.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast,
+                                          lambda model: balance.slowdown(self.cfg, ctx, model))
         if par.scaler:
             par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
         grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)  # global: equal on every rank
@@ -266,7 +245,7 @@ class Trainer:
             return {}
         # Replicated strategies evaluate the plain module; sharded ones must go through the wrapper, and then
         # every rank runs the same number of forward passes (extra ones on a dummy batch, results dropped).
-        model = self.par.model if self.par.eval_lockstep else self.par.raw_model
+        model = self.par.eval_model
         was_training = model.training
         model.eval()
         par = self.par
@@ -276,7 +255,7 @@ class Trainer:
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
             faults.progress.at(self.state.step, "eval")  # the watchdog sees evaluation advance
-            out = self.eval_batch(model, self.to_device(batch))
+            out = self.par.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
                 if v.dim() == 0:
@@ -287,7 +266,7 @@ class Trainer:
             most = len(eval_batches(len(dataset), 0, par.data_world, self.t.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
-                self.eval_batch(model, dummy)
+                self.par.eval_batch(self.task, dummy, self.autocast)
         local = {k: v.item() for k, v in sums.items()}
         local.update({k: torch.cat(v).cpu().numpy() for k, v in arrays.items()})
         totals = {}
@@ -305,12 +284,6 @@ class Trainer:
                 for k, v in metrics.items():
                     self.tb.add_scalar(f"{split}/{k}", v, self.state.step)
         return metrics
-
-    def eval_batch(self, model, batch: dict) -> dict:
-        if self.par.pipelined:  # pipe: the batch goes through the stages; the last stage's rank gets the results
-            return self.par.eval_batch(self.task, batch, self.autocast)
-        with self.autocast():
-            return self.task.eval_batch(model, batch)
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
@@ -431,7 +404,7 @@ class Trainer:
             with checkpoint_io.fits_model(path, self.cfg):
                 self.par.load(path)
             self.check_same_run(path, meta)
-            self.scheduler.load_state_dict(extra["scheduler"])
+            self.scheduler.load_state_dict(per_group(extra["scheduler"], len(self.par.optimizer.param_groups)))
             for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
             if self.par.scaler and extra["scaler"]:
@@ -520,7 +493,7 @@ class Trainer:
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.t.batch_size
         if b == "auto":  # an equal split until balance_batches() has measured the ranks
-            unit = self.cfg.dist.pp_microbatches if self.par.pipelined else 1  # pipe: whole micro-batch sets
+            unit = self.par.batch_unit  # pipe: whole sets of micro-batches
             return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
                                                          [1] * self.par.data_world, minimum=1)]
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
@@ -539,7 +512,7 @@ class Trainer:
         train_set = self.datasets["train"]
         return GlobalBatchSampler(len(train_set), self.batch_sizes, self.par.data_rank, self.cfg.seed,
                                   shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths,
-                                  drop_last=self.par.pipelined)  # pipe: a smaller last batch cannot go through
+                                  drop_last=self.par.drop_last)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:
         """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
@@ -557,24 +530,16 @@ class Trainer:
         return total
 
     # ================================================================================================
-    # Logging
+    # What the run shows (the lines, bars and traces themselves: run_log.py)
     # ================================================================================================
     def start_logging(self) -> None:
-        if not self.ctx.is_main:
-            return
-        cfg = self.cfg
-        with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:  # start_over: this start's, not the run's
-            f.write(dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
-        if cfg.log.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-        self.log.info(self.plan())
+        """Rank 0: config.yml, TensorBoard and the plan (run_log.start)."""
+        if self.ctx.is_main:
+            self.tb = run_log.start(self.cfg, self.log, self.plan())
 
     def plan(self) -> str:
         cfg, ctx, t = self.cfg, self.ctx, self.t
-        from config import procs_per_node_list
-        from distributed import launcher_env
-        env = launcher_env()
+        env = D.launcher_env()
         per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
         return "\n".join([
             "plan:",
@@ -583,7 +548,7 @@ class Trainer:
             f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {self.precision_note}",
             *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
             *self.par.plan_lines(),
-            f"  batch per {'pipeline' if self.par.pipelined else 'rank'} {self.batch_sizes} x {t.grad_accum_steps} "
+            f"  batch per {self.par.replica} {self.batch_sizes} x {t.grad_accum_steps} "
             f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
             *([f"  {self.balance_note}"] if self.balance_note else []),
             f"  {self.total_steps} optimizer steps: {self.length_note} ({self.sampler.batches_per_epoch()} "
@@ -592,141 +557,23 @@ class Trainer:
         ])
 
     def progress_bar(self, **kwargs):
-        """Rank 0's tqdm bar on the terminal (log.progress_bar), else None. Log lines go above it (setup_logging)."""
-        if not (self.ctx.is_main and self.cfg.log.progress_bar and sys.stderr.isatty()):
-            return None
-        from tqdm import tqdm
-        return tqdm(dynamic_ncols=True, **(kwargs or {"total": self.total_steps, "initial": self.state.step}))
+        """Rank 0's bar over the run's steps (log.progress_bar), or with kwargs another one (an evaluation's)."""
+        return run_log.progress_bar(self.ctx.is_main and self.cfg.log.progress_bar,
+                                    **(kwargs or {"total": self.total_steps, "initial": self.state.step}))
 
     def log_train(self, w: dict, grad_norm: float, bar) -> None:
-        """Every rank writes the line to its own log (rank 0 also to the console, or the progress bar)."""
-        lr = self.scheduler.get_last_lr()[0]
-        stats = {"loss": w["loss"], "lr": lr, "samples_per_s": w["samples_per_s"], "grad_norm": grad_norm}
-        if bar is not None:
-            bar.n = self.state.step
-            bar.set_postfix(loss=f"{w['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{w['samples_per_s']:.0f}")
-        self.log.info(f"step {self.state.step}/{self.total_steps} " + " ".join(f"{k}={v:.4g}" for k, v in
-                                                                              stats.items()),
-                      extra={"file_only": bar is not None})  # the bar shows it on the console
-        if self.tb:
-            for k, v in stats.items():
-                self.tb.add_scalar(f"train/{k}", v, self.state.step)
+        """The training line: the window's loss and throughput (run_log.Window), the lr and the gradient norm."""
+        stats = {"loss": w["loss"], "lr": self.scheduler.get_last_lr()[0], "samples_per_s": w["samples_per_s"],
+                 "grad_norm": grad_norm}
+        run_log.train_line(self.log, self.tb, bar, self.state.step, self.total_steps, stats)
 
     def close(self) -> None:
         if self.tb:
             self.tb.close()
 
     def summary(self) -> None:
-        """The run's last lines (rank 0): what it did, where its files are, and what to run next."""
-        if not self.ctx.is_main:
-            return
-        out, s = self.cfg.output_dir, self.state
-        best = (f"best dev {self.best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
-                else "no dev result")
-        params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
-        lines = [f"done: {s.step} steps; {best}",
-                 f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out)})",
-                 f"  logs         {os.path.join(out, 'logs')}"]
-        if self.cfg.log.tensorboard:
-            lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
-        lines += [f"  test         python main.py --params {params} --set mode=test",
-                  f"  export       python main.py --params {params} --set mode=export"]
-        if self.cfg.task == "gpt2_lm":
-            lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
-        self.log.info("\n".join(lines))
-
-
-EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive
-
-
-class EvalProgress:
-    """An evaluation shows it is alive: a second bar under the training bar on rank 0 (when there is one), and,
-    every EVAL_LOG_EVERY_S seconds, a line in each rank's log (on rank 0's console too when there is no bar)."""
-
-    def __init__(self, trainer: Trainer, split: str, total: int):
-        self.log, self.total, self.done = trainer.log, total, 0
-        self.what = f"evaluating {split} at step {trainer.state.step}"
-        self.bar = trainer.progress_bar(total=total, desc=split, leave=False) if total else None
-        self.start = self.last = time.perf_counter()
-
-    def batch_done(self) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.done == self.total:
-                self.bar.close()
-        now = time.perf_counter()
-        if now - self.last >= EVAL_LOG_EVERY_S and self.done < self.total:
-            self.last = now
-            self.log.info(f"{self.what}: {self.done}/{self.total} batches, {now - self.start:.0f} s",
-                          extra={"file_only": self.bar is not None})
-
-
-class StepProfiler:
-    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
-    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
-    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
-    falls inside the range is in the trace too."""
-
-    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
-        self.first, self.last = ((1, steps) if isinstance(steps, int) else steps) if steps else (0, -1)
-        self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
-
-    def before_step(self, step: int) -> None:
-        if self.prof is not None:
-            if step > self.last:
-                self.stop()
-            else:
-                self.prof.step()  # marks the step boundaries (ProfilerStep#N) in the trace
-        elif self.first <= step <= self.last:  # a resume inside the range starts where it is
-            from torch.profiler import ProfilerAction, ProfilerActivity, profile
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
-            # A schedule that always records: with one, the profiler marks each step as ProfilerStep#<step>.
-            self.prof = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, record_shapes=True,
-                                profile_memory=True)
-            self.prof.step_num = step
-            self.prof.start()
-            self.started = step
-        if self.prof is not None:
-            self.current = step
-
-    def stop(self) -> None:
-        if self.prof is None:
-            return
-        from torch.profiler import tensorboard_trace_handler
-        self.prof.stop()
-        tensorboard_trace_handler(self.dir, worker_name=f"rank{self.ctx.rank}")(self.prof)
-        self.log.info(f"profile of steps {self.started}-{self.current} written to {self.dir}")
-        self.prof = None
-
-
-class Window:
-    """Loss and throughput since the last log line. Adds device tensors without waiting for them."""
-
-    def __init__(self, ctx: D.DistContext):
-        self.ctx = ctx
-        self.reset()
-
-    def reset(self):
-        self.loss = torch.zeros((), device=self.ctx.device)
-        self.count = torch.zeros((), device=self.ctx.device)
-        self.samples, self.start = 0, time.perf_counter()
-
-    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int):
-        self.loss += loss_sum
-        self.count += count  # already summed over ranks; loss_sum is this rank's own
-        self.samples += samples
-
-    def flush(self) -> dict:
-        # One all-reduce for both sums, then one wait for the device (.tolist()) that reads the count too (it is
-        # global already).
-        samples = torch.tensor(float(self.samples), device=self.ctx.device)
-        sums = D.all_reduce_sum(self.ctx, torch.stack([self.loss, samples]))
-        loss, samples, count = torch.cat([sums, self.count.reshape(1)]).tolist()
-        out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
-               "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
-        self.reset()
-        return out
+        if self.ctx.is_main:
+            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric))
 
 
 def lr_lambda(total: int, warmup: float, schedule: str):
@@ -744,6 +591,21 @@ def lr_lambda(total: int, warmup: float, schedule: str):
     return factor
 
 
+def per_group(scheduler_state: dict, groups: int) -> dict:
+    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
+    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
+    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
+
+
+# ================================================================================================
+# Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume
+# ================================================================================================
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -752,6 +614,7 @@ def rng_state() -> dict:
 
 
 def _numpy_state():
+    """numpy's key array as a tensor: state.pt loads with weights_only=True, which refuses numpy arrays."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
 
@@ -763,45 +626,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def setup_logging(output_dir: str, rank: int) -> logging.Logger:
-    """Every rank logs to output_dir/logs/rank{N}.log; rank 0 also to the console."""
-    os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
-    log = logging.getLogger(f"trainer.rank{rank}")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for h in list(log.handlers):
-        log.removeHandler(h)
-        h.close()
-    fmt = logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
-    fh = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"))
-    fh.setFormatter(fmt)
-    log.addHandler(fh)
-    if rank == 0:
-        sh = ConsoleHandler(sys.stdout)
-        sh.setFormatter(logging.Formatter("%(message)s"))
-        sh.addFilter(lambda record: not getattr(record, "file_only", False))
-        log.addHandler(sh)
-    return log
-
-
-class ConsoleHandler(logging.StreamHandler):
-    """Rank 0's console. Lines go through tqdm.write, which lifts a progress bar off the screen, prints the line
-    and draws the bar again below it: a dev result is never glued onto the bar's last line. (Without a bar, it
-    is a plain print.)"""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        from tqdm import tqdm
-        # tqdm's default lock includes a multiprocessing semaphore, which a rank killed by the watchdog leaves
-        # behind (Python then warns of a leaked semaphore); only this process draws bars: a thread lock is enough.
-        tqdm.set_lock(threading.RLock())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            from tqdm import tqdm
-            tqdm.write(self.format(record), file=self.stream)
-            self.flush()
-        except Exception:
-            self.handleError(record)

@@ -48,9 +48,10 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import distributed as D  # noqa: E402
 from config import config_from_dict  # noqa: E402
+from run_log import Window  # noqa: E402
 from tasks import build_task  # noqa: E402
 from tasks.bert_pretrain import BERT_PRESETS, HDF5Shards, PretrainingModel  # noqa: E402
-from trainer import Trainer, Window  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 SEQ_PER_DOC = 6.5  # sequences make_bert_shards.py makes per 60-sentence document (measured: 7754 from 1136)
 

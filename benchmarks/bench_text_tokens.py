@@ -36,8 +36,9 @@ import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 from config import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
+from run_log import Window  # noqa: E402
 from tasks import build_task  # noqa: E402
-from trainer import Trainer, Window  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 SST2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
 

@@ -26,9 +26,10 @@ sys.path.insert(0, ROOT)
 import distributed as D  # noqa: E402
 from config import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
+from run_log import Window  # noqa: E402
 from tasks import build_task  # noqa: E402
 from tasks.image import TensorImages, load_mnist  # noqa: E402
-from trainer import Trainer, Window  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 
 def images(small: bool):

@@ -30,8 +30,9 @@ sys.path.insert(0, ROOT)
 
 import distributed as D  # noqa: E402
 from config import load_config  # noqa: E402
+from run_log import Window  # noqa: E402
 from tasks import build_task  # noqa: E402
-from trainer import Trainer, Window  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
 

@@ -19,6 +19,7 @@ import torch
 from conftest import ROOT, make_config
 
 import main
+import run_log
 import trainer as trainer_module
 from config import load_config
 from trainer import resolve_precision
@@ -124,7 +125,7 @@ def test_omp_num_threads_of_the_user_is_kept(tmp_path, monkeypatch):
 # Evaluation shows it is alive; bar and log lines side by side
 # ---------------------------------------------------------------------------------------------------------------
 def test_long_evaluation_writes_progress_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "EVAL_LOG_EVERY_S", 0.0)  # every batch (30 s in real runs)
+    monkeypatch.setattr(run_log, "EVAL_LOG_EVERY_S", 0.0)  # every batch (30 s in real runs)
     t = build_trainer(make_config(tmp_path, train={"eval_batch_size": 8}))
     metrics = t.evaluate("dev")
     log = open(tmp_path / "logs" / "rank0.log").read()

@@ -1,0 +1,207 @@
+"""What a run shows and records: each rank's log file and rank 0's console, the progress bars, the training line,
+TensorBoard, torch.profiler traces and the closing summary.
+
+The Trainer (trainer.py) calls these; nothing here changes what is trained.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import sys
+import threading
+import time
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
+from tqdm import tqdm
+
+import checkpoint
+import distributed as D
+from config import Config, dump_yaml
+
+
+def setup_logging(output_dir: str, rank: int) -> logging.Logger:
+    """Every rank logs to output_dir/logs/rank{N}.log; rank 0 also to the console."""
+    os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
+    log = logging.getLogger(f"trainer.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"))
+    fh.setFormatter(fmt)
+    log.addHandler(fh)
+    if rank == 0:
+        sh = ConsoleHandler(sys.stdout)
+        sh.setFormatter(logging.Formatter("%(message)s"))
+        sh.addFilter(lambda record: not getattr(record, "file_only", False))
+        log.addHandler(sh)
+    return log
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """Rank 0's console. Lines go through tqdm.write, which lifts a progress bar off the screen, prints the line
+    and draws the bar again below it: a dev result is never glued onto the bar's last line. (Without a bar, it
+    is a plain print.)"""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        # tqdm's default lock includes a multiprocessing semaphore, which a rank killed by the watchdog leaves
+        # behind (Python then warns of a leaked semaphore); only this process draws bars: a thread lock is enough.
+        tqdm.set_lock(threading.RLock())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def start(cfg: Config, log: logging.Logger, plan: str):
+    """Rank 0, as training starts: writes output_dir/config.yml (what test, export and generate read), opens
+    TensorBoard's writer (log.tensorboard; returned, else None) and prints the plan."""
+    with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:  # start_over: this start's, not the run's
+        f.write(dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
+    tb = None
+    if cfg.log.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
+        tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+    log.info(plan)
+    return tb
+
+
+def progress_bar(wanted: bool, **kwargs):
+    """A tqdm bar when `wanted` (rank 0 with log.progress_bar) and stderr is a terminal, else None. Log lines go
+    above it (ConsoleHandler)."""
+    if not (wanted and sys.stderr.isatty()):
+        return None
+    return tqdm(dynamic_ncols=True, **kwargs)
+
+
+def train_line(log: logging.Logger, tb, bar, step: int, total: int, stats: dict) -> None:
+    """Every rank writes the training line to its own log; rank 0 also to the console, or to the bar when there
+    is one. TensorBoard (rank 0) gets each value."""
+    if bar is not None:
+        bar.n = step
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", sps=f"{stats['samples_per_s']:.0f}")
+    log.info(f"step {step}/{total} " + " ".join(f"{k}={v:.4g}" for k, v in stats.items()),
+             extra={"file_only": bar is not None})  # the bar shows it on the console
+    if tb:
+        for k, v in stats.items():
+            tb.add_scalar(f"train/{k}", v, step)
+
+
+class Window:
+    """Loss and throughput since the last training line. Adds device tensors without waiting for them."""
+
+    def __init__(self, ctx: D.DistContext):
+        self.ctx = ctx
+        self.reset()
+
+    def reset(self):
+        self.loss = torch.zeros((), device=self.ctx.device)
+        self.count = torch.zeros((), device=self.ctx.device)
+        self.samples, self.start = 0, time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int):
+        self.loss += loss_sum
+        self.count += count  # already summed over ranks; loss_sum is this rank's own
+        self.samples += samples
+
+    def flush(self) -> dict:
+        # One all-reduce for both sums, then one wait for the device (.tolist()) that reads the count too (it is
+        # global already).
+        samples = torch.tensor(float(self.samples), device=self.ctx.device)
+        sums = D.all_reduce_sum(self.ctx, torch.stack([self.loss, samples]))
+        loss, samples, count = torch.cat([sums, self.count.reshape(1)]).tolist()
+        out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
+               "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
+        self.reset()
+        return out
+
+
+EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive
+
+
+class EvalProgress:
+    """An evaluation shows it is alive: a second bar under the training bar on rank 0 (when there is one), and,
+    every EVAL_LOG_EVERY_S seconds, a line in each rank's log (on rank 0's console too when there is no bar).
+    `trainer`: the Trainer, for its log, its step and its bars."""
+
+    def __init__(self, trainer, split: str, total: int):
+        self.log, self.total, self.done = trainer.log, total, 0
+        self.what = f"evaluating {split} at step {trainer.state.step}"
+        self.bar = trainer.progress_bar(total=total, desc=split, leave=False) if total else None
+        self.start = self.last = time.perf_counter()
+
+    def batch_done(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.done == self.total:
+                self.bar.close()
+        now = time.perf_counter()
+        if now - self.last >= EVAL_LOG_EVERY_S and self.done < self.total:
+            self.last = now
+            self.log.info(f"{self.what}: {self.done}/{self.total} batches, {now - self.start:.0f} s",
+                          extra={"file_only": self.bar is not None})
+
+
+class StepProfiler:
+    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
+    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
+    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
+    falls inside the range is in the trace too."""
+
+    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
+        self.first, self.last = ((1, steps) if isinstance(steps, int) else steps) if steps else (0, -1)
+        self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
+
+    def before_step(self, step: int) -> None:
+        if self.prof is not None:
+            if step > self.last:
+                self.stop()
+            else:
+                self.prof.step()  # marks the step boundaries (ProfilerStep#N) in the trace
+        elif self.first <= step <= self.last:  # a resume inside the range starts where it is
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
+            # A schedule that always records: with one, the profiler marks each step as ProfilerStep#<step>.
+            self.prof = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, record_shapes=True,
+                                profile_memory=True)
+            self.prof.step_num = step
+            self.prof.start()
+            self.started = step
+        if self.prof is not None:
+            self.current = step
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.stop()
+        tensorboard_trace_handler(self.dir, worker_name=f"rank{self.ctx.rank}")(self.prof)
+        self.log.info(f"profile of steps {self.started}-{self.current} written to {self.dir}")
+        self.prof = None
+
+
+def summary(cfg: Config, state, best_metric: str) -> str:
+    """The run's last lines: what it did (`state`: the Trainer's TrainState), where its files are, and what to
+    run next."""
+    out, s = cfg.output_dir, state
+    best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
+            else "no dev result")
+    params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
+    lines = [f"done: {s.step} steps; {best}",
+             f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out)})",
+             f"  logs         {os.path.join(out, 'logs')}"]
+    if cfg.log.tensorboard:
+        lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+    lines += [f"  test         python main.py --params {params} --set mode=test",
+              f"  export       python main.py --params {params} --set mode=export"]
+    if cfg.task == "gpt2_lm":
+        lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
+    return "\n".join(lines)
