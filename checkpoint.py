@@ -11,30 +11,25 @@ next run starts (clean_stale). Files:
     state.pt                 scheduler, grad scaler, RNG states of every rank
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
 
-Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True), and DCP folders
-through a reader that unpickles `.metadata` with only DCP's metadata classes allowed (read_dcp_metadata).
-`resume: auto` skips a checkpoint that cannot be read (Unloadable) for the newest one that can (load_newest).
+This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
+the DCP folders). `resume: auto` skips a checkpoint that cannot be read (Unloadable) for the newest one that can
+(load_newest).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import time
 import uuid
 from typing import Callable, Optional
 
-import torch
-
 from config import CheckpointError
 from distributed import DistContext, broadcast_object, gather_objects
-from faults import first_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
@@ -52,6 +47,14 @@ class Unloadable(CheckpointError):
     """A checkpoint whose files are missing, empty, truncated, malformed or refused (they would run code).
     `resume: auto` then falls back to an older checkpoint. Other CheckpointErrors (a checkpoint that does not fit
     this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
+
+
+def dcp_cause(e: BaseException) -> BaseException:
+    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
+    rank's exception. Any other exception is its own cause. (Here because checkpoint_io and checkpoint_dcp both
+    need it, and checkpoint_io must not import checkpoint_dcp unless a DCP folder is read.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
 
 
 def root(output_dir: str) -> str:
@@ -407,70 +410,7 @@ def _unused(path: str) -> str:
     return candidate
 
 
-def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
-    """torch.load with weights_only=True: loading a checkpoint never runs code from it. `keys`: the entries the
-    loaded dict must have."""
-    full = os.path.join(path, name)
-    if not os.path.isfile(full):
-        raise Unloadable(f"{full}: missing from the checkpoint")
-    if os.path.getsize(full) == 0:
-        raise Unloadable(f"{full}: empty (0 bytes)")
-    try:
-        obj = torch.load(full, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated file, foreign pickle, ...
-        raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
-    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
-    if missing:
-        raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
-    return obj
-
-
-@contextlib.contextmanager
-def fits_model(path: str, cfg=None):
-    """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
-    model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
-    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        yield
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
-        dcp_failed = isinstance(e, CheckpointException)
-        cause = _dcp_cause(e)
-        if isinstance(cause, CheckpointError):  # from our DCP reader or planner: a refused pickle, ...
-            raise cause from None
-        mismatch = any(w in str(cause).lower() for w in ("state_dict", "size mismatch", "mismatch sizes",
-                                                          "missing key", "unexpected key"))
-        if dcp_failed and not mismatch:  # DCP could not read its own files: a missing or truncated shard, ...
-            raise Unloadable(f"{path}: cannot be loaded ({first_line(cause)})") from None
-        if isinstance(cause, RuntimeError) and not mismatch:
-            raise  # not a mismatch (a failing collective, say): keep the original error
-        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
-        what = (details[0] if details else type(cause).__name__)[:160]
-        more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
-        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
-            from None
-
-
-def _dcp_cause(e: BaseException) -> BaseException:
-    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
-    rank's exception. Any other exception is its own cause."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-
-
-def _settings_changed(path: str, cfg) -> str:
-    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
-    if cfg is None:
-        return ""
-    try:
-        saved = read_meta(path).get("config")
-    except CheckpointError:  # no (readable) meta.json: nothing to compare with
-        return ""
-    diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
-    return f"; it was saved with {', '.join(diffs)}" if diffs else ""
-
-
+# ---- one output_dir holds one run: what a resumed run changed, and moving an old run aside ------------------
 # What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which the Trainer
 # compares): settings that only change speed or memory are left out.
 RESULT_SETTINGS = ("task", "seed", "model", "data")
@@ -510,207 +450,3 @@ def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
     _fsync(output_dir)
     return names, aside
-
-
-def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
-    with fits_model(path, cfg):
-        model.load_state_dict(model_state_dict(path))
-
-
-def model_state_dict(path: str) -> dict:
-    """A plain `{name: tensor}` state dict from any checkpoint, whatever strategy wrote it."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not os.path.exists(os.path.join(path, "model.pt")) and os.path.isdir(os.path.join(path, "model_dcp")):
-        return dcp_model_state_dict(os.path.join(path, "model_dcp"))
-    return load_file(path, "model.pt")
-
-
-# ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
-# Replicated strategies (none/dp/ddp/oss) write model.pt and optimizer.pt: the optimizer's state is indexed 0, 1,
-# ... in the order of strategies.base.param_groups. pipe writes each stage's tensors under the whole model's names
-# (model_dcp/, optimizer_dcp/). Going through names, either reads the other's checkpoint.
-def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
-    """{parameter name: its optimizer state} from `path`'s optimizer.pt; `order`: the names of the parameters in
-    the replicated optimizer's order. (A pipe checkpoint's optimizer_dcp/ is by name already.)"""
-    saved = load_file(path, "optimizer.pt", keys=("state", "param_groups"))
-    indices = [i for group in saved["param_groups"] for i in group["params"]]
-    if len(indices) != len(order):
-        raise CheckpointError(f"{path}/optimizer.pt: holds {len(indices)} parameters, this model has {len(order)}")
-    name = dict(zip(indices, order))
-    return {name[i]: state for i, state in saved["state"].items()}
-
-
-def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, dict],
-                           names: dict[int, list[str]], path: str) -> None:
-    """Load state keyed by parameter name into `optimizer`, whose parameters are known by `names` (id -> every
-    name of that tensor: a tied weight has two, and the saving side may have used either). Wrappers that shard
-    the state (OSS, ZeroRedundancyOptimizer) take this full dict and keep their own part."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for i, p in enumerate(params):
-        found = [n for n in names[id(p)] if n in by_name]
-        if not found:
-            if by_name:  # state for some parameters but not this one: another model
-                raise CheckpointError(f"{path}: no optimizer state for {names[id(p)][0]}")
-            continue
-        state[i] = {key: shard_like(value, p) for key, value in by_name[found[0]].items()}
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def shard_like(value, param):
-    """A whole tensor as `param` holds it: FSDP2's parameters (DTensors) hold a shard, cut here from the whole
-    tensor every rank has read (no communication). Anything else (a step count, a plain tensor) as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
-
-def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> all its names in `model` (tied weights have several), first name first."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
-# ---- torch.distributed.checkpoint (fsdp) folders, read without running code -----------------------------------
-# DCP itself unpickles checkpoint bytes in two places with nothing to stop code from running: `.metadata` with
-# plain pickle.load (FileSystemReader.read_metadata), and the entries that are not tensors (the optimizer's lr,
-# betas, ...) with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes). Both are replaced here.
-def dcp_load(state_dict: dict, dcp_dir: str) -> None:
-    """dcp.load(state_dict) from the folder `dcp_dir` (collective), refusing anything in it that would run code."""
-    import torch.distributed.checkpoint as dcp
-    read_dcp_metadata(dcp_dir)  # a refusal here is one line, on every rank, before DCP's collectives
-    dcp.load(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir))
-
-
-def dcp_model_state_dict(dcp_dir: str) -> dict:
-    """Assemble the shards of a torch.distributed.checkpoint folder (fsdp) into one plain state dict, in this
-    process, without a process group: its keys are the plain model's parameter names."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    read_dcp_metadata(dcp_dir)
-    state_dict = {}
-    try:  # what torch's format_utils.dcp_to_torch_save does, with the checked reader and planner
-        _load_state_dict(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir, empty=True),
-                         no_dist=True)
-    except (Exception, CheckpointException) as e:  # missing shard files, truncated ones, ...
-        cause = _dcp_cause(e)
-        if isinstance(cause, CheckpointError):
-            raise cause from None
-        raise Unloadable(f"{dcp_dir}: cannot be read as a sharded checkpoint ({first_line(cause)})") from None
-    return state_dict
-
-
-def read_dcp_metadata(dcp_dir: str, name: str = ".metadata"):
-    """The Metadata object of a DCP folder, unpickled with only DCP's metadata classes (and the torch values in
-    them) allowed: a crafted file that would import anything else is refused before anything of it runs."""
-    full = os.path.join(dcp_dir, name)
-    if not os.path.isfile(full):
-        raise Unloadable(f"{full}: missing from the checkpoint")
-    with open(full, "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f, full).load()
-        except CheckpointError:
-            raise
-        except Exception as e:  # empty, truncated, not a pickle
-            raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
-    from torch.distributed.checkpoint.metadata import Metadata
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise Unloadable(f"{full}: cannot be loaded (a {type(metadata).__name__}, not DCP metadata)")
-    # The shard files it lists must hold what it says they hold; checked here, a missing or truncated one is
-    # named in one line before DCP's collectives start, instead of failing inside them without a file name.
-    need = {}
-    for info in metadata.storage_data.values():
-        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if not (isinstance(name, str) and name == os.path.basename(name) and isinstance(offset, int)
-                and isinstance(length, int)):  # DCP writes the names of files next to .metadata
-            raise Unloadable(f"{full}: cannot be loaded (malformed storage entry {str(info)[:100]})")
-        need[name] = max(need.get(name, 0), offset + length)
-    for name, size in sorted(need.items()):
-        shard = os.path.join(dcp_dir, name)
-        if not os.path.isfile(shard):
-            raise Unloadable(f"{shard}: missing from the checkpoint")
-        if os.path.getsize(shard) < size:
-            raise Unloadable(f"{shard}: truncated ({os.path.getsize(shard)} of {size} bytes)")
-    return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: str):
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str):
-        allowed = _metadata_globals()
-        if (module, name) not in allowed:
-            raise Unloadable(f"{self.path}: refused: it would import {module}.{name} (a checkpoint must never run "
-                             f"code)")
-        return allowed[module, name]
-
-
-@functools.cache
-def _metadata_globals() -> dict:
-    """Everything a DCP `.metadata` may name, found by unpickling real fsdp checkpoints with a recording
-    find_class: DCP's metadata classes (dataclasses and one enum), the storage info of its file reader,
-    torch.Size, dtypes, layouts (by name, through torch's own lookup) and the checkpoint's path. None of them
-    runs code other than storing its arguments."""
-    import pathlib
-    from torch.distributed.checkpoint import filesystem, metadata
-    allowed = {(metadata.__name__, n): v for n, v in vars(metadata).items()
-               if isinstance(v, type) and v.__module__ == metadata.__name__}
-    allowed[filesystem.__name__, "_StorageInfo"] = filesystem._StorageInfo
-    allowed["torch", "Size"] = torch.Size
-    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    allowed["torch.serialization", "_get_layout"] = torch.serialization._get_layout
-    for module in ("pathlib", "pathlib._local"):  # where Python <= 3.12 and >= 3.13 define the path classes
-        allowed.update({(module, n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath",
-                                                                   "PurePosixPath", "PureWindowsPath")})
-    return allowed
-
-
-def _reader(dcp_dir: str):
-    """DCP's file reader, unpickling `.metadata` with _MetadataUnpickler instead of pickle.load."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class NoCodeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata, but for the unpickler
-            path = self._get_metadata_path(kwargs.get("rank"))
-            metadata = read_dcp_metadata(os.path.dirname(path), os.path.basename(path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-    return NoCodeReader(dcp_dir)
-
-
-def _planner(dcp_dir: str, empty: bool = False):
-    """DCP's load planner (`empty`: the one that loads every entry into an empty dict), whose entries that are
-    not tensors must first pass torch's weights-only unpickler; the bytes are in memory, so what is checked is
-    what is then loaded."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
-    class NoCodePlanner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            entry = f"{dcp_dir}: entry {read_item.dest_index.fqn}"
-            try:
-                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
-                value.seek(0)
-                if not unsafe:
-                    torch.load(value, weights_only=True)
-            except Exception as e:  # not a torch.save file, truncated, ...
-                raise Unloadable(f"{entry}: cannot be loaded ({first_line(e)})") from None
-            if unsafe:
-                raise Unloadable(f"{entry}: refused: it would import {unsafe[0]} (a checkpoint must never run code)")
-            value.seek(0)
-            super().load_bytes(read_item, value)
-    return NoCodePlanner()

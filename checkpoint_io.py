@@ -1,0 +1,143 @@
+"""Reading a checkpoint's files into a model and optimizer, whatever strategy and world size wrote them.
+
+Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True) (load_file), and
+DCP folders through checkpoint_dcp.py, imported only by runs that read one. A checkpoint made for another model
+fails in one line (fits_model). Optimizer state travels between strategies by parameter name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from checkpoint import Unloadable, dcp_cause, differences, read_meta
+from config import CheckpointError
+from faults import first_line
+
+
+def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
+    """torch.load with weights_only=True: loading a checkpoint never runs code from it. `keys`: the entries the
+    loaded dict must have."""
+    full = os.path.join(path, name)
+    if not os.path.isfile(full):
+        raise Unloadable(f"{full}: missing from the checkpoint")
+    if os.path.getsize(full) == 0:
+        raise Unloadable(f"{full}: empty (0 bytes)")
+    try:
+        obj = torch.load(full, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated file, foreign pickle, ...
+        raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
+    return obj
+
+
+@contextlib.contextmanager
+def fits_model(path: str, cfg=None):
+    """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
+    model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
+    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
+        dcp_failed = isinstance(e, CheckpointException)
+        cause = dcp_cause(e)
+        if isinstance(cause, CheckpointError):  # from our DCP reader or planner: a refused pickle, ...
+            raise cause from None
+        mismatch = any(w in str(cause).lower() for w in ("state_dict", "size mismatch", "mismatch sizes",
+                                                          "missing key", "unexpected key"))
+        if dcp_failed and not mismatch:  # DCP could not read its own files: a missing or truncated shard, ...
+            raise Unloadable(f"{path}: cannot be loaded ({first_line(cause)})") from None
+        if isinstance(cause, RuntimeError) and not mismatch:
+            raise  # not a mismatch (a failing collective, say): keep the original error
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
+        what = (details[0] if details else type(cause).__name__)[:160]
+        more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
+        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
+            from None
+
+
+def _settings_changed(path: str, cfg) -> str:
+    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
+    if cfg is None:
+        return ""
+    try:
+        saved = read_meta(path).get("config")
+    except CheckpointError:  # no (readable) meta.json: nothing to compare with
+        return ""
+    diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
+    return f"; it was saved with {', '.join(diffs)}" if diffs else ""
+
+
+def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
+    with fits_model(path, cfg):
+        model.load_state_dict(model_state_dict(path))
+
+
+def model_state_dict(path: str) -> dict:
+    """A plain `{name: tensor}` state dict from any checkpoint, whatever strategy wrote it."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.exists(os.path.join(path, "model.pt")) and os.path.isdir(os.path.join(path, "model_dcp")):
+        from checkpoint_dcp import dcp_model_state_dict  # only runs that read a DCP folder load its reader
+        return dcp_model_state_dict(os.path.join(path, "model_dcp"))
+    return load_file(path, "model.pt")
+
+
+# ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
+# Replicated strategies (none/dp/ddp/oss) write model.pt and optimizer.pt: the optimizer's state is indexed 0, 1,
+# ... in the order of strategies.base.param_groups. pipe writes each stage's tensors under the whole model's names
+# (model_dcp/, optimizer_dcp/). Going through names, either reads the other's checkpoint.
+def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
+    """{parameter name: its optimizer state} from `path`'s optimizer.pt; `order`: the names of the parameters in
+    the replicated optimizer's order. (A pipe checkpoint's optimizer_dcp/ is by name already.)"""
+    saved = load_file(path, "optimizer.pt", keys=("state", "param_groups"))
+    indices = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(indices) != len(order):
+        raise CheckpointError(f"{path}/optimizer.pt: holds {len(indices)} parameters, this model has {len(order)}")
+    name = dict(zip(indices, order))
+    return {name[i]: state for i, state in saved["state"].items()}
+
+
+def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, dict],
+                           names: dict[int, list[str]], path: str) -> None:
+    """Load state keyed by parameter name into `optimizer`, whose parameters are known by `names` (id -> every
+    name of that tensor: a tied weight has two, and the saving side may have used either). Wrappers that shard
+    the state (OSS, ZeroRedundancyOptimizer) take this full dict and keep their own part."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, p in enumerate(params):
+        found = [n for n in names[id(p)] if n in by_name]
+        if not found:
+            if by_name:  # state for some parameters but not this one: another model
+                raise CheckpointError(f"{path}: no optimizer state for {names[id(p)][0]}")
+            continue
+        state[i] = {key: shard_like(value, p) for key, value in by_name[found[0]].items()}
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def shard_like(value, param):
+    """A whole tensor as `param` holds it: FSDP2's parameters (DTensors) hold a shard, cut here from the whole
+    tensor every rank has read (no communication). Anything else (a step count, a plain tensor) as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> all its names in `model` (tied weights have several), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
