@@ -3,7 +3,7 @@
     python main.py --params configs/sst2_minilm.yml --set mode=export      # -> <output_dir>/export/
 
 Reads the best checkpoint of output_dir (or `test.checkpoint`) into the task's plain model exactly as test mode
-does (checkpoint.load_model: whatever strategy and number of processes wrote it, sharded DCP folders of
+does (checkpoint_io.load_model: whatever strategy and number of processes wrote it, sharded DCP folders of
 fsdp/oss/pipe included), in this one process, and writes `export.dir` in the formats of `export.format`:
 
     hf            text tasks: a Hugging Face folder, the model's save_pretrained (config.json, model.safetensors)
@@ -31,6 +31,7 @@ FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dic
 def run(cfg: Config) -> str:
     """Export; returns the folder written. User mistakes raise UserError (main.py: one line, exit code 2)."""
     import checkpoint
+    import checkpoint_io
     from tasks import build_task
 
     task = build_task(cfg)
@@ -42,7 +43,7 @@ def run(cfg: Config) -> str:
                               "or set test.checkpoint)")
     task.prepare_inference()
     model = task.build_model()
-    checkpoint.load_model(model, source, cfg)  # the loading of test mode and generate.py
+    checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
     model.eval()
     meta = checkpoint.read_meta(source) if checkpoint.is_complete(source) else {}
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
@@ -53,7 +54,7 @@ def run(cfg: Config) -> str:
 def chosen_formats(cfg: Config, task) -> tuple:
     if not task.export_formats:
         raise ConfigError(f"mode: task {cfg.task} cannot be exported yet (its Task lists no export_formats: "
-                          "see tasks/base.py); its checkpoints load with checkpoint.load_model")
+                          "see tasks/base.py); its checkpoints load with checkpoint_io.load_model")
     if cfg.export.format == "auto":
         return task.export_formats
     if cfg.export.format not in task.export_formats:

@@ -82,6 +82,7 @@ def load_checkpoint(args):
     if cfg.task != "gpt2_lm":
         raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
     import checkpoint
+    import checkpoint_io
     from tasks import build_task
     path = args.checkpoint or checkpoint.best(cfg.output_dir)
     if path is None:
@@ -89,7 +90,7 @@ def load_checkpoint(args):
     task = build_task(cfg)
     tokenizer = task.load_tokenizer()
     model = task.build_model()
-    checkpoint.load_model(model, path, cfg)
+    checkpoint_io.load_model(model, path, cfg)
     return model, tokenizer
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from checkpoint import load_file
+from checkpoint_io import load_file
 from distributed import DistContext
 
 
@@ -43,8 +43,8 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
 
 def replicated_order(model: nn.Module) -> list[str]:
     """The names of `model`'s parameters in the order a replicated optimizer.pt indexes them (param_groups'),
-    first name of a tied weight: how a checkpoint of none/dp/ddp/oss is read by name (checkpoint.py)."""
-    from checkpoint import parameter_names
+    first name of a tied weight: how a checkpoint of none/dp/ddp/oss is read by name (checkpoint_io.py)."""
+    from checkpoint_io import parameter_names
     names = parameter_names(model)
     return [names[id(p)][0] for g in param_groups(model, 0.0) for p in g["params"]]
 
@@ -130,14 +130,15 @@ class Parallel:
         """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
         names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
         name)."""
-        import checkpoint
-        self.raw_model.load_state_dict(checkpoint.model_state_dict(directory))
+        import checkpoint_io
+        self.raw_model.load_state_dict(checkpoint_io.model_state_dict(directory))
         if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
             self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
         else:  # pipe's (the stages' tensors) or fsdp's (every rank's shards), by whole-model name
-            by_name = checkpoint.dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
-            checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
-                                              directory)
+            from checkpoint_dcp import dcp_model_state_dict
+            by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
+            checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
+                                                 directory)
 
 
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:

@@ -8,7 +8,7 @@ import os
 import torch
 from torch import nn
 
-from checkpoint import load_file
+from checkpoint_io import load_file
 from distributed import DistContext
 from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
 
@@ -65,6 +65,7 @@ class FSDPParallel(Parallel):
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         import checkpoint
+        from checkpoint_dcp import dcp_load
         from config import CheckpointError
         if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
             return self.load_full(directory)
@@ -74,27 +75,27 @@ class FSDPParallel(Parallel):
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
-        # so a crafted checkpoint could run code; checkpoint.dcp_load refuses it in one line instead.
-        checkpoint.dcp_load(model_sd, os.path.join(directory, "model_dcp"))
+        # so a crafted checkpoint could run code; checkpoint_dcp.dcp_load refuses it in one line instead.
+        dcp_load(model_sd, os.path.join(directory, "model_dcp"))
         # pipe keeps the per-parameter state only (its ranks' param_groups differ): this run's groups stay, and
         # the learning rate comes back with the scheduler.
         pipe = checkpoint.read_meta(directory).get("format") == "sharded-pipe"
-        checkpoint.dcp_load({"state": optim_sd["state"]} if pipe else optim_sd,
-                            os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
+        dcp_load({"state": optim_sd["state"]} if pipe else optim_sd,
+                 os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def load_full(self, directory: str) -> None:
         """A replicated strategy's model.pt and optimizer.pt: every rank reads them whole and keeps its shard of
-        each tensor, cut locally (checkpoint.shard_like, no communication; the host holds the whole model
+        each tensor, cut locally (checkpoint_io.shard_like, no communication; the host holds the whole model
         meanwhile, as when it was built). The optimizer state is matched to the parameters by name."""
-        import checkpoint
+        import checkpoint_io
         mine = self.raw_model.state_dict()
-        whole = checkpoint.load_file(directory, "model.pt")
-        self.raw_model.load_state_dict({k: checkpoint.shard_like(v, mine[k]) if k in mine else v
+        whole = checkpoint_io.load_file(directory, "model.pt")
+        self.raw_model.load_state_dict({k: checkpoint_io.shard_like(v, mine[k]) if k in mine else v
                                         for k, v in whole.items()})
-        by_name = checkpoint.optimizer_state_by_name(directory, replicated_order(self.raw_model))
-        checkpoint.load_optimizer_by_name(self.optimizer, by_name, checkpoint.parameter_names(self.raw_model),
-                                          directory)
+        by_name = checkpoint_io.optimizer_state_by_name(directory, replicated_order(self.raw_model))
+        checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
+                                             directory)
 
 
 class FairscaleFSDPParallel(Parallel):

@@ -250,7 +250,7 @@ class PipeParallel(Parallel):
 
     def load(self, directory: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        from checkpoint import dcp_load
+        from checkpoint_dcp import dcp_load
         if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
             return self.load_replicated(directory)
         for name in ("model_dcp", "optimizer_dcp"):
@@ -268,8 +268,8 @@ class PipeParallel(Parallel):
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
         tensors, found by name (the host briefly holds the whole model, as when it was built)."""
-        import checkpoint
-        whole = checkpoint.load_file(directory, "model.pt")
+        import checkpoint_io
+        whole = checkpoint_io.load_file(directory, "model.pt")
         mine = self.model_state()
         missing = [k for k in mine if k not in whole]
         if missing:
@@ -280,12 +280,12 @@ class PipeParallel(Parallel):
                 if value.shape != t.shape:
                     raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)} "
                                        f"from checkpoint, the shape in current model is {tuple(t.shape)}")
-                t.copy_(checkpoint.shard_like(value, t))  # pp_dp fsdp: this replica's shard of it
-        by_name = checkpoint.optimizer_state_by_name(directory, self.replicated_order)
-        names = checkpoint.parameter_names(self.full_model)
+                t.copy_(checkpoint_io.shard_like(value, t))  # pp_dp fsdp: this replica's shard of it
+        by_name = checkpoint_io.optimizer_state_by_name(directory, self.replicated_order)
+        names = checkpoint_io.parameter_names(self.full_model)
         held = {n for p in self.raw_model.parameters() for n in names[id(p)]}
-        checkpoint.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in held}, names,
-                                          directory)
+        checkpoint_io.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in held}, names,
+                                             directory)
 
 
 def send_tensors(tensors: tuple, dst: int) -> None:

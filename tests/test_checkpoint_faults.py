@@ -18,6 +18,8 @@ import torch
 from conftest import load_model_state, make_config, spawn
 
 import checkpoint
+import checkpoint_dcp
+import checkpoint_io
 import main
 from distributed import DistContext
 
@@ -345,7 +347,7 @@ def test_full_disk_on_a_real_small_filesystem(reference, tmp_path, capsys, strat
         subprocess.run(["mount", "-o", f"remount,size={size_kb * 4}k", str(folder)], check=True)
         assert run(tmp_path, train={"keep_last": 1}, dist=dist) == 0
         assert f"resumed from {ckpt(tmp_path, 1)}" in rank_log(tmp_path)
-        resumed, uninterrupted = (checkpoint.model_state_dict(ckpt(d, STEPS)) for d in (tmp_path, ref))
+        resumed, uninterrupted = (checkpoint_io.model_state_dict(ckpt(d, STEPS)) for d in (tmp_path, ref))
         assert same_params(resumed, uninterrupted)
     finally:
         if subprocess.run(["umount", str(folder)]).returncode != 0:
@@ -375,8 +377,8 @@ def test_crafted_dcp_metadata_is_refused_on_resume(reference, tmp_path, capsys, 
            "refused: it would import" in log
     assert f"resumed from {ckpt(tmp_path, 3)} at step 3" in log
     assert not marker.exists()
-    assert same_params(checkpoint.model_state_dict(ckpt(tmp_path, STEPS)),
-                       checkpoint.model_state_dict(ckpt(reference("fsdp"), STEPS)))
+    assert same_params(checkpoint_io.model_state_dict(ckpt(tmp_path, STEPS)),
+                       checkpoint_io.model_state_dict(ckpt(reference("fsdp"), STEPS)))
 
 
 def test_crafted_dcp_metadata_is_refused_in_test_mode(reference, tmp_path, capsys):
@@ -398,7 +400,7 @@ def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys)
     marker = tmp_path / "pwned"
     for step, folder in ((1, "model_dcp"), (2, "optimizer_dcp")):  # an extra entry; a replaced lr
         path = os.path.join(ckpt(tmp_path, step), folder)
-        state = checkpoint.dcp_model_state_dict(path)
+        state = checkpoint_dcp.dcp_model_state_dict(path)
         if folder == "model_dcp":
             state["extra"] = Payload(marker)
         else:
@@ -439,7 +441,7 @@ def test_a_real_fsdp_checkpoint_still_loads_in_test_mode(reference, tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
     ref = reference("fsdp")
     for folder in ("model_dcp", "optimizer_dcp"):
-        assert isinstance(checkpoint.read_dcp_metadata(os.path.join(ckpt(ref, STEPS), folder)), Metadata)
+        assert isinstance(checkpoint_dcp.read_dcp_metadata(os.path.join(ckpt(ref, STEPS), folder)), Metadata)
     assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(ref, STEPS)})) == 0
     dev = json.load(open(tmp_path / "dev_results.json"))
     trained = checkpoint.read_meta(ckpt(ref, STEPS))["metrics"]  # dev metrics of the training run, at its end
@@ -494,5 +496,5 @@ def test_two_fsdp_ranks_fall_back_past_a_crafted_checkpoint_together(tmp_path):
         assert f"skipping {ckpt(out, 4)}, which cannot be loaded: {ckpt(out, 4)}/optimizer_dcp/.metadata: refused" \
             in log and f"resumed from {ckpt(out, 3)} at step 3" in log
     assert not marker.exists()
-    assert same_params(checkpoint.model_state_dict(ckpt(out, STEPS)),
-                       checkpoint.model_state_dict(ckpt(tmp_path / "reference", STEPS)))
+    assert same_params(checkpoint_io.model_state_dict(ckpt(out, STEPS)),
+                       checkpoint_io.model_state_dict(ckpt(tmp_path / "reference", STEPS)))

@@ -49,11 +49,12 @@ def export(cfg, **export_section) -> int:
 def checkpoint_model(cfg):
     """The task's model with the best checkpoint's weights, loaded as test mode loads it."""
     import checkpoint
+    import checkpoint_io
     from tasks import build_task
     task = build_task(cfg)
     task.prepare_inference()
     model = task.build_model()
-    checkpoint.load_model(model, checkpoint.best(cfg.output_dir), cfg)
+    checkpoint_io.load_model(model, checkpoint.best(cfg.output_dir), cfg)
     return task, model.eval()
 
 

@@ -178,7 +178,7 @@ def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_pa
     assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down 3 s "
                      r"later; ended it$", stderr, re.M), stderr
     assert "rank 0" not in stderr  # rank 0 closed normally
-    from checkpoint import model_state_dict
+    from checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
 
 
@@ -194,7 +194,7 @@ def test_a_rank_that_crashes_in_its_teardown_after_it_was_done_does_not_fail_the
     assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but its teardown ended "
                      r"with SIGABRT; counted as done$", stderr, re.M), stderr
     assert "died" not in stderr and "rank 0" not in stderr
-    from checkpoint import model_state_dict
+    from checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
 
 

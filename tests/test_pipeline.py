@@ -68,7 +68,7 @@ def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, 
 def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     # 4 ranks: stages on ranks {0,1} and {2,3}, pipelines {0,2} and {1,3}; uneven batches are weighted exactly.
     # The fsdp case starts from one process's step-3 checkpoint: each replica cuts its shard of its stage's
-    # parameters and momentum from the whole tensors (checkpoint.shard_like), and steps 4-6 still match.
+    # parameters and momentum from the whole tensors (checkpoint_io.shard_like), and steps 4-6 still match.
     if pp_dp == "fsdp":
         import shutil
         shutil.copytree(one_process / "checkpoints" / f"step-{SAVE_AT}", tmp_path / "checkpoints" / f"step-{SAVE_AT}")

@@ -46,7 +46,7 @@ def train_fairscale_fsdp(output_dir, batch_size, procs, **train):
 
 
 def params(output_dir, step):
-    from checkpoint import model_state_dict
+    from checkpoint_io import model_state_dict
     return model_state_dict(os.path.join(output_dir, "checkpoints", f"step-{step}"))
 
 

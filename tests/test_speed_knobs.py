@@ -16,7 +16,7 @@ from config import ConfigError
 
 def train(cfg):
     """Run cfg (main.run starts the ranks); the model of its last checkpoint, whatever the format (FSDP: DCP)."""
-    from checkpoint import model_state_dict
+    from checkpoint_io import model_state_dict
     assert main.run(cfg) == 0
     return model_state_dict(os.path.join(cfg.output_dir, "checkpoints", f"step-{cfg.train.max_steps}"))
 

@@ -21,7 +21,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)  # checkpoint.py, for compare
+sys.path.insert(0, ROOT)  # checkpoint.py and checkpoint_io.py, for compare
 
 
 def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -87,12 +87,13 @@ def curves(out: str, runs: list[str], tags=("train/loss", "dev/accuracy")) -> di
 def final_parameters(path: str) -> dict:
     """The parameters of a checkpoint folder, or of a run's newest complete checkpoint."""
     import checkpoint
+    import checkpoint_io
     if not os.path.isfile(os.path.join(path, "meta.json")):  # not a checkpoint (a copy may have any name): a run
         found = checkpoint.complete_checkpoints(path)
         if not found:
             raise SystemExit(f"error: {path}: neither a checkpoint nor a run with one")
         path = found[-1][1]
-    return checkpoint.model_state_dict(path)
+    return checkpoint_io.model_state_dict(path)
 
 
 def compare(paths: list[str]) -> dict[str, float]:
