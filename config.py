@@ -269,6 +269,10 @@ class DistConfig:
     World size = data parallel x tp, on one device mesh (ranks of a tp group are neighbours). With strategy ddp or
     fsdp over the data-parallel dimension; tasks with a plan (Task.tp_plan: bert_pretrain, BERT-style sst2
     models). See docs/mesh.md."""
+    dp_replicate: int = 1
+    """fsdp: keep this many replicas of the sharded model (HSDP): parameters are sharded over world size /
+    (dp_replicate x tp) ranks and all-gathered within a replica; gradients are all-reduced across replicas.
+    Put one replica per node and all-gathers stay inside nodes. 1: plain FSDP over all data-parallel ranks."""
     nodes: int = 1
     """Number of machines taking part. Run the same command on each, with its own node_rank."""
     procs_per_node: Union[None, int, list] = None
@@ -297,6 +301,12 @@ class DistConfig:
     that many times slower (it busy-waits in backward, before its gradients are shared). None: no slowdown."""
 
     def check(self, fail) -> None:
+        if self.tp < 1:
+            fail("dist.tp", f"must be >= 1 (1: no tensor parallelism), got {self.tp}")
+        if self.dp_replicate < 1:
+            fail("dist.dp_replicate", f"must be >= 1 (1: no replicas of the shards), got {self.dp_replicate}")
+        if self.dp_replicate > 1 and (self.strategy != "fsdp" or self.fsdp_impl != "torch"):
+            fail("dist.dp_replicate", "is HSDP: it needs dist.strategy fsdp (FSDP2)")
         if self.hang_timeout_s < 0:
             fail("dist.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
         if self.nodes < 1:
@@ -557,6 +567,10 @@ def check_across_sections(cfg: Config, fail) -> None:
     # The sharded strategies run at world size 1 too: that is how a sharded checkpoint is resumed in one process.
     # Ranks that each read their own share of the global batch: all of them, or one per pipeline under pipe.
     readers, who = world, "ranks"
+    if d.tp > 1:
+        readers, who = check_tp(cfg, world, fail), "tp groups (world size / dist.tp)"
+    if world % (d.tp * d.dp_replicate):
+        fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if d.strategy == "pipe":
         readers, who = check_pipe(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
     if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
@@ -579,6 +593,20 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+
+
+def check_tp(cfg: Config, world: int, fail) -> int:
+    """dist.tp fits the strategy and the world size; returns the number of tp groups (data-parallel replicas)."""
+    d, t = cfg.dist, cfg.train
+    if d.strategy not in ("ddp", "fsdp") or d.fsdp_impl != "torch":
+        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp or fsdp (FSDP2) only, not "
+                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'} (pipe x tp is not built yet)")
+    if world % d.tp:
+        fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
+    if t.batch_size == "auto" or t.compile:
+        fail("train.batch_size" if t.batch_size == "auto" else "train.compile",
+             "is not available with dist.tp > 1 yet (give per-replica batch sizes; run eager)")
+    return world // d.tp
 
 
 def check_pipe(cfg: Config, world: int, fail) -> int:

@@ -77,27 +77,30 @@ def run(cfg: Config) -> int:
     if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out (export.py)
         return run_export(cfg)
     if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
-        cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", nodes=1,
+        cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     env = launcher_env()
+    lock = contextlib.nullcontext()
     try:
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
         if cfg.mode == "train" and first:
-            lock = hold_output_dir(cfg.output_dir)  # noqa: F841 (held until this process ends)
+            lock = hold_output_dir(cfg.output_dir)
         if env is None:
             check_port_free(cfg)
     except UserError as e:
+        lock.__exit__(None, None, None)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if env is not None:  # torchrun / srun started us: we are exactly one rank
-        return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
-                                  env["rendezvous"]))
-    procs = procs_per_node_list(cfg)
-    here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
-    if here == 1:
-        return worker(cfg, Launch(first_rank, 0, world, 1))
-    return supervise(cfg, here, first_rank, world)
+    with lock:  # held until this run ends, however it ends
+        if env is not None:  # torchrun / srun started us: we are exactly one rank
+            return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
+                                      env["rendezvous"]))
+        procs = procs_per_node_list(cfg)
+        here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
+        if here == 1:
+            return worker(cfg, Launch(first_rank, 0, world, 1))
+        return supervise(cfg, here, first_rank, world)
 
 
 @dataclasses.dataclass

@@ -543,7 +543,7 @@ class Trainer:
         per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
         return "\n".join([
             "plan:",
-            f"  task {cfg.task} ({cfg.data.dataset}), {len(self.datasets['train'])} training samples",
+            f"  task {cfg.task} ({self.task.data_name()}), {len(self.datasets['train'])} training samples",
             f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
             f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {self.precision_note}",
             *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),

@@ -47,7 +47,7 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
     import dataclasses
     from config import config_from_dict
     from distributed import DistContext
-    from strategies import STRATEGIES as APPLY, state_bytes
+    from strategies import apply, state_bytes
     torch.set_num_threads(1)
     backend = None
     if world > 1:
@@ -67,7 +67,7 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
         torch.manual_seed(0)
         model = build_model(model_name)
         n_params = sum(p.numel() for p in model.parameters())
-        par = APPLY[cfg.dist.strategy](model, cfg, ctx)
+        par = apply(model, cfg, ctx, None, None)
         ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
         par.model(input_ids=ids, labels=ids).loss.backward()
         par.optimizer.step()

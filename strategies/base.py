@@ -25,6 +25,12 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
     from torch.distributed.tensor import DTensor
     if train_cfg.optimizer == "sgd" and any(isinstance(p, DTensor) for p in params):
         fused_ok = False
+    if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
+        # tp: split matrices are DTensors, the rest plain tensors; a foreach or fused kernel takes one kind at a
+        # time, and it runs per parameter group.
+        groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
+                  for g in groups for dt in (True, False)]
+        groups = [g for g in groups if g["params"] or keep_empty]
     kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok)
     # -----> choose another optimizer here.
     if train_cfg.optimizer == "sgd":
@@ -66,16 +72,23 @@ def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, innermost first: what FSDP shards as units of their own (one all-gather each) and
+    activation checkpointing recomputes. Every member of an nn.ModuleList, i.e. the blocks of a transformer
+    (BERT's encoder.layer, BART's encoder.layers and decoder.layers, GPT-2's h); FSDP's root takes the rest."""
+    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return units[::-1]
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
-    """model.activation_checkpointing: each block (fsdp_units: the members of the model's nn.ModuleLists, i.e.
+    """model.activation_checkpointing: each block (model_blocks: the members of the model's nn.ModuleLists, i.e.
     the transformer layers) keeps only its inputs in forward and recomputes its activations during backward.
     Dropout draws the same masks again (the RNG state is saved), so the gradients are the same. Applied before
     the strategy wraps the model: FSDP2 gathers a block's parameters before its backward, hence before the
     recomputation. Returns the number of blocks."""
     import functools
     from torch.utils.checkpoint import checkpoint
-    from strategies.fsdp import fsdp_units
-    blocks = fsdp_units(model)
+    blocks = model_blocks(model)
     for block in blocks:  # instance attribute: the module's own hooks (FSDP2's) still run around it
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return len(blocks)
@@ -88,7 +101,10 @@ class Parallel:
     eval_lockstep = False  # True: every rank must run the same number of forward passes (sharded params)
     checkpoint_format = "full"  # recorded in meta.json
     resumes_from = ("full", "sharded-pipe", "sharded-dcp")  # the formats load() reads; others: refused in one line
-    pipelined = False  # pipe: the Trainer hands whole batches to step() / eval_batch() (strategies/pipeline.py)
+    pipelined = False  # pipe: balance.py measures whole pipelines (strategies/pipeline.py)
+    replica = "rank"  # what reads one share of the global batch: a rank, a pipeline (pipe), a tp group (tp)
+    batch_unit = 1  # a replica's batch is a multiple of this (pipe: its micro-batches)
+    drop_last = False  # True: an epoch's smaller last batch is dropped (pipe: its stages need fixed shapes)
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
@@ -99,6 +115,14 @@ class Parallel:
         # the same batch: one share per pipeline.
         self.data_rank, self.data_world, self.grad_replicas = ctx.rank, ctx.world_size, ctx.world_size
         self.counts_batch = True
+        # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)
+        # must draw the same masks.
+        self.seed_rank = ctx.rank
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """What evaluation runs: the plain module, or the wrapper when a forward pass is a collective."""
+        return self.model if self.eval_lockstep else self.raw_model
 
     def plan_lines(self) -> list[str]:
         """Lines the run's plan adds for this strategy."""
@@ -107,6 +131,31 @@ class Parallel:
     def no_sync(self):
         """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
         return contextlib.nullcontext()
+
+    def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one step (on the device), each loss multiplied by
+        `scale`; gradients are synced on the last one only. Returns the summed loss of the batches, or 0 where
+        this rank's batch does not count (another rank of its tp group reports the same loss)."""
+        total = torch.zeros((), device=self.ctx.device)
+        for i, batch in enumerate(batches):
+            sync = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
+            with sync, slowdown(self.raw_model):
+                with autocast():
+                    loss_sum = task.loss_sum(self.model, batch)
+                loss = loss_sum.float() * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss_sum.detach().float()
+        self.reduce_grads()
+        return total if self.counts_batch else torch.zeros_like(total)
+
+    def reduce_grads(self) -> None:
+        """Called after a step's last backward. DDP and FSDP reduce gradients during backward: nothing to do."""
+
+    def eval_batch(self, task, batch: dict, autocast) -> dict:
+        """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""
+        with autocast():
+            out = task.eval_batch(self.eval_model, batch)
+        return out if self.counts_batch else {}
 
     def compile(self) -> None:
         """train.compile: torch.compile the model in place (Module.compile: same module, same state-dict keys).

@@ -10,15 +10,8 @@ from torch import nn
 
 from checkpoint_io import load_file
 from distributed import DistContext
-from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP shards as units of their own (one all-gather each), innermost first: every member of
-    an nn.ModuleList, i.e. the blocks of a transformer (BERT's encoder.layer, BART's encoder.layers and
-    decoder.layers, GPT-2's h). The root takes whatever is left (embeddings, heads; all of the CNN)."""
-    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-    return units[::-1]
+from strategies import mesh as meshes
+from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, sharded_scaler
 
 
 class FSDPParallel(Parallel):
@@ -27,6 +20,15 @@ class FSDPParallel(Parallel):
     eval_lockstep = True  # a forward pass is a collective (the all-gather)
     checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
     resumes_from = ("sharded-dcp", "full", "sharded-pipe")
+
+    def __init__(self, model, raw_model, optimizer, ctx, scaler=None, mesh=None):
+        super().__init__(model, raw_model, optimizer, ctx, scaler)
+        self.mesh = mesh  # with dist.tp or dist.dp_replicate > 1: the device mesh (strategies/mesh.py)
+        if mesh is not None:
+            meshes.take_roles(self, mesh)
+
+    def plan_lines(self) -> list[str]:
+        return meshes.plan_lines(self.mesh) if self.mesh is not None else []
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -41,11 +43,14 @@ class FSDPParallel(Parallel):
     def compile(self) -> None:
         # Per block, and the block's forward only: FSDP2's hooks around it (all-gather before, reduce-scatter
         # after) stay outside the compiled code, and the state-dict keys stay the same.
-        for unit in fsdp_units(self.model) or [self.model]:  # no blocks (the CNN): the root's forward
+        for unit in model_blocks(self.model) or [self.model]:  # no blocks (the CNN): the root's forward
             unit.forward = torch.compile(unit.forward)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
+        if self.mesh is not None:  # parameters on several meshes (tp-split, whole ones sharded over dp only)
+            from strategies.tp import clip_mixed
+            return clip_mixed(list(self.model.parameters()), max_norm, self.ctx)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # On DTensor gradients the norm is a DTensor whose local value covers this shard only; full_tensor()
         # reduces it to the global norm (clipping itself already used the global one).
@@ -77,11 +82,9 @@ class FSDPParallel(Parallel):
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
         # so a crafted checkpoint could run code; checkpoint_dcp.dcp_load refuses it in one line instead.
         dcp_load(model_sd, os.path.join(directory, "model_dcp"))
-        # pipe keeps the per-parameter state only (its ranks' param_groups differ): this run's groups stay, and
-        # the learning rate comes back with the scheduler.
-        pipe = checkpoint.read_meta(directory).get("format") == "sharded-pipe"
-        dcp_load({"state": optim_sd["state"]} if pipe else optim_sd,
-                 os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
+        # The per-parameter state only: layouts group parameters differently (pipe per stage, tp splits DTensors
+        # from the rest), so this run's groups stay, and the learning rate comes back with the scheduler.
+        dcp_load({"state": optim_sd["state"]}, os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def load_full(self, directory: str) -> None:
@@ -135,10 +138,12 @@ def fsdp2_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
-    """Fully sharded data parallel. Default: PyTorch's fully_shard (FSDP2) per fsdp_units() and then the root,
-    computing in train.precision (bf16/fp16) while reducing gradients and stepping in fp32.
+def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+    """Fully sharded data parallel. Default: PyTorch's fully_shard (FSDP2) per model_blocks() and then the root,
+    computing in train.precision (bf16/fp16) while reducing gradients and stepping in fp32. With dist.tp > 1, the
+    blocks are first split over tp groups (strategies/tp.py) and FSDP2 shards over the mesh's dp dimension.
     dist.fsdp_impl: fairscale uses fairscale's FullyShardedDataParallel (CUDA only)."""
+    model = model.to(ctx.device)
     d, precision = cfg.dist, cfg.train.precision
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if d.fsdp_impl == "fairscale":
@@ -150,19 +155,23 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
                                        compute_device=ctx.device, flatten_parameters=False,
                                        mixed_precision=low is not None, compute_dtype=low,
                                        fp32_reduce_scatter=low is not None)
-        for unit in fsdp_units(model):
+        for unit in model_blocks(model):
             replace_module(model, unit, wrap(unit))
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
     from torch.distributed.fsdp import fully_shard
-    policy = fsdp2_policy(precision)
-    for unit in fsdp_units(model):
-        fully_shard(unit, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+    mesh = None
+    if d.tp > 1 or d.dp_replicate > 1:  # on a device mesh (strategies/mesh.py): tp first, then shard over dp
+        from strategies.tp import apply_tp
+        mesh = apply_tp(model, cfg, ctx, task) if d.tp > 1 else meshes.build_mesh(ctx, 1, d.dp_replicate)
+    policy, dp_mesh = fsdp2_policy(precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
+    for unit in model_blocks(model):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
     # The optimizer is built after sharding, on the DTensor parameters (the same names and shapes as before).
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return FSDPParallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
+    return FSDPParallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)
 
 
 class _JoinGrads(torch.autograd.Function):

@@ -67,7 +67,9 @@ class PipeParallel(Parallel):
     resumes_from = ("sharded-pipe", "full", "sharded-dcp")  # full: a replicated strategy's model.pt and
     # optimizer.pt, by name; sharded-dcp: fsdp's folders, which hold the same names as pipe's
 
-    pipelined = True  # the Trainer calls step() and eval_batch() below instead of running the model itself
+    pipelined = True
+    replica = "pipeline"  # each pipeline reads its own share of the global batch
+    drop_last = True  # a smaller last batch would change the shapes the stages expect
 
     def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
                  optimizer, cfg, ctx: DistContext, mesh, scaler, tied: list, unowned: set, replicated_order: list):
@@ -84,6 +86,7 @@ class PipeParallel(Parallel):
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines
         self.counts_batch = self.stage_rank == 0  # one rank per pipeline counts its samples
+        self.batch_unit = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
@@ -124,6 +127,12 @@ class PipeParallel(Parallel):
     def loss_fn(self, output, target):
         loss = self.task.loss_from_output(output, target).float() * self.scale
         return self.scaler.scale(loss) if self.scaler else loss
+
+    def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
+        """Each batch through the schedule (forward and backward of all its micro-batches); dist.simulate_slowdown
+        is applied per stage inside it. Returns the pipeline's summed loss on its last stage (0 elsewhere)."""
+        return sum((self.step(task, batch, scale, autocast) for batch in batches),
+                   torch.zeros((), device=self.ctx.device))
 
     def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns

@@ -9,14 +9,16 @@ from distributed import DistContext
 from strategies.base import Parallel, make_scaler, optimizer_recipe
 
 
-def apply_none(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+    model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return Parallel(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
-def apply_dp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
     """DataParallel: one process scatters each batch over all local GPUs. Simple, but the GIL and the
     gather on GPU 0 make it slower than ddp; kept because it needs no launcher at all."""
+    model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 and ctx.device.type == "cuda" else model
     return Parallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
@@ -27,9 +29,14 @@ class DDPParallel(Parallel):
         return self.model.no_sync()
 
 
-def apply_ddp(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
-    backward. The Trainer scales the loss so that average is the mean over the global batch."""
+    backward. The Trainer scales the loss so that average is the mean over the global batch. With dist.tp > 1,
+    each replica is a tp group instead (strategies/tp.py)."""
+    model = model.to(ctx.device)
+    if cfg.dist.tp > 1:
+        from strategies.tp import apply_tp_ddp
+        return apply_tp_ddp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return DDPParallel(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 

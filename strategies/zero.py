@@ -32,10 +32,11 @@ class OSSParallel(DDPParallel):
         super().save(directory)
 
 
-def apply_oss(model: nn.Module, cfg, ctx: DistContext) -> Parallel:
+def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
     """Optimizer state sharding. fairscale OSS (default) with DDP gradients = ZeRO-1; with dist.shard_grads,
     fairscale ShardedDataParallel reduces each gradient to its owner only = ZeRO-2. dist.oss_impl: torch uses
     PyTorch's ZeroRedundancyOptimizer with DDP (ZeRO-1)."""
+    model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     if cfg.dist.oss_impl == "torch":
         from torch.distributed.optim import ZeroRedundancyOptimizer

