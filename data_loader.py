@@ -3,7 +3,8 @@
 Training: every epoch is a seeded permutation of the training set, cut into *global* batches of
 sum(per-rank batch sizes) samples; rank r takes its slice of each global batch. So one optimizer step across N
 ranks sees exactly the samples one process would see with the combined batch, every sample is used once per epoch,
-ranks may have different batch sizes (heterogeneous clusters), and a position (epoch, batch) is all resume needs.
+ranks may have different batch sizes (heterogeneous clusters), and a position (epoch, sample) is all resume needs:
+counted in samples of the epoch's order, it means the same after a resume with another global batch.
 
 Evaluation: the split is cut into one contiguous piece per rank, with no padding and no duplicates, so metrics
 computed from the gathered pieces count every sample exactly once.
@@ -115,9 +116,10 @@ class GlobalBatchSampler:
         full, tail = divmod(self.n, self.global_batch)
         return full + (tail >= len(self.batch_sizes) and not self.drop_last)
 
-    def epoch_batches(self, epoch: int, start: int = 0) -> "EpochBatches":
-        """This rank's index lists of `epoch` from batch `start` on, made one at a time as they are iterated."""
-        return EpochBatches(self, epoch, start)
+    def epoch_batches(self, epoch: int, start: int = 0, start_sample: Optional[int] = None) -> "EpochBatches":
+        """This rank's index lists of `epoch` from batch `start` on (or from position `start_sample` of the epoch's
+        order), made one at a time as they are iterated."""
+        return EpochBatches(self, epoch, start, start_sample)
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         return list(EpochBatches(self, epoch, 0).global_batches())
@@ -140,11 +142,24 @@ class EpochBatches:
     and the batches are then shuffled, each window sorted when one of its batches is asked for."""
     WINDOW = 50
 
-    def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int):
-        self.s, self.start = sampler, start
+    def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int, start_sample: Optional[int] = None):
+        self.s, self.start, self.offset = sampler, start, 0
         self.order = EpochOrder(sampler.n, sampler.seed, epoch, sampler.shard_sizes)
         self.count = sampler.batches_per_epoch()
-        self.end = min(self.count * sampler.global_batch, sampler.n)  # epoch positions the batches cover
+        g = sampler.global_batch
+        if start_sample is not None and start_sample % g == 0:
+            self.start = start_sample // g
+        elif start_sample is not None:
+            # A position that is not a whole number of global batches: resumed with another global batch. The rest
+            # of the epoch is cut into global batches from there, so no sample is skipped or seen twice.
+            if sampler.lengths is not None:
+                raise ValueError("data.group_by_length: a run cannot resume mid-epoch with another global batch "
+                                 "(its batches are made per window of global batches); resume with the global "
+                                 f"batch it was saved with, which had reached sample {start_sample}")
+            self.offset, self.start = start_sample, 0
+            full, tail = divmod(sampler.n - start_sample, g)
+            self.count = full + (tail >= len(sampler.batch_sizes) and not sampler.drop_last)
+        self.end = min(self.offset + self.count * g, sampler.n)  # epoch positions the batches cover
         self.shuffle = None if sampler.lengths is None else \
             np.random.default_rng([sampler.seed, epoch, 1]).permutation(self.count)
         self.window: tuple[int, list] = (-1, [])
@@ -160,7 +175,7 @@ class EpochBatches:
         g = self.s.global_batch
         for k in range(start, self.count):
             if self.shuffle is None:
-                yield self.order.take(k * g, min((k + 1) * g, self.end))
+                yield self.order.take(self.offset + k * g, min(self.offset + (k + 1) * g, self.end))
             else:
                 w, i = divmod(int(self.shuffle[k]), self.WINDOW)
                 yield self.grouped(w)[i]

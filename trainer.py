@@ -37,6 +37,7 @@ class TrainState:
     step: int = 0             # optimizer steps done
     epoch: int = 0            # current epoch
     batch_in_epoch: int = 0   # micro-batches of the current epoch already consumed
+    sample_in_epoch: int = 0  # samples of the epoch's order consumed by all ranks: where the epoch resumes
     best_value: Optional[float] = None
     best_step: Optional[int] = None
     evals_without_improvement: int = 0
@@ -400,6 +401,9 @@ class Trainer:
                 state = TrainState(**meta["state"])
             except TypeError as e:
                 raise checkpoint.Unloadable(f"{path}/meta.json: unreadable (`state`: {e})") from None
+            if "sample_in_epoch" not in meta["state"]:  # written before positions were kept in samples
+                state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]),
+                                            self.sampler.n)
             extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
             with checkpoint_io.fits_model(path, self.cfg):
                 self.par.load(path)
@@ -429,8 +433,31 @@ class Trainer:
             path = None
         if path is not None:
             self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
-                          f"batch {self.state.batch_in_epoch})")
+                          f"batch {self.state.batch_in_epoch}, sample {self.state.sample_in_epoch})")
             self.schedule_changes(self.resumed_train)
+            self.length_from_position()
+
+    def length_from_position(self) -> None:
+        """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again
+        from where the run is, in samples: the epochs end where they would have, never early, and the learning-rate
+        schedule follows the new number of steps from here on (said in one line)."""
+        if not self.t.epochs:
+            return
+        s, per_epoch = self.state, self.sampler.batches_per_epoch()
+        left = len(self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
+        done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
+        total = s.step + max(0, math.ceil((math.ceil(self.t.epochs * per_epoch) - done) / self.t.grad_accum_steps))
+        if self.t.max_steps:
+            total = min(total, self.t.max_steps)
+        if total == self.total_steps:
+            return
+        self.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
+                         f"this global batch (was {self.total_steps}); the learning-rate schedule follows it")
+        self.total_steps = total
+        factor = lr_lambda(total, self.t.warmup, self.t.schedule)
+        self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
+        for group, base in zip(self.par.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
 
     def check_same_run(self, path: str, meta: dict) -> None:
         """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task,
@@ -476,13 +503,14 @@ class Trainer:
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
         s = self.state
         while True:
-            batches = self.sampler.epoch_batches(s.epoch, start=s.batch_in_epoch)  # made as consumed
+            batches = self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch)  # made as consumed
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
                                  self.pin, self.cfg.seed + s.epoch)
             for batch in loader:
                 s.batch_in_epoch += 1
+                s.sample_in_epoch = min(s.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
                 yield batch
-            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            s.epoch, s.batch_in_epoch, s.sample_in_epoch = s.epoch + 1, 0, 0
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""

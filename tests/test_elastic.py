@@ -1,0 +1,100 @@
+"""Resuming at another world size or global batch (issue 20, item 3): the data position is kept in samples of the
+epoch's order, so a resume neither skips nor repeats a sample; with the same global batch it ends where the
+uninterrupted run does; an epoch-based length is counted again from the position, never declaring an unfinished
+run complete."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import make_config, slow
+
+import checkpoint
+import checkpoint_io
+import main
+from data_loader import GlobalBatchSampler
+
+TRAIN = {"max_steps": 0, "epochs": 1, "eval_every": 0, "save_every": 5, "keep_last": 10, "log_every": 5,
+         "optimizer": "sgd", "lr": 0.05, "schedule": "constant"}
+
+
+@pytest.mark.parametrize("first, then, n", [(24, 36, 1000), (32, 24, 1000), (24, 7, 101), (10, 10, 95)])
+def test_a_new_global_batch_continues_the_epoch_from_the_same_sample(first, then, n):
+    """k global batches of `first` samples, then the rest of the epoch at `then`: every sample once."""
+    a = GlobalBatchSampler(n, [first // 2, first - first // 2], 0, seed=3)
+    b0 = GlobalBatchSampler(n, [first // 2, first - first // 2], 1, seed=3)
+    k = 2
+    seen = [i for sampler in (a, b0) for batch in list(sampler.epoch_batches(0))[:k] for i in batch]
+    position = k * first
+    sizes = [then // 3, then // 3, then - 2 * (then // 3)]
+    for rank in range(3):
+        rest = GlobalBatchSampler(n, sizes, rank, seed=3).epoch_batches(0, start_sample=position)
+        seen += [i for batch in rest for i in batch]
+    full, tail = divmod(n - position, then)
+    dropped = tail if tail < 3 else 0  # a tail smaller than the ranks cannot give each a sample
+    assert len(seen) == len(set(seen)) == n - dropped
+
+
+def test_group_by_length_refuses_another_global_batch_mid_epoch():
+    sampler = GlobalBatchSampler(100, [8, 8], 0, seed=0, lengths=list(range(100)))
+    with pytest.raises(ValueError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
+        sampler.epoch_batches(0, start_sample=24)
+
+
+def run(out, dist, batch, **train) -> int:
+    return main.run(make_config(out, train={**TRAIN, "batch_size": batch, **train}, dist=dist, model={"dropout": 0.0}))
+
+
+def ckpt(out, step) -> str:
+    return os.path.join(str(out), "checkpoints", f"step-{step}")
+
+
+def resumed_copy(source, out, step):
+    os.makedirs(os.path.join(out, "checkpoints"))
+    shutil.copytree(ckpt(source, step), ckpt(out, step))
+
+
+def test_the_same_global_batch_at_another_world_size_ends_where_one_process_does(tmp_path):
+    """ddp 2 ranks -> 3 ranks -> 1 process, global batch 24 throughout (12+12, 8+8+8, 24)."""
+    one, a, b, c = (tmp_path / n for n in ("one", "two", "three", "last"))
+    assert run(one, {"strategy": "none"}, 24, max_steps=15, epochs=0) == 0
+    assert run(a, {"strategy": "ddp", "procs_per_node": 2}, 12, max_steps=5, epochs=0) == 0
+    resumed_copy(a, b, 5)
+    assert run(b, {"strategy": "ddp", "procs_per_node": 3}, 8, max_steps=10, epochs=0) == 0
+    resumed_copy(b, c, 10)
+    assert run(c, {"strategy": "none"}, 24, max_steps=15, epochs=0) == 0
+    x, y = checkpoint_io.model_state_dict(ckpt(one, 15)), checkpoint_io.model_state_dict(ckpt(c, 15))
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-5
+
+
+def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
+    """The issue's case: epochs=1, a checkpoint at step 15 of 40 at global batch 32 (digits: 1272 samples, 40
+    batches), resumed on 3 ranks of 16 (global 48, train.resume_changed). It used to print 'already complete' with a
+    quarter of the epoch untrained; now the epoch goes on from sample 480 to its end at 48 a batch."""
+    first = tmp_path / "first"
+    assert run(first, {"strategy": "none"}, 32, save_every=15) == 0
+    assert checkpoint.read_meta(ckpt(first, 15))["state"]["sample_in_epoch"] == 480
+    out = tmp_path / "wider"
+    resumed_copy(first, out, 15)
+    capsys.readouterr()
+    assert run(out, {"strategy": "ddp", "procs_per_node": 3}, 16, resume_changed=True) == 0
+    log = open(out / "logs" / "rank0.log").read()
+    # 1272 - 480 = 792 samples left: 16 batches of 48 and a tail of 24 (kept: at least one sample per rank)
+    assert "the run's length is 32 steps from sample 480 of epoch 0 at this global batch (was 27)" in log
+    assert "already complete" not in log
+    assert checkpoint.latest(str(out)).endswith("step-32")
+    end = checkpoint.read_meta(ckpt(out, 32))["state"]
+    assert (end["epoch"], end["sample_in_epoch"]) == (0, 1272)  # the whole epoch consumed, once
+
+
+@pytest.mark.parametrize("layout", [slow({"strategy": "fsdp", "procs_per_node": 2})])
+def test_fsdp_two_ranks_to_one_process(tmp_path, layout):
+    one, a, b = tmp_path / "one", tmp_path / "a", tmp_path / "b"
+    assert run(one, {"strategy": "none"}, 24, max_steps=10, epochs=0) == 0
+    assert run(a, layout, 12, max_steps=5, epochs=0) == 0
+    resumed_copy(a, b, 5)
+    assert run(b, {"strategy": "none"}, 24, max_steps=10, epochs=0) == 0
+    x, y = checkpoint_io.model_state_dict(ckpt(one, 10)), checkpoint_io.model_state_dict(ckpt(b, 10))
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-5
+    assert np.isfinite(checkpoint.read_meta(ckpt(b, 10))["metrics"].get("loss", 0.0))
