@@ -83,7 +83,7 @@ def last_checkpoint_metrics(run) -> dict:
 def test_every_chapter_has_commands_and_the_index_links_it():
     with open(os.path.join(TUTORIAL, "README.md")) as f:
         index = f.read()
-    assert len(CHAPTERS) == 8
+    assert len(CHAPTERS) == 9
     for chapter in CHAPTERS:
         assert f"({chapter})" in index, f"docs/tutorial/README.md does not link {chapter}"
         assert "```bash" in open(os.path.join(TUTORIAL, chapter)).read(), f"{chapter} runs nothing"
@@ -224,6 +224,44 @@ def test_08_pipeline_equals_one_process_and_carries_on_under_fsdp(tmp_path):
     with open(tmp_path / "runs/tutorial/08-switch/checkpoints/step-60/meta.json") as f:
         assert json.load(f)["format"] == "sharded-dcp"  # the last steps ran under fsdp
     assert (tmp_path / "runs/tutorial/img/08_curves.png").stat().st_size > 0
+
+
+def logged_losses(run) -> list[str]:
+    """The training losses rank 0 logged, as printed (`step 3/6 loss=10.72 ...`)."""
+    with open(run / "logs" / "rank0.log") as f:
+        return re.findall(r"\bstep \d+/\d+ loss=(\S+)", f.read())
+
+
+@pytest.mark.slow
+def test_09_tensor_parallel_counts_memory_and_fsdp_x_tp_equals_one_process(tmp_path):
+    out = run_chapter("09", tmp_path)
+    lines = out.splitlines()
+    runs = tmp_path / "runs/tutorial"
+    # the lines the chapter quotes, as printed: the collectives counted, the mesh, the memory, the compare
+    for start in ("BERT hidden 128, ", "tp 1 (ddp 4): ", "ddp 2 x tp 2: ", "tp 4: ", "fsdp 2 x tp 2: ", "fsdp 4: ",
+                  "  mesh dp_replicate 1 x dp_shard 2 x tp 2 ", "  batch per tp group ", "the formula for BERT-base"):
+        assert quoted_line("09", start) in lines, start
+    for label in ("tp 1 (ddp 4)", "ddp 2 x tp 2", "tp 4", "fsdp 2 x tp 2", "fsdp 4"):
+        quoted = quoted_line("09", f"{label:34s} x4: ")
+        assert quoted.split("; ", 1)[1] in out, label  # bytes/param per rank and formula (MiB: the model's size)
+    # the counts and bytes themselves: 2 all-reduces per block forward, 4 backward; each rank holds the formula
+    with open(runs / "09-tp.json") as f:
+        bench = json.load(f)
+    rows, blocks = {row["label"]: row for row in bench["rows"]}, 4
+    for label in ("ddp 2 x tp 2", "tp 4", "fsdp 2 x tp 2"):
+        assert rows[label]["forward"]["all-reduce"] == 2 * blocks
+        assert rows[label]["step"]["all-reduce"] == 6 * blocks + (label == "ddp 2 x tp 2")  # + one over dp
+    assert "all-reduce" not in rows["fsdp 4"]["step"]
+    for row in bench["rows"]:
+        per_param = [sum(rank.values()) / bench["parameters"] for rank in row["per_rank"]]
+        assert per_param == pytest.approx([row["formula"]] * 4, abs=0.02), row["label"]
+    # 2 x 2 fsdp x tp ends where one process does: parameters and logged losses
+    diff = float(re.search(r"09-one vs 09-tp: largest parameter difference (\S+)", out).group(1))
+    assert diff < 1e-5
+    assert logged_losses(runs / "09-one") == logged_losses(runs / "09-tp") and len(logged_losses(runs / "09-tp")) == 6
+    with open(runs / "09-tp/checkpoints/step-6/meta.json") as f:
+        assert json.load(f)["format"] == "sharded-dcp"
+    assert (tmp_path / "runs/tutorial/img/09_memory.png").stat().st_size > 0
 
 
 def test_the_task_file_is_under_60_lines_with_its_edit_places():

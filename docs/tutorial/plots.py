@@ -4,6 +4,7 @@
     python docs/tutorial/plots.py compare RUN_OR_CHECKPOINT RUN_OR_CHECKPOINT [...]
     python docs/tutorial/plots.py memory  OUT.png MEMORY.json      (from benchmarks/bench_sharded_memory.py --json)
     python docs/tutorial/plots.py throughput OUT.png RUN [RUN ...]
+    python docs/tutorial/plots.py tp OUT.json [--hidden 128 --layers 4 --heads 4]   (4 CPU ranks; `memory` draws it)
 
 A RUN is an output_dir; its label in a figure is its folder name. `compare` prints the largest difference between
 the final parameters of the first run and each other one (a run's newest complete checkpoint, or a checkpoint
@@ -125,14 +126,15 @@ def memory(out: str, json_path: str) -> list:
             ax.bar(i - 0.18, rank0[part] / mib, 0.36, bottom=bottom, color=color, label=part if i == 0 else None)
             bottom += rank0[part] / mib
         ax.bar(i + 0.18, row["formula"] * n / mib, 0.36, color="lightgray", edgecolor="black", hatch="//",
-               label="ZeRO formula" if i == 0 else None)
+               label=bench.get("formula_label", "ZeRO formula") if i == 0 else None)
         for r, rank in enumerate(row["per_rank"][1:], 1):  # the other ranks' totals: equal, unless split unevenly
             ax.plot(i - 0.18, sum(rank.values()) / mib, marker="_", markersize=22, markeredgewidth=2, color="black",
                     label="total of another rank" if i == 1 and r == 1 else None)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['label']}\nx{r['procs']}".replace(" (", "\n(") for r in rows], fontsize=7)
     ax.set_ylabel("MiB (bars: rank 0)")
-    ax.set_title(f"{bench['model']}: {n / 1e6:.1f}M parameters, fp32 AdamW, model state held per rank")
+    ax.set_title(bench.get("title") or f"{bench['model']}: {n / 1e6:.1f}M parameters, fp32 AdamW, model state held "
+                 "per rank")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     save(fig, out)
@@ -166,6 +168,131 @@ def throughput(out: str, runs: list[str]) -> dict[str, float]:
     return means
 
 
+# Chapter 9's layouts of 4 ranks: label, dist.strategy, dist.tp. ddp with tp 1 holds what one process holds.
+TP_LAYOUTS = [("tp 1 (ddp 4)", "ddp", 1), ("ddp 2 x tp 2", "ddp", 2), ("tp 4", "ddp", 4),
+              ("fsdp 2 x tp 2", "fsdp", 2), ("fsdp 4", "fsdp", 1)]
+
+
+# CommDebugMode's names for one collective: DTensor's (functional) ops and the process group's (c10d) ones.
+COLLECTIVES = {"all_reduce": "all-reduce", "allreduce_": "all-reduce", "_allgather_base_": "all-gather",
+               "all_gather_into_tensor": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
+               "reduce_scatter_tensor": "reduce-scatter", "broadcast_": "broadcast"}
+
+
+def bert_model(hidden: int, layers: int, heads: int):
+    """A random BERT for pre-training (BERT's 30,522-token vocabulary), as tasks/bert_pretrain.py builds its
+    presets; the same parameters on every rank (seed 0)."""
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+    from tasks.bert_pretrain import PretrainingModel
+    torch.manual_seed(0)
+    return PretrainingModel(BertForPreTraining(BertConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+
+
+def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
+    """One of the spawned ranks of `tp`: each layout in turn, through the project's own strategies.apply."""
+    import contextlib
+    import warnings
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from config import config_from_dict
+    from distributed import DistContext
+    from strategies import apply, state_bytes
+    from tasks import build_task
+    torch.set_num_threads(1)
+    # Warnings that each rank would print once per layout: CommDebugMode's module hooks (no input needs a gradient,
+    # Hugging Face's outputs are not tensors) and FSDP2 on the view a block returns (no in-place op follows it).
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message="For backward hooks to be called")
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    g = torch.Generator().manual_seed(1)  # one batch of 4 sequences of 32 tokens, 5 of them masked
+    ids = torch.randint(1000, 30000, (4, 32), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, 3:8] = ids[:, 3:8]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
+             "mlm_labels": labels, "nsp_labels": torch.tensor([0, 1, 0, 1])}
+    for name, strategy, tp in TP_LAYOUTS:
+        cfg = config_from_dict({"task": "bert_pretrain", "output_dir": "unused", "model": {"name": "tiny"},
+                                "log": {"progress_bar": False, "tensorboard": False},
+                                "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
+        task = build_task(cfg)
+        par = apply(bert_model(*size), cfg, ctx, task, None)
+        with CommDebugMode() as forward:
+            task.loss_sum(par.model, batch)
+        with CommDebugMode() as step:  # forward and backward, with the gradients' reduction over dp
+            par.forward_backward(task, [batch], 1.0, contextlib.nullcontext, lambda m: contextlib.nullcontext())
+        par.optimizer.step()  # AdamW's two moments now exist
+        counts = [{} for _ in range(2)]
+        for total, mode in zip(counts, (forward, step)):
+            for op, n in mode.get_comm_counts().items():
+                what = COLLECTIVES.get(str(op).split(".")[-1], str(op))
+                total[what] = total.get(what, 0) + n
+        queue.put((name, rank, counts, state_bytes(par)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def tp(out: str, hidden: int, layers: int, heads: int, world: int = 4) -> dict:
+    """Spawns `world` CPU ranks (gloo); in each layout of TP_LAYOUTS they spread the same random BERT with
+    strategies.apply, count the collectives of one forward and of one forward+backward (CommDebugMode), take one
+    AdamW step and report the bytes each holds (strategies.state_bytes). Writes a JSON that `memory` draws, with
+    the formula: 16 bytes x (whole tensors / s + split tensors / (tp x s)), s = the dp size under fsdp, else 1;
+    split tensors are those the task's tp plan cuts (a ColwiseParallel layer's weight and bias, a RowwiseParallel
+    layer's weight)."""
+    import socket
+    import torch
+    import torch.multiprocessing as mp
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from tasks.text_common import bert_tp_plan
+
+    def sizes(model) -> tuple[int, int]:  # all parameters, those the plan splits
+        modules = dict(model.named_modules())
+        split = sum(p.numel() for name, style in bert_tp_plan(model, 1).items() for pname, p in
+                    modules[name].named_parameters() if pname == "weight" or isinstance(style, ColwiseParallel))
+        return sum(p.numel() for p in model.parameters()), split
+
+    n, split = sizes(bert_model(hidden, layers, heads))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(_tp_rank, args=(world, port, (hidden, layers, heads), queue), nprocs=world,
+                               join=False, start_method="spawn")
+    reports = [queue.get() for _ in range(world * len(TP_LAYOUTS))]
+    while not ranks.join():
+        pass
+    rows = []
+    print(f"BERT hidden {hidden}, {layers} layers, {heads} heads: {n / 1e6:.2f}M parameters, {split / 1e6:.2f}M of "
+          f"them split by tp")
+    for name, strategy, tp_size in TP_LAYOUTS:
+        ranks = sorted((r for r in reports if r[0] == name), key=lambda r: r[1])
+        shard = world // tp_size if strategy == "fsdp" else 1
+        formula = 16 * ((n - split) / shard + split / (tp_size * shard)) / n  # bytes per parameter
+        forward, step = ranks[0][2]
+        rows.append({"label": name, "procs": world, "formula": formula, "per_rank": [r[3] for r in ranks],
+                     "forward": forward, "step": step})
+        print(f"{name}: forward {', '.join(f'{k} {v}' for k, v in sorted(forward.items())) or 'nothing'}; "
+              f"forward+backward {', '.join(f'{k} {v}' for k, v in sorted(step.items())) or 'nothing'}")
+    with torch.device("meta"):  # no memory: only the sizes
+        base_n, base_split = sizes(bert_model(768, 12, 12))
+    held = [f"{(base_n - base_split + base_split / t) / base_n:.0%} under tp {t}" for t in (2, 4, 8)]
+    print(f"the formula for BERT-base: {base_n / 1e6:.1f}M parameters, {base_split / 1e6:.1f}M split; a rank holds "
+          + ", ".join(held))
+    title = f"BERT {hidden}x{layers}, {n / 1e6:.1f}M parameters ({split / 1e6:.2f}M split by tp), fp32 AdamW"
+    result = {"model": f"BERT {hidden}x{layers}", "parameters": n, "split": split, "title": title,
+              "formula_label": "formula", "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -186,6 +313,11 @@ def main() -> None:
     p = sub.add_parser("throughput", parents=[img])
     p.add_argument("out")
     p.add_argument("runs", nargs="+")
+    p = sub.add_parser("tp")
+    p.add_argument("out", help="JSON for `memory`")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
     args = ap.parse_args()
     if getattr(args, "img_dir", None):
         args.out = os.path.join(args.img_dir, os.path.basename(args.out))
@@ -198,6 +330,8 @@ def main() -> None:
         compare(args.paths)
     elif args.what == "memory":
         memory(args.out, args.json)
+    elif args.what == "tp":
+        tp(args.out, args.hidden, args.layers, args.heads)
     else:
         throughput(args.out, args.runs)
 
