@@ -1,8 +1,9 @@
 """When things go wrong: stop requests (signals, time limit), hung and dead ranks, and how a failure is reported.
 
 A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rules this file implements:
-- a signal (SIGTERM, SIGINT, train.stop_signal) or train.time_limit stops every rank at the same step boundary,
-  after a checkpoint is saved (the Trainer folds the request into an all-reduce each step already does);
+- a signal (SIGTERM, SIGINT, SIGHUP, train.stop_signal) or train.time_limit stops every rank at the same step
+  boundary, after a checkpoint is saved (the Trainer folds the request into an all-reduce each step already does);
+  the same signals again while stopping only print a line: nothing but SIGKILL aborts the save;
 - a rank that stops responding is named within dist.hang_timeout_s by a watchdog thread that beats through the
   rendezvous store; the live ranks dump their Python stacks to their logs and exit;
 - every failure is reported once, naming the rank, the host and the step; a user mistake is one line.
@@ -13,11 +14,12 @@ Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
     2  a user mistake (config, data, checkpoint): one line `error: ...`
     3  stopped by a signal or by train.time_limit, after saving a checkpoint: run the same command to resume
     4  training diverged: train.max_bad_steps non-finite steps in a row; nothing more was saved
-    130    stopped at once by a second Ctrl-C (SIGINT), without saving
+    130    Ctrl-C where there is nothing to save (test mode)
 """
 from __future__ import annotations
 
 import datetime
+import errno
 import faulthandler
 import json
 import logging
@@ -25,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -42,15 +45,6 @@ class Stopped(Exception):
 class Diverged(Exception):
     """Raised by the Trainer when training produced too many non-finite steps in a row (or parameters)."""
     exit_code = EXIT_DIVERGED
-
-
-class Interrupted(BaseException):
-    """A second stop signal: stop at once, without saving. BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 # ==============================================================================================================
@@ -90,9 +84,24 @@ progress = Progress()
 # ==============================================================================================================
 # Stop requests: signals and the time limit
 # ==============================================================================================================
+def stop_signals(extra_signal: Optional[str]) -> list[str]:
+    """The signals that stop a run after a checkpoint: SIGTERM (schedulers), SIGINT (Ctrl-C), SIGHUP (a terminal or
+    an ssh session that closed) and train.stop_signal (which may name one of them again)."""
+    return list(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP") + ((extra_signal,) if extra_signal else ())))
+
+
+def already_stopping(name: str, pid: Optional[int] = None) -> str:
+    """The line for a stop signal that comes while the run is already stopping (see StopRequest); `pid`: the
+    process whose SIGKILL ends the whole run (main.py's launcher)."""
+    return (f"{name} again: already stopping: a checkpoint is saved, then the run exits; SIGKILL ends it at "
+            f"once, without saving" + (f" (kill -9 {pid})" if pid else ""))
+
+
 class StopRequest:
     """Set by a signal handler or the time limit; the Trainer votes it into the step's all-reduce, so all ranks
-    stop after the same step. A second Ctrl-C stops at once (Interrupted), as users expect; other repeats wait."""
+    stop after the same step. The stop signals again while stopping only log a line: schedulers and people send
+    them twice (SLURM at preemption with GraceTime 0, an impatient Ctrl-C), and the save must not be lost to
+    that; SIGKILL, which no process can catch, is the way to end a run at once."""
 
     def __init__(self):
         self.reason: Optional[str] = None
@@ -100,22 +109,28 @@ class StopRequest:
         self.log: Optional[logging.Logger] = None
 
     def install(self, extra_signal: Optional[str], time_limit_s: Optional[float]) -> None:
-        """First thing in a rank (before torch is imported), so that a signal during setup is not lost."""
+        """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
+        the signals, which main.supervise blocks while it starts its ranks: one sent before now is handled now."""
         self.deadline = time.monotonic() + time_limit_s if time_limit_s else None
-        for name in ("SIGTERM", "SIGINT") + ((extra_signal,) if extra_signal else ()):
-            signal.signal(getattr(signal, name), self._handle)
+        signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
+        for signum in signums:
+            signal.signal(signum, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
         if self.reason is not None and self.reason != "time limit":
-            # Only a second Ctrl-C means "now". SLURM may send SIGTERM twice in a row at preemption (GraceTime 0):
-            # that must not abort the save the first one started.
-            if signum == signal.SIGINT:
-                raise Interrupted(signum)
+            if self.log:  # (under main.py's launcher, it says this on the console: here, the log file only)
+                self.log.warning(already_stopping(name),
+                                 extra={"file_only": report.report_dir is not None})
             return
-        self.reason = signal.Signals(signum).name
+        self.reason = name
         if self.log:
-            self.log.warning(f"{self.reason} received: stopping after the current step, once a checkpoint is "
-                             f"saved (send it again to stop at once, without saving)")
+            self.log.warning(f"{name} received: stopping after the current step, once a checkpoint is saved "
+                             f"(a stop signal again does not stop it sooner; SIGKILL ends the run at once, "
+                             f"without saving)")
 
     def vote(self) -> float:
         """1.0 if this rank wants to stop (a signal came, or the time limit is reached), else 0.0."""
@@ -142,6 +157,19 @@ def parse_duration(value) -> Optional[float]:
     for p in parts:
         seconds = seconds * 60 + int(p)
     return seconds + 86400 * int(days or 0)
+
+
+def detach_hung_up_terminal() -> None:
+    """After the terminal hung up (an ssh session that dropped: SIGHUP), every write to it fails (EIO), the final
+    line's included: stdout and stderr on it go to /dev/null instead, so that the run still saves and exits 3."""
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as e:  # ENOTTY: not a terminal; EIO: a terminal that hung up
+            if e.args[0] == errno.EIO:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def set_parent_death_signal(parent_pid: int) -> None:

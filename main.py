@@ -194,50 +194,61 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
     """Start `nprocs` ranks and watch them. Unlike torch.multiprocessing.spawn, this says which rank failed and
     how: each rank leaves its last word in a report file, a rank that died without one is named with its signal
     or exit code and the step it was at, and identical lines from several ranks are printed once. Signals sent
-    to this process (Ctrl-C, SIGTERM, the stop signal) are passed on to every rank, which stop together after
-    saving. A failed rank takes the others down within GRACE_S seconds; if this process is killed, even with
-    -9, the ranks die with it (faults.set_parent_death_signal). A rank that is done (results saved) but whose
-    teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, or crashes (gloo can
-    abort at exit), with a warning, and counts with the exit code it finished with."""
+    to this process (Ctrl-C, SIGTERM, SIGHUP, the stop signal) are passed on to every rank, which stop together
+    after saving; the same signals again while stopping print a line and change nothing (faults.StopRequest):
+    SIGKILL to this process ends the run at once. A failed rank takes the others down within GRACE_S seconds; if
+    this process is killed, even with -9, the ranks die with it (faults.set_parent_death_signal). A rank that is
+    done (results saved) but whose teardown hangs (a process group that will not close, say) is ended after
+    EXIT_GRACE_S, or crashes (gloo can abort at exit), with a warning, and counts with the exit code it finished
+    with."""
     import multiprocessing as mp
     import shutil
     import signal
     import tempfile
     from multiprocessing.connection import wait
-    from faults import HOST
+    from faults import HOST, already_stopping, detach_hung_up_terminal, stop_signals
 
     mpc = mp.get_context("spawn")
-    report_dir = tempfile.mkdtemp(prefix="trainer-reports-")
     steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
     finished = mpc.Array("i", [-1] * nprocs, lock=False)  # each rank's exit code once it is done (before teardown)
-    procs = [mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
-                         args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, finished,
-                               os.getpid()))
-             for i in range(nprocs)]
+    procs, report_dir = [], None
     exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
     done_at, stuck = {}, {}  # rank index -> when it was done; -> its exit code if its teardown hung or crashed
-    signals_seen, kill_at, exit_order = [], None, []
+    signals_seen, said_again, kill_at, exit_order = [], 1, None, []
 
     def teardown_failed(i: int) -> bool:  # done, then ended by anything but its own return (we never SIGKILL a
         p = procs[i]                      # rank that is done, unless its teardown hangs or another rank failed)
         return finished[i] >= 0 and p.exitcode not in (None, finished[i], -signal.SIGKILL)
 
     def forward(signum, frame):  # the ranks run in their own process group: only we hear the terminal's Ctrl-C
-        nonlocal kill_at
-        signals_seen.append(signum)
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
+        signals_seen.append(signum)  # (the loop below says a repeat: no printing inside a signal handler)
         for p in procs:
-            if p.exitcode is None and p.pid:
+            if p.pid and p.exitcode is None:
                 os.kill(p.pid, signum)
-        if len(signals_seen) > 1 and kill_at is None:  # asked twice: no more waiting for a checkpoint
-            kill_at = time.monotonic() + 10
 
-    names = ["SIGINT", "SIGTERM"] + ([cfg.train.stop_signal] if cfg.train.stop_signal else [])
-    previous = {n: signal.signal(getattr(signal, n), forward) for n in names}
+    signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
+    previous = {n: signal.signal(n, forward) for n in signums}
     try:
-        with environment(rank_environment(cfg, nprocs)):  # spawn: each rank starts with this environment
-            for p in procs:
-                p.start()
+        report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (removed in `finally`, whichever signal came)
+        procs.extend(mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
+                                 args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, finished,
+                                       os.getpid()))
+                     for i in range(nprocs))
+        # The ranks start with the stop signals blocked (the mask is inherited) and unblock them once their
+        # handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits till then.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+        try:
+            with environment(rank_environment(cfg, nprocs)):  # spawn: each rank starts with this environment
+                for p in procs:
+                    p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         while True:
+            for signum in signals_seen[said_again:]:  # the ranks go on with their save
+                print(already_stopping(signal.Signals(signum).name, os.getpid()), flush=True)
+            said_again = max(said_again, len(signals_seen))
             alive = [p for p in procs if p.exitcode is None]
             for i, p in enumerate(procs):
                 if p.exitcode is not None and p not in exit_order:
@@ -273,12 +284,13 @@ def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
                   file=sys.stderr, flush=True)
         return summarize(procs, exit_order, first_rank, report_dir, steps, stuck)
     finally:
-        for n, handler in previous.items():
-            signal.signal(getattr(signal, n), handler)
         for p in procs:
             if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
                 p.kill()
-        shutil.rmtree(report_dir, ignore_errors=True)
+        if report_dir is not None:
+            shutil.rmtree(report_dir, ignore_errors=True)
+        for n, handler in previous.items():
+            signal.signal(n, handler)
 
 
 def rank_environment(cfg: Config, nprocs: int) -> dict:
@@ -355,6 +367,10 @@ def _spawned_worker(cfg, launch: Launch, report_dir, steps, finished, parent_pid
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
     faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, launch.local_rank, finished
     faults.report.report_dir = report_dir
+    if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
+        import signal
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n)
+                                                    for n in faults.stop_signals(cfg.train.stop_signal)])
     leave(worker(cfg, launch))
 
 
@@ -408,9 +424,6 @@ def worker(cfg: Config, launch: Launch) -> int:
         code = report(faults.EXIT_USER_ERROR, f"error: {e}")
     except (faults.Stopped, faults.Diverged) as e:  # every rank raised it at the same step
         code = report(e.exit_code, str(e))
-    except faults.Interrupted as e:
-        code = report(128 + e.signum, f"rank {rank} on {HOST}: stopped at once by a second {e}, "
-                                      f"{faults.progress.where()}, without saving")
     except KeyboardInterrupt:  # test mode, or before the handlers were installed
         code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
     except BaseException as e:  # a crash: never lost, never silent

@@ -449,3 +449,122 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
     finally:
         host.kill()
+
+
+# ==============================================================================================================
+# Repeated and hang-up signals: the save the first signal started always completes; only SIGKILL ends it sooner
+# ==============================================================================================================
+def start_in(out, tmpdir, *extra, procs=2, **popen):
+    """`start` with a private temporary folder (TMPDIR: where the launcher keeps its reports folder)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "FAULT"))}
+    env.update(OMP_NUM_THREADS="1", FAULT="slow:-1:300", TMPDIR=str(tmpdir))
+    os.makedirs(tmpdir, exist_ok=True)
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "start_new_session": True, **popen}
+    return subprocess.Popen([sys.executable, "tests/faulty_main.py", *args(out, *extra, procs=procs, steps=400)],
+                            cwd=ROOT, env=env, text=True, **popen)
+
+
+def assert_stopped_and_saved(out, tmpdir, ranks, code, reason):
+    import json
+    assert code == faults.EXIT_STOPPED
+    with open(out / "logs" / "rank0.log") as f:
+        m = re.search(rf"stopped by {reason} at step (\d+); saved step-\1; run the same command to resume", f.read())
+    assert m
+    with open(out / "checkpoints" / f"step-{m.group(1)}" / "meta.json") as f:
+        assert json.load(f)["step"] == int(m.group(1))
+    assert load_model_state(out, m.group(1))
+    assert not [p for p in os.listdir(tmpdir) if p.startswith("trainer-reports-")], os.listdir(tmpdir)
+    gone, alive = psutil.wait_procs(ranks, timeout=5)
+    assert not alive, [p.pid for p in alive]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "ctrl-c"])
+def test_a_repeated_stop_signal_does_not_abort_the_save(tmp_path, how):
+    # Schedulers send SIGTERM twice, people press Ctrl-C again: the stop goes on, with one line per repeat.
+    out, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    proc = start_in(out, tmpdir)
+    wait_for_log(out, 0, r"step 3/400")
+    ranks = ranks_of(proc, out)
+    for i in range(3):
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground process group
+        else:
+            proc.send_signal(signal.SIGTERM)
+        if i == 0 and how == "SIGTERM":  # a stop that takes long (a slow file system, say) is not cut short
+            ranks[1].suspend()
+        time.sleep(0.2)
+        if i == 1 and how == "SIGTERM":
+            time.sleep(11)
+            ranks[1].resume()
+    code, stdout, stderr = finish(proc)
+    name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    again = (f"{name} again: already stopping: a checkpoint is saved, then the run exits; SIGKILL ends it at once, "
+             f"without saving (kill -9 {proc.pid})")
+    assert stdout.count(again) == 2, stdout
+    assert_stopped_and_saved(out, tmpdir, ranks, code, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "terminal"])
+def test_sighup_stops_gracefully_and_leaves_no_reports_folder(tmp_path, how):
+    # "terminal": the run's terminal hangs up, as when an ssh session drops: the kernel sends SIGHUP and every
+    # later write to the terminal fails; the run must still save and exit 3.
+    import fcntl
+    import pty
+    import select
+    import termios
+    out, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    if how == "kill":
+        proc = start_in(out, tmpdir)
+    else:
+        master, tty = pty.openpty()
+        proc = start_in(out, tmpdir, stdin=tty, stdout=tty, stderr=tty, start_new_session=False,
+                        preexec_fn=lambda: (os.setsid(), fcntl.ioctl(0, termios.TIOCSCTTY, 0)))
+        os.close(tty)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "logs" / "rank0.log").exists() or "step 3/400" not in (out / "logs" / "rank0.log").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            if how == "terminal" and select.select([master], [], [], 0.1)[0]:
+                os.read(master, 65536)  # (a terminal nobody reads fills up and blocks its writers)
+            time.sleep(0.05)
+        ranks = ranks_of(proc, out)
+    finally:
+        if how == "terminal":
+            os.close(master)  # the hang-up
+    if how == "kill":
+        proc.send_signal(signal.SIGHUP)
+        code, stdout, stderr = finish(proc)
+        assert "Traceback" not in stderr, stderr
+        assert re.search(r"^stopped by SIGHUP at step \d+; saved step-\d+", stdout, re.M), stdout
+    else:
+        code = proc.wait(timeout=60)
+    assert_stopped_and_saved(out, tmpdir, ranks, code, "SIGHUP")
+
+
+def test_stop_request_ignores_repeats_and_sighup_stops(tmp_path):
+    # In a rank (and under torchrun or srun, where each rank hears the signals itself): the first stop signal sets
+    # the request, the same or another one again only logs a line, nothing raises.
+    import logging
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+    request, records = faults.StopRequest(), []
+    request.log = logging.getLogger("test_stop_request")
+    request.log.addHandler(handler := logging.Handler())
+    handler.emit = lambda record: records.append(record.getMessage())
+    try:
+        request.install("SIGHUP", None)  # train.stop_signal may name SIGHUP, a stop signal anyway
+        assert request.vote() == 0.0
+        os.kill(os.getpid(), signal.SIGHUP)
+        for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # (the handler runs at the next bytecode of this thread)
+        assert request.reason == "SIGHUP" and request.vote() == 1.0
+        assert len(records) == 4 and records[0].startswith("SIGHUP received: stopping after the current step")
+        assert records[1:] == [faults.already_stopping(n) for n in ("SIGINT", "SIGINT", "SIGTERM")]
+    finally:
+        request.log.removeHandler(handler)
+        for s, h in saved.items():
+            signal.signal(s, h)
