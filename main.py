@@ -3,9 +3,12 @@
     python main.py --params parameters.yml [--set section.key=value ...]
 
 Reads and validates the config (a user mistake exits with code 2 and one line, before any process starts),
-then starts one process per device on this node with torch.multiprocessing.spawn, or runs as the single process
+then starts one process per device on this node and watches them (launcher.py), or runs as the single process
 that torchrun or SLURM's srun started. Each process builds the task and a Trainer, then trains or tests.
 `mode: export` writes a checkpoint for use elsewhere, in this process (export.py).
+
+torch loads inside the functions that need it (distributed, trainer, tasks, export), not here: --help and a
+mistake in the config answer at once.
 """
 from __future__ import annotations
 
@@ -13,12 +16,18 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import fcntl
+import logging
 import os
+import socket
 import sys
 import time
 from typing import Optional
 
+import faults
 from config import Config, UserError, load_config, procs_per_node_list, world_size
+from faults import HOST, report
+from launcher import Supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,9 +107,10 @@ def run(cfg: Config) -> int:
                                       env["rendezvous"]))
         procs = procs_per_node_list(cfg)
         here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
+        launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
         if here == 1:
-            return worker(cfg, Launch(first_rank, 0, world, 1))
-        return supervise(cfg, here, first_rank, world)
+            return worker(cfg, launches[0])
+        return Supervisor(cfg, launches).run()
 
 
 @dataclasses.dataclass
@@ -146,8 +156,6 @@ def hold_output_dir(path: str):
     """One run per output_dir: an exclusive lock on output_dir/.lock for as long as this process lives (the
     kernel drops it when the process ends, however it ends, so a lock is never stale). A second run is refused
     in one line naming the holder; two runs in one folder would resume, save and prune each other's steps."""
-    import fcntl
-    import socket
     f = open(os.path.join(path, ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -167,7 +175,6 @@ def hold_output_dir(path: str):
 def check_port_free(cfg: Config) -> None:
     """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
     port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
-    import socket
     d = cfg.dist
     if d.strategy in ("none", "dp") or d.node_rank != 0 or d.init_method != "tcp" or \
             (cfg.mode == "test") or world_size(cfg) == 1:
@@ -183,216 +190,9 @@ def check_port_free(cfg: Config) -> None:
             # EADDRNOTAVAIL: master_addr names another machine; nothing to check from here
 
 
-# ==============================================================================================================
-# Our own launcher: one process per device, watched
-# ==============================================================================================================
-GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
-EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
-
-
-def supervise(cfg: Config, nprocs: int, first_rank: int, world: int) -> int:
-    """Start `nprocs` ranks and watch them. Unlike torch.multiprocessing.spawn, this says which rank failed and
-    how: each rank leaves its last word in a report file, a rank that died without one is named with its signal
-    or exit code and the step it was at, and identical lines from several ranks are printed once. Signals sent
-    to this process (Ctrl-C, SIGTERM, SIGHUP, the stop signal) are passed on to every rank, which stop together
-    after saving; the same signals again while stopping print a line and change nothing (faults.StopRequest):
-    SIGKILL to this process ends the run at once. A failed rank takes the others down within GRACE_S seconds; if
-    this process is killed, even with -9, the ranks die with it (faults.set_parent_death_signal). A rank that is
-    done (results saved) but whose teardown hangs (a process group that will not close, say) is ended after
-    EXIT_GRACE_S, or crashes (gloo can abort at exit), with a warning, and counts with the exit code it finished
-    with."""
-    import multiprocessing as mp
-    import shutil
-    import signal
-    import tempfile
-    from multiprocessing.connection import wait
-    from faults import HOST, already_stopping, detach_hung_up_terminal, stop_signals
-
-    mpc = mp.get_context("spawn")
-    steps = mpc.Array("q", nprocs, lock=False)  # each rank's current step, readable after it died
-    finished = mpc.Array("i", [-1] * nprocs, lock=False)  # each rank's exit code once it is done (before teardown)
-    procs, report_dir = [], None
-    exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
-    done_at, stuck = {}, {}  # rank index -> when it was done; -> its exit code if its teardown hung or crashed
-    signals_seen, said_again, kill_at, exit_order = [], 1, None, []
-
-    def teardown_failed(i: int) -> bool:  # done, then ended by anything but its own return (we never SIGKILL a
-        p = procs[i]                      # rank that is done, unless its teardown hangs or another rank failed)
-        return finished[i] >= 0 and p.exitcode not in (None, finished[i], -signal.SIGKILL)
-
-    def forward(signum, frame):  # the ranks run in their own process group: only we hear the terminal's Ctrl-C
-        if signum == signal.SIGHUP:
-            detach_hung_up_terminal()
-        signals_seen.append(signum)  # (the loop below says a repeat: no printing inside a signal handler)
-        for p in procs:
-            if p.pid and p.exitcode is None:
-                os.kill(p.pid, signum)
-
-    signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
-    previous = {n: signal.signal(n, forward) for n in signums}
-    try:
-        report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (removed in `finally`, whichever signal came)
-        procs.extend(mpc.Process(target=_spawned_worker, name=f"rank{first_rank + i}",
-                                 args=(cfg, Launch(first_rank + i, i, world, nprocs), report_dir, steps, finished,
-                                       os.getpid()))
-                     for i in range(nprocs))
-        # The ranks start with the stop signals blocked (the mask is inherited) and unblock them once their
-        # handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits till then.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
-        try:
-            with environment(rank_environment(cfg, nprocs)):  # spawn: each rank starts with this environment
-                for p in procs:
-                    p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        while True:
-            for signum in signals_seen[said_again:]:  # the ranks go on with their save
-                print(already_stopping(signal.Signals(signum).name, os.getpid()), flush=True)
-            said_again = max(said_again, len(signals_seen))
-            alive = [p for p in procs if p.exitcode is None]
-            for i, p in enumerate(procs):
-                if p.exitcode is not None and p not in exit_order:
-                    exit_order.append(p)
-                if teardown_failed(i):
-                    stuck[i] = finished[i]  # crashed after it was done (a C++ abort closing gloo, say)
-            if not alive:
-                break
-            for i, p in enumerate(procs):
-                if p.exitcode is None and finished[i] >= 0 and i not in stuck:
-                    if time.monotonic() - done_at.setdefault(i, time.monotonic()) > exit_grace:
-                        stuck[i] = finished[i]
-                        p.kill()
-            failed = [p for p in exit_order if stuck.get(procs.index(p), p.exitcode) not in (0, 3)]
-            if failed and kill_at is None:
-                kill_at = time.monotonic() + GRACE_S
-            if kill_at is not None and time.monotonic() >= kill_at:
-                for p in alive:
-                    p.kill()
-            wait([p.sentinel for p in alive], timeout=0.5)
-        for p in procs:
-            p.join()
-        for i, code in stuck.items():
-            p = procs[i]
-            if p.exitcode == -signal.SIGKILL:
-                what = f"still tearing down {exit_grace:.0f} s later; ended it"
-            elif code in (0, 3):  # (after a failure, its report says what matters)
-                what = "its teardown ended with " + (signal.Signals(-p.exitcode).name if p.exitcode < 0 else
-                                                     f"exit code {p.exitcode}") + "; counted as done"
-            else:
-                continue
-            print(f"warning: rank {first_rank + i} on {HOST} (pid {p.pid}) was done (exit code {code}) but {what}",
-                  file=sys.stderr, flush=True)
-        return summarize(procs, exit_order, first_rank, report_dir, steps, stuck)
-    finally:
-        for p in procs:
-            if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
-                p.kill()
-        if report_dir is not None:
-            shutil.rmtree(report_dir, ignore_errors=True)
-        for n, handler in previous.items():
-            signal.signal(n, handler)
-
-
-def rank_environment(cfg: Config, nprocs: int) -> dict:
-    """What the ranks' environment needs on top of ours. OpenMP threads waiting for work spin by default (GNU
-    OpenMP: for a while, then sleep); several CPU ranks on one host then spin on the cores the others need: two
-    MiniLM ranks with 2 threads each on a loaded 2-core machine ran at 0.6 samples/s, 11 with PASSIVE
-    (benchmarks/RESULTS.md, "OpenMP waiting"). OMP_WAIT_POLICY=PASSIVE makes idle threads sleep. OpenMP reads it
-    once, when torch loads it, so it must be in the environment a rank starts with. A value you set is kept; GPU
-    ranks keep OpenMP's default."""
-    from distributed import pick_device_type
-    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or pick_device_type(cfg.dist.device) != "cpu":
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@contextlib.contextmanager
-def environment(extra: dict):
-    """os.environ with `extra` set, for processes started inside the block; restored after."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def summarize(procs, exit_order, first_rank: int, report_dir: str, steps, stuck: dict) -> int:
-    """Print each distinct final word once; return the exit code of the first rank that failed (else 0/3).
-    `stuck`: ranks whose teardown hung (ended by us) or crashed, with the exit code they were done with."""
-    import json
-    import signal
-    from faults import EXIT_CRASH, HOST, say
-    reports = {}
-    for i, p in enumerate(procs):
-        path = os.path.join(report_dir, f"rank{first_rank + i}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                reports[i] = json.load(f)
-    exitcode = {p: stuck.get(i, p.exitcode) for i, p in enumerate(procs)}
-    first_failed = next((p for p in exit_order if exitcode[p] not in (0, 3)), None)
-    said = set()
-    for i, p in sorted(enumerate(procs), key=lambda ip: reports.get(ip[0], {}).get("time", float("inf"))):
-        rank = first_rank + i
-        if i in reports:
-            code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
-        elif exitcode[p] and exitcode[p] < 0:
-            if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
-                continue  # killed by us, after another rank failed
-            # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
-            oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
-            code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) died from "
-                                              f"{signal.Signals(-p.exitcode).name}{oom} at step {steps[i]}"), ""
-        elif exitcode[p]:
-            code, line, detail = EXIT_CRASH, (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} "
-                                              f"at step {steps[i]} without a report (see logs/rank{rank}.log)"), ""
-        else:
-            continue
-        if line not in said:  # the same final word from several ranks: once
-            said.add(line)
-            say(code, line, detail)
-    if first_failed is None:
-        return max(exitcode.values())  # 0, or 3 when stopped
-    i = procs.index(first_failed)
-    return reports[i]["code"] if i in reports else 1
-
-
-def _spawned_worker(cfg, launch: Launch, report_dir, steps, finished, parent_pid) -> None:
-    import faults
-    faults.set_parent_death_signal(parent_pid)
-    os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by supervise()
-    faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, launch.local_rank, finished
-    faults.report.report_dir = report_dir
-    if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
-        import signal
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n)
-                                                    for n in faults.stop_signals(cfg.train.stop_signal)])
-    leave(worker(cfg, launch))
-
-
-def leave(code: int) -> None:
-    """End a rank's process with `code`, skipping the interpreter's teardown: by now its results are saved, its
-    logs flushed and its process group closed, but not freed: torch still holds the group, so gloo's worker
-    threads live on, and one still freeing the tensors of a last collective while Python tears down aborts the
-    process after the run was done (SIGABRT, "terminate called without an active exception"; benchmarks/
-    RESULTS.md, "A rank aborting after the run was done")."""
-    import logging
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def worker(cfg: Config, launch: Launch) -> int:
     """One rank: join the group, build task and Trainer, train or test. Returns the exit code; whatever goes
     wrong is reported once (faults.report), naming this rank, its host and the step."""
-    import faults
-    from faults import HOST, report
-
     rank = launch.rank
     faults.progress.rank = rank
     # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
@@ -401,7 +201,7 @@ def worker(cfg: Config, launch: Launch) -> int:
         faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
     ctx = watchdog = None
     try:
-        import distributed as D
+        import distributed as D  # (torch loads here: see the top of this file)
         from tasks import build_task
         from run_log import setup_logging
         from trainer import Trainer
@@ -437,6 +237,15 @@ def worker(cfg: Config, launch: Launch) -> int:
                             or ctx.world_size == 1):
         D.shutdown(ctx)
     return code
+
+
+def leave(code: int) -> None:
+    """End a rank's process with `code`, skipping the interpreter's teardown, during which gloo's threads, still
+    held by torch, can abort a run that was done (benchmarks/RESULTS.md, "A rank aborting after the run was done")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

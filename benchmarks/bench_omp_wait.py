@@ -24,10 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(mode: str, args, out: str) -> dict:
-    """One training run by main.py in a subprocess; `before` turns off main.rank_environment (our launcher then
-    passes the environment on unchanged, as it did before)."""
-    patch = "main.rank_environment = lambda cfg, nprocs: {}; " if mode == "before" else ""
-    code = f"import sys, main; {patch}sys.exit(main.main(sys.argv[1:]))"
+    """One training run by main.py in a subprocess; `before` turns off launcher.rank_environment (our launcher
+    then passes the environment on unchanged, as it did before)."""
+    patch = "launcher.rank_environment = lambda cfg, nprocs: {}; " if mode == "before" else ""
+    code = f"import sys, launcher, main; {patch}sys.exit(main.main(sys.argv[1:]))"
     with socket.socket() as s:  # a free port for each run
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -18,7 +18,7 @@ import torch
 
 from conftest import ROOT, make_config
 
-import main
+import launcher
 import run_log
 import trainer as trainer_module
 from config import load_config
@@ -76,13 +76,13 @@ def test_presets_use_auto_precision():
 def test_rank_environment_sets_passive_waiting_only_for_cpu_ranks_sharing_a_host(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2, "device": "cpu"})
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert main.rank_environment(cfg, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert main.rank_environment(cfg, 1) == {}  # one rank: nothing shares its cores
+    assert launcher.rank_environment(cfg, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert launcher.rank_environment(cfg, 1) == {}  # one rank: nothing shares its cores
     gpu = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, device="cuda"))  # (validation needs one)
-    assert main.rank_environment(gpu, 2) == {}
+    assert launcher.rank_environment(gpu, 2) == {}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # yours is kept
-    assert main.rank_environment(cfg, 2) == {}
-    with main.environment({"TRAINER_TEST_VAR": "1"}):
+    assert launcher.rank_environment(cfg, 2) == {}
+    with launcher.environment({"TRAINER_TEST_VAR": "1"}):
         assert os.environ["TRAINER_TEST_VAR"] == "1"
     assert "TRAINER_TEST_VAR" not in os.environ
 

@@ -10,6 +10,7 @@ from cluster import STEPS, TRAIN_SETS, spawn_reference  # noqa: F401 (fixture)
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
 import checkpoint
+import launcher
 import main
 
 # The launched runs train TRAIN_SETS (ddp, 2 x 16 samples, STEPS steps, no dropout) over parameters.yml and must
@@ -110,7 +111,7 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypa
     monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
     with pytest.raises(OSError, match="Too many open files"):
-        main.supervise(cfg, 2, 0, 2)
+        launcher.Supervisor(cfg, [main.Launch(rank, rank, 2, 2) for rank in range(2)]).run()
     assert len(started) == 1
     assert gone(started[0], psutil), f"rank 0 (pid {started[0]}) is still running"
 

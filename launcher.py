@@ -1,0 +1,252 @@
+"""Our own launcher: one process per device on this node, watched (main.py uses it unless torchrun or srun
+started the ranks).
+
+Unlike torch.multiprocessing.spawn, it says which rank failed and how, passes the signals it receives on to every
+rank so that they stop together after saving, and takes the other ranks down when one fails.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+
+import faults
+from config import Config
+from faults import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, HOST, already_stopping, detach_hung_up_terminal, say, stop_signals
+
+GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
+EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
+
+
+class Supervisor:
+    """Start this node's ranks and watch them until all have exited; run() returns the run's exit code.
+
+    Each rank leaves its last word in a report file; a rank that died without one is named with its signal or exit
+    code and the step it was at; identical lines from several ranks are printed once. Signals sent to this process
+    (Ctrl-C, SIGTERM, SIGHUP, the stop signal) are passed on to every rank, which stop together after saving; the
+    same signals again while stopping print a line and change nothing (faults.StopRequest): SIGKILL to this process
+    ends the run at once. A failed rank takes the others down within GRACE_S seconds; if this process is killed,
+    even with -9, the ranks die with it (faults.set_parent_death_signal). A rank that is done (results saved) but
+    whose teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, or crashes (gloo
+    can abort at exit), with a warning, and counts with the exit code it finished with.
+    """
+
+    def __init__(self, cfg: Config, launches: list) -> None:
+        self.cfg = cfg
+        self.launches = launches  # one main.Launch per rank of this node
+        self.signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
+        self.exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
+        self.mpc = mp.get_context("spawn")
+        # Shared with the ranks, so that they stay readable after a rank died:
+        self.steps = self.mpc.Array("q", len(launches), lock=False)  # each rank's current step
+        self.finished = self.mpc.Array("i", [-1] * len(launches), lock=False)  # its exit code once done (pre-teardown)
+        self.procs = []  # one process per rank, in the order of launches
+        self.report_dir = None  # a temporary folder for the ranks' last words, removed by close()
+        self.previous_handlers = {}  # signal -> our caller's handler, put back by close()
+        self.exit_order = []  # the processes in the order they exited: the first one that failed is the cause
+        self.done_at = {}  # rank index -> when we first saw it done and still running (tearing down)
+        self.stuck = {}  # rank index -> the exit code it was done with, if its teardown hung or crashed
+        self.signals_seen = []  # every stop signal received, in order (the handler only records it)
+        self.said_again = 1  # how many of them have had their line: the first needs none
+        self.kill_at = None  # once a rank failed: when the ranks still running are killed
+
+    def run(self) -> int:
+        self.previous_handlers = {n: signal.signal(n, self.forward) for n in self.signums}
+        try:
+            self.start()
+            self.watch()
+            self.warn_about_teardowns()
+            return self.summarize()
+        finally:
+            self.close()
+
+    def start(self) -> None:
+        """Start every rank. They start with the stop signals blocked (the mask is inherited) and unblock them once
+        their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits."""
+        self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in run's try: removed whatever happens)
+        self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{launch.rank}",
+                                           args=(self.cfg, launch, self.report_dir, self.steps, self.finished,
+                                                 os.getpid()))
+                          for launch in self.launches)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
+        try:
+            with environment(rank_environment(self.cfg, len(self.launches))):  # spawn: each rank starts with it
+                for p in self.procs:
+                    p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def forward(self, signum, frame) -> None:
+        """The signal handler. The ranks run in their own process group: only we hear the terminal's Ctrl-C, and we
+        pass it on. (watch() says a repeat: no printing inside a signal handler.)"""
+        if signum == signal.SIGHUP:
+            detach_hung_up_terminal()
+        self.signals_seen.append(signum)
+        for p in self.procs:
+            if p.pid and p.exitcode is None:
+                os.kill(p.pid, signum)
+
+    def watch(self) -> None:
+        """Look at the ranks every half second, or as soon as one exits, until none is left."""
+        while True:
+            self.say_repeated_signals()
+            alive = [p for p in self.procs if p.exitcode is None]
+            self.note_exits()
+            if not alive:
+                break
+            self.end_hung_teardowns()
+            self.take_down_after_a_failure(alive)
+            wait([p.sentinel for p in alive], timeout=0.5)
+        for p in self.procs:
+            p.join()
+
+    def say_repeated_signals(self) -> None:
+        for signum in self.signals_seen[self.said_again:]:  # the ranks go on with their save
+            print(already_stopping(signal.Signals(signum).name, os.getpid()), flush=True)
+        self.said_again = max(self.said_again, len(self.signals_seen))
+
+    def note_exits(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None and p not in self.exit_order:
+                self.exit_order.append(p)
+            if self.teardown_failed(i):
+                self.stuck[i] = self.finished[i]  # crashed after it was done (a C++ abort closing gloo, say)
+
+    def teardown_failed(self, i: int) -> bool:
+        """Rank i was done, then ended by anything but its own return. (We never SIGKILL a rank that is done,
+        unless its teardown hangs or another rank failed.)"""
+        p = self.procs[i]
+        return self.finished[i] >= 0 and p.exitcode not in (None, self.finished[i], -signal.SIGKILL)
+
+    def end_hung_teardowns(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.exitcode is None and self.finished[i] >= 0 and i not in self.stuck:
+                if time.monotonic() - self.done_at.setdefault(i, time.monotonic()) > self.exit_grace:
+                    self.stuck[i] = self.finished[i]
+                    p.kill()
+
+    def take_down_after_a_failure(self, alive: list) -> None:
+        """Once a rank failed, the others get GRACE_S seconds to report (their peer is gone), then are killed."""
+        failed = [p for p in self.exit_order if self.exit_code(p) not in (EXIT_OK, EXIT_STOPPED)]
+        if failed and self.kill_at is None:
+            self.kill_at = time.monotonic() + GRACE_S
+        if self.kill_at is not None and time.monotonic() >= self.kill_at:
+            for p in alive:
+                p.kill()
+
+    def exit_code(self, p) -> int:
+        """What a rank's process counts as: the exit code it was done with if its teardown hung or crashed."""
+        return self.stuck.get(self.procs.index(p), p.exitcode)
+
+    def warn_about_teardowns(self) -> None:
+        for i, code in self.stuck.items():
+            p = self.procs[i]
+            if p.exitcode == -signal.SIGKILL:
+                what = f"still tearing down {self.exit_grace:.0f} s later; ended it"
+            elif code in (EXIT_OK, EXIT_STOPPED):  # (after a failure, its report says what matters)
+                what = "its teardown ended with " + (signal.Signals(-p.exitcode).name if p.exitcode < 0 else
+                                                     f"exit code {p.exitcode}") + "; counted as done"
+            else:
+                continue
+            print(f"warning: rank {self.launches[i].rank} on {HOST} (pid {p.pid}) was done (exit code {code}) but "
+                  f"{what}", file=sys.stderr, flush=True)
+
+    def summarize(self) -> int:
+        """Print each distinct final word once; return the exit code of the first rank that failed (else 0, or 3
+        when stopped)."""
+        reports = self.read_reports()
+        first_failed = next((p for p in self.exit_order if self.exit_code(p) not in (EXIT_OK, EXIT_STOPPED)), None)
+        said = set()
+        for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
+            p = self.procs[i]
+            rank = self.launches[i].rank
+            if i in reports:
+                code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
+            elif self.exit_code(p) and self.exit_code(p) < 0:
+                if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
+                    continue  # killed by us, after another rank failed
+                # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
+                oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
+                code, detail = EXIT_CRASH, ""
+                line = (f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name}{oom} "
+                        f"at step {self.steps[i]}")
+            elif self.exit_code(p):
+                code, detail = EXIT_CRASH, ""
+                line = (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} at step {self.steps[i]} "
+                        f"without a report (see logs/rank{rank}.log)")
+            else:
+                continue
+            if line not in said:  # the same final word from several ranks: once
+                said.add(line)
+                say(code, line, detail)
+        if first_failed is None:
+            return max(self.exit_code(p) for p in self.procs)
+        i = self.procs.index(first_failed)
+        return reports[i]["code"] if i in reports else EXIT_CRASH
+
+    def read_reports(self) -> dict:
+        """Rank index -> the report its rank left (faults.report), for those that left one."""
+        reports = {}
+        for i, launch in enumerate(self.launches):
+            path = os.path.join(self.report_dir, f"rank{launch.rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    reports[i] = json.load(f)
+        return reports
+
+    def close(self) -> None:
+        """However run() ends (a failure to start, an exception, a signal): no rank left running, no folder left."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
+                p.kill()
+        if self.report_dir is not None:
+            shutil.rmtree(self.report_dir, ignore_errors=True)
+        for n, handler in self.previous_handlers.items():
+            signal.signal(n, handler)
+
+
+def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid: int) -> None:
+    """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank."""
+    import main  # here, not at the top: main.py imports this module
+    faults.set_parent_death_signal(parent_pid)
+    os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
+    faults.progress.shared = steps
+    faults.progress.slot = launch.local_rank
+    faults.progress.codes = finished
+    faults.report.report_dir = report_dir
+    if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
+    main.leave(main.worker(cfg, launch))
+
+
+def rank_environment(cfg: Config, nprocs: int) -> dict:
+    """What the ranks' environment needs on top of ours. Idle OpenMP threads spin by default, on the cores that CPU
+    ranks sharing a host need (benchmarks/RESULTS.md, "OpenMP waiting"); OMP_WAIT_POLICY=PASSIVE makes them sleep.
+    OpenMP reads it when torch loads, so a rank must start with it. A value you set is kept; GPU ranks keep
+    OpenMP's default."""
+    from distributed import pick_device_type  # (distributed imports torch: not loaded before a config is checked)
+    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or pick_device_type(cfg.dist.device) != "cpu":
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def environment(extra: dict):
+    """os.environ with `extra` set, for processes started inside the block; restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
