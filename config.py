@@ -137,7 +137,15 @@ class TrainConfig:
     warmup: float = 0
     """Warm-up length: a number of optimizer steps (>= 1), or a fraction of all steps (< 1)."""
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """Learning-rate decay after warm-up: `constant`, `linear` to 0, or `cosine` to 0."""
+    """Learning-rate decay after warm-up: `constant`, `linear` to 0, or `cosine` to 0 (or to min_lr_ratio)."""
+    min_lr_ratio: float = 0.0
+    """linear and cosine: the fraction of `lr` they decay to at the last step (0.1 with lr 1e-3: a 1e-4 floor,
+    nanoGPT's). 0: decay to 0."""
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2): decay rates of its gradient and squared-gradient averages (torch's defaults).
+    adamw only: with sgd, other values are refused rather than ignored."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the squared-gradient average (torch's default). adamw only."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 (SGD)."""
     clip_grad_norm: float = 0.0
@@ -147,6 +155,11 @@ class TrainConfig:
     bf16 on GPUs that support it, fp32 on CPU (where bf16 is slow) and on older GPUs; the plan says which."""
     eval_every: int = 200
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
+    eval_batches: int = 0
+    """Evaluations during training cover a fixed, seeded subset of the dev split: this many batches of
+    eval_batch_size samples (the same subset every time, whatever the world size), for frequent cheap ones. The
+    last evaluation of training and test mode cover the whole split (the best checkpoint and early stopping
+    compare what each evaluation covered). 0: always the whole split."""
     save_every: int = 200
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
@@ -190,9 +203,21 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 fail(f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
-                    "epochs"):
+                    "epochs", "eval_batches"):
             if getattr(self, key) < 0:
                 fail(f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
+        betas = self.betas
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                      for b in betas):
+            fail("train.betas", f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas}")
+        if self.eps <= 0:
+            fail("train.eps", f"must be > 0, got {self.eps}")
+        # Refused rather than ignored: a setting that silently does nothing is a trap.
+        if self.optimizer == "sgd" and ([float(b) for b in betas] != [0.9, 0.999] or self.eps != 1e-8):
+            fail("train.betas", "and train.eps apply to adamw only; with train.optimizer sgd leave them at "
+                                "[0.9, 0.999] and 1e-8")
         if self.max_steps == 0 and self.epochs == 0:
             fail("train.max_steps", "and train.epochs are both 0: set at least one")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
@@ -499,7 +524,11 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
 
 
 def closest(key: str, valid: list[str]):
-    """The valid key the user most likely meant: a near spelling, else one that the key starts with."""
+    """The valid key the user most likely meant: one the key extends by a word (`lr_rate`: lr, even though
+    min_lr_ratio is spelled closer), else a near spelling, else one that the key starts with."""
+    extended = [v for v in valid if key.startswith(v + "_")]
+    if extended:
+        return max(extended, key=len)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
         return close[0]

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
@@ -97,32 +98,50 @@ def train_line(log: logging.Logger, tb, bar, step: int, total: int, stats: dict)
 
 
 class Window:
-    """Loss and throughput since the last training line. Adds device tensors without waiting for them."""
+    """Loss and throughput since the last training line. Adds device tensors without waiting for them.
+    `step`: the optimizer steps done when the window opens (flush(step) then also gives ms_per_step)."""
 
-    def __init__(self, ctx: D.DistContext):
-        self.ctx = ctx
+    def __init__(self, ctx: D.DistContext, step: int = 0):
+        self.ctx, self.step = ctx, step
         self.reset()
 
     def reset(self):
         self.loss = torch.zeros((), device=self.ctx.device)
         self.count = torch.zeros((), device=self.ctx.device)
-        self.samples, self.start = 0, time.perf_counter()
+        self.samples, self.tokens, self.start = 0, None, time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int):
+    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int, tokens: Optional[int] = None):
+        """tokens: this rank's input tokens (Task.tokens); None for a task without tokens (no tokens_per_s)."""
         self.loss += loss_sum
         self.count += count  # already summed over ranks; loss_sum is this rank's own
         self.samples += samples
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
 
-    def flush(self) -> dict:
-        # One all-reduce for both sums, then one wait for the device (.tolist()) that reads the count too (it is
-        # global already).
-        samples = torch.tensor(float(self.samples), device=self.ctx.device)
-        sums = D.all_reduce_sum(self.ctx, torch.stack([self.loss, samples]))
-        loss, samples, count = torch.cat([sums, self.count.reshape(1)]).tolist()
+    def flush(self, step: Optional[int] = None) -> dict:
+        # One all-reduce for the sums, then one wait for the device (.tolist()) that reads the count too (it is
+        # global already). Every rank runs the same task, so all of them send tokens, or none.
+        counted = [float(self.samples)] + ([float(self.tokens)] if self.tokens is not None else [])
+        counted = torch.tensor(counted, device=self.ctx.device)
+        sums = D.all_reduce_sum(self.ctx, torch.cat([self.loss.reshape(1), counted]))
+        loss, samples, *tokens, count = torch.cat([sums, self.count.reshape(1)]).tolist()
+        elapsed = max(time.perf_counter() - self.start, 1e-9)  # after the wait: the device's work is done
         out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
-               "samples_per_s": samples / max(time.perf_counter() - self.start, 1e-9)}
+               "samples_per_s": samples / elapsed}
+        if step is not None:  # wall time per optimizer step, skipped steps included (they took the time too)
+            out["ms_per_step"] = 1000 * elapsed / max(step - self.step, 1)
+            self.step = step
+        if tokens:
+            out["tokens_per_s"] = tokens[0] / elapsed
         self.reset()
         return out
+
+
+def batch_tokens(task, batches: list[dict], counts: bool) -> Optional[int]:
+    """The input tokens of one step's micro-batches on this rank (Task.tokens), for Window.add: 0 on a rank
+    whose replica's batch another rank counts (`counts` false: tp, pipe), None for a task without tokens."""
+    n = [task.tokens(b) for b in batches]
+    return None if None in n else counts * sum(n)
 
 
 EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive

@@ -90,7 +90,7 @@ class Trainer:
         self.sampler = self.make_sampler()
         self.total_steps = self.count_total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.par.optimizer, lr_lambda(
-            self.total_steps, self.t.warmup, self.t.schedule))
+            self.total_steps, self.t.warmup, self.t.schedule, self.t.min_lr_ratio))
         self.state = TrainState()
         self.best_metric = self.t.best_metric or task.best_metric_default
         self.best_mode = self.t.best_mode if self.t.best_mode != "auto" else (
@@ -116,7 +116,7 @@ class Trainer:
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
-        window = Window(self.ctx)
+        window = Window(self.ctx, state.step)
         bar = self.progress_bar()
         profiler = StepProfiler(t.profile_steps, self.cfg.output_dir, self.ctx, self.log)
         while state.step < self.total_steps:
@@ -129,12 +129,13 @@ class Trainer:
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
                 window.add(loss_sum, count, samples=self.par.counts_batch * sum(len(next(iter(b.values())))
-                                                                                 for b in batches))
+                                                                                 for b in batches),
+                           tokens=run_log.batch_tokens(self.task, batches, self.par.counts_batch))
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
             if state.step % t.log_every == 0 or last:  # the loss window waits for the device here only
-                self.log_train(window.flush(), grad_norm, bar)
+                self.log_train(window.flush(state.step), grad_norm, bar)
             if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
                 self.stop(bar)
 
@@ -250,7 +251,10 @@ class Trainer:
         was_training = model.training
         model.eval()
         par = self.par
-        batches = eval_batches(len(dataset), par.data_rank, par.data_world, self.t.eval_batch_size)
+        # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
+        indices = self.eval_indices(split, len(dataset))
+        batches = [[indices[i] for i in batch]
+                   for batch in eval_batches(len(indices), par.data_rank, par.data_world, self.t.eval_batch_size)]
         loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
@@ -264,7 +268,7 @@ class Trainer:
                 else:
                     arrays.setdefault(k, []).append(v)
         if self.par.eval_lockstep:
-            most = len(eval_batches(len(dataset), 0, par.data_world, self.t.eval_batch_size))
+            most = len(eval_batches(len(indices), 0, par.data_world, self.t.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
                 self.par.eval_batch(self.task, dummy, self.autocast)
@@ -280,11 +284,25 @@ class Trainer:
         model.train(was_training)
         metrics = self.task.metrics(totals)
         if ctx.is_main:
-            self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            subset = f" (on {len(indices)} of {len(dataset)} samples: train.eval_batches)" if len(indices) < len(
+                dataset) else ""  # after the metrics, so `step N dev: k=v ...` reads as it always did
+            self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+                          + subset)
             if self.tb:
                 for k, v in metrics.items():
                     self.tb.add_scalar(f"{split}/{k}", v, self.state.step)
         return metrics
+
+    def eval_indices(self, split: str, n: int):
+        """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
+        training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
+        rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
+        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them."""
+        size = self.t.eval_batches * self.t.eval_batch_size
+        if (not size or size >= n or split != "dev" or self.cfg.mode != "train"
+                or self.state.step >= self.total_steps):
+            return range(n)
+        return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
@@ -454,7 +472,7 @@ class Trainer:
         self.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
                          f"this global batch (was {self.total_steps}); the learning-rate schedule follows it")
         self.total_steps = total
-        factor = lr_lambda(total, self.t.warmup, self.t.schedule)
+        factor = lr_lambda(total, self.t.warmup, self.t.schedule, self.t.min_lr_ratio)
         self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
         for group, base in zip(self.par.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor(self.scheduler.last_epoch)
@@ -483,7 +501,7 @@ class Trainer:
         """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the
         learning rate from here on is not what the first run would have used: say so. The new lr takes effect
         (the scheduler's saved state would otherwise keep the old one)."""
-        keys = ("lr", "max_steps", "epochs", "warmup", "schedule")
+        keys = ("lr", "max_steps", "epochs", "warmup", "schedule", "min_lr_ratio")
         changed = [f"train.{k} {saved[k]} -> {getattr(self.t, k)}" for k in keys
                    if k in saved and saved[k] != getattr(self.t, k)]
         if not changed:
@@ -590,9 +608,10 @@ class Trainer:
                                     **(kwargs or {"total": self.total_steps, "initial": self.state.step}))
 
     def log_train(self, w: dict, grad_norm: float, bar) -> None:
-        """The training line: the window's loss and throughput (run_log.Window), the lr and the gradient norm."""
+        """The training line: the window's loss and throughput (run_log.Window), the lr and the gradient norm, then
+        the window's ms_per_step and, for a task with tokens (Task.tokens), tokens_per_s."""
         stats = {"loss": w["loss"], "lr": self.scheduler.get_last_lr()[0], "samples_per_s": w["samples_per_s"],
-                 "grad_norm": grad_norm}
+                 "grad_norm": grad_norm, **{k: w[k] for k in ("ms_per_step", "tokens_per_s") if k in w}}
         run_log.train_line(self.log, self.tb, bar, self.state.step, self.total_steps, stats)
 
     def close(self) -> None:
@@ -604,7 +623,10 @@ class Trainer:
             self.log.info(run_log.summary(self.cfg, self.state, self.best_metric))
 
 
-def lr_lambda(total: int, warmup: float, schedule: str):
+# -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
+def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
+    """The lr factor after `step` optimizer steps: linear warm-up, then `schedule` from 1 down to min_lr_ratio
+    (train.min_lr_ratio: the fraction of train.lr at the last step; 0 decays to 0)."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
@@ -612,10 +634,12 @@ def lr_lambda(total: int, warmup: float, schedule: str):
             return (step + 1) / warm
         progress = min(1.0, (step - warm) / max(1, total - warm))
         if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+            decay = 1.0 - progress
+        elif schedule == "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            return 1.0
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay  # decay goes 1 -> 0, the factor 1 -> min_lr_ratio
     return factor
 
 

@@ -35,7 +35,8 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
     # -----> choose another optimizer here.
     if train_cfg.optimizer == "sgd":
         return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9, **kernel}
-    return groups, torch.optim.AdamW, {"lr": train_cfg.lr, **kernel}
+    return groups, torch.optim.AdamW, {"lr": train_cfg.lr, "betas": tuple(train_cfg.betas), "eps": train_cfg.eps,
+                                       **kernel}
 
 
 def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:

@@ -40,6 +40,13 @@ class Task:
         """How many units `loss_sum` adds up for this (CPU) batch. Called before the batch moves to the device."""
         return len(batch["labels"])
 
+    def tokens(self, batch: dict[str, torch.Tensor]) -> Optional[int]:
+        """Input tokens in this (CPU) batch, for the training line's tokens_per_s: the attention mask's ones (real
+        tokens, padding left out), else the size of input_ids. None (no tokens_per_s): a batch without either."""
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return batch["input_ids"].numel() if "input_ids" in batch else None
+
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward pass and the loss summed (not averaged) over the batch's units."""
         raise NotImplementedError

@@ -1,0 +1,187 @@
+"""Recipe knobs (issue 21, item 3): AdamW betas and eps, a floor for the linear and cosine schedules
+(train.min_lr_ratio), evaluation on a fixed seeded dev subset (train.eval_batches), and ms_per_step / tokens_per_s
+in the training line."""
+import json
+import os
+import random
+import re
+import sys
+
+import pytest
+import torch
+
+import trainer as trainer_module
+from conftest import ROOT, logged, make_config, spawn
+from config import ConfigError, load_config
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_sample_text_data as sample  # noqa: E402
+
+SHORT = {"batch_size": 16, "max_steps": 6, "epochs": 0, "log_every": 2, "eval_every": 0, "save_every": 0}
+
+
+def build_trainer(cfg):
+    import distributed as D
+    from tasks import build_task
+    torch.set_num_threads(1)
+    return trainer_module.Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+
+
+def log_of(output_dir) -> str:
+    return open(os.path.join(output_dir, "logs", "rank0.log")).read()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AdamW betas and eps
+# ---------------------------------------------------------------------------------------------------------------
+def test_betas_and_eps_reach_the_optimizer(tmp_path):
+    t = build_trainer(make_config(tmp_path, train={"betas": [0.8, 0.95], "eps": 1e-6}))
+    assert t.par.optimizer.param_groups, "no parameter groups"
+    for group in t.par.optimizer.param_groups:  # every group: matrices (decayed) and biases alike
+        assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6, group
+
+
+def test_default_betas_and_eps_are_torchs(tmp_path):
+    # The defaults must leave existing runs unchanged: the same values AdamW uses when given none.
+    defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    cfg = load_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}"])
+    assert tuple(cfg.train.betas) == defaults["betas"] and cfg.train.eps == defaults["eps"]
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["train.optimizer=sgd", "train.betas=[0.9, 0.99]"], "adamw only"),
+    (["train.optimizer=sgd", "train.eps=1e-6"], "adamw only"),
+    (["train.betas=[0.9]"], "two numbers"),
+    (["train.betas=[0.9, 1.0]"], "two numbers"),
+    (["train.eps=0"], "must be > 0"),
+    (["train.min_lr_ratio=1.5"], "between 0 and 1"),
+    (["train.eval_batches=-1"], "must be >= 0"),
+])
+def test_bad_recipe_values_are_one_line_errors(tmp_path, sets, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}", *sets])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The minimum learning rate
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_min_lr_ratio_floors_the_decay(schedule):
+    floored, plain = trainer_module.lr_lambda(110, 10, schedule, 0.1), trainer_module.lr_lambda(110, 10, schedule)
+    assert floored(110) == pytest.approx(0.1) and plain(110) == pytest.approx(0.0)  # the end: the floor, or 0
+    # Half-way through the decay both schedules are at half of it: 0.1 + 0.9 * 0.5.
+    assert floored(60) == pytest.approx(0.55) and plain(60) == pytest.approx(0.5)
+    assert floored(5) == plain(5) == pytest.approx(0.6)  # warm-up is not touched
+    assert all(floored(s) >= 0.1 - 1e-12 for s in range(10, 200))  # never below the floor, even past the end
+
+
+def test_min_lr_ratio_is_the_runs_last_lr_and_ms_per_step_is_logged(tmp_path):
+    cfg = make_config(tmp_path, train={**SHORT, "lr": 1e-3, "warmup": 0, "schedule": "cosine",
+                                       "min_lr_ratio": 0.1})
+    build_trainer(cfg).train()
+    assert logged(tmp_path, "lr")[-1] == pytest.approx(1e-4)  # the lr after the last step: lr x min_lr_ratio
+    ms, sps = logged(tmp_path, "ms_per_step"), logged(tmp_path, "samples_per_s")
+    assert len(ms) == 3 and all(m > 0 for m in ms), ms
+    # One clock for both: ms per step x samples per s = samples per step, the global batch (4 digits logged).
+    for m, s in zip(ms, sps):
+        assert m * s / 1000 == pytest.approx(16, rel=2e-3)
+    assert "tokens_per_s" not in log_of(tmp_path)  # images have no tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.eval_batches: a fixed seeded subset of dev during training, the whole split at the end
+# ---------------------------------------------------------------------------------------------------------------
+EVAL = {**SHORT, "eval_batches": 3, "eval_batch_size": 10}  # 30 of the digits dev split's 225 images
+
+
+def evaluated(monkeypatch, t, step) -> list[int]:
+    """The dev indices an evaluation at `step` reads (what the trainer hands its data loader), in order."""
+    seen = []
+    real = trainer_module.make_loader
+
+    def recording(dataset, batches, *args):
+        seen.extend(i for b in batches for i in b)
+        return real(dataset, batches, *args)
+    monkeypatch.setattr(trainer_module, "make_loader", recording)
+    t.state.step = step
+    metrics = t.evaluate("dev")
+    monkeypatch.setattr(trainer_module, "make_loader", real)
+    assert metrics["samples"] == len(seen)  # the metrics are over what was read, no more
+    return seen
+
+
+def test_eval_batches_is_the_same_seeded_subset_and_the_end_is_whole(tmp_path, monkeypatch):
+    t = build_trainer(make_config(tmp_path, train=EVAL))
+    first, again = evaluated(monkeypatch, t, 2), evaluated(monkeypatch, t, 4)
+    assert len(first) == 30 and first == again  # the same subset at every evaluation
+    assert first == sorted(set(first)) and first != list(range(30))  # distinct, in split order, drawn at random
+    assert evaluated(monkeypatch, t, t.total_steps) == list(range(225))  # the last evaluation: the whole split
+    log = log_of(tmp_path)
+    assert "step 2 dev: loss=" in log and "(on 30 of 225 samples: train.eval_batches)" in log
+    assert re.search(r"step 6 dev: loss=.*samples=225\n", log)  # no subset note on the whole split
+
+    other = build_trainer(make_config(tmp_path / "other", seed=7, train=EVAL))
+    assert evaluated(monkeypatch, other, 2) != first  # the subset follows the seed
+
+
+def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
+    build_trainer(make_config(tmp_path, train={**EVAL, "max_steps": 2})).train()  # a checkpoint to test
+    t = build_trainer(make_config(tmp_path, mode="test", train={**EVAL, "max_steps": 2}))
+    assert evaluated(monkeypatch, t, 1) == list(range(225))  # at a step that would take the subset in training
+    assert t.test()["dev"]["samples"] == 225  # test mode's own path: Trainer.test
+
+
+def _evaluate_rank(local_rank, cfg, world, out):
+    """Spawned: each rank evaluates the initial model's dev subset at step 2; rank 0 writes the metrics."""
+    import distributed as D
+    from tasks import build_task
+    torch.set_num_threads(1)
+    ctx = D.init(cfg, local_rank, world, local_rank)
+    try:
+        t = trainer_module.Trainer(cfg, build_task(cfg), ctx)
+        t.state.step = 2
+        metrics = t.evaluate("dev")
+        if local_rank == 0:
+            with open(out, "w") as f:
+                json.dump(metrics, f)
+    finally:
+        D.shutdown(ctx)
+    import main
+    main.leave(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
+
+
+def test_eval_batches_subset_is_exact_across_ranks(tmp_path):
+    one = build_trainer(make_config(tmp_path / "one", train=EVAL))
+    one.state.step = 2
+    alone = one.evaluate("dev")
+    cfg = make_config(tmp_path / "two", train=EVAL, dist={"strategy": "ddp", "procs_per_node": 2})
+    out = str(tmp_path / "two.json")
+    spawn(_evaluate_rank, args=(cfg, 2, out), nprocs=2)
+    together = json.load(open(out))
+    # Two ranks of 15 (10 + 5 per rank): the same 30 samples as one process's 10 + 10 + 10.
+    assert alone["samples"] == together["samples"] == 30
+    assert abs(alone["loss"] - together["loss"]) < 1e-6 and alone["accuracy"] == together["accuracy"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokens_per_s for a text task
+# ---------------------------------------------------------------------------------------------------------------
+def test_task_tokens_counts_real_tokens():
+    from tasks.base import Task
+    task = Task(None)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert task.tokens({"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": mask}) == 4  # no padding
+    assert task.tokens({"input_ids": torch.ones(3, 5, dtype=torch.long)}) == 15
+    assert task.tokens({"images": torch.zeros(2, 8, 8), "labels": torch.zeros(2)}) is None
+
+
+def test_gpt2_training_line_has_tokens_per_s(tmp_path):
+    data = sample.write_gpt2(str(tmp_path / "gpt2"), random.Random(0))
+    cfg = make_config(tmp_path / "run", task="gpt2_lm", data={"data_dir": data, "max_length": 32},
+                      model={"name": "tiny", "dropout": 0.0}, train={**SHORT, "max_steps": 4, "best_metric": "loss"})
+    build_trainer(cfg).train()
+    tps, sps = logged(cfg.output_dir, "tokens_per_s"), logged(cfg.output_dir, "samples_per_s")
+    assert len(tps) == 2 and all(t > 0 for t in tps), tps
+    for t, s in zip(tps, sps):  # every sample is a window of max_length input tokens, timed by one clock
+        assert t / s == pytest.approx(32, rel=2e-3)
+    assert len(logged(cfg.output_dir, "ms_per_step")) == 2
