@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -96,6 +97,40 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
         seconds = time_unnoticed(par, ctx, forward_backward, steps)
     model.train(was_training)
     return batch_size * steps / seconds
+
+
+def time_precisions(trainer, steps: int) -> dict[str, float]:
+    """train.precision auto on a CPU (Trainer.choose_precision): this rank's median seconds of one forward+backward
+    in fp32 and in bf16 autocast, `steps` of each, on the run's next training batches. Interleaved (fp32 then bf16,
+    then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
+    optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as
+    measure_speed (time_unnoticed)."""
+    par, task, ctx, s = trainer.par, trainer.task, trainer.ctx, trainer.state
+    dataset = trainer.datasets["train"]
+    batches = list(itertools.islice(trainer.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch), steps + 1))
+    seconds: dict[str, list[float]] = {"fp32": [], "bf16": []}
+
+    def one(batch: dict, precision: str) -> float:
+        start = time.perf_counter()
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = task.loss_sum(par.model, batch)
+        loss.float().backward()
+        return time.perf_counter() - start
+
+    def both(i: int) -> float:  # 0: untimed (allocations, lazy init, compilation of each); steps + 1: busy
+        batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
+        took = {p: one(batch, p) for p in (("fp32", "bf16") if i % 2 else ("bf16", "fp32"))}
+        if 1 <= i <= steps:
+            for p, t in took.items():
+                seconds[p].append(t)
+        return sum(took.values())
+
+    was_training = par.model.training
+    par.model.train()
+    with par.no_sync():
+        time_unnoticed(par, ctx, both, steps)
+    par.model.train(was_training)
+    return {p: statistics.median(t) for p, t in seconds.items()}
 
 
 def time_unnoticed(par, ctx: D.DistContext, forward_backward: Callable[[int], float], steps: int) -> float:

@@ -110,7 +110,8 @@ class TrainConfig:
     """With batch_size auto: the samples of one micro-step summed over all ranks (it stays fixed; only the split
     between ranks follows their speed). Required with auto, unused otherwise."""
     balance_steps: int = 5
-    """With batch_size auto: timed forward+backward passes per rank that measure its speed (model unchanged)."""
+    """With batch_size auto: timed forward+backward passes per rank that measure its speed (model unchanged).
+    precision auto on a CPU with bf16 units times as many of each precision."""
     eval_batch_size: int = 256
     """Samples per forward pass during evaluation, per rank."""
     max_steps: int = 0
@@ -152,7 +153,10 @@ class TrainConfig:
     """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
     precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
     """Compute precision: fp32, fp16 (autocast + dynamic loss scaling), bf16 (autocast, no scaling), or auto:
-    bf16 on GPUs that support it, fp32 on CPU (where bf16 is slow) and on older GPUs; the plan says which."""
+    bf16 on GPUs that support it, fp32 on older GPUs; on a CPU with bf16 matrix units (AMX, AVX512-BF16) it times
+    train.balance_steps forward+backward passes of each on the first batches (the run does not notice) and takes
+    bf16 if >= 10% faster (ddp and one process; fsdp, tp and pipe stay fp32), else fp32. The plan says which, and
+    why."""
     eval_every: int = 200
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
     eval_batches: int = 0

@@ -45,8 +45,9 @@ class TrainState:
 
 def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
     """train.precision `auto`: bf16 autocast on GPUs that compute in bf16 (Ampere and later), fp32 everywhere
-    else. On a CPU bf16 autocast is much slower than fp32 (most kernels convert back and forth), and fp16 needs a
-    loss scaler: a choice to make knowingly, not a default. Returns the precision and how the plan shows it."""
+    else for now. On a CPU, Trainer.choose_precision later measures which of the two trains faster (bf16 pays
+    only with bf16 matrix units and large enough matrices); fp16 needs a loss scaler: a choice to make knowingly,
+    not a default. Returns the precision and how the plan shows it."""
     if precision != "auto":
         return precision, precision
     if device_type == "cuda":
@@ -61,9 +62,42 @@ def bf16_supported(ctx: D.DistContext) -> bool:
     return ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def cpu_bf16_units() -> str:
+    """This CPU's bf16 matrix instructions, as Linux lists them in /proc/cpuinfo: "AMX" (Intel Xeon since Sapphire
+    Rapids), "AVX512-BF16" (Cooper Lake, AMD Zen 4 and later), or "" where there are none or no /proc/cpuinfo to
+    read (macOS, Windows). Without them torch emulates bf16 with conversions, slower than fp32: nothing to measure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return ""
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else ""
+
+
+BF16_GAIN = 1.10  # train.precision auto on a CPU takes bf16 only if fp32 needs >= 10% more time: less is noise
+
+
+def pick_cpu_precision(timings: list[dict], units: str) -> tuple[str, str]:
+    """(precision, plan note) from every rank's seconds per forward+backward {"fp32": s, "bf16": s}. A step waits
+    for the slowest rank, so each precision counts at its slowest rank's time; every rank decides from the same
+    gathered numbers, so all take the same decision."""
+    fp32, bf16 = (max(t[p] for t in timings) for p in ("fp32", "bf16"))
+    chosen = "bf16" if fp32 >= BF16_GAIN * bf16 else "fp32"
+    slowest = ", the slowest rank's" if len(timings) > 1 else ""
+    return chosen, (f"auto -> {chosen} (CPU with {units}: forward+backward {bf16 * 1e3:.0f} ms bf16 vs "
+                    f"{fp32 * 1e3:.0f} ms fp32{slowest}; bf16 when >= {BF16_GAIN - 1:.0%} faster)")
+
+
+def autocast_for(device_type: str, precision: str):
+    """The context the forward passes run in: autocast to fp16/bf16, or nothing for fp32."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    return (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
+
+
 class Trainer:
     def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
         # train.precision `auto` becomes what this device computes fast in, once, before anything reads it.
+        self.precision_asked = cfg.train.precision  # auto on a CPU: measured in train() (choose_precision)
         precision, self.precision_note = resolve_precision(cfg.train.precision, ctx.device.type, bf16_supported(ctx))
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
         self.cfg, self.task, self.ctx, self.t = cfg, task, ctx, cfg.train
@@ -97,8 +131,7 @@ class Trainer:
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         on_gpu = ctx.device.type == "cuda"
         self.pin = on_gpu
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.t.precision)
-        self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+        self.autocast = autocast_for(ctx.device.type, self.t.precision)
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
@@ -109,6 +142,7 @@ class Trainer:
     # ================================================================================================
     def train(self) -> dict:
         self.resume()  # first: it replaces self.state
+        self.choose_precision()  # precision auto on a CPU: fp32 or bf16, whichever trains this job faster here
         self.balance_batches()
         t, state = self.t, self.state
         if self.already_complete():
@@ -543,6 +577,29 @@ class Trainer:
             return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
                                                          [1] * self.par.data_world, minimum=1)]
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
+
+    def choose_precision(self) -> None:
+        """train.precision auto on a CPU: whether bf16 autocast pays depends on the CPU and the job (with bf16
+        matrix units, a wide model on long sequences gains up to 2x, a small batch of short sentences nothing), so
+        every rank times forward+backward in both on the run's next batches (balance.time_precisions: the run does
+        not notice) and all take bf16 only where it is clearly faster (pick_cpu_precision). Collective. Explicit
+        settings are kept; GPUs keep resolve_precision's choice."""
+        if self.precision_asked != "auto" or self.ctx.device.type != "cpu":
+            return
+        units = D.gather_objects(self.ctx, cpu_bf16_units())
+        if not all(units):  # without the units bf16 is emulated, slower: not worth measuring
+            self.precision_note = "auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
+            return
+        if self.par.eval_lockstep or self.par.pipelined:  # only autocast can change after the strategy is built
+            self.precision_note = (f"auto -> fp32 (CPU with {units[0]}, not measured under {self.cfg.dist.strategy}: "
+                                   "its precision is fixed when it wraps the model, or a forward waits for other "
+                                   "ranks; set train.precision: bf16 to try it)")
+            return
+        timings = D.gather_objects(self.ctx, balance.time_precisions(self, self.t.balance_steps))
+        precision, self.precision_note = pick_cpu_precision(timings, units[0])
+        self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.t, precision=precision))
+        self.t = self.cfg.train  # what checkpoints and config.yml record
+        self.autocast = autocast_for("cpu", precision)
 
     def balance_batches(self) -> None:
         """batch_size auto: split the global batch by measured rank speed (after a resume: the split the
