@@ -205,6 +205,15 @@ def write(output_dir: str, step: int, ctx: DistContext, write_files: Callable[[s
     place. After each part every rank learns whether any rank failed, so none waits forever for a failed one:
     all of them raise. A full disk is one line on every rank, `no space left on device writing .../step-N`; the
     temporary directory is then removed and the earlier checkpoints are untouched."""
+    return start_write(output_dir, step, ctx, lambda tmp: write_files(tmp) or (lambda: None), meta).finish()
+
+
+def start_write(output_dir: str, step: int, ctx: DistContext, start_files: Callable[[str], Callable[[], None]],
+                meta: dict) -> "PendingWrite":
+    """write(), in two halves (train.async_save): `start_files(tmp_dir)` starts writing on every rank and returns
+    a wait() that returns once its files are written; training goes on meanwhile. PendingWrite.finish() (also
+    collective) waits for every rank, then publishes. Until then the checkpoint is a temporary directory that
+    resume ignores: a crash during the write leaves the previous checkpoints as they were."""
     final = os.path.join(root(output_dir), f"step-{step}")
     tmp = broadcast_object(ctx, os.path.join(root(output_dir), f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"))
 
@@ -212,14 +221,23 @@ def write(output_dir: str, step: int, ctx: DistContext, write_files: Callable[[s
         if ctx.is_main:
             os.makedirs(tmp)
 
-    def publish():
-        if ctx.is_main:
-            _publish(tmp, final, meta)
-
+    waits = []
     _on_every_rank(ctx, make_tmp, final, tmp)
-    _on_every_rank(ctx, lambda: write_files(tmp), final, tmp)
-    _on_every_rank(ctx, publish, final, tmp)
-    return final
+    _on_every_rank(ctx, lambda: waits.append(start_files(tmp)), final, tmp)
+    return PendingWrite(ctx, final, tmp, waits[0], meta)
+
+
+class PendingWrite:
+    def __init__(self, ctx: DistContext, final: str, tmp: str, wait: Callable[[], None], meta: dict):
+        self.ctx, self.final, self.tmp, self.wait, self.meta = ctx, final, tmp, wait, meta
+
+    def finish(self) -> str:
+        def publish():
+            if self.ctx.is_main:
+                _publish(self.tmp, self.final, self.meta)
+        _on_every_rank(self.ctx, self.wait, self.final, self.tmp)
+        _on_every_rank(self.ctx, publish, self.final, self.tmp)
+        return self.final
 
 
 def _publish(tmp: str, final: str, meta: dict) -> None:

@@ -168,6 +168,10 @@ class TrainConfig:
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
+    async_save: bool = False
+    """Write checkpoints in the background: the state is copied to the host (or, under fsdp, handed to DCP's
+    async_save), training goes on, and the checkpoint is published (renamed into place) at the next save or at
+    the end. The previous checkpoints stay as they are until then; pipe and oss write as usual."""
     resume: Union[str, bool] = "auto"
     """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
     checkpoint. false: start fresh, in an output_dir without checkpoints (one folder holds one run: into a folder

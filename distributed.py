@@ -95,7 +95,7 @@ def share_cores(ctx: DistContext, local_procs: int) -> str:
     """This rank's share of the host's cores for torch's intra-op threads: cores // ranks on this host (at least
     1), so that ranks on one CPU do not each start a thread per core and fight over them. OMP_NUM_THREADS, when
     set (by you, or by torchrun, which sets 1), is kept. Returns the plan's line, with OMP_WAIT_POLICY (which
-    main.py sets to PASSIVE for CPU ranks sharing a host: see main.rank_environment)."""
+    main.py sets to PASSIVE for CPU ranks sharing a host: see launcher.rank_environment)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if os.environ.get("OMP_NUM_THREADS"):
         why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"

@@ -68,7 +68,7 @@ class Progress:
 
     def finished(self, code: int) -> None:
         """This rank is done (`code`: its exit code) and only tears down from here: the launcher may end it if
-        that hangs (main.supervise)."""
+        that hangs (launcher.Supervisor)."""
         if self.codes is not None:
             self.codes[self.slot] = code
 
@@ -110,7 +110,7 @@ class StopRequest:
 
     def install(self, extra_signal: Optional[str], time_limit_s: Optional[float]) -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
-        the signals, which main.supervise blocks while it starts its ranks: one sent before now is handled now."""
+        the signals, which launcher.Supervisor blocks while it starts its ranks: one sent before now is handled now."""
         self.deadline = time.monotonic() + time_limit_s if time_limit_s else None
         signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
         for signum in signums:

@@ -135,6 +135,7 @@ class Trainer:
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
+        self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
         self.resumed_train: dict = {}  # the train section of the checkpoint resumed from (schedule_changes)
 
     # ================================================================================================
@@ -190,6 +191,7 @@ class Trainer:
         profiler.stop()
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
+        self.finish_save()
         self.close()
         self.summary()
         return metrics
@@ -236,6 +238,7 @@ class Trainer:
         self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.bad_steps} in a "
                          f"row; train.max_bad_steps={self.t.max_bad_steps})")
         if self.bad_steps >= self.t.max_bad_steps:
+            self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
             D.barrier(self.ctx)
             raise faults.Diverged(
@@ -253,6 +256,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.save_checkpoint({})
+        self.finish_save()
         self.close()
         raise faults.Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
@@ -383,23 +387,35 @@ class Trainer:
     # ================================================================================================
     def save_checkpoint(self, metrics: dict) -> None:
         faults.progress.at(self.state.step, "save")
+        self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
         rng = D.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
 
-        def write_files(directory: str) -> None:
-            self.par.save(directory)
+        def start_files(directory: str):
+            wait = self.par.start_save(directory) if self.t.async_save else self.par.save(directory)
             if self.ctx.is_main:
                 torch.save({"scheduler": self.scheduler.state_dict(),
                             "scaler": self.par.scaler.state_dict() if self.par.scaler else None,
                             "rng": rng}, os.path.join(directory, "state.pt"))
+            return wait or (lambda: None)
 
         meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.par.checkpoint_format,
                 "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict()}
-        path = checkpoint.write(self.cfg.output_dir, self.state.step, self.ctx, write_files, meta)
+        self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
+        self.pending_best = self.state.best_step
+        if not self.t.async_save:
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Wait for the checkpoint being written (every rank), publish it, prune the old ones, and say "saved"."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return
+        path = pending.finish()
         if self.ctx.is_main:
-            checkpoint.prune(self.cfg.output_dir, self.t.keep_last, keep={self.state.best_step})
+            checkpoint.prune(self.cfg.output_dir, self.t.keep_last, keep={self.pending_best})
             self.log.info(f"saved {path}")
 
     def check_finite_parameters(self) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -176,6 +177,12 @@ class Parallel:
             torch.save(self.raw_model.state_dict(), os.path.join(directory, "model.pt"))
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
+    def start_save(self, directory: str) -> Callable[[], None]:
+        """train.async_save: start writing save()'s files and return a wait() that returns once they are written
+        (raising what the writing raised). By default: save(), done before returning."""
+        self.save(directory)
+        return lambda: None
+
     def load(self, directory: str) -> None:
         """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
         names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
@@ -225,3 +232,34 @@ def state_bytes(par: Parallel) -> dict[str, int]:
     state = [v for s in local_opt.state.values() for v in s.values() if torch.is_tensor(v)]
     return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
             "optimizer": nbytes(state)}
+
+
+def host_copy(obj):
+    """A copy of a (nested) state dict whose tensors are on the host and belong to no one else: what a background
+    writer may read while training changes the originals."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+def in_thread(work: Callable[[], None]) -> Callable[[], None]:
+    """Run `work` in a thread; return a wait() that joins it and raises what it raised."""
+    failed = []
+
+    def run():
+        try:
+            work()
+        except BaseException as e:  # handed to wait(), which raises it in the training thread
+            failed.append(e)
+    thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if failed:
+            raise failed[0]
+    return wait

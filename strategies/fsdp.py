@@ -65,6 +65,21 @@ class FSDPParallel(Parallel):
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
         dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
+    def start_save(self, directory: str):
+        """DCP's async_save: each rank's shards are copied to the host now, and written by DCP's threads (one per
+        folder). Those threads run DCP's own collectives, so each goes over a process group of its own: not the
+        training's, and not the other thread's (two threads on one group could pair different collectives)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        if getattr(self, "save_groups", None) is None:
+            self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        futures = [dcp.async_save(sd, checkpoint_id=os.path.join(directory, name), process_group=group)
+                   for sd, name, group in ((model_sd, "model_dcp", self.save_groups[0]),
+                                           (optim_sd, "optimizer_dcp", self.save_groups[1]))]
+        return lambda: [f.result() for f in futures]
+
     def load(self, directory: str) -> None:
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).

@@ -1,7 +1,7 @@
 """The device mesh: the world's ranks as a grid with named dimensions ("dp_replicate", "dp_shard", "tp").
 
 rank = (replica x shards + shard) x tp + tp_index, so the ranks of one tensor-parallel group are neighbours: with tp
-no larger than a node's devices, the all-reduces of tensor parallelism (two per block in forward, two in backward)
+no larger than a node's devices, the all-reduces of tensor parallelism (two per block in forward, four in backward)
 stay inside a node, and only the data-parallel gradient reduction crosses nodes. The two data-parallel dimensions
 together are "dp" (each index reads its own share of the global batch): fsdp shards over "dp_shard" and, with
 dist.dp_replicate > 1, keeps that many replicas of the shards (HSDP: all-gathers stay inside a replica, and only

@@ -2,17 +2,30 @@
 one process, several GPUs), `ddp` (DistributedDataParallel: one process per device, gradients all-reduced)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from distributed import DistContext
-from strategies.base import Parallel, make_scaler, optimizer_recipe
+from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe
+
+
+class ReplicatedParallel(Parallel):
+    def start_save(self, directory: str):
+        """Host copies of the state now (the save's only stall), written to disk by a thread while training goes
+        on."""
+        if not self.ctx.is_main:
+            return lambda: None
+        model, optimizer = host_copy(self.raw_model.state_dict()), host_copy(self.optimizer.state_dict())
+        return in_thread(lambda: (torch.save(model, os.path.join(directory, "model.pt")),
+                                  torch.save(optimizer, os.path.join(directory, "optimizer.pt"))))
 
 
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return Parallel(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedParallel(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
 def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
@@ -21,10 +34,10 @@ def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None)
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 and ctx.device.type == "cuda" else model
-    return Parallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedParallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
-class DDPParallel(Parallel):
+class DDPParallel(ReplicatedParallel):
     def no_sync(self):
         return self.model.no_sync()
 

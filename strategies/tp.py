@@ -4,8 +4,9 @@ as in Megatron-LM, with DTensor's parallelize_module.
 In a block, q, k, v and the MLP's first layer are split by output columns (ColwiseParallel): every rank of the group
 computes its own attention heads and its own slice of the MLP's hidden units from the same input. The attention
 output projection and the MLP's second layer are split by input rows (RowwiseParallel): each rank multiplies its
-slice, and one all-reduce adds up the partial results. So a block's forward costs two all-reduces (its backward two
-more), and each rank holds 1/tp of the block's matrices; embeddings, norms and heads stay whole on every rank.
+slice, and one all-reduce adds up the partial results. So a block's forward costs two all-reduces (its backward four,
+one per column-split layer), and each rank holds 1/tp of the block's matrices; embeddings, norms and heads stay
+whole on every rank.
 The task names the layers (Task.tp_plan). docs/mesh.md draws it.
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",

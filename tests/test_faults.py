@@ -367,7 +367,7 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
     assert main.run(cfg) == 0
     out = capsys.readouterr().out
     assert ("resuming with train.lr 0.001 -> 0.0005, train.max_steps 4 -> 8: the learning-rate schedule changes "
-            "from step 4 on (now 8 steps in all)") in out
+            "from step 4 on (now 8 steps in all: max_steps=8 ends before epochs=20)") in out
     import conftest
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
 

@@ -61,7 +61,8 @@ def test_a_fresh_start_into_another_runs_folder_is_refused_or_starts_over(tmp_pa
     best = checkpoint.read_meta(str(tmp_path / "checkpoints/step-6"))["state"]["best_step"]
     assert result["checkpoint"] == str(tmp_path / f"checkpoints/step-{best}")
     logged = checkpoint.read_meta(result["checkpoint"])["metrics"]
-    assert abs(result["metrics"]["loss"] - logged["loss"]) < 1e-6 and result["metrics"]["accuracy"] == logged["accuracy"]
+    assert abs(result["metrics"]["loss"] - logged["loss"]) < 1e-6
+    assert result["metrics"]["accuracy"] == logged["accuracy"]
     assert f"wrote {tmp_path}/dev_results.json" in capsys.readouterr().out
 
 
