@@ -266,14 +266,14 @@ def durable_rename(tmp: str, final: str) -> None:
     names of the files in it) is fsynced first, and the parent after (the rename itself). Also used by export.py."""
     for folder, _, files in os.walk(tmp):
         for name in files:
-            _fsync(os.path.join(folder, name))
+            fsync(os.path.join(folder, name))
     for folder, _, _ in os.walk(tmp, topdown=False):
-        _fsync(folder)
+        fsync(folder)
     os.rename(tmp, final)
-    _fsync(os.path.dirname(os.path.abspath(final)))
+    fsync(os.path.dirname(os.path.abspath(final)))
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
     """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -347,7 +347,7 @@ def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:
         if step not in keep and _real_dir(path):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, "meta.json"))
-            _fsync(path)
+            fsync(path)
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -466,5 +466,5 @@ def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
     os.makedirs(aside)
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    _fsync(output_dir)
+    fsync(output_dir)
     return names, aside

@@ -7,6 +7,7 @@ import os
 import torch
 from torch import nn
 
+import checkpoint
 from distributed import DistContext
 from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe
 
@@ -18,8 +19,12 @@ class ReplicatedParallel(Parallel):
         if not self.ctx.is_main:
             return lambda: None
         model, optimizer = host_copy(self.raw_model.state_dict()), host_copy(self.optimizer.state_dict())
-        return in_thread(lambda: (torch.save(model, os.path.join(directory, "model.pt")),
-                                  torch.save(optimizer, os.path.join(directory, "optimizer.pt"))))
+
+        def write():  # and flush to disk here, so that publishing (fsync, rename) holds the loop only briefly
+            for obj, name in ((model, "model.pt"), (optimizer, "optimizer.pt")):
+                torch.save(obj, os.path.join(directory, name))
+                checkpoint.fsync(os.path.join(directory, name))
+        return in_thread(write)
 
 
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:

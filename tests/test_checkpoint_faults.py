@@ -398,13 +398,16 @@ def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys)
     import torch.distributed.checkpoint as dcp
     crashed_copy(reference("fsdp"), tmp_path, 2)
     marker = tmp_path / "pwned"
-    for step, folder in ((1, "model_dcp"), (2, "optimizer_dcp")):  # an extra entry; a replaced lr
+    # An extra model entry; a replaced step count in the optimizer's state. (Its param_groups are never read on
+    # resume: the run's own groups stay, so a crafted lr there is not even unpickled.)
+    for step, folder in ((1, "model_dcp"), (2, "optimizer_dcp")):
         path = os.path.join(ckpt(tmp_path, step), folder)
         state = checkpoint_dcp.dcp_model_state_dict(path)
         if folder == "model_dcp":
             state["extra"] = Payload(marker)
         else:
-            state["param_groups"][0]["lr"] = Payload(marker)
+            first = sorted(state["state"])[0]
+            state["state"][first]["step"] = Payload(marker)
         shutil.rmtree(path)
         with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore")
@@ -415,7 +418,7 @@ def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys)
     err = errors(capsys)
     assert len(err) == 2 and not marker.exists(), err
     assert err[0].startswith(f"error: {ckpt(tmp_path, 1)}/model_dcp: entry extra: refused: it would import")
-    assert err[1].startswith(f"error: {ckpt(tmp_path, 2)}/optimizer_dcp: entry param_groups.0.lr: refused: it would")
+    assert err[1].startswith(f"error: {ckpt(tmp_path, 2)}/optimizer_dcp: entry state.{first}.step: refused: it would")
 
 
 @pytest.mark.parametrize("damage", ["shard truncated", "shard missing", ".metadata empty"])
