@@ -317,8 +317,10 @@ def test_sst2_invalid_utf8_names_line_and_column(tmp_path, split, content, line,
         datasets_of(sst2_config(tmp_path, folder))
 
 
-@pytest.mark.parametrize("bad_line", ["a film\t2", "a film\t-1", "a film\tpositive", "a film\t0.5"])
+@pytest.mark.parametrize("bad_line", ["a film\t2", "a film\t-1", "a film\tpositive", "a film\t0.5",
+                                      "a film with no label", "a film\t", "a film\t ", "\t1"])
 def test_sst2_label_not_0_or_1(tmp_path, bad_line):
+    """A wrong, missing or empty label (or an empty sentence) is an error naming the line, never a class of its own."""
     folder = sst2_data(tmp_path, train=f"sentence\tlabel\ngood \t1\n{bad_line}\nbad \t0\n".encode())
     with pytest.raises(DataError, match=re.escape(f"{folder / 'train.tsv'}:3: expected `sentence<TAB>label` with "
                                                   "label 0 or 1, got")):
@@ -393,15 +395,6 @@ def test_gpt2_blocks_must_fit_the_pretrained_model(tmp_path):
     with pytest.raises(DataError, match=re.escape("data.max_length=8 is longer than the 4 positions")):
         task.check_fits(SimpleNamespace(vocab_size=10 ** 6, n_positions=4))
     task.check_fits(SimpleNamespace(vocab_size=top + 1, n_positions=8))  # fits exactly
-
-
-@pytest.mark.parametrize("bad_line", ["a film with no label", "a film\t", "a film\t ", "\t1"])
-def test_sst2_missing_or_empty_label_or_sentence(tmp_path, bad_line):
-    """An empty label is an error naming the line, never a class of its own."""
-    folder = sst2_data(tmp_path, train=f"sentence\tlabel\ngood \t1\n{bad_line}\nbad \t0\n".encode())
-    with pytest.raises(DataError, match=re.escape(f"{folder / 'train.tsv'}:3: expected `sentence<TAB>label` with "
-                                                  "label 0 or 1, got")):
-        datasets_of(sst2_config(tmp_path, folder))
 
 
 # ---------------------------------------------------------------------------------------------------------------

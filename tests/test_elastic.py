@@ -55,6 +55,7 @@ def resumed_copy(source, out, step):
     shutil.copytree(ckpt(source, step), ckpt(out, step))
 
 
+@pytest.mark.slow
 def test_the_same_global_batch_at_another_world_size_ends_where_one_process_does(tmp_path):
     """ddp 2 ranks -> 3 ranks -> 1 process, global batch 24 throughout (12+12, 8+8+8, 24)."""
     one, a, b, c = (tmp_path / n for n in ("one", "two", "three", "last"))

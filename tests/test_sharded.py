@@ -329,7 +329,7 @@ def test_join_output_grads_runs_every_output_hook_before_any_parameter_gradient(
     unchanged, and the hooks fairscale puts on the outputs all run before any parameter's gradient is done
     (without it, the second head's gradient is done before the first output's hook: what crashed BERT)."""
     from transformers.utils import ModelOutput
-    from strategies import join_output_grads
+    from strategies.fsdp import join_output_grads
 
     class TwoHeads(torch.nn.Module):
         def __init__(self):

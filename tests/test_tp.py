@@ -68,7 +68,7 @@ def one(bert, tmp_path_factory):
 
 @pytest.mark.parametrize("layout, batch", [
     ({"strategy": "ddp", "tp": 2, "procs_per_node": 2}, 16),
-    ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8),      # fsdp x tp, 2 x 2
+    slow({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8),  # fsdp x tp, 2 x 2
     slow({"strategy": "ddp", "tp": 2, "procs_per_node": 4}, [12, 4]),  # ddp x tp, uneven batches across dp
     slow({"strategy": "fsdp", "tp": 2, "procs_per_node": 2}, 16),
     slow({"strategy": "fsdp", "dp_replicate": 2, "procs_per_node": 4}, 4),  # HSDP: 2 replicas x 2 shards
@@ -87,6 +87,7 @@ def test_layouts_end_where_one_process_does(bert, one, tmp_path, layout, batch):
     assert losses[0] == losses[1] and len(losses[0]) == 6
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_between_tp_fsdp_and_one_process(bert, one, tmp_path):
     """A run interrupted at step 3 (its step-3 checkpoint, copied) and resumed in another layout ends where the
     uninterrupted one does."""
@@ -109,6 +110,7 @@ def test_checkpoints_reshard_between_tp_fsdp_and_one_process(bert, one, tmp_path
     assert abs(result["metrics"]["loss"] - dev_loss(tp, step)) < 1e-6
 
 
+@pytest.mark.slow
 def test_tp_runs_in_bf16(bert, tmp_path):
     out, ref = tmp_path / "tp", tmp_path / "one"
     assert main.run(config(out, bert, {"strategy": "ddp", "tp": 2, "procs_per_node": 2}, precision="bf16",
