@@ -27,7 +27,6 @@ from typing import Optional
 import faults
 from config import Config, UserError, load_config, procs_per_node_list, world_size
 from faults import HOST, report
-from launcher import Supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +109,7 @@ def run(cfg: Config) -> int:
         launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
         if here == 1:
             return worker(cfg, launches[0])
+        from launcher import Supervisor  # here: a one-process run (and each rank) never needs the launcher
         return Supervisor(cfg, launches).run()
 
 
