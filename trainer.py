@@ -606,7 +606,7 @@ class Trainer:
         if not all(units):  # without the units bf16 is emulated, slower: not worth measuring
             self.precision_note = "auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
             return
-        if self.par.eval_lockstep or self.par.pipelined:  # only autocast can change after the strategy is built
+        if not self.par.runs_alone:  # its precision is fixed when it wraps the model, or a forward waits for others
             self.precision_note = (f"auto -> fp32 (CPU with {units[0]}, not measured under {self.cfg.dist.strategy}: "
                                    "its precision is fixed when it wraps the model, or a forward waits for other "
                                    "ranks; set train.precision: bf16 to try it)")

@@ -122,6 +122,12 @@ class Parallel:
         self.seed_rank = ctx.rank
 
     @property
+    def runs_alone(self) -> bool:
+        """Whether one rank's forward+backward runs without the other ranks (so it can be timed on its own): not
+        when a forward is a collective (sharded parameters, tp) or goes through a pipeline."""
+        return not (self.eval_lockstep or self.pipelined)
+
+    @property
     def eval_model(self) -> nn.Module:
         """What evaluation runs: the plain module, or the wrapper when a forward pass is a collective."""
         return self.model if self.eval_lockstep else self.raw_model
