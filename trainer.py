@@ -431,24 +431,7 @@ class Trainer:
     def resume(self) -> None:
         """Continue from a checkpoint (train.resume): `auto` takes the newest one that loads on every rank,
         skipping (with a warning) any that cannot be read; an explicit path loads that one or stops."""
-        out, refusal = self.cfg.output_dir, None
-        if self.ctx.is_main:  # left by a save or prune that was killed; nothing reads them, they only take space
-            for path in checkpoint.clean_stale(out):
-                self.log.info(f"removed {path}: left by an interrupted save or prune")
-            if self.t.start_over:
-                moved, aside = checkpoint.move_run_aside(out)
-                if moved:
-                    self.log.info(f"start over: moved the previous run's {', '.join(moved)} aside to {aside}")
-            elif self.t.resume is False and checkpoint.latest(out):
-                # Starting fresh beside another run's checkpoints would mix two runs in one folder: test mode and
-                # resume would pick whichever checkpoint is best or newest, from either run.
-                refusal = (f"{os.path.abspath(out)} holds another run (latest {checkpoint.latest(out)}) and "
-                           "train.resume is false: one folder holds one run; resume it (train.resume=auto), use "
-                           "another output_dir, or start over with --set train.start_over=true (moves the old run "
-                           "aside)")
-        refusal = D.broadcast_object(self.ctx, refusal)
-        if refusal:
-            raise CheckpointError(refusal)
+        self.claim_output_dir()
 
         def load(path: str) -> None:
             # Everything that may fail is read and checked before the run's state changes, except model and
@@ -526,6 +509,28 @@ class Trainer:
         self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
         for group, base in zip(self.par.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor(self.scheduler.last_epoch)
+
+    def claim_output_dir(self) -> None:
+        """Before resuming: remove what interrupted saves left, and make sure output_dir holds this run only
+        (train.start_over moves another run aside; a fresh start beside one is refused). Collective."""
+        out, refusal = self.cfg.output_dir, None
+        if self.ctx.is_main:  # left by a save or prune that was killed; nothing reads them, they only take space
+            for path in checkpoint.clean_stale(out):
+                self.log.info(f"removed {path}: left by an interrupted save or prune")
+            if self.t.start_over:
+                moved, aside = checkpoint.move_run_aside(out)
+                if moved:
+                    self.log.info(f"start over: moved the previous run's {', '.join(moved)} aside to {aside}")
+            elif self.t.resume is False and checkpoint.latest(out):
+                # Starting fresh beside another run's checkpoints would mix two runs in one folder: test mode and
+                # resume would pick whichever checkpoint is best or newest, from either run.
+                refusal = (f"{os.path.abspath(out)} holds another run (latest {checkpoint.latest(out)}) and "
+                           "train.resume is false: one folder holds one run; resume it (train.resume=auto), use "
+                           "another output_dir, or start over with --set train.start_over=true (moves the old run "
+                           "aside)")
+        refusal = D.broadcast_object(self.ctx, refusal)
+        if refusal:
+            raise CheckpointError(refusal)
 
     def check_same_run(self, path: str, meta: dict) -> None:
         """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task,
