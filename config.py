@@ -61,6 +61,10 @@ class DataConfig:
     dev_files: Optional[str] = None
     """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout), or else
     `<data_dir>/*_test_*.hdf5` (the flat layout)."""
+    text_column: str = "text"
+    """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
+    label_column: str = "label"
+    """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
 
     def check(self, fail) -> None:
         if not 0 <= self.dev_fraction < 1:
@@ -69,6 +73,8 @@ class DataConfig:
             fail("data.num_workers", f"must be >= 0, got {self.num_workers}")
         if self.max_length < 1:
             fail("data.max_length", f"must be >= 1, got {self.max_length}")
+        if self.text_column == self.label_column:
+            fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
 
 
 @dataclass

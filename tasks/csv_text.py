@@ -1,5 +1,5 @@
-"""Text classification from `text,label` CSV files data.data_dir/{train,dev[,test]}.csv; see docs/tutorial/07."""
-import os
+"""Text classification from your own files: data.data_dir/{train,dev[,test]}.csv (or .tsv, .jsonl, .parquet, a
+`datasets` save_to_disk folder: tasks/table_files.py) with a text and a label column; see docs/tutorial/07."""
 import re
 
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 
 from config import DataError
 from tasks.base import Task, classification_batch, classification_metrics
-from tasks.text_common import read_csv
+from tasks.table_files import FORMATS, read_split
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -16,23 +16,21 @@ def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face 
 
 class CSVTextTask(Task):
     def read(self, split):  # -----> another file format: return (texts, label names) of a split, or None
-        path = os.path.join(self.cfg.data.data_dir, f"{split}.csv")
-        if not os.path.isfile(path):
-            return None
-        return read_csv(path, ("text", "label"), required=("label",))  # every row checked: DataError naming the line
+        d = self.cfg.data  # the format comes from the file name; every row is checked (DataError naming it)
+        return read_split(d.data_dir, split, d.text_column, d.label_column)
 
     def build_datasets(self):
         raw = {split: self.read(split) for split in ("train", "dev", "test")}
         if raw["train"] is None or raw["dev"] is None:
-            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs train.csv and dev.csv")
+            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs train and dev files ({FORMATS})")
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
         self.vocab = {w: i for i, w in enumerate(sorted({w for t in texts for w in words(t)}), 2)}
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
 
-    def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train.csv lacks), class numbers
+    def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train lacks), class numbers
         if set(labels) - set(self.classes):
-            raise DataError(f"{split}.csv: labels {sorted(set(labels) - set(self.classes))} are not in train.csv")
+            raise DataError(f"{split} split: labels {sorted(set(labels) - set(self.classes))} are not in train's")
         return [{"ids": [self.vocab.get(w, 1) for w in words(t)][:self.cfg.data.max_length] or [1],
                  "labels": self.classes.index(y)} for t, y in zip(texts, labels)]
 

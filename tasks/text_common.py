@@ -7,8 +7,6 @@ output_dir (resume, `mode: test`, generate.py) load that folder, so ids never ch
 from __future__ import annotations
 
 import codecs
-import csv
-import io
 import logging
 import os
 import re
@@ -110,39 +108,6 @@ def read_utf8(path: str) -> str:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}:{utf8_error_where(data, start, start + e.start, start + e.end)}") from None
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-
-
-def read_csv(path: str, columns: tuple[str, ...], required: tuple[str, ...] = ()) -> tuple[list[str], ...]:
-    """The `columns` of a CSV file with a header row, one list each. Every row is checked before training: a bad
-    encoding or quote, a field over csv.field_size_limit(), a row with more or fewer fields than the header, or an
-    empty value in a `required` column is a DataError naming the file and the row's first line."""
-    reader = csv.reader(io.StringIO(read_utf8(path), newline=""), strict=True)
-    rows, line = [], 1
-    try:
-        for row in reader:
-            if row:  # blank lines carry nothing
-                rows.append((line, row))
-            line = reader.line_num + 1
-    except csv.Error as e:
-        if "unexpected end of data" in str(e):
-            why = "a quote opened in this row is never closed; close it"
-        elif "field larger than field limit" in str(e):
-            why = f"a field longer than {csv.field_size_limit()} characters: a quote never closed, or a text to cut"
-        else:
-            why = f"not valid CSV ({e}); quote a text that holds a comma, quote or line break"
-        raise DataError(f"{path}:{line}: {why} (\"\" inside quotes is one quote)") from None
-    if not rows or not set(columns) <= set(rows[0][1]):
-        raise DataError(f"{path}: expected a `{','.join(columns)}` header and at least one row")
-    (_, header), *rows = rows
-    where = [header.index(c) for c in columns]
-    for line, row in rows:
-        if len(row) != len(header):
-            raise DataError(f"{path}:{line}: {len(row)} field{'s' * (len(row) != 1)} but the header has "
-                            f"{len(header)} ({','.join(header)}); quote a text that holds a comma")
-        empty = [c for c in required if not row[header.index(c)].strip()]
-        if empty:
-            raise DataError(f"{path}:{line}: empty {empty[0]}; every row needs one")
-    return tuple([row[i] for _, row in rows] for i in where)
 
 
 def utf8_error_where(data: bytes, start: int, bad: int, bad_end: int) -> str:

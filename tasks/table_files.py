@@ -1,0 +1,212 @@
+"""Your own classification data in the common formats: the (text, label) rows of a split, every row checked.
+
+A split is a file in data.data_dir named after it (`train`; `dev` or `validation`; `test`), its format found from
+the name: `.csv` (a header row; RFC 4180 quotes, `""` inside quotes is one quote), `.tsv` (a header row; tabs
+between fields, no quoting: one row per line, as GLUE's files), `.jsonl` or `.json` (JSON lines: one object per
+line), `.parquet`, or a folder `datasets` wrote with `save_to_disk` (`Dataset.save_to_disk("data/x/train")`, or
+`DatasetDict.save_to_disk("data/x")`, which makes one folder per split). Two of them for one split are refused.
+The text and label columns are data.text_column and data.label_column; other columns are ignored.
+
+Each format only yields (text, label, where) rows; `checked` is the one place that validates them, so every format
+gives the same one-line DataError naming the file and the row: `file:LINE` in the text formats, `file[i]` (the
+row's 0-based index, as `ds[i]` shows it) in parquet and save_to_disk folders. Labels are names or whole numbers
+(a `datasets` ClassLabel column gives its names); texts may be empty, labels may not.
+
+parquet and save_to_disk folders need pyarrow, imported only when such a file is read. The save_to_disk folders are
+read with pyarrow directly (the Arrow stream files state.json lists, in order): `datasets` itself would bring dill,
+multiprocess, pandas and xxhash along for these few lines, so only the tests use it (to write real folders).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from typing import Iterator, Optional
+
+from config import DataError
+from tasks.text_common import read_utf8
+
+SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
+FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
+Rows = Iterator[tuple[object, object, str]]  # (text, label, where: `:LINE` or `[i]`, printed after the file)
+
+
+def read_split(data_dir: str, split: str, text_column: str, label_column: str):
+    """The (texts, labels) of `split` in data_dir, or None when data_dir holds no file for it."""
+    path = find_split(data_dir, split)
+    if path is None:
+        return None
+    columns = (text_column, label_column)
+    rows = folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
+    return checked(path, rows, columns)
+
+
+def find_split(data_dir: str, split: str) -> Optional[str]:
+    """The one file (or save_to_disk folder) of `split` in data_dir, or None."""
+    names = SPLIT_NAMES[split]
+    found = [name + ext for name in names for ext in READERS if os.path.isfile(os.path.join(data_dir, name + ext))]
+    found += [name + "/" for name in names if os.path.isfile(os.path.join(data_dir, name, "state.json"))]
+    if len(found) > 1:
+        raise DataError(f"{data_dir}: the {split} split is in {' and '.join(found)}; keep one of them (the format "
+                        "is found from the name)")
+    return os.path.join(data_dir, found[0].rstrip("/")) if found else None
+
+
+def checked(path: str, rows: Rows, columns: tuple[str, str]) -> tuple[list[str], list[str]]:
+    """The one place rows are validated, whatever their format: a text is a string (bytes must be UTF-8), a label
+    a non-blank name or a whole number (kept as its digits, so `1` in JSON equals `1` in CSV)."""
+    texts, labels = [], []
+    for text, label, where in rows:
+        at = f"{path}{where}"
+        text = utf8(text, at, columns[0]) if isinstance(text, bytes) else text  # a parquet binary column
+        label = utf8(label, at, columns[1]) if isinstance(label, bytes) else label
+        if not isinstance(text, str):
+            raise DataError(f"{at}: {columns[0]} is {shown(text)}; every row needs a text (an empty one will do)")
+        if isinstance(label, int) and not isinstance(label, bool):
+            label = str(label)
+        if label is None or isinstance(label, str) and not label.strip():
+            raise DataError(f"{at}: empty {columns[1]}; every row needs one")
+        if not isinstance(label, str):
+            raise DataError(f"{at}: {columns[1]} is {shown(label)}; a label is a name or a whole number")
+        texts.append(text)
+        labels.append(label)
+    if not texts:
+        raise DataError(f"{path}: no rows")
+    return texts, labels
+
+
+def need_columns(at: str, found: list, columns: tuple[str, str]) -> None:
+    """A missing column is a DataError naming the columns the file has, and the key that names ours."""
+    for key, what, column in zip(("data.text_column", "data.label_column"), ("texts", "labels"), columns):
+        if column not in found:
+            listed = ", ".join(map(str, found[:20])) + (", ..." if len(found) > 20 else "")
+            raise DataError(f"{at}: no column {column!r} (columns found: {listed or 'none'}); set {key} to the one "
+                            f"that holds the {what}")
+
+
+def shown(value) -> str:
+    return "null" if value is None else repr(value)[:40]
+
+
+def utf8(data: bytes, at: str, column: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{at}: {column} is not valid UTF-8 (byte 0x{data[e.start]:02x} at character "
+                        f"{len(data[:e.start].decode())+1}); the file must hold UTF-8 text") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The formats: each yields (text, label, where) and raises a DataError for what only it can get wrong.
+# -----> another format: a function (path, columns) -> rows, under its file name ending in READERS below
+# ---------------------------------------------------------------------------------------------------------------
+def csv_rows(path: str, columns: tuple[str, str], tsv: bool = False) -> Rows:
+    """A CSV (or TSV) file's rows, the first one its header; where: the row's first line."""
+    text = read_utf8(path)  # the whole file decoded at once: a bad byte is a DataError naming its line
+    quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
+    header = None
+    for line, row in csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv):
+        if header is None:
+            need_columns(f"{path}:{line}", row, columns)
+            header, where = row, [row.index(c) for c in columns]
+        elif len(row) != len(header):
+            raise DataError(f"{path}:{line}: {len(row)} field{'s' * (len(row) != 1)} but the header has "
+                            f"{len(header)} ({','.join(header)}); " +
+                            ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
+        else:
+            yield row[where[0]], row[where[1]], f":{line}"
+
+
+def csv_records(path: str, reader, tsv: bool) -> Iterator[tuple[int, list[str]]]:
+    """(first line, fields) of each non-blank row; a row the csv module cannot parse is a DataError naming it."""
+    line = 1
+    try:
+        for row in reader:
+            if row:  # blank lines carry nothing
+                yield line, row
+            line = reader.line_num + 1
+    except csv.Error as e:
+        if "unexpected end of data" in str(e):
+            why = "a quote opened in this row is never closed; close it"
+        elif "field larger than field limit" in str(e):
+            why = f"a field longer than {csv.field_size_limit()} characters: " + (
+                "a text to cut" if tsv else "a quote never closed, or a text to cut")
+        else:
+            why = f"not valid CSV ({e}); quote a text that holds a comma, quote or line break"
+        raise DataError(f"{path}:{line}: {why}" + ("" if tsv else " (\"\" inside quotes is one quote)")) from None
+
+
+def tsv_rows(path: str, columns: tuple[str, str]) -> Rows:
+    return csv_rows(path, columns, tsv=True)
+
+
+def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
+    """A JSON lines file's rows: one object per line (blank lines skipped); where: the line."""
+    text = read_utf8(path)
+    if text.lstrip().startswith("["):
+        raise DataError(f"{path}: a JSON array; write JSON lines, one object per line (pandas: "
+                        "to_json(path, orient='records', lines=True); datasets: to_json(path))")
+    for line, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{line}: {shown(record)} is not an object; JSON lines hold one object per line")
+        need_columns(f"{path}:{line}", list(record), columns)
+        yield record[columns[0]], record[columns[1]], f":{line}"
+
+
+def parquet_rows(path: str, columns: tuple[str, str]) -> Rows:
+    import pyarrow.parquet as pq
+    return table_rows(path, lambda: pq.read_table(path), columns)
+
+
+def folder_rows(path: str, columns: tuple[str, str]) -> Rows:
+    """A save_to_disk folder's rows: its state.json lists the Arrow stream files, in the dataset's order."""
+    import pyarrow as pa
+    state_path = os.path.join(path, "state.json")
+    try:
+        files = [os.path.join(path, f["filename"]) for f in json.loads(read_utf8(state_path))["_data_files"]]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{state_path}: not the state.json of datasets' save_to_disk (no _data_files list)") \
+            from None
+
+    def read():
+        tables = []
+        for file in files:
+            with pa.OSFile(file) as source:  # read into memory: nothing stays mapped to the files
+                tables.append(pa.ipc.open_stream(source).read_all())
+        return pa.concat_tables(tables)
+    return table_rows(path, read, columns)
+
+
+def table_rows(path: str, read, columns: tuple[str, str]) -> Rows:
+    """The rows of the Arrow table `read()` returns (where: `[i]`); ClassLabel ids become their names."""
+    import pyarrow as pa
+    try:
+        table = read()
+    except (OSError, pa.ArrowException) as e:  # unreadable, truncated, not parquet/Arrow at all
+        raise DataError(f"{path}: cannot read it ({' '.join(str(e).split())})") from None
+    need_columns(path, table.column_names, columns)
+    texts, labels = (table.column(c).to_pylist() for c in columns)
+    names = class_names(table.schema, columns[1])
+    if names is not None:  # -1 (no label, as in GLUE's test splits) becomes None: an empty label
+        labels = [names[i] if isinstance(i, int) and 0 <= i < len(names) else None for i in labels]
+    for i, (text, label) in enumerate(zip(texts, labels)):
+        yield text, label, f"[{i}]"
+
+
+def class_names(schema, column: str) -> Optional[list]:
+    """The names of a `datasets` ClassLabel column, which it writes into the schema's metadata; else None."""
+    try:
+        feature = json.loads(schema.metadata[b"huggingface"])["info"]["features"][column]
+    except (TypeError, ValueError, KeyError):
+        return None
+    return feature.get("names") if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" else None
+
+
+READERS = {".csv": csv_rows, ".tsv": tsv_rows, ".jsonl": jsonl_rows, ".json": jsonl_rows, ".parquet": parquet_rows}
