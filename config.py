@@ -53,14 +53,27 @@ class DataConfig:
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128
     """Text tasks: sequences are truncated to this many tokens (block size for language modelling)."""
+    tokenizer: str = "auto"
+    """gpt2_lm: `bpe` (a byte-level BPE trained on the training texts), `char` (one id per character of the
+    training texts, nanoGPT's shakespeare_char), `byte` (one id per byte), each with an end-of-text token, or a
+    folder holding a Hugging Face tokenizer. auto: model.pretrained_dir's, else bpe. Saved in output_dir/tokenizer."""
+    windows: Literal["blocks", "random"] = "blocks"
+    """gpt2_lm's training samples, max_length + 1 tokens of the token stream: `blocks` non-overlapping (every
+    token a target once per epoch); `random` at random offsets (nanoGPT's get_batch) drawn from seed, epoch and
+    sample index, so a resumed run draws the same. An epoch is as many windows as there are blocks."""
+    dev_split: Literal["auto", "files", "tail", "texts"] = "auto"
+    """gpt2_lm's dev split: `files` the dev files (dev.* in data_dir, or dev_files); `tail` the last dev_fraction of
+    the training token stream (nanoGPT's); `texts` a fixed dev_fraction of the training texts, whole. auto: files
+    when there are some, else tail."""
     group_by_length: bool = False
     """Text tasks: batch samples of similar length together (less padding), still shuffled between batches."""
     train_files: Optional[str] = None
     """bert_pretrain: glob of the training HDF5 shards. None: `<data_dir>/training/*.hdf5` (NVIDIA's layout), or
-    else `<data_dir>/*_training_*.hdf5` (the flat layout HetSeq and NVIDIA's older scripts leave)."""
+    else `<data_dir>/*_training_*.hdf5` (the flat layout HetSeq and NVIDIA's older scripts leave). gpt2_lm: glob
+    of the training text files. None: `train.*` in data_dir, else its .txt/.json/.jsonl files but dev.* and test.*."""
     dev_files: Optional[str] = None
     """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout), or else
-    `<data_dir>/*_test_*.hdf5` (the flat layout)."""
+    `<data_dir>/*_test_*.hdf5` (the flat layout). gpt2_lm: glob of the dev text files. None: `dev.*` in data_dir."""
     text_column: str = "text"
     """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
     label_column: str = "label"
@@ -657,6 +670,7 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+    check_lm_data_keys(cfg, fail)
 
 
 def check_lora(cfg: Config, fail) -> None:
@@ -693,6 +707,18 @@ def check_tp(cfg: Config, world: int, fail) -> int:
         fail("train.precision", "fp16 is not available with dist.tp > 1 yet (the loss scaler cannot unscale "
                                 "tp-split and whole gradients together); use bf16, which needs no scaler")
     return world // d.tp
+
+
+def check_lm_data_keys(cfg: Config, fail) -> None:
+    """data.tokenizer, windows and dev_split are gpt2_lm's (tasks/lm_data.py): refused elsewhere, not ignored; a
+    trained tokenizer cannot stand in for a pretrained model's own."""
+    d, defaults = cfg.data, DataConfig()
+    for key in ("tokenizer", "windows", "dev_split"):
+        if getattr(d, key) != getattr(defaults, key) and cfg.task != "gpt2_lm":
+            fail(f"data.{key}", f"is gpt2_lm's, not {cfg.task}'s; remove it")
+    if d.tokenizer in ("bpe", "char", "byte") and cfg.model.pretrained_dir:
+        fail("data.tokenizer", f"is {d.tokenizer}, but model.pretrained_dir's model was trained with its own "
+                               "tokenizer; use auto (or that folder)")
 
 
 def check_pipe(cfg: Config, world: int, fail) -> int:

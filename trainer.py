@@ -580,6 +580,8 @@ class Trainer:
         s = self.state
         while True:
             batches = self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch)  # made as consumed
+            if hasattr(self.datasets["train"], "set_epoch"):  # samples drawn per epoch (random LM windows)
+                self.datasets["train"].set_epoch(s.epoch)
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
                                  self.pin, self.cfg.seed + s.epoch)
             for batch in loader:

@@ -1,143 +1,84 @@
-"""Causal language modelling with GPT-2 on a JSON array of texts.
+"""Causal language modelling (GPT-2, or the model section's decoder) on your text.
 
-Data: `train.json` in data.data_dir, a JSON array of strings; `dev.json` likewise, or, when it is absent, a fixed
-data.dev_fraction of the training texts; `test.json` optional. Texts are tokenized once, joined with an
-end-of-text token, and cut into blocks: block k is tokens [kT, kT + T] (T = data.max_length), its first T tokens
-the input and its last T the targets, so every token is a target exactly once. One unit of the loss is one
-TARGET TOKEN: count = batch x T, and dev `loss` is the mean per token, `perplexity` its exp.
+Data (tasks/lm_data.py): text files in data.data_dir (plain text, a JSON array of texts or JSON lines), tokenized
+once by data.tokenizer into one token stream per split, each text followed by the end-of-text token. Dev is the
+dev files or, by data.dev_split, the tail of the training stream or whole held-out texts. Training samples are
+windows of T + 1 tokens (T = data.max_length; inputs the first T, targets the last T) by data.windows:
+non-overlapping blocks (block k starts at kT, so every token is a target once per epoch) or random offsets
+(nanoGPT's). Dev and test are blocks. One unit of the loss is one TARGET TOKEN: count = batch x T, and dev `loss`
+is the mean per token, `perplexity` its exp.
 
 Corpora larger than memory: data.data_dir may instead be a folder of token shards made by
-`scripts/prepare_text.py --task lm` (it holds manifest.json): they are read lazily, with the same blocks
-(tasks/token_shards.py), and the tokenizer is the one they were made with.
+`scripts/prepare_text.py --task lm` (it holds manifest.json): they are read lazily, with the same windows
+(tasks/token_shards.py), and the tokenizer and splits are the ones they were made with.
 
-Tokenizer: model.pretrained_dir's, or a byte-level BPE trained on the training texts and saved to
-<output_dir>/tokenizer (generate.py and `mode: test` load it from there).
+Tokenizer (data.tokenizer): model.pretrained_dir's; `bpe` a byte-level BPE trained on the training texts; `char`
+one id per character; `byte` one per byte; or a tokenizer folder. Saved to <output_dir>/tokenizer (resume,
+`mode: test`, export and generate.py load it from there).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 from config import DataError
-from tasks import token_shards
+from tasks import lm_data, token_shards
 from tasks.base import Layer, Task
-from tasks.text_common import load_or_train_tokenizer, read_utf8
+from tasks.lm_data import Blocks, read_texts  # noqa: F401 (read_texts: scripts/prepare_text.py reads JSON with it)
+from tasks.text_common import load_or_train_tokenizer
 
 GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
     "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
     "tiny": dict(n_embd=64, n_layer=2, n_head=2),
 }
-
-
-def read_texts(path: str) -> list[str]:
-    """The JSON array of strings in `path`. Everything the tokenizer would choke on later (invalid UTF-8, JSON
-    that is not an array of strings, a lone surrogate) is a DataError naming the file, and the line or item."""
-    try:
-        texts = json.loads(read_utf8(path))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg})") from None
-    if not isinstance(texts, list):
-        raise DataError(f"{path}: expected a JSON array of strings, got {json_kind(texts)}")
-    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-    if bad is not None:
-        raise DataError(f"{path}: expected a JSON array of strings; item {bad} is {json_kind(texts[bad])}")
-    if not texts:
-        raise DataError(f"{path}: no texts")
-    check_surrogates(path, texts)
-    return texts
-
-
-def json_kind(value) -> str:
-    """What a JSON value is, in JSON's words (a dict is an object, a float a number)."""
-    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", int: "a number",
-             float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def check_surrogates(path: str, texts: list[str]) -> None:
-    """JSON may spell a lone UTF-16 surrogate (`"\\ud800"`): valid JSON, but not text. The tokenizer refuses it
-    with a bare TypeError naming nothing, so find it here: one encode of all texts, item by item only on error."""
-    try:
-        "".join(texts).encode("utf-8")
-    except UnicodeEncodeError:
-        for i, text in enumerate(texts):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise DataError(f"{path}: item {i} holds a lone surrogate \\u{ord(text[e.start]):04x} at character "
-                                f"{e.start}, which is not text; escapes \\ud800-\\udfff must come in valid pairs")
-
-
-class Blocks(Dataset):
-    """[N, T + 1] token ids; sample k is one block (inputs = [:-1], targets = [1:])."""
-
-    def __init__(self, texts: list[str], tokenizer, block: int, path: str):
-        ids = []
-        for text_ids in tokenizer(texts)["input_ids"]:
-            ids += text_ids + [tokenizer.eos_token_id]  # the end-of-text token separates documents
-        n = (len(ids) - 1) // block
-        if n == 0:
-            raise DataError(f"{path}: {len(ids)} tokens, fewer than one block of data.max_length={block} + 1")
-        flat = torch.tensor(ids[: n * block + 1])
-        self.path = path
-        self.blocks = flat.unfold(0, block + 1, block)  # overlapping by one token: [n, block + 1]
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.blocks[i, :-1], "labels": self.blocks[i, 1:]}
+TOKENIZER_KINDS = {"auto": "gpt2", "bpe": "gpt2", "char": "char", "byte": "byte"}  # data.tokenizer -> trained kind
 
 
 class GPT2LMTask(Task):
     best_metric_default = "loss"
 
-    def read_splits(self) -> dict:
-        d = self.cfg.data
-        path = lambda split: os.path.join(d.data_dir, f"{split}.json")  # noqa: E731
-        if not os.path.isfile(path("train")):
-            raise DataError(f"{path('train')}: missing. gpt2_lm reads a JSON array of texts from data.data_dir")
-        texts = {"train": read_texts(path("train"))}
-        if os.path.isfile(path("dev")):
-            texts["dev"] = read_texts(path("dev"))
-        else:  # a fixed holdout of whole texts, independent of the training seed
-            order = np.random.default_rng(0).permutation(len(texts["train"]))
-            n_dev = max(1, int(round(len(order) * d.dev_fraction)))
-            if n_dev >= len(order):
-                raise DataError(f"{path('train')}: {len(order)} texts, too few to hold out a dev split "
-                                f"(add {path('dev')})")
-            texts["dev"] = [texts["train"][i] for i in sorted(order[:n_dev])]
-            texts["train"] = [texts["train"][i] for i in sorted(order[n_dev:])]
-        if os.path.isfile(path("test")):
-            texts["test"] = read_texts(path("test"))
-        return texts
-
     def build_datasets(self) -> dict:
         if token_shards.is_prepared(self.cfg.data.data_dir):  # scripts/prepare_text.py's folder: read lazily
             return self.build_shard_datasets()
-        texts = self.read_splits()
-        self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: texts["train"], kind="gpt2")
-        where = {split: os.path.join(self.cfg.data.data_dir, f"{split}.json") for split in texts}
-        datasets = {s: Blocks(t, self.tokenizer, self.cfg.data.max_length, where[s]) for s, t in texts.items()}
+        d = self.cfg.data
+        texts, where = lm_data.read_splits(d)
+        self.tokenizer = self.make_tokenizer(lambda: texts["train"])
+        streams = {split: lm_data.token_stream(t, self.tokenizer) for split, t in texts.items()}
+        if "dev" not in streams:  # data.dev_split tail: the end of the training stream
+            streams["train"], streams["dev"] = lm_data.split_tail(streams["train"], d.dev_fraction, d.max_length,
+                                                                  where["train"])
+            where["dev"] = f"{where['train']} (last {d.dev_fraction:g} of its tokens)"
+        datasets = {s: lm_data.windows(self.cfg, Blocks(t, d.max_length, where[s]), s) for s, t in streams.items()}
         self.datasets = datasets  # for check_fits, once the model is known
         datasets.setdefault("test", None)
         return datasets
 
+    def read_splits(self) -> dict:
+        """The texts of each split (dev: files or held-out texts; none yet with dev_split tail)."""
+        return lm_data.read_splits(self.cfg.data)[0]
+
+    def make_tokenizer(self, texts):
+        """data.tokenizer's tokenizer: trained on `texts()` (bpe, char, byte) or a folder's, saved in output_dir."""
+        choice = self.cfg.data.tokenizer
+        return load_or_train_tokenizer(self.cfg, texts, TOKENIZER_KINDS.get(choice, "gpt2"),
+                                       folder_from=None if choice in TOKENIZER_KINDS else choice)
+
     def build_shard_datasets(self) -> dict:
         """Corpora larger than memory: token shards made by scripts/prepare_text.py --task lm, memory-mapped
-        (tasks/token_shards.py). The blocks are the ones the JSON path cuts from the same texts."""
-        folder = self.cfg.data.data_dir
+        (tasks/token_shards.py). The windows are the ones the text path cuts from the same texts."""
+        d = self.cfg.data
+        folder = d.data_dir
+        if d.tokenizer != "auto" or d.dev_split not in ("auto", "files"):
+            key = "data.tokenizer" if d.tokenizer != "auto" else "data.dev_split"
+            raise DataError(f"{folder}: token shards carry their tokenizer and dev split (scripts/prepare_text.py "
+                            f"--tokenizer, --dev-fraction); {key} must stay auto with them")
         manifest = token_shards.read_manifest(folder, "lm")
         self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
-        datasets = {split: token_shards.TokenBlocks(folder, manifest, split, self.cfg.data.max_length)
-                    for split in manifest["splits"]}
+        datasets = {split: lm_data.windows(self.cfg, token_shards.TokenBlocks(folder, manifest, split, d.max_length),
+                                           split) for split in manifest["splits"]}
         self.datasets = datasets  # for check_fits
         datasets.setdefault("test", None)
         return datasets
@@ -182,7 +123,7 @@ class GPT2LMTask(Task):
 
     def load_tokenizer(self):
         """For generation: the tokenizer the training run used (never trains a new one)."""
-        self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="gpt2")
+        self.tokenizer = self.make_tokenizer(None)
         return self.tokenizer
 
     def count(self, batch: dict) -> int:

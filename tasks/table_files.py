@@ -10,7 +10,8 @@ The text and label columns are data.text_column and data.label_column; other col
 Each format only yields (text, label, where) rows; `checked` is the one place that validates them, so every format
 gives the same one-line DataError naming the file and the row: `file:LINE` in the text formats, `file[i]` (the
 row's 0-based index, as `ds[i]` shows it) in parquet and save_to_disk folders. Labels are names or whole numbers
-(a `datasets` ClassLabel column gives its names); texts may be empty, labels may not.
+(a `datasets` ClassLabel column gives its names); texts may be empty, labels may not, except in a test split
+without any label (GLUE's), which is skipped with a note.
 
 parquet and save_to_disk folders need pyarrow, imported only when such a file is read. The save_to_disk folders are
 read with pyarrow directly (the Arrow stream files state.json lists, in order): `datasets` itself would bring dill,
@@ -22,14 +23,14 @@ import csv
 import io
 import json
 import os
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from config import DataError
-from tasks.text_common import read_utf8
+from tasks.text_common import note, read_utf8
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
 FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
-Rows = Iterator[tuple[object, object, str]]  # (text, label, where: `:LINE` or `[i]`, printed after the file)
+Rows = Iterable[tuple[object, object, str]]  # (text, label, where: `:LINE` or `[i]`, printed after the file)
 
 
 def read_split(data_dir: str, split: str, text_column: str, label_column: str):
@@ -39,6 +40,10 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
         return None
     columns = (text_column, label_column)
     rows = folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
+    rows = list(rows)
+    if split == "test" and rows and all(label is None or label == "" for _, label, _ in rows):
+        note(f"{path}: no labels (as in GLUE's test splits): skipped, there is nothing to score")
+        return None
     return checked(path, rows, columns)
 
 
@@ -65,7 +70,7 @@ def checked(path: str, rows: Rows, columns: tuple[str, str]) -> tuple[list[str],
             raise DataError(f"{at}: {columns[0]} is {shown(text)}; every row needs a text (an empty one will do)")
         if isinstance(label, int) and not isinstance(label, bool):
             label = str(label)
-        if label is None or isinstance(label, str) and not label.strip():
+        if label is None or (isinstance(label, str) and not label.strip()):
             raise DataError(f"{at}: empty {columns[1]}; every row needs one")
         if not isinstance(label, str):
             raise DataError(f"{at}: {columns[1]} is {shown(label)}; a label is a name or a whole number")

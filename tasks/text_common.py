@@ -43,9 +43,11 @@ def tokenizer_dir(cfg) -> str:
     return os.path.join(cfg.output_dir, "tokenizer")
 
 
-def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], kind: str):
-    """The tokenizer of this run: pretrained_dir's, else output_dir/tokenizer, else train one (`kind`: `bpe`
-    byte-level BPE with BART's special tokens, `gpt2` byte-level BPE with <|endoftext|>) and save it there."""
+def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], kind: str,
+                            folder_from: Optional[str] = None):
+    """The tokenizer of this run: pretrained_dir's, else output_dir/tokenizer, else make one and save it there:
+    `folder_from`'s (a Hugging Face tokenizer folder, copied), or one trained on `texts` (train_tokenizer's
+    `kind`: gpt2, bpe, char or byte)."""
     from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
@@ -59,7 +61,8 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     else:
         def make():  # rank 0 decides and writes; every rank takes part in the barrier either way
             if not saved():
-                train_tokenizer(texts(), kind).save_pretrained(folder + ".part")
+                made = load_tokenizer_folder(folder_from) if folder_from else train_tokenizer(texts(), kind)
+                made.save_pretrained(folder + ".part")
                 os.replace(folder + ".part", folder)  # never a half-written folder under the final name
         main_first(make)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
@@ -67,10 +70,30 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     return AutoTokenizer.from_pretrained(folder)
 
 
+def load_tokenizer_folder(folder: str):
+    """A Hugging Face tokenizer folder given as data.tokenizer; one that has no end-of-text token cannot separate
+    documents, so it is refused here rather than failing inside the data pipeline."""
+    from transformers import AutoTokenizer
+    if not os.path.isdir(folder):
+        raise DataError(f"data.tokenizer: {folder!r} is neither bpe, char, byte nor a tokenizer folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.tokenizer: {folder} is not a Hugging Face tokenizer folder "
+                        f"({str(e).strip().splitlines()[0]})") from None
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"data.tokenizer: {folder}'s tokenizer has no end-of-text (eos) token to separate texts")
+    return tokenizer
+
+
 def train_tokenizer(texts: Iterable[str], kind: str):
-    """A byte-level BPE trained on `texts` (no unknown tokens: every byte has an id), wrapped for transformers."""
+    """A tokenizer for `texts`, wrapped for transformers (generate.py, exports and pipelines load it as any other):
+    `gpt2` a byte-level BPE with <|endoftext|>, `bpe` the same with BART's special tokens, `char` one id per
+    character of the texts (nanoGPT's shakespeare_char), `byte` one id per byte (256) + <|endoftext|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+    if kind in ("char", "byte"):
+        return char_tokenizer(texts) if kind == "char" else byte_tokenizer()
     if kind == "gpt2":
         specials = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
                     "pad_token": "<|endoftext|>"}
@@ -90,6 +113,49 @@ def train_tokenizer(texts: Iterable[str], kind: str):
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
             special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024, **specials)
+
+
+def char_tokenizer(texts: Iterable[str]):
+    """Ids 0..V-1 for the texts' characters in sorted order (nanoGPT's stoi), then <|endoftext|> (also what an
+    unseen character becomes). A BPE without merges splits a text into characters, much faster than a regex
+    pre-tokenizer; Fuse joins them back without spaces."""
+    from tokenizers import Tokenizer, decoders, models
+    chars = sorted(set().union(*map(set, texts)))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[EOT] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token=EOT))
+    tok.decoder = decoders.Fuse()
+    return wrap_small_vocabulary(tok)
+
+
+def byte_tokenizer():
+    """Id b for byte b (its byte-level character: GPT-2's byte-to-unicode table), 256 for <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: b for b, c in byte_level_chars().items()}
+    vocab[EOT] = 256
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return wrap_small_vocabulary(tok)
+
+
+EOT = "<|endoftext|>"
+
+
+def wrap_small_vocabulary(tok):
+    """A char or byte tokenizer for transformers, with GPT-2's special tokens. No cleanup on decode: it would
+    remove the space before punctuation, and these tokenizers give back the text exactly."""
+    from transformers import PreTrainedTokenizerFast
+    tok.add_special_tokens([EOT])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1 << 30, bos_token=EOT, eos_token=EOT,
+                                   unk_token=EOT, pad_token=EOT, clean_up_tokenization_spaces=False)
+
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: each byte as a printable character (what ByteLevel pre-tokenizers emit)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
 def read_utf8(path: str) -> str:

@@ -151,7 +151,7 @@ class TokenBlocks(Dataset):
         self.shards = ShardSet(folder, manifest, split)
         self.block, self.path = block, f"{folder} ({split})"
         self.starts = np.concatenate([[0], np.cumsum(self.shards.tokens, dtype=np.int64)]).tolist()
-        total = self.starts[-1]
+        total = self.n_tokens = self.starts[-1]
         self.n = max(0, (total - 1) // block)
         if self.n == 0:
             raise DataError(f"{self.path}: {total} tokens, fewer than one block of data.max_length={block} + 1")

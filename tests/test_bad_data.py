@@ -370,11 +370,12 @@ def test_good_gpt2_loads(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (b'[\n"one text",\n"caf\xe9 au lait"\n]', ":3: not valid UTF-8 (byte 0xe9 at column 5)"),
-    (b'{"text": "an object"}', ": expected a JSON array of strings, got an object"),
+    (b'{"title": "an object"}', ":1: expected an object with a string 'text' (data.text_column) or a string, "
+                                "got no 'text' field"),  # not an array: JSON lines, as prepare_text.py reads it
     (b'["text", 42, "more"]', ": expected a JSON array of strings; item 1 is a number"),
     (b'["text", null]', ": expected a JSON array of strings; item 1 is null"),
     (b'["text", ["nested"]]', ": expected a JSON array of strings; item 1 is an array"),
-    (b'"just a string"', ": expected a JSON array of strings, got a string"),
+    (b'42', ":1: expected an object with a string 'text' (data.text_column) or a string, got a number"),
     (b'["fine", "a lone \\ud800 surrogate"]', ": item 1 holds a lone surrogate \\ud800 at character 7"),
     (b'["fine",\n "unterminated]', ":2: not valid JSON at column 2 (Unterminated string starting at)"),
     (b"[]", ": no texts"),
@@ -386,7 +387,7 @@ def test_gpt2_bad_json(tmp_path, content, message):
 
 
 def test_gpt2_blocks_must_fit_the_pretrained_model(tmp_path):
-    task = build_task(gpt2_config(tmp_path, gpt2_data(tmp_path)))
+    task = build_task(gpt2_config(tmp_path, gpt2_data(tmp_path), dev_split="texts"))
     datasets = task.build_datasets()
     top = int(datasets["train"].blocks.max())
     with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'gpt2' / 'train.json'}: block ") + r"\d+" +

@@ -157,6 +157,22 @@ def test_a_datasets_classlabel_without_label_is_empty(tmp_path):
     assert error(tmp_path) == f"{tmp_path / 'train'}[1]: empty sentiment; every row needs one"
 
 
+def test_a_test_split_without_any_label_is_skipped_with_a_note(tmp_path, capsys):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+    features = Features({"sentence": Value("string"), "sentiment": ClassLabel(names=["neg", "pos"])})
+    splits = {"train": [1, 0], "validation": [0, 1], "test": [-1, -1]}  # GLUE's test splits hide their labels
+    DatasetDict({split: Dataset.from_dict({"sentence": ["a", "b"], "sentiment": labels}, features=features)
+                 for split, labels in splits.items()}).save_to_disk(str(tmp_path))
+    datasets = build_task(config(tmp_path, tmp_path)).build_datasets()
+    assert datasets["test"] is None and len(datasets["dev"]) == 2
+    assert f"{tmp_path / 'test'}: no labels (as in GLUE's test splits): skipped" in capsys.readouterr().out
+    write(tmp_path / "some", "csv", "train", ROWS["train"])
+    write(tmp_path / "some", "csv", "dev", ROWS["dev"])
+    write(tmp_path / "some", "csv", "test", [("a", "pos"), ("b", "")])  # some labels: the empty one is a mistake
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'some' / 'test.csv'}:3: empty sentiment")):
+        build_task(config(tmp_path, tmp_path / "some")).build_datasets()
+
+
 @pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl"])
 def test_a_bad_encoding_names_the_line(tmp_path, fmt):
     path = bad_train(tmp_path, fmt)

@@ -315,7 +315,8 @@ def test_gpt2_holds_out_dev_texts_without_dev_json(tmp_path):
     from tasks import build_task
     texts = [f"text number {i} ." for i in range(20)]
     (tmp_path / "train.json").write_text(json.dumps(texts))
-    cfg = make_config(tmp_path / "run", task="gpt2_lm", data={"data_dir": str(tmp_path), "dev_fraction": 0.2},
+    cfg = make_config(tmp_path / "run", task="gpt2_lm", data={"data_dir": str(tmp_path), "dev_fraction": 0.2,
+                                                                  "dev_split": "texts"},
                       model={"name": "tiny"}, train={"best_metric": "loss"})
     splits = build_task(cfg).read_splits()
     assert len(splits["dev"]) == 4 and sorted(splits["train"] + splits["dev"]) == sorted(texts)

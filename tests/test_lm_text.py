@@ -1,0 +1,155 @@
+"""Language modelling from your text by configuration (issue 21, items 1, 4, 5): text files in every format, the
+tokenizer choice, random or block windows (exact on resume), the dev split, the shakespeare_char preset."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import yaml
+
+import main
+from conftest import ROOT, load_model_state, make_config
+from config import ConfigError, DataError, load_config
+from tasks import build_task, lm_data
+
+PLAY = "".join(f"{'ROMEO' if i % 2 else 'JULIET'}:\nO speak again, bright angel {i} ; thou art\n\n" for i in range(40))
+
+
+def lm_cfg(out, data_dir, **data):
+    return make_config(out, task="gpt2_lm", data={"data_dir": str(data_dir), "max_length": 16, **data},
+                       model={"name": "tiny", "dropout": 0.0},
+                       train={"best_metric": "loss", "batch_size": 4, "epochs": 0, "max_steps": 2})
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return str(path)
+
+
+# ---- files ----------------------------------------------------------------------------------------------------
+def test_every_format_reads_the_same_texts(tmp_path):
+    texts = ["First text,\nwith a line break.", "Second ✓ text."]
+    layouts = {
+        "txt": {"a.txt": texts[0], "b.txt": texts[1]},  # one text per file, in name order (no train.*)
+        "json": {"train.json": json.dumps(texts)},
+        "jsonl": {"train.jsonl": "\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(texts)) + "\n\n"},
+        "json_lines_in_.json": {"train.json": "\n".join(json.dumps(t) for t in texts)},
+    }
+    for name, files in layouts.items():
+        folder = tmp_path / name
+        for file, content in files.items():
+            write(folder / file, content)
+        write(folder / "dev.txt", "a dev text")
+        data = lm_cfg(tmp_path / "run", folder, text_column="body").data
+        assert lm_data.read_splits(data)[0] == {"train": texts, "dev": ["a dev text"]}, name
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("train.jsonl", '{"text": "ok"}\n\n{"text": "a" "b"}\n', "train.jsonl:3: not valid JSON at column 14"),
+    ("train.jsonl", '{"text": "ok"}\n{"body": "no text"}\n', "train.jsonl:2: expected an object with a string "
+                                                             "'text' (data.text_column) or a string, got no 'text'"),
+    ("train.json", '[\n"one",\n"two" "three"\n]', "train.json:3: not valid JSON"),
+    ("train.json", '["one", 2]', "train.json: expected a JSON array of strings; item 1 is a number"),
+    ("train.txt", b"fine\nbad \xff byte\n", "train.txt:2: not valid UTF-8 (byte 0xff at column 5)"),
+    ("train.txt", "", "train.txt: empty file, no text"),
+    ("notes.md", "not a text file it looks for", "no training text. gpt2_lm reads train.txt"),
+])
+def test_a_bad_file_is_one_line_naming_it(tmp_path, file, content, message):
+    path = tmp_path / file
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    cfg = lm_cfg(tmp_path / "run", tmp_path)
+    with pytest.raises(DataError, match=re.escape(message)):
+        build_task(cfg).build_datasets()
+
+
+# ---- tokenizers -----------------------------------------------------------------------------------------------
+def test_char_byte_bpe_and_folder_tokenizers(tmp_path):
+    data = tmp_path / "data"
+    write(data / "input.txt", PLAY + "é✓")
+    streams = {}
+    for kind in ("char", "byte", "bpe"):
+        task = build_task(lm_cfg(tmp_path / kind, data, tokenizer=kind, dev_split="tail", dev_fraction=0.2))
+        sets = task.build_datasets()
+        tok = task.tokenizer
+        stream = torch.cat([sets["train"].stream, sets["dev"].stream]).tolist()  # tail: train + dev is all of it
+        assert stream[-1] == tok.eos_token_id and tok.decode(stream[:-1]) == PLAY + "é✓" or kind == "bpe"
+        streams[kind] = stream
+        assert os.path.isfile(tmp_path / kind / "tokenizer" / "tokenizer.json")
+    chars = sorted(set(PLAY + "é✓"))
+    assert streams["char"][:-1] == [chars.index(c) for c in PLAY + "é✓"]  # nanoGPT's stoi: sorted characters
+    assert streams["byte"][:-1] == list((PLAY + "é✓").encode("utf-8"))  # id = byte value; 256 is end of text
+    assert len(build_task(lm_cfg(tmp_path / "char", data, tokenizer="char")).load_tokenizer()) == len(chars) + 1
+    # a folder: copied into output_dir, the same ids
+    task = build_task(lm_cfg(tmp_path / "folder", data, tokenizer=str(tmp_path / "byte" / "tokenizer"),
+                             dev_split="tail", dev_fraction=0.2))
+    sets = task.build_datasets()
+    assert torch.cat([sets["train"].stream, sets["dev"].stream]).tolist() == streams["byte"]
+    assert os.path.isfile(tmp_path / "folder" / "tokenizer" / "tokenizer.json")
+    with pytest.raises(DataError, match=re.escape("data.tokenizer: 'chars' is neither bpe, char, byte nor")):
+        build_task(lm_cfg(tmp_path / "typo", data, tokenizer="chars")).build_datasets()
+
+
+def test_lm_keys_are_refused_where_they_do_nothing(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("data.windows` is gpt2_lm's, not sst2's")):
+        make_config(tmp_path, task="sst2", data={"windows": "random"})
+    with pytest.raises(ConfigError, match=re.escape("data.tokenizer` is char, but model.pretrained_dir's")):
+        make_config(tmp_path, task="gpt2_lm", data={"tokenizer": "char"}, model={"pretrained_dir": str(tmp_path)})
+
+
+# ---- dev split ------------------------------------------------------------------------------------------------
+def test_dev_split_tail_texts_and_files(tmp_path):
+    data = tmp_path / "data"
+    write(data / "train.json", json.dumps([f"text {i} ." for i in range(20)]))
+    tail = build_task(lm_cfg(tmp_path / "tail", data, tokenizer="char", dev_fraction=0.25)).build_datasets()
+    n_train, n_dev = len(tail["train"].stream), len(tail["dev"].stream)
+    assert n_dev == (n_train + n_dev) - int((n_train + n_dev) * 0.75)  # nanoGPT's data[int(n * 0.9):], at 0.25
+    assert tail["dev"].path.endswith("(last 0.25 of its tokens)")
+    texts = lm_data.read_splits(lm_cfg(tmp_path / "texts", data, dev_split="texts", dev_fraction=0.2).data)[0]
+    assert len(texts["dev"]) == 4 and not set(texts["dev"]) & set(texts["train"])
+    write(data / "dev.txt", "the dev file")  # auto: a dev file wins
+    assert lm_data.read_splits(lm_cfg(tmp_path / "files", data).data)[0]["dev"] == ["the dev file"]
+    os.remove(data / "dev.txt")
+    with pytest.raises(DataError, match=re.escape("no dev file, which data.dev_split: files needs")):
+        lm_data.read_splits(lm_cfg(tmp_path / "files", data, dev_split="files").data)
+
+
+# ---- windows --------------------------------------------------------------------------------------------------
+def test_random_windows_come_from_seed_epoch_and_index(tmp_path):
+    stream = torch.arange(1000)
+    blocks = lm_data.Blocks(stream, 16, "x")
+    windows = lm_data.RandomWindows(blocks, seed=3)
+    assert len(windows) == len(blocks) == 62  # an epoch: as many windows as blocks
+    first = [windows[i]["input_ids"] for i in range(len(windows))]
+    for w in first:
+        assert torch.equal(w, torch.arange(int(w[0]), int(w[0]) + 16))  # a contiguous slice of the stream
+    assert len({int(w[0]) for w in first}) > 50 and max(int(w[0]) for w in first) > 900
+    torch.manual_seed(123)  # the global RNG plays no part
+    again = lm_data.RandomWindows(blocks, seed=3)
+    assert all(torch.equal(a, again[i]["input_ids"]) for i, a in enumerate(first))
+    again.set_epoch(1)
+    assert sum(torch.equal(a, again[i]["input_ids"]) for i, a in enumerate(first)) < 5
+
+
+def test_random_windows_resume_exactly(tmp_path):
+    """6 steps over 3 epochs of 2 batches; resumed from step 3 (mid-epoch 1), the run ends where it would have."""
+    data = tmp_path / "data"
+    write(data / "input.txt", PLAY[:150])  # 151 tokens: the last 31 dev, 7 blocks of 16 train
+
+    def cfg(out):
+        c = lm_cfg(out, data, tokenizer="char", windows="random", dev_fraction=0.2)
+        c.model.dropout = 0.1  # the random stream of dropout must resume too
+        c.train.max_steps, c.train.save_every, c.train.eval_every, c.train.keep_last = 6, 3, 3, 5
+        return c
+    assert main.run(cfg(tmp_path / "whole")) == 0
+    assert "(2 micro-batches per epoch)" in (tmp_path / "whole" / "logs" / "rank0.log").read_text()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
+    shutil.copytree(tmp_path / "whole" / "tokenizer", resumed / "tokenizer")
+    assert main.run(cfg(resumed)) == 0
+    a, b = load_model_state(tmp_path / "whole", 6), load_model_state(resumed, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["transformer.wte.weight"], load_model_state(resumed, 3)["transformer.wte.weight"])
