@@ -445,6 +445,6 @@ def open_store(ctx, op_timeout: float):
     else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
         from torch.distributed import distributed_c10d as c10d
         store = c10d._get_default_store()
-    # torchrun keeps its store across restarts of the workers: a verdict of the last attempt must not end this one.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"trainer-watchdog/{attempt}/", store)
+    # Under torchrun a restart (which main.py allows only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new
+    # store: no earlier verdict in it. (Not the restart count as a prefix: agents count theirs differently.)
+    return dist.PrefixStore("trainer-watchdog/", store)

@@ -1,0 +1,181 @@
+"""torchrun's elastic restarts (issue 20, item 4).
+
+- main.py under torchrun refuses, in one line naming the command to use, a restartable torchrun whose workers
+  would share the agent's rendezvous store (pytorch/pytorch#135712): it could hang or burn its restarts.
+- `torchrun --nnodes=1:2 --max-restarts=3 --rdzv-backend=c10d` on two nodes (network namespaces, tests/cluster.py;
+  needs root): node 1 lost -> node 0 restarts alone and resumes from the last checkpoint; a new agent on node 1
+  -> both restart at world 2 and resume; the run keeps its global batch (train.batch_size=auto with
+  train.global_batch_size), so it ends where an uninterrupted 2-rank run does.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import (NODE_ADDRS, ROOT, STEPS, checkpoint_steps, clean_env, freeze, kill_tree, spawn_reference,
+                     two_nodes, wait_for)  # noqa: F401 (fixtures)
+from conftest import free_port, load_model_state, max_diff
+
+import distributed as D
+
+# ---- the refusal, from the worker's environment and the agent's command line ---------------------------------
+SHARED = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+
+
+def test_the_readme_torchrun_command_runs():
+    """One attempt (no restarts, fixed nodes) is safe with a shared store: nothing refused."""
+    argv = ["--nproc_per_node=8", "main.py", "--params", "parameters.yml", "--set", "dist.strategy=ddp"]
+    assert D.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"}, argv) is None
+    assert D.torchrun_restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"},
+                                      ["--nnodes=1:2", *argv]) is None  # the variable was set: safe
+
+
+@pytest.mark.parametrize("argv, fixed", [
+    (["--nnodes=1", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d",
+      "--rdzv-endpoint=127.0.0.1:29400", "main.py", "--set", "dist.strategy=ddp"],
+     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=3 "
+     "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 main.py --set dist.strategy=ddp"),
+    (["--nproc_per_node", "2", "--max_restarts", "3", "--rdzv_backend", "static", "main.py"],  # static: c10d added
+     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 "
+     "--nproc_per_node 2 --max_restarts 3 main.py"),
+    (["--standalone", "--nproc-per-node=2", "--max-restarts=1", "main.py"],
+     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=1 main.py"),
+])
+def test_restarts_with_a_shared_store_are_refused_naming_the_command(argv, fixed):
+    problem = D.torchrun_restart_problem(SHARED, argv)
+    assert "pytorch/pytorch#135712" in problem and "\n" not in problem
+    assert f"Run instead: {fixed}   (docs/slurm.md" in problem
+
+
+def test_nodes_joining_or_leaving_are_restarts_too():
+    problem = D.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"},
+                                         ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400", "x.py"])
+    assert problem.startswith("torchrun --nnodes=1:2 restarts its workers")
+
+
+@pytest.mark.slow
+def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
+    """The real thing: a worker reads its agent's command line from /proc and names the command to use."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "main.py", "--set", f"output_dir={tmp_path / 'run'}", "--set", "dist.strategy=ddp"]
+    env = clean_env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: torchrun")]
+    assert r.returncode != 0 and time.monotonic() - t0 < 120, r.stderr[-2000:]
+    assert len(lines) == 2, r.stderr[-3000:]  # one per attempt (local rank 0), both attempts refused
+    assert lines[0].endswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 "
+                             f"--max-restarts=1 main.py --set output_dir={tmp_path / 'run'} --set dist.strategy=ddp"
+                             "   (docs/slurm.md, section 4)"), lines[0]
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+# ---- two agents, one lost, one joining -------------------------------------------------------------------------
+GLOBAL_BATCH = 32  # the spawn reference's 2 x 16
+ELASTIC_SETS = ["dist.strategy=ddp", f"train.max_steps={STEPS}", "train.batch_size=auto",
+                f"train.global_batch_size={GLOBAL_BATCH}", "model.dropout=0", "train.eval_every=0",
+                "log.progress_bar=false", "log.tensorboard=false", "train.log_every=1", "train.save_every=2"]
+
+
+def agent_command(node, out, port) -> list:
+    """One torchrun agent on `node`, one worker; node 0 hosts the c10d rendezvous (is_host: the test nodes' host
+    names resolve to nothing, so torchrun cannot tell by itself). last_call_timeout=1: a round waits 1 s for late
+    nodes once the minimum is there (30 s by default)."""
+    return node.command([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={NODE_ADDRS[0]}:{port}", "--rdzv-id=elastic-test",
+        f"--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,is_host={node.index == 0}", f"--local-addr={node.addr}", "--monitor-interval=0.2",
+        "main.py", "--params", "parameters.yml", "--set", f"output_dir={out}",
+        *[a for kv in ELASTIC_SETS for a in ("--set", kv)]])
+
+
+def start_agent(node, out, port, tmp_path, name):
+    with open(tmp_path / f"{name}.out", "w") as stdout, open(tmp_path / f"{name}.err", "w") as stderr:
+        return subprocess.Popen(agent_command(node, out, port), cwd=ROOT, stdout=stdout, stderr=stderr,
+                                env=node.env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO"))
+
+
+def worker_pids(agent) -> list:
+    import psutil
+    try:
+        return [p.pid for p in psutil.Process(agent.pid).children(recursive=True) if "main.py" in p.cmdline()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def read(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def after(log: str, mark: str, pattern: str):
+    """The first match of `pattern` after the last `mark` in `log` (None when there is none yet)."""
+    i = log.rfind(mark)
+    return re.search(pattern, log[i:]) if i >= 0 else None
+
+
+def lose_node_1_then_add_it_back(nodes, tmp_path) -> dict:
+    """The scenario, timed: returns seconds from node 1's kill to each stage of node 0's recovery, and the
+    output folder."""
+    out, port = tmp_path / "run", free_port()
+    log0 = out / "logs" / "rank0.log"
+    agents = [start_agent(nodes[0], out, port, tmp_path, "agent0"), start_agent(nodes[1], out, port, tmp_path, "agent1")]
+    try:
+        # 1. world 2 until the first checkpoint; then node 1 is lost (every process in its namespace killed)
+        wait_for(lambda: checkpoint_steps(out), 300, "a first checkpoint at world 2", interval=0.02, procs=agents)
+        frozen = worker_pids(agents[0])
+        freeze(frozen, True)
+        if checkpoint_steps(out)[-1] >= STEPS:
+            pytest.fail("the run finished before node 1 could be lost")
+        t = {"saved before the loss": checkpoint_steps(out)[-1]}
+        nodes[1].kill_all()
+        t0 = time.monotonic()
+        freeze(frozen, False)
+        # 2. node 0's worker fails on its peer, its agent restarts it alone; it resumes and trains on
+        wait_for(lambda: not set(frozen) & set(worker_pids(agents[0])), 120, "node 0's worker to fail",
+                 interval=0.02, procs=agents[:1])
+        t["worker failed"] = time.monotonic() - t0
+        wait_for(lambda: worker_pids(agents[0]), 120, "the restarted worker", interval=0.02, procs=agents[:1])
+        t["worker restarted"] = time.monotonic() - t0
+        wait_for(lambda: read(log0).count("resumed from") == 1, 180, "the resume at world 1", interval=0.02,
+                 procs=agents[:1])
+        t["checkpoint reloaded"] = time.monotonic() - t0
+        wait_for(lambda: after(read(log0), "resumed from", r"step \d+/"), 120, "a first step at world 1",
+                 interval=0.01, procs=agents[:1])
+        t["first step"] = time.monotonic() - t0
+        # 3. a new agent on node 1: node 0's agent sees it waiting and restarts its worker (SIGTERM: it saves)
+        frozen = worker_pids(agents[0])
+        freeze(frozen, True)  # (at world 1 the rest of the run takes a second or two: hold it for node 1)
+        if read(log0).rstrip().endswith(f"step {STEPS}/{STEPS}") or checkpoint_steps(out)[-1] >= STEPS:
+            pytest.fail("the run finished before node 1 came back")
+        agents[1] = start_agent(nodes[1], out, port, tmp_path, "agent1-again")
+        wait_for(lambda: "new nodes" in read(tmp_path / "agent0.err"), 180, "node 0's agent to see node 1",
+                 procs=agents)
+        freeze(frozen, False)
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    assert codes == [0, 0], read(tmp_path / "agent0.err")[-3000:] + read(tmp_path / "agent1-again.err")[-3000:]
+    t["out"] = out
+    return t
+
+
+@pytest.mark.slow
+def test_a_node_lost_then_back_resumes_at_each_world_size_to_the_uninterrupted_result(two_nodes, tmp_path,
+                                                                                      spawn_reference):
+    t = lose_node_1_then_add_it_back(two_nodes, tmp_path)
+    out = t.pop("out")
+    log0 = read(out / "logs" / "rank0.log")
+    plans = re.findall(r"world size (\d+), ranks per node", "".join(read(tmp_path / f"{name}.out") for name in
+                                                                    ("agent0", "agent1", "agent1-again")))
+    assert sorted(plans) == ["1", "2", "2"], plans  # 2 -> 1 -> 2 (rank 0 prints it, on either node)
+    resumed = [int(s) for s in re.findall(r"resumed from \S*step-(\d+) at step", log0)]
+    assert len(resumed) == 2 and resumed[0] >= t["saved before the loss"] and resumed[1] > resumed[0], resumed
+    assert "written by a run that differs" not in log0  # the same global batch: no train.resume_changed needed
+    assert max_diff(load_model_state(out, STEPS), spawn_reference) < 1e-5
+    print("recovery after node 1 was lost (s from the kill):", t)
