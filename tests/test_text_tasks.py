@@ -103,7 +103,7 @@ def test_sst2_unlabelled_glue_test_file_is_skipped(data, tmp_path):
     assert datasets["test"] is None and len(datasets["train"]) == 400
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, slow(2)])  # 2 ranks: whole suite (quick loop: sst2 x fsdp below)
 def test_sst2_tiny_bart_trains(data, tmp_path, world):
     losses = train(task_config("sst2", data, tmp_path, world), world)
     assert_falls(losses, 0.7)  # from ~0.69 (chance) down
@@ -253,7 +253,7 @@ def test_bert_loss_is_per_sequence_mean_over_masked_tokens():
     assert masked_mean_per_row(values, rows, 4).tolist() == [2.0, 0.0, 6.0, 0.0]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, slow(2)])  # 2 ranks: whole suite (quick loop: sst2 x fsdp below)
 def test_bert_pretrain_tiny_trains(data, tmp_path, world):
     losses = train(task_config("bert_pretrain", data, tmp_path, world), world)
     assert_falls(losses, 0.8)  # MLM starts at ln(30522) ~ 10.3
@@ -273,7 +273,7 @@ def test_gpt2_blocks_make_every_token_a_target_once(data, tmp_path):
     assert task.count(task.collate([blocks[0], blocks[1]])) == 64
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, slow(2)])  # 2 ranks: whole suite (quick loop: sst2 x fsdp below)
 def test_gpt2_tiny_trains_and_generates(data, tmp_path, world, capsys):
     cfg = task_config("gpt2_lm", data, tmp_path, world)
     losses = train(cfg, world)
