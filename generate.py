@@ -1,4 +1,4 @@
-"""Sample text from a trained gpt2_lm checkpoint, or from an export of one (`mode: export`).
+"""Sample text from a trained gpt2_lm checkpoint (any tokenizer and decoder it trains), or from an export of one.
 
     python generate.py --params configs/gpt2_lm.yml --prompt "Once upon a time" --max-new-tokens 20
     python generate.py --params configs/gpt2_lm.yml --checkpoint runs/gpt2_lm/checkpoints/step-400 --prompt "..."
@@ -69,6 +69,9 @@ def load_export(folder: str):
         raise UserError(f"--export {folder}: holds {', '.join(kinds) or 'no model class'}, not a causal language "
                         "model (export a gpt2_lm run)")                   # causal LM around it, untrained head
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.text_common import plain_transformers_output
+    plain_transformers_output()  # no loading bars between the samples
     try:
         return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:  # not a causal LM, no tokenizer files, ...

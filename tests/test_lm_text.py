@@ -153,3 +153,28 @@ def test_random_windows_resume_exactly(tmp_path):
     a, b = load_model_state(tmp_path / "whole", 6), load_model_state(resumed, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["transformer.wte.weight"], load_model_state(resumed, 3)["transformer.wte.weight"])
+
+
+# ---- the preset -----------------------------------------------------------------------------------------------
+def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
+    import generate
+    data = tmp_path / "plays"
+    write(data / "input.txt", PLAY * 3)
+    preset = os.path.join(ROOT, "configs", "shakespeare_char.yml")
+    overrides = [f"data.data_dir={data}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4",
+                 "train.eval_every=2", "log.progress_bar=false", "log.tensorboard=false"]
+    cfg = load_config(preset, overrides)
+    assert main.run(cfg) == 0
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "step 4 dev: loss=" in log
+    params = tmp_path / "params.yml"
+    params.write_text(yaml.safe_dump(cfg.to_dict()))
+    capsys.readouterr()
+    assert generate.main(["--params", str(params), "--prompt", "ROMEO:", "--max-new-tokens", "30"]) == 0
+    sampled = capsys.readouterr().out
+    assert sampled.startswith("ROMEO:") and len(sampled) > 30 and set(sampled) <= set(PLAY) | {"\n"}
+    cfg.mode, cfg.export.dir = "export", str(tmp_path / "export")
+    assert main.run(cfg) == 0
+    capsys.readouterr()
+    assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO:", "--max-new-tokens", "30"]) == 0
+    assert capsys.readouterr().out == sampled  # the export samples what the checkpoint does
