@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
+import faults
 from config import CheckpointError
 from distributed import DistContext, broadcast_object, gather_objects
 
@@ -294,11 +295,11 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
         if not isinstance(e, CheckpointException):
             raise
         error = e
-    status = None if error is None else (ctx.rank, _no_space(error, tmp))
+    status = None if error is None else (ctx.rank, _no_space(error, tmp), faults.disk_problem(error, final))
     failed = [s for s in gather_objects(ctx, status) if s is not None]
     if not failed:
         return
-    if any(no_space for _, no_space in failed):
+    if any(no_space for _, no_space, _ in failed):
         # Drop the error first: its traceback holds the frames of the failed torch.save, whose file (open, as
         # torch leaves it on a failed write) would keep taking its disk space after the rmtree, until the GC.
         error = None
@@ -306,6 +307,9 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"no space left on device writing {final} (the earlier checkpoints are intact: "
                               f"free some space and run the same command to resume)") from None
+    not_writable = next((line for _, _, line in failed if line), None)
+    if not_writable:  # checkpoints/ read-only (or a file in it): the same line on every rank
+        raise CheckpointError(not_writable) from None
     if error is not None:
         raise error
     raise RuntimeError(f"rank {failed[0][0]} failed while writing {final}")

@@ -18,6 +18,7 @@ Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import faulthandler
@@ -200,8 +201,11 @@ class Reporter:
 
     def __call__(self, code: int, line: str, detail: str = "") -> int:
         if self.log:  # the log file only: the console gets it below, once
-            (self.log.info if console(code) is sys.stdout else self.log.error)(
-                line + ("\n" + detail if detail else ""), extra={"file_only": True})
+            try:
+                (self.log.info if console(code) is sys.stdout else self.log.error)(
+                    line + ("\n" + detail if detail else ""), extra={"file_only": True})
+            except OSError:  # the log file cannot take it (a full disk: run_log.LogFile): the console still does
+                pass
         if self.report_dir:
             record = {"rank": progress.rank, "code": code, "line": line, "detail": detail, "time": time.time()}
             tmp = os.path.join(self.report_dir, f".rank{progress.rank}.json")
@@ -256,6 +260,18 @@ def crash_report(exc: BaseException, watchdog: Optional["Watchdog"]) -> int:
     return report(EXIT_CRASH, line, "".join(traceback.format_exception(exc)).rstrip())
 
 
+def user_error(line: str, watchdog: Optional["Watchdog"]) -> int:
+    """Report a user mistake this rank met (`line`: `error: ...`, a full disk for one), exit code 2. With peers
+    and a watchdog, the first failing rank's line is the one said, and every rank leaves at once
+    (Watchdog.leave_together), before a peer's next collective fails with a traceback."""
+    if watchdog is not None:
+        line = watchdog.first_failure(line)
+    report(EXIT_USER_ERROR, line)
+    if watchdog is not None:
+        watchdog.leave_together()
+    return EXIT_USER_ERROR
+
+
 def looks_like_lost_peer(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
@@ -265,6 +281,62 @@ def looks_like_lost_peer(exc: BaseException) -> bool:
 def ranks_text(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+# ==============================================================================================================
+# A full disk, or a file or folder this run may not write
+# ==============================================================================================================
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
+
+
+def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
+    """The one line for `exc` when a full disk (or quota) or a read-only file or folder caused it: an OSError
+    with such an errno anywhere in its chain (TensorBoard, the logs, config.yml, *_results.json, the tokenizer,
+    checkpoints/). It names the file (else output_dir) and what to do; None for any other error."""
+    error = next((e for e in chain(exc) if isinstance(e, OSError) and
+                  (e.errno in NO_SPACE or (e.errno in NOT_WRITABLE and e.filename is not None))), None)
+    if error is None:
+        return None
+    where = os.fsdecode(error.filename) if error.filename is not None else f"a file in output_dir {output_dir}"
+    if error.errno in NOT_WRITABLE and not os.path.lexists(where):  # what could not be made: its folder is at fault
+        where = os.path.dirname(os.path.abspath(where))
+    todo = ("free some space" if error.errno in NO_SPACE else
+            "make it writable for this run (or choose another output_dir)")
+    return (f"{where}: {error.strerror or os.strerror(error.errno)}: {todo}, then run the same command again "
+            f"(the checkpoints saved so far are intact)")
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling, nearest first."""
+    seen = []
+    while exc is not None and not any(exc is e for e in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """Inside it, an OSError that names no file names `path`: a full disk is often noticed only as a buffer is
+    flushed (a file's close, a writer thread), by an error without a file name."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from e
+
+
+def thread_exception(args) -> None:
+    """threading.excepthook in a rank. A thread's full disk (TensorBoard's writer thread) goes to the log file
+    only: its owner raises it again in the main thread, which reports it in one line. Anything else: as Python
+    prints it."""
+    if report.log is not None and disk_problem(args.exc_value, "") is not None:
+        report.log.error(f"thread {args.thread.name if args.thread else '?'}: {first_line(args.exc_value)}",
+                         extra={"file_only": True})
+        return
+    threading.__excepthook__(args)
 
 
 # ==============================================================================================================
@@ -287,6 +359,7 @@ class Watchdog:
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
         self.unreachable_since: Optional[float] = None
         self.announced = False  # this rank wrote the verdict into the store
+        self.peer_failure: Optional[str] = None  # another rank's user error (first_failure), read by the thread
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -317,6 +390,8 @@ class Watchdog:
                     call = Call(self._beat_once)
                 verdict = call.result(self.op_timeout)
                 self.unreachable_since = None
+                if self.peer_failure is not None:
+                    self._follow_peer()
             except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
                 now = time.monotonic()
                 self.unreachable_since = self.unreachable_since or now
@@ -336,6 +411,9 @@ class Watchdog:
     def _beat_once(self) -> Optional[str]:
         """Write this rank's heartbeat; return the verdict in the store, or the one this rank comes to."""
         self._write_beat()
+        if self.store.check(["failed"]):  # another rank met a user error (first_failure): leave with it
+            self.peer_failure = self.store.get("failed").decode()
+            return None
         verdict = self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
         if verdict is None and self.ctx.rank in (0, 1):
             verdict = self._check(list(range(self.ctx.world_size)) if self.ctx.rank == 0 else [0])
@@ -388,6 +466,40 @@ class Watchdog:
             report(EXIT_CRASH, f"hang detected by the watchdog: {verdict}")  # the same line on every rank
         finally:
             os._exit(EXIT_CRASH)
+
+    # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
+    def first_failure(self, line: str) -> str:
+        """Called by a rank that met a user error (faults.user_error): stop this thread and put `line` in the
+        store for the other ranks' watchdogs, unless a rank did first. Returns the line to say: the first one
+        (two ranks writing to one full disk name their own log files; the first is the cause)."""
+        self.stop()
+        try:
+            return Call(lambda: self.store.compare_set("failed", "", line)).result(self.op_timeout).decode()
+        except Exception:  # the store is gone (its host left): the peers fail at their next collective
+            return line
+
+    def leave_together(self) -> None:
+        """Count this rank as leaving, then wait until every rank does (at most two beats and a store call's
+        time): no rank ends (its connections, or the store it hosts) while a peer still waits on it."""
+        try:
+            Call(lambda: self.store.add("left", 1)).result(self.op_timeout)
+            deadline = time.monotonic() + 2 * self.interval + self.op_timeout
+            while time.monotonic() < deadline and \
+                    Call(lambda: self.store.add("left", 0)).result(self.op_timeout) < self.ctx.world_size:
+                time.sleep(0.05)
+            if self.ctx.rank == 0:  # it hosts the store: the others' last look at it comes first
+                time.sleep(0.2)
+        except Exception:
+            pass  # the store is gone: nobody left to wait for
+
+    def _follow_peer(self) -> None:
+        """Another rank met a user error: say its line and leave with it, from this thread (the main thread
+        waits in a collective for that rank)."""
+        try:
+            report(EXIT_USER_ERROR, self.peer_failure)
+            self.leave_together()
+        finally:
+            os._exit(EXIT_USER_ERROR)
 
     def silent_ranks(self, wait: Optional[float] = None) -> Optional[list[int]]:
         """Ranks whose heartbeat does not move during `wait` seconds (used after a collective failed, to name

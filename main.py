@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -150,12 +151,20 @@ def check_output_dir(path: str) -> None:
         raise UserError(f"output_dir {path!r} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
     except OSError as e:
         raise UserError(f"output_dir {path!r} is not a writable directory ({e.strerror})") from None
+    # checkpoints/ too, if there: a read-only one would otherwise be found at the first save, hours later
+    for folder in (path, os.path.join(path, "checkpoints")):
+        if os.path.isdir(folder):
+            try:
+                probe = os.path.join(folder, f".write-test-{os.getpid()}")
+                with open(probe, "w"):
+                    pass
+                os.remove(probe)
+            except OSError as e:
+                name = "output_dir" if folder == path else "checkpoint folder"
+                raise UserError(f"{name} {folder!r} is not a writable directory ({e.strerror}): make it writable "
+                                f"for this run, or choose another output_dir") from None
 
 
 def hold_output_dir(path: str):
@@ -201,6 +210,7 @@ def worker(cfg: Config, launch: Launch) -> int:
     wrong is reported once (faults.report), naming this rank, its host and the step."""
     rank = launch.rank
     faults.progress.rank = rank
+    threading.excepthook = faults.thread_exception  # a writer thread's full disk: one line, from the main thread
     # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":
@@ -227,13 +237,14 @@ def worker(cfg: Config, launch: Launch) -> int:
         D.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         code = faults.EXIT_OK
     except UserError as e:
-        code = report(faults.EXIT_USER_ERROR, f"error: {e}")
+        code = faults.user_error(f"error: {e}", watchdog)
     except (faults.Stopped, faults.Diverged) as e:  # every rank raised it at the same step
         code = report(e.exit_code, str(e))
     except KeyboardInterrupt:  # test mode, or before the handlers were installed
         code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
-    except BaseException as e:  # a crash: never lost, never silent
-        code = faults.crash_report(e, watchdog)
+    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
+        line = faults.disk_problem(e, cfg.output_dir)
+        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()
     faults.progress.finished(code)

@@ -5,6 +5,7 @@ The Trainer (trainer.py) calls these; nothing here changes what is trained.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 import checkpoint
 import distributed as D
+import faults
 from config import Config, dump_yaml
 
 
@@ -33,7 +35,7 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
         log.removeHandler(h)
         h.close()
     fmt = logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
-    fh = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"))
+    fh = LogFile(os.path.join(output_dir, "logs", f"rank{rank}.log"))
     fh.setFormatter(fmt)
     log.addHandler(fh)
     if rank == 0:
@@ -44,7 +46,46 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     return log
 
 
-class ConsoleHandler(logging.StreamHandler):
+class StopsOnWriteError:
+    """For a log handler: a write that fails with an OSError (a full disk, a folder made read-only) is raised once,
+    naming the file, in the main thread, where main.worker reports it in one line (faults.disk_problem) and the
+    run stops; the handler writes nothing more. Without this, logging prints '--- Logging error ---' and a
+    traceback for every line after it, and the run goes on. (A failure in another thread is raised by the main
+    thread's next line.)"""
+    failed: Optional[OSError] = None
+    pending = False  # failed, and not raised yet
+
+    def handle(self, record: logging.LogRecord):
+        if self.failed is None:
+            return super().handle(record)
+        if self.pending and threading.current_thread() is threading.main_thread():
+            self.pending = False
+            raise self.failed
+        return False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)
+        self.failed = error if error.filename is not None else OSError(error.errno, error.strerror, self.where())
+        self.pending = threading.current_thread() is not threading.main_thread()
+        if not self.pending:
+            raise self.failed from None
+
+    def where(self) -> str:
+        if getattr(self, "baseFilename", None):
+            return self.baseFilename
+        try:  # the console: the file that stdout goes to (`> out.txt`, SLURM's --output)
+            return os.readlink(f"/proc/self/fd/{self.stream.fileno()}")
+        except (OSError, ValueError, AttributeError):
+            return getattr(self.stream, "name", "the console")
+
+
+class LogFile(StopsOnWriteError, logging.FileHandler):
+    """A rank's log file, output_dir/logs/rank<R>.log."""
+
+
+class ConsoleHandler(StopsOnWriteError, logging.StreamHandler):
     """Rank 0's console. Lines go through tqdm.write, which lifts a progress bar off the screen, prints the line
     and draws the bar again below it: a dev result is never glued onto the bar's last line. (Without a bar, it
     is a plain print.)"""
@@ -66,14 +107,44 @@ class ConsoleHandler(logging.StreamHandler):
 def start(cfg: Config, log: logging.Logger, plan: str):
     """Rank 0, as training starts: writes output_dir/config.yml (what test, export and generate read), opens
     TensorBoard's writer (log.tensorboard; returned, else None) and prints the plan."""
-    with open(os.path.join(cfg.output_dir, "config.yml"), "w") as f:  # start_over: this start's, not the run's
-        f.write(dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
-    tb = None
-    if cfg.log.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
-        tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+    # start_over: this start's, not the run's
+    write_file(os.path.join(cfg.output_dir, "config.yml"),
+               dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
+    tb = TensorBoard(os.path.join(cfg.output_dir, "tensorboard")) if cfg.log.tensorboard else None
     log.info(plan)
     return tb
+
+
+def write_file(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file, so that a full disk leaves the previous file whole
+    (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with faults.naming(path), open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+class TensorBoard:
+    """TensorBoard's writer (SummaryWriter) into `folder`, whose errors name the folder: its writer thread meets
+    a full disk with an error that names no file, raised again by the next call here."""
+
+    def __init__(self, folder: str):
+        from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
+        self.folder = folder
+        with faults.naming(folder):
+            self.writer = SummaryWriter(folder)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        with faults.naming(self.folder):
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        with faults.naming(self.folder):
+            self.writer.close()
 
 
 def progress_bar(wanted: bool, **kwargs):

@@ -378,9 +378,8 @@ class Trainer:
             results[split] = self.evaluate(split)
             if self.ctx.is_main:
                 where = os.path.join(cfg.output_dir, f"{split}_results.json")
-                with open(where, "w") as f:
-                    json.dump({"checkpoint": os.path.abspath(path), "split": split, "metrics": results[split]},
-                              f, indent=2)
+                run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "split": split,
+                                                      "metrics": results[split]}, indent=2))
                 self.log.info(f"wrote {where}")
         return results
 

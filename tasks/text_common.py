@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+import faults
 from config import ConfigError, DataError
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
@@ -62,7 +63,8 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
         def make():  # rank 0 decides and writes; every rank takes part in the barrier either way
             if not saved():
                 made = load_tokenizer_folder(folder_from) if folder_from else train_tokenizer(texts(), kind)
-                made.save_pretrained(folder + ".part")
+                with faults.naming(folder + ".part"):  # (a full disk's error may name no file)
+                    made.save_pretrained(folder + ".part")
                 os.replace(folder + ".part", folder)  # never a half-written folder under the final name
         main_first(make)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly

@@ -4,6 +4,7 @@
     FAULT=nan:RANK:STEP    rank RANK's loss is NaN in step STEP (so is every rank's gradient, after the all-reduce)
     FAULT=hang:RANK:STEP   rank RANK's main thread sleeps for an hour in step STEP (its watchdog thread still beats)
     FAULT=slow:RANK:STEP   every step sleeps STEP milliseconds on rank RANK (-1: all ranks): time to send signals
+    FAULT=full:RANK:STEP   rank RANK's log file meets a full disk in step STEP (every write: OSError ENOSPC)
     FAULT=teardown:RANK:0  rank RANK, done, hangs for an hour closing its process group (as a stuck NCCL
                            communicator can)
     FAULT=abort:RANK:0     rank RANK, done, aborts (SIGABRT) closing its process group (as gloo's C++ can:
@@ -12,6 +13,7 @@
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
 """
+import errno
 import os
 import sys
 import time
@@ -22,6 +24,20 @@ import distributed  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
+
+
+class FullDisk:
+    """A file on a full disk: every write fails as the kernel's would, with no file name."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        pass
+
+    close = flush
+
+
 if FAULT:
     kind, fault_rank, fault_step = FAULT.split(":")
     original_step = trainer.Trainer.train_step
@@ -35,6 +51,9 @@ if FAULT:
                 raise ValueError("injected fault")
             if kind == "hang":
                 time.sleep(3600)
+            if kind == "full":
+                log_file = next(h for h in self.log.handlers if hasattr(h, "baseFilename"))
+                log_file.stream = FullDisk()
             if kind == "nan":
                 loss_sum = self.task.loss_sum
                 self.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
