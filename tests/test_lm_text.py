@@ -155,6 +155,27 @@ def test_random_windows_resume_exactly(tmp_path):
     assert not torch.equal(a["transformer.wte.weight"], load_model_state(resumed, 3)["transformer.wte.weight"])
 
 
+def test_random_windows_over_token_shards_equal_the_in_memory_ones(tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import prepare_text
+    data = tmp_path / "data"
+    write(data / "train.txt", PLAY)
+    write(data / "dev.txt", PLAY[:100])
+    memory = build_task(lm_cfg(tmp_path / "memory", data, tokenizer="char", windows="random")).build_datasets()
+    assert prepare_text.main(["--task", "lm", "--train", str(data / "train.txt"), "--dev", str(data / "dev.txt"),
+                              "--text-unit", "file", "--tokenizer", str(tmp_path / "memory" / "tokenizer"),
+                              "--output", str(tmp_path / "shards"), "--chunk-mb", "0.001", "--workers", "1"]) == 0
+    shards = build_task(lm_cfg(tmp_path / "run", tmp_path / "shards", windows="random")).build_datasets()
+    for epoch in (0, 1):
+        memory["train"].set_epoch(epoch)
+        shards["train"].set_epoch(epoch)
+        for i in range(len(memory["train"])):
+            assert torch.equal(memory["train"][i]["input_ids"], shards["train"][i]["input_ids"])
+    with pytest.raises(DataError, match="token shards carry their tokenizer and dev split"):
+        build_task(lm_cfg(tmp_path / "run2", tmp_path / "shards", dev_split="tail")).build_datasets()
+
+
 # ---- the preset -----------------------------------------------------------------------------------------------
 def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     import generate
