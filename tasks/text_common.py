@@ -7,9 +7,11 @@ output_dir (resume, `mode: test`, generate.py) load that folder, so ids never ch
 from __future__ import annotations
 
 import codecs
+import json
 import logging
 import os
 import re
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -48,28 +50,57 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
                             folder_from: Optional[str] = None):
     """The tokenizer of this run: pretrained_dir's, else output_dir/tokenizer, else make one and save it there:
     `folder_from`'s (a Hugging Face tokenizer folder, copied), or one trained on `texts` (train_tokenizer's
-    `kind`: gpt2, bpe, char or byte)."""
+    `kind`: gpt2, bpe, char or byte). What it was made as is saved beside it (made_as.json): a saved tokenizer of
+    another kind is refused, and train.start_over makes a new one (the old folder is moved aside)."""
     from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
         return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
+    asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
     if texts is None or cfg.mode == "test":  # nothing to train on: the training run must have saved one
         if not saved():
             raise DataError(f"{folder}: no tokenizer saved there; train first (it is written by the training run) "
                             "or set model.pretrained_dir")
     else:
         def make():  # rank 0 decides and writes; every rank takes part in the barrier either way
+            if saved() and cfg.train.start_over:  # a new run: its tokenizer is made from its own texts
+                os.rename(folder, aside := f"{folder}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+                note(f"start over: moved the previous run's tokenizer aside to {aside}")
             if not saved():
                 made = load_tokenizer_folder(folder_from) if folder_from else train_tokenizer(texts(), kind)
                 with faults.naming(folder + ".part"):  # (a full disk's error may name no file)
                     made.save_pretrained(folder + ".part")
+                    with open(os.path.join(folder + ".part", MADE_AS), "w") as f:
+                        json.dump(asked, f)
                 os.replace(folder + ".part", folder)  # never a half-written folder under the final name
         main_first(make)
+        check_made_as(folder, asked)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
     # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
     return AutoTokenizer.from_pretrained(folder)
+
+
+MADE_AS = "made_as.json"  # in the tokenizer folder: {"kind": gpt2 | bpe | char | byte | folder, "folder": PATH}
+
+
+def check_made_as(folder: str, asked: dict) -> None:
+    """The saved tokenizer is the kind this run asks for: another kind's ids would be read as this one's, and
+    checkpoints trained on them continued, with no error (a folder saved before made_as.json existed passes)."""
+    path = os.path.join(folder, MADE_AS)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        made = json.load(f)
+    if made != asked:
+        name = lambda m: m.get("folder") or TOKENIZER_NAMES.get(m.get("kind"), m.get("kind"))  # noqa: E731
+        raise DataError(f"{folder}: holds a tokenizer made as {name(made)}, but data.tokenizer asks for "
+                        f"{name(asked)}; set train.start_over=true (moves the old run aside) or use another "
+                        "output_dir")
+
+
+TOKENIZER_NAMES = {"gpt2": "bpe (gpt2_lm's)", "bpe": "bpe (BART's special tokens)", "char": "char", "byte": "byte"}
 
 
 def load_tokenizer_folder(folder: str):

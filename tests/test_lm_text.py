@@ -93,6 +93,30 @@ def test_char_byte_bpe_and_folder_tokenizers(tmp_path):
         build_task(lm_cfg(tmp_path / "typo", data, tokenizer="chars")).build_datasets()
 
 
+def test_a_saved_tokenizer_of_another_kind_is_refused(tmp_path):
+    data = tmp_path / "data"
+    write(data / "input.txt", PLAY)
+    out = tmp_path / "run"
+    build_task(lm_cfg(out, data, tokenizer="char")).build_datasets()
+    assert json.loads((out / "tokenizer" / "made_as.json").read_text()) == {"kind": "char"}
+    build_task(lm_cfg(out, data, tokenizer="char")).build_datasets()  # the same kind: reused
+    message = (f"{out / 'tokenizer'}: holds a tokenizer made as char, but data.tokenizer asks for byte; set "
+               "train.start_over=true (moves the old run aside) or use another output_dir")
+    with pytest.raises(DataError, match=re.escape(message)):
+        build_task(lm_cfg(out, data, tokenizer="byte")).build_datasets()
+    folder = str(tmp_path / "elsewhere")
+    shutil.copytree(out / "tokenizer", folder)
+    with pytest.raises(DataError, match=re.escape(f"made as char, but data.tokenizer asks for {folder};")):
+        build_task(lm_cfg(out, data, tokenizer=folder)).build_datasets()
+    cfg = lm_cfg(out, data, tokenizer="byte")
+    cfg.train.start_over = True  # a new run makes its own; the old one is moved aside
+    task = build_task(cfg)
+    task.build_datasets()
+    assert len(task.tokenizer) == 257
+    assert [n for n in os.listdir(tmp_path / "run") if n.startswith("tokenizer.replaced-")]
+    assert json.loads((out / "tokenizer" / "made_as.json").read_text()) == {"kind": "byte"}
+
+
 def test_lm_keys_are_refused_where_they_do_nothing(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("data.windows` is gpt2_lm's, not sst2's")):
         make_config(tmp_path, task="sst2", data={"windows": "random"})
