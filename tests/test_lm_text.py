@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import main
-from conftest import ROOT, load_model_state, make_config
+from conftest import ROOT, load_model_state, make_config, max_diff, run_ranks
 from config import ConfigError, DataError, load_config
 from tasks import build_task, lm_data
 
@@ -177,6 +177,26 @@ def test_random_windows_resume_exactly(tmp_path):
     a, b = load_model_state(tmp_path / "whole", 6), load_model_state(resumed, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["transformer.wte.weight"], load_model_state(resumed, 3)["transformer.wte.weight"])
+
+
+@pytest.mark.slow  # ~60 s: two spawned ranks and one process
+def test_random_windows_under_ddp_equal_one_process_on_the_global_batch(tmp_path):
+    """2 ranks x 4 windows equal 1 process x 8 over 6 steps (3 epochs: each epoch's windows redrawn alike)."""
+    data = tmp_path / "data"
+    write(data / "input.txt", PLAY[:300])  # 301 tokens: the last 31 dev, 16 blocks of 16 train: 2 steps of 8
+
+    def cfg(out, batch, **dist):
+        c = lm_cfg(out, data, tokenizer="char", windows="random", dev_fraction=0.1)
+        c.train.max_steps, c.train.batch_size, c.train.eval_every, c.train.save_every = 6, batch, 0, 3
+        c.dist.strategy, c.dist.procs_per_node = dist.get("strategy", "none"), dist.get("procs_per_node", 1)
+        return c
+    ranks = run_ranks(cfg(tmp_path / "ddp", 4, strategy="ddp", procs_per_node=2), 2, tmp_path / "ddp-params")
+    assert max_diff(ranks[0], ranks[1]) == 0.0
+    assert main.run(cfg(tmp_path / "one", 8)) == 0
+    single = load_model_state(tmp_path / "one", 6)
+    assert max_diff(ranks[0], single) < 1e-5
+    assert "(2 micro-batches per epoch)" in (tmp_path / "one" / "logs" / "rank0.log").read_text()
+    assert max_diff(single, load_model_state(tmp_path / "one", 3)) > 1e-4  # not vacuous: training moves them
 
 
 def test_random_windows_over_token_shards_equal_the_in_memory_ones(tmp_path):
