@@ -294,3 +294,53 @@ def test_gpt2_lora_trains_and_exports_a_causal_lm(data, tiny_gpt2, tmp_path):
     ids = torch.tensor([[5, 9, 13, 2, 7, 30]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, ours.eval()(input_ids=ids).logits, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sst2 on BART: peft's default q_proj/v_proj and the new classification_head whole; merged for pipeline
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_bart(data, tmp_path_factory):
+    """A 1+1-layer BART of width 32 (random, as if pretrained) with a byte-level BPE trained on the sentences."""
+    from transformers import BartConfig, BartModel
+    from tasks.sst2 import read_tsv
+    from tasks.text_common import train_tokenizer
+    folder = tmp_path_factory.mktemp("tiny_bart")
+    tok = train_tokenizer(read_tsv(os.path.join(data["sst2"], "train.tsv"))[0], "bpe")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    BartModel(BartConfig(vocab_size=len(tok), d_model=32, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                         decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         decoder_start_token_id=tok.eos_token_id)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_bart_lora_trains_checkpoints_what_trains_and_exports_for_pipeline(data, tiny_bart, tmp_path):
+    import main
+    from transformers import pipeline
+    from tasks.sst2 import read_tsv
+    cfg = lora_config(data, tmp_path / "run", tiny_bart, save_every=8)
+    assert main.run(cfg) == 0
+    names, model = trainable(cfg)
+    assert {n.split(".")[-4] for n in names if ".lora_" in n} == {"q_proj", "v_proj"}
+    assert {n for n in names if "lora_" not in n} == {
+        f"base_model.model.classification_head.modules_to_save.default.{layer}.{p}"
+        for layer in ("dense", "out_proj") for p in ("weight", "bias")}
+    saved = load_model_state(cfg.output_dir, 8)
+    assert set(saved) == names  # adapters and the head, not the frozen base
+    assert all(saved[n].abs().sum() > 0 for n in names if ".lora_B." in n)  # trained (lora_B starts at zero)
+    cfg.mode, cfg.test.splits = "test", ["dev"]
+    assert main.run(cfg) == 0
+    tested = json.load(open(os.path.join(cfg.output_dir, "dev_results.json")))["metrics"]
+    cfg.mode = "train"
+    dest = tmp_path / "export"
+    assert export(cfg, dir=str(dest)) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(dest / "adapter"))
+    sentences, labels = read_tsv(os.path.join(cfg.data.data_dir, "dev.tsv"))
+    pipe = pipeline("text-classification", model=str(dest), device="cpu")
+    assert not any("lora" in n or "base_model" in n for n, _ in pipe.model.named_parameters())  # merged, plain
+    out = pipe(sentences, top_k=None, function_to_apply="none", truncation=True, batch_size=32)
+    preds = torch.tensor([max(row, key=lambda s: s["score"])["label"] == "positive" for row in out]).long()
+    assert (preds == torch.tensor(labels)).double().mean().item() == pytest.approx(tested["accuracy"])
