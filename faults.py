@@ -6,12 +6,13 @@ A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rule
   the same signals again while stopping only print a line: nothing but SIGKILL aborts the save;
 - a rank that stops responding is named within dist.hang_timeout_s by a watchdog thread that beats through the
   rendezvous store; the live ranks dump their Python stacks to their logs and exit;
-- every failure is reported once, naming the rank, the host and the step; a user mistake is one line.
+- every failure is reported once, naming the rank, the host and the step; a user mistake is one line, and so is
+  a full disk or a read-only folder (disk_problem), said by every rank, which then leave together.
 
 Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
     0  finished, or nothing left to do
     1  crashed: a bug, a dead or hung rank (the failing rank's traceback is printed and in its log)
-    2  a user mistake (config, data, checkpoint): one line `error: ...`
+    2  a user mistake (config, data, checkpoint), a full disk or a read-only folder: one line `error: ...`
     3  stopped by a signal or by train.time_limit, after saving a checkpoint: run the same command to resume
     4  training diverged: train.max_bad_steps non-finite steps in a row; nothing more was saved
     130    Ctrl-C where there is nothing to save (test mode)
@@ -141,6 +142,11 @@ class StopRequest:
 
 
 stop_request = StopRequest()
+
+# Set by `python main.py`, whose process ends once the run is over: a stop signal that comes as the ranks are gone
+# is then ignored (launcher.Supervisor.close), not left to kill it and turn exit code 3 into death by SIGTERM.
+# (Tests run main.run in their own process: theirs get their handlers back.)
+ignore_late_signals = False
 
 
 def parse_duration(value) -> Optional[float]:

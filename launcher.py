@@ -209,7 +209,7 @@ class Supervisor:
         if self.report_dir is not None:
             shutil.rmtree(self.report_dir, ignore_errors=True)
         for n, handler in self.previous_handlers.items():
-            signal.signal(n, handler)
+            signal.signal(n, signal.SIG_IGN if faults.ignore_late_signals else handler)
 
 
 def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid: int) -> None:

@@ -266,6 +266,7 @@ def leave(code: int) -> None:
 
 
 if __name__ == "__main__":
+    faults.ignore_late_signals = True
     code = main()
     from distributed import launcher_env
     if launcher_env() is not None:  # torchrun or srun started this process as one rank: it ends as ours do

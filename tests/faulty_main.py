@@ -76,5 +76,7 @@ if FAULT:
     distributed.shutdown = shutdown
 
 if __name__ == "__main__":
+    import faults
     import main
+    faults.ignore_late_signals = True  # as main.py's own __main__
     sys.exit(main.main())

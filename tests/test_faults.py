@@ -568,3 +568,19 @@ def test_stop_request_ignores_repeats_and_sighup_stops(tmp_path):
         request.log.removeHandler(handler)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, monkeypatch):
+    """The fault drill's finding: a fourth SIGTERM, as the ranks had saved and exited, killed `python main.py`
+    (exit -15, not 3: no requeue). As a program it now ignores them once its ranks are gone; in-process callers
+    get their own handlers back."""
+    from launcher import Supervisor
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2})
+    before = signal.getsignal(signal.SIGTERM)
+    for program, expected in ((False, before), (True, signal.SIG_IGN)):
+        monkeypatch.setattr(faults, "ignore_late_signals", program)
+        s = Supervisor(cfg, [])
+        s.previous_handlers = {signal.SIGTERM: before}
+        s.close()
+        assert signal.getsignal(signal.SIGTERM) == expected
+        signal.signal(signal.SIGTERM, before)
