@@ -1,6 +1,6 @@
 """Fault drill: break runs on purpose, the ways a cluster does, and count what survived.
 
-    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --quick]
+    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --only bad kill signal detect nan issue20]
 
 Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
   - kill -9 of the whole job at random moments (many of them inside a save or a pruning, since every step saves
@@ -11,7 +11,12 @@ Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
     (dist.hang_timeout_s=5);
   - NaN: runs with lr=1e6 stopped with exit code 4, no non-finite checkpoint;
   - bad inputs: how many kinds of mistake (config, data, checkpoint, environment) end with exit code 2 and one
-    `error:` line, with no traceback.
+    `error:` line, with no traceback;
+  - issue 20's faults (`--only issue20`), one probe each, clean or not: repeated SIGTERM while stopping, SIGHUP,
+    two runs on one output_dir, resume at another world size, a symlinked checkpoint with keep_last, tampered
+    meta.json values, bad csv rows, an OOM-killed rank, and (as root: tmpfs mounts) a full disk or read-only
+    folder under TensorBoard, the logs, the console's file, config.yml, checkpoints/, the tokenizer folder and
+    dev_results.json.
 Every case runs `python main.py` (or tests/faulty_main.py, for a slowed run) in a subprocess, as a user would.
 """
 import argparse
@@ -237,12 +242,301 @@ def bad_inputs(tmp):
     return clean, len(cases), failures
 
 
+# ==============================================================================================================
+# Issue 20's faults: each probe returns (clean, what it saw); clean means the outcome the issue asks for
+# ==============================================================================================================
+def one_line(r, code, says, stream="stderr"):
+    """Exit `code`, and on `stream` exactly one line, containing `says`; no traceback, no logging error, anywhere."""
+    r = r if isinstance(r, dict) else {"stdout": r.stdout, "stderr": r.stderr, "returncode": r.returncode}
+    both = (r["stdout"] or "") + (r["stderr"] or "")
+    lines = [line for line in r[stream].strip().splitlines() if line.strip()]
+    ok = r["returncode"] == code and len(lines) == 1 and says in lines[0] and "Traceback" not in both and \
+        "Logging error" not in both and "Exception in thread" not in both
+    return ok, f"exit {r['returncode']}: {' | '.join(lines)[-300:]}"
+
+
+class Finished:
+    def __init__(self, proc, timeout=180):
+        self.stdout, self.stderr = proc.communicate(timeout=timeout)
+        self.returncode = proc.returncode
+
+
+def saved_and_loadable(out, stdout):
+    m = re.findall(r"saved (\S+/step-(\d+))", stdout)
+    return bool(m) and os.path.exists(os.path.join(m[-1][0], "meta.json")) and \
+        model_of(out, int(m[-1][1])) is not None
+
+
+def slow_run(out, tmpdir=None, *extra):
+    """A 2-rank run whose steps take 300 ms, started as a user would (its own session), TMPDIR private."""
+    e = env("slow:-1:300")
+    if tmpdir:
+        os.makedirs(tmpdir, exist_ok=True)
+        e["TMPDIR"] = tmpdir
+    return subprocess.Popen(cmd(out, *extra, steps=100000, script="tests/faulty_main.py"), cwd=ROOT, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def probe_repeated_sigterm(tmp):
+    out = os.path.join(tmp, "sigterm-again")
+    p = slow_run(out)
+    wait_log(out, 0, r"step 3/")
+    p.send_signal(signal.SIGTERM)
+    wait_log(out, 0, r"SIGTERM received", timeout=10)
+    for _ in range(3):  # while the ranks finish the step and save
+        time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+    r = Finished(p)
+    ok = r.returncode == 3 and saved_and_loadable(out, r.stdout) and "SIGTERM again: already stopping" in r.stdout \
+        and "Traceback" not in r.stderr and not r.stderr.strip()
+    return ok, f"exit {r.returncode}, {r.stdout.count('SIGTERM again')} 'again' lines, stderr {r.stderr.strip()[-200:]!r}"
+
+
+def probe_sighup_and_second_run(tmp):
+    """SIGHUP stops like SIGTERM; meanwhile a second run on the same output_dir is refused in one line."""
+    out, tmpdir = os.path.join(tmp, "sighup"), os.path.join(tmp, "sighup-tmp")
+    p = slow_run(out, tmpdir)
+    wait_log(out, 0, r"step 3/")
+    second = one_line(run(cmd(out, steps=5)), 2, "is in use by another run")
+    p.send_signal(signal.SIGHUP)
+    r = Finished(p)
+    left = [n for n in os.listdir(tmpdir) if n.startswith("trainer-reports-")]
+    ok = r.returncode == 3 and saved_and_loadable(out, r.stdout) and not left and "Traceback" not in r.stderr
+    return [("SIGHUP: exit 3, saved, no trainer-reports-* left", ok, f"exit {r.returncode}, left {left}"),
+            ("two runs on one output_dir: the second refused in one line", *second)]
+
+
+def probe_other_world_size(tmp):
+    """ddp 2 ranks x 12 -> 3 ranks x 8 (global batch 24 kept) ends where one process of 24 does."""
+    same = ["--set", "train.optimizer=sgd", "--set", "train.lr=0.05", "--set", "train.schedule=constant",
+            "--set", "train.save_every=5"]
+    one, a = os.path.join(tmp, "ws-one"), os.path.join(tmp, "ws-2to3")
+    codes = [run(cmd(one, *same, "--set", "train.batch_size=24", "--set", "dist.strategy=none", procs=1,
+                     steps=10)).returncode,
+             run(cmd(a, *same, "--set", "train.batch_size=12", steps=5)).returncode]
+    r = run(cmd(a, *same, "--set", "train.batch_size=8", "--set", "train.resume_changed=true", procs=3, steps=10))
+    codes.append(r.returncode)
+    if codes != [0, 0, 0]:
+        return False, f"exit codes {codes}: {r.stderr.strip()[-300:]}"
+    x, y = model_of(one, 10), model_of(a, 10)
+    diff = max((x[k] - y[k]).abs().max().item() for k in x)
+    return diff < 1e-5, f"max parameter difference {diff:.1e} after resuming 2 -> 3 ranks"
+
+
+def probe_symlinked_checkpoint(tmp):
+    good = os.path.join(tmp, "link-src")
+    assert run(cmd(good, "--set", "dist.strategy=none", procs=1, steps=1)).returncode == 0
+    elsewhere = os.path.join(tmp, "elsewhere")
+    shutil.copytree(os.path.join(good, "checkpoints", "step-1"), elsewhere)
+    out = os.path.join(tmp, "link-run")
+    os.makedirs(os.path.join(out, "checkpoints"))
+    os.symlink(elsewhere, os.path.join(out, "checkpoints", "step-1"))
+    r = run(cmd(out, "--set", "dist.strategy=none", "--set", "train.keep_last=1", "--set", "train.save_every=1",
+                procs=1, steps=3))
+    ok = r.returncode == 0 and sorted(os.listdir(elsewhere)) == sorted(os.listdir(os.path.join(good, "checkpoints",
+                                                                                               "step-1")))
+    return ok, f"exit {r.returncode}, target kept {sorted(os.listdir(elsewhere))}"
+
+
+def probe_tampered_meta(tmp):
+    """Each bad value in meta.json: resume falls back past it (exit 0, one warning) or test mode refuses it."""
+    import json
+    good = os.path.join(tmp, "meta-src")
+    assert run(cmd(good, "--set", "dist.strategy=none", "--set", "train.save_every=2", "--set", "train.keep_last=5",
+                   procs=1, steps=4)).returncode == 0
+
+    def nest(meta):
+        return json.dumps(meta)[:-1] + ', "deep": ' + "[" * 5000 + "]" * 5000 + "}"
+    tamper = {"best_step a path outside": ("state", "best_step", "20/../../../outside/step-5"),
+              "best_value a string": ("state", "best_value", "0.9"), "epoch 1e30": ("state", "epoch", 1e30),
+              "deeply nested JSON": nest}
+    results = []
+    for name, change in tamper.items():
+        out = os.path.join(tmp, "meta", name.replace(" ", "_").replace("/", "_"))
+        shutil.copytree(good, out)
+        path = os.path.join(out, "checkpoints", "step-4", "meta.json")
+        meta = json.load(open(path))
+        if callable(change):
+            text = change(meta)
+        else:
+            meta[change[0]][change[1]] = change[2]
+            text = json.dumps(meta)
+        open(path, "w").write(text)
+        t = run(cmd(out, "--set", "dist.strategy=none", "--set", "mode=test", procs=1, steps=6))
+        outside = "outside" in t.stdout
+        r = run(cmd(out, "--set", "dist.strategy=none", procs=1, steps=6))
+        resumed = r.returncode == 0 and "Traceback" not in r.stderr and \
+            re.search(r"resumed from \S+/step-2 ", open(os.path.join(out, "logs", "rank0.log")).read())
+        results.append((f"meta.json {name}: resume falls back, test never loads it", bool(resumed) and
+                        t.returncode in (0, 2) and not outside and "Traceback" not in t.stderr,
+                        f"resume exit {r.returncode}, test exit {t.returncode}: {t.stderr.strip()[-150:]}"))
+    return results
+
+
+def probe_bad_csv_rows(tmp):
+    rows = {"missing label": b"text,label\na,pos\nno label here\nb,neg\n",
+            "empty label": b"text,label\na,pos\nb,neg\nc,\n",
+            "unterminated quote": b'text,label\na,pos\n"never closed,neg\nb,pos\n',
+            "not UTF-8": b"text,label\na,pos\ncaf\xe9,neg\n",
+            "10 MB field": b"text,label\na,pos\n" + b"x" * (10 << 20) + b",neg\n"}
+    results = []
+    for name, content in rows.items():
+        folder = os.path.join(tmp, "csv", name.replace(" ", "_"))
+        os.makedirs(folder)
+        open(os.path.join(folder, "train.csv"), "wb").write(content)
+        open(os.path.join(folder, "dev.csv"), "wb").write(b"text,label\ngood,pos\nbad,neg\n")
+        r = run(cmd(os.path.join(folder, "run"), "--set", "dist.strategy=none", "--set", "task=csv_text",
+                    "--set", f"data.data_dir={folder}", procs=1, steps=2))
+        results.append((f"csv row: {name}", *one_line(r, 2, f"error: {folder}/train.csv:")))
+    return results
+
+
+def probe_oom_killed_rank(tmp):
+    out = os.path.join(tmp, "oom")
+    p = slow_run(out)
+    ranks = ranks_of(p) if wait_log(out, 1, r"step 3/") else []
+    if len(ranks) < 2:
+        p.kill()
+        return False, "did not start"
+    ranks[1].kill()  # what the kernel's OOM killer does: SIGKILL, no word from the rank
+    r = Finished(p)
+    return r.returncode == 1 and "out of memory?" in r.stderr and "Traceback" not in r.stderr, \
+        f"exit {r.returncode}: {r.stderr.strip()[-200:]}"
+
+
+# ---- full disk and read-only folders: tmpfs mounts (root only) ----------------------------------------------
+def mount(folder, options):
+    os.makedirs(folder, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], check=True)
+    return folder
+
+
+def fill(folder, leave=0):
+    """Fill the tmpfs at `folder` to the last byte, then free `leave` bytes."""
+    path = os.path.join(folder, ".filler")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    os.truncate(path, max(os.path.getsize(path) - leave, 0))
+
+
+def probe_disks(tmp, mounts):
+    """Each case: exit 2, one `error:` line naming the path, and the checkpoints saved before it loadable. `mounts`
+    collects the mount points (unmounted by the caller, whatever happens)."""
+    lm = ["--set", "task=gpt2_lm", "--set", f"data.data_dir={tmp}/lm", "--set", "data.max_length=16",
+          "--set", "model.name=tiny", "--set", "data.tokenizer=char", "--set", "train.best_metric=loss",
+          "--set", "train.batch_size=4"]
+    os.makedirs(os.path.join(tmp, "lm"))
+    open(os.path.join(tmp, "lm", "train.txt"), "w").write("".join(f"ROMEO:\nO speak again {i}\n\n" for i in range(40)))
+    one = ["--set", "dist.strategy=none"]
+
+    def at(sub, options):
+        return lambda out: mounts.append(mount(os.path.join(out, sub), options))
+
+    def two_pages_left(out):  # output_dir on a full tmpfs but two pages: .lock and the log's first lines
+        mounts.append(mount(out, "size=64k"))
+        fill(out, leave=8192)
+
+    def trained_then_full(out):  # output_dir on a tmpfs: a run saves its checkpoint, then the disk fills
+        mounts.append(mount(out, "size=3m"))
+        assert run(cmd(out, *one, procs=1, steps=2)).returncode == 0
+        fill(out)
+
+    cases = [  # name, prepare(output_dir), extra arguments, ranks, steps, the path the line must name
+        ("TensorBoard folder read-only at start", at("tensorboard", "ro,size=64k"), ["--set", "log.tensorboard=true"],
+         1, 4, "tensorboard"),
+        ("TensorBoard disk full mid-run", at("tensorboard", "size=8k"), ["--set", "log.tensorboard=true"], 1, 150,
+         "tensorboard"),
+        ("TensorBoard disk full mid-run, 2 ranks", at("tensorboard", "size=8k"), ["--set", "log.tensorboard=true"],
+         2, 150, "tensorboard"),
+        ("rank logs disk full mid-run", at("logs", "size=8k"), [], 1, 150, "logs/rank0.log"),
+        ("rank logs disk full mid-run, 2 ranks", at("logs", "size=8k"), [], 2, 150, "logs/rank"),
+        ("config.yml on a full disk", two_pages_left, [], 1, 4, "config.yml"),
+        ("checkpoints/ read-only", at("checkpoints", "ro,size=64k"), [], 1, 4, "checkpoints"),
+        ("tokenizer folder read-only (gpt2_lm, char)", at("tokenizer.part", "ro,size=64k"), lm, 1, 2,
+         "tokenizer.part"),
+        ("dev_results.json on a full disk (test mode)", trained_then_full, ["--set", "mode=test"], 1, 2,
+         "dev_results.json"),
+    ]
+    results = [probe_console_full(tmp, mounts)]
+    for name, prepare, extra, procs, steps, names in cases:
+        out = os.path.join(tmp, "disk", name.split(" (")[0].replace(" ", "_").replace("/", "_").replace(",", ""))
+        os.makedirs(out)
+        try:
+            prepare(out)
+            r = run(cmd(out, "--set", "train.save_every=10", *extra, *(one if procs == 1 else []), procs=procs,
+                        steps=steps))
+        except Exception as e:  # the drill's own failure: not clean, and the next case still runs
+            results.append((name, False, f"the probe failed: {type(e).__name__}: {e}"))
+            continue
+        ok, seen = one_line(r, 2, os.path.join(out, names))
+        ok = ok and r.stderr.startswith("error: ")  # (a path, not always at the start: checkpoints/ at start)
+        folder = os.path.join(out, "checkpoints")
+        saved = sorted(d for d in os.listdir(folder) if d.startswith("step-")) if os.path.isdir(folder) else []
+        intact = all(model_of(out, int(d[5:])) is not None for d in saved)
+        results.append((name, ok and intact, f"{seen} (checkpoints: {', '.join(saved) or 'none yet'})"))
+    return results
+
+
+def probe_console_full(tmp, mounts):
+    """`python main.py > out.txt` (or SLURM's --output) on a disk that fills: the console's file is named."""
+    name = "the console's file (stdout > out.txt) on a full disk"
+    folder = os.path.join(tmp, "console")
+    mounts.append(mount(folder, "size=4k"))
+    out = os.path.join(tmp, "console-run")
+    with open(os.path.join(folder, "out.txt"), "w") as stdout:
+        r = subprocess.run(cmd(out, "--set", "dist.strategy=none", procs=1, steps=150), cwd=ROOT, env=env(),
+                           stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+    ok, seen = one_line({"stderr": r.stderr, "stdout": "", "returncode": r.returncode}, 2,
+                        f"error: {folder}/out.txt: No space left on device")
+    return name, ok, seen
+
+
+def issue20_probes(tmp, say):
+    """Run every probe, saying each result as it comes; returns [(name, clean, what it saw)]. A probe that fails
+    with an exception of its own counts as not clean."""
+    probes = []
+
+    def record(results):
+        for name, ok, seen in results:
+            probes.append((name, ok, seen))
+            say(f"  {'clean' if ok else 'NOT CLEAN'}  {name}: {seen}")
+
+    def attempt(name, probe):
+        try:
+            got = probe(tmp)
+        except Exception as e:  # the drill's own failure: said, counted as not clean
+            got = (False, f"the probe failed: {type(e).__name__}: {e}")
+        record(got if isinstance(got, list) else [(name, *got)])
+
+    attempt("SIGTERM, then 3 more 0.2 s apart while stopping and saving: exit 3, saved", probe_repeated_sigterm)
+    attempt("SIGHUP / two runs on one output_dir", probe_sighup_and_second_run)
+    attempt("resume at another world size (2 -> 3 ranks, global batch 24) = one process", probe_other_world_size)
+    attempt("symlinked checkpoint + keep_last=1: the link's target intact", probe_symlinked_checkpoint)
+    attempt("tampered meta.json", probe_tampered_meta)
+    attempt("bad csv rows", probe_bad_csv_rows)
+    attempt("OOM-killed rank (SIGKILL of rank 1) named 'out of memory?'", probe_oom_killed_rank)
+    if os.geteuid() != 0:
+        record([("full disk / read-only folders", False, "not run: needs root to mount tmpfs folders")])
+        return probes
+    mounts = []
+    try:
+        attempt("full disk / read-only folders", lambda t: probe_disks(t, mounts))
+    finally:
+        for folder in reversed(mounts):
+            subprocess.run(["umount", folder], capture_output=True)
+    return probes
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kill-trials", type=int, default=12)
     p.add_argument("--signal-trials", type=int, default=2, help="per kind of signal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan"])
+    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "issue20"])
     args = p.parse_args()
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="fault-drill-")
@@ -269,6 +563,10 @@ def main():
         if "nan" in args.only:
             n = nan_runs(tmp, 3)
             say(f"NaN (lr 1e5, 1e6, 1e7): {n}/3 stopped with exit 4 and only finite checkpoints")
+        if "issue20" in args.only:
+            say("issue 20 probes:")
+            probes = issue20_probes(tmp, say)
+            say(f"issue 20 probes: {sum(ok for _, ok, _ in probes)}/{len(probes)} clean")
         say(f"drill time {time.monotonic() - t0:.0f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
