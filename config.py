@@ -367,6 +367,14 @@ class DistConfig:
     World size = data parallel x tp, on one device mesh (ranks of a tp group are neighbours). With strategy ddp or
     fsdp over the data-parallel dimension; tasks with a plan (Task.tp_plan: bert_pretrain, BERT-style sst2
     models). See docs/mesh.md."""
+    sequence_parallel: bool = False
+    """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions, so the norms run on
+    sequence shards and save 1/tp of their activations; the attention and MLP all-gather their input (and save it
+    whole) and the row splits reduce-scatter their output. Plans that support it: gpt2_lm's llama."""
+    loss_parallel: bool = False
+    """dist.tp > 1: the LM head split by vocabulary and the cross-entropy computed on the split logits, so no rank
+    holds the whole [batch, positions, vocabulary] logits. Separate from sequence_parallel (it splits the head's
+    weight, which a tied embedding cannot share). Plans that support it: gpt2_lm's llama, untied."""
     dp_replicate: int = 1
     """fsdp: keep this many replicas of the sharded model (HSDP): parameters are sharded over world size /
     (dp_replicate x tp) ranks and all-gathered within a replica; gradients are all-reduced across replicas.
@@ -401,6 +409,9 @@ class DistConfig:
     def check(self, fail) -> None:
         if self.tp < 1:
             fail("dist.tp", f"must be >= 1 (1: no tensor parallelism), got {self.tp}")
+        for key in ("sequence_parallel", "loss_parallel"):
+            if getattr(self, key) and self.tp == 1:
+                fail(f"dist.{key}", "splits over a tensor-parallel group: it needs dist.tp > 1")
         if self.dp_replicate < 1:
             fail("dist.dp_replicate", f"must be >= 1 (1: no replicas of the shards), got {self.dp_replicate}")
         if self.dp_replicate > 1 and (self.strategy != "fsdp" or self.fsdp_impl != "torch"):
@@ -743,6 +754,8 @@ def check_tp(cfg: Config, world: int, fail) -> int:
                         f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'} (pipe x tp is not built yet)")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
+    if d.loss_parallel and d.strategy != "ddp":  # FSDPParallel does not run its forward under loss_parallel()
+        fail("dist.loss_parallel", f"composes with dist.strategy ddp only, not {d.strategy} (not built yet)")
     if t.batch_size == "auto" or t.compile:
         fail("train.batch_size" if t.batch_size == "auto" else "train.compile",
              "is not available with dist.tp > 1 yet (give per-replica batch sizes; run eager)")

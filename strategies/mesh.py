@@ -21,6 +21,8 @@ class Mesh:
     """The device mesh, and its two data-parallel dimensions flattened into one, "dp": mesh["tp"], mesh["dp"]."""
     root: DeviceMesh
     dp: DeviceMesh
+    sequence_parallel: bool = False  # how tp splits the model (dist.*, strategies/tp.py): the plan says it
+    loss_parallel: bool = False
 
     def __getitem__(self, names):
         return self.dp if names == "dp" else self.root[names]
@@ -56,5 +58,8 @@ def plan_lines(mesh: Mesh) -> list[str]:
     r, s, tp = (mesh[name].size() for name in ("dp_replicate", "dp_shard", "tp"))
     coords = ", ".join(f"{k}=({k // tp // s},{k // tp % s},{k % tp})" for k in range(min(r * s * tp, 8)))
     more = ", ..." if r * s * tp > 8 else ""
-    return [f"  mesh dp_replicate {r} x dp_shard {s} x tp {tp} (rank = (replica x {s} + shard) x {tp} + tp); "
-            f"ranks (replica,shard,tp): {coords}{more}"]
+    split = [what for on, what in [(mesh.sequence_parallel, "sequence parallel (norms on 1/tp of the positions)"),
+                                   (mesh.loss_parallel, "loss parallel (head and logits split by vocabulary)")] if on]
+    lines = [f"  mesh dp_replicate {r} x dp_shard {s} x tp {tp} (rank = (replica x {s} + shard) x {tp} + tp); "
+             f"ranks (replica,shard,tp): {coords}{more}"]
+    return lines + [f"  tp with {', '.join(split)}"] if split else lines

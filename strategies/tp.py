@@ -9,6 +9,11 @@ one per column-split layer), and each rank holds 1/tp of the block's matrices; e
 whole on every rank.
 The task names the layers (Task.tp_plan). docs/mesh.md draws it.
 
+Two options where the plan supports them (gpt2_lm's llama: tasks/lm_models.tp_plan). dist.sequence_parallel cuts
+the residual stream between the split matrices along the positions (norms on 1/tp of them; the all-reduces become
+reduce-scatter + all-gather). dist.loss_parallel splits the LM head by vocabulary and keeps its logits a DTensor,
+so the cross-entropy runs under DTensor's loss_parallel(): each rank holds logits for 1/tp of the vocabulary.
+
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
 strategies/fsdp.py) or ddp (TPParallel below: gradients averaged over "dp" after the step's last backward).
 """
@@ -20,8 +25,10 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, loss_parallel, parallelize_module
+
+from config import ConfigError
 
 from distributed import DistContext
 from strategies import mesh as meshes
@@ -32,8 +39,18 @@ from strategies.fsdp import FSDPParallel
 def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
     """Split the model's blocks over tp groups (in place); returns the (dp, tp) mesh for the data-parallel
     strategy applied next."""
-    mesh = meshes.build_mesh(ctx, cfg.dist.tp, cfg.dist.dp_replicate)
-    parallelize_module(model, mesh["tp"], task.tp_plan(model, cfg.dist.tp))
+    d = cfg.dist
+    mesh = meshes.build_mesh(ctx, d.tp, d.dp_replicate)
+    mesh.sequence_parallel, mesh.loss_parallel = d.sequence_parallel, d.loss_parallel
+    plan = task.tp_plan(model, d.tp)
+    if d.sequence_parallel and not any(isinstance(style, SequenceParallel) for style in plan.values()):
+        raise ConfigError(f"dist.sequence_parallel: the {cfg.task} task's tensor-parallel plan (Task.tp_plan) runs "
+                          "no norm on sequence shards; use dist.sequence_parallel: false")
+    if d.loss_parallel and not any(isinstance(style, ColwiseParallel) and not style.use_local_output
+                                   for style in plan.values()):
+        raise ConfigError(f"dist.loss_parallel: the {cfg.task} task's tensor-parallel plan (Task.tp_plan) keeps no "
+                          "output split by vocabulary; use dist.loss_parallel: false")
+    parallelize_module(model, mesh["tp"], plan)
     return mesh
 
 
@@ -51,7 +68,22 @@ class TPParallel(FSDPParallel):
     def compile(self) -> None:
         Parallel.compile(self)
 
+    def forward_backward(self, task, *args):
+        with self.loss_context():
+            return super().forward_backward(PlainLoss(task), *args)
+
+    def eval_batch(self, task, *args):
+        with self.loss_context():
+            return super().eval_batch(PlainLoss(task), *args)
+
+    def loss_context(self):
+        """Around forward and backward: the cross-entropy of vocabulary-split logits needs loss_parallel()."""
+        return loss_parallel() if self.mesh.loss_parallel else contextlib.nullcontext()
+
     def reduce_grads(self) -> None:
+        for p in self.raw_model.parameters():  # sequence-parallel norms: each rank's sum over its own positions
+            if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
         if self.data_world == 1:
             return
         grads = [local(p.grad) for p in self.raw_model.parameters() if p.grad is not None]
@@ -60,6 +92,28 @@ class TPParallel(FSDPParallel):
         flat /= self.data_world
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+class PlainLoss:
+    """The task, with its losses and evaluation sums as plain tensors (the Trainer's sums and all-reduces): under
+    loss_parallel, the cross-entropy of DTensor logits is a replicated DTensor."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return whole(self.task.loss_sum(model, batch))
+
+    def eval_batch(self, model: nn.Module, batch: dict) -> dict:
+        return {k: whole(v) for k, v in self.task.eval_batch(model, batch).items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (differentiable), or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

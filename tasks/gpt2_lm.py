@@ -134,7 +134,7 @@ class GPT2LMTask(Task):
         return lm_models.pipeline_layers(model)
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
-        return lm_models.tp_plan(model, tp)
+        return lm_models.tp_plan(model, tp, self.cfg.dist.sequence_parallel, self.cfg.dist.loss_parallel)
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["input_ids"],)

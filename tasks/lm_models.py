@@ -164,11 +164,14 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
             Layer(head, inner.norm, model.lm_head)]
 
 
-def tp_plan(model: nn.Module, tp: int) -> dict:
+def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
     """Llama's split (torchtitan's, and LlamaConfig.base_model_tp_plan): q, k, v and the MLP's gate and up by
     columns, o and down by rows. Attention reshapes to (-1 heads, head size), so each rank computes heads / tp
     heads of its own with no change to the model. GPT-2 is refused: its q|k|v come out of one fused Conv1D
-    (c_attn), which a column split would cut across q, k and v rather than between heads."""
+    (c_attn), which a column split would cut across q, k and v rather than between heads.
+    sequence_parallel: between blocks each rank keeps T / tp positions; loss_parallel: the head split by vocabulary
+    (strategies/tp.py says both)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     if not hasattr(model, "model"):
         raise ConfigError("dist.tp: gpt2_lm's GPT-2 computes q, k and v in one fused Conv1D (c_attn), which a column "
@@ -177,8 +180,33 @@ def tp_plan(model: nn.Module, tp: int) -> dict:
     if c.num_attention_heads % tp or c.num_key_value_heads % tp or c.intermediate_size % tp:
         raise ConfigError(f"dist.tp: {tp} does not divide the model's {c.num_attention_heads} attention heads and "
                           f"{c.intermediate_size} MLP units; pick a divisor of both")
+    if loss_parallel and model.lm_head.weight is model.model.embed_tokens.weight:  # splitting one would untie them
+        raise ConfigError("dist.loss_parallel: the head shares its weight with the embedding (model.tie_embeddings), "
+                          "which would split it too; use model.tie_embeddings: false, or dist.loss_parallel: false")
     layer = "model.layers.*."
+    rows = Shard(1) if sequence_parallel else Replicate()  # a row split's output: summed whole, or summed and cut
     plan = {layer + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
     plan.update({layer + f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")})
-    plan.update({layer + "self_attn.o_proj": RowwiseParallel(), layer + "mlp.down_proj": RowwiseParallel()})
+    plan.update({layer + f"{x}_proj": RowwiseParallel(output_layouts=rows) for x in ("self_attn.o", "mlp.down")})
+    if sequence_parallel:
+        plan.update(sequence_plan(layer))
+    if loss_parallel:  # logits stay a DTensor split by vocabulary, for the loss under loss_parallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=rows, output_layouts=Shard(-1), use_local_output=False)
     return plan
+
+
+def sequence_plan(layer: str) -> dict:
+    """Sequence parallelism (Megatron-LM's, torchtitan's): the residual stream between blocks is cut along the
+    positions, so the norms run on T / tp positions; the attention and MLP all-gather their input, and the row
+    splits reduce-scatter their output (the same bytes as an all-reduce, in two halves)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    whole, cut = (Replicate(),), (Shard(1),)
+    return {"model.layers.0": PrepareModuleInput(input_layouts=whole, desired_input_layouts=cut, use_local_output=True),
+            layer + "input_layernorm": SequenceParallel(), layer + "post_attention_layernorm": SequenceParallel(),
+            layer + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": cut[0]},
+                                                    desired_input_kwarg_layouts={"hidden_states": whole[0]}),
+            layer + "mlp": PrepareModuleInput(input_layouts=cut, desired_input_layouts=whole),
+            "model.norm": SequenceParallel(use_local_output=True),
+            # the head, whole or split by vocabulary, takes all positions (loss_parallel's plan replaces this)
+            "lm_head": PrepareModuleInput(input_layouts=cut, desired_input_layouts=whole, use_local_output=True)}

@@ -1,7 +1,8 @@
 """Tensor parallelism on one device mesh (issue 24): dist.tp splits each BERT block over a tp group and composes
 with ddp and fsdp over the mesh's data-parallel dimension. Each layout ends where one process does (SGD, dropout 0,
 clipping on), uneven batches across dp included; checkpoints reshard between tp, fsdp and one process; a forward
-costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line."""
+costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line.
+The Llama causal LM with sequence parallelism and loss parallelism ends where one process does too."""
 import json
 import os
 import random
@@ -190,8 +191,61 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys, task, data, ex
      "`train.batch_size` is not available with dist.tp > 1 yet"),
     ({"strategy": "ddp", "procs_per_node": 2}, {"precision": "fp16"},
      "`train.precision` fp16 is not available with dist.tp > 1 yet"),
+    ({"strategy": "fsdp", "procs_per_node": 4, "loss_parallel": True}, {},
+     "`dist.loss_parallel` composes with dist.strategy ddp only, not fsdp (not built yet)"),
+    ({"strategy": "ddp", "procs_per_node": 2, "tp": 1, "sequence_parallel": True}, {},
+     "`dist.sequence_parallel` splits over a tensor-parallel group: it needs dist.tp > 1"),
 ])
 def test_tp_settings_that_do_not_fit_are_one_line(tmp_path, dist, train, expected):
     from config import ConfigError
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        make_config(tmp_path, dist={**dist, "tp": 2}, train=train)
+        make_config(tmp_path, dist={"tp": 2, **dist}, train=train)
+
+
+# ---- the Llama causal LM: sequence parallelism and loss parallelism ------------------------------------------
+LLAMA = {"arch": "llama", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return sample.write_gpt2(str(tmp_path_factory.mktemp("lm") / "gpt2"), random.Random(0))
+
+
+def lm_config(out, data, model, dist=None, **train):
+    return make_config(out, task="gpt2_lm", data={"data_dir": data, "max_length": 16}, model=model,
+                       train={**TRAIN, "batch_size": 8, **train}, dist=dist or {"strategy": "none"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, model, procs", [
+    ({"sequence_parallel": True}, LLAMA, 2),  # tied embeddings: the head stays whole
+    ({"loss_parallel": True}, {**LLAMA, "tie_embeddings": False}, 2),
+    ({"sequence_parallel": True, "loss_parallel": True}, {**LLAMA, "tie_embeddings": False}, 2),
+    ({"sequence_parallel": True, "strategy": "fsdp"}, LLAMA, 4),  # fsdp x tp, 2 x 2
+])
+def test_llama_sequence_and_loss_parallel_end_where_one_process_does(text, tmp_path, split, model, procs):
+    one, out = tmp_path / "one", tmp_path / "tp"
+    assert main.run(lm_config(one, text, model)) == 0
+    layout = {"strategy": "ddp", "tp": 2, "procs_per_node": procs, **split}
+    assert main.run(lm_config(out, text, model, layout, batch_size=8 * 2 // procs)) == 0
+    said = [k.replace("_", " ") for k in ("sequence_parallel", "loss_parallel") if split.get(k)]
+    line = next(x for x in (out / "logs" / "rank0.log").read_text().splitlines() if "  tp with " in x)
+    assert [w for w in said if w in line] == said
+    assert_same_run(one, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, model, split, expected", [
+    ("bert_pretrain", {"name": "tiny"}, {"sequence_parallel": True}, "error: dist.sequence_parallel: the "
+     "bert_pretrain task's tensor-parallel plan (Task.tp_plan) runs no norm on sequence shards; use "
+     "dist.sequence_parallel: false"),
+    ("gpt2_lm", LLAMA, {"loss_parallel": True}, "error: dist.loss_parallel: the head shares its weight with the "
+     "embedding (model.tie_embeddings), which would split it too; use model.tie_embeddings: false, or "
+     "dist.loss_parallel: false"),
+])
+def test_a_plan_without_sequence_or_loss_parallel_says_so(bert, text, tmp_path, capsys, task, model, split, expected):
+    data = {"data_dir": bert} if task == "bert_pretrain" else {"data_dir": text, "max_length": 16}
+    cfg = make_config(tmp_path, task=task, data=data, model=model, train={"max_steps": 1},
+                      dist={"strategy": "ddp", "tp": 2, "procs_per_node": 2, **split})
+    assert main.run(cfg) == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]
