@@ -47,7 +47,7 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
 
 
 class StopsOnWriteError:
-    """For a log handler: a write that fails with an OSError (a full disk, a folder made read-only) is raised once,
+    """For a log handler: a write that fails for a full disk or a read-only file (faults.disk_problem) is raised once,
     naming the file, in the main thread, where main.worker reports it in one line (faults.disk_problem) and the
     run stops; the handler writes nothing more. Without this, logging prints '--- Logging error ---' and a
     traceback for every line after it, and the run goes on. (A failure in another thread is raised by the main
@@ -65,9 +65,11 @@ class StopsOnWriteError:
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
-        if not isinstance(error, OSError):
-            return super().handleError(record)
-        self.failed = error if error.filename is not None else OSError(error.errno, error.strerror, self.where())
+        if isinstance(error, OSError) and error.filename is None:
+            error = OSError(error.errno, error.strerror, self.where())
+        if not isinstance(error, OSError) or faults.disk_problem(error, "") is None:
+            return super().handleError(record)  # (a closed pipe, say: logging's own report, as ever)
+        self.failed = error
         self.pending = threading.current_thread() is not threading.main_thread()
         if not self.pending:
             raise self.failed from None

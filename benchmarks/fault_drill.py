@@ -289,7 +289,8 @@ def probe_repeated_sigterm(tmp):
     r = Finished(p)
     ok = r.returncode == 3 and saved_and_loadable(out, r.stdout) and "SIGTERM again: already stopping" in r.stdout \
         and "Traceback" not in r.stderr and not r.stderr.strip()
-    return ok, f"exit {r.returncode}, {r.stdout.count('SIGTERM again')} 'again' lines, stderr {r.stderr.strip()[-200:]!r}"
+    again = r.stdout.count("SIGTERM again")
+    return ok, f"exit {r.returncode}, {again} 'again' lines, stderr {r.stderr.strip()[-200:]!r}"
 
 
 def probe_sighup_and_second_run(tmp):

@@ -230,3 +230,16 @@ def test_one_rank_on_a_full_disk_stops_every_rank_with_one_line(tmp_path, rank):
                                 f"space, then run the same command again (the checkpoints saved so far are intact)")
     assert 4 in saved_steps(out)
 
+
+
+def test_a_closed_pipe_on_the_console_is_not_a_full_disk(tmp_path, monkeypatch):
+    """`python main.py | head`: logging's own handling, as before (the run is not stopped for it)."""
+    import logging
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # (logging's report itself: not the point here)
+    handler = run_log.ConsoleHandler(ClosedPipe())
+    handler.handle(logging.makeLogRecord({"msg": "a line"}))  # no exception
+    assert handler.failed is None
