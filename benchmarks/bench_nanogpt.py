@@ -42,7 +42,10 @@ def parse_args():
     p.add_argument("--nanogpt", help="a nanoGPT checkout (default: the git mirror)")
     p.add_argument("--models", type=int, default=0, metavar="STEPS",
                    help="instead: time STEPS training steps of each model alone (HF GPT-2 as the preset builds it, "
-                        "nanoGPT's model.py) in one process, alternating blocks of 10, on random windows")
+                        "the same with model.arch llama, nanoGPT's model.py) in one process, alternating blocks of "
+                        "10, on random windows")
+    p.add_argument("--profile", action="store_true", help="with --models: also print torch.profiler's top ops of "
+                   "20 steps of each model")
     return p.parse_args()
 
 
@@ -87,7 +90,7 @@ def nanogpt_run(folder: str, steps: int, k: int) -> dict:
     flags = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
              "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={steps}",
              f"--lr_decay_iters={steps}", "--dropout=0.0", f"--out_dir=out-{k}",
-             f"--eval_interval={min(250, steps)}"]  # an estimate at the last step, also for short runs
+             f"--eval_interval={250 if steps % 250 == 0 else steps}"]  # it estimates at multiples: the last one
     log, wall = run([sys.executable, "train.py", "config/train_shakespeare_char.py", *flags], folder)
     times = [float(t) for i, t in re.findall(r"iter (\d+): loss \S+, time ([\d.]+)ms", log) if int(i) > 0]
     val = re.findall(rf"step {steps}: train loss \S+, val loss ([\d.]+)", log)
@@ -105,7 +108,7 @@ def ours_run(data_dir: str, out_dir: str, steps: int) -> dict:
     return {"ms_per_step": statistics.median(times), "wall_s": wall, "val_loss": float(val[-1])}
 
 
-def compare_models(nano: str, steps: int) -> None:
+def compare_models(nano: str, steps: int, profile: bool) -> None:
     """Where a gap comes from: forward, backward and a fused AdamW step of each model on the same batches."""
     import torch
     sys.path[:0] = [ROOT, nano]
@@ -114,27 +117,39 @@ def compare_models(nano: str, steps: int) -> None:
     from tasks import lm_models
     torch.manual_seed(0)
     cfg = load_config(os.path.join(ROOT, "configs", "shakespeare_char.yml"))
-    models = {"ours (HF GPT2LMHeadModel)": lm_models.build_causal_lm(cfg, 66, 65),
-              "nanoGPT model.py": GPT(GPTConfig(block_size=64, vocab_size=66, n_layer=4, n_head=4, n_embd=128,
-                                                dropout=0.0, bias=False))}
+    models = {"ours (HF GPT2LMHeadModel)": lm_models.build_causal_lm(cfg, 66, 65)}
+    cfg.model.arch = "llama"
+    models["ours, model.arch llama (HF LlamaForCausalLM)"] = lm_models.build_causal_lm(cfg, 66, 65)
+    models["nanoGPT model.py"] = GPT(GPTConfig(block_size=64, vocab_size=66, n_layer=4, n_head=4, n_embd=128,
+                                               dropout=0.0, bias=False))
     optims = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, fused=True)
               for k, m in models.items()}
     x = torch.randint(0, 66, (12, 65))
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     times = {k: [] for k in models}
+
+    def step(name, model):
+        if name.startswith("ours"):
+            loss = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
+        else:
+            loss = model(inputs, targets)[1]
+        loss.backward()
+        optims[name].step()
+        optims[name].zero_grad(set_to_none=True)
     for block in range(steps // 10 + 1):
         for name, model in models.items():
             start = time.perf_counter()
             for _ in range(10):
-                if "HF" in name:
-                    loss = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
-                else:
-                    loss = model(inputs, targets)[1]
-                loss.backward()
-                optims[name].step()
-                optims[name].zero_grad(set_to_none=True)
+                step(name, model)
             if block:  # the first block warms up
                 times[name].append((time.perf_counter() - start) * 100)
+    if profile:  # which ops the time goes to: 20 steps of each, by self CPU time
+        from torch.profiler import profile as profiler
+        for name, model in models.items():
+            with profiler() as prof:
+                for _ in range(20):
+                    step(name, model)
+            print(f"{name}:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     for name, t in times.items():
         print(f"{name}: {statistics.median(t):.1f} ms/step (median of {len(t)} blocks of 10)")
 
@@ -145,7 +160,7 @@ def main():
     nano = os.path.join(work, "nanoGPT")
     copy_nanogpt(nano, args.nanogpt)
     if args.models:
-        return compare_models(nano, args.models)
+        return compare_models(nano, args.models, args.profile)
     data_dir = os.path.join(work, "text")
     os.makedirs(data_dir)
     what = make_text(os.path.join(data_dir, "input.txt"), args.text)

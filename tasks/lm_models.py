@@ -1,8 +1,8 @@
 """The causal language models of gpt2_lm, built by configuration, and what the model section's shape keys mean for
 the other text tasks.
 
-model.arch picks the decoder: `gpt2` (transformers' GPT2LMHeadModel: learned positions, LayerNorm, GELU MLP of
-4 x width) or `llama` (LlamaForCausalLM: rotary positions, RMSNorm, SwiGLU MLP of 8/3 x width rounded up to a
+model.arch picks the decoder: `gpt2` (transformers' GPT2LMHeadModel: learned positions, LayerNorm, exact-GELU MLP
+of 4 x width) or `llama` (LlamaForCausalLM: rotary positions, RMSNorm, SwiGLU MLP of 8/3 x width rounded up to a
 multiple of 64, no biases by default). model.layers, heads and width size it (null: model.name's preset), the
 context is data.max_length positions, model.dropout its dropout (llama has dropout on attention weights only),
 model.bias and model.tie_embeddings its biases and output layer. With model.pretrained_dir the folder's model is
@@ -37,9 +37,11 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     s = sized(cfg, PRESETS, {k: (k,) for k in SHAPE_KEYS})
     tied = m.tie_embeddings is not False  # null: tied, as GPT-2 and nanoGPT are
     if (m.arch or "gpt2") == "gpt2":
+        # "gelu": torch's one fused kernel (nanoGPT's); GPT-2's "gelu_new" is ~8 element-wise ops each way (slow).
         config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.data.max_length, n_embd=s["width"],
                             n_layer=s["layers"], n_head=s["heads"], resid_pdrop=m.dropout, embd_pdrop=m.dropout,
-                            attn_pdrop=m.dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=tied)
+                            attn_pdrop=m.dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=tied,
+                            activation_function="gelu")
         model = GPT2LMHeadModel(config)
         if m.bias is False:
             freeze_biases(model)
