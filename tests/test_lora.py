@@ -317,6 +317,7 @@ def tiny_bart(data, tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.slow  # ~60 s: the MiniLM path keeps LoRA's export in the quick loop
 def test_bart_lora_trains_checkpoints_what_trains_and_exports_for_pipeline(data, tiny_bart, tmp_path):
     import main
     from transformers import pipeline
