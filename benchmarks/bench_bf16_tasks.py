@@ -5,7 +5,8 @@ shared machine's drift hits both alike.
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_bf16_tasks.py [--rounds 2] [--only cnn,gpt2]
 
 Each job is `main.py` itself (a subprocess, as a user runs it) with `--set train.precision=...`; ms/step is the
-median of the logged `ms_per_step` values after the first window (warm-up), the metrics are the last dev line.
+median of the logged `ms_per_step` values after the first window (warm-up), the metrics are the last dev line
+(the whole dev split: the large-shape jobs read the small synthetic data of scripts/make_sample_text_data.py).
 Jobs needing ../shared/data (SST-2) or the MiniLM package are skipped with a line when those are absent. Sizes are
 small enough for a 2-core CPU without bf16 units (where bf16 is emulated and 5-10x slower); on a CPU with
 amx_bf16/avx512_bf16, raise --steps to see the steady state.
@@ -31,19 +32,18 @@ def jobs(sample: str) -> dict:
         "sst2 MiniLM-L6 pretrained, batch 32 x <=64 tokens": (
             "configs/sst2_minilm.yml", ["train.max_steps=40", "train.log_every=10", "train.eval_batches=4",
                                         "train.eval_batch_size=128"], SST2),
-        "sst2 BART-base shapes (random, BPE on the data), batch 8 x <=128 tokens": (
-            "configs/sst2_bart.yml", ["model.pretrained_dir=null", "train.batch_size=8", "train.max_steps=6",
-                                      "train.log_every=2", "train.eval_batches=2", "train.eval_batch_size=64",
-                                      "train.grad_accum_steps=1"], SST2),
+        "sst2 BART-base shapes (random, BPE on the synthetic sentences), batch 8": (
+            "configs/sst2_bart.yml", [f"data.data_dir={sample}/sst2", "model.pretrained_dir=null",
+                                      "train.batch_size=8", "train.max_steps=4", "train.log_every=2",
+                                      "train.eval_batch_size=64", "train.grad_accum_steps=1"], None),
         "bert_pretrain bert-base shapes, seq 128, batch 4": (
             "configs/bert_pretrain_128.yml", [f"data.data_dir={sample}/bert128", "train.batch_size=4",
-                                              "train.max_steps=6", "train.log_every=2", "data.num_workers=0",
+                                              "train.max_steps=4", "train.log_every=2", "data.num_workers=0",
                                               "train.eval_batch_size=16", "train.eval_batches=2"], None),
-        "gpt2_lm gpt2 (124M shapes), batch 4 x 128 tokens": (
+        "gpt2_lm gpt2 (124M shapes), batch 4 x 128 tokens, 4 accumulated": (
             "configs/gpt2_lm.yml", [f"data.data_dir={sample}/gpt2", "model.pretrained_dir=null",
                                     "model.name=gpt2", "data.max_length=128", "train.batch_size=4",
-                                    "train.max_steps=6", "train.log_every=2", "train.eval_batches=2",
-                                    "train.eval_batch_size=8"], None),
+                                    "train.max_steps=4", "train.log_every=2", "train.eval_batch_size=8"], None),
     }
 
 
