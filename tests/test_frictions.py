@@ -16,7 +16,7 @@ import termios
 import pytest
 import torch
 
-from conftest import ROOT, make_config
+from conftest import ROOT, free_port, make_config
 
 import launcher
 import run_log
@@ -92,7 +92,8 @@ def test_spawned_ranks_start_with_passive_openmp_and_their_share_of_the_cores(tm
     PASSIVE its spin count is 0. The launcher (which has no PASSIVE) prints its own, non-zero."""
     r = subprocess.run([sys.executable, "main.py", "--set", f"output_dir={tmp_path}", "--set", "dist.strategy=ddp",
                         "--set", "dist.procs_per_node=2", "--set", "train.max_steps=2", "--set", "train.eval_every=0",
-                        "--set", "log.tensorboard=false", "--set", "log.progress_bar=false"],
+                        "--set", "log.tensorboard=false", "--set", "log.progress_bar=false",
+                        "--set", f"dist.master_port={free_port()}"],  # not 29500: another run may hold it
                        cwd=ROOT, env=child_env(OMP_DISPLAY_ENV="VERBOSE"), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
