@@ -18,7 +18,6 @@ the DCP folders). `resume: auto` skips a checkpoint that cannot be read (Unloada
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -327,7 +326,7 @@ def _no_space(error: BaseException, directory: str) -> bool:
             continue
         seen.append(e)
         if isinstance(e, OSError) and e.errno is not None:
-            return e.errno in (errno.ENOSPC, errno.EDQUOT)
+            return e.errno in faults.NO_SPACE
         stack += [e.__cause__, e.__context__]
         stack += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
     if isinstance(error, OSError):  # an OSError without an errno was raised on purpose, not by a full disk
