@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from config import DataError
-from tasks.text_common import read_utf8
+from tasks.text_common import json_lines, read_utf8
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".ndjson")  # what a data_dir is searched for
 SPLIT_NAMES = ("train", "dev", "test")
@@ -88,14 +88,7 @@ def read_texts(path: str, text: str | None = None) -> list[str]:
 def read_json_lines(path: str, field: str, text: str | None = None) -> list[str]:
     """JSON lines: each non-blank line an object holding a string in `field`, or a bare JSON string."""
     texts = []
-    for number, line in enumerate((read_utf8(path) if text is None else text).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{number}: not valid JSON at column {e.colno} ({e.msg}); JSON lines holds one "
-                            "object per line") from None
+    for number, value in json_lines(path, text):
         doc = value.get(field) if isinstance(value, dict) else value
         if not isinstance(doc, str):
             what = f"its {field!r} is {json_kind(doc)}" if isinstance(value, dict) and field in value else \

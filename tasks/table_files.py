@@ -26,7 +26,7 @@ import os
 from typing import Iterable, Iterator, Optional
 
 from config import DataError
-from tasks.text_common import note, read_utf8
+from tasks.text_common import json_lines, note, read_utf8
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
 FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
@@ -152,13 +152,7 @@ def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
     if text.lstrip().startswith("["):
         raise DataError(f"{path}: a JSON array; write JSON lines, one object per line (pandas: "
                         "to_json(path, orient='records', lines=True); datasets: to_json(path))")
-    for line, raw in enumerate(text.split("\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{line}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for line, record in json_lines(path, text):
         if not isinstance(record, dict):
             raise DataError(f"{path}:{line}: {shown(record)} is not an object; JSON lines hold one object per line")
         need_columns(f"{path}:{line}", list(record), columns)

@@ -191,6 +191,18 @@ def byte_level_chars() -> dict[int, str]:
     return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
+def json_lines(path: str, text: Optional[str] = None) -> Iterable[tuple[int, object]]:
+    """A JSON lines file's values with their line numbers (blank lines skipped); bad JSON names its line."""
+    for number, line in enumerate((read_utf8(path) if text is None else text).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}: not valid JSON at column {e.colno} ({e.msg}); JSON lines hold one "
+                            "value per line") from None
+
+
 def read_utf8(path: str) -> str:
     """The text of `path`, decoded as strict UTF-8 in one call (a leading byte-order mark is dropped), with line
     ends made `\\n` (`\\r\\n` and a lone `\\r` too, as Python's text mode reads them). Invalid bytes are a DataError

@@ -207,8 +207,8 @@ def test_an_unreadable_table_is_one_line(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("content, says", [
-    (b'{"sentence": "a", "sentiment": "pos"}\n{"sentence": "b", "sentiment": pos}\n', ":2: not valid JSON (Expecting "
-                                                                                       "value at column 32)"),
+    (b'{"sentence": "a", "sentiment": "pos"}\n{"sentence": "b", "sentiment": pos}\n', ":2: not valid JSON at column 32 "
+                                                                                       "(Expecting value); JSON lines hold one value per line"),
     (b'{"sentence": "a", "sentiment": 0.5}\n', ":1: sentiment is 0.5; a label is a name or a whole number"),
     (b'{"sentence": "a", "sentiment": "pos"}\n\n{"sentence": null, "sentiment": "neg"}\n',
      ":3: sentence is null; every row needs a text (an empty one will do)"),
