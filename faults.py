@@ -5,7 +5,7 @@ A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rule
   boundary, after a checkpoint is saved (the Trainer folds the request into an all-reduce each step already does);
   the same signals again while stopping only print a line: nothing but SIGKILL aborts the save;
 - a rank that stops responding is named within dist.hang_timeout_s by a watchdog thread that beats through the
-  rendezvous store; the live ranks dump their Python stacks to their logs and exit;
+  rendezvous store (heartbeat.py); the live ranks dump their Python stacks to their logs and exit;
 - every failure is reported once, naming the rank, the host and the step; a user mistake is one line, and so is
   a full disk or a read-only folder (disk_problem), said by every rank, which then leave together.
 
@@ -20,9 +20,7 @@ Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
-import faulthandler
 import json
 import logging
 import os
@@ -198,12 +196,12 @@ def set_parent_death_signal(parent_pid: int) -> None:
 class Reporter:
     """Where this rank's final word goes. Under main.py's own spawn, into a file the launcher reads (it prints
     identical lines from several ranks once). Under torchrun or srun there is no such launcher: the rank prints
-    itself, and identical lines are printed once through the rendezvous store."""
+    itself, and identical lines are printed once through the watchdog's store (heartbeat.Watchdog.first_to_say)."""
 
     def __init__(self):
         self.report_dir: Optional[str] = None
         self.log: Optional[logging.Logger] = None
-        self.store = None
+        self.watchdog = None  # set by start_watchdog
 
     def __call__(self, code: int, line: str, detail: str = "") -> int:
         if self.log:  # the log file only: the console gets it below, once
@@ -218,19 +216,9 @@ class Reporter:
             with open(tmp, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, os.path.join(self.report_dir, f"rank{progress.rank}.json"))
-        elif self._first_to_say(line):
+        elif self.watchdog is None or self.watchdog.first_to_say(line):
             say(code, line, detail)
         return code
-
-    def _first_to_say(self, line: str) -> bool:
-        if self.store is None:
-            return True
-        import hashlib
-        try:
-            key = "said/" + hashlib.sha1(line.encode()).hexdigest()
-            return Call(lambda: self.store.add(key, 1)).result(10.0) == 1
-        except Exception:  # the store is gone or frozen with its host: better said twice than never
-            return True
 
 
 report = Reporter()
@@ -255,7 +243,17 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__
 
 
-def crash_report(exc: BaseException, watchdog: Optional["Watchdog"]) -> int:
+def start_watchdog(cfg, ctx):
+    """The heartbeat watchdog (heartbeat.py) of a run with several ranks and dist.hang_timeout_s, else None: one
+    rank has no peer to watch, and only runs that have peers load it."""
+    if ctx.world_size < 2 or not cfg.dist.hang_timeout_s:
+        return None
+    from heartbeat import Watchdog
+    report.watchdog = Watchdog.start(cfg, ctx)
+    return report.watchdog
+
+
+def crash_report(exc: BaseException, watchdog) -> int:
     """`rank R on HOST failed at step S: ...` with the traceback, to the log and the launcher. If the error came
     from a collective whose peers vanished, name the ranks that stopped beating."""
     summary = first_line(exc, limit=300)
@@ -266,7 +264,7 @@ def crash_report(exc: BaseException, watchdog: Optional["Watchdog"]) -> int:
     return report(EXIT_CRASH, line, "".join(traceback.format_exception(exc)).rstrip())
 
 
-def user_error(line: str, watchdog: Optional["Watchdog"]) -> int:
+def user_error(line: str, watchdog) -> int:
     """Report a user mistake this rank met (`line`: `error: ...`, a full disk for one), exit code 2. With peers
     and a watchdog, the first failing rank's line is the one said, and every rank leaves at once
     (Watchdog.leave_together), before a peer's next collective fails with a traceback."""
@@ -343,226 +341,3 @@ def thread_exception(args) -> None:
                          extra={"file_only": True})
         return
     threading.__excepthook__(args)
-
-
-# ==============================================================================================================
-# The watchdog: heartbeats through the rendezvous store
-# ==============================================================================================================
-class Watchdog:
-    """A daemon thread per rank. Every `interval` seconds it writes this rank's heartbeat (a beat counter, the
-    Progress ticks, step and phase) into the rendezvous store and looks for a verdict. Rank 0's thread checks
-    everyone (rank 1's checks rank 0): a rank whose beat has not changed for `timeout` seconds is frozen or dead
-    (SIGSTOP, a stuck node); if every rank is training but none has made progress for `timeout`, the run is
-    hung. The verdict goes into the store; every live rank then dumps its Python stacks into its log and exits
-    with code 1, so the launcher (or torchrun, or srun) ends the run. Beats come from a thread, so a long step
-    is not a hang; the GIL is released by every collective and kernel, so a busy rank still beats."""
-
-    def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
-        self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
-        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (Call) before giving up
-        self.interval = min(1.0, timeout / 4)
-        self.beat = 0
-        self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
-        self.unreachable_since: Optional[float] = None
-        self.announced = False  # this rank wrote the verdict into the store
-        self.peer_failure: Optional[str] = None  # another rank's user error (first_failure), read by the thread
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-
-    @classmethod
-    def start(cls, cfg, ctx) -> Optional["Watchdog"]:
-        timeout = cfg.dist.hang_timeout_s
-        if not ctx.distributed or not timeout:
-            return None
-        op_timeout = max(2.0, min(10.0, timeout / 2))
-        store = open_store(ctx, op_timeout=op_timeout)
-        w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"), op_timeout)
-        w._write_beat()  # the first beat now: a rank frozen from here on is seen by the others (see _check)
-        w.thread.start()
-        return w
-
-    def stop(self) -> None:
-        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see Call)."""
-        self._stop.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
-
-    # ---- the thread --------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        call = None  # the thread of the last beat's store calls
-        while not self._stop.wait(self.interval):
-            try:
-                if call is None or not call.is_alive():  # (else it is still waiting for the store: wait more)
-                    call = Call(self._beat_once)
-                verdict = call.result(self.op_timeout)
-                self.unreachable_since = None
-                if self.peer_failure is not None:
-                    self._follow_peer()
-            except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
-                now = time.monotonic()
-                self.unreachable_since = self.unreachable_since or now
-                if now - self.unreachable_since < self.timeout or self._stop.is_set():
-                    continue
-                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s: the process hosting "
-                           f"it (rank 0, or torchrun's agent) froze or died ({type(e).__name__})")
-            if verdict and not self._stop.is_set():
-                if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
-                    self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
-                self._give_up(verdict)
-
-    def _write_beat(self) -> None:  # (TCPStore's set does not wait for an answer)
-        self.beat += 1
-        self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} {progress.phase} {HOST}")
-
-    def _beat_once(self) -> Optional[str]:
-        """Write this rank's heartbeat; return the verdict in the store, or the one this rank comes to."""
-        self._write_beat()
-        if self.store.check(["failed"]):  # another rank met a user error (first_failure): leave with it
-            self.peer_failure = self.store.get("failed").decode()
-            return None
-        verdict = self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
-        if verdict is None and self.ctx.rank in (0, 1):
-            verdict = self._check(list(range(self.ctx.world_size)) if self.ctx.rank == 0 else [0])
-            if verdict:
-                self.store.set("verdict", verdict)
-                self.announced = True
-        return verdict
-
-    def _check(self, ranks: list[int]) -> Optional[str]:
-        now = time.monotonic()
-        # Every rank beats once as its watchdog starts, right after the process group formed (start()): a rank
-        # with no heartbeat yet is silent from the first time this rank looked (frozen before its first beat).
-        beaten = [r for r in ranks if self.store.check([f"hb/{r}"])]
-        raw = dict(zip(beaten, self.store.multi_get([f"hb/{r}" for r in beaten]))) if beaten else {}
-        phases, steps, hosts = {}, {}, {}
-        for r in ranks:
-            beat, ticks, step, phase, host = raw[r].decode().split() if r in raw else ("-", "-", "0", "start", "")
-            hosts[r] = host or "a host it never named"
-            b0, t0, tb, tt = self.seen.get(r, (None, None, now, now))
-            self.seen[r] = (beat, ticks, now if beat != b0 else tb, now if ticks != t0 else tt)
-            phases[r], steps[r] = phase, int(step)
-        silent = {r: now - self.seen[r][2] for r in ranks}
-        if max(silent.values()) > self.timeout:
-            # Beats come once an interval, so ranks that fell silent together (a node) cross the timeout up to an
-            # interval apart: name every rank that has missed nearly as many beats, not only the first one.
-            frozen = [r for r in ranks if silent[r] > self.timeout - self.interval]
-            live = [r for r in ranks if r not in frozen]
-            on = ", ".join(sorted({hosts[r] for r in frozen}))
-            now_at = f"; rank {live[0]} is at step {steps[live[0]]}" if live else ""
-            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (their last "
-                    f"heartbeat{now_at}; none for {self.timeout:g} s: frozen or dead); see logs/rank*.log for the "
-                    f"others' stacks")
-        if len(ranks) > 1 and all(phases[r] in ("train", "eval") for r in ranks) and \
-                all(now - self.seen[r][3] > self.timeout for r in ranks):
-            behind = [r for r in ranks if steps[r] == min(steps.values())]
-            who = ranks_text(behind) if len(behind) < len(ranks) else "every rank"
-            return (f"no progress for {self.timeout:g} s at step {min(steps.values())} ({who} stuck; "
-                    f"dist.hang_timeout_s); Python stacks of every rank are in logs/rank*.log")
-        return None
-
-    def _give_up(self, verdict: str) -> None:
-        """Dump this rank's Python stacks to its log, report, and leave at once: the main thread is stuck in
-        a collective that will not return."""
-        try:
-            with open(self.log_path, "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} rank{self.ctx.rank} watchdog: {verdict}\n"
-                        f"Python stacks of rank {self.ctx.rank} ({progress.where()}):\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
-            report(EXIT_CRASH, f"hang detected by the watchdog: {verdict}")  # the same line on every rank
-        finally:
-            os._exit(EXIT_CRASH)
-
-    # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
-    def first_failure(self, line: str) -> str:
-        """Called by a rank that met a user error (faults.user_error): stop this thread and put `line` in the
-        store for the other ranks' watchdogs, unless a rank did first. Returns the line to say: the first one
-        (two ranks writing to one full disk name their own log files; the first is the cause)."""
-        self.stop()
-        try:
-            return Call(lambda: self.store.compare_set("failed", "", line)).result(self.op_timeout).decode()
-        except Exception:  # the store is gone (its host left): the peers fail at their next collective
-            return line
-
-    def leave_together(self) -> None:
-        """Count this rank as leaving, then wait until every rank does (at most two beats and a store call's
-        time): no rank ends (its connections, or the store it hosts) while a peer still waits on it."""
-        try:
-            Call(lambda: self.store.add("left", 1)).result(self.op_timeout)
-            deadline = time.monotonic() + 2 * self.interval + self.op_timeout
-            while time.monotonic() < deadline and \
-                    Call(lambda: self.store.add("left", 0)).result(self.op_timeout) < self.ctx.world_size:
-                time.sleep(0.05)
-            if self.ctx.rank == 0:  # it hosts the store: the others' last look at it comes first
-                time.sleep(0.2)
-        except Exception:
-            pass  # the store is gone: nobody left to wait for
-
-    def _follow_peer(self) -> None:
-        """Another rank met a user error: say its line and leave with it, from this thread (the main thread
-        waits in a collective for that rank)."""
-        try:
-            report(EXIT_USER_ERROR, self.peer_failure)
-            self.leave_together()
-        finally:
-            os._exit(EXIT_USER_ERROR)
-
-    def silent_ranks(self, wait: Optional[float] = None) -> Optional[list[int]]:
-        """Ranks whose heartbeat does not move during `wait` seconds (used after a collective failed, to name
-        the peers that died). None if the store cannot tell."""
-        try:
-            keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
-            time.sleep(wait if wait is not None else 3 * self.interval + 0.5)
-            after = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
-        except Exception:
-            return None
-        return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
-
-
-class Call(threading.Thread):
-    """fn() in a thread of its own, so that the caller can stop waiting for it. For store calls: a frozen store
-    host (SIGSTOP, a stuck node) keeps its connections open and never answers, and TCPStore's own timeout does not
-    cover that (torch 2.13: get, check, multi_get and add then wait for ever; set does not wait). A call that does
-    not come back stays behind, blocked, in a daemon thread that holds none of our locks."""
-
-    def __init__(self, fn):
-        super().__init__(name="store-call", daemon=True)
-        self.fn, self.value, self.error = fn, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except Exception as e:
-            self.error = e
-
-    def result(self, timeout: float):
-        self.join(timeout)
-        if self.is_alive():
-            raise TimeoutError(f"no answer in {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-def open_store(ctx, op_timeout: float):
-    """A store connection of the watchdog's own, with a short timeout, so that a frozen store host makes the
-    watchdog notice instead of blocking it as long as the process group's timeout (dist.timeout_s)."""
-    import torch.distributed as dist
-    from urllib.parse import urlparse
-    timeout = datetime.timedelta(seconds=op_timeout)
-    address = None
-    if ctx.rendezvous and ctx.rendezvous.startswith("tcp://"):
-        u = urlparse(ctx.rendezvous)
-        address = (u.hostname, u.port)
-    elif ctx.rendezvous == "env://":
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    if address is not None:
-        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
-    else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
-        from torch.distributed import distributed_c10d as c10d
-        store = c10d._get_default_store()
-    # Under torchrun a restart (which main.py allows only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new
-    # store: no earlier verdict in it. (Not the restart count as a prefix: agents count theirs differently.)
-    return dist.PrefixStore("trainer-watchdog/", store)

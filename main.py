@@ -228,9 +228,7 @@ def worker(cfg: Config, launch: Launch) -> int:
         faults.stop_request.log = log
         ctx = D.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
         ctx.cpu_threads = D.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
-        watchdog = faults.Watchdog.start(cfg, ctx)
-        if watchdog is not None:
-            report.store = watchdog.store
+        watchdog = faults.start_watchdog(cfg, ctx)  # several ranks only
         trainer = Trainer(cfg, build_task(cfg), ctx)
         trainer.test() if cfg.mode == "test" else trainer.train()
         faults.progress.at(faults.progress.step, "done")

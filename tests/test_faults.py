@@ -20,6 +20,7 @@ import torch.distributed as dist
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
 import faults
+import heartbeat
 import main
 from config import load_config
 
@@ -386,8 +387,8 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     from types import SimpleNamespace
 
     store, clock = DictStore(), [0.0]
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
-    w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    w = heartbeat.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
     beats = {0: 0, 1: 0, 2: 0}
     verdict = None
     while verdict is None and clock[0] < 20:
@@ -408,8 +409,8 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
     from types import SimpleNamespace
 
     store, clock = DictStore(), [0.0]
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
-    w = faults.Watchdog(store, SimpleNamespace(rank=0, world_size=2), timeout=4, log_path="/dev/null")
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    w = heartbeat.Watchdog(store, SimpleNamespace(rank=0, world_size=2), timeout=4, log_path="/dev/null")
     verdict = None
     while verdict is None and clock[0] < 20:
         store["hb/0"] = f"{int(clock[0] * 4)} 0 0 train host0"
@@ -434,7 +435,7 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
-        w = faults.Watchdog(client, SimpleNamespace(rank=1, world_size=2), timeout=2,
+        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2), timeout=2,
                             log_path=str(tmp_path / "log"), op_timeout=1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
