@@ -1,4 +1,5 @@
-"""Heterogeneous clusters: give a slow rank a smaller share of the global batch.
+"""What is measured before training: each rank's speed (a slow rank gets a smaller share of the global batch) and,
+for train.precision auto on a CPU, whether bf16 trains faster. Loaded only by the runs that measure.
 
 With `train.batch_size: auto`, every rank times forward+backward on a few real batches of equal size before
 training, the speeds are gathered, and `train.global_batch_size` is split in proportion to them. Then all ranks
@@ -97,6 +98,47 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
         seconds = time_unnoticed(par, ctx, forward_backward, steps)
     model.train(was_training)
     return batch_size * steps / seconds
+
+
+def cpu_precision(trainer) -> tuple[str, str]:
+    """train.precision auto on a CPU (Trainer.choose_precision): (precision, plan note). Whether bf16 autocast pays
+    depends on the CPU and the job, so every rank times forward+backward in both on the run's next batches
+    (time_precisions) and all take bf16 only where it is clearly faster (pick_cpu_precision). Collective."""
+    units = D.gather_objects(trainer.ctx, cpu_bf16_units())
+    if not all(units):  # without the units bf16 is emulated, slower: not worth measuring
+        return "fp32", "auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
+    if not trainer.par.runs_alone:  # its precision is fixed when it wraps the model, or a forward waits for others
+        return "fp32", (f"auto -> fp32 (CPU with {units[0]}, not measured under {trainer.cfg.dist.strategy}: its "
+                        "precision is fixed when it wraps the model, or a forward waits for other ranks; set "
+                        "train.precision: bf16 to try it)")
+    timings = D.gather_objects(trainer.ctx, time_precisions(trainer, trainer.t.balance_steps))
+    return pick_cpu_precision(timings, units[0])
+
+
+def cpu_bf16_units() -> str:
+    """This CPU's bf16 matrix instructions, as Linux lists them in /proc/cpuinfo: "AMX" (Intel Xeon since Sapphire
+    Rapids), "AVX512-BF16" (Cooper Lake, AMD Zen 4 and later), or "" where there are none or no /proc/cpuinfo to
+    read (macOS, Windows). Without them torch emulates bf16 with conversions, slower than fp32: nothing to measure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return ""
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else ""
+
+
+BF16_GAIN = 1.10  # train.precision auto on a CPU takes bf16 only if fp32 needs >= 10% more time: less is noise
+
+
+def pick_cpu_precision(timings: list[dict], units: str) -> tuple[str, str]:
+    """(precision, plan note) from every rank's seconds per forward+backward {"fp32": s, "bf16": s}. A step waits
+    for the slowest rank, so each precision counts at its slowest rank's time; every rank decides from the same
+    gathered numbers, so all take the same decision."""
+    fp32, bf16 = (max(t[p] for t in timings) for p in ("fp32", "bf16"))
+    chosen = "bf16" if fp32 >= BF16_GAIN * bf16 else "fp32"
+    slowest = ", the slowest rank's" if len(timings) > 1 else ""
+    return chosen, (f"auto -> {chosen} (CPU with {units}: forward+backward {bf16 * 1e3:.0f} ms bf16 vs "
+                    f"{fp32 * 1e3:.0f} ms fp32{slowest}; bf16 when >= {BF16_GAIN - 1:.0%} faster)")
 
 
 def time_precisions(trainer, steps: int) -> dict[str, float]:

@@ -17,7 +17,6 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-import balance
 import checkpoint
 import checkpoint_io
 import distributed as D
@@ -61,32 +60,6 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 def bf16_supported(ctx: D.DistContext) -> bool:
     """Native bf16 on this rank's GPU (without counting torch's slow emulation on older GPUs)."""
     return ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def cpu_bf16_units() -> str:
-    """This CPU's bf16 matrix instructions, as Linux lists them in /proc/cpuinfo: "AMX" (Intel Xeon since Sapphire
-    Rapids), "AVX512-BF16" (Cooper Lake, AMD Zen 4 and later), or "" where there are none or no /proc/cpuinfo to
-    read (macOS, Windows). Without them torch emulates bf16 with conversions, slower than fp32: nothing to measure."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return ""
-    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else ""
-
-
-BF16_GAIN = 1.10  # train.precision auto on a CPU takes bf16 only if fp32 needs >= 10% more time: less is noise
-
-
-def pick_cpu_precision(timings: list[dict], units: str) -> tuple[str, str]:
-    """(precision, plan note) from every rank's seconds per forward+backward {"fp32": s, "bf16": s}. A step waits
-    for the slowest rank, so each precision counts at its slowest rank's time; every rank decides from the same
-    gathered numbers, so all take the same decision."""
-    fp32, bf16 = (max(t[p] for t in timings) for p in ("fp32", "bf16"))
-    chosen = "bf16" if fp32 >= BF16_GAIN * bf16 else "fp32"
-    slowest = ", the slowest rank's" if len(timings) > 1 else ""
-    return chosen, (f"auto -> {chosen} (CPU with {units}: forward+backward {bf16 * 1e3:.0f} ms bf16 vs "
-                    f"{fp32 * 1e3:.0f} ms fp32{slowest}; bf16 when >= {BF16_GAIN - 1:.0%} faster)")
 
 
 def autocast_for(device_type: str, precision: str):
@@ -214,7 +187,7 @@ class Trainer:
         scale = par.grad_replicas / count  # grad_replicas: the ranks (pipelines, tp groups) gradients average over
         # -----> the forward and backward of each micro-batch: Parallel.forward_backward (strategies/base.py)
         loss_total = par.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast,
-                                          lambda model: balance.slowdown(self.cfg, ctx, model))
+                                          self.slowdown)
         if par.scaler:
             par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
         grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)  # global: equal on every rank
@@ -604,24 +577,12 @@ class Trainer:
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
 
     def choose_precision(self) -> None:
-        """train.precision auto on a CPU: whether bf16 autocast pays depends on the CPU and the job (with bf16
-        matrix units, a wide model on long sequences gains up to 2x, a small batch of short sentences nothing), so
-        every rank times forward+backward in both on the run's next batches (balance.time_precisions: the run does
-        not notice) and all take bf16 only where it is clearly faster (pick_cpu_precision). Collective. Explicit
-        settings are kept; GPUs keep resolve_precision's choice."""
+        """train.precision auto on a CPU: fp32 or bf16, whichever trains this job faster here (measured by every
+        rank: balance.cpu_precision). Collective. Explicit settings and GPUs keep resolve_precision's choice."""
         if self.precision_asked != "auto" or self.ctx.device.type != "cpu":
             return
-        units = D.gather_objects(self.ctx, cpu_bf16_units())
-        if not all(units):  # without the units bf16 is emulated, slower: not worth measuring
-            self.precision_note = "auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
-            return
-        if not self.par.runs_alone:  # its precision is fixed when it wraps the model, or a forward waits for others
-            self.precision_note = (f"auto -> fp32 (CPU with {units[0]}, not measured under {self.cfg.dist.strategy}: "
-                                   "its precision is fixed when it wraps the model, or a forward waits for other "
-                                   "ranks; set train.precision: bf16 to try it)")
-            return
-        timings = D.gather_objects(self.ctx, balance.time_precisions(self, self.t.balance_steps))
-        precision, self.precision_note = pick_cpu_precision(timings, units[0])
+        import balance  # (only the runs that measure something load it)
+        precision, self.precision_note = balance.cpu_precision(self)
         self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.t, precision=precision))
         self.t = self.cfg.train  # what checkpoints and config.yml record
         self.autocast = autocast_for("cpu", precision)
@@ -632,8 +593,17 @@ class Trainer:
         batches per epoch and of steps, stays as it is; only the sampler is rebuilt."""
         if self.t.batch_size != "auto":
             return
+        import balance
         self.batch_sizes, self.balance_note = balance.auto_batch_sizes(self, self.resumed_batch_sizes)
         self.sampler = self.make_sampler()
+
+    def slowdown(self, model: torch.nn.Module):
+        """The context of one micro-batch's forward+backward: dist.simulate_slowdown makes this rank slower
+        (balance.slowdown); otherwise nothing."""
+        if not self.cfg.dist.simulate_slowdown:
+            return contextlib.nullcontext()
+        import balance
+        return balance.slowdown(self.cfg, self.ctx, model)
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""

@@ -1,5 +1,5 @@
 """train.precision auto on a CPU (issue 22): measured, not assumed. The timings are injected (balance.time_precisions
-and trainer.cpu_bf16_units replaced), so that what is tested is the decision and its effect, not this machine's
+and balance.cpu_bf16_units replaced), so that what is tested is the decision and its effect, not this machine's
 speed; one test measures for real and checks that the measurement leaves no trace in the run."""
 import json
 import os
@@ -34,7 +34,7 @@ def inject(monkeypatch, units: str = "AMX", timings=None):
         if timings is None:
             raise AssertionError("precision was measured, and should not have been")
         return dict(timings)
-    monkeypatch.setattr(trainer_module, "cpu_bf16_units", lambda: units)
+    monkeypatch.setattr(balance, "cpu_bf16_units", lambda: units)
     monkeypatch.setattr(balance, "time_precisions", timed)
 
 
@@ -107,9 +107,9 @@ def test_cpu_bf16_units_reads_the_cpu_flags(monkeypatch, tmp_path):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(
             tmp_path / "cpuinfo" if path == "/proc/cpuinfo" else path, *a, **k))
-        assert trainer_module.cpu_bf16_units() == units
+        assert balance.cpu_bf16_units() == units
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(FileNotFoundError(path)))
-    assert trainer_module.cpu_bf16_units() == ""  # macOS, Windows: no /proc/cpuinfo, so fp32
+    assert balance.cpu_bf16_units() == ""  # macOS, Windows: no /proc/cpuinfo, so fp32
 
 
 @pytest.mark.parametrize("gain, chosen", [(float("inf"), "fp32"), (0.0, "bf16")])
@@ -120,8 +120,8 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
     calls = []
     real = balance.time_precisions
     monkeypatch.setattr(balance, "time_precisions", lambda trainer, steps: calls.append(steps) or real(trainer, steps))
-    monkeypatch.setattr(trainer_module, "cpu_bf16_units", lambda: "AMX")
-    monkeypatch.setattr(trainer_module, "BF16_GAIN", gain)
+    monkeypatch.setattr(balance, "cpu_bf16_units", lambda: "AMX")
+    monkeypatch.setattr(balance, "BF16_GAIN", gain)
     t = train(make_config(tmp_path / "auto", train={**TRAIN, "precision": "auto", "balance_steps": 2}))
     assert calls == [2] and t.t.precision == chosen
     assert "ms bf16 vs" in t.precision_note
@@ -138,7 +138,7 @@ def _rank(local_rank, cfg, out_dir, timings):
     import main
     from tasks import build_task
     torch.set_num_threads(1)
-    trainer_module.cpu_bf16_units = lambda: "AMX"
+    balance.cpu_bf16_units = lambda: "AMX"
     balance.time_precisions = lambda trainer, steps: timings[local_rank]
     ctx = D.init(cfg, local_rank, 2, local_rank)
     try:
