@@ -27,7 +27,6 @@ from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_pro
 from run_log import EvalProgress, StepProfiler, Window, setup_logging
 import strategies
 from strategies.base import checkpoint_blocks
-from tasks import lora
 from tasks.base import Task
 
 
@@ -81,7 +80,9 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        model = lora.adapt(model, cfg)  # model.lora_rank > 0: frozen base + trainable adapters (tasks/lora.py)
+        if cfg.model.lora_rank:  # a frozen base + trainable adapters
+            from tasks import lora
+            model = lora.adapt(model, cfg)
         if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
             if not checkpoint_blocks(model):
                 raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
