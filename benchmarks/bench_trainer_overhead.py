@@ -28,7 +28,8 @@ from config import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
 from run_log import Window  # noqa: E402
 from tasks import build_task  # noqa: E402
-from tasks.image import TensorImages, load_mnist  # noqa: E402
+from tasks.image import TensorImages  # noqa: E402
+from tasks.mnist import load_mnist  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 

@@ -328,7 +328,7 @@ def write_idx(path, array):
 
 
 def test_idx_reader_on_written_files(tmp_path):
-    from tasks.image import read_idx
+    from tasks.mnist import read_idx
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (7, 28, 28), dtype=np.uint8)
     floats = rng.standard_normal((3, 4)).astype(np.float32)
@@ -365,7 +365,7 @@ def test_mnist_task_trains_from_idx_files_and_says_what_is_missing(tmp_path):
 
 
 def test_idx_reader_on_real_mnist(shared_data):
-    from tasks.image import MNIST_FILES, load_mnist
+    from tasks.mnist import MNIST_FILES, load_mnist
     mnist = os.path.join(shared_data, "mnist")
     for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         digest = hashlib.md5(open(os.path.join(mnist, name + ".gz"), "rb").read()).hexdigest()
