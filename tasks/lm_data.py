@@ -29,11 +29,23 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from config import DataError
+from config import DataConfig, DataError
 from tasks.text_common import json_lines, read_utf8
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".ndjson")  # what a data_dir is searched for
 SPLIT_NAMES = ("train", "dev", "test")
+
+
+def check_config(cfg, fail) -> None:
+    """data.tokenizer, windows or dev_split, set (config.validate asks): they are gpt2_lm's, refused elsewhere, not
+    ignored; a trained tokenizer cannot stand in for a pretrained model's own."""
+    d = cfg.data
+    for key in ("tokenizer", "windows", "dev_split"):
+        if getattr(d, key) != getattr(DataConfig, key) and cfg.task != "gpt2_lm":
+            fail(f"data.{key}", f"is gpt2_lm's, not {cfg.task}'s; remove it")
+    if d.tokenizer in ("bpe", "char", "byte") and cfg.model.pretrained_dir:
+        fail("data.tokenizer", f"is {d.tokenizer}, but model.pretrained_dir's model was trained with its own "
+                               "tokenizer; use auto (or that folder)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

