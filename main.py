@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 def run(cfg: Config) -> int:
     """Start this node's processes and wait for them. Returns the exit code (see faults.py: 0 finished, 1 crash,
     2 user error, 3 stopped by a signal or the time limit after saving, 4 diverged)."""
-    from distributed import launcher_env, torchrun_restart_problem
+    from distributed import launcher_env
 
     if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out (export.py)
         return run_export(cfg)
@@ -89,12 +89,14 @@ def run(cfg: Config) -> int:
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     env = launcher_env()
-    if env is not None and env["launcher"] == "torchrun" and (problem := torchrun_restart_problem()):
-        if env["local_rank"] == 0:
-            print(f"error: {problem}", file=sys.stderr)
-        else:  # the same line: leave it to local rank 0 (torchrun ends us once it exits, before we could end it)
-            time.sleep(10)
-        return 2
+    if env is not None and env["launcher"] == "torchrun":
+        import elastic  # (only torchrun's workers load it)
+        if problem := elastic.torchrun_restart_problem():
+            if env["local_rank"] == 0:
+                print(f"error: {problem}", file=sys.stderr)
+            else:  # the same line: leave it to local rank 0 (torchrun ends us once it exits, before we could end it)
+                time.sleep(10)
+            return 2
     lock = contextlib.nullcontext()
     try:
         check_output_dir(cfg.output_dir)

@@ -19,7 +19,7 @@ from cluster import (NODE_ADDRS, ROOT, STEPS, checkpoint_steps, clean_env, freez
                      two_nodes, wait_for)  # noqa: F401 (fixtures)
 from conftest import free_port, load_model_state, max_diff
 
-import distributed as D
+import elastic
 
 # ---- the refusal, from the worker's environment and the agent's command line ---------------------------------
 SHARED = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
@@ -28,8 +28,8 @@ SHARED = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "
 def test_the_readme_torchrun_command_runs():
     """One attempt (no restarts, fixed nodes) is safe with a shared store: nothing refused."""
     argv = ["--nproc_per_node=8", "main.py", "--params", "parameters.yml", "--set", "dist.strategy=ddp"]
-    assert D.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"}, argv) is None
-    assert D.torchrun_restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"},
+    assert elastic.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"}, argv) is None
+    assert elastic.torchrun_restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"},
                                       ["--nnodes=1:2", *argv]) is None  # the variable was set: safe
 
 
@@ -45,13 +45,13 @@ def test_the_readme_torchrun_command_runs():
      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=1 main.py"),
 ])
 def test_restarts_with_a_shared_store_are_refused_naming_the_command(argv, fixed):
-    problem = D.torchrun_restart_problem(SHARED, argv)
+    problem = elastic.torchrun_restart_problem(SHARED, argv)
     assert "pytorch/pytorch#135712" in problem and "\n" not in problem
     assert f"Run instead: {fixed}   (docs/slurm.md" in problem
 
 
 def test_nodes_joining_or_leaving_are_restarts_too():
-    problem = D.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"},
+    problem = elastic.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"},
                                          ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400", "x.py"])
     assert problem.startswith("torchrun --nnodes=1:2 restarts its workers")
 

@@ -1,0 +1,82 @@
+"""torchrun's restarts: a restartable torchrun whose workers would share the agent's rendezvous store is refused in
+one line naming the command to run instead (main.run asks, under torchrun only)."""
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Optional
+
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def torchrun_restart_problem(env=os.environ, agent_argv: Optional[list] = None) -> Optional[str]:
+    """Why this torchrun cannot restart its workers safely, or None. By default torchrun hands its rendezvous
+    store to the workers and keeps it across restarts, with the dead attempt's addresses still in it: a restarted
+    worker can read them and hang or fail, using up the restarts (pytorch/pytorch#135712). Only restarts (after
+    a failure, or when nodes join or leave: --nnodes=MIN:MAX) are at risk; one attempt is safe."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # (the variable is set: each round has a store of its own)
+        return None
+    argv = agent_argv if agent_argv is not None else torchrun_argv(os.getppid())
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    nnodes = option(argv, "nnodes") or "1"
+    elastic = ":" in nnodes and len(set(nnodes.split(":"))) > 1
+    if restarts == 0 and not elastic:
+        return None
+    why = f"--max-restarts={restarts}" if restarts else f"--nnodes={nnodes}"
+    return (f"torchrun {why} restarts its workers, and by default hands them a rendezvous store that keeps the "
+            "previous attempt's addresses: a restart can hang or fail on them (pytorch/pytorch#135712). "
+            f"Run instead: {safe_torchrun_command(argv)}   (docs/slurm.md, section 4)")
+
+
+def torchrun_argv(pid: int) -> list:
+    """The torchrun agent's arguments (after `torchrun` or `-m torch.distributed.run`), read from /proc; [] when
+    they cannot be read (another system, or not started by torchrun)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+    for i, arg in enumerate(argv):
+        if os.path.basename(arg) == "torchrun":
+            return argv[i + 1:]
+        if arg == "-m" and argv[i + 1:i + 2] in (["torch.distributed.run"], ["torch.distributed.launch"]):
+            return argv[i + 2:]
+    return []
+
+
+def option(argv: list, name: str) -> Optional[str]:
+    """The value of torchrun's option --name (also spelt with `_`, and as `--name value`) in argv, or None."""
+    spellings = {f"--{name}", f"--{name.replace('-', '_')}"}
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in spellings:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        if arg.endswith(".py"):  # the script: what follows is its own arguments
+            break
+    return None
+
+
+def without(argv: list, name: str) -> list:
+    """argv less torchrun's option --name and its value."""
+    spellings, out, skip = {f"--{name}", f"--{name.replace('-', '_')}"}, [], False
+    for arg in argv:
+        if skip or arg.partition("=")[0] in spellings:
+            skip = arg in spellings and not skip  # `--name value`: the value goes too
+            continue
+        out.append(arg)
+    return out
+
+
+def safe_torchrun_command(argv: list) -> str:
+    """The command to run: the same torchrun with its own store per attempt, and a c10d rendezvous (the static
+    one, torchrun's default, shares its store whatever the variable says)."""
+    if not argv:
+        return f"{SHARED_STORE_FIX} torchrun --rdzv-backend=c10d --rdzv-endpoint=NODE0:29400 ... main.py ..."
+    extra = []
+    if option(argv, "rdzv-backend") != "c10d" and "--standalone" not in argv:
+        argv = without(argv, "rdzv-backend")
+        extra = ["--rdzv-backend=c10d"]
+        if option(argv, "rdzv-endpoint") is None:
+            nodes = option(argv, "nnodes") or "1"
+            extra.append("--rdzv-endpoint=" + ("127.0.0.1:29400" if nodes in ("1", "1:1") else "NODE0:29400"))
+    return f"{SHARED_STORE_FIX} torchrun {shlex.join(extra + argv)}"
