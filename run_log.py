@@ -1,5 +1,5 @@
 """What a run shows and records: each rank's log file and rank 0's console, the progress bars, the training line,
-TensorBoard, torch.profiler traces and the closing summary.
+TensorBoard and the closing summary (train.profile_steps' traces: profiling.py).
 
 The Trainer (trainer.py) calls these; nothing here changes what is trained.
 """
@@ -16,7 +16,6 @@ import time
 from typing import Optional
 
 import torch
-from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 from tqdm import tqdm
 
 import checkpoint
@@ -242,42 +241,6 @@ class EvalProgress:
             self.last = now
             self.log.info(f"{self.what}: {self.done}/{self.total} batches, {now - self.start:.0f} s",
                           extra={"file_only": self.bar is not None})
-
-
-class StepProfiler:
-    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
-    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
-    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
-    falls inside the range is in the trace too."""
-
-    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
-        self.first, self.last = ((1, steps) if isinstance(steps, int) else steps) if steps else (0, -1)
-        self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
-
-    def before_step(self, step: int) -> None:
-        if self.prof is not None:
-            if step > self.last:
-                self.stop()
-            else:
-                self.prof.step()  # marks the step boundaries (ProfilerStep#N) in the trace
-        elif self.first <= step <= self.last:  # a resume inside the range starts where it is
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
-            # A schedule that always records: with one, the profiler marks each step as ProfilerStep#<step>.
-            self.prof = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, record_shapes=True,
-                                profile_memory=True)
-            self.prof.step_num = step
-            self.prof.start()
-            self.started = step
-        if self.prof is not None:
-            self.current = step
-
-    def stop(self) -> None:
-        if self.prof is None:
-            return
-        self.prof.stop()
-        tensorboard_trace_handler(self.dir, worker_name=f"rank{self.ctx.rank}")(self.prof)
-        self.log.info(f"profile of steps {self.started}-{self.current} written to {self.dir}")
-        self.prof = None
 
 
 def summary(cfg: Config, state, best_metric: str) -> str:

@@ -24,7 +24,7 @@ import faults
 import run_log
 from config import Config, CheckpointError, ConfigError, procs_per_node_list
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from run_log import EvalProgress, StepProfiler, Window, setup_logging
+from run_log import EvalProgress, Window, setup_logging
 import strategies
 from strategies.base import checkpoint_blocks
 from tasks.base import Task
@@ -129,11 +129,15 @@ class Trainer:
         metrics, saved_at, evaluated_at = {}, None, None
         window = Window(self.ctx, state.step)
         bar = self.progress_bar()
-        profiler = StepProfiler(t.profile_steps, self.cfg.output_dir, self.ctx, self.log)
+        profiler = None
+        if t.profile_steps:  # a trace of chosen steps
+            from profiling import StepProfiler
+            profiler = StepProfiler(t.profile_steps, self.cfg.output_dir, self.ctx, self.log)
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             faults.progress.at(state.step + 1, "train")
-            profiler.before_step(state.step + 1)  # train.profile_steps: a trace of chosen steps
+            if profiler:
+                profiler.before_step(state.step + 1)
             batches = [next(stream) for _ in range(t.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
@@ -164,7 +168,8 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
-        profiler.stop()
+        if profiler:
+            profiler.stop()
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.finish_save()

@@ -1,0 +1,45 @@
+"""train.profile_steps: a torch.profiler trace of chosen optimizer steps (imported only by the runs that ask)."""
+from __future__ import annotations
+
+import logging
+import os
+
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
+
+import distributed as D
+
+
+class StepProfiler:
+    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
+    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
+    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
+    falls inside the range is in the trace too."""
+
+    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
+        self.first, self.last = (1, steps) if isinstance(steps, int) else steps
+        self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
+
+    def before_step(self, step: int) -> None:
+        if self.prof is not None:
+            if step > self.last:
+                self.stop()
+            else:
+                self.prof.step()  # marks the step boundaries (ProfilerStep#N) in the trace
+        elif self.first <= step <= self.last:  # a resume inside the range starts where it is
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
+            # A schedule that always records: with one, the profiler marks each step as ProfilerStep#<step>.
+            self.prof = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, record_shapes=True,
+                                profile_memory=True)
+            self.prof.step_num = step
+            self.prof.start()
+            self.started = step
+        if self.prof is not None:
+            self.current = step
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.stop()
+        tensorboard_trace_handler(self.dir, worker_name=f"rank{self.ctx.rank}")(self.prof)
+        self.log.info(f"profile of steps {self.started}-{self.current} written to {self.dir}")
+        self.prof = None
