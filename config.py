@@ -54,26 +54,21 @@ class DataConfig:
     max_length: int = 128
     """Text tasks: sequences are truncated to this many tokens (block size for language modelling)."""
     tokenizer: str = "auto"
-    """gpt2_lm: `bpe` (a byte-level BPE trained on the training texts), `char` (one id per character of the
-    training texts, nanoGPT's shakespeare_char), `byte` (one id per byte), each with an end-of-text token, or a
-    folder holding a Hugging Face tokenizer. auto: model.pretrained_dir's, else bpe. Saved in output_dir/tokenizer."""
+    """gpt2_lm: `bpe`, `char` or `byte` (made from the training texts; docs/text_tasks.md), or a Hugging Face
+    tokenizer folder. auto: model.pretrained_dir's, else bpe. Saved in output_dir/tokenizer."""
     windows: Literal["blocks", "random"] = "blocks"
-    """gpt2_lm's training samples, max_length + 1 tokens of the token stream: `blocks` non-overlapping (every
-    token a target once per epoch); `random` at random offsets (nanoGPT's get_batch) drawn from seed, epoch and
-    sample index, so a resumed run draws the same. An epoch is as many windows as there are blocks."""
+    """gpt2_lm's training windows of the token stream (tasks/lm_data.py): `blocks` non-overlapping, or `random`
+    offsets (nanoGPT's get_batch), drawn again the same on resume."""
     dev_split: Literal["auto", "files", "tail", "texts"] = "auto"
-    """gpt2_lm's dev split: `files` the dev files (dev.* in data_dir, or dev_files); `tail` the last dev_fraction of
-    the training token stream (nanoGPT's); `texts` a fixed dev_fraction of the training texts, whole. auto: files
-    when there are some, else tail."""
+    """gpt2_lm's dev split (tasks/lm_data.py): `files` (dev_files), `tail` (the last dev_fraction of the training
+    tokens, nanoGPT's), `texts` (a dev_fraction of the training texts). auto: files if there are some, else tail."""
     group_by_length: bool = False
     """Text tasks: batch samples of similar length together (less padding), still shuffled between batches."""
     train_files: Optional[str] = None
-    """bert_pretrain: glob of the training HDF5 shards. None: `<data_dir>/training/*.hdf5` (NVIDIA's layout), or
-    else `<data_dir>/*_training_*.hdf5` (the flat layout HetSeq and NVIDIA's older scripts leave). gpt2_lm: glob
-    of the training text files. None: `train.*` in data_dir, else its .txt/.json/.jsonl files but dev.* and test.*."""
+    """bert_pretrain: glob of the training HDF5 shards; gpt2_lm: of the training text files. None: the task's
+    layout in data_dir (tasks/bert_pretrain.py, tasks/lm_data.py)."""
     dev_files: Optional[str] = None
-    """bert_pretrain: glob of the dev HDF5 shards. None: `<data_dir>/test/*.hdf5` (NVIDIA's layout), or else
-    `<data_dir>/*_test_*.hdf5` (the flat layout). gpt2_lm: glob of the dev text files. None: `dev.*` in data_dir."""
+    """bert_pretrain: glob of the dev HDF5 shards; gpt2_lm: of the dev text files. None: as for train_files."""
     text_column: str = "text"
     """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
     label_column: str = "label"
@@ -104,13 +99,11 @@ class ModelConfig:
     dropout: float = 0.25
     """Dropout probability (0 disables dropout)."""
     activation_checkpointing: bool = False
-    """Transformer tasks: keep only each block's input during forward and recompute the block's activations in
-    backward (torch.utils.checkpoint per block): less activation memory for about one more forward pass of
-    compute. Same gradients. Not with dist.strategy: pipe."""
+    """Transformer tasks: recompute each block's activations in backward from its input (torch.utils.checkpoint):
+    less memory for about one more forward pass, same gradients. Not with dist.strategy: pipe."""
     lora_rank: int = 0
-    """LoRA (sst2, gpt2_lm; needs model.pretrained_dir): the rank of the low-rank adapters trained beside the frozen
-    pretrained weights (tasks/lora.py, Hugging Face peft); a classifier's head trains whole. Checkpoints then hold
-    only what trains, plus a reference to the base weights. 0: off, every parameter trains."""
+    """LoRA (sst2, gpt2_lm with model.pretrained_dir; tasks/lora.py): the rank of the adapters trained beside the
+    frozen pretrained weights; checkpoints hold only what trains. 0: off, every parameter trains."""
     lora_alpha: float = 16.0
     """LoRA: the adapters' update is scaled by lora_alpha / lora_rank."""
     lora_dropout: float = 0.0
@@ -119,9 +112,8 @@ class ModelConfig:
     """LoRA: names of the layers that get adapters (the last part of a module name, e.g. [query, value]). null: the
     architecture's default in peft (BERT: query, value; BART, Llama: q_proj, v_proj; GPT-2: c_attn)."""
     arch: Optional[Literal["gpt2", "llama"]] = None
-    """gpt2_lm's decoder: `gpt2` (GPT2LMHeadModel: learned positions, LayerNorm, GELU MLP) or `llama`
-    (LlamaForCausalLM: rotary positions, RMSNorm, SwiGLU MLP of 8/3 x width rounded up to 64; dropout on attention
-    weights only). null: gpt2, or model.pretrained_dir's own. Other tasks: null (tasks/lm_models.py)."""
+    """gpt2_lm's decoder (tasks/lm_models.py): `gpt2` (GPT2LMHeadModel) or `llama` (LlamaForCausalLM: rotary
+    positions, RMSNorm, SwiGLU). null: gpt2, or model.pretrained_dir's own."""
     layers: Optional[int] = None
     """Transformer blocks (gpt2_lm, bert_pretrain, sst2's random BART: encoder and decoder each). null: model.name's
     preset, or model.pretrained_dir's (another value is refused, as for heads, width, bias, tie_embeddings)."""
@@ -131,10 +123,8 @@ class ModelConfig:
     """Hidden size (embeddings and residual stream); the MLP gets 4 x width units (llama: 8/3 x width). null:
     model.name's preset, or pretrained_dir's. The context is data.max_length positions."""
     bias: Optional[bool] = None
-    """false: no biases. llama: none in its linear layers (its RMSNorms have none). GPT-2, BERT, BART (transformers
-    has no bias-free form of them): every bias is zeros that never train (frozen, still in checkpoints and exports),
-    which computes what a bias-free model does. true: biases (llama: in attention and MLP). null: the architecture's
-    own (llama: none; the others: biases), or pretrained_dir's."""
+    """false: no biases (GPT-2, BERT, BART: frozen zeros, as transformers has no bias-free form of them); true:
+    biases. null: the architecture's own (llama: none; the others: biases), or pretrained_dir's."""
     tie_embeddings: Optional[bool] = None
     """gpt2_lm, bert_pretrain: true: the output layer shares the token embedding's weight; false: its own. null:
     true for a random model, pretrained_dir's own otherwise."""
@@ -167,16 +157,13 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     batch_size: Union[int, list, str] = 32
-    """Samples per optimizer micro-step on each process (per rank). The global batch is the sum over ranks.
-    A list gives one size per rank (uneven machines). `auto`: split `global_batch_size` over the ranks in
-    proportion to their speed, measured before training (see docs/heterogeneous.md). Under pipe: per pipeline
-    (one size, a list per pipeline, or auto by the speed of each pipeline's slowest stage)."""
+    """Samples per micro-step on each rank (under pipe: each pipeline); the global batch is their sum. A list: one
+    size per rank; `auto`: global_batch_size split by each rank's measured speed (docs/heterogeneous.md)."""
     global_batch_size: Optional[int] = None
     """With batch_size auto: the samples of one micro-step summed over all ranks (it stays fixed; only the split
     between ranks follows their speed). Required with auto, unused otherwise."""
     balance_steps: int = 5
-    """With batch_size auto: timed forward+backward passes per rank that measure its speed (model unchanged).
-    precision auto on a CPU with bf16 units times as many of each precision."""
+    """With batch_size auto (and precision auto on a CPU): timed forward+backward passes that measure a speed."""
     eval_batch_size: int = 256
     """Samples per forward pass during evaluation, per rank."""
     max_steps: int = 0
@@ -188,16 +175,14 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: `adamw` or `sgd` (with momentum 0.9)."""
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    """How the optimizer updates the parameters. fused: one kernel for all of them; foreach: batched ops over the
-    list of tensors; for_loop: one tensor at a time (PyTorch's default on CPU, slow for many small tensors). auto:
-    fused where the device supports it (CPU and CUDA), else foreach. The same update within float rounding."""
+    """fused (one kernel for all parameters), foreach (batched over the tensors) or for_loop (one at a time); the
+    same update within rounding. auto: fused where the device supports it, else foreach."""
     compile: bool = False
     """torch.compile the model (after the strategy wrapped it: the DDP module, or each FSDP2 block). The first
     steps, and each new input shape (e.g. dynamic padding), pay the compilation. Not with dist.strategy: pipe."""
     profile_steps: Union[None, int, list] = None
-    """Record a torch.profiler trace of these optimizer steps: [first, last] (e.g. [10, 15]), or N for steps
-    1..N. Written to output_dir/profile/ (one .pt.trace.json per rank: TensorBoard's profiler plugin or
-    chrome://tracing / Perfetto opens it). None: no profiling."""
+    """A torch.profiler trace of optimizer steps [first, last], or N for 1..N, into output_dir/profile/ (one
+    .pt.trace.json per rank: TensorBoard, Perfetto). None: no profiling."""
     lr: float = 1e-3
     """Peak learning rate (reached after warm-up)."""
     warmup: float = 0
@@ -217,34 +202,27 @@ class TrainConfig:
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
     precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
-    """Compute precision: fp32, fp16 (autocast + dynamic loss scaling), bf16 (autocast, no scaling), or auto:
-    bf16 on GPUs that support it, fp32 on older GPUs; on a CPU with bf16 matrix units (AMX, AVX512-BF16) it times
-    train.balance_steps forward+backward passes of each on the first batches (the run does not notice) and takes
-    bf16 if >= 10% faster (ddp and one process; fsdp, tp and pipe stay fp32), else fp32. The plan says which, and
-    why."""
+    """fp32, fp16 (autocast + dynamic loss scaling), bf16 (autocast), or auto: bf16 on GPUs that support it, else
+    fp32; on a CPU with bf16 units, bf16 where it times faster (balance.cpu_precision). The plan says which."""
     eval_every: int = 200
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
     eval_batches: int = 0
-    """Evaluations during training cover a fixed, seeded subset of the dev split: this many batches of
-    eval_batch_size samples (the same subset every time, whatever the world size), for frequent cheap ones. The
-    last evaluation of training and test mode cover the whole split (the best checkpoint and early stopping
-    compare what each evaluation covered). 0: always the whole split."""
+    """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
+    the last one and test mode read the whole split. 0: always the whole split."""
     save_every: int = 200
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
     async_save: bool = False
-    """Write checkpoints in the background: the state is copied to the host (or, under fsdp, handed to DCP's
-    async_save), training goes on, and the checkpoint is published (renamed into place) at the next save or at
-    the end. The previous checkpoints stay as they are until then; pipe and oss write as usual."""
+    """Write checkpoints in the background (the state copied to the host first; fsdp: DCP's async_save), published
+    at the next save or at the end. pipe and oss write as usual."""
     resume: Union[str, bool] = "auto"
     """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
     checkpoint. false: start fresh, in an output_dir without checkpoints (one folder holds one run: into a folder
     with another run's checkpoints it is refused; see start_over)."""
     start_over: bool = False
-    """Start a new run in an output_dir that holds another run: its checkpoints, TensorBoard files, results and
-    config are first moved aside into output_dir/replaced-<date>-<time>/ (nothing is deleted). A one-off: give it
-    on the command line (`--set train.start_over=true`), or every run of that command starts over."""
+    """Start a new run in an output_dir that holds another: the old run is moved aside into
+    output_dir/replaced-<date>-<time>/ (nothing deleted). Give it on the command line, once."""
     resume_changed: bool = False
     """Resume even though the checkpoint's run differs from this one in what changes the result (task, seed,
     model.*, data.*, the global batch): the differences are then a warning. false: they are refused, listed."""
@@ -265,9 +243,8 @@ class TrainConfig:
     """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
     `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
     max_bad_steps: int = 5
-    """Steps whose gradient norm is NaN/Inf are skipped (parameters and optimizer state unchanged). After this
-    many in a row, training stops (exit code 4) naming the last checkpoint. fp16: overflow steps are the loss
-    scaler's business and count only once its scale has fallen below 1."""
+    """Steps with a NaN/Inf gradient norm are skipped; this many in a row stop training (exit code 4). fp16:
+    overflows count only once the loss scale has fallen below 1."""
 
     def check(self, fail) -> None:
         if self.lr <= 0:
@@ -344,13 +321,11 @@ class DistConfig:
     """fsdp: free each unit's gathered parameters after its forward and gather them again for backward (less
     memory, one more all-gather per unit). false: keep them until backward."""
     pp_stages: int = 2
-    """pipe: stages per pipeline. The world size must be a multiple; world size / pp_stages pipelines train side
-    by side (data parallel), each on its own share of the global batch. Ranks: rank = stage * pipelines + pipeline,
-    so the replicas of one stage are neighbours (one node) and a pipeline spans nodes (only activations cross)."""
+    """pipe: stages per pipeline; world size / pp_stages pipelines train side by side, data parallel (the rank
+    layout: docs/pipeline.md)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    """pipe: the order of forward and backward micro-batches. gpipe: all forwards, then all backwards (simplest,
-    keeps every micro-batch's activations); 1f1b: one forward one backward (same bubble, less memory);
-    interleaved_1f1b and zero_bubble: two smaller stages per rank (looped), smaller bubble, more messages."""
+    """pipe: the order of the micro-batches' forwards and backwards; interleaved_1f1b and zero_bubble put two
+    stages on each rank (docs/pipeline.md)."""
     pp_microbatches: int = 4
     """pipe: micro-batches each pipeline batch is cut into (train.batch_size per pipeline must divide by it).
     More micro-batches: a smaller bubble ((stages-1)/(microbatches+stages-1) for gpipe and 1f1b)."""
@@ -358,27 +333,20 @@ class DistConfig:
     """pipe with several pipelines: how each stage's replicas stay in sync. ddp: gradients all-reduced; fsdp:
     the stage's parameters sharded over its replicas (FSDP2)."""
     pp_split: Union[str, list] = "even"
-    """pipe: how the task's layers are cut into stages. even: the same number of layers per stage; auto: time
-    each stage's layers during a short warm-up (on its own device, with dist.simulate_slowdown on CPU) and give
-    faster stages more layers; or a list of layer counts, one per stage (its sum = the task's layer count)."""
+    """pipe: how the layers are cut into stages: even (as many per stage), auto (faster stages get more, timed
+    before training), or a list of layer counts per stage (docs/pipeline.md)."""
     tp: int = 1
-    """Tensor parallelism: each transformer block's matrices split over this many ranks (q/k/v and the MLP's first
-    layer by columns, the attention output and the MLP's second layer by rows: two all-reduces per block forward).
-    World size = data parallel x tp, on one device mesh (ranks of a tp group are neighbours). With strategy ddp or
-    fsdp over the data-parallel dimension; tasks with a plan (Task.tp_plan: bert_pretrain, BERT-style sst2
-    models). See docs/mesh.md."""
+    """Tensor parallelism: each transformer block's matrices split over this many ranks, for tasks with a plan
+    (Task.tp_plan). World size = data parallel x tp on one device mesh (docs/mesh.md)."""
     sequence_parallel: bool = False
-    """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions, so the norms run on
-    sequence shards and save 1/tp of their activations; the attention and MLP all-gather their input (and save it
-    whole) and the row splits reduce-scatter their output. Plans that support it: gpt2_lm's llama."""
+    """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions (less norm activation
+    memory; docs/mesh.md). Plans that support it: gpt2_lm's llama."""
     loss_parallel: bool = False
-    """dist.tp > 1: the LM head split by vocabulary and the cross-entropy computed on the split logits, so no rank
-    holds the whole [batch, positions, vocabulary] logits. Separate from sequence_parallel (it splits the head's
-    weight, which a tied embedding cannot share). Plans that support it: gpt2_lm's llama, untied."""
+    """dist.tp > 1: the LM head split by vocabulary and the loss computed on the split logits (no rank holds them
+    whole; docs/mesh.md). Plans that support it: gpt2_lm's llama, untied."""
     dp_replicate: int = 1
-    """fsdp: keep this many replicas of the sharded model (HSDP): parameters are sharded over world size /
-    (dp_replicate x tp) ranks and all-gathered within a replica; gradients are all-reduced across replicas.
-    Put one replica per node and all-gathers stay inside nodes. 1: plain FSDP over all data-parallel ranks."""
+    """fsdp: this many replicas of the sharded model (HSDP: gradients all-reduced across replicas; one per node
+    keeps the all-gathers inside nodes; docs/mesh.md). 1: plain FSDP."""
     nodes: int = 1
     """Number of machines taking part. Run the same command on each, with its own node_rank."""
     procs_per_node: Union[None, int, list] = None
@@ -475,9 +443,8 @@ class ExportConfig:
     """Where `mode: export` writes the checkpoint (test.checkpoint, else the best of output_dir). None:
     <output_dir>/export. It must not exist yet: an export is written aside, then renamed, never overwritten."""
     format: Literal["auto", "hf", "state_dict", "torch_export"] = "auto"
-    """What to write. hf: a Hugging Face folder (save_pretrained model, tokenizer, config; text tasks).
-    state_dict: model.safetensors + config.json + a loading snippet in README.md; torch_export: a torch.export
-    program, model.pt2 (the image task). auto: hf for text tasks, state_dict and torch_export for image."""
+    """hf: a Hugging Face folder (text tasks); state_dict: model.safetensors, config.json and a loading snippet;
+    torch_export: a torch.export program, model.pt2 (image). auto: hf, or state_dict and torch_export for image."""
 
 
 @dataclass
