@@ -7,22 +7,41 @@ rank so that they stop together after saving, and takes the other ranks down whe
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
 
 import faults
-from config import Config
+from config import Config, UserError
 from faults import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, HOST, already_stopping, detach_hung_up_terminal, say, stop_signals
 
 GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
 EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
+
+
+def check_port_free(cfg: Config) -> None:
+    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
+    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
+    d = cfg.dist
+    if d.node_rank != 0 or d.init_method != "tcp":
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
+        try:
+            s.bind((d.master_addr or "127.0.0.1", d.master_port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another "
+                                f"run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}") from None
+            # EADDRNOTAVAIL: master_addr names another machine; nothing to check from here
 
 
 class Supervisor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
@@ -26,7 +25,7 @@ import time
 from typing import Optional
 
 import faults
-from config import Config, UserError, load_config, procs_per_node_list, world_size
+from config import Config, UserError, load_config, procs_per_node_list
 from faults import HOST, report
 
 
@@ -83,13 +82,11 @@ def run(cfg: Config) -> int:
     2 user error, 3 stopped by a signal or the time limit after saving, 4 diverged)."""
     from distributed import launcher_env
 
-    if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out (export.py)
-        return run_export(cfg)
+    env = launcher_env()
     if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
-    env = launcher_env()
-    if env is not None and env["launcher"] == "torchrun":
+    if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":
         import elastic  # (only torchrun's workers load it)
         if problem := elastic.torchrun_restart_problem():
             if env["local_rank"] == 0:
@@ -97,29 +94,34 @@ def run(cfg: Config) -> int:
             else:  # the same line: leave it to local rank 0 (torchrun ends us once it exits, before we could end it)
                 time.sleep(10)
             return 2
-    lock = contextlib.nullcontext()
     try:
+        if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out
+            import export
+            if env is None or env["rank"] == 0:  # under torchrun or srun, rank 0 alone writes the folder
+                export.run(cfg)
+            return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
-        if cfg.mode == "train" and first:
-            lock = hold_output_dir(cfg.output_dir)
-        if env is None:
-            check_port_free(cfg)
+        with hold_output_dir(cfg.output_dir) if cfg.mode == "train" and first else contextlib.nullcontext():
+            return start(cfg, env)  # the lock is held until this run ends, however it ends
     except UserError as e:
-        lock.__exit__(None, None, None)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with lock:  # held until this run ends, however it ends
-        if env is not None:  # torchrun / srun started us: we are exactly one rank
-            return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
-                                      env["rendezvous"]))
-        procs = procs_per_node_list(cfg)
-        here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
-        launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
-        if here == 1:
-            return worker(cfg, launches[0])
-        from launcher import Supervisor  # here: a one-process run (and each rank) never needs the launcher
-        return Supervisor(cfg, launches).run()
+
+
+def start(cfg: Config, env: Optional[dict]) -> int:
+    """Be the one rank that torchrun or srun started, or start this node's ranks."""
+    if env is not None:
+        return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
+                                  env["rendezvous"]))
+    procs = procs_per_node_list(cfg)
+    here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
+    launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
+    if world == 1:
+        return worker(cfg, launches[0])
+    import launcher  # here: a one-process run (and each rank) never needs the launcher
+    launcher.check_port_free(cfg)
+    return worker(cfg, launches[0]) if here == 1 else launcher.Supervisor(cfg, launches).run()
 
 
 @dataclasses.dataclass
@@ -130,21 +132,6 @@ class Launch:
     world: int                        # ranks in all, every node
     local_procs: int                  # ranks on this node: they share its cores (see worker's thread count)
     rendezvous: Optional[str] = None  # where ranks meet: env:// under torchrun; None: from cfg.dist
-
-
-def run_export(cfg: Config) -> int:
-    """mode: export. Under torchrun or srun, rank 0 alone writes the folder."""
-    import export as exporter
-    from distributed import launcher_env
-    env = launcher_env()
-    if env is not None and env["rank"] != 0:
-        return 0
-    try:
-        exporter.run(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def check_output_dir(path: str) -> None:
@@ -187,24 +174,6 @@ def hold_output_dir(path: str):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     return f
-
-
-def check_port_free(cfg: Config) -> None:
-    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
-    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
-    d = cfg.dist
-    if d.strategy in ("none", "dp") or d.node_rank != 0 or d.init_method != "tcp" or \
-            (cfg.mode == "test") or world_size(cfg) == 1:
-        return
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
-        try:
-            s.bind((d.master_addr or "127.0.0.1", d.master_port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another "
-                                f"run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}") from None
-            # EADDRNOTAVAIL: master_addr names another machine; nothing to check from here
 
 
 def worker(cfg: Config, launch: Launch) -> int:
