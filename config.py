@@ -132,21 +132,6 @@ class ModelConfig:
     def check(self, fail) -> None:
         if not 0 <= self.dropout < 1:
             fail("model.dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.lora_rank < 0:
-            fail("model.lora_rank", f"must be >= 0 (0: off), got {self.lora_rank}")
-        if self.lora_alpha <= 0:
-            fail("model.lora_alpha", f"must be > 0, got {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            fail("model.lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_targets is not None and (not self.lora_targets or not all(
-                isinstance(t, str) and t for t in self.lora_targets)):
-            fail("model.lora_targets", f"must be a non-empty list of layer names or null, got {self.lora_targets}")
-        for key in ("layers", "heads", "width"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                fail(f"model.{key}", f"must be >= 1 (or null: the preset's), got {getattr(self, key)}")
-        if self.heads and self.width and self.width % self.heads:
-            fail("model.heads", f"({self.heads}) must divide model.width ({self.width}): each head takes "
-                                "width / heads of it")
         if self.pretrained_dir:
             self.pretrained_dir = resolve_package_path(self.pretrained_dir)  # the folder the run will read
             if not os.path.isdir(self.pretrained_dir):
@@ -272,13 +257,6 @@ class TrainConfig:
             fail("train.max_steps", "and train.epochs are both 0: set at least one")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {self.warmup}")
-        steps = self.profile_steps
-        if isinstance(steps, int) and steps < 1:
-            fail("train.profile_steps", f"must be >= 1 (profile steps 1..N), got {steps}")
-        if isinstance(steps, list):
-            whole = all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
-            if len(steps) != 2 or not whole or not 1 <= steps[0] <= steps[1]:
-                fail("train.profile_steps", f"must be N or [first, last] with 1 <= first <= last, got {steps}")
         try:
             limit = parse_duration(self.time_limit)
         except ValueError:
@@ -635,6 +613,7 @@ def validate(cfg: Config, source: str) -> None:
     for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
         part.check(fail)
     check_across_sections(cfg, fail)
+    check_own_keys(cfg, fail)
 
 
 def check_across_sections(cfg: Config, fail) -> None:
@@ -666,7 +645,6 @@ def check_across_sections(cfg: Config, fail) -> None:
     if t.compile and cfg.task == "image" and not d.on_gpu():
         fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
-    check_task_keys(cfg, fail)
     if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
         fail("train.compile" if t.compile else "model.activation_checkpointing",
              "is not available with dist.strategy: pipe (its stages run the layers themselves)")
@@ -678,18 +656,26 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
 
 
-def check_task_keys(cfg: Config, fail) -> None:
-    """Keys that only some tasks read are checked in the file that reads them, imported only when one is set."""
-    if cfg.model.lora_rank:
-        from tasks.lora import check_config
-        check_config(cfg, fail)
-    if any(getattr(cfg.model, key) is not None for key in ("arch", "layers", "heads", "width", "bias",
-                                                          "tie_embeddings")):
-        from tasks.lm_models import check_config
-        check_config(cfg, fail)
-    if any(getattr(cfg.data, key) != getattr(DataConfig, key) for key in ("tokenizer", "windows", "dev_split")):
-        from tasks.lm_data import check_config
-        check_config(cfg, fail)
+# Keys that only some runs read, listed under the file that reads and checks them (its check_config(cfg, fail)).
+OWN_CHECKS = {
+    "tasks.lora": ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"],
+    "tasks.lm_models": ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
+                        "model.tie_embeddings"],
+    "tasks.lm_data": ["data.tokenizer", "data.windows", "data.dev_split"],
+    "profiling": ["train.profile_steps"],
+}
+
+
+def check_own_keys(cfg: Config, fail) -> None:
+    """Each file of OWN_CHECKS checks its keys, imported only when one of them is set (not at its default)."""
+    for module, keys in OWN_CHECKS.items():
+        if any(is_set(cfg, key) for key in keys):
+            importlib.import_module(module).check_config(cfg, fail)
+
+
+def is_set(cfg: Config, key: str) -> bool:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section], name)
 
 
 def check_tp(cfg: Config, world: int, fail) -> int:

@@ -9,6 +9,17 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboar
 import distributed as D
 
 
+def check_config(cfg, fail) -> None:
+    """train.profile_steps, set (config.validate asks): N (steps 1..N) or [first, last], steps counted from 1."""
+    steps = cfg.train.profile_steps
+    if isinstance(steps, int) and steps < 1:
+        fail("train.profile_steps", f"must be >= 1 (profile steps 1..N), got {steps}")
+    if isinstance(steps, list):
+        whole = all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+        if len(steps) != 2 or not whole or not 1 <= steps[0] <= steps[1]:
+            fail("train.profile_steps", f"must be N or [first, last] with 1 <= first <= last, got {steps}")
+
+
 class StepProfiler:
     """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
     to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin

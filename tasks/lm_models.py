@@ -218,6 +218,11 @@ def check_config(cfg, fail) -> None:
     """The model section's shape keys, set (config.validate asks): only the tasks that build a model by them take
     them; elsewhere they are refused, not ignored."""
     m, shaped = cfg.model, ("gpt2_lm", "bert_pretrain", "sst2")
+    for key in ("layers", "heads", "width"):
+        if getattr(m, key) is not None and getattr(m, key) < 1:
+            fail(f"model.{key}", f"must be >= 1 (or null: the preset's), got {getattr(m, key)}")
+    if m.heads and m.width and m.width % m.heads:
+        fail("model.heads", f"({m.heads}) must divide model.width ({m.width}): each head takes width / heads of it")
     if m.arch is not None and cfg.task != "gpt2_lm":
         fail("model.arch", f"is {m.arch}, but only gpt2_lm picks its architecture by it; remove it for {cfg.task}")
     for key in ("layers", "heads", "width", "bias", "tie_embeddings"):

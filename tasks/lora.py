@@ -24,9 +24,19 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # the files of a Hugging
 
 
 def check_config(cfg, fail) -> None:
-    """model.lora_rank > 0 (config.validate asks): adapters on a pretrained transformer, under the strategies that
-    save and load model state through the model's own names (none, dp, ddp, fsdp's FSDP2)."""
+    """The model.lora_* keys, set (config.validate asks). lora_rank > 0: adapters on a pretrained transformer, under
+    the strategies that save and load model state through the model's own names (none, dp, ddp, fsdp's FSDP2)."""
     m, d = cfg.model, cfg.dist
+    if m.lora_rank < 0:
+        fail("model.lora_rank", f"must be >= 0 (0: off), got {m.lora_rank}")
+    if m.lora_alpha <= 0:
+        fail("model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+    if not 0 <= m.lora_dropout < 1:
+        fail("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    if m.lora_targets is not None and (not m.lora_targets or not all(isinstance(t, str) and t for t in m.lora_targets)):
+        fail("model.lora_targets", f"must be a non-empty list of layer names or null, got {m.lora_targets}")
+    if not m.lora_rank:
+        return
     if cfg.task not in ("sst2", "gpt2_lm"):
         fail("model.lora_rank", f"LoRA adapts the transformer tasks (sst2, gpt2_lm); {cfg.task} has no pretrained "
                                 "transformer to adapt: set model.lora_rank: 0")
