@@ -691,9 +691,6 @@ def check_tp(cfg: Config, world: int, fail) -> int:
     if t.batch_size == "auto" or t.compile:
         fail("train.batch_size" if t.batch_size == "auto" else "train.compile",
              "is not available with dist.tp > 1 yet (give per-replica batch sizes; run eager)")
-    if t.precision == "fp16":  # torch's scalers unscale gradients per device in one kernel, which mixes the kinds
-        fail("train.precision", "fp16 is not available with dist.tp > 1 yet (the loss scaler cannot unscale "
-                                "tp-split and whole gradients together); use bf16, which needs no scaler")
     return world // d.tp
 
 
