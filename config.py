@@ -360,8 +360,6 @@ class DistConfig:
                 fail(f"dist.{key}", "splits over a tensor-parallel group: it needs dist.tp > 1")
         if self.dp_replicate < 1:
             fail("dist.dp_replicate", f"must be >= 1 (1: no replicas of the shards), got {self.dp_replicate}")
-        if self.dp_replicate > 1 and (self.strategy != "fsdp" or self.fsdp_impl != "torch"):
-            fail("dist.dp_replicate", "is HSDP: it needs dist.strategy fsdp (FSDP2)")
         if self.hang_timeout_s < 0:
             fail("dist.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
         if self.nodes < 1:
@@ -392,9 +390,6 @@ class DistConfig:
         if self.shard_grads and (self.strategy != "oss" or self.oss_impl != "fairscale"):
             fail("dist.shard_grads", "needs dist.strategy: oss with dist.oss_impl: fairscale (PyTorch's "
                                      "ZeroRedundancyOptimizer shards optimizer state only; use fsdp to shard more)")
-        if self.strategy == "fsdp" and self.fsdp_impl == "fairscale" and not self.on_gpu():
-            fail("dist.fsdp_impl", "is fairscale, whose FullyShardedDataParallel needs CUDA; use fsdp_impl: torch "
-                                   "on CPU")
 
     def on_gpu(self) -> bool:
         """Whether the run computes on CUDA devices: device cuda or auto, on a machine that has them."""
@@ -648,9 +643,6 @@ def check_across_sections(cfg: Config, fail) -> None:
     if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
         fail("train.compile" if t.compile else "model.activation_checkpointing",
              "is not available with dist.strategy: pipe (its stages run the layers themselves)")
-    if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and (t.compile or cfg.model.activation_checkpointing):
-        fail("train.compile" if t.compile else "model.activation_checkpointing",
-             "needs dist.fsdp_impl: torch (FSDP2 wraps the blocks in place; fairscale's FSDP replaces them)")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
@@ -663,6 +655,7 @@ OWN_CHECKS = {
                         "model.tie_embeddings"],
     "tasks.lm_data": ["data.tokenizer", "data.windows", "data.dev_split"],
     "profiling": ["train.profile_steps"],
+    "strategies.fsdp": ["dist.fsdp_impl", "dist.dp_replicate"],
 }
 
 

@@ -246,3 +246,15 @@ def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
             if child is old:
                 setattr(parent, name, new)
                 return
+
+
+def check_config(cfg, fail) -> None:
+    """dist.fsdp_impl or dist.dp_replicate, set (config.validate asks)."""
+    d, t = cfg.dist, cfg.train
+    if d.dp_replicate > 1 and (d.strategy != "fsdp" or d.fsdp_impl != "torch"):
+        fail("dist.dp_replicate", "is HSDP: it needs dist.strategy fsdp (FSDP2)")
+    if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and not d.on_gpu():
+        fail("dist.fsdp_impl", "is fairscale, whose FullyShardedDataParallel needs CUDA; use fsdp_impl: torch on CPU")
+    if d.strategy == "fsdp" and d.fsdp_impl == "fairscale" and (t.compile or cfg.model.activation_checkpointing):
+        fail("train.compile" if t.compile else "model.activation_checkpointing",
+             "needs dist.fsdp_impl: torch (FSDP2 wraps the blocks in place; fairscale's FSDP replaces them)")
