@@ -12,8 +12,7 @@ next run starts (clean_stale). Files:
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
 
 This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
-the DCP folders). `resume: auto` skips a checkpoint that cannot be read (Unloadable) for the newest one that can
-(load_newest).
+the DCP folders); which one a run resumes from, resume.py.
 """
 from __future__ import annotations
 
@@ -377,53 +376,7 @@ def clean_stale(output_dir: str) -> list[str]:
     return removed
 
 
-# ---- loading ------------------------------------------------------------------------------------------------
-def load_on_every_rank(ctx: DistContext, load: Callable[[str], None], path: str) -> str:
-    """Collective: `load(path)` on every rank. If it failed on any rank, every rank raises that rank's error
-    (as Unloadable if it was one), so all ranks go on, or stop, together. Returns `path`."""
-    error = None
-    try:
-        load(path)
-    except CheckpointError as e:
-        error = (isinstance(e, Unloadable), str(e))
-    failed = [e for e in gather_objects(ctx, error) if e is not None]
-    if failed:
-        unloadable, message = failed[0]
-        raise (Unloadable if unloadable else CheckpointError)(message)
-    return path
-
-
-def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
-                warn: Callable[[str], None]) -> Optional[str]:
-    """Collective, for `resume: auto`: `load(path)` on every rank the newest complete checkpoint that loads on
-    all of them; return its path (None: there is none). One that cannot be read (Unloadable, on any rank) is
-    skipped with a warning naming it and why, and once an older one has loaded, moved aside to
-    `step-N.unloadable`, so that this run can save step N again. A partly loaded checkpoint changes nothing
-    for good: `load` of the next one overwrites everything that loading changes."""
-    paths = broadcast_object(ctx, [path for _, path in complete_checkpoints(output_dir)])  # same list everywhere
-    skipped, why = [], []
-    for path in reversed(paths):
-        try:
-            load_on_every_rank(ctx, load, path)
-        except Unloadable as e:
-            skipped.append(path)
-            why.append(str(e))
-            warn(f"resume: skipping {path}, which cannot be loaded: {e}")
-            continue
-        if ctx.is_main:
-            for bad in skipped:
-                aside = _unused(f"{bad}.unloadable")
-                os.rename(bad, aside)
-                warn(f"resume: moved {bad} aside to {aside}, and resumed from {path} instead")
-        return path
-    if skipped:  # nothing to fall back to: the newest one's reason, and how to start over
-        older = "no older checkpoint loads either" if len(skipped) > 1 else "there is no older checkpoint"
-        raise CheckpointError(f"{why[0]}; {older} (to start over, set train.start_over: true or use another "
-                              "output_dir)")
-    return None
-
-
-def _unused(path: str) -> str:
+def unused_path(path: str) -> str:
     n, candidate = 1, path
     while os.path.exists(candidate):
         n += 1
@@ -465,7 +418,7 @@ def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
     names += sorted(n for n in os.listdir(output_dir) if n.endswith("_results.json"))
     if not names:
         return [], None
-    aside = _unused(os.path.join(output_dir, time.strftime("replaced-%Y%m%d-%H%M%S")))
+    aside = unused_path(os.path.join(output_dir, time.strftime("replaced-%Y%m%d-%H%M%S")))
     os.makedirs(aside)
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))

@@ -112,7 +112,6 @@ class Trainer:
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
-        self.resumed_train: dict = {}  # the train section of the checkpoint resumed from (schedule_changes)
 
     # ================================================================================================
     # The loop
@@ -410,86 +409,14 @@ class Trainer:
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
 
     def resume(self) -> None:
-        """Continue from a checkpoint (train.resume): `auto` takes the newest one that loads on every rank,
-        skipping (with a warning) any that cannot be read; an explicit path loads that one or stops."""
+        """Continue from a checkpoint (train.resume: resume.py, loaded only when there is one to resume from)."""
         self.claim_output_dir()
-
-        def load(path: str) -> None:
-            # Everything that may fail is read and checked before the run's state changes, except model and
-            # optimizer (a later file may fail after them); the next checkpoint tried overwrites both entirely.
-            meta = checkpoint.read_meta(path)
-            saved = meta.get("format") or "full"
-            if saved not in self.par.resumes_from:
-                *others, last = self.par.resumes_from
-                reads = f"{', '.join(others)} or {last}" if others else last
-                raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
-                                      f"cannot resume under {self.cfg.dist.strategy} (it reads {reads})")
-            was = (meta.get("config") or {}).get("train", {}).get("optimizer", self.t.optimizer)
-            if was != self.t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
-                raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is "
-                                      f"{self.t.optimizer}; resume with {was}, or start over with "
-                                      "train.start_over: true")
-            try:
-                state = TrainState(**meta["state"])
-            except TypeError as e:
-                raise checkpoint.Unloadable(f"{path}/meta.json: unreadable (`state`: {e})") from None
-            if "sample_in_epoch" not in meta["state"]:  # written before positions were kept in samples
-                state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]),
-                                            self.sampler.n)
-            extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
-            with checkpoint_io.fits_model(path, self.cfg):
-                self.par.load(path)
-            self.check_same_run(path, meta)
-            self.scheduler.load_state_dict(per_group(extra["scheduler"], len(self.par.optimizer.param_groups)))
-            for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
-            if self.par.scaler and extra["scaler"]:
-                self.par.scaler.load_state_dict(extra["scaler"])
-            self.state = state
-            self.resumed_train = (meta.get("config") or {}).get("train") or {}
-            self.resumed_batch_sizes = meta.get("batch_sizes")
-            if self.t.batch_size != "auto" and meta.get("batch_sizes") != self.batch_sizes:
-                self.log.warning(f"resuming with per-rank batches {self.batch_sizes} instead of "
-                                 f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
-            if len(extra["rng"]) == self.ctx.world_size:
-                set_rng_state(extra["rng"][self.ctx.rank])
-
-        r = False if self.t.start_over else self.t.resume
-        if r == "auto":
-            path = checkpoint.load_newest(self.cfg.output_dir, self.ctx, load, self.log.warning)
-        elif r:  # an explicit path never falls back to another checkpoint
-            if not checkpoint.is_complete(r):
-                raise CheckpointError(f"train.resume: {r} is not a complete checkpoint directory (step-N/meta.json)")
-            path = checkpoint.load_on_every_rank(self.ctx, load, r)
-        else:
-            path = None
-        if path is not None:
-            self.log.info(f"resumed from {path} at step {self.state.step} (epoch {self.state.epoch}, "
-                          f"batch {self.state.batch_in_epoch}, sample {self.state.sample_in_epoch})")
-            self.schedule_changes(self.resumed_train)
-            self.length_from_position()
-
-    def length_from_position(self) -> None:
-        """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again
-        from where the run is, in samples: the epochs end where they would have, never early, and the learning-rate
-        schedule follows the new number of steps from here on (said in one line)."""
-        if not self.t.epochs:
-            return
-        s, per_epoch = self.state, self.sampler.batches_per_epoch()
-        left = len(self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
-        done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
-        total = s.step + max(0, math.ceil((math.ceil(self.t.epochs * per_epoch) - done) / self.t.grad_accum_steps))
-        if self.t.max_steps:
-            total = min(total, self.t.max_steps)
-        if total == self.total_steps:
-            return
-        self.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
-                         f"this global batch (was {self.total_steps}); the learning-rate schedule follows it")
-        self.total_steps = total
-        factor = lr_lambda(total, self.t.warmup, self.t.schedule, self.t.min_lr_ratio)
-        self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
-        for group, base in zip(self.par.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base * factor(self.scheduler.last_epoch)
+        which = False if self.t.start_over else self.t.resume
+        if which == "auto" and not D.broadcast_object(self.ctx, checkpoint.latest(self.cfg.output_dir)):
+            which = False  # nothing to resume: a fresh run
+        if which:
+            import resume
+            resume.resume(self, which)
 
     def claim_output_dir(self) -> None:
         """Before resuming: remove what interrupted saves left, and make sure output_dir holds this run only
@@ -512,42 +439,6 @@ class Trainer:
         refusal = D.broadcast_object(self.ctx, refusal)
         if refusal:
             raise CheckpointError(refusal)
-
-    def check_same_run(self, path: str, meta: dict) -> None:
-        """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task,
-        seed, model, data, global batch) would silently make a run that is neither: refused with the differences
-        listed, unless train.resume_changed says that is what is wanted."""
-        saved = meta.get("config") or {}
-        diffs = checkpoint.differences(saved, self.cfg.to_dict())
-        sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
-        if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
-            was, now = sum(sizes) * accum, sum(self.batch_sizes) * self.t.grad_accum_steps
-            if was != now:
-                diffs.append(f"global batch {was} (now {now})")
-        if not diffs:
-            return
-        if not self.t.resume_changed:
-            raise CheckpointError(f"{path} was written by another run: {', '.join(diffs)}; use another output_dir, "
-                                  "start over (--set train.start_over=true), or resume it anyway "
-                                  "(--set train.resume_changed=true)")
-        self.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} "
-                         "(train.resume_changed)")
-
-    def schedule_changes(self, saved: dict) -> None:
-        """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the
-        learning rate from here on is not what the first run would have used: say so. The new lr takes effect
-        (the scheduler's saved state would otherwise keep the old one)."""
-        keys = ("lr", "max_steps", "epochs", "warmup", "schedule", "min_lr_ratio")
-        changed = [f"train.{k} {saved[k]} -> {getattr(self.t, k)}" for k in keys
-                   if k in saved and saved[k] != getattr(self.t, k)]
-        if not changed:
-            return
-        sched = self.scheduler
-        sched.base_lrs = [self.t.lr for _ in sched.base_lrs]
-        for group, factor in zip(self.par.optimizer.param_groups, sched.lr_lambdas):
-            group["initial_lr"], group["lr"] = self.t.lr, self.t.lr * factor(sched.last_epoch)
-        self.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
-                         f"{self.state.step} on (now {self.total_steps} steps in all: {self.length_note})")
 
     # ================================================================================================
     # Data
@@ -702,12 +593,6 @@ def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.
     return factor
 
 
-def per_group(scheduler_state: dict, groups: int) -> dict:
-    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
-    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
-    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
-
-
 # ================================================================================================
 # Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume
 # ================================================================================================
@@ -728,12 +613,3 @@ def _numpy_state():
     """numpy's key array as a tensor: state.pt loads with weights_only=True, which refuses numpy arrays."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

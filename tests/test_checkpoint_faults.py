@@ -21,6 +21,7 @@ import checkpoint
 import checkpoint_dcp
 import checkpoint_io
 import main
+import resume
 from distributed import DistContext
 
 STEPS = 6
@@ -465,7 +466,7 @@ def _agree_worker(rank, port, out, result_dir):
         loaded.append(path)
 
     warnings = []
-    path = checkpoint.load_newest(out, ctx, load, warnings.append)
+    path = resume.load_newest(out, ctx, load, warnings.append)
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"path": path, "loaded": loaded, "warnings": warnings}, f)
     dist.destroy_process_group()

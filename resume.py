@@ -1,0 +1,202 @@
+"""Resuming a run (train.resume): the newest checkpoint that loads on every rank (or the one named), checked against
+this run, restored into the Trainer. Imported by Trainer.resume only when there is a checkpoint to resume from."""
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+import checkpoint
+import checkpoint_io
+from checkpoint import Unloadable
+from config import CheckpointError
+from distributed import DistContext, broadcast_object, gather_objects
+from trainer import TrainState, lr_lambda
+
+
+def resume(trainer, which: str) -> None:
+    """`which` auto: the newest checkpoint that loads on every rank, skipping (with a warning) any that cannot be
+    read; a path: that one, or stop."""
+    saved = {}  # the train section of the config the loaded checkpoint was saved with
+
+    def load_here(path: str) -> None:
+        saved["train"] = load(trainer, path)
+
+    if which == "auto":
+        path = load_newest(trainer.cfg.output_dir, trainer.ctx, load_here, trainer.log.warning)
+    else:  # an explicit path never falls back to another checkpoint
+        if not checkpoint.is_complete(which):
+            raise CheckpointError(f"train.resume: {which} is not a complete checkpoint directory (step-N/meta.json)")
+        path = load_on_every_rank(trainer.ctx, load_here, which)
+    if path is not None:
+        s = trainer.state
+        trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
+                         f"sample {s.sample_in_epoch})")
+        schedule_changes(trainer, saved["train"])
+        length_from_position(trainer)
+
+
+def load_on_every_rank(ctx: DistContext, load: Callable[[str], None], path: str) -> str:
+    """Collective: `load(path)` on every rank. If it failed on any rank, every rank raises that rank's error
+    (as Unloadable if it was one), so all ranks go on, or stop, together. Returns `path`."""
+    error = None
+    try:
+        load(path)
+    except CheckpointError as e:
+        error = (isinstance(e, Unloadable), str(e))
+    failed = [e for e in gather_objects(ctx, error) if e is not None]
+    if failed:
+        unloadable, message = failed[0]
+        raise (Unloadable if unloadable else CheckpointError)(message)
+    return path
+
+
+def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
+                warn: Callable[[str], None]) -> Optional[str]:
+    """Collective, for `resume: auto`: `load(path)` on every rank the newest complete checkpoint that loads on
+    all of them; return its path (None: there is none). One that cannot be read (Unloadable, on any rank) is
+    skipped with a warning naming it and why, and once an older one has loaded, moved aside to
+    `step-N.unloadable`, so that this run can save step N again. A partly loaded checkpoint changes nothing
+    for good: `load` of the next one overwrites everything that loading changes."""
+    paths = broadcast_object(ctx, [p for _, p in checkpoint.complete_checkpoints(output_dir)])  # one list for all
+    skipped, why = [], []
+    for path in reversed(paths):
+        try:
+            load_on_every_rank(ctx, load, path)
+        except Unloadable as e:
+            skipped.append(path)
+            why.append(str(e))
+            warn(f"resume: skipping {path}, which cannot be loaded: {e}")
+            continue
+        if ctx.is_main:
+            for bad in skipped:
+                aside = checkpoint.unused_path(f"{bad}.unloadable")
+                os.rename(bad, aside)
+                warn(f"resume: moved {bad} aside to {aside}, and resumed from {path} instead")
+        return path
+    if skipped:  # nothing to fall back to: the newest one's reason, and how to start over
+        older = "no older checkpoint loads either" if len(skipped) > 1 else "there is no older checkpoint"
+        raise CheckpointError(f"{why[0]}; {older} (to start over, set train.start_over: true or use another "
+                              "output_dir)")
+    return None
+
+
+def load(trainer, path: str) -> dict:
+    """Checkpoint `path` into the Trainer; returns the train section of the config it was saved with. Everything
+    that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
+    fail after them); the next checkpoint tried overwrites both entirely."""
+    t, par = trainer.t, trainer.par
+    meta = checkpoint.read_meta(path)
+    saved = meta.get("format") or "full"
+    if saved not in par.resumes_from:
+        *others, last = par.resumes_from
+        reads = f"{', '.join(others)} or {last}" if others else last
+        raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
+                              f"cannot resume under {trainer.cfg.dist.strategy} (it reads {reads})")
+    was = (meta.get("config") or {}).get("train", {}).get("optimizer", t.optimizer)
+    if was != t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
+        raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {t.optimizer}; resume "
+                              f"with {was}, or start over with train.start_over: true")
+    try:
+        state = TrainState(**meta["state"])
+    except TypeError as e:
+        raise Unloadable(f"{path}/meta.json: unreadable (`state`: {e})") from None
+    if "sample_in_epoch" not in meta["state"]:  # written before positions were kept in samples
+        state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]), trainer.sampler.n)
+    extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
+    with checkpoint_io.fits_model(path, trainer.cfg):
+        par.load(path)
+    check_same_run(trainer, path, meta)
+    trainer.scheduler.load_state_dict(per_group(extra["scheduler"], len(par.optimizer.param_groups)))
+    for group, lr in zip(par.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+        group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
+    if par.scaler and extra["scaler"]:
+        par.scaler.load_state_dict(extra["scaler"])
+    trainer.state = state
+    trainer.resumed_batch_sizes = meta.get("batch_sizes")
+    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
+        trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
+                            f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
+    if len(extra["rng"]) == trainer.ctx.world_size:
+        set_rng_state(extra["rng"][trainer.ctx.rank])
+    return (meta.get("config") or {}).get("train") or {}
+
+
+def check_same_run(trainer, path: str, meta: dict) -> None:
+    """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
+    model, data, global batch) would silently make a run that is neither: refused with the differences listed,
+    unless train.resume_changed says that is what is wanted."""
+    t, saved = trainer.t, meta.get("config") or {}
+    diffs = checkpoint.differences(saved, trainer.cfg.to_dict())
+    sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
+    if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
+        was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
+        if was != now:
+            diffs.append(f"global batch {was} (now {now})")
+    if not diffs:
+        return
+    if not t.resume_changed:
+        raise CheckpointError(f"{path} was written by another run: {', '.join(diffs)}; use another output_dir, "
+                              "start over (--set train.start_over=true), or resume it anyway "
+                              "(--set train.resume_changed=true)")
+    trainer.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} (train.resume_changed)")
+
+
+def schedule_changes(trainer, saved: dict) -> None:
+    """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the learning
+    rate from here on is not what the first run would have used: say so. The new lr takes effect (the scheduler's
+    saved state would otherwise keep the old one)."""
+    t, sched = trainer.t, trainer.scheduler
+    keys = ("lr", "max_steps", "epochs", "warmup", "schedule", "min_lr_ratio")
+    changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in keys if k in saved and saved[k] != getattr(t, k)]
+    if not changed:
+        return
+    sched.base_lrs = [t.lr for _ in sched.base_lrs]
+    for group, factor in zip(trainer.par.optimizer.param_groups, sched.lr_lambdas):
+        group["initial_lr"], group["lr"] = t.lr, t.lr * factor(sched.last_epoch)
+    trainer.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
+                        f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
+
+
+def length_from_position(trainer) -> None:
+    """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
+    where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
+    follows the new number of steps from here on (said in one line)."""
+    t, s, sampler, sched = trainer.t, trainer.state, trainer.sampler, trainer.scheduler
+    if not t.epochs:
+        return
+    per_epoch = sampler.batches_per_epoch()
+    left = len(sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
+    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
+    total = s.step + max(0, math.ceil((math.ceil(t.epochs * per_epoch) - done) / t.grad_accum_steps))
+    if t.max_steps:
+        total = min(total, t.max_steps)
+    if total == trainer.total_steps:
+        return
+    trainer.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
+                        f"this global batch (was {trainer.total_steps}); the learning-rate schedule follows it")
+    trainer.total_steps = total
+    factor = lr_lambda(total, t.warmup, t.schedule, t.min_lr_ratio)
+    sched.lr_lambdas = [factor] * len(sched.lr_lambdas)
+    for group, base in zip(trainer.par.optimizer.param_groups, sched.base_lrs):
+        group["lr"] = base * factor(sched.last_epoch)
+
+
+def per_group(scheduler_state: dict, groups: int) -> dict:
+    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
+    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
+    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
+
+
+def set_rng_state(state: dict) -> None:
+    """This rank's random streams as trainer.rng_state saved them."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
