@@ -21,8 +21,17 @@ import torch
 import torch.distributed as dist
 
 import distributed as D
-from config import ConfigError
+from config import ConfigError, world_size
 from data_loader import GlobalBatchSampler, split_proportional
+
+
+def check_config(cfg, fail) -> None:
+    """dist.simulate_slowdown, set (config.validate asks): one factor >= 1 per rank."""
+    slow, world = cfg.dist.simulate_slowdown, world_size(cfg)
+    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1 for f in slow):
+        fail("dist.simulate_slowdown", f"must hold numbers >= 1 (1 = full speed), got {slow}")
+    if len(slow) != world:
+        fail("dist.simulate_slowdown", f"lists {len(slow)} factors but there are {world} ranks")
 
 
 def synchronize(device: torch.device) -> None:

@@ -384,12 +384,6 @@ class DistConfig:
             fail("dist.device", "is cuda but no CUDA device is available")
         if self.backend == "nccl" and not self.on_gpu():
             fail("dist.backend", "is nccl, which needs GPUs; use gloo (or auto) on CPU")
-        slow = self.simulate_slowdown
-        if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1 for f in slow or []):
-            fail("dist.simulate_slowdown", f"must hold numbers >= 1 (1 = full speed), got {slow}")
-        if self.shard_grads and (self.strategy != "oss" or self.oss_impl != "fairscale"):
-            fail("dist.shard_grads", "needs dist.strategy: oss with dist.oss_impl: fairscale (PyTorch's "
-                                     "ZeroRedundancyOptimizer shards optimizer state only; use fsdp to shard more)")
 
     def on_gpu(self) -> bool:
         """Whether the run computes on CUDA devices: device cuda or auto, on a machine that has them."""
@@ -633,8 +627,6 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
     if t.batch_size == "auto" and t.global_batch_size < world:
         fail("train.global_batch_size", f"must be >= the number of ranks ({world}), got {t.global_batch_size}")
-    if d.simulate_slowdown is not None and len(d.simulate_slowdown) != world:
-        fail("dist.simulate_slowdown", f"lists {len(d.simulate_slowdown)} factors but there are {world} ranks")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():
         fail("train.precision", "fp16 with dp needs GPUs")
     if t.compile and cfg.task == "image" and not d.on_gpu():
@@ -656,6 +648,8 @@ OWN_CHECKS = {
     "tasks.lm_data": ["data.tokenizer", "data.windows", "data.dev_split"],
     "profiling": ["train.profile_steps"],
     "strategies.fsdp": ["dist.fsdp_impl", "dist.dp_replicate"],
+    "strategies.zero": ["dist.shard_grads"],
+    "balance": ["dist.simulate_slowdown"],
 }
 
 

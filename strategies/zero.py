@@ -52,3 +52,11 @@ def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
         wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
         return OSSParallel(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
     return OSSParallel(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
+
+
+def check_config(cfg, fail) -> None:
+    """dist.shard_grads, set (config.validate asks): fairscale's ShardedDataParallel under oss."""
+    d = cfg.dist
+    if d.strategy != "oss" or d.oss_impl != "fairscale":
+        fail("dist.shard_grads", "needs dist.strategy: oss with dist.oss_impl: fairscale (PyTorch's "
+                                 "ZeroRedundancyOptimizer shards optimizer state only; use fsdp to shard more)")
