@@ -675,9 +675,8 @@ def check_tp(cfg: Config, world: int, fail) -> int:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
     if d.loss_parallel and d.strategy != "ddp":  # FSDPParallel does not run its forward under loss_parallel()
         fail("dist.loss_parallel", f"composes with dist.strategy ddp only, not {d.strategy} (not built yet)")
-    if t.batch_size == "auto" or t.compile:
-        fail("train.batch_size" if t.batch_size == "auto" else "train.compile",
-             "is not available with dist.tp > 1 yet (give per-replica batch sizes; run eager)")
+    if t.batch_size == "auto":
+        fail("train.batch_size", "is not available with dist.tp > 1 yet (give per-replica batch sizes)")
     return world // d.tp
 
 

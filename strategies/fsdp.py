@@ -43,7 +43,8 @@ class FSDPParallel(Parallel):
 
     def compile(self) -> None:
         # Per block, and the block's forward only: FSDP2's hooks around it (all-gather before, reduce-scatter
-        # after) stay outside the compiled code, and the state-dict keys stay the same.
+        # after) stay outside the compiled code, and the state-dict keys stay the same. Under tp the blocks are
+        # already split: the compiled code includes DTensor's hooks on their layers (the tp all-reduces).
         for unit in model_blocks(self.model) or [self.model]:  # no blocks (the CNN): the root's forward
             unit.forward = torch.compile(unit.forward)
 

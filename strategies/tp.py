@@ -57,16 +57,13 @@ def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
 class TPParallel(FSDPParallel):
     """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
     the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
-    FSDPParallel's DCP folders, which any strategy and test mode read."""
+    FSDPParallel's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
 
     def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
         super().__init__(model, model, optimizer, ctx, scaler, mesh)  # the mesh's roles; clipping: clip_mixed
 
     def no_sync(self):
         return contextlib.nullcontext()  # nothing is synced before reduce_grads anyway
-
-    def compile(self) -> None:
-        Parallel.compile(self)
 
     def forward_backward(self, task, *args):
         with self.loss_context():

@@ -296,6 +296,21 @@ def test_llama_sequence_and_loss_parallel_end_where_one_process_does(text, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_llama_compiled_under_tp_ends_where_one_eager_process_does(text, tmp_path, monkeypatch, strategy):
+    """train.compile under tp: each block is compiled after it is split (the ranks' inductor cache fills)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the spawned ranks inherit it
+    kernels = lambda: [f for _, _, files in os.walk(tmp_path / "inductor") for f in files]  # noqa: E731
+    one, out = tmp_path / "one", tmp_path / "tp"
+    assert main.run(lm_config(one, text, LLAMA)) == 0
+    assert not kernels()
+    assert main.run(lm_config(out, text, LLAMA, {"strategy": strategy, "tp": 2, "procs_per_node": 2},
+                              compile=True)) == 0
+    assert kernels()
+    assert_same_run(one, out)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("task, model, split, expected", [
     ("bert_pretrain", {"name": "tiny"}, {"sequence_parallel": True}, "error: dist.sequence_parallel: the "
      "bert_pretrain task's tensor-parallel plan (Task.tp_plan) runs no norm on sequence shards; use "
