@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from faults import parse_duration
+from tasks import TASKS
 
 
 class UserError(Exception):
@@ -444,7 +445,6 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def check(self, fail) -> None:
-        from tasks import TASKS  # here, not at the top: tasks import torch, and config errors should be instant
         if self.task not in TASKS:
             close = closest(self.task, list(TASKS))
             fail("task", f"is {self.task!r}, not a known task ({', '.join(TASKS)})"
