@@ -2,8 +2,9 @@
 
 Every field has a default and a docstring (the string literal under it). `load_config` reads the YAML file,
 applies `--set section.key=value` overrides, rejects unknown keys by name (suggesting the closest valid key),
-checks types and impossible values, and raises `ConfigError` with a single line. `main.py` turns that into
-exit code 2 without a traceback: a typo in a config file is a user mistake, not a crash.
+checks types and impossible values (keys that only some runs read: in the file that reads them, OWN_CHECKS), and
+raises `ConfigError` with a single line. `main.py` turns that into exit code 2 without a traceback: a typo in a
+config file is a user mistake, not a crash.
 """
 from __future__ import annotations
 
