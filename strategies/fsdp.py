@@ -59,11 +59,12 @@ class FSDPParallel(Parallel):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def save(self, directory: str) -> None:
-        # Every rank writes its own shards: nothing is gathered. get_state_dict keys the entries by the plain
-        # model's parameter names, so the files do not depend on the world size.
+        # Every rank writes its own shards: nothing is gathered (but tp splits in strides, in_boxes). get_state_dict
+        # keys the entries by the plain model's parameter names, so the files do not depend on the world size.
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
+                                                                     options=self.state_options()))
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
         dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
@@ -76,7 +77,8 @@ class FSDPParallel(Parallel):
         from torch.distributed.checkpoint.state_dict import get_state_dict
         if getattr(self, "save_groups", None) is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
+                                                                     options=self.state_options()))
         futures = [dcp.async_save(sd, checkpoint_id=os.path.join(directory, name), process_group=group)
                    for sd, name, group in ((model_sd, "model_dcp", self.save_groups[0]),
                                            (optim_sd, "optimizer_dcp", self.save_groups[1]))]
@@ -100,10 +102,13 @@ class FSDPParallel(Parallel):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
         # so a crafted checkpoint could run code; checkpoint_dcp.dcp_load refuses it in one line instead.
-        dcp_load(model_sd, os.path.join(directory, "model_dcp"))
+        swaps = []
+        dcp_load(in_boxes(model_sd, swaps), os.path.join(directory, "model_dcp"))
         # The per-parameter state only: layouts group parameters differently (pipe per stage, tp splits DTensors
         # from the rest), so this run's groups stay, and the learning rate comes back with the scheduler.
-        dcp_load({"state": optim_sd["state"]}, os.path.join(directory, "optimizer_dcp"))  # in place, into optim_sd
+        dcp_load({"state": in_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
+        for original, boxed in swaps:  # in place, into model_sd and optim_sd
+            original.copy_(boxed)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=self.state_options())
 
@@ -155,6 +160,31 @@ class FairscaleFSDPParallel(Parallel):
                                   f"this run has {self.ctx.world_size}; resume with {saved} processes")
         self.model.load_state_dict(load_file(directory, "model.pt"))
         self.optimizer.load_state_dict(load_file(directory, f"optimizer-rank{self.ctx.rank}.pt"))
+
+
+def in_boxes(state: dict, swaps: list = None) -> dict:
+    """`state` (nested dicts) for DCP, which writes one box of a tensor per rank. A tp plan's split in strides
+    (_StridedShard: GPT-2's q|k|v, where rank r holds [q_r | k_r | v_r], tasks/gpt2_tp.py) is not one, so such a
+    DTensor is replaced by a copy split in plain blocks (gathered over the tp group), and (original, copy) goes to
+    `swaps`. FSDP2's own strides over a tp split of the same dimension (placements to their right) make boxes."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            value = in_boxes(value, swaps)
+        elif isinstance(value, DTensor):
+            places = list(value.placements)
+            boxed = [Shard(p.dim) if isinstance(p, _StridedShard) and not any(
+                isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in places[i + 1:]) else p
+                for i, p in enumerate(places)]
+            if boxed != places:
+                copy = value.redistribute(placements=boxed)
+                if swaps is not None:
+                    swaps.append((value, copy))
+                value = copy
+        out[key] = value
+    return out
 
 
 def fsdp2_policy(precision: str):

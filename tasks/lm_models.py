@@ -169,15 +169,14 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
 def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
     """Llama's split (torchtitan's, and LlamaConfig.base_model_tp_plan): q, k, v and the MLP's gate and up by
     columns, o and down by rows. Attention reshapes to (-1 heads, head size), so each rank computes heads / tp
-    heads of its own with no change to the model. GPT-2 is refused: its q|k|v come out of one fused Conv1D
-    (c_attn), which a column split would cut across q, k and v rather than between heads.
+    heads of its own with no change to the model. GPT-2's Conv1D layers and fused q|k|v: tasks/gpt2_tp.py.
     sequence_parallel: between blocks each rank keeps T / tp positions; loss_parallel: the head split by vocabulary
     (strategies/tp.py says both)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    if not hasattr(model, "model"):
-        raise ConfigError("dist.tp: gpt2_lm's GPT-2 computes q, k and v in one fused Conv1D (c_attn), which a column "
-                          "split would cut across q|k|v; use model.arch: llama, or dist.tp: 1")
+    if hasattr(model, "transformer"):
+        from tasks.gpt2_tp import gpt2_plan
+        return gpt2_plan(model, tp)
     c = model.config
     if c.num_attention_heads % tp or c.num_key_value_heads % tp or c.intermediate_size % tp:
         raise ConfigError(f"dist.tp: {tp} does not divide the model's {c.num_attention_heads} attention heads and "

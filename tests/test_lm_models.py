@@ -2,6 +2,7 @@
 model.arch (gpt2 | llama), layers, heads, width, bias, tie_embeddings for gpt2_lm and the BERT tasks
 (tasks/lm_models.py). Parameter counts follow the formulas; bias: false trains no bias; llama trains, resumes
 exactly, exports, generates, pipelines and splits over a tp group like GPT-2 and BERT do; refusals are one line."""
+import json
 import os
 import random
 import re
@@ -25,6 +26,8 @@ import make_sample_text_data as sample  # noqa: E402
 TRAIN = {"optimizer": "sgd", "lr": 0.05, "max_steps": 6, "epochs": 0, "batch_size": 8, "eval_every": 3,
          "save_every": 3, "log_every": 1, "clip_grad_norm": 1.0, "keep_last": 5}
 LLAMA = {"arch": "llama", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
+GPT2 = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
+TP2 = {"strategy": "ddp", "tp": 2, "procs_per_node": 2}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,17 @@ def assert_same(a: dict, b: dict, tol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= tol, worst
+
+
+def dev_loss(out, step=6) -> float:
+    return checkpoint.read_meta(os.path.join(str(out), "checkpoints", f"step-{step}"))["metrics"]["loss"]
+
+
+def resume_from(source, out, step=3) -> None:
+    """`out` starts as a run that stopped after `source`'s step-`step` checkpoint."""
+    os.makedirs(out / "checkpoints")
+    shutil.copytree(source / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    shutil.copytree(source / "tokenizer", out / "tokenizer")
 
 
 # ---- shapes -------------------------------------------------------------------------------------------------
@@ -141,9 +155,9 @@ def test_model_errors_are_one_line(tmp_path):
             build(pretrained_dir=folder, **model)
     loaded = build(pretrained_dir=folder, layers=2, heads=4)  # keys equal to the folder's are fine
     assert isinstance(loaded, type(build(**LLAMA)))
-    with pytest.raises(ConfigError, match=re.escape("dist.tp: gpt2_lm's GPT-2 computes q, k and v in one fused "
-                                                    "Conv1D (c_attn)")):
-        lm_models.tp_plan(build(name="tiny"), 2)
+    with pytest.raises(ConfigError, match=re.escape("dist.tp: 3 does not divide the model's 2 attention heads and "
+                                                    "256 MLP units")):
+        lm_models.tp_plan(build(name="tiny"), 3)  # GPT-2
     with pytest.raises(ConfigError, match=re.escape("dist.tp: 3 does not divide the model's 4 attention heads")):
         lm_models.tp_plan(build(**LLAMA), 3)
 
@@ -157,9 +171,7 @@ def test_gpt2_without_bias_trains_none_and_llama_resumes_exactly(text, tmp_path)
 
     whole, resumed = tmp_path / "llama", tmp_path / "resumed"
     assert main.run(lm_config(whole, text)) == 0
-    os.makedirs(resumed / "checkpoints")
-    shutil.copytree(whole / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
-    shutil.copytree(whole / "tokenizer", resumed / "tokenizer")
+    resume_from(whole, resumed)
     assert main.run(lm_config(resumed, text)) == 0
     assert "resumed from" in (resumed / "logs" / "rank0.log").read_text()
     assert_same(state(whole), state(resumed), 0.0)
@@ -242,3 +254,43 @@ def test_gpt2_without_bias_under_fsdp_equals_one_process(text, tmp_path):
     assert main.run(lm_config(sharded, text, model, {"strategy": "fsdp", "procs_per_node": 2}, batch_size=4,
                               max_steps=3)) == 0
     assert_same(state(one, 3), state(sharded, 3), 1e-5)
+
+
+# ---- GPT-2 under tensor parallelism (tasks/gpt2_tp.py: c_attn split by heads) ---------------------------------
+@pytest.fixture(scope="module")
+def gpt2_one(text, tmp_path_factory):
+    """GPT-2 in one process, 6 steps: where every layout must end."""
+    out = tmp_path_factory.mktemp("gpt2_one")
+    assert main.run(lm_config(out, text, GPT2)) == 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [TP2, {"strategy": "fsdp", "tp": 2, "procs_per_node": 4}])  # fsdp x tp, 2 x 2
+def test_gpt2_tp_ends_where_one_process_does(text, gpt2_one, tmp_path, layout):
+    batch = 8 // (layout["procs_per_node"] // layout["tp"])
+    assert main.run(lm_config(tmp_path, text, GPT2, layout, batch_size=batch)) == 0
+    assert "x tp 2 (rank =" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same(state(gpt2_one), state(tmp_path), 1e-5)
+    assert abs(dev_loss(gpt2_one) - dev_loss(tmp_path)) <= 1e-4 * dev_loss(gpt2_one)
+
+
+@pytest.mark.slow
+def test_gpt2_tp_checkpoints_resume_anywhere_and_test_mode_reads_them(text, gpt2_one, tmp_path):
+    """A tp=2 run's step-3 checkpoint (q|k|v written in the one-process layout) resumed in one process, under
+    fsdp and under tp again (momentum included) ends where the uninterrupted one-process run does."""
+    split = tmp_path / "tp"
+    assert main.run(lm_config(split, text, GPT2, TP2)) == 0
+    for name, layout, batch in [("to-one", None, 8), ("to-fsdp", {"strategy": "fsdp", "procs_per_node": 2}, 4),
+                                ("to-tp", TP2, 8)]:
+        out = tmp_path / name
+        resume_from(split, out)
+        assert main.run(lm_config(out, text, GPT2, layout, batch_size=batch)) == 0, name
+        assert "resumed from" in (out / "logs" / "rank0.log").read_text()
+        assert_same(state(gpt2_one), state(out), 1e-5)
+    cfg = lm_config(split, text, GPT2)  # test mode, in one process: the dev loss the tp run logged
+    cfg.mode = "test"
+    assert main.run(cfg) == 0
+    result = json.load(open(split / "dev_results.json"))
+    step = int(result["checkpoint"].rsplit("-", 1)[1])
+    assert abs(result["metrics"]["loss"] - dev_loss(split, step)) < 1e-6
