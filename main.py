@@ -237,7 +237,8 @@ def leave(code: int) -> None:
 if __name__ == "__main__":
     faults.ignore_late_signals = True
     code = main()
-    from distributed import launcher_env
-    if launcher_env() is not None:  # torchrun or srun started this process as one rank: it ends as ours do
+    # torchrun or srun started this process as one rank: it ends as ours do. (A run that stopped at a mistake in
+    # its config never loaded distributed, nor torch: it ends at once.)
+    if "distributed" in sys.modules and sys.modules["distributed"].launcher_env() is not None:
         leave(code)
     sys.exit(code)
