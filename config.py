@@ -674,8 +674,6 @@ def check_tp(cfg: Config, world: int, fail) -> int:
                         f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'} (pipe x tp is not built yet)")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
-    if d.loss_parallel and d.strategy != "ddp":  # FSDPParallel does not run its forward under loss_parallel()
-        fail("dist.loss_parallel", f"composes with dist.strategy ddp only, not {d.strategy} (not built yet)")
     if t.batch_size == "auto":
         fail("train.batch_size", "is not available with dist.tp > 1 yet (give per-replica batch sizes)")
     return world // d.tp

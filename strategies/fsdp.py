@@ -217,17 +217,18 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
     from torch.distributed.fsdp import fully_shard
-    mesh = None
+    mesh, parallel = None, FSDPParallel
     if d.tp > 1 or d.dp_replicate > 1:  # on a device mesh (strategies/mesh.py): tp first, then shard over dp
-        from strategies.tp import apply_tp
+        from strategies.tp import FSDPxTPParallel, apply_tp
         mesh = apply_tp(model, cfg, ctx, task) if d.tp > 1 else meshes.build_mesh(ctx, 1, d.dp_replicate)
+        parallel = FSDPxTPParallel if d.tp > 1 else FSDPParallel
     policy, dp_mesh = fsdp2_policy(precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
     for unit in model_blocks(model):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
     # The optimizer is built after sharding, on the DTensor parameters (the same names and shapes as before).
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return FSDPParallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)
+    return parallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)
 
 
 class _JoinGrads(torch.autograd.Function):

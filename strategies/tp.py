@@ -54,16 +54,9 @@ def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
     return mesh
 
 
-class TPParallel(FSDPParallel):
-    """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
-    the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
-    FSDPParallel's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
-
-    def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
-        super().__init__(model, model, optimizer, ctx, scaler, mesh)  # the mesh's roles; clipping: clip_mixed
-
-    def no_sync(self):
-        return contextlib.nullcontext()  # nothing is synced before reduce_grads anyway
+class LossParallel:
+    """dist.loss_parallel, for a Parallel on the mesh (ddp x tp, fsdp x tp): forward and backward run under
+    loss_parallel(), which the cross-entropy of vocabulary-split logits needs, and the Trainer gets plain losses."""
 
     def forward_backward(self, task, *args):
         with self.loss_context():
@@ -74,8 +67,23 @@ class TPParallel(FSDPParallel):
             return super().eval_batch(PlainLoss(task), *args)
 
     def loss_context(self):
-        """Around forward and backward: the cross-entropy of vocabulary-split logits needs loss_parallel()."""
         return loss_parallel() if self.mesh.loss_parallel else contextlib.nullcontext()
+
+
+class FSDPxTPParallel(LossParallel, FSDPParallel):
+    """fsdp x tp: FSDP2 shards the split model over the mesh's dp dimension (strategies/fsdp.py)."""
+
+
+class TPParallel(LossParallel, FSDPParallel):
+    """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
+    the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
+    FSDPParallel's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
+
+    def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
+        super().__init__(model, model, optimizer, ctx, scaler, mesh)  # the mesh's roles; clipping: clip_mixed
+
+    def no_sync(self):
+        return contextlib.nullcontext()  # nothing is synced before reduce_grads anyway
 
     def reduce_grads(self) -> None:
         for p in self.raw_model.parameters():  # sequence-parallel norms: each rank's sum over its own positions

@@ -247,8 +247,6 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys):
      "`train.batch_size` lists 4 sizes but there are 2 tp groups (world size / dist.tp)"),
     ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": "auto", "global_batch_size": 16},
      "`train.batch_size` is not available with dist.tp > 1 yet"),
-    ({"strategy": "fsdp", "procs_per_node": 4, "loss_parallel": True}, {},
-     "`dist.loss_parallel` composes with dist.strategy ddp only, not fsdp (not built yet)"),
     ({"strategy": "ddp", "procs_per_node": 2, "tp": 1, "sequence_parallel": True}, {},
      "`dist.sequence_parallel` splits over a tensor-parallel group: it needs dist.tp > 1"),
 ])
@@ -278,6 +276,7 @@ def lm_config(out, data, model, dist=None, **train):
     ({"loss_parallel": True}, {**LLAMA, "tie_embeddings": False}, 2),
     ({"sequence_parallel": True, "loss_parallel": True}, {**LLAMA, "tie_embeddings": False}, 2),
     ({"sequence_parallel": True, "strategy": "fsdp"}, LLAMA, 4),  # fsdp x tp, 2 x 2
+    ({"loss_parallel": True, "strategy": "fsdp"}, {**LLAMA, "tie_embeddings": False}, 4),
 ])
 def test_llama_sequence_and_loss_parallel_end_where_one_process_does(text, tmp_path, split, model, procs):
     one, out = tmp_path / "one", tmp_path / "tp"
