@@ -301,8 +301,8 @@ class DistConfig:
     """fsdp: free each unit's gathered parameters after its forward and gather them again for backward (less
     memory, one more all-gather per unit). false: keep them until backward."""
     pp_stages: int = 2
-    """pipe: stages per pipeline; world size / pp_stages pipelines train side by side, data parallel (the rank
-    layout: docs/pipeline.md)."""
+    """pipe: stages per pipeline; world size / (pp_stages x tp) pipelines train side by side, data parallel (the
+    rank layout: docs/pipeline.md)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     """pipe: the order of the micro-batches' forwards and backwards; interleaved_1f1b and zero_bubble put two
     stages on each rank (docs/pipeline.md)."""
@@ -317,7 +317,8 @@ class DistConfig:
     before training), or a list of layer counts per stage (docs/pipeline.md)."""
     tp: int = 1
     """Tensor parallelism: each transformer block's matrices split over this many ranks, for tasks with a plan
-    (Task.tp_plan). World size = data parallel x tp on one device mesh (docs/mesh.md)."""
+    (Task.tp_plan). World size = data parallel x tp (x pipeline stages under pipe) on one device mesh
+    (docs/mesh.md)."""
     sequence_parallel: bool = False
     """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions (less norm activation
     memory; docs/mesh.md). Plans that support it: gpt2_lm's llama."""
@@ -669,9 +670,9 @@ def is_set(cfg: Config, key: str) -> bool:
 def check_tp(cfg: Config, world: int, fail) -> int:
     """dist.tp fits the strategy and the world size; returns the number of tp groups (data-parallel replicas)."""
     d, t = cfg.dist, cfg.train
-    if d.strategy not in ("ddp", "fsdp") or d.fsdp_impl != "torch":
-        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp or fsdp (FSDP2) only, not "
-                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'} (pipe x tp is not built yet)")
+    if d.strategy not in ("ddp", "fsdp", "pipe") or d.fsdp_impl != "torch":
+        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not "
+                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
     if t.batch_size == "auto":
@@ -682,8 +683,11 @@ def check_tp(cfg: Config, world: int, fail) -> int:
 def check_pipe(cfg: Config, world: int, fail) -> int:
     """The pipe settings fit the world size and the batch; returns the number of pipelines."""
     d, t = cfg.dist, cfg.train
-    if d.pp_stages < 1 or world % d.pp_stages:
-        fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes) into pipelines")
+    if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
+        fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
+                               f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
+    if d.sequence_parallel:  # each stage would compute rotary positions from its 1/tp of them
+        fail("dist.sequence_parallel", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
     if d.pp_microbatches < 1:
         fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
     if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:
@@ -692,7 +696,7 @@ def check_pipe(cfg: Config, world: int, fail) -> int:
     if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
         fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
                                      f"got {d.pp_microbatches}")
-    pipelines = world // d.pp_stages
+    pipelines = world // (d.pp_stages * d.tp)
     if t.batch_size == "auto" and d.pp_dp == "fsdp" and pipelines > 1:
         fail("train.batch_size", "auto under pipe needs dist.pp_dp: ddp (fsdp replicas compute in lockstep, so "
                                  "no pipeline's own speed can be measured); give one size per pipeline")

@@ -7,8 +7,8 @@ One file per way, each readable on its own, imported only by the runs that use i
   zero.py        oss                optimizer state (and gradients) sharded: ZeRO-1/2
   fsdp.py        fsdp               parameters too: ZeRO-3 (FSDP2, fairscale FSDP)
   pipeline.py    pipe               the layers cut into stages on different ranks, micro-batches flow through
-  tp.py          dist.tp > 1        each block's matrices split over a tp group; composes with ddp and fsdp
-  mesh.py        the device mesh (dp x tp) that tp and its data-parallel partner share
+  tp.py          dist.tp > 1        each block's matrices split over a tp group; composes with ddp, fsdp and pipe
+  mesh.py        the device mesh (dp x tp, or pp x dp x tp) that tp and its partners share
 """
 from __future__ import annotations
 

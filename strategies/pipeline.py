@@ -6,16 +6,19 @@ frees the parameters of the stages it does not hold. A batch is cut into micro-b
 stages: while stage 1 computes micro-batch 0, stage 0 already computes micro-batch 1. The schedule (gpipe, 1f1b,
 ...) is the order in which each stage runs the forwards and backwards of its micro-batches.
 
-Several pipelines (world size / pp_stages) can train side by side, each on its own share of the global batch,
-like DDP ranks. Rank layout: rank = stage * pipelines + pipeline, i.e. a ("pp", "dp") device mesh whose rows are
-stages. The replicas of one stage are neighbours, so on nodes of `pipelines` GPUs they share a node and their
-gradient all-reduce (the heavy traffic) stays inside it; only activations cross nodes.
+Several pipelines (world size / (pp_stages x tp)) can train side by side, each on its own share of the global
+batch, like DDP ranks. With dist.tp > 1 each stage's blocks are split over a tp group (strategies/tp.py's plan, on
+the modules the stage holds). Rank layout: a ("pp", "dp", "tp") device mesh (strategies/mesh.py), rank = (stage x
+pipelines + pipeline) x tp + tp_index. The replicas of one stage and their tp groups are neighbours, so on nodes of
+pipelines x tp GPUs they share a node and the all-reduces (the heavy traffic) stay inside it; only activations
+cross nodes, each rank sending to the rank of the next stage with its own pipeline and tp index.
 
 What the Trainer sees is the usual `Parallel`, plus `step()` (forward + backward of one batch through the
 schedule) and `eval_batch()`; everything about stages stays in this file.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import time
@@ -29,6 +32,7 @@ from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
 from balance import synchronize, time_unnoticed
+from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
@@ -72,20 +76,22 @@ class PipeParallel(Parallel):
     drop_last = True  # a smaller last batch would change the shapes the stages expect
 
     def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
-                 optimizer, cfg, ctx: DistContext, mesh, scaler, tied: list, unowned: set, replicated_order: list):
+                 optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
+                 replicated_order: list):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
         d = cfg.dist
-        self.full_model, self.stages, self.cfg = full_model, stages, cfg
-        self.pp, self.pipelines = d.pp_stages, ctx.world_size // d.pp_stages
-        self.stage_rank, self.pipeline = divmod(ctx.rank, self.pipelines)
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.full_model, self.stages, self.cfg, self.mesh = full_model, stages, cfg, mesh
+        self.pp, self.pipelines = d.pp_stages, mesh["dp"].size()
+        self.stage_rank, self.pipeline, self.tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
         self.n_stages = d.pp_stages * STAGES_PER_RANK[d.pp_schedule]
         self.eval_lockstep = d.pp_dp == "fsdp" and self.pipelines > 1  # a forward is an all-gather over replicas
         # What the Trainer reads to share out the data (see trainer.train_step): each pipeline reads its own
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines
-        self.counts_batch = self.stage_rank == 0  # one rank per pipeline counts its samples
+        self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
+        self.counts_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
+        self.seed_rank = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_unit = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
@@ -97,7 +103,8 @@ class PipeParallel(Parallel):
         self.scale = 1.0
         self.first_shapes: Optional[dict] = None
         from torch.distributed import pipelining
-        pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=self.pp_group)
+        pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
+        pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=pp_group)
                        for i in sorted(wrapped)]
         schedule_cls = getattr(pipelining, SCHEDULES[d.pp_schedule])
         if STAGES_PER_RANK[d.pp_schedule] == 1:
@@ -111,17 +118,19 @@ class PipeParallel(Parallel):
     def plan_lines(self) -> list[str]:
         d = self.cfg.dist
         per_rank = STAGES_PER_RANK[d.pp_schedule]
-        first = lambda i: self.rank_of(i) - self.pipeline  # noqa: E731  (that stage in pipeline 0)
-        where = lambda i: f"ranks {first(i)}-{first(i) + self.pipelines - 1}" if self.pipelines > 1 else \
-            f"rank {first(i)}"  # noqa: E731
-        lines = [f"  pipe: {self.pipelines} pipeline(s) of {self.pp} ranks, {self.n_stages} stages "
+
+        def where(i: int) -> str:
+            held = self.mesh.root.mesh[i % self.pp]  # the ranks of stage i: its pipelines x tp (neighbours)
+            return f"ranks {int(held.min())}-{int(held.max())}" if held.numel() > 1 else f"rank {int(held)}"
+        lines = [f"  pipe: {self.pipelines} pipeline(s) of {self.pp * d.tp} ranks, {self.n_stages} stages "
                  f"({per_rank} per rank), schedule {d.pp_schedule}, {d.pp_microbatches} micro-batches per batch, "
                  f"replicas synced by {d.pp_dp if self.pipelines > 1 else '-'}",
                  f"  layers per stage {self.split} ({d.pp_split} split), parameters per stage "
                  f"[{', '.join(f'{n / 1e6:.3g}M' for n in self.stage_params)}]: " + ", ".join(
                      f"stage {i} on {where(i)}" for i in range(self.n_stages)),
-                 "  rank = stage x pipelines + pipeline: the replicas of a stage are neighbours (one node); "
-                 "inputs keep one shape every step (text padded to data.max_length)"]
+                 *meshes.plan_lines(self.mesh),
+                 "  a stage's replicas and tp groups are neighbours (one node); inputs keep one shape every step "
+                 "(text padded to data.max_length)"]
         return lines
 
     def loss_fn(self, output, target):
@@ -131,8 +140,17 @@ class PipeParallel(Parallel):
     def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
         """Each batch through the schedule (forward and backward of all its micro-batches); dist.simulate_slowdown
         is applied per stage inside it. Returns the pipeline's summed loss on its last stage (0 elsewhere)."""
-        return sum((self.step(task, batch, scale, autocast) for batch in batches),
-                   torch.zeros((), device=self.ctx.device))
+        total = sum((self.step(task, batch, scale, autocast) for batch in batches),
+                    torch.zeros((), device=self.ctx.device))
+        self.reduce_grads()
+        return total if self.reports else torch.zeros_like(total)
+
+    def reduce_grads(self) -> None:
+        """ddp x tp: DDP cannot hold DTensor parameters, so the stage's replicas average their gradients here, over
+        the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward)."""
+        if self.cfg.dist.tp > 1 and self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
+            from strategies.tp import average_grads
+            average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
     def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
@@ -175,23 +193,14 @@ class PipeParallel(Parallel):
                 dist.all_reduce(param.grad, group=group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global norm: squares summed over this rank's stages, then over the stages of the pipeline. With
-        DDP all replicas hold the same averaged gradients (summed over dp too, then divided by the replicas); with
-        FSDP each holds a shard. A tied parameter is counted on one of its ranks only."""
-        from torch.distributed.tensor import DTensor
+        """The global norm over all stages: each piece of a gradient counted once among the ranks of its stage,
+        which hold it whole (ddp replicas, a tp group) or in pieces (tp-split, fsdp-sharded): strategies/tp.py's
+        clip_mixed. A tied parameter counts on its first stage only (both copies are clipped)."""
+        from strategies.tp import clip_mixed
         self.sync_tied_grads()  # here: once per optimizer step, after all accumulation batches
-        skip = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
-        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None and id(p) not in skip]
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        square = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
-            torch.zeros((), device=self.ctx.device)
-        dist.all_reduce(square)
-        if self.cfg.dist.pp_dp == "ddp":
-            square = square / self.pipelines
-        norm = square.sqrt()
-        if not math.isinf(max_norm):
-            torch.nn.utils.clip_grads_with_norm_(self.raw_model.parameters(), max_norm, norm)
-        return norm
+        second = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
+        return clip_mixed(list(self.raw_model.parameters()), max_norm, self.ctx,
+                          holders=self.ctx.world_size // self.pp, uncounted=second)
 
     @torch.no_grad()
     def eval_batch(self, task, batch: dict, autocast) -> dict:
@@ -206,7 +215,9 @@ class PipeParallel(Parallel):
             carry = out if isinstance(out, tuple) else (out,)
             if i < self.n_stages - 1:
                 send_tensors(carry, self.rank_of(i + 1))
-        return task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch) if self.is_last else {}
+        if not (self.is_last and self.reports):
+            return {}
+        return task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
 
     def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
         """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).
@@ -239,7 +250,8 @@ class PipeParallel(Parallel):
         return seconds / steps / len(next(iter(batch.values())))
 
     def rank_of(self, stage: int) -> int:
-        return (stage % self.pp) * self.pipelines + self.pipeline
+        """The rank holding `stage` in this rank's pipeline, at this rank's tp index."""
+        return int(self.mesh.root.mesh[stage % self.pp, self.pipeline, self.tp_index])
 
     # ---- checkpoints: every rank writes its own stages' tensors under whole-model names, nothing gathered ----
     def model_state(self) -> dict:
@@ -334,10 +346,10 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
     times = [math.inf] * len(layers)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):  # dropout draws
         measure(layers, example, times, factor, ctx.device)
-    pipelines = ctx.world_size // n_stages
+    per_stage = ctx.world_size // n_stages  # a stage's ranks are neighbours: its replicas and their tp groups
     every = [None] * ctx.world_size
     dist.all_gather_object(every, times)
-    cost = [[max(every[s * pipelines + j][i] for j in range(pipelines)) for i in range(len(layers))]
+    cost = [[max(t[i] for t in every[s * per_stage:(s + 1) * per_stage]) for i in range(len(layers))]
             for s in range(n_stages)]
     return min_max_partition(cost)
 
@@ -386,13 +398,14 @@ def min_max_partition(cost: list[list[float]]) -> list[int]:
 
 
 def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
-    """Cut the task's layer chain into stages, keep this rank's, free the rest, wrap each kept stage for its
-    replicas (DDP or FSDP2 over the "dp" mesh dimension) and build the schedule."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Cut the task's layer chain into stages, keep this rank's, free the rest, split its blocks over the "tp"
+    mesh dimension (dist.tp > 1), wrap each kept stage for its replicas (DDP or FSDP2 over "dp") and build the
+    schedule."""
     d = cfg.dist
-    pp, pipelines = d.pp_stages, ctx.world_size // d.pp_stages
-    mesh = init_device_mesh(ctx.device.type, (pp, pipelines), mesh_dim_names=("pp", "dp"))
-    stage_rank, pipeline = divmod(ctx.rank, pipelines)
+    mesh = meshes.pipe_mesh(ctx, d.pp_stages, d.tp)
+    pp, pipelines, tp = d.pp_stages, mesh["dp"].size(), d.tp
+    stage_rank, pipeline, tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
+    rank_at = mesh.root.mesh  # rank_at[stage, pipeline, tp index]
     # -----> a task cuts its model into a chain of layers in Task.pipeline_layers (tasks/base.py).
     layers = task.pipeline_layers(model)
     v = STAGES_PER_RANK[d.pp_schedule]
@@ -413,8 +426,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     factor = d.simulate_slowdown[ctx.rank] if d.simulate_slowdown else 1.0
     stages = {i: Stage(chunks[i], factor) for i in mine}
 
-    # Which ranks of a pipeline hold each parameter. One held by several (tied weights) gets a process group per
-    # pipeline to add up its gradient copies; every rank builds every group, in the same order (new_group's rule).
+    # Which stages of a pipeline hold each parameter. One held by several (tied weights) gets a process group per
+    # pipeline and tp index to add up its gradient copies; every rank builds every group, in the same order
+    # (new_group's rule).
     holders: dict[int, set] = {}
     for i, chunk in enumerate(chunks):
         for layer in chunk:
@@ -423,9 +437,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     shared = []  # (group, stage index, name inside that stage) of this rank's tied parameters
     for pid, ranks in holders.items():
         if len(ranks) > 1:
-            for j in range(pipelines):
-                group = dist.new_group([r * pipelines + j for r in sorted(ranks)])
-                if j == pipeline and stage_rank in ranks:
+            for j, t in ((j, t) for j in range(pipelines) for t in range(tp)):
+                group = dist.new_group([int(rank_at[r, j, t]) for r in sorted(ranks)])
+                if (j, t) == (pipeline, tp_index) and stage_rank in ranks:
                     i, name = next((i, n) for i, st in stages.items() for n, q in st.named_parameters()
                                    if id(q) == pid)
                     shared.append((group, i, name))
@@ -448,6 +462,8 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     # The Trainer built the model on the CPU: only now, with the other stages emptied, does it go to the device,
     # so a GPU never holds more than its stages (the host held the whole model while it was built).
     model.to(ctx.device)
+    if tp > 1:
+        apply_stage_tp(model, stages, task, cfg, mesh)
 
     wrapped = dict(stages)
     if pipelines > 1:
@@ -458,7 +474,7 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
             policy = fsdp2_policy(cfg.train.precision)
             for i, stage in stages.items():
                 fully_shard(stage, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
-        else:
+        elif tp == 1:  # with tp, PipeParallel.reduce_grads averages instead (DDP cannot hold DTensors)
             from torch.nn.parallel import DistributedDataParallel as DDP
             wrapped = {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                               process_group=dp_mesh.get_group()) for i, s in stages.items()}
@@ -470,3 +486,14 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
                        tied, unowned, order)
     par.split, par.stage_params = sizes, stage_params
     return par
+
+
+def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:
+    """Tensor parallelism on this rank's stages: the task's plan (keyed on the whole model's module names, with
+    wildcards) applied to the modules the stages hold, over the "tp" dimension; the other stages' are empty."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    held = {id(m) for stage in stages.values() for m in stage.modules()}
+    plan = task.tp_plan(model, cfg.dist.tp)
+    mine = {name: style for name, module in model.named_modules() if id(module) in held
+            for key, style in plan.items() if fnmatch.fnmatchcase(name, key)}
+    parallelize_module(model, mesh["tp"], mine)

@@ -89,14 +89,18 @@ class TPParallel(LossParallel, FSDPParallel):
         for p in self.raw_model.parameters():  # sequence-parallel norms: each rank's sum over its own positions
             if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
                 p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
-        if self.data_world == 1:
-            return
-        grads = [local(p.grad) for p in self.raw_model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh["dp"].get_group())
-        flat /= self.data_world
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        if self.data_world > 1:
+            average_grads(self.raw_model.parameters(), self.mesh["dp"])
+
+
+def average_grads(params, dp) -> None:
+    """Average the gradients (this rank's pieces of them) over the `dp` mesh, in one all-reduce of a flat buffer."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dp.get_group())
+    flat /= dp.size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 class PlainLoss:
@@ -126,19 +130,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def clip_mixed(params: list, max_norm: float, ctx: DistContext) -> torch.Tensor:
+def clip_mixed(params: list, max_norm: float, ctx: DistContext, holders: int = 0,
+               uncounted: frozenset = frozenset()) -> torch.Tensor:
     """Clip to (and return) the global gradient norm when parameters are held in different ways: split over a tp
     group, sharded by FSDP, or whole on every rank. Each rank adds up its local squares, each divided by the number
-    of ranks that hold the same piece, and one all-reduce sums them."""
+    of ranks that hold the same piece, and one all-reduce sums them. `holders`: the ranks that hold a parameter
+    (all by default; under pipe, its stage's); `uncounted`: ids of parameters clipped but counted elsewhere."""
     square = torch.zeros((), device=ctx.device)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or id(p) in uncounted:
             continue
-        copies = ctx.world_size
+        copies = holders or ctx.world_size
         if isinstance(p.grad, DTensor):  # the ranks outside its mesh, and those along its Replicate dimensions
             m = p.grad.device_mesh
-            copies = ctx.world_size // m.size() * math.prod(m.size(i) for i, pl in enumerate(p.grad.placements)
-                                                             if pl.is_replicate())
+            copies = copies // m.size() * math.prod(m.size(i) for i, pl in enumerate(p.grad.placements)
+                                                    if pl.is_replicate())
         square += local(p.grad).detach().float().pow(2).sum() / copies
     dist.all_reduce(square)
     norm = square.sqrt()

@@ -240,8 +240,8 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dist, train, expected", [
-    ({"strategy": "pipe", "procs_per_node": 4}, {}, "`dist.tp` is 2, which composes with dist.strategy ddp or fsdp "
-     "(FSDP2) only, not pipe (pipe x tp is not built yet)"),
+    ({"strategy": "oss", "procs_per_node": 4}, {}, "`dist.tp` is 2, which composes with dist.strategy ddp, fsdp "
+     "(FSDP2) or pipe only, not oss"),
     ({"strategy": "ddp", "procs_per_node": 3}, {}, "`dist.tp` is 2; it must divide the world size (3 processes)"),
     ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": [8, 8, 8, 8]},
      "`train.batch_size` lists 4 sizes but there are 2 tp groups (world size / dist.tp)"),
