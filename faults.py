@@ -177,19 +177,6 @@ def detach_hung_up_terminal() -> None:
                 os.close(null)
 
 
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
-    train on as orphans. (No-op elsewhere.)"""
-    try:
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(EXIT_CRASH)
-
-
 # ==============================================================================================================
 # Reporting a failure: once, by rank and host
 # ==============================================================================================================
@@ -256,11 +243,8 @@ def start_watchdog(cfg, ctx):
 def crash_report(exc: BaseException, watchdog) -> int:
     """`rank R on HOST failed at step S: ...` with the traceback, to the log and the launcher. If the error came
     from a collective whose peers vanished, name the ranks that stopped beating."""
-    summary = first_line(exc, limit=300)
-    lost = watchdog.silent_ranks() if watchdog is not None and looks_like_lost_peer(exc) else None
-    if lost:
-        summary = f"lost {ranks_text(lost)}, which stopped responding (died or froze); {summary}"
-    line = f"rank {progress.rank} on {HOST} failed {progress.where()}: {summary}"
+    lost = watchdog.lost_peers(exc) if watchdog is not None else ""
+    line = f"rank {progress.rank} on {HOST} failed {progress.where()}: {lost}{first_line(exc, limit=300)}"
     return report(EXIT_CRASH, line, "".join(traceback.format_exception(exc)).rstrip())
 
 
@@ -274,17 +258,6 @@ def user_error(line: str, watchdog) -> int:
     if watchdog is not None:
         watchdog.leave_together()
     return EXIT_USER_ERROR
-
-
-def looks_like_lost_peer(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
-                                   "timeout", "nccl", "gloo"))
-
-
-def ranks_text(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 # ==============================================================================================================

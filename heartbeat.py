@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from faults import EXIT_CRASH, EXIT_USER_ERROR, HOST, progress, ranks_text, report
+from faults import EXIT_CRASH, EXIT_USER_ERROR, HOST, progress, report
 
 
 class Watchdog:
@@ -182,6 +182,16 @@ class Watchdog:
         except Exception:  # the store is gone or frozen with its host: better said twice than never
             return True
 
+    def lost_peers(self, exc: BaseException) -> str:
+        """'lost rank 2, which stopped responding (died or froze); ' when `exc` came from a collective whose peers
+        stopped beating (faults.crash_report), else ''."""
+        text = str(exc).lower()
+        if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
+                                       "timeout", "nccl", "gloo")):
+            return ""
+        lost = self.silent_ranks()
+        return f"lost {ranks_text(lost)}, which stopped responding (died or froze); " if lost else ""
+
     def silent_ranks(self, wait: Optional[float] = None) -> Optional[list[int]]:
         """Ranks whose heartbeat does not move during `wait` seconds (used after a collective failed, to name
         the peers that died). None if the store cannot tell."""
@@ -193,6 +203,11 @@ class Watchdog:
         except Exception:
             return None
         return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
+
+
+def ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class Call(threading.Thread):

@@ -52,7 +52,7 @@ class Supervisor:
     (Ctrl-C, SIGTERM, SIGHUP, the stop signal) are passed on to every rank, which stop together after saving; the
     same signals again while stopping print a line and change nothing (faults.StopRequest): SIGKILL to this process
     ends the run at once. A failed rank takes the others down within GRACE_S seconds; if this process is killed,
-    even with -9, the ranks die with it (faults.set_parent_death_signal). A rank that is done (results saved) but
+    even with -9, the ranks die with it (set_parent_death_signal). A rank that is done (results saved) but
     whose teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, or crashes (gloo
     can abort at exit), with a warning, and counts with the exit code it finished with.
     """
@@ -231,10 +231,23 @@ class Supervisor:
             signal.signal(n, signal.SIG_IGN if faults.ignore_late_signals else handler)
 
 
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
+    train on as orphans. (No-op elsewhere.)"""
+    try:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(EXIT_CRASH)
+
+
 def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid: int) -> None:
     """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank."""
     import main  # here, not at the top: main.py imports this module
-    faults.set_parent_death_signal(parent_pid)
+    set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
     faults.progress.shared = steps
     faults.progress.slot = launch.local_rank
