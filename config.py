@@ -675,8 +675,9 @@ def check_tp(cfg: Config, world: int, fail) -> int:
                         f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
-    if t.batch_size == "auto":
-        fail("train.batch_size", "is not available with dist.tp > 1 yet (give per-replica batch sizes)")
+    if t.batch_size == "auto":  # balance.py times each rank alone; a tp group's forward is a collective
+        fail("train.batch_size", "auto is not available with dist.tp > 1 yet (a tp group computes in lockstep, and "
+                                 "each rank is timed alone); give one size per tp group")
     return world // d.tp
 
 

@@ -246,7 +246,7 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys):
     ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": [8, 8, 8, 8]},
      "`train.batch_size` lists 4 sizes but there are 2 tp groups (world size / dist.tp)"),
     ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": "auto", "global_batch_size": 16},
-     "`train.batch_size` is not available with dist.tp > 1 yet"),
+     "`train.batch_size` auto is not available with dist.tp > 1 yet (a tp group computes in lockstep"),
     ({"strategy": "ddp", "procs_per_node": 2, "tp": 1, "sequence_parallel": True}, {},
      "`dist.sequence_parallel` splits over a tensor-parallel group: it needs dist.tp > 1"),
 ])
