@@ -121,9 +121,6 @@ class GlobalBatchSampler:
         order), made one at a time as they are iterated."""
         return EpochBatches(self, epoch, start, start_sample)
 
-    def global_batches(self, epoch: int) -> list[np.ndarray]:
-        return list(EpochBatches(self, epoch, 0).global_batches())
-
     def rank_slice(self, global_batch: np.ndarray) -> np.ndarray:
         sizes = self.batch_sizes if len(global_batch) == self.global_batch else \
             split_proportional(len(global_batch), self.batch_sizes, minimum=1)

@@ -18,9 +18,9 @@ from distributed import DistContext, broadcast_object, gather_objects
 from trainer import TrainState, lr_lambda
 
 
-def resume(trainer, which: str) -> None:
+def resume(trainer, which: str) -> bool:
     """`which` auto: the newest checkpoint that loads on every rank, skipping (with a warning) any that cannot be
-    read; a path: that one, or stop."""
+    read; a path: that one, or stop. True: the run is complete (already_complete)."""
     saved = {}  # the train section of the config the loaded checkpoint was saved with
 
     def load_here(path: str) -> None:
@@ -38,6 +38,21 @@ def resume(trainer, which: str) -> None:
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
         length_from_position(trainer)
+    return already_complete(trainer)
+
+
+def already_complete(trainer) -> bool:
+    """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
+    s, t = trainer.state, trainer.t
+    stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
+    done = s.step > 0 and (s.step >= trainer.total_steps or stopped_early)
+    if done:
+        why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
+               f"this run ends at step {trainer.total_steps} ({trainer.length_note})")
+        trainer.log.info(f"already complete at step {s.step} ({checkpoint.latest(trainer.cfg.output_dir)}): {why}; "
+                         "nothing to do. To train longer raise train.max_steps or train.epochs; for a new run use "
+                         "another output_dir or --set train.start_over=true")
+    return done
 
 
 def load_on_every_rank(ctx: DistContext, load: Callable[[str], None], path: str) -> str:

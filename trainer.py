@@ -117,12 +117,11 @@ class Trainer:
     # The loop
     # ================================================================================================
     def train(self) -> dict:
-        self.resume()  # first: it replaces self.state
+        if self.resume():  # first: it replaces self.state; True: the run it resumed is complete
+            return {}
         self.choose_precision()  # precision auto on a CPU: fp32 or bf16, whichever trains this job faster here
         self.balance_batches()
         t, state = self.t, self.state
-        if self.already_complete():
-            return {}
         self.start_logging()
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
@@ -240,19 +239,6 @@ class Trainer:
         self.close()
         raise faults.Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
-
-    def already_complete(self) -> bool:
-        """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
-        s, t = self.state, self.t
-        stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
-        done = s.step > 0 and (s.step >= self.total_steps or stopped_early)
-        if done:
-            why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
-                   f"this run ends at step {self.total_steps} ({self.length_note})")
-            self.log.info(f"already complete at step {s.step} ({checkpoint.latest(self.cfg.output_dir)}): {why}; "
-                          "nothing to do. To train longer raise train.max_steps or train.epochs; for a new run use "
-                          "another output_dir or --set train.start_over=true")
-        return done
 
     # ================================================================================================
     # Evaluation
@@ -408,15 +394,17 @@ class Trainer:
             raise faults.Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
 
-    def resume(self) -> None:
-        """Continue from a checkpoint (train.resume: resume.py, loaded only when there is one to resume from)."""
+    def resume(self) -> bool:
+        """Continue from a checkpoint (train.resume: resume.py, loaded only when there is one to resume from).
+        True: that run was complete, nothing is left to do."""
         self.claim_output_dir()
         which = False if self.t.start_over else self.t.resume
         if which == "auto" and not D.broadcast_object(self.ctx, checkpoint.latest(self.cfg.output_dir)):
             which = False  # nothing to resume: a fresh run
-        if which:
-            import resume
-            resume.resume(self, which)
+        if not which:
+            return False
+        import resume
+        return resume.resume(self, which)
 
     def claim_output_dir(self) -> None:
         """Before resuming: remove what interrupted saves left, and make sure output_dir holds this run only

@@ -151,11 +151,9 @@ def classification_batch(logits: torch.Tensor, labels: torch.Tensor,
 
 def classification_metrics(preds: np.ndarray, labels: np.ndarray, loss_sum: float, count: float,
                            average: str = "macro") -> dict:
-    """Accuracy, F1 (macro by default; `binary`: of class 1) and MCC, plus the mean loss. The same numbers as
-    scikit-learn's accuracy_score, f1_score and matthews_corrcoef (tested against them, degenerate cases
-    included), computed from the confusion matrix here: importing sklearn.metrics costs ~2 s of CPU (it loads
-    scipy.stats) in every rank at its first evaluation, more than a small job's training. Call scikit-learn in
-    your task's `metrics` if you want more of it."""
+    """Accuracy, F1 (macro by default; `binary`: of class 1) and MCC, plus the mean loss: scikit-learn's numbers
+    (tested against them), from the confusion matrix, because importing sklearn.metrics in every rank costs more
+    than a small job's training (benchmarks/RESULTS.md, "CI time with the fault tests")."""
     preds, labels = np.asarray(preds).astype(np.int64), np.asarray(labels).astype(np.int64)
     classes = np.union1d(labels, preds)  # sklearn's unique_labels: the classes seen in either
     cm = np.zeros((len(classes), len(classes)), dtype=np.int64)  # rows: true class, columns: predicted

@@ -152,9 +152,8 @@ def load_digits_split(test_size: int = 300):
 
 
 def read_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits as (images [1797, 8, 8] float64, targets int), what `load_digits()` returns.
-    Read straight from the CSV that scikit-learn ships: importing sklearn.datasets costs 2-3 s of CPU in every
-    rank, which on a 2-core laptop is longer than training the CNN."""
+    """scikit-learn's digits as (images [1797, 8, 8] float64, targets int), what `load_digits()` returns, read
+    from the CSV it ships: importing sklearn.datasets takes longer than training the CNN (benchmarks/RESULTS.md)."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else ""
     if not os.path.isfile(path):  # a scikit-learn that keeps it elsewhere: ask it
