@@ -176,7 +176,7 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_par
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     if hasattr(model, "transformer"):
         from tasks.gpt2_tp import gpt2_plan
-        return gpt2_plan(model, tp)
+        return gpt2_plan(model, tp, sequence_parallel, loss_parallel)
     c = model.config
     if c.num_attention_heads % tp or c.num_key_value_heads % tp or c.intermediate_size % tp:
         raise ConfigError(f"dist.tp: {tp} does not divide the model's {c.num_attention_heads} attention heads and "

@@ -294,3 +294,18 @@ def test_gpt2_tp_checkpoints_resume_anywhere_and_test_mode_reads_them(text, gpt2
     result = json.load(open(split / "dev_results.json"))
     step = int(result["checkpoint"].rsplit("-", 1)[1])
     assert abs(result["metrics"]["loss"] - dev_loss(split, step)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, model", [
+    ({"sequence_parallel": True}, GPT2),  # tied embeddings: the head stays whole
+    ({"sequence_parallel": True, "loss_parallel": True}, {**GPT2, "tie_embeddings": False}),
+])
+def test_gpt2_sequence_and_loss_parallel_end_where_one_process_does(text, tmp_path, split, model):
+    one, out = tmp_path / "one", tmp_path / "tp"
+    assert main.run(lm_config(one, text, model)) == 0
+    assert main.run(lm_config(out, text, model, {**TP2, **split})) == 0
+    line = next(x for x in (out / "logs" / "rank0.log").read_text().splitlines() if "  tp with " in x)
+    assert all(k.replace("_", " ") in line for k in split)
+    assert_same(state(one), state(out), 1e-5)
+    assert abs(dev_loss(one) - dev_loss(out)) <= 1e-4 * dev_loss(one)
