@@ -9,13 +9,8 @@ A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rule
 - every failure is reported once, naming the rank, the host and the step; a user mistake is one line, and so is
   a full disk or a read-only folder (disk_problem), said by every rank, which then leave together.
 
-Exit codes of `python main.py` (scripts/slurm_job.sh requeues on 3):
-    0  finished, or nothing left to do
-    1  crashed: a bug, a dead or hung rank (the failing rank's traceback is printed and in its log)
-    2  a user mistake (config, data, checkpoint), a full disk or a read-only folder: one line `error: ...`
-    3  stopped by a signal or by train.time_limit, after saving a checkpoint: run the same command to resume
-    4  training diverged: train.max_bad_steps non-finite steps in a row; nothing more was saved
-    130    Ctrl-C where there is nothing to save (test mode)
+The exit codes of `python main.py` are the EXIT_* below; what each means: README.md, "When things go wrong"
+(scripts/slurm_job.sh requeues on 3).
 """
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ import time
 import traceback
 from typing import Optional
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 130: Ctrl-C in test mode)
 HOST = socket.gethostname()
 
 
