@@ -1,8 +1,5 @@
-"""The heartbeat watchdog of a run with several ranks: names a rank that froze or died, or a run that hangs.
-
-A daemon thread per rank beats through the rendezvous store; started by faults.start_watchdog, for runs with
-several ranks and dist.hang_timeout_s (one rank has no peer to watch).
-"""
+"""The heartbeat watchdog of a run with several ranks (faults.start_watchdog, dist.hang_timeout_s): names a rank
+that froze or died, or a run that hangs."""
 from __future__ import annotations
 
 import datetime
