@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, make_config
+from conftest import ROOT, free_port, make_config, spawn
 
 import checkpoint
 import checkpoint_io
@@ -309,3 +309,48 @@ def test_gpt2_sequence_and_loss_parallel_end_where_one_process_does(text, tmp_pa
     assert all(k.replace("_", " ") in line for k in split)
     assert_same(state(one), state(out), 1e-5)
     assert abs(dev_loss(one) - dev_loss(out)) <= 1e-4 * dev_loss(one)
+
+
+def _count_gpt2_worker(rank, port, queue):
+    """One rank of a tp=2 group: the collectives of one forward and of its backward, and the gradients' error."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build(**GPT2))
+    whole, split = models
+    parallelize_module(split, init_device_mesh("cpu", (2,)), lm_models.tp_plan(split, 2))
+    ids = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    counts, losses = [], []
+    for model in (split, whole):
+        with CommDebugMode() as forward:
+            loss = model(input_ids=ids, labels=ids).loss
+        with CommDebugMode() as backward:
+            loss.backward()
+        counts.append([{str(k).split(".")[-1]: v for k, v in c.get_comm_counts().items()} for c in (forward, backward)])
+        losses.append(loss.item())
+    grads = {n: p.grad for n, p in whole.named_parameters()}
+    worst = max((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).sub(grads[n]).abs().max().item()
+                for n, p in split.named_parameters())
+    queue.put((counts[0], abs(losses[0] - losses[1]), worst))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_gpt2_block_costs_two_all_reduces_each_way_and_a_small_all_gather():
+    """c_attn split by heads needs no communication: per block, forward all-reduces the attention and MLP outputs,
+    backward the input gradients of c_attn and c_fc, and gathers c_attn's (whole) bias gradient."""
+    import torch.multiprocessing as mp
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn(_count_gpt2_worker, args=(free_port(), queue), nprocs=2)
+    for (forward, backward), loss_error, grad_error in [queue.get() for _ in range(2)]:
+        assert forward == {"all_reduce": 2 * GPT2["layers"]}, forward
+        assert backward == {"all_reduce": 2 * GPT2["layers"], "all_gather_into_tensor": GPT2["layers"]}, backward
+        assert loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
