@@ -264,10 +264,12 @@ class PipeParallel(Parallel):
 
     def save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
-        dcp.save(self.model_state(), checkpoint_id=os.path.join(directory, "model_dcp"))
+        from strategies.fsdp import in_boxes  # tp's strided splits (GPT-2's q|k|v) as boxes DCP can write
+        dcp.save(in_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))
         # Only the per-parameter state: param_groups list this stage's names and differ between ranks (the
         # learning rate comes back with the scheduler).
-        dcp.save({"state": self.optimizer_state()["state"]}, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
+        dcp.save({"state": in_boxes(self.optimizer_state()["state"])},
+                 checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
     def load(self, directory: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
@@ -278,13 +280,14 @@ class PipeParallel(Parallel):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
-        model_sd = self.model_state()
-        dcp_load(model_sd, os.path.join(directory, "model_dcp"))  # in place: the tensors are the parameters
+        from strategies.fsdp import in_boxes
+        swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
+        dcp_load(in_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))  # in place: parameters
         optim_sd = self.optimizer_state()
-        state = {"state": optim_sd["state"]}
-        dcp_load(state, os.path.join(directory, "optimizer_dcp"))
-        set_optimizer_state_dict(self.full_model, self.optimizer, {"state": state["state"],
-                                                                   "param_groups": optim_sd["param_groups"]})
+        dcp_load({"state": in_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
+        for original, boxed in swaps:
+            original.copy_(boxed)
+        set_optimizer_state_dict(self.full_model, self.optimizer, optim_sd)
 
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'

@@ -254,26 +254,32 @@ def test_gpt2_tied_embeddings_bert_and_bart_chains_match_one_process(tmp_path):
             assert abs(dev[0]["loss"] - dev[1]["loss"]) < 1e-5 and dev[0]["accuracy"] == dev[1]["accuracy"], dev
 
 
-LLAMA = {"name": "tiny", "arch": "llama", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
+LM_MODEL = {"name": "tiny", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
 LM_TRAIN = {"max_steps": 4, "save_every": 2, "eval_every": 2, "keep_last": 5, "batch_size": 8, "optimizer": "sgd",
-            "lr": 0.05, "clip_grad_norm": 0.5, "log_every": 1, "grad_accum_steps": 2}  # norms ~1.3: clipped
+            "lr": 0.05, "clip_grad_norm": 0.5, "log_every": 1, "grad_accum_steps": 2}  # norms ~1.3-2.2: clipped
 
 
-def lm_run(out, text, dist, **train) -> int:
+def lm_run(out, text, dist, arch="llama", **train) -> int:
     from main import run
-    return run(make_config(out, task="gpt2_lm", data={"data_dir": text, "max_length": 16}, model=LLAMA,
-                           train={**LM_TRAIN, **train}, dist=dist))
+    return run(make_config(out, task="gpt2_lm", data={"data_dir": text, "max_length": 16},
+                           model={**LM_MODEL, "arch": arch}, train={**LM_TRAIN, **train}, dist=dist))
 
 
 @pytest.fixture(scope="module")
-def lm_one(tmp_path_factory):
-    """The Llama reference: one process, batch 16 a step (2 x 8 accumulated)."""
+def lm_ref(tmp_path_factory):
+    """The causal LM's one-process reference for a model.arch (run on first use): batch 16 a step (2 x 8)."""
     from test_text_tasks import sample
     import random
     root = tmp_path_factory.mktemp("lm")
     text = sample.write_gpt2(str(root / "text"), random.Random(0))
-    assert lm_run(root / "one", text, {"strategy": "none"}) == 0
-    return text, root / "one"
+    done = {}
+
+    def one(arch):
+        if arch not in done:
+            assert lm_run(root / arch, text, {"strategy": "none"}, arch) == 0
+            done[arch] = root / arch
+        return text, done[arch]
+    return one
 
 
 def assert_same_lm_run(out, one, step=4):
@@ -282,47 +288,52 @@ def assert_same_lm_run(out, one, step=4):
     assert abs(ours - ref) <= 1e-4 * ref
 
 
+PIPE_TP = {"strategy": "pipe", "procs_per_node": 4, "tp": 2}  # 2 stages x tp 2
+
+
 @pytest.mark.slow
-def test_pipe_times_tp_on_llama_ends_where_one_process_does(lm_one, tmp_path):
+@pytest.mark.parametrize("arch, split, resumed_by", [("llama", "down_proj", {"strategy": "none"}),
+                                                     ("gpt2", "c_proj", PIPE_TP)])
+def test_pipe_times_tp_ends_where_one_process_does(lm_ref, tmp_path, arch, split, resumed_by):
     """2 stages x tp 2 (4 ranks, one pipeline) on one ("pp", "dp", "tp") mesh: each stage's blocks split over its
     tp group, activations sent between ranks of equal tp index, the tied embedding's copies summed, clipping
-    counting each piece once. Ends where one process does; its checkpoint (the stages' tp pieces) is read by
-    test mode in one process and resumed by one process."""
+    counting each piece once. Llama, and GPT-2 whose q|k|v are split in strides. Ends where one process does; its
+    checkpoint (the stages' tp pieces) is read by test mode in one process, and resumed by one process (Llama) or
+    by pipe x tp itself (GPT-2: the strided split read back)."""
     from checkpoint_dcp import read_dcp_metadata
-    text, one = lm_one
+    text, one = lm_ref(arch)
     out = tmp_path / "pipe_tp"
-    assert lm_run(out, text, {"strategy": "pipe", "procs_per_node": 4, "tp": 2}) == 0
+    assert lm_run(out, text, PIPE_TP, arch) == 0
     log = (out / "logs" / "rank0.log").read_text()
     assert "mesh pp 2 x dp 1 x tp 2 (rank = (stage x 1 + pipeline) x 2 + tp); ranks (stage,pipeline,tp): " \
            "0=(0,0,0), 1=(0,0,1), 2=(1,0,0), 3=(1,0,1)" in log and "stage 0 on ranks 0-1, stage 1 on ranks 2-3" in log
     assert_same_lm_run(out, one)
     assert logged(out, "loss") == logged(one, "loss")  # one rank of the last stage's tp group reports
     saved = read_dcp_metadata(str(out / "checkpoints" / "step-4" / "model_dcp")).state_dict_metadata
-    assert len(saved["model.layers.1.mlp.down_proj.weight"].chunks) == 2  # written in tp pieces
-    assert len(saved["model.layers.1.post_attention_layernorm.weight"].chunks) == 1  # whole
+    assert [len(saved[k].chunks) for k in saved if k.endswith(f"1.mlp.{split}.weight")] == [2]  # in tp pieces
     from main import run
-    cfg = make_config(out, mode="test", task="gpt2_lm", data={"data_dir": text, "max_length": 16}, model=LLAMA,
-                      dist={"strategy": "none"})
+    cfg = make_config(out, mode="test", task="gpt2_lm", data={"data_dir": text, "max_length": 16},
+                      model={**LM_MODEL, "arch": arch}, dist={"strategy": "none"})
     assert run(cfg) == 0
     with open(out / "dev_results.json") as f:
         assert abs(json.load(f)["metrics"]["loss"] - meta(out, 4)["metrics"]["loss"]) < 1e-6
     import shutil
-    resumed = tmp_path / "resumed_by_one"
+    resumed = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    assert lm_run(resumed, text, {"strategy": "none"}, resume="auto") == 0
+    assert lm_run(resumed, text, resumed_by, arch, resume="auto") == 0
     assert_same_lm_run(resumed, one)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp_dp", ["ddp", "fsdp"])
-def test_pipe_times_tp_replicas_resume_one_process_and_end_where_it_does(lm_one, tmp_path, pp_dp):
+def test_pipe_times_tp_replicas_resume_one_process_and_end_where_it_does(lm_ref, tmp_path, pp_dp):
     """The "dp" dimension with tp on 4 ranks: 1 stage x 2 pipelines x tp 2, the replicas averaged by hand (DDP
     cannot hold DTensors) or sharded by FSDP2 over "dp" (2-D with the tp split). Started from one process's
-    step 2: each rank cuts its tp piece (and fsdp shard) of every tensor and of its momentum."""
+    step 2 (Llama): each rank cuts its tp piece (and fsdp shard) of every tensor and of its momentum."""
     import shutil
-    text, one = lm_one
+    text, one = lm_ref("llama")
     shutil.copytree(one / "checkpoints" / "step-2", tmp_path / "checkpoints" / "step-2")
-    layout = {"strategy": "pipe", "procs_per_node": 4, "tp": 2, "pp_stages": 1, "pp_dp": pp_dp}
+    layout = {**PIPE_TP, "pp_stages": 1, "pp_dp": pp_dp}
     assert lm_run(tmp_path, text, layout, batch_size=4, resume="auto") == 0
     assert "mesh pp 1 x dp 2 x tp 2" in (tmp_path / "logs" / "rank0.log").read_text()
     assert_same_lm_run(tmp_path, one)
