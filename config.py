@@ -687,8 +687,10 @@ def check_pipe(cfg: Config, world: int, fail) -> int:
     if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
         fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
                                f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
-    if d.sequence_parallel:  # each stage would compute rotary positions from its 1/tp of them
-        fail("dist.sequence_parallel", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
+    # Not yet: a stage would receive 1/tp of the positions, and pipe's loss runs outside loss_parallel().
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(d, key):
+            fail(f"dist.{key}", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
     if d.pp_microbatches < 1:
         fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
     if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:

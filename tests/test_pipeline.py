@@ -398,6 +398,7 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
     ({"tp": 2, "pp_stages": 4}, {}, "dist.pp_stages"),                # 4 ranks are not 4 stages x tp 2
     ({"tp": 2, "sequence_parallel": True}, {}, "dist.sequence_parallel"),  # not under pipe yet
+    ({"tp": 2, "loss_parallel": True}, {}, "dist.loss_parallel"),
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
     from config import ConfigError
