@@ -12,13 +12,12 @@ next run starts (clean_stale). Files:
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
 
 This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
-the DCP folders); which one a run resumes from, resume.py.
+the DCP folders); meta.json's checks, checkpoint_meta.py; which one a run resumes from, resume.py.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -32,14 +31,6 @@ from distributed import DistContext, broadcast_object, gather_objects
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
-META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
-META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
-# meta.json is data from disk, possibly edited or crafted: read_meta bounds what json.load may build, and checks
-# every value a reader uses (a path built from it, a number printed or compared) before anyone does.
-META_MAX_BYTES = 16 << 20  # a real one is a few KB (it holds the config)
-META_MAX_DEPTH = 32  # a real one nests 4 deep; deeper JSON makes json.load and any recursive reader overflow
-MAX_COUNT = 2 ** 53  # steps, epochs, batches: far beyond any run, and exact as a float
-STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_improvement")  # TrainState's counters
 
 
 class Unloadable(CheckpointError):
@@ -90,109 +81,20 @@ def latest(output_dir: str) -> Optional[str]:
 
 
 def read_meta(path: str) -> dict:
-    """meta.json of checkpoint `path`, bounded in size and depth, with every value that is read checked (or
-    Unloadable, naming the file and the key): `resume: auto` then falls back to an older checkpoint."""
-    full = os.path.join(path, "meta.json")
-    try:
-        with open(full, "rb") as f:
-            data = f.read(META_MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise Unloadable(f"{path}: not a complete checkpoint (no meta.json)") from None
-    except OSError as e:
-        raise Unloadable(f"{full}: unreadable ({e.strerror or e})") from None
-    if len(data) > META_MAX_BYTES:
-        raise Unloadable(f"{full}: unreadable (larger than {META_MAX_BYTES >> 20} MiB; a real one is a few KB)")
-    if _json_depth(data) > META_MAX_DEPTH:  # before json.load, whose recursion it would overflow
-        raise Unloadable(f"{full}: unreadable (JSON nested deeper than {META_MAX_DEPTH} levels)")
-    try:
-        meta = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5000-digit number
-        raise Unloadable(f"{full}: unreadable ({e})") from None
-    if not isinstance(meta, dict):
-        raise Unloadable(f"{full}: unreadable (a JSON {type(meta).__name__}, not an object)")
-    present = {k: t for k, t in META_OPTIONAL.items() if meta.get(k) is not None}
-    for key, kind in {**META_REQUIRED, **present}.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            what = "missing" if key not in meta else f"not a{'n' if kind is int else ''} {kind.__name__}"
-            raise Unloadable(f"{full}: unreadable (`{key}` is {what})")
-    problem = _meta_problem(meta, os.path.basename(os.path.normpath(path)))
-    if problem:
-        raise Unloadable(f"{full}: unreadable ({problem})")
-    return meta
+    """meta.json of checkpoint `path`, read as the untrusted data it is (checkpoint_meta.py), or Unloadable naming
+    the file and the key: `resume: auto` then falls back to an older checkpoint."""
+    import checkpoint_meta  # only the runs that read a checkpoint's meta.json load its checks
+    return checkpoint_meta.read(path)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _json_depth(data: bytes) -> int:
-    """How deeply the JSON text `data` nests arrays and objects (brackets inside strings not counted)."""
-    depth = deepest = 0
-    for token in re.finditer(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]', data):
-        t = token.group()
-        if t in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif t in (b"]", b"}"):
-            depth -= 1
-    return deepest
-
-
-def _count(value, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_COUNT
-
-
-def _finite(value) -> bool:
-    try:  # a 400-digit int is no float either
-        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _meta_problem(meta: dict, name: str) -> str:
-    """What is wrong with the values of a parsed meta.json whose checkpoint directory is called `name` ("" if
-    nothing): each value is one the readers (resume, test and export mode, best(), the strategies) use."""
-    step, state = meta["step"], meta["state"]
-    m = STEP_DIR.match(name)
-    if not _count(step):
-        return f"`step` is {_shown(step)}, not a step number"
-    if m and int(m.group(1)) != step:
-        return f"`step` is {step} but the directory is {name}"
-    if "step" in state and not (_count(state["step"]) and state["step"] == step):
-        return f"`state.step` is {_shown(state['step'])} but `step` is {step}"  # the step a resume continues at
-    for key in STATE_COUNTS:
-        if key in state and not _count(state[key]):
-            return f"`state.{key}` is {_shown(state[key])}, not a count from 0 to {MAX_COUNT}"
-    best_step = state.get("best_step")
-    if best_step is not None and not (_count(best_step) and best_step <= step):
-        return f"`state.best_step` is {_shown(best_step)}, not a step of this run (0 to {step})"
-    value = state.get("best_value")
-    if value is not None and not _finite(value):
-        return f"`state.best_value` is {_shown(value)}, not a finite number"
-    kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list}
-    for key, kind in kinds.items():
-        if meta.get(key) is not None and not isinstance(meta[key], kind):
-            return f"`{key}` is {_shown(meta[key])}, not a {kind.__name__}"
-    if meta.get("world_size") is not None and not _count(meta["world_size"], low=1):
-        return f"`world_size` is {_shown(meta['world_size'])}, not a number of processes"
-    if not all(_count(b) for b in meta.get("batch_sizes") or []):
-        return f"`batch_sizes` is {_shown(meta['batch_sizes'])}, not a list of batch sizes"
-    if meta.get("config") is not None and not isinstance(meta["config"].get("train", {}), dict):
-        return "`config.train` is not an object"
-    return ""
-
-
-def best(output_dir: str) -> Optional[str]:
-    """The checkpoint the latest run recorded as best on dev (falls back to the latest checkpoint)."""
+def best(output_dir: str, best_step: Optional[int] = None) -> Optional[str]:
+    """The checkpoint best on dev: step `best_step`, or (None) the one the latest checkpoint records as best; else
+    the latest checkpoint."""
     last = latest(output_dir)
     if last is None:
         return None
-    best_step = read_meta(last)["state"].get("best_step")
+    if best_step is None:
+        best_step = read_meta(last)["state"].get("best_step")
     candidate = os.path.join(root(output_dir), f"step-{best_step}")
     return candidate if best_step is not None and is_complete(candidate) else last
 

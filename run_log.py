@@ -251,7 +251,7 @@ def summary(cfg: Config, state, best_metric: str) -> str:
             else "no dev result")
     params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
     lines = [f"done: {s.step} steps; {best}",
-             f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out)})",
+             f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
              f"  logs         {os.path.join(out, 'logs')}"]
     if cfg.log.tensorboard:
         lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
