@@ -91,7 +91,7 @@ class Conv1DColwise(ColwiseParallel):
             module, mesh, lambda _, m, mesh: distribute(m, mesh, split),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             lambda _, output, mesh: output.to_local())  # this rank's columns, in their own layout: no communication
-        if strided:  # its gradient comes out split like the columns; whole again, as the parameter is
+        if strided and module.bias.requires_grad:  # its gradient comes out split like the columns; whole again
             module.bias.register_hook(lambda grad: grad.redistribute(placements=[Replicate()]))
         return module
 

@@ -266,13 +266,21 @@ def gpt2_one(text, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [TP2, {"strategy": "fsdp", "tp": 2, "procs_per_node": 4}])  # fsdp x tp, 2 x 2
-def test_gpt2_tp_ends_where_one_process_does(text, gpt2_one, tmp_path, layout):
+@pytest.mark.parametrize("layout, model", [
+    (TP2, GPT2),
+    ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, GPT2),  # fsdp x tp, 2 x 2
+    (TP2, {**GPT2, "bias": False}),  # frozen zero biases, c_attn's among them
+])
+def test_gpt2_tp_ends_where_one_process_does(text, gpt2_one, tmp_path, layout, model):
+    one, split = gpt2_one, tmp_path / "tp"
+    if model is not GPT2:
+        one = tmp_path / "one"
+        assert main.run(lm_config(one, text, model)) == 0
     batch = 8 // (layout["procs_per_node"] // layout["tp"])
-    assert main.run(lm_config(tmp_path, text, GPT2, layout, batch_size=batch)) == 0
-    assert "x tp 2 (rank =" in (tmp_path / "logs" / "rank0.log").read_text()
-    assert_same(state(gpt2_one), state(tmp_path), 1e-5)
-    assert abs(dev_loss(gpt2_one) - dev_loss(tmp_path)) <= 1e-4 * dev_loss(gpt2_one)
+    assert main.run(lm_config(split, text, model, layout, batch_size=batch)) == 0
+    assert "x tp 2 (rank =" in (split / "logs" / "rank0.log").read_text()
+    assert_same(state(one), state(split), 1e-5)
+    assert abs(dev_loss(one) - dev_loss(split)) <= 1e-4 * dev_loss(one)
 
 
 @pytest.mark.slow
