@@ -619,12 +619,14 @@ def check_across_sections(cfg: Config, fail) -> None:
     # The sharded strategies run at world size 1 too: that is how a sharded checkpoint is resumed in one process.
     # Ranks that each read their own share of the global batch: all of them, or one per pipeline under pipe.
     readers, who = world, "ranks"
-    if d.tp > 1:
-        readers, who = check_tp(cfg, world, fail), "tp groups (world size / dist.tp)"
+    if d.tp > 1:  # the strategies' own checks load only in the runs that use them
+        readers, who = importlib.import_module("strategies.tp").check_config(cfg, world, fail), \
+            "tp groups (world size / dist.tp)"
     if world % (d.tp * d.dp_replicate):
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if d.strategy == "pipe":
-        readers, who = check_pipe(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
+        readers, who = importlib.import_module("strategies.pipeline").check_config(cfg, world, fail), \
+            "pipelines (world size / dist.pp_stages)"
     if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
         fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
     if t.batch_size == "auto" and t.global_batch_size < world:
@@ -634,9 +636,6 @@ def check_across_sections(cfg: Config, fail) -> None:
     if t.compile and cfg.task == "image" and not d.on_gpu():
         fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
-    if d.strategy == "pipe" and (t.compile or cfg.model.activation_checkpointing):
-        fail("train.compile" if t.compile else "model.activation_checkpointing",
-             "is not available with dist.strategy: pipe (its stages run the layers themselves)")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
@@ -665,62 +664,6 @@ def check_own_keys(cfg: Config, fail) -> None:
 def is_set(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section], name)
-
-
-def check_tp(cfg: Config, world: int, fail) -> int:
-    """dist.tp fits the strategy and the world size; returns the number of tp groups (data-parallel replicas)."""
-    d, t = cfg.dist, cfg.train
-    if d.strategy not in ("ddp", "fsdp", "pipe") or d.fsdp_impl != "torch":
-        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not "
-                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
-    if world % d.tp:
-        fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
-    if t.batch_size == "auto":  # balance.py times each rank alone; a tp group's forward is a collective
-        fail("train.batch_size", "auto is not available with dist.tp > 1 yet (a tp group computes in lockstep, and "
-                                 "each rank is timed alone); give one size per tp group")
-    return world // d.tp
-
-
-def check_pipe(cfg: Config, world: int, fail) -> int:
-    """The pipe settings fit the world size and the batch; returns the number of pipelines."""
-    d, t = cfg.dist, cfg.train
-    if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
-        fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
-                               f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
-    # Not yet: a stage would receive 1/tp of the positions, and pipe's loss runs outside loss_parallel().
-    for key in ("sequence_parallel", "loss_parallel"):
-        if getattr(d, key):
-            fail(f"dist.{key}", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
-    if d.pp_microbatches < 1:
-        fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
-    if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:
-        fail("dist.pp_microbatches", f"must be >= dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, got "
-                                     f"{d.pp_microbatches}")
-    if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
-        fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
-                                     f"got {d.pp_microbatches}")
-    pipelines = world // (d.pp_stages * d.tp)
-    if t.batch_size == "auto" and d.pp_dp == "fsdp" and pipelines > 1:
-        fail("train.batch_size", "auto under pipe needs dist.pp_dp: ddp (fsdp replicas compute in lockstep, so "
-                                 "no pipeline's own speed can be measured); give one size per pipeline")
-    g, m = t.global_batch_size, d.pp_microbatches
-    if t.batch_size == "auto" and g is not None and (g % m or g < pipelines * m):
-        fail("train.global_batch_size", f"is {g}; with batch_size auto under pipe it must be a multiple of "
-                                        f"dist.pp_microbatches={m}, at least {pipelines} x {m} (a micro-batch "
-                                        "set per pipeline)")
-    sizes = t.batch_size if isinstance(t.batch_size, list) else [t.batch_size]
-    if any(isinstance(b, int) and b % d.pp_microbatches for b in sizes):
-        fail("train.batch_size", f"{t.batch_size} per pipeline: each must divide into dist.pp_microbatches="
-                                 f"{d.pp_microbatches} equal micro-batches (a pipeline stage needs constant shapes)")
-    split = d.pp_split
-    if isinstance(split, str) and split not in ("even", "auto"):
-        fail("dist.pp_split", f"must be even, auto or a list of layer counts per stage, got {split!r}")
-    if isinstance(split, list):
-        v = 2 if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
-        if len(split) != v * d.pp_stages or not all(isinstance(n, int) and n >= 1 for n in split):
-            fail("dist.pp_split", f"must list {v * d.pp_stages} positive layer counts ({v} stage(s) per rank with "
-                                  f"{d.pp_schedule}), got {split}")
-    return pipelines
 
 
 def resolve_package_path(path: str) -> str:

@@ -42,6 +42,51 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 
 
+def check_config(cfg, world: int, fail) -> int:
+    """The pipe settings fit the world size and the batch; returns the number of pipelines."""
+    d, t = cfg.dist, cfg.train
+    if t.compile or cfg.model.activation_checkpointing:
+        fail("train.compile" if t.compile else "model.activation_checkpointing",
+             "is not available with dist.strategy: pipe (its stages run the layers themselves)")
+    if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
+        fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
+                               f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
+    # Not yet: a stage would receive 1/tp of the positions, and pipe's loss runs outside loss_parallel().
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(d, key):
+            fail(f"dist.{key}", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
+    if d.pp_microbatches < 1:
+        fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
+    if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:
+        fail("dist.pp_microbatches", f"must be >= dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, got "
+                                     f"{d.pp_microbatches}")
+    if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
+        fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
+                                     f"got {d.pp_microbatches}")
+    pipelines = world // (d.pp_stages * d.tp)
+    if t.batch_size == "auto" and d.pp_dp == "fsdp" and pipelines > 1:
+        fail("train.batch_size", "auto under pipe needs dist.pp_dp: ddp (fsdp replicas compute in lockstep, so "
+                                 "no pipeline's own speed can be measured); give one size per pipeline")
+    g, m = t.global_batch_size, d.pp_microbatches
+    if t.batch_size == "auto" and g is not None and (g % m or g < pipelines * m):
+        fail("train.global_batch_size", f"is {g}; with batch_size auto under pipe it must be a multiple of "
+                                        f"dist.pp_microbatches={m}, at least {pipelines} x {m} (a micro-batch "
+                                        "set per pipeline)")
+    sizes = t.batch_size if isinstance(t.batch_size, list) else [t.batch_size]
+    if any(isinstance(b, int) and b % d.pp_microbatches for b in sizes):
+        fail("train.batch_size", f"{t.batch_size} per pipeline: each must divide into dist.pp_microbatches="
+                                 f"{d.pp_microbatches} equal micro-batches (a pipeline stage needs constant shapes)")
+    split = d.pp_split
+    if isinstance(split, str) and split not in ("even", "auto"):
+        fail("dist.pp_split", f"must be even, auto or a list of layer counts per stage, got {split!r}")
+    if isinstance(split, list):
+        v = 2 if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        if len(split) != v * d.pp_stages or not all(isinstance(n, int) and n >= 1 for n in split):
+            fail("dist.pp_split", f"must list {v * d.pp_stages} positive layer counts ({v} stage(s) per rank with "
+                                  f"{d.pp_schedule}), got {split}")
+    return pipelines
+
+
 class Stage(nn.Module):
     """A run of consecutive layers of the chain, called as one module by the pipeline."""
 

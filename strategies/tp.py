@@ -36,6 +36,20 @@ from strategies.base import Parallel, optimizer_recipe, sharded_scaler
 from strategies.fsdp import FSDPParallel
 
 
+def check_config(cfg, world: int, fail) -> int:
+    """dist.tp fits the strategy and the world size; returns the number of tp groups (data-parallel replicas)."""
+    d, t = cfg.dist, cfg.train
+    if d.strategy not in ("ddp", "fsdp", "pipe") or d.fsdp_impl != "torch":
+        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not "
+                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
+    if world % d.tp:
+        fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
+    if t.batch_size == "auto":  # balance.py times each rank alone; a tp group's forward is a collective
+        fail("train.batch_size", "auto is not available with dist.tp > 1 yet (a tp group computes in lockstep, and "
+                                 "each rank is timed alone); give one size per tp group")
+    return world // d.tp
+
+
 def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
     """Split the model's blocks over tp groups (in place); returns the (dp, tp) mesh for the data-parallel
     strategy applied next."""
