@@ -14,6 +14,7 @@ import torch
 from checkpoint import Unloadable, dcp_cause, differences, read_meta
 from config import CheckpointError
 from faults import first_line
+from strategies.base import trained_names, trains_part
 
 
 def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
@@ -77,30 +78,6 @@ def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
-
-
-# ---- LoRA (tasks/lora.py): a checkpoint holds only what trains, plus a reference to the frozen base -------------
-def trains_part(model: torch.nn.Module) -> bool:
-    """Whether only some of the model trains (LoRA's adapters and head), so checkpoints hold just that part."""
-    return getattr(model, "lora_base", None) is not None
-
-
-def trained_names(model: torch.nn.Module) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
-def state_to_save(model: torch.nn.Module) -> dict:
-    """What a checkpoint holds of the model: its state dict, or under LoRA the entries that train."""
-    state = model.state_dict()
-    if trains_part(model):
-        names = trained_names(model)
-        state = {k: v for k, v in state.items() if k in names}
-    return state
-
-
-def base_entry(model: torch.nn.Module) -> dict:
-    """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
-    return {"lora_base": model.lora_base} if trains_part(model) else {}
 
 
 def load_state(model: torch.nn.Module, state: dict, path: str) -> None:

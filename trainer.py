@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 import checkpoint
-import checkpoint_io
 import distributed as D
 import faults
 import run_log
@@ -26,7 +25,7 @@ from config import Config, CheckpointError, ConfigError, procs_per_node_list
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from run_log import EvalProgress, Window, setup_logging
 import strategies
-from strategies.base import checkpoint_blocks
+from strategies.base import base_entry, checkpoint_blocks
 from tasks.base import Task
 
 
@@ -331,6 +330,7 @@ class Trainer:
         path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
         if path is None:
             raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
+        import checkpoint_io  # test mode reads a checkpoint; a training run that does not resume never does
         checkpoint_io.load_model(self.par.raw_model, path, cfg)
         self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
         self.log.info(f"testing {path}")
@@ -368,7 +368,7 @@ class Trainer:
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.par.checkpoint_format,
                 "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
-                **checkpoint_io.base_entry(self.par.raw_model)}  # LoRA: the frozen base the adapters need
+                **base_entry(self.par.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.pending_best = self.state.best_step
         if not self.t.async_save:

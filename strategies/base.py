@@ -12,8 +12,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-import checkpoint_io
-from checkpoint_io import load_file
 from distributed import DistContext
 
 
@@ -182,7 +180,7 @@ class Parallel:
     def save(self, directory: str) -> None:
         """Called on every rank; writes model.pt (a plain state dict) and optimizer.pt."""
         if self.ctx.is_main:
-            torch.save(checkpoint_io.state_to_save(self.raw_model), os.path.join(directory, "model.pt"))
+            torch.save(state_to_save(self.raw_model), os.path.join(directory, "model.pt"))
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
     def start_save(self, directory: str) -> Callable[[], None]:
@@ -195,14 +193,39 @@ class Parallel:
         """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
         names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
         name)."""
+        import checkpoint_io  # only the runs that read a checkpoint load its readers
         checkpoint_io.load_state(self.raw_model, checkpoint_io.model_state_dict(directory), directory)
         if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
-            self.optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
+            self.optimizer.load_state_dict(checkpoint_io.load_file(directory, "optimizer.pt"))
         else:  # pipe's (the stages' tensors) or fsdp's (every rank's shards), by whole-model name
             from checkpoint_dcp import dcp_model_state_dict
             by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
             checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
                                                  directory)
+
+
+# ---- LoRA (tasks/lora.py): a checkpoint holds only what trains, plus a reference to the frozen base -------------
+def trains_part(model: torch.nn.Module) -> bool:
+    """Whether only some of the model trains (LoRA's adapters and head), so checkpoints hold just that part."""
+    return getattr(model, "lora_base", None) is not None
+
+
+def trained_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def state_to_save(model: torch.nn.Module) -> dict:
+    """What a checkpoint holds of the model: its state dict, or under LoRA the entries that train."""
+    state = model.state_dict()
+    if trains_part(model):
+        names = trained_names(model)
+        state = {k: v for k, v in state.items() if k in names}
+    return state
+
+
+def base_entry(model: torch.nn.Module) -> dict:
+    """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
+    return {"lora_base": model.lora_base} if trains_part(model) else {}
 
 
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:

@@ -12,7 +12,7 @@ import checkpoint_io
 from checkpoint_io import load_file
 from distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, sharded_scaler
+from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, sharded_scaler, trains_part
 
 
 class FSDPParallel(Parallel):
@@ -88,7 +88,6 @@ class FSDPParallel(Parallel):
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        import checkpoint
         from checkpoint_dcp import dcp_load
         from config import CheckpointError
         if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
@@ -97,7 +96,7 @@ class FSDPParallel(Parallel):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes from checkpoints that fsdp, pipe "
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
-        if checkpoint_io.trains_part(self.raw_model):
+        if trains_part(self.raw_model):
             checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
@@ -114,9 +113,9 @@ class FSDPParallel(Parallel):
 
     def state_options(self):
         """What get_state_dict / set_state_dict cover: every entry, or under LoRA the parameters that train (the
-        frozen base is not in the checkpoint: checkpoint_io.state_to_save)."""
+        frozen base is not in the checkpoint: strategies.base.state_to_save)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
-        part = checkpoint_io.trains_part(self.raw_model)
+        part = trains_part(self.raw_model)
         return StateDictOptions(ignore_frozen_params=part, strict=not part)
 
     def load_full(self, directory: str) -> None:

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 import checkpoint
-import checkpoint_io
 from distributed import DistContext
-from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe
+from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe, state_to_save
 
 
 class ReplicatedParallel(Parallel):
@@ -19,7 +18,7 @@ class ReplicatedParallel(Parallel):
         on."""
         if not self.ctx.is_main:
             return lambda: None
-        model, optimizer = host_copy(checkpoint_io.state_to_save(self.raw_model)), host_copy(self.optimizer.state_dict())
+        model, optimizer = host_copy(state_to_save(self.raw_model)), host_copy(self.optimizer.state_dict())
 
         def write():  # and flush to disk here, so that publishing (fsync, rename) holds the loop only briefly
             for obj, name in ((model, "model.pt"), (optimizer, "optimizer.pt")):
