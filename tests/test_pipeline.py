@@ -51,7 +51,7 @@ def pipe_run(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", slow("interleaved_1f1b"), slow("zero_bubble")])  # quick: two
 def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, schedule):
     # 2 ranks; the interleaved schedules put 2 of the CNN's 4 layers' stages on each rank (4 stages in all).
     out = pipe_run if schedule == "1f1b" else tmp_path
