@@ -111,3 +111,16 @@ def save_tiny_minilm(folder) -> str:
     BertModel(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return str(folder)
+
+
+def assert_test_mode_gives_the_logged_dev_loss(cfg) -> None:
+    """Test mode, in one process, on cfg's run (whatever wrote its checkpoints): the dev loss its checkpoint
+    logged when it was saved."""
+    import json
+
+    import checkpoint
+    import main
+    cfg.mode = "test"
+    assert main.run(cfg) == 0
+    result = json.load(open(os.path.join(cfg.output_dir, "dev_results.json")))
+    assert abs(result["metrics"]["loss"] - checkpoint.read_meta(result["checkpoint"])["metrics"]["loss"]) < 1e-6

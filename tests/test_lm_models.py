@@ -2,7 +2,6 @@
 model.arch (gpt2 | llama), layers, heads, width, bias, tie_embeddings for gpt2_lm and the BERT tasks
 (tasks/lm_models.py). Parameter counts follow the formulas; bias: false trains no bias; llama trains, resumes
 exactly, exports, generates, pipelines and splits over a tp group like GPT-2 and BERT do; refusals are one line."""
-import json
 import os
 import random
 import re
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, free_port, make_config, spawn
+from conftest import ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, spawn
 
 import checkpoint
 import checkpoint_io
@@ -296,12 +295,7 @@ def test_gpt2_tp_checkpoints_resume_anywhere_and_test_mode_reads_them(text, gpt2
         assert main.run(lm_config(out, text, GPT2, layout, batch_size=batch)) == 0, name
         assert "resumed from" in (out / "logs" / "rank0.log").read_text()
         assert_same(state(gpt2_one), state(out), 1e-5)
-    cfg = lm_config(split, text, GPT2)  # test mode, in one process: the dev loss the tp run logged
-    cfg.mode = "test"
-    assert main.run(cfg) == 0
-    result = json.load(open(split / "dev_results.json"))
-    step = int(result["checkpoint"].rsplit("-", 1)[1])
-    assert abs(result["metrics"]["loss"] - dev_loss(split, step)) < 1e-6
+    assert_test_mode_gives_the_logged_dev_loss(lm_config(split, text, GPT2))  # in one process
 
 
 @pytest.mark.slow

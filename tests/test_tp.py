@@ -3,7 +3,6 @@ with ddp and fsdp over the mesh's data-parallel dimension. Each layout ends wher
 clipping on), uneven batches across dp included; checkpoints reshard between tp, fsdp and one process; a forward
 costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line.
 The Llama causal LM with sequence parallelism and loss parallelism ends where one process does too."""
-import json
 import math
 import os
 import random
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, free_port, make_config, slow, spawn
+from conftest import ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, slow, spawn
 
 import checkpoint
 import checkpoint_io
@@ -103,13 +102,7 @@ def test_checkpoints_reshard_between_tp_fsdp_and_one_process(bert, one, tmp_path
         shutil.copytree(ckpt(source, 3), ckpt(out, 3))
         assert main.run(config(out, bert, layout, batch_size=batch)) == 0, name
         assert_same_run(one, out)
-    # test mode, in one process, reads the tp checkpoint: the dev loss the run logged
-    cfg = config(tp, bert)
-    cfg.mode = "test"
-    assert main.run(cfg) == 0
-    result = json.load(open(tp / "dev_results.json"))
-    step = int(result["checkpoint"].rsplit("-", 1)[1])
-    assert abs(result["metrics"]["loss"] - dev_loss(tp, step)) < 1e-6
+    assert_test_mode_gives_the_logged_dev_loss(config(tp, bert))  # in one process, from the tp checkpoint
 
 
 @pytest.mark.slow
