@@ -1,15 +1,12 @@
-"""The configuration schema: one dataclass per section of parameters.yml.
+"""The configuration schema: one dataclass per section of parameters.yml, a default and a docstring per field.
 
-Every field has a default and a docstring (the string literal under it). `load_config` reads the YAML file,
-applies `--set section.key=value` overrides, rejects unknown keys by name (suggesting the closest valid key),
-checks types and impossible values (keys that only some runs read: in the file that reads them, OWN_CHECKS), and
-raises `ConfigError` with a single line. `main.py` turns that into exit code 2 without a traceback: a typo in a
-config file is a user mistake, not a crash.
+`load_config` reads the YAML file and the `--set section.key=value` overrides, refuses unknown keys and wrong types
+and runs each section's check (keys that only some runs read: in the file that reads them, OWN_CHECKS). A mistake
+is one line, a `ConfigError`, which main.py turns into exit code 2 without a traceback.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import os
 import typing
@@ -365,24 +362,6 @@ class DistConfig:
             fail("dist.dp_replicate", f"must be >= 1 (1: no replicas of the shards), got {self.dp_replicate}")
         if self.hang_timeout_s < 0:
             fail("dist.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
-        if self.nodes < 1:
-            fail("dist.nodes", f"must be >= 1, got {self.nodes}")
-        if not 0 <= self.node_rank < self.nodes:
-            fail("dist.node_rank", f"must be in [0, nodes-1] = [0, {self.nodes - 1}], got {self.node_rank}")
-        if not 0 < self.master_port < 65536:
-            fail("dist.master_port", f"must be a TCP port (1-65535), got {self.master_port}")
-        procs = self.procs_per_node
-        if isinstance(procs, list):
-            if len(procs) != self.nodes:
-                fail("dist.procs_per_node", f"lists {len(procs)} nodes but dist.nodes is {self.nodes}")
-            if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in procs):
-                fail("dist.procs_per_node", f"must hold positive integers, got {procs}")
-        elif procs is not None and procs < 1:
-            fail("dist.procs_per_node", f"must be >= 1, got {procs}")
-        if self.init_method != "tcp" and not self.init_method.startswith("file://"):
-            fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {self.init_method!r}")
-        if self.nodes > 1 and self.init_method == "tcp" and not self.master_addr:
-            fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
         if self.device == "cuda" and not self.on_gpu():
             fail("dist.device", "is cuda but no CUDA device is available")
         if self.backend == "nccl" and not self.on_gpu():
@@ -448,6 +427,7 @@ class Config:
 
     def check(self, fail) -> None:
         if self.task not in TASKS:
+            from config_mistakes import closest
             close = closest(self.task, list(TASKS))
             fail("task", f"is {self.task!r}, not a known task ({', '.join(TASKS)})"
                  + (f"; did you mean {close!r}?" if close else ""))
@@ -535,66 +515,47 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            valid = names + list(extra_valid)
-            close = closest(str(key), valid)
-            hint = f" (did you mean `{prefix}{close}`?)" if close else f" (valid keys: {', '.join(valid)})"
-            raise ConfigError(f"{source}: unknown key `{prefix}{key}`{hint}")
-        kwargs[key] = _check_type(value, hints[key], f"{prefix}{key}", source)
+            from config_mistakes import unknown_key
+            raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid)))
+        try:
+            kwargs[key] = _match(value, hints[key])
+        except _NoMatch:
+            from config_mistakes import wrong_type
+            raise ConfigError(wrong_type(source, f"{prefix}{key}", value, hints[key])) from None
     return cls(**kwargs)
 
 
-def closest(key: str, valid: list[str]):
-    """The valid key the user most likely meant: one the key extends by a word (`lr_rate`: lr, even though
-    min_lr_ratio is spelled closer), else a near spelling, else one that the key starts with."""
-    extended = [v for v in valid if key.startswith(v + "_")]
-    if extended:
-        return max(extended, key=len)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if close:
-        return close[0]
-    starts = [v for v in valid if key.startswith(v) or v.startswith(key)]
-    return max(starts, key=len) if starts else None
+class _NoMatch(Exception):
+    """A value that does not fit a type annotation (the message is made only then, by config_mistakes)."""
 
 
-def _check_type(value: Any, hint, key: str, source: str):
-    """Return value (ints accepted for floats) if it matches the annotation, else raise a one-line ConfigError."""
+def _match(value: Any, hint):
+    """`value` (ints and `3e-4` strings accepted for floats) if it fits the annotation, else raise _NoMatch."""
     origin = typing.get_origin(hint)
     if origin is Union:
         for option in typing.get_args(hint):
             try:
-                return _check_type(value, option, key, source)
-            except ConfigError:
+                return _match(value, option)
+            except _NoMatch:
                 pass
-        expected = " or ".join(_type_name(a) for a in typing.get_args(hint))
-        raise ConfigError(f"{source}: `{key}` must be {expected}, got {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{source}: `{key}` must be one of {', '.join(map(str, choices))}, got {value!r}")
-        return value
-    if hint is type(None):
-        if value is not None:
-            raise ConfigError(f"{source}: `{key}` must be null, got {value!r}")
-        return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+    elif hint is type(None):
+        if value is None:
+            return value
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if hint is float and isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string
+    elif hint is float and isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string
         try:
             return float(value)
         except ValueError:
             pass
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+    elif hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint in (str, bool, list) and isinstance(value, hint):
+    elif hint in (str, bool, list) and isinstance(value, hint):
         return value
-    raise ConfigError(f"{source}: `{key}` must be {_type_name(hint)}, got {value!r}")
-
-
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) is Literal:  # e.g. inside Optional: "one of gpt2, llama or null"
-        return "one of " + ", ".join(map(str, typing.get_args(hint)))
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-            type(None): "null"}.get(hint, str(hint))
+    raise _NoMatch
 
 
 def validate(cfg: Config, source: str) -> None:
@@ -603,8 +564,8 @@ def validate(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: `{key}` {why}")
     for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
         part.check(fail)
+    check_own_keys(cfg, fail)  # first: the world size below counts dist.procs_per_node
     check_across_sections(cfg, fail)
-    check_own_keys(cfg, fail)
 
 
 def check_across_sections(cfg: Config, fail) -> None:
@@ -651,6 +612,8 @@ OWN_CHECKS = {
     "strategies.fsdp": ["dist.fsdp_impl", "dist.dp_replicate"],
     "strategies.zero": ["dist.shard_grads"],
     "balance": ["dist.simulate_slowdown"],
+    "launcher": ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr", "dist.master_port",
+                 "dist.init_method"],
 }
 
 

@@ -27,6 +27,29 @@ GRACE_S = 2.0  # after a rank fails, how long the others get to report before th
 EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
 
 
+def check_config(cfg: Config, fail) -> None:
+    """The nodes, their processes and where they meet, when set (config.validate asks, before the world size)."""
+    d = cfg.dist
+    if d.nodes < 1:
+        fail("dist.nodes", f"must be >= 1, got {d.nodes}")
+    if not 0 <= d.node_rank < d.nodes:
+        fail("dist.node_rank", f"must be in [0, nodes-1] = [0, {d.nodes - 1}], got {d.node_rank}")
+    if not 0 < d.master_port < 65536:
+        fail("dist.master_port", f"must be a TCP port (1-65535), got {d.master_port}")
+    procs = d.procs_per_node
+    if isinstance(procs, list):
+        if len(procs) != d.nodes:
+            fail("dist.procs_per_node", f"lists {len(procs)} nodes but dist.nodes is {d.nodes}")
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in procs):
+            fail("dist.procs_per_node", f"must hold positive integers, got {procs}")
+    elif procs is not None and procs < 1:
+        fail("dist.procs_per_node", f"must be >= 1, got {procs}")
+    if d.init_method != "tcp" and not d.init_method.startswith("file://"):
+        fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {d.init_method!r}")
+    if d.nodes > 1 and d.init_method == "tcp" and not d.master_addr:
+        fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
+
+
 def check_port_free(cfg: Config) -> None:
     """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
     port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
