@@ -92,10 +92,8 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
 
 
 def share_cores(ctx: DistContext, local_procs: int) -> str:
-    """This rank's share of the host's cores for torch's intra-op threads: cores // ranks on this host (at least
-    1), so that ranks on one CPU do not each start a thread per core and fight over them. OMP_NUM_THREADS, when
-    set (by you, or by torchrun, which sets 1), is kept. Returns the plan's line, with OMP_WAIT_POLICY (which
-    main.py sets to PASSIVE for CPU ranks sharing a host: see launcher.rank_environment)."""
+    """This rank's share of the host's cores for torch's threads (cores // ranks on this host, at least 1), so that
+    ranks on one CPU do not fight over them; OMP_NUM_THREADS, when set, is kept. Returns the plan's line."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if os.environ.get("OMP_NUM_THREADS"):
         why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
@@ -109,9 +107,7 @@ def share_cores(ctx: DistContext, local_procs: int) -> str:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Close the process group. (It is not freed: torch keeps references to it, so gloo's threads live until
-    the process ends; main.leave() ends a rank's process without the interpreter's teardown, which they can
-    abort.)"""
+    """Close the process group (gloo's threads live on until the process ends: see main.leave)."""
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

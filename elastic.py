@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
+import time
 from typing import Optional
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def refuse_restarts(local_rank: int) -> bool:
+    """Whether this torchrun worker must not run (torchrun_restart_problem): local rank 0 says why; the others
+    wait for torchrun to end them (the same line from each would be noise)."""
+    problem = torchrun_restart_problem()
+    if problem and local_rank == 0:
+        print(f"error: {problem}", file=sys.stderr)
+    elif problem:
+        time.sleep(10)
+    return problem is not None
 
 
 def torchrun_restart_problem(env=os.environ, agent_argv: Optional[list] = None) -> Optional[str]:

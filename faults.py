@@ -1,22 +1,13 @@
-"""When things go wrong: stop requests (signals, time limit), hung and dead ranks, and how a failure is reported.
+"""When things go wrong: stop requests (signals, time limit), where a rank is, and how a failure is reported.
 
-A week of GPU time meets preemption, a frozen node, a NaN, a full disk. The rules this file implements:
-- a signal (SIGTERM, SIGINT, SIGHUP, train.stop_signal) or train.time_limit stops every rank at the same step
-  boundary, after a checkpoint is saved (the Trainer folds the request into an all-reduce each step already does);
-  the same signals again while stopping only print a line: nothing but SIGKILL aborts the save;
-- a rank that stops responding is named within dist.hang_timeout_s by a watchdog thread that beats through the
-  rendezvous store (heartbeat.py); the live ranks dump their Python stacks to their logs and exit;
-- every failure is reported once, naming the rank, the host and the step; a user mistake is one line, and so is
-  a full disk or a read-only folder (disk_problem), said by every rank, which then leave together.
-
-The exit codes of `python main.py` are the EXIT_* below; what each means: README.md, "When things go wrong"
-(scripts/slurm_job.sh requeues on 3).
+A stop signal or train.time_limit stops every rank after the same step, once a checkpoint is saved; every failure
+is reported once, naming the rank, the host and the step; a user mistake (a full disk included) is one line. The
+rules and the exit codes (EXIT_* below): README.md, "When things go wrong". Hung ranks: heartbeat.py.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import signal
@@ -42,12 +33,10 @@ class Diverged(Exception):
     exit_code = EXIT_DIVERGED
 
 
-# ==============================================================================================================
-# Where this rank is
-# ==============================================================================================================
+# ---- Where this rank is --------------------------------------------------------------------------------------
 class Progress:
-    """What this rank is doing. Read by the watchdog thread, by crash reports, and (through shared memory) by
-    the launching process when this rank dies without a word. Updating it costs a few attribute writes."""
+    """What this rank is doing: read by the watchdog thread, by crash reports, and (shared memory) by the launcher
+    when this rank dies without a word."""
 
     def __init__(self):
         self.rank, self.step, self.ticks, self.phase = 0, 0, 0, "setup"
@@ -55,7 +44,7 @@ class Progress:
         self.codes = None  # main.py's spawn: a shared array of exit codes, set when a rank is done (finished())
 
     def at(self, step: int, phase: str) -> None:
-        """Called as the rank works: `step` is the optimizer step being computed (or evaluated, or saved)."""
+        """`step`: the optimizer step being computed (or evaluated, or saved)."""
         self.step, self.phase = step, phase
         self.ticks += 1
         if self.shared is not None:
@@ -76,9 +65,7 @@ class Progress:
 progress = Progress()
 
 
-# ==============================================================================================================
-# Stop requests: signals and the time limit
-# ==============================================================================================================
+# ---- Stop requests: signals and the time limit ---------------------------------------------------------------
 def stop_signals(extra_signal: Optional[str]) -> list[str]:
     """The signals that stop a run after a checkpoint: SIGTERM (schedulers), SIGINT (Ctrl-C), SIGHUP (a terminal or
     an ssh session that closed) and train.stop_signal (which may name one of them again)."""
@@ -94,9 +81,8 @@ def already_stopping(name: str, pid: Optional[int] = None) -> str:
 
 class StopRequest:
     """Set by a signal handler or the time limit; the Trainer votes it into the step's all-reduce, so all ranks
-    stop after the same step. The stop signals again while stopping only log a line: schedulers and people send
-    them twice (SLURM at preemption with GraceTime 0, an impatient Ctrl-C), and the save must not be lost to
-    that; SIGKILL, which no process can catch, is the way to end a run at once."""
+    stop after the same step. A stop signal again only logs a line (schedulers and people send them twice): the
+    save must not be lost to it; SIGKILL ends a run at once."""
 
     def __init__(self):
         self.reason: Optional[str] = None
@@ -119,7 +105,7 @@ class StopRequest:
         if self.reason is not None and self.reason != "time limit":
             if self.log:  # (under main.py's launcher, it says this on the console: here, the log file only)
                 self.log.warning(already_stopping(name),
-                                 extra={"file_only": report.report_dir is not None})
+                                 extra={"file_only": report.sink is not None})
             return
         self.reason = name
         if self.log:
@@ -136,9 +122,7 @@ class StopRequest:
 
 stop_request = StopRequest()
 
-# Set by `python main.py`, whose process ends once the run is over: a stop signal that comes as the ranks are gone
-# is then ignored (launcher.Supervisor.close), not left to kill it and turn exit code 3 into death by SIGTERM.
-# (Tests run main.run in their own process: theirs get their handlers back.)
+# Set by `python main.py`: a stop signal as the ranks are gone must not turn exit code 3 into death by SIGTERM.
 ignore_late_signals = False
 
 
@@ -172,16 +156,13 @@ def detach_hung_up_terminal() -> None:
                 os.close(null)
 
 
-# ==============================================================================================================
-# Reporting a failure: once, by rank and host
-# ==============================================================================================================
+# ---- Reporting a failure: once, by rank and host -------------------------------------------------------------
 class Reporter:
-    """Where this rank's final word goes. Under main.py's own spawn, into a file the launcher reads (it prints
-    identical lines from several ranks once). Under torchrun or srun there is no such launcher: the rank prints
-    itself, and identical lines are printed once through the watchdog's store (heartbeat.Watchdog.first_to_say)."""
+    """Where this rank's final word goes: under main.py's own spawn, a file the launcher reads; else the console,
+    identical lines from several ranks once (heartbeat.Watchdog.first_to_say)."""
 
     def __init__(self):
-        self.report_dir: Optional[str] = None
+        self.sink = None  # a rank of main.py's own spawn: launcher.leave_report, to a file the launcher reads
         self.log: Optional[logging.Logger] = None
         self.watchdog = None  # set by start_watchdog
 
@@ -192,12 +173,8 @@ class Reporter:
                     line + ("\n" + detail if detail else ""), extra={"file_only": True})
             except OSError:  # the log file cannot take it (a full disk: run_log.LogFile): the console still does
                 pass
-        if self.report_dir:
-            record = {"rank": progress.rank, "code": code, "line": line, "detail": detail, "time": time.time()}
-            tmp = os.path.join(self.report_dir, f".rank{progress.rank}.json")
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, os.path.join(self.report_dir, f"rank{progress.rank}.json"))
+        if self.sink is not None:
+            self.sink(code, line, detail)
         elif self.watchdog is None or self.watchdog.first_to_say(line):
             say(code, line, detail)
         return code
@@ -255,9 +232,7 @@ def user_error(line: str, watchdog) -> int:
     return EXIT_USER_ERROR
 
 
-# ==============================================================================================================
-# A full disk, or a file or folder this run may not write
-# ==============================================================================================================
+# ---- A full disk, or a file or folder this run may not write -------------------------------------------------
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -275,10 +276,18 @@ def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid:
     faults.progress.shared = steps
     faults.progress.slot = launch.local_rank
     faults.progress.codes = finished
-    faults.report.report_dir = report_dir
+    faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
     main.leave(main.worker(cfg, launch))
+
+
+def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:
+    """A rank's last word (faults.report), into the file the Supervisor reads (written aside, then renamed)."""
+    tmp = os.path.join(report_dir, f".rank{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "code": code, "line": line, "detail": detail, "time": time.time()}, f)
+    os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
 
 
 def rank_environment(cfg: Config, nprocs: int) -> dict:

@@ -2,13 +2,9 @@
 
     python main.py --params parameters.yml [--set section.key=value ...]
 
-Reads and validates the config (a user mistake exits with code 2 and one line, before any process starts),
-then starts one process per device on this node and watches them (launcher.py), or runs as the single process
-that torchrun or SLURM's srun started. Each process builds the task and a Trainer, then trains or tests.
-`mode: export` writes a checkpoint for use elsewhere, in this process (export.py).
-
-torch loads inside the functions that need it (distributed, trainer, tasks, export), not here: --help and a
-mistake in the config answer at once.
+Reads and checks the config (a mistake: one line, exit code 2, before any process starts; torch is not loaded
+yet), then starts this node's ranks (launcher.py) or is the one rank torchrun or srun started. Each rank builds
+the task and a Trainer, then trains or tests; `mode: export` writes a checkpoint in this process (export.py).
 """
 from __future__ import annotations
 
@@ -78,8 +74,7 @@ def main(argv=None) -> int:
 
 
 def run(cfg: Config) -> int:
-    """Start this node's processes and wait for them. Returns the exit code (see faults.py: 0 finished, 1 crash,
-    2 user error, 3 stopped by a signal or the time limit after saving, 4 diverged)."""
+    """Start this node's processes and wait for them. Returns the exit code (faults.EXIT_*)."""
     from distributed import launcher_env
 
     env = launcher_env()
@@ -88,11 +83,7 @@ def run(cfg: Config) -> int:
                                                                 procs_per_node=1, node_rank=0))
     if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":
         import elastic  # (only torchrun's workers load it)
-        if problem := elastic.torchrun_restart_problem():
-            if env["local_rank"] == 0:
-                print(f"error: {problem}", file=sys.stderr)
-            else:  # the same line: leave it to local rank 0 (torchrun ends us once it exits, before we could end it)
-                time.sleep(10)
+        if elastic.refuse_restarts(env["local_rank"]):
             return 2
     try:
         if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out
