@@ -7,7 +7,7 @@ is one line, a `ConfigError`, which main.py turns into exit code 2 without a tra
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -131,11 +131,6 @@ class ModelConfig:
     def check(self, fail) -> None:
         if not 0 <= self.dropout < 1:
             fail("model.dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.pretrained_dir:
-            self.pretrained_dir = resolve_package_path(self.pretrained_dir)  # the folder the run will read
-            if not os.path.isdir(self.pretrained_dir):
-                fail("model.pretrained_dir", f"{self.pretrained_dir!r} is not a folder (fetch one with "
-                                             "scripts/download_pretrained.py, or set null for a random model)")
 
 
 @dataclass
@@ -604,6 +599,7 @@ def check_across_sections(cfg: Config, fail) -> None:
 
 # Keys that only some runs read, listed under the file that reads and checks them (its check_config(cfg, fail)).
 OWN_CHECKS = {
+    "tasks.pretrained": ["model.pretrained_dir"],
     "tasks.lora": ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"],
     "tasks.lm_models": ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
                         "model.tie_embeddings"],
@@ -627,17 +623,6 @@ def check_own_keys(cfg: Config, fail) -> None:
 def is_set(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section], name)
-
-
-def resolve_package_path(path: str) -> str:
-    """`pkg:name/sub/dir` -> that folder inside the installed package `name`; other paths unchanged."""
-    if not path.startswith("pkg:"):
-        return path
-    package, _, sub = path[4:].partition("/")
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return path  # reported as "not a folder" by the caller
-    return os.path.join(list(spec.submodule_search_locations)[0], sub)
 
 
 def procs_per_node_list(cfg: Config) -> list[int]:

