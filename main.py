@@ -25,32 +25,17 @@ from config import Config, UserError, load_config, procs_per_node_list
 from faults import HOST, report
 
 
+class Parser(argparse.ArgumentParser):
+    def format_help(self) -> str:  # the modes, presets and examples: loaded only by --help
+        from cli_help import epilog
+        self.epilog = epilog()
+        return super().format_help()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    # The presets are listed from the folder itself, so that --help names exactly the files a clone has.
-    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-    presets = sorted(f for f in os.listdir(configs) if f.endswith((".yml", ".yaml"))) if os.path.isdir(configs) else []
-    epilog = "\n".join([
-        "modes (--set mode=...):",
-        "  train    train (the default): checkpoints, logs, TensorBoard files and config.yml go to output_dir",
-        "  test     evaluate the best checkpoint of output_dir (or test.checkpoint) on the dev and test splits,",
-        "           in one process; writes <output_dir>/<split>_results.json",
-        "  export   write that checkpoint for use outside this project (export.format; export.dir, by default",
-        "           <output_dir>/export)",
-        "",
-        "presets (--params configs/NAME.yml; each file's first lines say what it needs):",
-        *(f"  configs/{name}" for name in presets),
-        "",
-        "parameters.yml lists the fields you are most likely to change; every field (and its default) is",
-        "documented in config.py. An unknown or mistyped field is refused before anything starts.",
-        "",
-        "examples:",
-        "  python main.py --params parameters.yml",
-        "  python main.py --set dist.strategy=ddp --set dist.procs_per_node=2",
-        "  python main.py --params parameters.yml --set mode=test",
-    ])
-    p = argparse.ArgumentParser(description="Train, test or export a model as described by a parameters file\n"
-                                            "(default: parameters.yml, a CNN on scikit-learn's digits, one process).",
-                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description="Train, test or export a model as described by a parameters file\n"
+                           "(default: parameters.yml, a CNN on scikit-learn's digits, one process).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", default="parameters.yml", help="YAML config (default: parameters.yml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field, e.g. --set dist.strategy=ddp (repeatable)")
