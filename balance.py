@@ -1,5 +1,6 @@
-"""What is measured before training: each rank's speed (a slow rank gets a smaller share of the global batch) and,
-for train.precision auto on a CPU, whether bf16 trains faster. Loaded only by the runs that measure.
+"""What is measured before training: each rank's speed (a slow rank gets a smaller share of the global batch) and
+train.precision auto (on a CPU: whether bf16 trains faster). Loaded only by the runs that set either to auto or
+simulate a slowdown.
 
 With `train.batch_size: auto`, every rank times forward+backward on a few real batches of equal size before
 training, the speeds are gathered, and `train.global_batch_size` is split in proportion to them. Then all ranks
@@ -12,6 +13,7 @@ gradient over the global batch, whatever the split.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import statistics
 import time
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import distributed as D
 from config import ConfigError, world_size
 from data_loader import GlobalBatchSampler, split_proportional
+from trainer import autocast_for
 
 
 def check_config(cfg, fail) -> None:
@@ -109,8 +112,38 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     return batch_size * steps / seconds
 
 
+def auto_precision(cfg, ctx: D.DistContext):
+    """train.precision auto, as the Trainer starts: (cfg with the precision chosen, how the plan shows it)."""
+    bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # not emulated
+    precision, note = resolve_precision(cfg.train.precision, ctx.device.type, bf16)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision)), note
+
+
+def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
+    """train.precision `auto`: bf16 autocast on GPUs that compute in bf16 (Ampere and later), fp32 everywhere
+    else for now. On a CPU, choose_cpu_precision later measures which of the two trains faster (bf16 pays
+    only with bf16 matrix units and large enough matrices); fp16 needs a loss scaler: a choice to make knowingly,
+    not a default. Returns the precision and how the plan shows it."""
+    if precision != "auto":
+        return precision, precision
+    if device_type == "cuda":
+        chosen, why = ("bf16", "GPU with bf16") if bf16_supported else ("fp32", "GPU without bf16")
+    else:
+        chosen, why = "fp32", device_type.upper()
+    return chosen, f"auto -> {chosen} ({why})"
+
+
+def choose_cpu_precision(trainer) -> None:
+    """train.precision auto on a CPU (Trainer.choose_precision): the measured choice (cpu_precision) becomes the
+    Trainer's precision, what its checkpoints and config.yml record. Collective."""
+    precision, trainer.precision_note = cpu_precision(trainer)
+    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.t, precision=precision))
+    trainer.t = trainer.cfg.train
+    trainer.autocast = autocast_for("cpu", precision)
+
+
 def cpu_precision(trainer) -> tuple[str, str]:
-    """train.precision auto on a CPU (Trainer.choose_precision): (precision, plan note). Whether bf16 autocast pays
+    """train.precision auto on a CPU (choose_cpu_precision): (precision, plan note). Whether bf16 autocast pays
     depends on the CPU and the job, so every rank times forward+backward in both on the run's next batches
     (time_precisions) and all take bf16 only where it is clearly faster (pick_cpu_precision). Collective."""
     units = D.gather_objects(trainer.ctx, cpu_bf16_units())

@@ -21,7 +21,7 @@ from tqdm import tqdm
 import checkpoint
 import distributed as D
 import faults
-from config import Config, dump_yaml
+from config import Config, dump_yaml, procs_per_node_list
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -114,6 +114,28 @@ def start(cfg: Config, log: logging.Logger, plan: str):
     tb = TensorBoard(os.path.join(cfg.output_dir, "tensorboard")) if cfg.log.tensorboard else None
     log.info(plan)
     return tb
+
+
+def plan(tr) -> str:
+    """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder."""
+    cfg, ctx, t = tr.cfg, tr.ctx, tr.t
+    env = D.launcher_env()
+    per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
+    return "\n".join([
+        "plan:",
+        f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
+        f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
+        f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
+        *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
+        *tr.par.plan_lines(),
+        *([f"  {tr.par.raw_model.lora_note}"] if hasattr(tr.par.raw_model, "lora_note") else []),
+        f"  batch per {tr.par.replica} {tr.batch_sizes} x {t.grad_accum_steps} "
+        f"accumulation, global batch {sum(tr.batch_sizes) * t.grad_accum_steps}",
+        *([f"  {tr.balance_note}"] if tr.balance_note else []),
+        f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
+        f"micro-batches per epoch), starting at step {tr.state.step}",
+        f"  output {os.path.abspath(cfg.output_dir)}",
+    ])
 
 
 def write_file(path: str, text: str) -> None:

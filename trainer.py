@@ -6,8 +6,6 @@ records (log lines, progress bars, TensorBoard, profiles) is written by run_log.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import random
@@ -21,7 +19,7 @@ import checkpoint
 import distributed as D
 import faults
 import run_log
-from config import Config, CheckpointError, ConfigError, procs_per_node_list
+from config import Config, CheckpointError, ConfigError
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from run_log import EvalProgress, Window, setup_logging
 import strategies
@@ -41,25 +39,6 @@ class TrainState:
     evals_without_improvement: int = 0
 
 
-def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
-    """train.precision `auto`: bf16 autocast on GPUs that compute in bf16 (Ampere and later), fp32 everywhere
-    else for now. On a CPU, Trainer.choose_precision later measures which of the two trains faster (bf16 pays
-    only with bf16 matrix units and large enough matrices); fp16 needs a loss scaler: a choice to make knowingly,
-    not a default. Returns the precision and how the plan shows it."""
-    if precision != "auto":
-        return precision, precision
-    if device_type == "cuda":
-        chosen, why = ("bf16", "GPU with bf16") if bf16_supported else ("fp32", "GPU without bf16")
-    else:
-        chosen, why = "fp32", device_type.upper()
-    return chosen, f"auto -> {chosen} ({why})"
-
-
-def bf16_supported(ctx: D.DistContext) -> bool:
-    """Native bf16 on this rank's GPU (without counting torch's slow emulation on older GPUs)."""
-    return ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def autocast_for(device_type: str, precision: str):
     """The context the forward passes run in: autocast to fp16/bf16, or nothing for fp32."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
@@ -68,10 +47,10 @@ def autocast_for(device_type: str, precision: str):
 
 class Trainer:
     def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
-        # train.precision `auto` becomes what this device computes fast in, once, before anything reads it.
-        self.precision_asked = cfg.train.precision  # auto on a CPU: measured in train() (choose_precision)
-        precision, self.precision_note = resolve_precision(cfg.train.precision, ctx.device.type, bf16_supported(ctx))
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+        self.precision_asked = self.precision_note = cfg.train.precision  # what the plan shows
+        if cfg.train.precision == "auto":  # what this device computes fast in, before anything reads it (balance.py)
+            import balance
+            cfg, self.precision_note = balance.auto_precision(cfg, ctx)
         self.cfg, self.task, self.ctx, self.t = cfg, task, ctx, cfg.train
         self.log = setup_logging(cfg.output_dir, ctx.rank)
         self.datasets = task.build_datasets()
@@ -82,10 +61,9 @@ class Trainer:
         if cfg.model.lora_rank:  # a frozen base + trainable adapters
             from tasks import lora
             model = lora.adapt(model, cfg)
-        if cfg.model.activation_checkpointing:  # each block recomputes its activations in backward
-            if not checkpoint_blocks(model):
-                raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
-                                  "recompute (no nn.ModuleList of layers); set it to false")
+        if cfg.model.activation_checkpointing and not checkpoint_blocks(model):  # blocks recompute in backward
+            raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
+                              "recompute (no nn.ModuleList of layers); set it to false")
         self.par = strategies.apply(model, cfg, ctx, task, self.datasets["train"])  # dist.strategy (and dist.tp)
         if self.t.compile and cfg.mode == "train":
             self.par.compile()  # the first steps (and each new input shape) pay the compilation
@@ -104,8 +82,7 @@ class Trainer:
         self.best_metric = self.t.best_metric or task.best_metric_default
         self.best_mode = self.t.best_mode if self.t.best_mode != "auto" else (
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
-        on_gpu = ctx.device.type == "cuda"
-        self.pin = on_gpu
+        self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(ctx.device.type, self.t.precision)
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
@@ -121,7 +98,8 @@ class Trainer:
         self.choose_precision()  # precision auto on a CPU: fp32 or bf16, whichever trains this job faster here
         self.balance_batches()
         t, state = self.t, self.state
-        self.start_logging()
+        if self.ctx.is_main:  # config.yml, TensorBoard and the plan
+            self.tb = run_log.start(self.cfg, self.log, run_log.plan(self))
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
         window = Window(self.ctx, state.step)
@@ -171,7 +149,8 @@ class Trainer:
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.finish_save()
         self.close()
-        self.summary()
+        if self.ctx.is_main:
+            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric))
         return metrics
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
@@ -322,30 +301,10 @@ class Trainer:
             s.evals_without_improvement += 1
         return better, bool(t.patience) and s.evals_without_improvement >= t.patience
 
-    # ================================================================================================
-    # Test mode: evaluate one checkpoint on dev and test, in one process
-    # ================================================================================================
     def test(self) -> dict:
-        cfg = self.cfg
-        path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
-        if path is None:
-            raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-        import checkpoint_io  # test mode reads a checkpoint; a training run that does not resume never does
-        checkpoint_io.load_model(self.par.raw_model, path, cfg)
-        self.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
-        self.log.info(f"testing {path}")
-        results = {}
-        for split in cfg.test.splits:
-            if self.datasets.get(split) is None:
-                self.log.info(f"no {split} split for this dataset: skipped")
-                continue
-            results[split] = self.evaluate(split)
-            if self.ctx.is_main:
-                where = os.path.join(cfg.output_dir, f"{split}_results.json")
-                run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "split": split,
-                                                      "metrics": results[split]}, indent=2))
-                self.log.info(f"wrote {where}")
-        return results
+        """mode: test: one checkpoint evaluated on test.splits (testmode.py, loaded only in test mode)."""
+        import testmode
+        return testmode.test(self)
 
     # ================================================================================================
     # Checkpoints
@@ -462,15 +421,10 @@ class Trainer:
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
 
     def choose_precision(self) -> None:
-        """train.precision auto on a CPU: fp32 or bf16, whichever trains this job faster here (measured by every
-        rank: balance.cpu_precision). Collective. Explicit settings and GPUs keep resolve_precision's choice."""
-        if self.precision_asked != "auto" or self.ctx.device.type != "cpu":
-            return
-        import balance  # (only the runs that measure something load it)
-        precision, self.precision_note = balance.cpu_precision(self)
-        self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.t, precision=precision))
-        self.t = self.cfg.train  # what checkpoints and config.yml record
-        self.autocast = autocast_for("cpu", precision)
+        """train.precision auto on a CPU: fp32 or bf16, whichever trains this job faster here. Collective."""
+        if self.precision_asked == "auto" and self.ctx.device.type == "cpu":
+            import balance  # (only the runs that measure something load it)
+            balance.choose_cpu_precision(self)
 
     def balance_batches(self) -> None:
         """batch_size auto: split the global batch by measured rank speed (after a resume: the split the
@@ -515,31 +469,6 @@ class Trainer:
     # ================================================================================================
     # What the run shows (the lines, bars and traces themselves: run_log.py)
     # ================================================================================================
-    def start_logging(self) -> None:
-        """Rank 0: config.yml, TensorBoard and the plan (run_log.start)."""
-        if self.ctx.is_main:
-            self.tb = run_log.start(self.cfg, self.log, self.plan())
-
-    def plan(self) -> str:
-        cfg, ctx, t = self.cfg, self.ctx, self.t
-        env = D.launcher_env()
-        per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
-        return "\n".join([
-            "plan:",
-            f"  task {cfg.task} ({self.task.data_name()}), {len(self.datasets['train'])} training samples",
-            f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
-            f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {self.precision_note}",
-            *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
-            *self.par.plan_lines(),
-            *([f"  {self.par.raw_model.lora_note}"] if hasattr(self.par.raw_model, "lora_note") else []),
-            f"  batch per {self.par.replica} {self.batch_sizes} x {t.grad_accum_steps} "
-            f"accumulation, global batch {sum(self.batch_sizes) * t.grad_accum_steps}",
-            *([f"  {self.balance_note}"] if self.balance_note else []),
-            f"  {self.total_steps} optimizer steps: {self.length_note} ({self.sampler.batches_per_epoch()} "
-            f"micro-batches per epoch), starting at step {self.state.step}",
-            f"  output {os.path.abspath(cfg.output_dir)}",
-        ])
-
     def progress_bar(self, **kwargs):
         """Rank 0's bar over the run's steps (log.progress_bar), or with kwargs another one (an evaluation's)."""
         return run_log.progress_bar(self.ctx.is_main and self.cfg.log.progress_bar,
@@ -555,10 +484,6 @@ class Trainer:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
-
-    def summary(self) -> None:
-        if self.ctx.is_main:
-            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric))
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).

@@ -22,7 +22,7 @@ import launcher
 import run_log
 import trainer as trainer_module
 from config import load_config
-from trainer import resolve_precision
+from balance import resolve_precision
 
 
 def build_trainer(cfg, task=None):
@@ -56,7 +56,7 @@ def test_precision_auto_is_fp32_on_cpu_and_the_plan_says_so(tmp_path):
     t = build_trainer(make_config(tmp_path, train={"precision": "auto", "max_steps": 2}))
     assert t.t.precision == "fp32" and t.cfg.train.precision == "fp32"
     assert isinstance(t.autocast(), contextlib.nullcontext)  # no autocast
-    assert "precision auto -> fp32 (CPU)" in t.plan()
+    assert "precision auto -> fp32 (CPU)" in run_log.plan(t)
 
 
 def test_presets_use_auto_precision():

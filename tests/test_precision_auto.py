@@ -10,6 +10,7 @@ import torch
 from conftest import make_config, max_diff, spawn
 
 import balance
+import run_log
 import trainer as trainer_module
 
 # digits CNN with dropout (the measurement must restore the random stream), 6 steps, no evaluation or saving.
@@ -54,7 +55,7 @@ def test_auto_takes_bf16_only_when_clearly_faster_and_the_plan_shows_both(tmp_pa
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
     assert t.t.precision == t.cfg.train.precision == chosen  # what checkpoints and config.yml record
     assert autocast_dtype(t) == (torch.bfloat16 if chosen == "bf16" else None)
-    plan = t.plan()
+    plan = run_log.plan(t)
     assert (f"precision auto -> {chosen} (CPU with AMX: forward+backward {timings['bf16'] * 1e3:.0f} ms bf16 vs "
             f"{timings['fp32'] * 1e3:.0f} ms fp32; bf16 when >= 10% faster)") in plan
     with open(tmp_path / "config.yml") as f:
@@ -74,7 +75,7 @@ def test_without_bf16_units_auto_is_fp32_without_measuring(tmp_path, monkeypatch
     inject(monkeypatch, units="", timings=None)
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
     assert t.t.precision == "fp32" and autocast_dtype(t) is None
-    assert "precision auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)" in t.plan()
+    assert "precision auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)" in run_log.plan(t)
 
 
 @pytest.mark.parametrize("explicit", ["fp32", "bf16"])
@@ -96,7 +97,7 @@ def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypa
     monkeypatch.setattr(t.par, "eval_lockstep", True)
     t.choose_precision()
     assert t.t.precision == "fp32" and autocast_dtype(t) is None
-    assert "auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps" in t.plan()
+    assert "auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps" in run_log.plan(t)
 
 
 def test_cpu_bf16_units_reads_the_cpu_flags(monkeypatch, tmp_path):

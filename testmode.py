@@ -1,0 +1,34 @@
+"""mode: test: evaluate one checkpoint (test.checkpoint, or the run's best) on test.splits, in one process, and
+write each split's metrics to output_dir/<split>_results.json. Loaded by Trainer.test only.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import checkpoint
+import checkpoint_io
+import run_log
+from config import CheckpointError
+
+
+def test(trainer) -> dict:
+    cfg, log = trainer.cfg, trainer.log
+    path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
+    if path is None:
+        raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
+    checkpoint_io.load_model(trainer.par.raw_model, path, cfg)
+    trainer.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
+    log.info(f"testing {path}")
+    results = {}
+    for split in cfg.test.splits:
+        if trainer.datasets.get(split) is None:
+            log.info(f"no {split} split for this dataset: skipped")
+            continue
+        results[split] = trainer.evaluate(split)
+        if trainer.ctx.is_main:
+            where = os.path.join(cfg.output_dir, f"{split}_results.json")
+            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "split": split,
+                                                  "metrics": results[split]}, indent=2))
+            log.info(f"wrote {where}")
+    return results
