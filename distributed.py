@@ -43,23 +43,11 @@ def launcher_env() -> Optional[dict]:
                 "launcher": "torchrun", "rendezvous": "env://"}
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1 \
             and "SLURM_STEP_ID" in env:  # inside `srun`, one task per process (not a bare sbatch script)
+        from slurm import tasks_on_this_node  # (only srun's ranks load it)
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0)), "local_world_size": slurm_tasks_on_this_node(env),
+                "local_rank": int(env.get("SLURM_LOCALID", 0)), "local_world_size": tasks_on_this_node(env),
                 "launcher": "slurm", "rendezvous": None}
     return None
-
-
-def slurm_tasks_on_this_node(env) -> int:
-    """How many tasks of this srun step share this node (so that they share its cores). SLURM writes the tasks
-    per node as `4(x2),1`: 4 on each of the first two nodes, 1 on the third; this node is SLURM_NODEID."""
-    counts = []
-    try:
-        for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")).split(","):
-            n, _, repeat = part.partition("(x")
-            counts += [int(n)] * int(repeat.rstrip(")") or 1)
-        return counts[int(env.get("SLURM_NODEID", 0))]
-    except (ValueError, IndexError):  # a format this reader does not know: assume one task per node
-        return 1
 
 
 def pick_device_type(device: str) -> str:

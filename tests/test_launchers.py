@@ -68,7 +68,8 @@ def test_dp_runs_in_one_process(tmp_path):
 
 def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatch):
     """Each rank takes cores / (ranks on its node) threads: the launchers' environment says how many."""
-    from distributed import launcher_env, slurm_tasks_on_this_node
+    from distributed import launcher_env
+    from slurm import tasks_on_this_node
     for k in list(os.environ):
         if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_")):
             monkeypatch.delenv(k)
@@ -77,10 +78,10 @@ def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatc
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert launcher_env()["local_world_size"] == 4
-    assert slurm_tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}) == 4
-    assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}) == 1
-    assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "2,3", "SLURM_NODEID": "1"}) == 3
-    assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "weird"}) == 1
+    assert tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}) == 4
+    assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}) == 1
+    assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "2,3", "SLURM_NODEID": "1"}) == 3
+    assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "weird"}) == 1
 
 
 def test_torchrun_ranks_say_the_same_error_once(tmp_path):
