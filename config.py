@@ -313,7 +313,7 @@ class DistConfig:
     (docs/mesh.md)."""
     sequence_parallel: bool = False
     """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions (less norm activation
-    memory; docs/mesh.md). Plans that support it: gpt2_lm's llama."""
+    memory; docs/mesh.md). Plans that support it: gpt2_lm, bert_pretrain, sst2's BERT-style models."""
     loss_parallel: bool = False
     """dist.tp > 1: the LM head split by vocabulary and the loss computed on the split logits (no rank holds them
     whole; docs/mesh.md). Plans that support it: gpt2_lm's llama, untied."""
