@@ -1,7 +1,6 @@
-"""What a run shows and records: each rank's log file and rank 0's console, the progress bars, the training line,
-TensorBoard and the closing summary (train.profile_steps' traces: profiling.py).
-
-The Trainer (trainer.py) calls these; nothing here changes what is trained.
+"""What a run shows and records: each rank's log file and rank 0's console, the plan, the progress bars, the
+training line, TensorBoard and the closing summary (train.profile_steps' traces: profiling.py). The Trainer calls
+these; nothing here changes what is trained.
 """
 from __future__ import annotations
 
@@ -47,10 +46,8 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
 
 class StopsOnWriteError:
     """For a log handler: a write that fails for a full disk or a read-only file (faults.disk_problem) is raised once,
-    naming the file, in the main thread, where main.worker reports it in one line (faults.disk_problem) and the
-    run stops; the handler writes nothing more. Without this, logging prints '--- Logging error ---' and a
-    traceback for every line after it, and the run goes on. (A failure in another thread is raised by the main
-    thread's next line.)"""
+    naming the file, in the main thread (by its next line if another thread met it), and the run stops; logging's
+    own way is a traceback for every later line while the run goes on."""
     failed: Optional[OSError] = None
     pending = False  # failed, and not raised yet
 
@@ -87,14 +84,12 @@ class LogFile(StopsOnWriteError, logging.FileHandler):
 
 
 class ConsoleHandler(StopsOnWriteError, logging.StreamHandler):
-    """Rank 0's console. Lines go through tqdm.write, which lifts a progress bar off the screen, prints the line
-    and draws the bar again below it: a dev result is never glued onto the bar's last line. (Without a bar, it
-    is a plain print.)"""
+    """Rank 0's console. Lines go through tqdm.write, which prints them above the progress bar, never glued to it."""
 
     def __init__(self, stream):
         super().__init__(stream)
-        # tqdm's default lock includes a multiprocessing semaphore, which a rank killed by the watchdog leaves
-        # behind (Python then warns of a leaked semaphore); only this process draws bars: a thread lock is enough.
+        # tqdm's default lock is a multiprocessing semaphore, which a rank the watchdog kills leaks (with a warning);
+        # only this process draws bars: a thread lock is enough.
         tqdm.set_lock(threading.RLock())
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -6,6 +6,7 @@ records (log lines, progress bars, TensorBoard, profiles) is written by run_log.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -84,6 +85,10 @@ class Trainer:
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(ctx.device.type, self.t.precision)
+        self.slowdown = lambda model: contextlib.nullcontext()  # around each micro-batch's forward and backward
+        if cfg.dist.simulate_slowdown:  # this rank made slower, to try heterogeneous clusters (balance.slowdown)
+            import balance
+            self.slowdown = functools.partial(balance.slowdown, cfg, ctx)
         self.tb = None
         self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
@@ -435,14 +440,6 @@ class Trainer:
         import balance
         self.batch_sizes, self.balance_note = balance.auto_batch_sizes(self, self.resumed_batch_sizes)
         self.sampler = self.make_sampler()
-
-    def slowdown(self, model: torch.nn.Module):
-        """The context of one micro-batch's forward+backward: dist.simulate_slowdown makes this rank slower
-        (balance.slowdown); otherwise nothing."""
-        if not self.cfg.dist.simulate_slowdown:
-            return contextlib.nullcontext()
-        import balance
-        return balance.slowdown(self.cfg, self.ctx, model)
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""

@@ -82,12 +82,8 @@ class ImageTask(Task):
             images, labels, test_images, test_labels = load_digits_split()
             scale, mean, std = 16.0, 0.3, 0.4  # pixel range 0..16; mean/std of the training images
         elif d.dataset == "mnist":
-            from tasks.mnist import load_mnist  # IDX files: only MNIST runs read them
-            images, labels = load_mnist(d.data_dir, "train", d.download)
-            test_images, test_labels = load_mnist(d.data_dir, "t10k", d.download)
-            if test_images.shape[1:] != images.shape[1:]:  # one model is sized for both: say so now, not in test
-                raise DataError(f"{d.data_dir}: t10k images are {'x'.join(map(str, test_images.shape[1:]))} but "
-                                f"train images {'x'.join(map(str, images.shape[1:]))}; both splits need one size")
+            from tasks.mnist import load_mnist_splits  # IDX files: only MNIST runs read them
+            images, labels, test_images, test_labels = load_mnist_splits(d.data_dir, d.download)
             scale, mean, std = 255.0, 0.1307, 0.3081
         else:
             raise DataError(f"data.dataset: the image task reads `digits` or `mnist`, not {d.dataset!r}")

@@ -75,6 +75,16 @@ def load_mnist(data_dir: str, split: str, download: bool = True):
     return images, check_labels(paths[1], labels)
 
 
+def load_mnist_splits(data_dir: str, download: bool):
+    """(train images, train labels, t10k images, t10k labels): one model is sized for both, so both have one size."""
+    images, labels = load_mnist(data_dir, "train", download)
+    test_images, test_labels = load_mnist(data_dir, "t10k", download)
+    if test_images.shape[1:] != images.shape[1:]:  # said now, not when test mode reads t10k
+        raise DataError(f"{data_dir}: t10k images are {'x'.join(map(str, test_images.shape[1:]))} but "
+                        f"train images {'x'.join(map(str, images.shape[1:]))}; both splits need one size")
+    return images, labels, test_images, test_labels
+
+
 def check_images(path: str, images: np.ndarray) -> None:
     """Images the CNN can take: square (it is sized from one side), large enough for its two convolutions and the
     pooling, and finite (a float IDX file may hold NaN, which would only show up as a NaN loss mid-run)."""
