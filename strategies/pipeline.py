@@ -51,7 +51,8 @@ def check_config(cfg, world: int, fail) -> int:
     if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
         fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
                                f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
-    # Not yet: a stage would receive 1/tp of the positions, and pipe's loss runs outside loss_parallel().
+    # Not yet: a stage would receive T/tp positions (a Llama block of the chain builds its rotary positions and
+    # mask from them), and pipe's loss runs outside loss_parallel().
     for key in ("sequence_parallel", "loss_parallel"):
         if getattr(d, key):
             fail(f"dist.{key}", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
