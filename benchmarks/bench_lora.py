@@ -6,7 +6,7 @@ and the dev accuracy each reaches.
 
 configs/sst2_minilm.yml (full fine-tuning, lr 5e-5) and configs/sst2_minilm_lora.yml (rank 8 on query and value,
 the classifier whole, lr --lora-lr), each for --steps optimizer steps in this one process, through the Trainer a run
-uses. Reported per run: parameters that train, the optimizer state's bytes after training (strategies.state_bytes), the checkpoint's model.pt + optimizer.pt bytes, ms per step (the mean of the logged
+uses. Reported per run: parameters that train, the optimizer state's bytes after training (strategies.memory.state_bytes), the checkpoint's model.pt + optimizer.pt bytes, ms per step (the mean of the logged
 windows; the runs are sequential, so on a shared machine compare them loosely) and the dev accuracy at the last
 step (the whole dev split). Skips (exit 0) without the data folder.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
     import distributed as D
-    import strategies
+    from strategies.memory import state_bytes
     from config import load_config
     from tasks import build_task
     from trainer import Trainer
@@ -39,7 +39,7 @@ def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    held = strategies.state_bytes(trainer.par)
+    held = state_bytes(trainer.par)
     step_dir = os.path.join(out, "checkpoints", f"step-{steps}")
     saved = sum(os.path.getsize(os.path.join(step_dir, f)) for f in ("model.pt", "optimizer.pt"))
     log = open(os.path.join(out, "logs", "rank0.log")).read()

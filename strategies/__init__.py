@@ -9,6 +9,7 @@ One file per way, each readable on its own, imported only by the runs that use i
   pipeline.py    pipe               the layers cut into stages on different ranks, micro-batches flow through
   tp.py          dist.tp > 1        each block's matrices split over a tp group; composes with ddp, fsdp and pipe
   mesh.py        the device mesh (dp x tp, or pp x dp x tp) that tp and its partners share
+  fp16.py        fp16 loss scaling when ranks hold different gradients; memory.py: the bytes a rank holds
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import importlib
 from torch import nn
 
 from distributed import DistContext
-from strategies.base import Parallel, state_bytes  # noqa: F401  (state_bytes: for tests and benchmarks)
+from strategies.base import Parallel
 
 # -----> add a strategy: write apply_<name>(model, cfg, ctx, task, train_set) in a file here, list it below (and
 # in config.DistConfig.strategy).

@@ -1,12 +1,11 @@
-"""What every strategy returns: a `Parallel`, the one object the Trainer talks to. Also the optimizer recipe and
-the loss scalers the strategies share, and `state_bytes` (what a rank holds)."""
+"""What every strategy returns: a `Parallel`, the one object the Trainer talks to. Also the optimizer recipe the
+strategies share (fp16 loss scaling for sharded ones: fp16.py; the bytes a rank holds: memory.py)."""
 from __future__ import annotations
 
 import contextlib
 import math
 import os
 import threading
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -231,48 +230,6 @@ def base_entry(model: torch.nn.Module) -> dict:
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
     """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
     return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
-
-
-def sharded_scaler(cfg, ctx: DistContext):
-    """fp16 loss scaling when ranks hold different gradients: every rank must skip the same steps, so the
-    overflow flag is all-reduced over the world. PyTorch's ShardedGradScaler does this on CPU and GPU; fairscale's
-    copy of it moves the flag to CUDA and so cannot run on CPU."""
-    if cfg.train.precision != "fp16":
-        return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    class LocalPiecesScaler(ShardedGradScaler):
-        """Unscales and checks each rank's own pieces of DTensor gradients: torch's one kernel per device cannot
-        take tp-split DTensors and whole tensors in one list (the flag's all-reduce covers the rest)."""
-
-        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-            from torch.distributed.tensor import DTensor
-            # torch's code reads only param_groups[i]["params"][j].grad: it gets the local pieces (same storage)
-            groups = [{"params": [SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-                                  for p in g["params"]]} for g in optimizer.param_groups]
-            return super()._unscale_grads_(SimpleNamespace(param_groups=groups), inv_scale, found_inf, allow_fp16)
-    return LocalPiecesScaler(ctx.device.type)
-
-
-def state_bytes(par: Parallel) -> dict[str, int]:
-    """Bytes of model state held by this rank right now: parameters, gradients, optimizer state (local shards
-    only; tensors sharing storage counted once). Library-internal buffers are not visible here: DDP's gradient
-    buckets, FSDP's transient all-gather buffers."""
-    from torch.distributed.tensor import DTensor
-
-    def nbytes(tensors) -> int:
-        storages = {}
-        for t in tensors:
-            t = t.to_local() if isinstance(t, DTensor) else t
-            if t is not None and t.numel():
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(storages.values())
-
-    params = list(par.model.parameters())
-    local_opt = getattr(par.optimizer, "optim", par.optimizer)  # OSS / ZeroRedundancyOptimizer: this rank's part
-    state = [v for s in local_opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
-            "optimizer": nbytes(state)}
 
 
 def host_copy(obj):

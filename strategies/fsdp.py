@@ -12,7 +12,8 @@ import checkpoint_io
 from checkpoint_io import load_file
 from distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, sharded_scaler, trains_part
+from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, trains_part
+from strategies.fp16 import sharded_scaler
 
 
 class FSDPParallel(Parallel):

@@ -33,7 +33,8 @@ from data_loader import split_proportional
 from distributed import DistContext
 from balance import synchronize, time_unnoticed
 from strategies import mesh as meshes
-from strategies.base import Parallel, optimizer_recipe, replicated_order, sharded_scaler
+from strategies.base import Parallel, optimizer_recipe, replicated_order
+from strategies.fp16 import sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.

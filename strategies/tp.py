@@ -33,7 +33,8 @@ from config import ConfigError
 
 from distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, optimizer_recipe, sharded_scaler
+from strategies.base import Parallel, optimizer_recipe
+from strategies.fp16 import sharded_scaler
 from strategies.fsdp import FSDPParallel
 
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from distributed import DistContext
-from strategies.base import Parallel, make_scaler, optimizer_recipe, sharded_scaler
+from strategies.base import Parallel, make_scaler, optimizer_recipe
+from strategies.fp16 import sharded_scaler
 from strategies.replicated import DDPParallel, ddp_wrap
 
 

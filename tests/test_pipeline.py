@@ -330,7 +330,7 @@ def test_pipe_times_tp_ends_where_one_process_does(lm_ref, tmp_path, arch, split
 @pytest.mark.parametrize("precision, schedule, tol", [("fp16", "1f1b", 5e-5), ("fp32", "interleaved_1f1b", TOL)])
 def test_pipe_times_tp_fp16_and_interleaved_end_where_one_process_does(lm_ref, tmp_path, precision, schedule, tol):
     """2 stages x tp 2 (Llama) in fp16 (every rank's loss scaler unscales its own tp pieces:
-    strategies/base.sharded_scaler) ends where one fp16 process does; the interleaved schedule (two one-layer
+    strategies/fp16.sharded_scaler) ends where one fp16 process does; the interleaved schedule (two one-layer
     stages per rank: the embeddings and block 1 on stage 0's tp group, block 0 and the head on stage 1's) ends where
     one process does. fp16's tolerance: the order of half-precision sums differs (seen 3e-6 to 1.2e-5)."""
     text, one = lm_ref("llama", precision)

@@ -187,7 +187,8 @@ def test_fsdp_refuses_a_fairscale_fsdp_checkpoint(runs, tmp_path, capsys):
 # ---- memory: count the state each rank holds after one step ---------------------------------------------------
 def _memory_worker(rank, port, queue):
     from distributed import DistContext
-    from strategies import apply, state_bytes
+    from strategies import apply
+    from strategies.memory import state_bytes
     from tasks import build_task
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

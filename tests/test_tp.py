@@ -182,7 +182,8 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(bert, tmp_pat
 def _count_worker(rank, port, data, queue):
     from torch.distributed.tensor.debug import CommDebugMode
     from distributed import DistContext
-    from strategies import apply, state_bytes
+    from strategies import apply
+    from strategies.memory import state_bytes
     from tasks import build_task
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

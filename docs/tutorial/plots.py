@@ -200,7 +200,8 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
     from config import config_from_dict
     from distributed import DistContext
-    from strategies import apply, state_bytes
+    from strategies import apply
+    from strategies.memory import state_bytes
     from tasks import build_task
     torch.set_num_threads(1)
     # Warnings that each rank would print once per layout: CommDebugMode's module hooks (no input needs a gradient,
@@ -240,7 +241,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
 def tp(out: str, hidden: int, layers: int, heads: int, world: int = 4) -> dict:
     """Spawns `world` CPU ranks (gloo); in each layout of TP_LAYOUTS they spread the same random BERT with
     strategies.apply, count the collectives of one forward and of one forward+backward (CommDebugMode), take one
-    AdamW step and report the bytes each holds (strategies.state_bytes). Writes a JSON that `memory` draws, with
+    AdamW step and report the bytes each holds (strategies.memory.state_bytes). Writes a JSON that `memory` draws, with
     the formula: 16 bytes x (whole tensors / s + split tensors / (tp x s)), s = the dp size under fsdp, else 1;
     split tensors are those the task's tp plan cuts (a ColwiseParallel layer's weight and bias, a RowwiseParallel
     layer's weight)."""
