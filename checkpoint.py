@@ -5,7 +5,7 @@ file is there and on disk (each file, the directories and, after the rename, che
 with `meta.json` written last. So a crash, a power loss or a full disk during a save leaves the previous
 checkpoints untouched, and resume only ever sees complete ones. Pruning removes `meta.json` first, so a kill
 halfway leaves a directory that resume ignores. What interrupted saves and prunes leave behind is removed when the
-next run starts (clean_stale). Files:
+next run starts (run_dir.py). Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies.Parallel.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import time
 import uuid
 from typing import Callable, Optional
 
@@ -54,10 +53,10 @@ def root(output_dir: str) -> str:
 def is_complete(path: str) -> bool:
     """A real directory `step-N` with meta.json. A symlink is never one: pruning would delete through it."""
     return STEP_DIR.match(os.path.basename(os.path.normpath(path))) is not None and \
-        _real_dir(path) and os.path.isfile(os.path.join(path, "meta.json"))
+        real_dir(path) and os.path.isfile(os.path.join(path, "meta.json"))
 
 
-def _real_dir(path: str) -> bool:
+def real_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(os.path.normpath(path))
 
 
@@ -148,7 +147,7 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     if os.path.lexists(final):
         # The same step saved again (a stop right after a resume): the new files replace the old ones, so "saved"
         # is always true of what is on disk. The old one is first renamed to a temporary name, which the next
-        # run's clean_stale removes if we die before the rmtree below.
+        # run's run_dir.clean_stale removes if we die before the rmtree below.
         old = os.path.join(os.path.dirname(final), f".tmp-step-{os.path.basename(final)[5:]}-replaced-"
                                                     f"{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
@@ -248,81 +247,8 @@ def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:
     Only real directories are deleted (complete_checkpoints lists no symlink): never what a link points to."""
     found = complete_checkpoints(output_dir)
     for step, path in found[:-keep_last] if keep_last else found:
-        if step not in keep and _real_dir(path):
+        if step not in keep and real_dir(path):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, "meta.json"))
             fsync(path)
             shutil.rmtree(path, ignore_errors=True)
-
-
-def clean_stale(output_dir: str) -> list[str]:
-    """Remove what interrupted saves (`.tmp-step-*`) and prunes (a `step-N` without meta.json) left in
-    checkpoints/; return the paths really removed. Run once at the start of training, by rank 0, before any rank
-    saves: nothing reads them, and on a full disk they would take the space the next checkpoint needs. A symlink is
-    never followed: a `.tmp-step-*` one is unlinked (the link, not its target), a `step-N` one left."""
-    base = root(output_dir)
-    if not os.path.isdir(base):
-        return []
-    removed = []
-    for name in sorted(os.listdir(base)):
-        path = os.path.join(base, name)
-        if TMP_DIR.match(name) and os.path.islink(path):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        elif _real_dir(path) and (TMP_DIR.match(name) or (STEP_DIR.match(name) and not is_complete(path))):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            continue
-        if not os.path.lexists(path):  # what could not be removed (a read-only folder) is not said to be
-            removed.append(path)
-    return removed
-
-
-def unused_path(path: str) -> str:
-    n, candidate = 1, path
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}-{n}"
-    return candidate
-
-
-# ---- one output_dir holds one run: what a resumed run changed, and moving an old run aside ------------------
-# What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which the Trainer
-# compares): settings that only change speed or memory are left out.
-RESULT_SETTINGS = ("task", "seed", "model", "data")
-NOT_RESULT = {"model.activation_checkpointing", "data.num_workers", "data.download"}
-
-
-def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS) -> list[str]:
-    """["seed=1 (now 2)", "model.hidden=128 (now 64)"]: the settings among `keys` (a top-level key, or a whole
-    section) where the config `saved` with a checkpoint differs from `now`. Keys the saved one lacks are skipped."""
-    diffs = []
-    for key in keys:
-        if key not in saved:
-            continue
-        if isinstance(now[key], dict):
-            was = saved[key] if isinstance(saved[key], dict) else {}
-            diffs += [f"{key}.{k}={was[k]!r} (now {v!r})" for k, v in now[key].items()
-                      if k in was and was[k] != v and f"{key}.{k}" not in NOT_RESULT]
-        elif saved[key] != now[key]:
-            diffs.append(f"{key}={saved[key]!r} (now {now[key]!r})")
-    return diffs
-
-
-RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml")  # and *_results.json
-
-
-def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
-    """train.start_over: move what the previous run left in output_dir (checkpoints, TensorBoard files, results,
-    config; its logs stay, and say so) into output_dir/replaced-<date>-<time>/. Returns the names moved and where.
-    Only these known names are touched: output_dir may be a folder that holds other things too."""
-    names = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
-    names += sorted(n for n in os.listdir(output_dir) if n.endswith("_results.json"))
-    if not names:
-        return [], None
-    aside = unused_path(os.path.join(output_dir, time.strftime("replaced-%Y%m%d-%H%M%S")))
-    os.makedirs(aside)
-    for name in names:
-        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    fsync(output_dir)
-    return names, aside

@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from checkpoint import Unloadable, dcp_cause, differences, read_meta
+from checkpoint import Unloadable, dcp_cause, read_meta
+from checkpoint_meta import differences
 from config import CheckpointError
 from faults import first_line
 from strategies.base import trained_names, trains_part

@@ -114,3 +114,25 @@ def _meta_problem(meta: dict, name: str) -> str:
     if meta.get("config") is not None and not isinstance(meta["config"].get("train", {}), dict):
         return "`config.train` is not an object"
     return ""
+
+
+# What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which resume.py
+# compares): settings that only change speed or memory are left out.
+RESULT_SETTINGS = ("task", "seed", "model", "data")
+NOT_RESULT = {"model.activation_checkpointing", "data.num_workers", "data.download"}
+
+
+def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS) -> list[str]:
+    """["seed=1 (now 2)", "model.hidden=128 (now 64)"]: the settings among `keys` (a top-level key, or a whole
+    section) where the config `saved` with a checkpoint differs from `now`. Keys the saved one lacks are skipped."""
+    diffs = []
+    for key in keys:
+        if key not in saved:
+            continue
+        if isinstance(now[key], dict):
+            was = saved[key] if isinstance(saved[key], dict) else {}
+            diffs += [f"{key}.{k}={was[k]!r} (now {v!r})" for k, v in now[key].items()
+                      if k in was and was[k] != v and f"{key}.{k}" not in NOT_RESULT]
+        elif saved[key] != now[key]:
+            diffs.append(f"{key}={saved[key]!r} (now {now[key]!r})")
+    return diffs

@@ -12,6 +12,8 @@ import torch
 
 import checkpoint
 import checkpoint_io
+import checkpoint_meta
+import run_dir
 from checkpoint import Unloadable
 from config import CheckpointError
 from distributed import DistContext, broadcast_object, gather_objects
@@ -89,7 +91,7 @@ def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
             continue
         if ctx.is_main:
             for bad in skipped:
-                aside = checkpoint.unused_path(f"{bad}.unloadable")
+                aside = run_dir.unused_path(f"{bad}.unloadable")
                 os.rename(bad, aside)
                 warn(f"resume: moved {bad} aside to {aside}, and resumed from {path} instead")
         return path
@@ -146,7 +148,7 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
     t, saved = trainer.t, meta.get("config") or {}
-    diffs = checkpoint.differences(saved, trainer.cfg.to_dict())
+    diffs = checkpoint_meta.differences(saved, trainer.cfg.to_dict())
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps

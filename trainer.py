@@ -371,23 +371,12 @@ class Trainer:
         return resume.resume(self, which)
 
     def claim_output_dir(self) -> None:
-        """Before resuming: remove what interrupted saves left, and make sure output_dir holds this run only
-        (train.start_over moves another run aside; a fresh start beside one is refused). Collective."""
+        """Before resuming: make sure output_dir holds this run only, once an earlier run has left checkpoints/
+        there, or train.start_over asks to move one aside (run_dir.py). Collective."""
         out, refusal = self.cfg.output_dir, None
-        if self.ctx.is_main:  # left by a save or prune that was killed; nothing reads them, they only take space
-            for path in checkpoint.clean_stale(out):
-                self.log.info(f"removed {path}: left by an interrupted save or prune")
-            if self.t.start_over:
-                moved, aside = checkpoint.move_run_aside(out)
-                if moved:
-                    self.log.info(f"start over: moved the previous run's {', '.join(moved)} aside to {aside}")
-            elif self.t.resume is False and checkpoint.latest(out):
-                # Starting fresh beside another run's checkpoints would mix two runs in one folder: test mode and
-                # resume would pick whichever checkpoint is best or newest, from either run.
-                refusal = (f"{os.path.abspath(out)} holds another run (latest {checkpoint.latest(out)}) and "
-                           "train.resume is false: one folder holds one run; resume it (train.resume=auto), use "
-                           "another output_dir, or start over with --set train.start_over=true (moves the old run "
-                           "aside)")
+        if self.ctx.is_main and (self.t.start_over or os.path.isdir(checkpoint.root(out))):
+            import run_dir
+            refusal = run_dir.claim(out, self.t, self.log)
         refusal = D.broadcast_object(self.ctx, refusal)
         if refusal:
             raise CheckpointError(refusal)

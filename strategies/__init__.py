@@ -10,6 +10,7 @@ One file per way, each readable on its own, imported only by the runs that use i
   tp.py          dist.tp > 1        each block's matrices split over a tp group; composes with ddp, fsdp and pipe
   mesh.py        the device mesh (dp x tp, or pp x dp x tp) that tp and its partners share
   fp16.py        fp16 loss scaling when ranks hold different gradients; memory.py: the bytes a rank holds
+  async_save.py  train.async_save for none, dp and ddp (a writer thread)
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 from typing import Callable, Optional
 
 import torch
@@ -230,34 +229,3 @@ def base_entry(model: torch.nn.Module) -> dict:
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
     """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
     return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
-
-
-def host_copy(obj):
-    """A copy of a (nested) state dict whose tensors are on the host and belong to no one else: what a background
-    writer may read while training changes the originals."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
-    return obj
-
-
-def in_thread(work: Callable[[], None]) -> Callable[[], None]:
-    """Run `work` in a thread; return a wait() that joins it and raises what it raised."""
-    failed = []
-
-    def run():
-        try:
-            work()
-        except BaseException as e:  # handed to wait(), which raises it in the training thread
-            failed.append(e)
-    thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
-    thread.start()
-
-    def wait():
-        thread.join()
-        if failed:
-            raise failed[0]
-    return wait

@@ -2,29 +2,17 @@
 one process, several GPUs), `ddp` (DistributedDataParallel: one process per device, gradients all-reduced)."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-import checkpoint
 from distributed import DistContext
-from strategies.base import Parallel, host_copy, in_thread, make_scaler, optimizer_recipe, state_to_save
+from strategies.base import Parallel, make_scaler, optimizer_recipe
 
 
 class ReplicatedParallel(Parallel):
     def start_save(self, directory: str):
-        """Host copies of the state now (the save's only stall), written to disk by a thread while training goes
-        on."""
-        if not self.ctx.is_main:
-            return lambda: None
-        model, optimizer = host_copy(state_to_save(self.raw_model)), host_copy(self.optimizer.state_dict())
-
-        def write():  # and flush to disk here, so that publishing (fsync, rename) holds the loop only briefly
-            for obj, name in ((model, "model.pt"), (optimizer, "optimizer.pt")):
-                torch.save(obj, os.path.join(directory, name))
-                checkpoint.fsync(os.path.join(directory, name))
-        return in_thread(write)
+        from strategies.async_save import start_save  # (only runs with train.async_save load it)
+        return start_save(self, directory)
 
 
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:

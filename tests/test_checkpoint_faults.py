@@ -22,6 +22,7 @@ import checkpoint_dcp
 import checkpoint_io
 import main
 import resume
+import run_dir
 from distributed import DistContext
 
 STEPS = 6
@@ -132,7 +133,7 @@ def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkey
     assert os.path.isfile(os.path.join(ckpt(tmp_path, 1), "model.pt"))
     assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [2, 3]
     # ...and the next run removes it.
-    assert checkpoint.clean_stale(str(tmp_path)) == [ckpt(tmp_path, 1)]
+    assert run_dir.clean_stale(str(tmp_path)) == [ckpt(tmp_path, 1)]
     checkpoint.prune(str(tmp_path), keep_last=1, keep=set())
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3"]
 

@@ -13,6 +13,7 @@ from conftest import load_model_state, make_config
 from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
 
 import checkpoint
+import run_dir
 import main
 
 
@@ -83,7 +84,7 @@ def test_prune_and_clean_stale_act_on_real_directories_only(reference, tmp_path)
     assert checkpoint.complete_checkpoints(str(tmp_path)) == [(1, ckpt(tmp_path, 1)), (3, ckpt(tmp_path, 3))]
     assert checkpoint.latest(str(tmp_path)) == ckpt(tmp_path, 3)
     # The symlinked .tmp-step is unlinked (the link only), the real leftover removed; a symlinked step-N is left.
-    assert checkpoint.clean_stale(str(tmp_path)) == [str(base / ".tmp-step-9-0a1b2c3d"), ckpt(tmp_path, 2)]
+    assert run_dir.clean_stale(str(tmp_path)) == [str(base / ".tmp-step-9-0a1b2c3d"), ckpt(tmp_path, 2)]
     checkpoint.prune(str(tmp_path), keep_last=1, keep=set())
     assert sorted(os.listdir(base)) == ["step-3", "step-7", "step-8"]
     assert {name: files_of(target) for name, target in targets.items()} == before
@@ -93,7 +94,7 @@ def test_clean_stale_reports_only_what_it_removed(reference, tmp_path, monkeypat
     crashed_copy(reference, tmp_path, 1)
     os.makedirs(tmp_path / "checkpoints" / ".tmp-step-2-0a1b2c3d")
     monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)  # as on a read-only folder
-    assert checkpoint.clean_stale(str(tmp_path)) == []
+    assert run_dir.clean_stale(str(tmp_path)) == []
 
 
 # ---- every value of meta.json is checked ------------------------------------------------------------------------

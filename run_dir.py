@@ -1,0 +1,84 @@
+"""One output_dir holds one run: what an earlier run left there, found when a run starts in a folder that has
+checkpoints/ (Trainer.claim_output_dir). A fresh output_dir never loads this file.
+
+- what interrupted saves and prunes left in checkpoints/ is removed (clean_stale);
+- train.start_over moves the earlier run's files aside (move_run_aside);
+- a fresh start (train.resume: false) beside another run's checkpoints is refused: test mode and resume would
+  pick whichever checkpoint is best or newest, from either run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from typing import Optional
+
+import checkpoint
+
+
+def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
+    """Rank 0, before any rank resumes or saves: clean up, move an old run aside (train.start_over), or return
+    the line refusing a fresh start beside another run (None: output_dir is this run's)."""
+    for path in clean_stale(output_dir):
+        log.info(f"removed {path}: left by an interrupted save or prune")
+    if train_cfg.start_over:
+        moved, aside = move_run_aside(output_dir)
+        if moved:
+            log.info(f"start over: moved the previous run's {', '.join(moved)} aside to {aside}")
+    elif train_cfg.resume is False and checkpoint.latest(output_dir):
+        return (f"{os.path.abspath(output_dir)} holds another run (latest {checkpoint.latest(output_dir)}) and "
+                "train.resume is false: one folder holds one run; resume it (train.resume=auto), use another "
+                "output_dir, or start over with --set train.start_over=true (moves the old run aside)")
+    return None
+
+
+def clean_stale(output_dir: str) -> list[str]:
+    """Remove what interrupted saves (`.tmp-step-*`) and prunes (a `step-N` without meta.json) left in
+    checkpoints/; return the paths really removed. Run by claim(), before any rank saves: nothing reads them, and on a full disk they would take the space the next checkpoint needs. A symlink is
+    never followed: a `.tmp-step-*` one is unlinked (the link, not its target), a `step-N` one left."""
+    base = checkpoint.root(output_dir)
+    if not os.path.isdir(base):
+        return []
+    removed = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        if checkpoint.TMP_DIR.match(name) and os.path.islink(path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        elif checkpoint.real_dir(path) and (checkpoint.TMP_DIR.match(name) or (checkpoint.STEP_DIR.match(name) and not checkpoint.is_complete(path))):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            continue
+        if not os.path.lexists(path):  # what could not be removed (a read-only folder) is not said to be
+            removed.append(path)
+    return removed
+
+
+def unused_path(path: str) -> str:
+    n, candidate = 1, path
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+
+RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml")  # and *_results.json
+
+
+def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
+    """train.start_over: move what the previous run left in output_dir (checkpoints, TensorBoard files, results,
+    config; its logs stay, and say so) into output_dir/replaced-<date>-<time>/. Returns the names moved and where.
+    Only these known names are touched: output_dir may be a folder that holds other things too."""
+    names = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+    names += sorted(n for n in os.listdir(output_dir) if n.endswith("_results.json"))
+    if not names:
+        return [], None
+    aside = unused_path(os.path.join(output_dir, time.strftime("replaced-%Y%m%d-%H%M%S")))
+    os.makedirs(aside)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    checkpoint.fsync(output_dir)
+    return names, aside
