@@ -24,7 +24,6 @@ import shutil
 import uuid
 from typing import Callable, Optional
 
-import faults
 from config import CheckpointError
 from distributed import DistContext, broadcast_object, gather_objects
 
@@ -194,7 +193,10 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
         if not isinstance(e, CheckpointException):
             raise
         error = e
-    status = None if error is None else (ctx.rank, _no_space(error, tmp), faults.disk_problem(error, final))
+    status = None
+    if error is not None:
+        import disk_errors  # (loaded only when something failed)
+        status = (ctx.rank, disk_errors.no_space(error, tmp), disk_errors.disk_problem(error, final))
     failed = [s for s in gather_objects(ctx, status) if s is not None]
     if not failed:
         return
@@ -212,32 +214,6 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
     if error is not None:
         raise error
     raise RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
-
-
-def _no_space(error: BaseException, directory: str) -> bool:
-    """Whether `error`, raised while writing into `directory`, comes from a full disk (or quota). An OSError
-    says so by its errno (also inside DCP's CheckpointException); torch.save does not: on a full disk it raises
-    RuntimeError('... unexpected pos ...', after 'basic_ios::clear: iostream error'). Then the free space
-    decides: a write that failed for lack of space leaves (almost) none."""
-    seen, stack = [], [error]
-    while stack:
-        e = stack.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno in faults.NO_SPACE
-        stack += [e.__cause__, e.__context__]
-        stack += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
-    if isinstance(error, OSError):  # an OSError without an errno was raised on purpose, not by a full disk
-        return False
-    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
-        directory = os.path.dirname(directory)
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 1 << 20
 
 
 def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:

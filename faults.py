@@ -232,37 +232,7 @@ def user_error(line: str, watchdog) -> int:
     return EXIT_USER_ERROR
 
 
-# ---- A full disk, or a file or folder this run may not write -------------------------------------------------
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
-
-
-def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
-    """The one line for `exc` when a full disk (or quota) or a read-only file or folder caused it: an OSError
-    with such an errno anywhere in its chain (TensorBoard, the logs, config.yml, *_results.json, the tokenizer,
-    checkpoints/). It names the file (else output_dir) and what to do; None for any other error."""
-    error = next((e for e in chain(exc) if isinstance(e, OSError) and
-                  (e.errno in NO_SPACE or (e.errno in NOT_WRITABLE and e.filename is not None))), None)
-    if error is None:
-        return None
-    where = os.fsdecode(error.filename) if error.filename is not None else f"a file in output_dir {output_dir}"
-    if error.errno in NOT_WRITABLE and not os.path.lexists(where):  # what could not be made: its folder is at fault
-        where = os.path.dirname(os.path.abspath(where))
-    todo = ("free some space" if error.errno in NO_SPACE else
-            "make it writable for this run (or choose another output_dir)")
-    return (f"{where}: {error.strerror or os.strerror(error.errno)}: {todo}, then run the same command again "
-            f"(the checkpoints saved so far are intact)")
-
-
-def chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from or while handling, nearest first."""
-    seen = []
-    while exc is not None and not any(exc is e for e in seen):
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return seen
-
-
+# ---- A full disk, or a file or folder this run may not write (the line that says so: disk_errors.py) ------
 @contextlib.contextmanager
 def naming(path: str):
     """Inside it, an OSError that names no file names `path`: a full disk is often noticed only as a buffer is
@@ -279,6 +249,7 @@ def thread_exception(args) -> None:
     """threading.excepthook in a rank. A thread's full disk (TensorBoard's writer thread) goes to the log file
     only: its owner raises it again in the main thread, which reports it in one line. Anything else: as Python
     prints it."""
+    from disk_errors import disk_problem  # (loaded only when something failed)
     if report.log is not None and disk_problem(args.exc_value, "") is not None:
         report.log.error(f"thread {args.thread.name if args.thread else '?'}: {first_line(args.exc_value)}",
                          extra={"file_only": True})

@@ -188,7 +188,8 @@ def worker(cfg: Config, launch: Launch) -> int:
     except KeyboardInterrupt:  # test mode, or before the handlers were installed
         code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
     except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
-        line = faults.disk_problem(e, cfg.output_dir)
+        from disk_errors import disk_problem  # (loaded only when something failed)
+        line = disk_problem(e, cfg.output_dir)
         code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()

@@ -45,7 +45,7 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
 
 
 class StopsOnWriteError:
-    """For a log handler: a write that fails for a full disk or a read-only file (faults.disk_problem) is raised once,
+    """For a log handler: a write that fails for a full disk or a read-only file (disk_errors.py) is raised once,
     naming the file, in the main thread (by its next line if another thread met it), and the run stops; logging's
     own way is a traceback for every later line while the run goes on."""
     failed: Optional[OSError] = None
@@ -63,7 +63,8 @@ class StopsOnWriteError:
         error = sys.exc_info()[1]
         if isinstance(error, OSError) and error.filename is None:
             error = OSError(error.errno, error.strerror, self.where())
-        if not isinstance(error, OSError) or faults.disk_problem(error, "") is None:
+        from disk_errors import disk_problem  # (loaded only when a write failed)
+        if not isinstance(error, OSError) or disk_problem(error, "") is None:
             return super().handleError(record)  # (a closed pipe, say: logging's own report, as ever)
         self.failed = error
         self.pending = threading.current_thread() is not threading.main_thread()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import checkpoint
+import disk_errors
 import faults
 import main
 import run_log
@@ -180,18 +181,18 @@ def test_tokenizer_folder_not_writable_is_one_line(tmp_path, capsys, monkeypatch
 
 
 def test_disk_problem_names_only_disk_errors(tmp_path):
-    assert faults.disk_problem(ValueError("x"), "out") is None
-    assert faults.disk_problem(OSError(errno.EPERM, "Operation not permitted"), "out") is None  # no file: not a disk
-    assert faults.disk_problem(FileNotFoundError(errno.ENOENT, "No such file", "f"), "out") is None
+    assert disk_errors.disk_problem(ValueError("x"), "out") is None
+    assert disk_errors.disk_problem(OSError(errno.EPERM, "Operation not permitted"), "out") is None  # no file: not a disk
+    assert disk_errors.disk_problem(FileNotFoundError(errno.ENOENT, "No such file", "f"), "out") is None
     try:
         try:
             raise no_space()
         except OSError as e:
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
-        assert faults.disk_problem(e, "out").startswith("a file in output_dir out: No space left on device")
+        assert disk_errors.disk_problem(e, "out").startswith("a file in output_dir out: No space left on device")
     quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(tmp_path / "f"))
-    assert faults.disk_problem(quota, "out").startswith(f"{tmp_path / 'f'}: Disk quota exceeded: free some space")
+    assert disk_errors.disk_problem(quota, "out").startswith(f"{tmp_path / 'f'}: Disk quota exceeded: free some space")
 
 
 def test_read_only_checkpoints_folder_is_refused_at_start(tmp_path, capsys):

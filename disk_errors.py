@@ -1,0 +1,62 @@
+"""A full disk (or quota), or a file or folder this run may not write: how such an error is recognised and the one
+line that says so, naming the file and what to do. Loaded only once something has failed."""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Optional
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
+
+
+def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
+    """The one line for `exc` when a full disk (or quota) or a read-only file or folder caused it: an OSError
+    with such an errno anywhere in its chain (TensorBoard, the logs, config.yml, *_results.json, the tokenizer,
+    checkpoints/). It names the file (else output_dir) and what to do; None for any other error."""
+    error = next((e for e in chain(exc) if isinstance(e, OSError) and
+                  (e.errno in NO_SPACE or (e.errno in NOT_WRITABLE and e.filename is not None))), None)
+    if error is None:
+        return None
+    where = os.fsdecode(error.filename) if error.filename is not None else f"a file in output_dir {output_dir}"
+    if error.errno in NOT_WRITABLE and not os.path.lexists(where):  # what could not be made: its folder is at fault
+        where = os.path.dirname(os.path.abspath(where))
+    todo = ("free some space" if error.errno in NO_SPACE else
+            "make it writable for this run (or choose another output_dir)")
+    return (f"{where}: {error.strerror or os.strerror(error.errno)}: {todo}, then run the same command again "
+            f"(the checkpoints saved so far are intact)")
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling, nearest first."""
+    seen = []
+    while exc is not None and not any(exc is e for e in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def no_space(error: BaseException, directory: str) -> bool:
+    """Whether `error`, raised while writing into `directory`, comes from a full disk (or quota). An OSError
+    says so by its errno (also inside DCP's CheckpointException); torch.save does not: on a full disk it raises
+    RuntimeError('... unexpected pos ...', after 'basic_ios::clear: iostream error'). Then the free space
+    decides: a write that failed for lack of space leaves (almost) none."""
+    seen, stack = [], [error]
+    while stack:
+        e = stack.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in NO_SPACE
+        stack += [e.__cause__, e.__context__]
+        stack += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    if isinstance(error, OSError):  # an OSError without an errno was raised on purpose, not by a full disk
+        return False
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
