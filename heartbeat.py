@@ -14,13 +14,11 @@ from faults import EXIT_CRASH, EXIT_USER_ERROR, HOST, progress, report
 
 
 class Watchdog:
-    """A daemon thread per rank. Every `interval` seconds it writes this rank's heartbeat (a beat counter, the
-    Progress ticks, step and phase) into the rendezvous store and looks for a verdict. Rank 0's thread checks
-    everyone (rank 1's checks rank 0): a rank whose beat has not changed for `timeout` seconds is frozen or dead
-    (SIGSTOP, a stuck node); if every rank is training but none has made progress for `timeout`, the run is
-    hung. The verdict goes into the store; every live rank then dumps its Python stacks into its log and exits
-    with code 1, so the launcher (or torchrun, or srun) ends the run. Beats come from a thread, so a long step
-    is not a hang; the GIL is released by every collective and kernel, so a busy rank still beats."""
+    """A daemon thread per rank writes its heartbeat (beat counter, progress ticks, step, phase) into the rendezvous
+    store every `interval` seconds. Rank 0 checks everyone, rank 1 checks rank 0: a beat unchanged for `timeout` is
+    a frozen or dead rank, progress unchanged on every rank is a hung run. The verdict goes into the store and
+    every live rank dumps its stacks and exits with code 1. Beats come from a thread (collectives and kernels release
+    the GIL), so a long step is not a hang."""
 
     def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
@@ -189,13 +187,13 @@ class Watchdog:
         lost = self.silent_ranks()
         return f"lost {ranks_text(lost)}, which stopped responding (died or froze); " if lost else ""
 
-    def silent_ranks(self, wait: Optional[float] = None) -> Optional[list[int]]:
-        """Ranks whose heartbeat does not move during `wait` seconds (used after a collective failed, to name
-        the peers that died). None if the store cannot tell."""
+    def silent_ranks(self) -> Optional[list[int]]:
+        """Ranks whose heartbeat does not move for three beats (after a collective failed: the peers that died).
+        None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
             before = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
-            time.sleep(wait if wait is not None else 3 * self.interval + 0.5)
+            time.sleep(3 * self.interval + 0.5)
             after = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
         except Exception:
             return None
@@ -208,10 +206,8 @@ def ranks_text(ranks) -> str:
 
 
 class Call(threading.Thread):
-    """fn() in a thread of its own, so that the caller can stop waiting for it. For store calls: a frozen store
-    host (SIGSTOP, a stuck node) keeps its connections open and never answers, and TCPStore's own timeout does not
-    cover that (torch 2.13: get, check, multi_get and add then wait for ever; set does not wait). A call that does
-    not come back stays behind, blocked, in a daemon thread that holds none of our locks."""
+    """fn() in a daemon thread of its own, so that the caller can stop waiting for it: a frozen store host keeps its
+    connections open and never answers, and TCPStore's get, check, multi_get and add then wait for ever."""
 
     def __init__(self, fn):
         super().__init__(name="store-call", daemon=True)
@@ -250,6 +246,5 @@ def open_store(ctx, op_timeout: float):
     else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
         from torch.distributed import distributed_c10d as c10d
         store = c10d._get_default_store()
-    # Under torchrun a restart (which main.py allows only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new
-    # store: no earlier verdict in it. (Not the restart count as a prefix: agents count theirs differently.)
+    # Under torchrun a restart (allowed only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new store.
     return dist.PrefixStore("trainer-watchdog/", store)

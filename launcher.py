@@ -1,8 +1,6 @@
 """Our own launcher: one process per device on this node, watched (main.py uses it unless torchrun or srun
-started the ranks).
-
-Unlike torch.multiprocessing.spawn, it says which rank failed and how, passes the signals it receives on to every
-rank so that they stop together after saving, and takes the other ranks down when one fails.
+started the ranks). Unlike torch.multiprocessing.spawn, it names the rank that failed and how, passes signals on so
+that the ranks stop together after saving, and takes the others down when one fails.
 """
 from __future__ import annotations
 
@@ -71,14 +69,10 @@ def check_port_free(cfg: Config) -> None:
 class Supervisor:
     """Start this node's ranks and watch them until all have exited; run() returns the run's exit code.
 
-    Each rank leaves its last word in a report file; a rank that died without one is named with its signal or exit
-    code and the step it was at; identical lines from several ranks are printed once. Signals sent to this process
-    (Ctrl-C, SIGTERM, SIGHUP, the stop signal) are passed on to every rank, which stop together after saving; the
-    same signals again while stopping print a line and change nothing (faults.StopRequest): SIGKILL to this process
-    ends the run at once. A failed rank takes the others down within GRACE_S seconds; if this process is killed,
-    even with -9, the ranks die with it (set_parent_death_signal). A rank that is done (results saved) but
-    whose teardown hangs (a process group that will not close, say) is ended after EXIT_GRACE_S, or crashes (gloo
-    can abort at exit), with a warning, and counts with the exit code it finished with.
+    A rank's last word comes from its report file, else from its signal or exit code and step; identical lines are
+    printed once. A failed rank takes the others down within GRACE_S seconds, and the ranks die with this process
+    (set_parent_death_signal). A rank that is done but whose teardown hangs or crashes counts with the exit code it
+    finished with, so that a stuck process group cannot turn a finished run into a failure.
     """
 
     def __init__(self, cfg: Config, launches: list) -> None:
@@ -291,10 +285,8 @@ def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) 
 
 
 def rank_environment(cfg: Config, nprocs: int) -> dict:
-    """What the ranks' environment needs on top of ours. Idle OpenMP threads spin by default, on the cores that CPU
-    ranks sharing a host need (benchmarks/RESULTS.md, "OpenMP waiting"); OMP_WAIT_POLICY=PASSIVE makes them sleep.
-    OpenMP reads it when torch loads, so a rank must start with it. A value you set is kept; GPU ranks keep
-    OpenMP's default."""
+    """OMP_WAIT_POLICY=PASSIVE for CPU ranks sharing a host: idle OpenMP threads spin on the cores the other ranks
+    need (benchmarks/RESULTS.md, "OpenMP waiting"). OpenMP reads it as torch loads, so a rank starts with it."""
     from distributed import pick_device_type  # (distributed imports torch: not loaded before a config is checked)
     if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or pick_device_type(cfg.dist.device) != "cpu":
         return {}
