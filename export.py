@@ -2,19 +2,9 @@
 
     python main.py --params configs/sst2_minilm.yml --set mode=export      # -> <output_dir>/export/
 
-Reads the best checkpoint of output_dir (or `test.checkpoint`) into the task's plain model exactly as test mode
-does (checkpoint_io.load_model: whatever strategy and number of processes wrote it, sharded DCP folders of
-fsdp/oss/pipe included), in this one process, and writes `export.dir` in the formats of `export.format`:
-
-    hf            text tasks: a Hugging Face folder, the model's save_pretrained (config.json, model.safetensors)
-                  and its tokenizer, for `transformers.pipeline(task, model=folder)` or AutoModel*.from_pretrained;
-                  with LoRA (model.lora_rank), the adapters merged into the weights, and them alone in adapter/
-    state_dict    image: model.safetensors and config.json (how to rebuild the network around the weights)
-    torch_export  image: model.pt2, a torch.export program that runs without this project's code
-
-Every export also holds README.md: where it came from (checkpoint, step, dev metrics) and how to load it.
-The folder is written under a temporary name beside it and renamed into place, so it is either complete or
-absent; an existing folder is never written into (a user error, exit code 2).
+The checkpoint is read into the task's plain model as test mode reads it (whatever strategy and world size wrote
+it), in one process, and written in the formats of `export.format` with a README.md saying where it came from and
+how to load it. The folder is renamed into place when complete (write_atomically) and never overwritten.
 """
 from __future__ import annotations
 
@@ -98,10 +88,8 @@ def write_atomically(dest: str, write_files) -> None:
 
 
 def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> None:
-    usage = []
-    for fmt in formats:
-        usage.append({"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export}[fmt](
-            folder, task, model))
+    writers = {"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export}
+    usage = [writers[fmt](folder, task, model) for fmt in formats]
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write(readme(task, source, meta, usage))
 

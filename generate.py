@@ -4,9 +4,8 @@
     python generate.py --params configs/gpt2_lm.yml --checkpoint runs/gpt2_lm/checkpoints/step-400 --prompt "..."
     python generate.py --export runs/gpt2_lm/export --prompt "..."
 
-With --params it uses the same config as training: the model comes from model.name / pretrained_dir, the weights
-from the checkpoint (default: the best one in output_dir), the tokenizer from pretrained_dir or
-<output_dir>/tokenizer. With --export, model and tokenizer come from the exported Hugging Face folder alone.
+With --params the model is rebuilt from the training config and the checkpoint (default: the best one in
+output_dir), as test mode does; with --export, model and tokenizer come from the exported folder alone.
 """
 from __future__ import annotations
 
