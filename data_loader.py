@@ -1,13 +1,9 @@
 """How samples reach the ranks.
 
-Training: every epoch is a seeded permutation of the training set, cut into *global* batches of
-sum(per-rank batch sizes) samples; rank r takes its slice of each global batch. So one optimizer step across N
-ranks sees exactly the samples one process would see with the combined batch, every sample is used once per epoch,
-ranks may have different batch sizes (heterogeneous clusters), and a position (epoch, sample) is all resume needs:
-counted in samples of the epoch's order, it means the same after a resume with another global batch.
-
-Evaluation: the split is cut into one contiguous piece per rank, with no padding and no duplicates, so metrics
-computed from the gathered pieces count every sample exactly once.
+Training: every epoch is a seeded permutation cut into *global* batches of sum(per-rank batch sizes) samples, and
+rank r takes its slice: N ranks see exactly what one process sees with the combined batch, ranks may have different
+batch sizes, and a position counted in samples of the epoch's order is all resume needs, whatever the global batch.
+Evaluation: one contiguous piece of the split per rank, no padding, no duplicates: every sample counts once.
 """
 from __future__ import annotations
 
@@ -49,8 +45,9 @@ class GlobalBatchSampler:
         if n < len(self.batch_sizes):
             raise ValueError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} ranks")
 
-    def batches_per_epoch(self) -> int:
-        full, tail = divmod(self.n, self.global_batch)
+    def batches_per_epoch(self, start_sample: int = 0) -> int:
+        """Global batches of the epoch from position `start_sample` on (which tail counts: EpochBatches)."""
+        full, tail = divmod(self.n - start_sample, self.global_batch)
         return full + (tail >= len(self.batch_sizes) and not self.drop_last)
 
     def epoch_batches(self, epoch: int, start: int = 0, start_sample: Optional[int] = None) -> "EpochBatches":
@@ -94,8 +91,7 @@ class EpochBatches:
                                  "(its batches are made per window of global batches); resume with the global "
                                  f"batch it was saved with, which had reached sample {start_sample}")
             self.offset, self.start = start_sample, 0
-            full, tail = divmod(sampler.n - start_sample, g)
-            self.count = full + (tail >= len(sampler.batch_sizes) and not sampler.drop_last)
+            self.count = sampler.batches_per_epoch(start_sample)
         self.end = min(self.offset + self.count * g, sampler.n)  # epoch positions the batches cover
         self.groups = None
         if sampler.lengths is not None:
