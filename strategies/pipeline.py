@@ -448,43 +448,83 @@ def min_max_partition(cost: list[list[float]]) -> list[int]:
 
 
 def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
-    """Cut the task's layer chain into stages, keep this rank's, free the rest, split its blocks over the "tp"
-    mesh dimension (dist.tp > 1), wrap each kept stage for its replicas (DDP or FSDP2 over "dp") and build the
-    schedule."""
+    """Build this rank's stages of the task's layer chain (build_stages), sync each over its replicas
+    (wrap_for_replicas), and make the Parallel: the optimizer over this rank's stages and the schedule."""
     d = cfg.dist
     mesh = meshes.pipe_mesh(ctx, d.pp_stages, d.tp)
-    pp, pipelines, tp = d.pp_stages, mesh["dp"].size(), d.tp
-    stage_rank, pipeline, tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
-    rank_at = mesh.root.mesh  # rank_at[stage, pipeline, tp index]
+    # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
+    # (taken before freeing: the groups depend on the tensors' shapes).
+    order = replicated_order(model)
+    stages, shared, unowned, split, stage_params = build_stages(model, cfg, ctx, task, train_set, mesh)
+    wrapped = wrap_for_replicas(stages, cfg, ctx, mesh)
+    # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
+    # scheduler saved by rank 0 have the same number of groups.
+    groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
+    tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
+    par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
+                       tied, unowned, order)
+    par.split, par.stage_params = split, stage_params
+    return par
+
+
+def build_stages(model: nn.Module, cfg, ctx: DistContext, task, train_set, mesh: meshes.Mesh) -> tuple:
+    """Cut the chain into stages (stage_sizes), keep this rank's (looped placement: stages r, r + pp_stages, ...),
+    free the others' tensors, move what is kept to the device and split its blocks over "tp". Returns (this rank's
+    stages by index, its tied parameters' (group, stage, name), the state-dict keys no layer holds, layers per
+    stage, parameters per stage)."""
+    d = cfg.dist
+    stage_rank = mesh["pp"].get_local_rank()
     # -----> a task cuts its model into a chain of layers in Task.pipeline_layers (tasks/base.py).
     layers = task.pipeline_layers(model)
-    v = STAGES_PER_RANK[d.pp_schedule]
-    n_stages = pp * v
-    if d.pp_split == "auto":
-        if v != 1:
-            raise DataError(f"dist.pp_split: auto needs one stage per rank (gpipe or 1f1b), not {d.pp_schedule}")
-        mb = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else min(cfg.train.batch_size)
-        mb //= d.pp_microbatches
-        example = task.collate([train_set[i] for i in range(mb)])
-        example = task.pipeline_inputs({k: v.to(ctx.device) for k, v in example.items()})
-        sizes = auto_split(layers, example, n_stages, cfg, ctx)
-    else:
-        sizes = split_layers(len(layers), n_stages, d.pp_split)
+    n_stages = d.pp_stages * STAGES_PER_RANK[d.pp_schedule]
+    sizes = stage_sizes(layers, n_stages, cfg, ctx, task, train_set)
     starts = [sum(sizes[:i]) for i in range(n_stages)]
     chunks = [layers[s:s + n] for s, n in zip(starts, sizes)]
-    mine = [i for i in range(n_stages) if i % pp == stage_rank]  # looped placement
     factor = d.simulate_slowdown[ctx.rank] if d.simulate_slowdown else 1.0
-    stages = {i: Stage(chunks[i], factor) for i in mine}
+    stages = {i: Stage(chunks[i], factor) for i in range(n_stages) if i % d.pp_stages == stage_rank}
+    shared = tied_groups(chunks, stages, mesh)
+    covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
+    unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
+    # What each stage holds (a tied weight in each of its stages): the device memory its rank needs for them.
+    stage_params = [sum(p.numel() for p in {id(p): p for layer in chunk for p in layer.parameters()}.values())
+                    for chunk in chunks]
+    free_other_stages(model, stages, unowned if stage_rank == 0 else set())  # the first stage keeps the unowned
+    # The Trainer built the model on the CPU: only now, with the other stages emptied, does it go to the device,
+    # so a GPU never holds more than its stages (the host held the whole model while it was built).
+    model.to(ctx.device)
+    if d.tp > 1:
+        apply_stage_tp(model, stages, task, cfg, mesh)
+    return stages, shared, unowned, sizes, stage_params
 
-    # Which stages of a pipeline hold each parameter. One held by several (tied weights) gets a process group per
-    # pipeline and tp index to add up its gradient copies; every rank builds every group, in the same order
-    # (new_group's rule).
-    holders: dict[int, set] = {}
+
+def stage_sizes(layers: list[nn.Module], n_stages: int, cfg, ctx: DistContext, task, train_set) -> list[int]:
+    """Layers per stage: dist.pp_split even or a list (split_layers), or auto: timed on one micro-batch of the
+    training set (auto_split)."""
+    d = cfg.dist
+    if d.pp_split != "auto":
+        return split_layers(len(layers), n_stages, d.pp_split)
+    if STAGES_PER_RANK[d.pp_schedule] != 1:
+        raise DataError(f"dist.pp_split: auto needs one stage per rank (gpipe or 1f1b), not {d.pp_schedule}")
+    mb = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else min(cfg.train.batch_size)
+    mb //= d.pp_microbatches
+    example = task.collate([train_set[i] for i in range(mb)])
+    example = task.pipeline_inputs({k: v.to(ctx.device) for k, v in example.items()})
+    return auto_split(layers, example, n_stages, cfg, ctx)
+
+
+def tied_groups(chunks: list[list[nn.Module]], stages: dict[int, nn.Module], mesh: meshes.Mesh) -> list:
+    """A parameter held by several stages of a pipeline (tied weights) gets a process group per pipeline and tp
+    index to add up its gradient copies. Every rank builds every group, in the same order (new_group's rule).
+    Returns this rank's tied parameters as (group, stage index, name inside that stage)."""
+    rank_at = mesh.root.mesh  # rank_at[stage, pipeline, tp index]
+    pp, pipelines, tp = rank_at.shape
+    stage_rank, pipeline, tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
+    holders: dict[int, set] = {}  # parameter id -> the stage ranks that hold it
     for i, chunk in enumerate(chunks):
         for layer in chunk:
             for p in layer.parameters():
                 holders.setdefault(id(p), set()).add(i % pp)
-    shared = []  # (group, stage index, name inside that stage) of this rank's tied parameters
+    shared = []
     for pid, ranks in holders.items():
         if len(ranks) > 1:
             for j, t in ((j, t) for j in range(pipelines) for t in range(tp)):
@@ -493,49 +533,38 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
                     i, name = next((i, n) for i, st in stages.items() for n, q in st.named_parameters()
                                    if id(q) == pid)
                     shared.append((group, i, name))
-    # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
-    # (taken before freeing: the groups depend on the tensors' shapes).
-    order = replicated_order(model)
-    covered = {id(t) for chunk in chunks for layer in chunk for t in [*layer.parameters(), *layer.buffers()]}
-    unowned = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in covered}
+    return shared
 
-    # What each stage holds (a tied weight in each of its stages): the device memory its rank needs for them.
-    stage_params = [sum(p.numel() for p in {id(p): p for layer in chunk for p in layer.parameters()}.values())
-                    for chunk in chunks]
 
-    # Free what this rank does not hold: parameters and buffers of the other stages become empty tensors.
+def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept: set) -> None:
+    """The parameters and buffers of the stages this rank does not hold become empty tensors (the state-dict
+    keys in `also_kept` stay)."""
     kept = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
-    kept |= {id(v) for k, v in model.state_dict(keep_vars=True).items() if k in unowned and stage_rank == 0}
+    kept |= {id(v) for k, v in model.state_dict(keep_vars=True).items() if k in also_kept}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in kept:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    # The Trainer built the model on the CPU: only now, with the other stages emptied, does it go to the device,
-    # so a GPU never holds more than its stages (the host held the whole model while it was built).
-    model.to(ctx.device)
-    if tp > 1:
-        apply_stage_tp(model, stages, task, cfg, mesh)
 
-    wrapped = dict(stages)
-    if pipelines > 1:
-        dp_mesh = mesh["dp"]
-        if d.pp_dp == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-            from strategies.fsdp import fsdp2_policy
-            policy = fsdp2_policy(cfg.train.precision)
-            for i, stage in stages.items():
-                fully_shard(stage, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
-        elif tp == 1:  # with tp, PipeParallel.reduce_grads averages instead (DDP cannot hold DTensors)
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            wrapped = {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                              process_group=dp_mesh.get_group()) for i, s in stages.items()}
-    # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
-    # scheduler saved by rank 0 have the same number of groups.
-    groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
-    tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
-    par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
-                       tied, unowned, order)
-    par.split, par.stage_params = sizes, stage_params
-    return par
+
+def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
+    """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
+    DDP, or as it is (one pipeline; or ddp x tp, which PipeParallel.reduce_grads averages: DDP cannot hold
+    DTensors)."""
+    d = cfg.dist
+    if mesh["dp"].size() == 1:
+        return dict(stages)
+    if d.pp_dp == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        from strategies.fsdp import fsdp2_policy
+        policy = fsdp2_policy(cfg.train.precision)
+        for stage in stages.values():
+            fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+        return dict(stages)
+    if d.tp > 1:
+        return dict(stages)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                   process_group=mesh["dp"].get_group()) for i, s in stages.items()}
 
 
 def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:
