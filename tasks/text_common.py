@@ -254,8 +254,11 @@ class _PlainText(logging.Filter):
         self.handler = handler
 
     def filter(self, record: logging.LogRecord) -> bool:
-        stream = getattr(self.handler, "stream", None)
-        if not (stream is not None and hasattr(stream, "isatty") and stream.isatty()):
+        try:  # a closed stream raises here, and logging lets a filter's error end the caller: no terminal then
+            terminal = self.handler.stream.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        if not terminal:
             record.msg, record.args = self.ANSI.sub("", record.getMessage()), None
         return True
 

@@ -14,6 +14,12 @@ sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
+def pytest_configure(config):
+    # transformers and huggingface_hub give their loggers a handler on the sys.stderr of their first import:
+    # imported here, that is pytest's stream for the whole session, not a capsys stream closed after its test.
+    import transformers.utils.logging  # noqa: F401
+
+
 def slow(*values):
     """A parametrize case that only the whole suite runs (`-m "not slow"` leaves it out): the other cases of its
     test keep the path in the quick loop."""
