@@ -37,14 +37,6 @@ class Unloadable(CheckpointError):
     this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
 
 
-def dcp_cause(e: BaseException) -> BaseException:
-    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
-    rank's exception. Any other exception is its own cause. (Here because checkpoint_io and checkpoint_dcp both
-    need it, and checkpoint_io must not import checkpoint_dcp unless a DCP folder is read.)"""
-    from torch.distributed.checkpoint.api import CheckpointException
-    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-
-
 def root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 

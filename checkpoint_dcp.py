@@ -13,7 +13,8 @@ import pickle
 
 import torch
 
-from checkpoint import Unloadable, dcp_cause
+from checkpoint import Unloadable
+from checkpoint_io import dcp_cause
 from config import CheckpointError
 from faults import first_line
 

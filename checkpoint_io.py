@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from checkpoint import Unloadable, dcp_cause, read_meta
+from checkpoint import Unloadable, read_meta
 from checkpoint_meta import differences
 from config import CheckpointError
 from faults import first_line
@@ -34,6 +34,13 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     if missing:
         raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
     return obj
+
+
+def dcp_cause(e: BaseException) -> BaseException:
+    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
+    rank's exception. Any other exception is its own cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from config import Config, CheckpointError, ConfigError
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
 from run_log import EvalProgress, Window, setup_logging
 import strategies
-from strategies.base import base_entry, checkpoint_blocks
+from strategies.base import base_entry
 from tasks.base import Task
 
 
@@ -62,10 +62,8 @@ class Trainer:
         if cfg.model.lora_rank:  # a frozen base + trainable adapters
             from tasks import lora
             model = lora.adapt(model, cfg)
-        if cfg.model.activation_checkpointing and not checkpoint_blocks(model):  # blocks recompute in backward
-            raise ConfigError(f"model.activation_checkpointing: the {cfg.task} model has no blocks to "
-                              "recompute (no nn.ModuleList of layers); set it to false")
-        self.par = strategies.apply(model, cfg, ctx, task, self.datasets["train"])  # dist.strategy (and dist.tp)
+        # activation checkpointing, then dist.strategy (and dist.tp)
+        self.par = strategies.apply(model, cfg, ctx, task, self.datasets["train"])
         if self.t.compile and cfg.mode == "train":
             self.par.compile()  # the first steps (and each new input shape) pay the compilation
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;

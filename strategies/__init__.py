@@ -11,6 +11,7 @@ One file per way, each readable on its own, imported only by the runs that use i
   mesh.py        the device mesh (dp x tp, or pp x dp x tp) that tp and its partners share
   fp16.py        fp16 loss scaling when ranks hold different gradients; memory.py: the bytes a rank holds
   async_save.py  train.async_save for none, dp and ddp (a writer thread)
+  activation_checkpointing.py  model.activation_checkpointing, applied before the strategy
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ STRATEGIES: dict[str, str] = {
 
 
 def apply(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
-    """cfg.dist.strategy's apply_<name>() on the plain model (on the CPU: each strategy places it)."""
+    """cfg.dist.strategy's apply_<name>() on the plain model (on the CPU: each strategy places it), after
+    activation checkpointing (model.activation_checkpointing), whose blocks the strategy then wraps."""
+    if cfg.model.activation_checkpointing:
+        from strategies.activation_checkpointing import apply_ac
+        apply_ac(model, cfg.task)
     module, name = STRATEGIES[cfg.dist.strategy].split(":")
     return getattr(importlib.import_module(module), name)(model, cfg, ctx, task, train_set)

@@ -80,20 +80,6 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return units[::-1]
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """model.activation_checkpointing: each block (model_blocks: the members of the model's nn.ModuleLists, i.e.
-    the transformer layers) keeps only its inputs in forward and recomputes its activations during backward.
-    Dropout draws the same masks again (the RNG state is saved), so the gradients are the same. Applied before
-    the strategy wraps the model: FSDP2 gathers a block's parameters before its backward, hence before the
-    recomputation. Returns the number of blocks."""
-    import functools
-    from torch.utils.checkpoint import checkpoint
-    blocks = model_blocks(model)
-    for block in blocks:  # instance attribute: the module's own hooks (FSDP2's) still run around it
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    return len(blocks)
-
-
 class Parallel:
     """A model prepared for a strategy. Defaults describe replicated strategies (none, dp, ddp): every rank
     holds the full state, and rank 0 alone writes it."""

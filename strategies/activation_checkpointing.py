@@ -1,0 +1,25 @@
+"""model.activation_checkpointing: each block (base.model_blocks: the members of the model's nn.ModuleLists, i.e.
+the transformer layers) keeps only its input in forward and recomputes its activations during backward: less
+memory for about one more forward pass. Dropout draws the same masks again (the RNG state is saved), so the
+gradients are the same. Applied before the strategy wraps the model: FSDP2 gathers a block's parameters before its
+backward, hence before the recomputation."""
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from config import ConfigError
+from strategies.base import model_blocks
+
+
+def apply_ac(model: nn.Module, task: str) -> int:
+    """Make every block of `model` recompute its activations in backward; returns the number of blocks."""
+    blocks = model_blocks(model)
+    if not blocks:
+        raise ConfigError(f"model.activation_checkpointing: the {task} model has no blocks to recompute (no "
+                          "nn.ModuleList of layers); set it to false")
+    for block in blocks:  # instance attribute: the module's own hooks (FSDP2's) still run around it
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
