@@ -197,8 +197,7 @@ class TrainConfig:
     at the next save or at the end. pipe and oss write as usual."""
     resume: Union[str, bool] = "auto"
     """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
-    checkpoint. false: start fresh, in an output_dir without checkpoints (one folder holds one run: into a folder
-    with another run's checkpoints it is refused; see start_over)."""
+    checkpoint. false: start fresh (refused where output_dir holds another run's checkpoints; see start_over)."""
     start_over: bool = False
     """Start a new run in an output_dir that holds another: the old run is moved aside into
     output_dir/replaced-<date>-<time>/ (nothing deleted). Give it on the command line, once."""
@@ -396,8 +395,7 @@ class LogConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars under output_dir/tensorboard (rank 0)."""
     progress_bar: bool = True
-    """Show tqdm progress bars on rank 0, for training and for each evaluation (only when stderr is a terminal).
-    Log lines are printed above the bar; the log files get every line either way, without bar or escape codes."""
+    """Show tqdm progress bars on rank 0 for training and evaluation, when stderr is a terminal (never in log files)."""
 
 
 @dataclass

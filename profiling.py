@@ -21,10 +21,8 @@ def check_config(cfg, fail) -> None:
 
 
 class StepProfiler:
-    """train.profile_steps: a torch.profiler trace of optimizer steps [first, last] (or 1..N), written by each rank
-    to output_dir/profile/rank<R>.<time>.pt.trace.json, which TensorBoard's profiler plugin
-    (`tensorboard --logdir output_dir/profile`), Perfetto and chrome://tracing open. Evaluation or a save that
-    falls inside the range is in the trace too."""
+    """A torch.profiler trace of optimizer steps [first, last], by each rank into output_dir/profile/rank<R>.*.json
+    (TensorBoard's profiler plugin, Perfetto, chrome://tracing); an evaluation or save in the range is in it too."""
 
     def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
         self.first, self.last = (1, steps) if isinstance(steps, int) else steps

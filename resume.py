@@ -76,9 +76,8 @@ def load_newest(output_dir: str, ctx: DistContext, load: Callable[[str], None],
                 warn: Callable[[str], None]) -> Optional[str]:
     """Collective, for `resume: auto`: `load(path)` on every rank the newest complete checkpoint that loads on
     all of them; return its path (None: there is none). One that cannot be read (Unloadable, on any rank) is
-    skipped with a warning naming it and why, and once an older one has loaded, moved aside to
-    `step-N.unloadable`, so that this run can save step N again. A partly loaded checkpoint changes nothing
-    for good: `load` of the next one overwrites everything that loading changes."""
+    skipped with a warning, and once an older one has loaded, moved aside to `step-N.unloadable`, so that this run
+    can save step N again."""
     paths = broadcast_object(ctx, [p for _, p in checkpoint.complete_checkpoints(output_dir)])  # one list for all
     skipped, why = [], []
     for path in reversed(paths):

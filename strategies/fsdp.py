@@ -100,8 +100,7 @@ class FSDPParallel(Parallel):
         if trains_part(self.raw_model):
             checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
-        # dcp_load, not dcp.load: DCP itself unpickles .metadata (and non-tensor entries) with plain pickle,
-        # so a crafted checkpoint could run code; checkpoint_dcp.dcp_load refuses it in one line instead.
+        # dcp_load, not dcp.load: DCP's own unpickling could run a crafted checkpoint's code (checkpoint_dcp.py).
         swaps = []
         dcp_load(in_boxes(model_sd, swaps), os.path.join(directory, "model_dcp"))
         # The per-parameter state only: layouts group parameters differently (pipe per stage, tp splits DTensors
@@ -195,10 +194,9 @@ def fsdp2_policy(precision: str):
 
 
 def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
-    """Fully sharded data parallel. Default: PyTorch's fully_shard (FSDP2) per model_blocks() and then the root,
-    computing in train.precision (bf16/fp16) while reducing gradients and stepping in fp32. With dist.tp > 1, the
-    blocks are first split over tp groups (strategies/tp.py) and FSDP2 shards over the mesh's dp dimension.
-    dist.fsdp_impl: fairscale uses fairscale's FullyShardedDataParallel (CUDA only)."""
+    """Fully sharded data parallel: FSDP2's fully_shard per model_blocks() and then the root (fsdp2_policy), over
+    the mesh's dp dimension once dist.tp > 1 has split the blocks (strategies/tp.py). dist.fsdp_impl fairscale:
+    fairscale's FullyShardedDataParallel (CUDA only)."""
     model = model.to(ctx.device)
     d, precision = cfg.dist, cfg.train.precision
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
