@@ -1,9 +1,6 @@
-"""torch.distributed.checkpoint (fsdp, pipe) folders, read without running code.
-
-DCP itself unpickles checkpoint bytes in two places with nothing to stop code from running: `.metadata` with
-plain pickle.load (FileSystemReader.read_metadata), and the entries that are not tensors (the optimizer's lr,
-betas, ...) with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes). Both are replaced here. Imported
-only by runs that read a DCP folder.
+"""torch.distributed.checkpoint (fsdp, pipe) folders, read without running code: DCP itself unpickles `.metadata`
+with plain pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with torch.load(weights_only=False)
+(DefaultLoadPlanner.load_bytes); both are replaced here. Imported only by runs that read a DCP folder.
 """
 from __future__ import annotations
 

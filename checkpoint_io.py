@@ -121,9 +121,7 @@ def model_state_dict(path: str) -> dict:
 
 
 # ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
-# Replicated strategies (none/dp/ddp/oss) write model.pt and optimizer.pt: the optimizer's state is indexed 0, 1,
-# ... in the order of strategies.base.param_groups. pipe writes each stage's tensors under the whole model's names
-# (model_dcp/, optimizer_dcp/). Going through names, either reads the other's checkpoint.
+# Replicated strategies index the optimizer's state 0, 1, ...; pipe keys it by name: names bridge the two.
 def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
     """{parameter name: its optimizer state} from `path`'s optimizer.pt; `order`: the names of the parameters in
     the replicated optimizer's order. (A pipe checkpoint's optimizer_dcp/ is by name already.)"""
