@@ -139,8 +139,7 @@ class TrainConfig:
     """Samples per micro-step on each rank (under pipe: each pipeline); the global batch is their sum. A list: one
     size per rank; `auto`: global_batch_size split by each rank's measured speed (docs/heterogeneous.md)."""
     global_batch_size: Optional[int] = None
-    """With batch_size auto: the samples of one micro-step summed over all ranks (it stays fixed; only the split
-    between ranks follows their speed). Required with auto, unused otherwise."""
+    """With batch_size auto (and only then): the samples of one micro-step over all ranks, split by their speed."""
     balance_steps: int = 5
     """With batch_size auto (and precision auto on a CPU): timed forward+backward passes that measure a speed."""
     eval_batch_size: int = 256
@@ -214,9 +213,8 @@ class TrainConfig:
     log_every: int = 20
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None
-    """Wall-clock budget of this run: seconds, or `HH:MM:SS` / `D-HH:MM:SS` as SLURM writes it. When it is used
-    up, every rank stops after the current step and a checkpoint is saved (exit code 3: run again to resume).
-    Set it a few minutes below the job's limit, leaving time for one step and one save. None: no limit."""
+    """Wall-clock budget: seconds, or `HH:MM:SS` / `D-HH:MM:SS` as SLURM writes it. Used up, every rank stops after
+    its step and saves (exit code 3: run again to resume); leave time for one step and one save. None: no limit."""
     stop_signal: Optional[Literal["SIGUSR1", "SIGUSR2", "SIGHUP"]] = "SIGUSR1"
     """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
     `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
@@ -307,9 +305,8 @@ class DistConfig:
     """pipe: how the layers are cut into stages: even (as many per stage), auto (faster stages get more, timed
     before training), or a list of layer counts per stage (docs/pipeline.md)."""
     tp: int = 1
-    """Tensor parallelism: each transformer block's matrices split over this many ranks, for tasks with a plan
-    (Task.tp_plan). World size = data parallel x tp (x pipeline stages under pipe) on one device mesh
-    (docs/mesh.md)."""
+    """Tensor parallelism: each transformer block's matrices split over this many ranks (tasks with a Task.tp_plan).
+    World size = data parallel x tp (x pipeline stages under pipe), one device mesh (docs/mesh.md)."""
     sequence_parallel: bool = False
     """dist.tp > 1: between blocks each rank of a tp group keeps 1/tp of the positions (less norm activation
     memory; docs/mesh.md). Plans that support it: gpt2_lm, bert_pretrain, sst2's BERT-style models."""

@@ -122,8 +122,7 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
     """A DataLoader over precomputed index lists. The generator keeps worker seeding off the global RNG, so
     loading data never changes the random stream that dropout uses (and resume stays bit-exact)."""
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
-                      pin_memory=pin, generator=torch.Generator().manual_seed(seed),
-                      persistent_workers=False)
+                      pin_memory=pin, generator=torch.Generator().manual_seed(seed))
 
 
 def eval_batches(n: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
