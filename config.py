@@ -35,9 +35,7 @@ class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or unreadable. Its message names the path."""
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Sections. Each one's `check(fail)`, under its fields, rejects values a run cannot use (see validate, below).
-# --------------------------------------------------------------------------------------------------------------
+# ---- sections: each one's check(fail), under its fields, rejects values a run cannot use (validate, below) ----
 @dataclass
 class DataConfig:
     dataset: str = "digits"
@@ -430,9 +428,7 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dis
             "test": TestConfig, "export": ExportConfig, "log": LogConfig}
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Loading: YAML -> dict -> overrides -> dataclasses -> checks
-# --------------------------------------------------------------------------------------------------------------
+# ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config."""
     source = path or "<defaults>"

@@ -136,9 +136,8 @@ class Watchdog:
 
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
     def first_failure(self, line: str) -> str:
-        """Called by a rank that met a user error (faults.user_error): stop this thread and put `line` in the
-        store for the other ranks' watchdogs, unless a rank did first. Returns the line to say: the first one
-        (two ranks writing to one full disk name their own log files; the first is the cause)."""
+        """A rank met a user error (faults.user_error): stop this thread and put `line` in the store for the other
+        ranks' watchdogs, unless a rank did first. Returns the first line, the cause, for every rank to say."""
         self.stop()
         try:
             return Call(lambda: self.store.compare_set("failed", "", line)).result(self.op_timeout).decode()
