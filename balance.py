@@ -81,7 +81,8 @@ def _stretched(factor: float, model: torch.nn.Module, device: torch.device):
 
 
 def measure_speed(trainer, batch_size: int, steps: int) -> float:
-    """This rank's samples/s for forward+backward on real training batches of `batch_size`.
+    """This rank's samples/s for forward+backward on real training batches of `batch_size` (the ranks of a tp
+    group read the same ones and compute them together).
 
     One untimed batch first (it pays for allocations and lazy initialisation), then `steps` timed ones. The run
     must not notice: gradients stay local (no_sync) and are dropped, there is no optimizer step, and buffers and
@@ -89,15 +90,16 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     """
     par, task, ctx, cfg = trainer.par, trainer.task, trainer.ctx, trainer.cfg
     dataset = trainer.datasets["train"]
-    sampler = GlobalBatchSampler(len(dataset), [batch_size] * ctx.world_size, ctx.rank, cfg.seed)
+    sampler = GlobalBatchSampler(len(dataset), [batch_size] * par.data_world, par.data_rank, cfg.seed)
     batches = list(itertools.islice(sampler.epoch_batches(0), steps + 1))  # not a whole epoch's lists
     model = par.model
+    loss_context = getattr(par, "loss_context", contextlib.nullcontext)  # tp's dist.loss_parallel needs it
 
     def forward_backward(i: int) -> float:
         batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
         synchronize(ctx.device)
         start = time.perf_counter()
-        with slowdown(cfg, ctx, par.raw_model):
+        with slowdown(cfg, ctx, par.raw_model), loss_context():
             with trainer.autocast():
                 loss = task.loss_sum(model, batch)
             loss.float().backward()
@@ -225,7 +227,7 @@ def time_unnoticed(par, ctx: D.DistContext, forward_backward: Callable[[int], fl
     with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
         forward_backward(0)
         seconds = sum(forward_backward(i) for i in range(1, steps + 1))
-        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1))
+        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), par.timing_group)
     par.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for b, saved in zip(par.raw_model.buffers(), buffers):
@@ -233,56 +235,65 @@ def time_unnoticed(par, ctx: D.DistContext, forward_backward: Callable[[int], fl
     return seconds
 
 
-def pipe_batch_sizes(trainer) -> tuple[list[int], str]:
-    """batch_size auto under pipe: a pipeline goes at the pace of its slowest stage, so each rank times its own
-    stages on one micro-batch (strategies.pipeline.PipeParallel.seconds_per_sample) and the global batch is split
-    over the pipelines by 1 / their slowest stage's time, in whole sets of dist.pp_microbatches micro-batches."""
-    par, t, ctx, m = trainer.par, trainer.t, trainer.ctx, trainer.cfg.dist.pp_microbatches
-    if par.data_world == 1:
-        return [t.global_batch_size], "batch_size auto: one pipeline takes the whole global batch"
-    micro = trainer.batch_sizes[par.data_rank] // m  # one micro-batch of the equal split
-    dataset = trainer.datasets["train"]
-    batch = trainer.to_device(trainer.task.collate([dataset[i] for i in range(micro)]))
-    seconds = D.gather_objects(ctx, par.seconds_per_sample(trainer.task, batch, t.balance_steps))
-    slowest = [max(seconds[s * par.data_world + j] for s in range(par.pp)) for j in range(par.data_world)]
-    units = split_proportional(t.global_batch_size // m, [1 / s for s in slowest], minimum=1)
-    sizes = [u * m for u in units]
-    shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
-    return sizes, (f"batch_size auto: measured samples/s per pipeline (its slowest stage) [{shown}] -> per-pipeline "
-                   f"batches {sizes}")
-
-
-def busy_until_all_measured(ctx: D.DistContext, work: Callable[[], object]) -> None:
+def busy_until_all_measured(ctx: D.DistContext, work: Callable[[], object], group=None) -> None:
     """Repeat `work` (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
     rank that stopped early would hand its share to the others and make them look faster than they are in
-    training, where all ranks compute at once."""
+    training, where all ranks compute at once. `group`: ranks whose `work` is one collective (a tp group); they
+    decide together, each round, whether to go on, so that none of them starts a round the others skip."""
     if not ctx.distributed:
         return
     done = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
-    while not done.is_completed():
+    while not all_true(done.is_completed(), group, ctx.device):
         work()
     done.wait()
 
 
+def all_true(flag: bool, group, device: torch.device) -> bool:
+    """`flag` on every rank of `group` (one all-reduce over it), or this rank's flag where group is None."""
+    if group is None:
+        return flag
+    both = torch.tensor(float(flag), device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return bool(both.item())
+
+
 def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
-    """(per-rank batch sizes for `train.batch_size: auto`, a line for the plan). Collective: all ranks call it.
+    """(per-replica batch sizes for `train.batch_size: auto`, a line for the plan). Collective: all ranks call it.
 
     `stored`: the sizes a resumed checkpoint trained with. They are reused as they are, so the current epoch
     continues in exactly the same data order (re-measuring could give a different split).
     """
-    t, ctx = trainer.t, trainer.ctx
-    if trainer.par.eval_lockstep:
+    t, par = trainer.t, trainer.par
+    if par.replicas_in_lockstep:
         raise ConfigError(f"`train.batch_size` is auto, which needs a replicated strategy such as ddp; under "
                           f"{trainer.cfg.dist.strategy} every forward waits for all ranks, so no rank's own speed "
                           "can be measured (give per-rank sizes as a list instead)")
-    if stored is not None and len(stored) == trainer.par.data_world and sum(stored) == t.global_batch_size:
-        return list(stored), f"batch_size auto: per-rank batches {stored} reused from the checkpoint"
-    if trainer.par.pipelined:
-        return pipe_batch_sizes(trainer)
-    if ctx.world_size == 1:
-        return [t.global_batch_size], "batch_size auto: one rank takes the whole global batch"
-    equal = t.global_batch_size // ctx.world_size
-    speeds = D.gather_objects(ctx, measure_speed(trainer, equal, t.balance_steps))
-    sizes = split_proportional(t.global_batch_size, speeds, minimum=1)  # same inputs, same answer on every rank
-    shown = ", ".join(f"{s:.0f}" for s in speeds)
-    return sizes, f"batch_size auto: measured samples/s per rank [{shown}] (batch {equal}) -> per-rank batches {sizes}"
+    if stored is not None and len(stored) == par.data_world and sum(stored) == t.global_batch_size:
+        return list(stored), f"batch_size auto: per-{par.replica} batches {stored} reused from the checkpoint"
+    if par.data_world == 1:
+        return [t.global_batch_size], f"batch_size auto: one {par.replica} takes the whole global batch"
+    return replica_batch_sizes(trainer)
+
+
+def replica_batch_sizes(trainer) -> tuple[list[int], str]:
+    """Every rank times its forward+backward per sample on an equal share of the global batch: alone (measure_speed),
+    with its tp group (the group's time: a forward is a collective), or its own stages on one micro-batch under
+    pipe (PipeParallel.seconds_per_sample). A replica (a rank, a tp group, a pipeline) goes at the pace of its
+    slowest rank, so the global batch is split over the replicas by 1 / that time, in whole units of
+    par.batch_unit (pipe: sets of micro-batches)."""
+    par, t, ctx, unit = trainer.par, trainer.t, trainer.ctx, trainer.par.batch_unit
+    equal = t.global_batch_size // par.data_world
+    if par.pipelined:
+        dataset = trainer.datasets["train"]
+        batch = trainer.to_device(trainer.task.collate([dataset[i] for i in range(equal // unit)]))
+        seconds = par.seconds_per_sample(trainer.task, batch, t.balance_steps)
+    else:
+        seconds = 1 / measure_speed(trainer, equal, t.balance_steps)
+    every = D.gather_objects(ctx, (par.data_rank, seconds))
+    slowest = [max(s for r, s in every if r == j) for j in range(par.data_world)]
+    units = split_proportional(t.global_batch_size // unit, [1 / s for s in slowest], minimum=1)
+    sizes = [u * unit for u in units]  # same inputs, same answer on every rank
+    shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
+    pace = " (its slowest stage)" if par.pipelined else ""
+    return sizes, (f"batch_size auto: measured samples/s per {par.replica}{pace} [{shown}] (batch {equal}) -> "
+                   f"per-{par.replica} batches {sizes}")

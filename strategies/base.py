@@ -88,6 +88,8 @@ class Parallel:
     checkpoint_format = "full"  # recorded in meta.json
     resumes_from = ("full", "sharded-pipe", "sharded-dcp")  # the formats load() reads; others: refused in one line
     pipelined = False  # pipe: balance.py measures whole pipelines (strategies/pipeline.py)
+    replicas_in_lockstep = False  # True: a forward waits for the other replicas (sharded parameters): no auto batch
+    timing_group = None  # ranks that time forward+backward together (a tp group: its forward is a collective)
     replica = "rank"  # what reads one share of the global batch: a rank, a pipeline (pipe), a tp group (tp)
     batch_unit = 1  # a replica's batch is a multiple of this (pipe: its micro-batches)
     drop_last = False  # True: an epoch's smaller last batch is dropped (pipe: its stages need fixed shapes)

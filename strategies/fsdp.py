@@ -20,6 +20,7 @@ class FSDPParallel(Parallel):
     """PyTorch FSDP2 (`fully_shard`, ZeRO-3): parameters, gradients and optimizer state are DTensors sharded
     along dim 0; each unit's parameters are all-gathered just for its forward and backward."""
     eval_lockstep = True  # a forward pass is a collective (the all-gather)
+    replicas_in_lockstep = True
     checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
     resumes_from = ("sharded-dcp", "full", "sharded-pipe")
 
@@ -135,6 +136,7 @@ class FairscaleFSDPParallel(Parallel):
     """fairscale FullyShardedDataParallel (CUDA only). model.pt is gathered at save time (fairscale cannot
     write sharded files that another world size reads); the optimizer is saved as one shard per rank."""
     eval_lockstep = True
+    replicas_in_lockstep = True
     checkpoint_format = "sharded-fairscale"
     resumes_from = ("sharded-fairscale",)
 

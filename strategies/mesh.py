@@ -61,6 +61,7 @@ def take_roles(par, mesh: Mesh) -> None:
     par.counts_batch = tp.get_local_rank() == 0
     par.seed_rank = par.ctx.rank - tp.get_local_rank()
     par.eval_lockstep = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
+    par.timing_group = tp.get_group() if tp.size() > 1 else None  # balance.py: the group times itself together
     par.replica = "tp group" if tp.size() > 1 else "rank"
 
 

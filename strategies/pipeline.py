@@ -132,7 +132,9 @@ class PipeParallel(Parallel):
         self.pp, self.pipelines = d.pp_stages, mesh["dp"].size()
         self.stage_rank, self.pipeline, self.tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
         self.n_stages = d.pp_stages * STAGES_PER_RANK[d.pp_schedule]
-        self.eval_lockstep = d.pp_dp == "fsdp" and self.pipelines > 1  # a forward is an all-gather over replicas
+        # A forward is an all-gather over the replicas with pp_dp fsdp; with tp, a collective over the tp group.
+        self.eval_lockstep = self.replicas_in_lockstep = d.pp_dp == "fsdp" and self.pipelines > 1
+        self.timing_group = mesh["tp"].get_group() if d.tp > 1 else None
         # What the Trainer reads to share out the data (see trainer.train_step): each pipeline reads its own
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines

@@ -46,9 +46,9 @@ def check_config(cfg, world: int, fail) -> int:
                         f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
-    if t.batch_size == "auto":  # balance.py times each rank alone; a tp group's forward is a collective
-        fail("train.batch_size", "auto is not available with dist.tp > 1 yet (a tp group computes in lockstep, and "
-                                 "each rank is timed alone); give one size per tp group")
+    if t.batch_size == "auto" and d.strategy == "fsdp":  # ddp and pipe: balance.py times each tp group
+        fail("train.batch_size", "auto is not available with fsdp x tp (fsdp's replicas compute in lockstep: no tp "
+                                 "group's own speed can be measured); give one size per tp group, or use ddp")
     return world // d.tp
 
 
@@ -94,6 +94,7 @@ class TPParallel(LossParallel, FSDPParallel):
     """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
     the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
     FSDPParallel's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
+    replicas_in_lockstep = False  # nothing crosses dp before reduce_grads: each tp group can be timed alone
 
     def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
         super().__init__(model, model, optimizer, ctx, scaler, mesh)  # the mesh's roles; clipping: clip_mixed

@@ -1,7 +1,8 @@
 """Tensor parallelism on one device mesh (issue 24): dist.tp splits each BERT block over a tp group and composes
 with ddp and fsdp over the mesh's data-parallel dimension. Each layout ends where one process does (SGD, dropout 0,
 clipping on), uneven batches across dp included; checkpoints reshard between tp, fsdp and one process; a forward
-costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line.
+costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line;
+batch_size auto splits the global batch over the tp groups, each timed as a group.
 BERT (bert_pretrain, the sst2 MiniLM) with sequence parallelism, and the Llama causal LM with sequence parallelism
 and loss parallelism, end where one process does too."""
 import json
@@ -89,6 +90,19 @@ def test_layouts_end_where_one_process_does(bert, one, tmp_path, layout, batch):
         losses = [[line.split("loss=")[1].split()[0] for line in f if " loss=" in line and "/6 " in line]
                   for f in (a, b)]
     assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+@pytest.mark.slow
+def test_batch_size_auto_splits_over_tp_groups_and_a_slowed_rank_slows_its_group(bert, one, tmp_path):
+    """ddp x tp, 2 tp groups x tp 2, rank 2 (in group 1) simulated 3x slower. A group times its forward+backward
+    together (a collective: the slowed rank holds its partner back), so group 1 gets the smaller share of the
+    global batch, one size per group; the run with those uneven sizes still ends where one process does."""
+    layout = {"strategy": "ddp", "tp": 2, "procs_per_node": 4, "simulate_slowdown": [1, 1, 3, 1]}
+    assert main.run(config(tmp_path, bert, layout, batch_size="auto", global_batch_size=16)) == 0
+    sizes = checkpoint.read_meta(ckpt(tmp_path, 6))["batch_sizes"]
+    assert len(sizes) == 2 and sum(sizes) == 16 and sizes[0] >= 1.5 * sizes[1], sizes  # ideally [12, 4]
+    assert f"-> per-tp group batches {sizes}" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same_run(one, tmp_path)
 
 
 @pytest.mark.slow
@@ -242,8 +256,8 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys):
     ({"strategy": "ddp", "procs_per_node": 3}, {}, "`dist.tp` is 2; it must divide the world size (3 processes)"),
     ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": [8, 8, 8, 8]},
      "`train.batch_size` lists 4 sizes but there are 2 tp groups (world size / dist.tp)"),
-    ({"strategy": "ddp", "procs_per_node": 4}, {"batch_size": "auto", "global_batch_size": 16},
-     "`train.batch_size` auto is not available with dist.tp > 1 yet (a tp group computes in lockstep"),
+    ({"strategy": "fsdp", "procs_per_node": 4}, {"batch_size": "auto", "global_batch_size": 16},
+     "`train.batch_size` auto is not available with fsdp x tp (fsdp's replicas compute in lockstep"),
     ({"strategy": "ddp", "procs_per_node": 2, "tp": 1, "sequence_parallel": True}, {},
      "`dist.sequence_parallel` splits over a tensor-parallel group: it needs dist.tp > 1"),
 ])
