@@ -15,7 +15,7 @@ from checkpoint import Unloadable, read_meta
 from checkpoint_meta import differences
 from config import CheckpointError
 from faults import first_line
-from strategies.base import trained_names, trains_part
+from strategies.base import param_groups, trained_names, trains_part
 
 
 def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
@@ -122,6 +122,26 @@ def model_state_dict(path: str) -> dict:
 
 # ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
 # Replicated strategies index the optimizer's state 0, 1, ...; pipe keys it by name: names bridge the two.
+def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """A checkpoint of any strategy into a whole (replicated) model and its optimizer: model.pt and optimizer.pt,
+    or pipe's and fsdp's DCP folders of shards keyed by whole-model names, assembled here in every rank; the
+    optimizer state is then matched to this optimizer's parameters by name."""
+    load_state(model, model_state_dict(directory), directory)
+    if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
+        optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
+    else:
+        from checkpoint_dcp import dcp_model_state_dict
+        by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
+        load_optimizer_by_name(optimizer, by_name, parameter_names(model), directory)
+
+
+def replicated_order(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s parameters in the order a replicated optimizer.pt indexes them (param_groups'),
+    first name of a tied weight: how a checkpoint of none/dp/ddp/oss is read by name."""
+    names = parameter_names(model)
+    return [names[id(p)][0] for g in param_groups(model, 0.0) for p in g["params"]]
+
+
 def optimizer_state_by_name(path: str, order: list[str]) -> dict[str, dict]:
     """{parameter name: its optimizer state} from `path`'s optimizer.pt; `order`: the names of the parameters in
     the replicated optimizer's order. (A pipe checkpoint's optimizer_dcp/ is by name already.)"""

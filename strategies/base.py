@@ -47,19 +47,9 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
     return [g for g in groups if g["params"] or keep_empty]
 
 
-def replicated_order(model: nn.Module) -> list[str]:
-    """The names of `model`'s parameters in the order a replicated optimizer.pt indexes them (param_groups'),
-    first name of a tied weight: how a checkpoint of none/dp/ddp/oss is read by name (checkpoint_io.py)."""
-    from checkpoint_io import parameter_names
-    names = parameter_names(model)
-    return [names[id(p)][0] for g in param_groups(model, 0.0) for p in g["params"]]
-
-
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
-    """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. PyTorch's own
-    default on CPU is the for-loop (one small op after another per tensor): for the ~100 tensors of a MiniLM that
-    was a third of a fine-tuning step on CPU, against 4% with fused (benchmarks/RESULTS.md). fused_ok=False is
-    for an optimizer wrapper that cannot run the fused kernel (none of ours on CPU needed it: tested)."""
+    """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. auto: fused where the
+    device has the kernel (PyTorch's own CPU default runs one small op per tensor: benchmarks/RESULTS.md)."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
     device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
                     for p in params)
@@ -176,18 +166,9 @@ class Parallel:
         return lambda: None
 
     def load(self, directory: str) -> None:
-        """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint (DCP folders of shards keyed by whole-model
-        names, assembled here in every rank; the optimizer state is matched to this optimizer's parameters by
-        name)."""
+        """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint, into the whole model (checkpoint_io.py)."""
         import checkpoint_io  # only the runs that read a checkpoint load its readers
-        checkpoint_io.load_state(self.raw_model, checkpoint_io.model_state_dict(directory), directory)
-        if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
-            self.optimizer.load_state_dict(checkpoint_io.load_file(directory, "optimizer.pt"))
-        else:  # pipe's (the stages' tensors) or fsdp's (every rank's shards), by whole-model name
-            from checkpoint_dcp import dcp_model_state_dict
-            by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
-            checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
-                                                 directory)
+        checkpoint_io.load_whole(self.raw_model, self.optimizer, directory)
 
 
 # ---- LoRA (tasks/lora.py): a checkpoint holds only what trains, plus a reference to the frozen base -------------

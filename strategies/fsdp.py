@@ -12,7 +12,7 @@ import checkpoint_io
 from checkpoint_io import load_file
 from distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, model_blocks, optimizer_recipe, replicated_order, trains_part
+from strategies.base import Parallel, model_blocks, optimizer_recipe, trains_part
 from strategies.fp16 import sharded_scaler
 
 
@@ -127,7 +127,7 @@ class FSDPParallel(Parallel):
         whole = checkpoint_io.load_file(directory, "model.pt")
         checkpoint_io.load_state(self.raw_model, {k: checkpoint_io.shard_like(v, mine[k]) if k in mine else v
                                                   for k, v in whole.items()}, directory)
-        by_name = checkpoint_io.optimizer_state_by_name(directory, replicated_order(self.raw_model))
+        by_name = checkpoint_io.optimizer_state_by_name(directory, checkpoint_io.replicated_order(self.raw_model))
         checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
                                              directory)
 

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import checkpoint_io
 from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
 from balance import synchronize, time_unnoticed
 from strategies import mesh as meshes
-from strategies.base import Parallel, optimizer_recipe, replicated_order
+from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
@@ -341,7 +342,6 @@ class PipeParallel(Parallel):
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
         tensors, found by name (the host briefly holds the whole model, as when it was built)."""
-        import checkpoint_io
         whole = checkpoint_io.load_file(directory, "model.pt")
         mine = self.model_state()
         missing = [k for k in mine if k not in whole]
@@ -456,7 +456,7 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     mesh = meshes.pipe_mesh(ctx, d.pp_stages, d.tp)
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
     # (taken before freeing: the groups depend on the tensors' shapes).
-    order = replicated_order(model)
+    order = checkpoint_io.replicated_order(model)
     stages, shared, unowned, split, stage_params = build_stages(model, cfg, ctx, task, train_set, mesh)
     wrapped = wrap_for_replicas(stages, cfg, ctx, mesh)
     # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
