@@ -357,11 +357,11 @@ def test_pipe_times_tp_replicas_resume_one_process_and_end_where_it_does(lm_ref,
 
 @pytest.mark.slow
 def test_pipe_times_tp_batch_size_auto_gives_the_pipeline_with_a_slowed_rank_less(lm_ref, tmp_path):
-    """1 stage x 2 pipelines x tp 2, rank 2 (in pipeline 1's tp group) simulated 3x slower: each tp group times its
+    """1 stage x 2 pipelines x tp 2, rank 2 (in pipeline 1's tp group) simulated 6x slower: each tp group times its
     stage together, so pipeline 1 gets the smaller share, in whole sets of 2 micro-batches; the run with those
     uneven sizes ends where one process does."""
     text, one = lm_ref("llama")
-    layout = {**PIPE_TP, "pp_stages": 1, "pp_microbatches": 2, "simulate_slowdown": [1, 1, 3, 1]}
+    layout = {**PIPE_TP, "pp_stages": 1, "pp_microbatches": 2, "simulate_slowdown": [1, 1, 6, 1]}
     assert lm_run(tmp_path, text, layout, batch_size="auto", global_batch_size=8) == 0
     sizes = meta(tmp_path, 4)["batch_sizes"]
     assert sum(sizes) == 8 and all(b % 2 == 0 for b in sizes) and sizes[1] < sizes[0], sizes  # ideally [6, 2]
