@@ -296,4 +296,4 @@ def replica_batch_sizes(trainer) -> tuple[list[int], str]:
     shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
     pace = " (its slowest stage)" if par.pipelined else ""
     return sizes, (f"batch_size auto: measured samples/s per {par.replica}{pace} [{shown}] (batch {equal}) -> "
-                   f"per-{par.replica} batches {sizes}")
+                   f"per-{par.replica.replace(' ', '-')} batches {sizes}")

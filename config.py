@@ -576,8 +576,8 @@ def check_across_sections(cfg: Config, fail) -> None:
             "pipelines (world size / dist.pp_stages)"
     if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
         fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
-    if t.batch_size == "auto" and t.global_batch_size < world:
-        fail("train.global_batch_size", f"must be >= the number of ranks ({world}), got {t.global_batch_size}")
+    if t.batch_size == "auto" and t.global_batch_size < readers:
+        fail("train.global_batch_size", f"must be >= the number of {who} ({readers}), got {t.global_batch_size}")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():
         fail("train.precision", "fp16 with dp needs GPUs")
     if t.compile and cfg.task == "image" and not d.on_gpu():

@@ -101,7 +101,7 @@ def test_batch_size_auto_splits_over_tp_groups_and_a_slowed_rank_slows_its_group
     assert main.run(config(tmp_path, bert, layout, batch_size="auto", global_batch_size=16)) == 0
     sizes = checkpoint.read_meta(ckpt(tmp_path, 6))["batch_sizes"]
     assert len(sizes) == 2 and sum(sizes) == 16 and sizes[0] >= 1.5 * sizes[1], sizes  # ideally [12, 4]
-    assert f"-> per-tp group batches {sizes}" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert f"-> per-tp-group batches {sizes}" in (tmp_path / "logs" / "rank0.log").read_text()
     assert_same_run(one, tmp_path)
 
 
