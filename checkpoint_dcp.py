@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import pickle
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from checkpoint import Unloadable
 from checkpoint_io import dcp_cause
@@ -18,7 +25,6 @@ from faults import first_line
 
 def dcp_load(state_dict: dict, dcp_dir: str) -> None:
     """dcp.load(state_dict) from the folder `dcp_dir` (collective), refusing anything in it that would run code."""
-    import torch.distributed.checkpoint as dcp
     read_dcp_metadata(dcp_dir)  # a refusal here is one line, on every rank, before DCP's collectives
     dcp.load(state_dict, storage_reader=_reader(dcp_dir), planner=_planner(dcp_dir))
 
@@ -26,8 +32,6 @@ def dcp_load(state_dict: dict, dcp_dir: str) -> None:
 def dcp_model_state_dict(dcp_dir: str) -> dict:
     """Assemble the shards of a torch.distributed.checkpoint folder (fsdp) into one plain state dict, in this
     process, without a process group: its keys are the plain model's parameter names."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     read_dcp_metadata(dcp_dir)
     state_dict = {}
     try:  # what torch's format_utils.dcp_to_torch_save does, with the checked reader and planner
@@ -54,7 +58,6 @@ def read_dcp_metadata(dcp_dir: str, name: str = ".metadata"):
             raise
         except Exception as e:  # empty, truncated, not a pickle
             raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
-    from torch.distributed.checkpoint.metadata import Metadata
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise Unloadable(f"{full}: cannot be loaded (a {type(metadata).__name__}, not DCP metadata)")
     # The shard files it lists must hold what it says they hold; checked here, a missing or truncated one is
@@ -93,11 +96,9 @@ def _metadata_globals() -> dict:
     """Everything a DCP `.metadata` may name, as real fsdp checkpoints do: DCP's metadata classes (dataclasses
     and one enum), the storage info of its file reader, torch.Size, dtypes, layouts (by name, through torch's own
     lookup) and the checkpoint's path. None of them runs code other than storing its arguments."""
-    import pathlib
-    from torch.distributed.checkpoint import filesystem, metadata
-    allowed = {(metadata.__name__, n): v for n, v in vars(metadata).items()
-               if isinstance(v, type) and v.__module__ == metadata.__name__}
-    allowed[filesystem.__name__, "_StorageInfo"] = filesystem._StorageInfo
+    allowed = {(dcp.metadata.__name__, n): v for n, v in vars(dcp.metadata).items()
+               if isinstance(v, type) and v.__module__ == dcp.metadata.__name__}
+    allowed[dcp.filesystem.__name__, "_StorageInfo"] = dcp.filesystem._StorageInfo
     allowed["torch", "Size"] = torch.Size
     allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
     allowed["torch.serialization", "_get_layout"] = torch.serialization._get_layout
@@ -109,9 +110,6 @@ def _metadata_globals() -> dict:
 
 def _reader(dcp_dir: str):
     """DCP's file reader, unpickling `.metadata` with _MetadataUnpickler instead of pickle.load."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
     class NoCodeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata, but for the unpickler
             path = self._get_metadata_path(kwargs.get("rank"))
@@ -127,8 +125,6 @@ def _planner(dcp_dir: str, empty: bool = False):
     """DCP's load planner (`empty`: the one that loads every entry into an empty dict), whose entries that are
     not tensors must first pass torch's weights-only unpickler; the bytes are in memory, so what is checked is
     what is then loaded."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
     class NoCodePlanner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
             entry = f"{dcp_dir}: entry {read_item.dest_index.fqn}"

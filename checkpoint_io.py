@@ -10,6 +10,8 @@ import contextlib
 import os
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from checkpoint import Unloadable, read_meta
 from checkpoint_meta import differences
@@ -39,7 +41,6 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
 def dcp_cause(e: BaseException) -> BaseException:
     """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
     rank's exception. Any other exception is its own cause."""
-    from torch.distributed.checkpoint.api import CheckpointException
     return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
 
 
@@ -48,7 +49,6 @@ def fits_model(path: str, cfg=None):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
     first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
-    from torch.distributed.checkpoint.api import CheckpointException
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
@@ -106,7 +106,7 @@ def load_state(model: torch.nn.Module, state: dict, path: str) -> None:
 
 def check_lora_checkpoint(model: torch.nn.Module, path: str) -> None:
     """The checkpoint at `path` was trained on this model's base (tasks/lora.check_base)."""
-    from tasks.lora import check_base
+    from tasks.lora import check_base  # LoRA runs only (the others never load tasks/lora.py)
     check_base(model, path, read_meta(path).get("lora_base"))
 
 
@@ -130,7 +130,7 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directo
     if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
         optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
     else:
-        from checkpoint_dcp import dcp_model_state_dict
+        from checkpoint_dcp import dcp_model_state_dict  # only runs that read a DCP folder load its reader
         by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
         load_optimizer_by_name(optimizer, by_name, parameter_names(model), directory)
 
@@ -178,7 +178,6 @@ def load_optimizer_by_name(optimizer: torch.optim.Optimizer, by_name: dict[str, 
 def shard_like(value, param):
     """A whole tensor as `param` holds it: FSDP2's parameters (DTensors) hold a shard, cut here from the whole
     tensor every rank has read (no communication). Anything else (a step count, a plain tensor) as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
