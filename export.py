@@ -13,7 +13,12 @@ import os
 import shutil
 import tempfile
 
+import torch
+
+import checkpoint
+import checkpoint_io
 from config import CheckpointError, Config, ConfigError, UserError
+from tasks import build_task, lora
 
 FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dict",
            "torch_export": "a torch.export program"}
@@ -21,10 +26,6 @@ FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dic
 
 def run(cfg: Config) -> str:
     """Export; returns the folder written. User mistakes raise UserError (main.py: one line, exit code 2)."""
-    import checkpoint
-    import checkpoint_io
-    from tasks import build_task, lora
-
     task = build_task(cfg)
     formats = chosen_formats(cfg, task)  # the cheap checks first, before any model is loaded
     dest = destination(cfg)
@@ -80,8 +81,7 @@ def write_atomically(dest: str, write_files) -> None:
                 os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.lexists(dest):
             raise UserError(f"export.dir: {dest} appeared while exporting; it was left alone")
-        from checkpoint import durable_rename
-        durable_rename(tmp, dest)  # fsynced like a checkpoint: no half export after a power loss
+        checkpoint.durable_rename(tmp, dest)  # fsynced like a checkpoint: no half export after a power loss
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -96,7 +96,6 @@ def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> 
 
 # ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
 def write_hf(folder: str, task, model) -> str:
-    from tasks import lora
     adapter = ""
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
@@ -118,7 +117,7 @@ def write_hf(folder: str, task, model) -> str:
 
 
 def write_state_dict(folder: str, task, model) -> str:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # only this format needs it
     config = task.export_config(model)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -135,7 +134,6 @@ def write_state_dict(folder: str, task, model) -> str:
 
 
 def write_torch_export(folder: str, task, model) -> str:
-    import torch
     example = task.example_inputs()
     batch = torch.export.Dim("batch")  # any batch size; the other dimensions are fixed
     program = torch.export.export(model, example, dynamic_shapes=tuple({0: batch} for _ in example))

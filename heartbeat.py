@@ -9,6 +9,10 @@ import os
 import threading
 import time
 from typing import Optional
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from faults import EXIT_CRASH, EXIT_USER_ERROR, HOST, progress, report
 
@@ -231,8 +235,6 @@ class Call(threading.Thread):
 def open_store(ctx, op_timeout: float):
     """A store connection of the watchdog's own, with a short timeout, so that a frozen store host makes the
     watchdog notice instead of blocking it as long as the process group's timeout (dist.timeout_s)."""
-    import torch.distributed as dist
-    from urllib.parse import urlparse
     timeout = datetime.timedelta(seconds=op_timeout)
     address = None
     if ctx.rendezvous and ctx.rendezvous.startswith("tcp://"):
@@ -243,7 +245,6 @@ def open_store(ctx, op_timeout: float):
     if address is not None:
         store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
     else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
-        from torch.distributed import distributed_c10d as c10d
         store = c10d._get_default_store()
     # Under torchrun a restart (allowed only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new store.
     return dist.PrefixStore("trainer-watchdog/", store)

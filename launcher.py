@@ -5,6 +5,7 @@ that the ranks stop together after saving, and takes the others down when one fa
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import json
@@ -253,7 +254,6 @@ def set_parent_death_signal(parent_pid: int) -> None:
     """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
     train on as orphans. (No-op elsewhere.)"""
     try:
-        import ctypes
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
