@@ -3,6 +3,8 @@ fairscale's OSS / ShardedDataParallel or PyTorch's ZeroRedundancyOptimizer. See 
 from __future__ import annotations
 
 import torch
+from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.optim import OSS
 from torch import nn
 
 from distributed import DistContext
@@ -17,7 +19,6 @@ class OSSParallel(DDPParallel):
     DDP or fairscale's ShardedDataParallel: both have DDP's no_sync()."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        from fairscale.optim import OSS
         if isinstance(self.optimizer, OSS):  # grads may exist only on their owner: norm over shards, all-reduced
             return self.optimizer.clip_grad_norm(max_norm)
         return super().clip_grad_norm(max_norm)  # ZeroRedundancyOptimizer: DDP grads are whole on every rank
@@ -25,7 +26,6 @@ class OSSParallel(DDPParallel):
     def save(self, directory: str) -> None:
         # Gather the optimizer shards on rank 0: optimizer.pt is then an ordinary state dict indexed over all
         # parameters, which any world size (and oss_impl) can load, every rank keeping its own part.
-        from fairscale.optim import OSS
         if isinstance(self.optimizer, OSS):
             self.optimizer.consolidate_state_dict(recipient_rank=0)
         else:
@@ -40,13 +40,11 @@ def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     if cfg.dist.oss_impl == "torch":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # slow to import: oss_impl torch runs only
         optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
     else:
-        from fairscale.optim import OSS
         optimizer = OSS(groups, optim=cls, **kwargs)
     if cfg.dist.shard_grads:  # config.validate allows it with fairscale OSS only
-        from fairscale.nn.data_parallel import ShardedDataParallel
         # No reduce buckets: bucketed gradients are views into ShardedDataParallel's buffers, which the trainer's
         # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed,
         # each gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
