@@ -3,13 +3,23 @@ fairscale's FullyShardedDataParallel (CUDA only), and the fairscale workarounds.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import checkpoint_io
+from checkpoint import read_meta
+from checkpoint_dcp import dcp_load
 from checkpoint_io import load_file
+from config import CheckpointError
 from distributed import DistContext
 from strategies import mesh as meshes
 from strategies.base import Parallel, model_blocks, optimizer_recipe, trains_part
@@ -51,9 +61,7 @@ class FSDPParallel(Parallel):
             unit.forward = torch.compile(unit.forward)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
         if self.mesh is not None:  # parameters on several meshes (tp-split, whole ones sharded over dp only)
-            from strategies.tp import clip_mixed
             return clip_mixed(list(self.model.parameters()), max_norm, self.ctx)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # On DTensor gradients the norm is a DTensor whose local value covers this shard only; full_tensor()
@@ -63,8 +71,6 @@ class FSDPParallel(Parallel):
     def save(self, directory: str) -> None:
         # Every rank writes its own shards: nothing is gathered (but tp splits in strides, in_boxes). get_state_dict
         # keys the entries by the plain model's parameter names, so the files do not depend on the world size.
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
         model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
                                                                      options=self.state_options()))
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
@@ -74,9 +80,6 @@ class FSDPParallel(Parallel):
         """DCP's async_save: each rank's shards are copied to the host now, and written by DCP's threads (one per
         folder). Those threads run DCP's own collectives, so each goes over a process group of its own: not the
         training's, and not the other thread's (two threads on one group could pair different collectives)."""
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
         if getattr(self, "save_groups", None) is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
         model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
@@ -89,9 +92,6 @@ class FSDPParallel(Parallel):
     def load(self, directory: str) -> None:
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from checkpoint_dcp import dcp_load
-        from config import CheckpointError
         if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
             return self.load_full(directory)
         for name in ("model_dcp", "optimizer_dcp"):
@@ -115,7 +115,6 @@ class FSDPParallel(Parallel):
     def state_options(self):
         """What get_state_dict / set_state_dict cover: every entry, or under LoRA the parameters that train (the
         frozen base is not in the checkpoint: strategies.base.state_to_save)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
         part = trains_part(self.raw_model)
         return StateDictOptions(ignore_frozen_params=part, strict=not part)
 
@@ -153,8 +152,6 @@ class FairscaleFSDPParallel(Parallel):
         torch.save(self.optimizer.state_dict(), os.path.join(directory, f"optimizer-rank{self.ctx.rank}.pt"))
 
     def load(self, directory: str) -> None:
-        from checkpoint import read_meta
-        from config import CheckpointError
         saved = read_meta(directory).get("world_size")
         if saved != self.ctx.world_size:
             raise CheckpointError(f"{directory}: fairscale FSDP optimizer shards were written by {saved} ranks, "
@@ -168,8 +165,6 @@ def in_boxes(state: dict, swaps: list = None) -> dict:
     (_StridedShard: GPT-2's q|k|v, where rank r holds [q_r | k_r | v_r], tasks/gpt2_tp.py) is not one, so such a
     DTensor is replaced by a copy split in plain blocks (gathered over the tp group), and (original, copy) goes to
     `swaps`. FSDP2's own strides over a tp split of the same dimension (placements to their right) make boxes."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
     out = {}
     for key, value in state.items():
         if isinstance(value, dict):
@@ -188,9 +183,39 @@ def in_boxes(state: dict, swaps: list = None) -> dict:
     return out
 
 
+def clip_mixed(params: list, max_norm: float, ctx: DistContext, holders: int = 0,
+               uncounted: frozenset = frozenset()) -> torch.Tensor:
+    """Clip to (and return) the global gradient norm when parameters are held in different ways: split over a tp
+    group, sharded by FSDP, or whole on every rank. Each rank adds up its local squares, each divided by the number
+    of ranks that hold the same piece, and one all-reduce sums them. `holders`: the ranks that hold a parameter
+    (all by default; under pipe, its stage's); `uncounted`: ids of parameters clipped but counted elsewhere."""
+    square = torch.zeros((), device=ctx.device)
+    for p in params:
+        if p.grad is None or id(p) in uncounted:
+            continue
+        copies = holders or ctx.world_size
+        if isinstance(p.grad, DTensor):  # the ranks outside its mesh, and those along its Replicate dimensions
+            m = p.grad.device_mesh
+            copies = copies // m.size() * math.prod(m.size(i) for i, pl in enumerate(p.grad.placements)
+                                                    if pl.is_replicate())
+        square += local(p.grad).detach().float().pow(2).sum() / copies
+    dist.all_reduce(square)
+    norm = square.sqrt()
+    if not math.isinf(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                local(p.grad).mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (the same storage), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def fsdp2_policy(precision: str):
     """FSDP2 mixed precision: compute in train.precision (bf16/fp16), reduce gradients and step in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
 
@@ -203,7 +228,7 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
     d, precision = cfg.dist, cfg.train.precision
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if d.fsdp_impl == "fairscale":
-        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP  # (fairscale runs only)
         # The weight-decay groups are built first: without flattening, fairscale shards each parameter in
         # place (p.data becomes the shard), so the same Parameter objects remain in the groups.
         groups, cls, kwargs = optimizer_recipe(model, cfg.train)
@@ -216,12 +241,12 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
-    from torch.distributed.fsdp import fully_shard
     mesh, parallel = None, FSDPParallel
-    if d.tp > 1 or d.dp_replicate > 1:  # on a device mesh (strategies/mesh.py): tp first, then shard over dp
-        from strategies.tp import FSDPxTPParallel, apply_tp
-        mesh = apply_tp(model, cfg, ctx, task) if d.tp > 1 else meshes.build_mesh(ctx, 1, d.dp_replicate)
-        parallel = FSDPxTPParallel if d.tp > 1 else FSDPParallel
+    if d.tp > 1:  # on a (dp, tp) device mesh (strategies/mesh.py): tp first, then shard over dp
+        from strategies.tp import FSDPxTPParallel, apply_tp  # here: tp.py imports this file (FSDPParallel)
+        mesh, parallel = apply_tp(model, cfg, ctx, task), FSDPxTPParallel
+    elif d.dp_replicate > 1:  # HSDP
+        mesh = meshes.build_mesh(ctx, 1, d.dp_replicate)
     policy, dp_mesh = fsdp2_policy(precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
     for unit in model_blocks(model):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)

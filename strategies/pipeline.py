@@ -26,9 +26,16 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint_io
+from checkpoint_dcp import dcp_load
 from config import CheckpointError, DataError
 from data_loader import split_proportional
 from distributed import DistContext
@@ -36,6 +43,8 @@ from balance import synchronize, time_unnoticed
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
+from strategies.fsdp import clip_mixed, fsdp2_policy, in_boxes
+from strategies.tp import average_grads
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -152,7 +161,6 @@ class PipeParallel(Parallel):
                       if id(v) in mine or (k in unowned and self.stage_rank == 0)]
         self.scale = 1.0
         self.first_shapes: Optional[dict] = None
-        from torch.distributed import pipelining
         pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
         pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=pp_group)
                        for i in sorted(wrapped)]
@@ -199,7 +207,6 @@ class PipeParallel(Parallel):
         """ddp x tp: DDP cannot hold DTensor parameters, so the stage's replicas average their gradients here, over
         the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward)."""
         if self.cfg.dist.tp > 1 and self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
-            from strategies.tp import average_grads
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
     def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
@@ -244,9 +251,8 @@ class PipeParallel(Parallel):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over all stages: each piece of a gradient counted once among the ranks of its stage,
-        which hold it whole (ddp replicas, a tp group) or in pieces (tp-split, fsdp-sharded): strategies/tp.py's
+        which hold it whole (ddp replicas, a tp group) or in pieces (tp-split, fsdp-sharded): strategies/fsdp.py's
         clip_mixed. A tied parameter counts on its first stage only (both copies are clipped)."""
-        from strategies.tp import clip_mixed
         self.sync_tied_grads()  # here: once per optimizer step, after all accumulation batches
         second = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
         return clip_mixed(list(self.raw_model.parameters()), max_norm, self.ctx,
@@ -309,12 +315,10 @@ class PipeParallel(Parallel):
         return {k: full[k] for k in self.names}
 
     def optimizer_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
     def save(self, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from strategies.fsdp import in_boxes  # tp's strided splits (GPT-2's q|k|v) as boxes DCP can write
+        # in_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
         dcp.save(in_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))
         # Only the per-parameter state: param_groups list this stage's names and differ between ranks (the
         # learning rate comes back with the scheduler).
@@ -322,15 +326,12 @@ class PipeParallel(Parallel):
                  checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
     def load(self, directory: str) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        from checkpoint_dcp import dcp_load
         if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
             return self.load_replicated(directory)
         for name in ("model_dcp", "optimizer_dcp"):
             if not os.path.isfile(os.path.join(directory, name, ".metadata")):
                 raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
-        from strategies.fsdp import in_boxes
         swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
         dcp_load(in_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))  # in place: parameters
         optim_sd = self.optimizer_state()
@@ -556,15 +557,12 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
     if mesh["dp"].size() == 1:
         return dict(stages)
     if d.pp_dp == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        from strategies.fsdp import fsdp2_policy
         policy = fsdp2_policy(cfg.train.precision)
         for stage in stages.values():
             fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
         return dict(stages)
     if d.tp > 1:
         return dict(stages)
-    from torch.nn.parallel import DistributedDataParallel as DDP
     return {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                    process_group=mesh["dp"].get_group()) for i, s in stages.items()}
 
@@ -572,7 +570,6 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
 def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:
     """Tensor parallelism on this rank's stages: the task's plan (keyed on the whole model's module names, with
     wildcards) applied to the modules the stages hold, over the "tp" dimension; the other stages' are empty."""
-    from torch.distributed.tensor.parallel import parallelize_module
     held = {id(m) for stage in stages.values() for m in stage.modules()}
     plan = task.tp_plan(model, cfg.dist.tp)
     mine = {name: style for name, module in model.named_modules() if id(module) in held

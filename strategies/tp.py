@@ -21,7 +21,6 @@ strategies/fsdp.py) or ddp (TPParallel below: gradients averaged over "dp" after
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from distributed import DistContext
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import FSDPParallel
+from strategies.fsdp import FSDPParallel, local
 
 
 def check_config(cfg, world: int, fail) -> int:
@@ -140,37 +139,6 @@ class PlainLoss:
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (differentiable), or the tensor itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a DTensor (the same storage), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def clip_mixed(params: list, max_norm: float, ctx: DistContext, holders: int = 0,
-               uncounted: frozenset = frozenset()) -> torch.Tensor:
-    """Clip to (and return) the global gradient norm when parameters are held in different ways: split over a tp
-    group, sharded by FSDP, or whole on every rank. Each rank adds up its local squares, each divided by the number
-    of ranks that hold the same piece, and one all-reduce sums them. `holders`: the ranks that hold a parameter
-    (all by default; under pipe, its stage's); `uncounted`: ids of parameters clipped but counted elsewhere."""
-    square = torch.zeros((), device=ctx.device)
-    for p in params:
-        if p.grad is None or id(p) in uncounted:
-            continue
-        copies = holders or ctx.world_size
-        if isinstance(p.grad, DTensor):  # the ranks outside its mesh, and those along its Replicate dimensions
-            m = p.grad.device_mesh
-            copies = copies // m.size() * math.prod(m.size(i) for i, pl in enumerate(p.grad.placements)
-                                                    if pl.is_replicate())
-        square += local(p.grad).detach().float().pow(2).sum() / copies
-    dist.all_reduce(square)
-    norm = square.sqrt()
-    if not math.isinf(max_norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                local(p.grad).mul_(coef.to(p.grad.dtype))
-    return norm
 
 
 def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task) -> Parallel:
