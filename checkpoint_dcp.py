@@ -1,6 +1,6 @@
-"""torch.distributed.checkpoint (fsdp, pipe) folders, read without running code: DCP itself unpickles `.metadata`
-with plain pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with torch.load(weights_only=False)
-(DefaultLoadPlanner.load_bytes); both are replaced here. Imported only by runs that read a DCP folder.
+"""torch.distributed.checkpoint folders, read without running code: DCP itself unpickles `.metadata` with plain
+pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with torch.load(weights_only=False)
+(DefaultLoadPlanner.load_bytes); both are replaced here. Imported by fsdp and pipe runs and by runs that read one.
 """
 from __future__ import annotations
 
