@@ -9,7 +9,10 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+from config import ConfigError
 from distributed import DistContext
 
 
@@ -21,7 +24,6 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
     params = [p for g in groups for p in g["params"]]
     # torch 2.13 has no DTensor rule for the fused SGD kernel (aten._fused_sgd_): FSDP2's sharded parameters
     # take foreach there (fused AdamW has one: tested under fsdp).
-    from torch.distributed.tensor import DTensor
     if train_cfg.optimizer == "sgd" and any(isinstance(p, DTensor) for p in params):
         fused_ok = False
     if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
@@ -50,11 +52,9 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
     """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. auto: fused where the
     device has the kernel (PyTorch's own CPU default runs one small op per tensor: benchmarks/RESULTS.md)."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
     device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
                     for p in params)
     if impl == "fused" and not (device_ok and fused_ok):
-        from config import ConfigError
         where = "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}"
         raise ConfigError(f"train.optimizer_impl: fused is not supported by {where}; use auto or foreach")
     if impl == "auto":

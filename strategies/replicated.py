@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import DistContext
 from strategies.base import Parallel, make_scaler, optimizer_recipe
@@ -49,5 +50,4 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
 
 def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """DistributedDataParallel on this rank's device (GPU: device_ids names it; CPU: none)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
