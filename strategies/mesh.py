@@ -54,7 +54,7 @@ def take_roles(par, mesh: Mesh) -> None:
     """What the Trainer reads from a Parallel to share out the data, for this mesh: the ranks of a tp group read
     the same batch (one share of the global batch per dp index), one of them counts its samples and reports its
     loss and evaluation results, and all of them draw the same dropout masks (their activations outside the split
-    matrices are the same tensors)."""
+    matrices are the same tensors; inside, strategies/tp.OwnDropout draws each rank's own)."""
     dp, tp = mesh["dp"], mesh["tp"]
     par.mesh = mesh
     par.data_rank, par.data_world, par.grad_replicas = dp.get_local_rank(), dp.size(), dp.size()

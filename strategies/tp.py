@@ -13,7 +13,7 @@ Two options where the plan supports them (gpt2_lm: tasks/lm_models.tp_plan; BERT
 tasks/text_common.bert_tp_plan). dist.sequence_parallel cuts the residual stream between the split matrices along
 the positions (norms on 1/tp of them; the all-reduces become reduce-scatter + all-gather). dist.loss_parallel splits
 the LM head by vocabulary and keeps its logits a DTensor, so the cross-entropy runs under DTensor's loss_parallel():
-each rank holds logits for 1/tp of the vocabulary.
+each rank holds logits for 1/tp of the vocabulary. Dropout on split data draws each rank's own masks (OwnDropout).
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
 strategies/fsdp.py) or ddp (TPParallel below: gradients averaged over "dp" after the step's last backward).
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from config import ConfigError
 
@@ -34,7 +35,7 @@ from distributed import DistContext
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import FSDPParallel, local
+from strategies.fsdp import FSDPParallel, local, shard
 
 
 def check_config(cfg, world: int, fail) -> int:
@@ -67,6 +68,57 @@ def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
                           "output split by vocabulary; use dist.loss_parallel: false")
     parallelize_module(model, mesh["tp"], plan)
     return mesh
+
+
+class OwnDropout(ParallelStyle):
+    """Dropout on data split over the tp group (each rank's own attention heads; under sequence parallelism its own
+    positions) draws this rank's own masks, as one process draws a different mask for each piece; elsewhere the
+    group shares one stream (Parallel.seed_rank), so replicated activations stay equal. Megatron's model-parallel
+    RNG tracker without state of its own: entering the module's forward, every rank draws one integer from the
+    shared stream (the same on all, so it advances alike) and seeds its stream with (integer, tp index); leaving
+    (at the start of submodule `until`, whose output is whole again, or at the end) restores the shared stream.
+    Nothing new to checkpoint, and activation checkpointing's recompute restores the shared stream first, so it
+    draws the same masks. `inner`: the module's other style, applied first."""
+
+    def __init__(self, inner: ParallelStyle | None = None, until: str | None = None):
+        super().__init__()
+        self.inner, self.until = inner, until
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        module = self.inner._apply(module, mesh) if self.inner else module
+        shared = []  # the shared stream's state while this module's forward runs on the rank's own
+
+        def enter(*_):
+            if module.training:  # evaluation draws nothing
+                shared.append(own_stream(mesh))
+
+        def leave(*_):
+            if shared:
+                for g, state in zip(generators(mesh.device_type), shared.pop()):
+                    g.set_state(state)
+        module.register_forward_pre_hook(enter)
+        if self.until:
+            module.get_submodule(self.until).register_forward_pre_hook(leave)
+        module.register_forward_hook(leave, always_call=True)  # also when the forward raises
+        return module
+
+
+def own_stream(mesh) -> list:
+    """Seed this rank's own stream from the shared one; returns the shared stream's state to restore."""
+    base = int(torch.randint(2**48, ()))  # the CPU's stream, equal on the group's ranks: no device sync
+    gens = generators(mesh.device_type)
+    shared = [g.get_state() for g in gens]
+    for g in gens:
+        g.manual_seed(base * mesh.size() + mesh.get_local_rank())  # distinct from every other rank's
+    return shared
+
+
+def generators(device_type: str) -> list:
+    """The generators dropout draws from: the CPU's and, on an accelerator, this rank's device's."""
+    if device_type == "cpu":
+        return [torch.default_generator]
+    device = torch.get_device_module(device_type)
+    return [torch.default_generator, device.default_generators[device.current_device()]]
 
 
 class LossParallel:
@@ -141,7 +193,16 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task) -> Parallel:
+# ---- tp first, then the data-parallel strategy over the mesh's dp dimension (strategies.STRATEGIES) ----------
+def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Parallel:
+    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPParallel)."""
+    model = model.to(ctx.device)
     mesh = apply_tp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return TPParallel(model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)  # ranks skip together
+
+
+def apply_tp_fsdp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Parallel:
+    """fsdp with dist.tp > 1: the blocks split over "tp", then FSDP2 shards them over "dp" (2-D parameters)."""
+    model = model.to(ctx.device)
+    return shard(model, cfg, ctx, apply_tp(model, cfg, ctx, task), FSDPxTPParallel)

@@ -52,6 +52,19 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_p
                                                    use_local_output=True)})
     if loss_parallel:  # logits stay a DTensor split by vocabulary, for the loss under loss_parallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=rows, output_layouts=Shard(-1), use_local_output=False)
+    return own_dropout(plan, c, sequence_parallel)
+
+
+def own_dropout(plan: dict, c, sequence_parallel: bool) -> dict:
+    """Each rank draws its own dropout masks where the data is split (strategies/tp.OwnDropout): the attention
+    probabilities of its heads, up to c_proj, whose output resid_dropout sees whole; under sequence parallelism
+    the whole attention and the MLP's dropout, on its own positions. The embeddings' dropout runs whole."""
+    from strategies.tp import OwnDropout
+    block = "transformer.h.*."
+    if c.attn_pdrop > 0 or (sequence_parallel and c.resid_pdrop > 0):
+        plan[block + "attn"] = OwnDropout(plan[block + "attn"], until=None if sequence_parallel else "c_proj")
+    if sequence_parallel and c.resid_pdrop > 0:
+        plan[block + "mlp.dropout"] = OwnDropout()
     return plan
 
 

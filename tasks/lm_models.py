@@ -193,6 +193,9 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_par
         plan.update(sequence_plan(layer))
     if loss_parallel:  # logits stay a DTensor split by vocabulary, for the loss under loss_parallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=rows, output_layouts=Shard(-1), use_local_output=False)
+    if c.attention_dropout > 0:  # on each rank's own heads: its own masks (Llama has no other dropout)
+        from strategies.tp import OwnDropout
+        plan[layer + "self_attn"] = OwnDropout(plan.get(layer + "self_attn"))
     return plan
 
 

@@ -366,7 +366,24 @@ def bert_tp_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool = Fals
     if not plan:
         raise ConfigError(f"dist.tp: found no BERT layers (attention.self.query, intermediate) in the "
                           f"{type(model).__name__} model to split; use dist.tp: 1")
-    return {**plan, **bert_sequence_plan(layers)} if sequence_parallel else plan
+    plan = {**plan, **bert_sequence_plan(layers)} if sequence_parallel else plan
+    return bert_own_dropout(model, layers, plan, sequence_parallel)
+
+
+def bert_own_dropout(model: torch.nn.Module, layers: list, plan: dict, sequence_parallel: bool) -> dict:
+    """Where dropout sees split data, each rank draws its own masks (strategies/tp.OwnDropout): the attention
+    probabilities of its own heads, and under sequence parallelism the hidden dropout on its own positions."""
+    from strategies.tp import OwnDropout
+    for name in layers:
+        layer = model.get_submodule(name)
+        split = {"attention.self": layer.attention.self.dropout.p}  # the attention function reads its p
+        if sequence_parallel:
+            split.update({"attention.output.dropout": layer.attention.output.dropout.p,
+                          "output.dropout": layer.output.dropout.p})
+        for key, p in split.items():
+            if p > 0:
+                plan[f"{name}.{key}"] = OwnDropout(plan.get(f"{name}.{key}"))
+    return plan
 
 
 def bert_sequence_plan(layers: list) -> dict:

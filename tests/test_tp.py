@@ -361,3 +361,130 @@ def test_a_plan_without_loss_parallel_or_a_tied_head_says_so(bert, text, tmp_pat
                       dist={"strategy": "ddp", "tp": 2, "procs_per_node": 2, **split})
     assert main.run(cfg) == 2
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]
+
+
+# ---- dropout > 0: each rank's own masks where the data is split, the group's shared ones elsewhere ------------
+def _tiny(arch: str):
+    """A 2-layer model of width 32 (4 heads), eager attention (its dropout is a function call we can record)."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    shape = dict(vocab_size=50, attn_implementation="eager")
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.5,
+                                          resid_pdrop=0.5, embd_pdrop=0.5, **shape))
+    if arch == "bert":
+        return BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, hidden_dropout_prob=0.5,
+                                          attention_probs_dropout_prob=0.5, **shape))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.5, **shape))
+
+
+def _mask_worker(rank, port, queue):
+    """Every dropout mask of one training forward under tp 2, recorded; rank 0 compares them with rank 1's."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from tasks.lm_models import tp_plan
+    from tasks.text_common import bert_tp_plan
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    masks, dropout = [], F.dropout
+
+    def recorded(x, p=0.5, training=True, inplace=False):  # the mask dropout(x) draws, kept
+        keep = dropout(torch.ones_like(x), p, training) != 0
+        masks.append(keep)
+        return x * keep / (1 - p)
+    F.dropout = recorded
+    for arch in ("gpt2", "bert", "llama"):
+        for sp in (False, True):
+            torch.manual_seed(0)  # the group's shared stream (Parallel.seed_rank)
+            model = _tiny(arch)
+            plan = bert_tp_plan(model, 2, sp) if arch == "bert" else tp_plan(model, 2, sp)
+            parallelize_module(model, tp, plan).train()
+            masks.clear()
+            model(input_ids=torch.arange(16).view(2, 8) % 50)
+            ranks = [None, None]
+            dist.all_gather_object(ranks, masks)
+            same_stream = [None, None]
+            dist.all_gather_object(same_stream, torch.get_rng_state())
+            if rank == 0:  # per mask: its shape, whether the ranks drew the same one
+                queue.put((arch, sp, [(tuple(a.shape), torch.equal(a, b)) for a, b in zip(*ranks)],
+                           torch.equal(*same_stream)))
+    F.dropout = dropout
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_dropout_masks_differ_between_the_ranks_where_the_data_is_split_and_are_equal_elsewhere():
+    """Batch 2 x 8 positions, width 32, 4 heads (2 per rank). Split data: attention probabilities [2, 2 heads, 8, 8]
+    and, under sequence parallelism, [2, 4 positions, 32]; their masks differ between the ranks. Whole data
+    ([2, 8, 32]: the embeddings' dropout, and without sequence parallelism GPT-2's residual and BERT's hidden
+    dropout) draw equal masks, and the shared stream ends the same on both ranks."""
+    import torch.multiprocessing as mp
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn(_mask_worker, args=(free_port(), queue), nprocs=2)
+    split_whole = {("gpt2", False): (2, 5), ("gpt2", True): (6, 1), ("bert", False): (2, 5), ("bert", True): (6, 1),
+                   ("llama", False): (2, 0), ("llama", True): (2, 0)}  # masks per forward: split, whole
+    for _ in split_whole:
+        arch, sp, masks, same_stream = queue.get()
+        split = [same for shape, same in masks if shape in ((2, 2, 8, 8), (2, 4, 32))]
+        whole = [same for shape, same in masks if shape == (2, 8, 32)]
+        assert (len(split), len(whole)) == split_whole[arch, sp] and len(masks) == len(split) + len(whole), masks
+        assert not any(split) and all(whole) and same_stream, (arch, sp, masks)
+
+
+GPT2_DROPOUT = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout": 0.1}
+
+
+def _replica_worker(rank, port, data, out, sp):
+    """Four steps of GPT-2 under tp 2 with dropout 0.1; every parameter's piece on this rank."""
+    import distributed as D
+    from tasks import build_task
+    from trainer import Trainer
+    from strategies.tp import local
+    torch.set_num_threads(1)
+    cfg = lm_config(out, data, GPT2_DROPOUT, {"strategy": "ddp", "tp": 2, "procs_per_node": 2,
+                                              "sequence_parallel": sp})
+    cfg.dist.master_port = port
+    ctx = D.init(cfg, rank, 2, rank)
+    try:
+        tr = Trainer(cfg, build_task(cfg), ctx)
+        stream = tr.micro_batches()
+        for _ in range(4):
+            tr.train_step([next(stream)])
+        torch.save({n: local(p) for n, p in tr.par.raw_model.named_parameters()}, f"{out}/rank{rank}.pt")
+    finally:
+        D.shutdown(ctx)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_with_dropout_the_whole_parameters_stay_equal_across_the_tp_group(text, tmp_path, sp):
+    """The activations outside the split regions draw the group's shared masks, so the parameters both ranks hold
+    whole (embeddings, norms, row-split biases) stay bit-equal; the split pieces differ."""
+    spawn(_replica_worker, args=(free_port(), text, str(tmp_path), sp), nprocs=2)
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    split = {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"}
+    for name in a:
+        if any(name.endswith(s) for s in split):
+            assert not torch.equal(a[name], b[name]), name
+        else:
+            assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+def test_with_dropout_tp_resumes_and_recomputes_where_the_uninterrupted_run_ends(text, tmp_path):
+    """GPT-2, tp 2 with sequence parallelism, dropout 0.1: resumed from its step-3 checkpoint, or with activation
+    checkpointing (the recompute draws the same masks), it ends where the uninterrupted run does."""
+    layout = {"strategy": "ddp", "tp": 2, "procs_per_node": 2, "sequence_parallel": True}
+    full, resumed, recomputed = tmp_path / "full", tmp_path / "resumed", tmp_path / "recomputed"
+    assert main.run(lm_config(full, text, GPT2_DROPOUT, layout)) == 0
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(ckpt(full, 3), ckpt(resumed, 3))
+    assert main.run(lm_config(resumed, text, GPT2_DROPOUT, layout)) == 0
+    assert main.run(lm_config(recomputed, text, {**GPT2_DROPOUT, "activation_checkpointing": True}, layout)) == 0
+    for out in (resumed, recomputed):
+        pa, pb = checkpoint_io.model_state_dict(ckpt(full, 6)), checkpoint_io.model_state_dict(ckpt(out, 6))
+        assert max((pa[k] - pb[k]).abs().max().item() for k in pa) <= 1e-6, out
+        assert abs(dev_loss(full) - dev_loss(out)) <= 1e-6 * dev_loss(full), out
