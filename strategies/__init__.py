@@ -30,7 +30,9 @@ STRATEGIES: dict[str, str] = {
     "ddp": "strategies.replicated:apply_ddp",
     "oss": "strategies.zero:apply_oss",
     "fsdp": "strategies.fsdp:apply_fsdp",
-    "pipe": "strategies.pipeline:apply_pipe",
+    "pipe": "strategies.pipeline:apply_pipe",  # with dist.tp > 1 too: it splits each stage itself
+    "ddp+tp": "strategies.tp:apply_tp_ddp",  # dist.tp > 1: tp first, then ddp or fsdp over the mesh's "dp"
+    "fsdp+tp": "strategies.tp:apply_tp_fsdp",
 }
 
 
@@ -40,5 +42,6 @@ def apply(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
     if cfg.model.activation_checkpointing:
         from strategies.activation_checkpointing import apply_ac
         apply_ac(model, cfg.task)
-    module, name = STRATEGIES[cfg.dist.strategy].split(":")
+    key = cfg.dist.strategy + ("+tp" if cfg.dist.tp > 1 and cfg.dist.strategy in ("ddp", "fsdp") else "")
+    module, name = STRATEGIES[key].split(":")
     return getattr(importlib.import_module(module), name)(model, cfg, ctx, task, train_set)

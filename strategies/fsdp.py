@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -221,9 +222,9 @@ def fsdp2_policy(precision: str):
 
 
 def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
-    """Fully sharded data parallel: FSDP2's fully_shard per model_blocks() and then the root (fsdp2_policy), over
-    the mesh's dp dimension once dist.tp > 1 has split the blocks (strategies/tp.py). dist.fsdp_impl fairscale:
-    fairscale's FullyShardedDataParallel (CUDA only)."""
+    """Fully sharded data parallel: FSDP2 (shard, below), over every rank or, with dist.dp_replicate > 1, over
+    the shards of each replica (HSDP). dist.fsdp_impl fairscale: fairscale's FullyShardedDataParallel (CUDA
+    only). With dist.tp > 1, strategies/tp.py splits the blocks first and then calls shard()."""
     model = model.to(ctx.device)
     d, precision = cfg.dist, cfg.train.precision
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -241,13 +242,15 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
         return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
-    mesh, parallel = None, FSDPParallel
-    if d.tp > 1:  # on a (dp, tp) device mesh (strategies/mesh.py): tp first, then shard over dp
-        from strategies.tp import FSDPxTPParallel, apply_tp  # here: tp.py imports this file (FSDPParallel)
-        mesh, parallel = apply_tp(model, cfg, ctx, task), FSDPxTPParallel
-    elif d.dp_replicate > 1:  # HSDP
-        mesh = meshes.build_mesh(ctx, 1, d.dp_replicate)
-    policy, dp_mesh = fsdp2_policy(precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
+    mesh = meshes.build_mesh(ctx, 1, d.dp_replicate) if d.dp_replicate > 1 else None  # HSDP: replicas of shards
+    return shard(model, cfg, ctx, mesh, FSDPParallel)
+
+
+def shard(model: nn.Module, cfg, ctx: DistContext, mesh: Optional[meshes.Mesh], parallel: type) -> Parallel:
+    """FSDP2's fully_shard per model_blocks() and then the root (fsdp2_policy), over the mesh's dp dimension
+    (None: over all ranks); returns `parallel` (FSDPParallel, or tp's FSDPxTPParallel) with its optimizer."""
+    d = cfg.dist
+    policy, dp_mesh = fsdp2_policy(cfg.train.precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
     for unit in model_blocks(model):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)

@@ -38,12 +38,9 @@ class DDPParallel(ReplicatedParallel):
 
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
-    backward. The Trainer scales the loss so that average is the mean over the global batch. With dist.tp > 1,
-    each replica is a tp group instead (strategies/tp.py)."""
+    backward. The Trainer scales the loss so that average is the mean over the global batch. (With dist.tp > 1:
+    strategies/tp.py's apply_tp_ddp.)"""
     model = model.to(ctx.device)
-    if cfg.dist.tp > 1:
-        from strategies.tp import apply_tp_ddp
-        return apply_tp_ddp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return DDPParallel(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
