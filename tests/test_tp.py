@@ -437,17 +437,16 @@ def test_dropout_masks_differ_between_the_ranks_where_the_data_is_split_and_are_
 GPT2_DROPOUT = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout": 0.1}
 
 
-def _replica_worker(rank, port, data, out, sp):
-    """Four steps of GPT-2 under tp 2 with dropout 0.1; every parameter's piece on this rank."""
+def _replica_worker(rank, port, data, out, layout):
+    """Four steps of GPT-2 under `layout` with dropout 0.1; every parameter's piece on this rank."""
     import distributed as D
     from tasks import build_task
     from trainer import Trainer
     from strategies.tp import local
     torch.set_num_threads(1)
-    cfg = lm_config(out, data, GPT2_DROPOUT, {"strategy": "ddp", "tp": 2, "procs_per_node": 2,
-                                              "sequence_parallel": sp})
+    cfg = lm_config(out, data, GPT2_DROPOUT, layout)
     cfg.dist.master_port = port
-    ctx = D.init(cfg, rank, 2, rank)
+    ctx = D.init(cfg, rank, layout["procs_per_node"], rank)
     try:
         tr = Trainer(cfg, build_task(cfg), ctx)
         stream = tr.micro_batches()
@@ -459,18 +458,20 @@ def _replica_worker(rank, port, data, out, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [False, True])
-def test_with_dropout_the_whole_parameters_stay_equal_across_the_tp_group(text, tmp_path, sp):
-    """The activations outside the split regions draw the group's shared masks, so the parameters both ranks hold
-    whole (embeddings, norms, row-split biases) stay bit-equal; the split pieces differ."""
-    spawn(_replica_worker, args=(free_port(), text, str(tmp_path), sp), nprocs=2)
-    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+@pytest.mark.parametrize("layout", [{"strategy": "ddp", "tp": 2, "procs_per_node": 2},
+                                    {"strategy": "ddp", "tp": 2, "procs_per_node": 2, "sequence_parallel": True},
+                                    {"strategy": "pipe", "tp": 2, "procs_per_node": 4}])  # 2 stages x tp 2
+def test_with_dropout_the_whole_parameters_stay_equal_across_the_tp_group(text, tmp_path, layout):
+    """The activations outside the split regions draw the group's shared masks, so the parameters the ranks of a
+    group hold whole (embeddings, norms, row-split biases) stay bit-equal; the split pieces differ."""
+    world = layout["procs_per_node"]
+    spawn(_replica_worker, args=(free_port(), text, str(tmp_path), layout), nprocs=world)
     split = {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"}
-    for name in a:
-        if any(name.endswith(s) for s in split):
-            assert not torch.equal(a[name], b[name]), name
-        else:
-            assert torch.equal(a[name], b[name]), name
+    for group in range(0, world, 2):  # the ranks of a tp group are neighbours
+        a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (group, group + 1))
+        assert a.keys() == b.keys() and any(name.endswith(tuple(split)) for name in a)
+        for name in a:
+            assert torch.equal(a[name], b[name]) != name.endswith(tuple(split)), name
 
 
 @pytest.mark.slow
