@@ -4,7 +4,8 @@ clipping on), uneven batches across dp included; checkpoints reshard between tp,
 costs two all-reduces per block; a rank holds 1/tp of the split matrices; tasks without a plan say so in one line;
 batch_size auto splits the global batch over the tp groups, each timed as a group.
 BERT (bert_pretrain, the sst2 MiniLM) with sequence parallelism, and the Llama causal LM with sequence parallelism
-and loss parallelism, end where one process does too."""
+and loss parallelism, end where one process does too. With dropout > 0 each rank draws its own masks where the
+data is split and the group's shared ones elsewhere; resume and activation checkpointing stay exact."""
 import json
 import math
 import os
