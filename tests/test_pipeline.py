@@ -185,6 +185,7 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         whole = sum(p.numel() for p in task.build_model().parameters())
         torch.save({"moved": sum(moved), "held": held, "whole": whole, "planned": trainer.par.stage_params},
                    os.path.join(out_dir, f"{local_rank}.pt"))
+        D.barrier(ctx)  # as main.worker: rank 0 holds the store, and the other rank may still be making its groups
     finally:
         D.shutdown(ctx)
     import main
