@@ -75,7 +75,8 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", list(SHARDED))
+# quick loop: oss and fsdp; the memory test below runs a step of oss-torch and oss-shard-grads
+@pytest.mark.parametrize("name", ["oss", slow("oss-torch"), slow("oss-shard-grads"), "fsdp"])
 def test_sharded_training_matches_one_process(runs, name):
     assert_close(params(runs(name), STEPS), params(runs("none"), STEPS), TOL)
     norms = logged(runs(name), "grad_norm")
@@ -84,7 +85,8 @@ def test_sharded_training_matches_one_process(runs, name):
     assert meta["format"] == ("sharded-dcp" if name == "fsdp" else "full")
 
 
-@pytest.mark.parametrize("name", ["fsdp", *map(slow, ["oss", "oss-torch", "oss-shard-grads", "fairscale-fsdp"])])
+@pytest.mark.slow  # quick loop: test_hetero's uneven batches under ddp (the same loss scaling)
+@pytest.mark.parametrize("name", ["fsdp", "oss", "oss-torch", "oss-shard-grads", "fairscale-fsdp"])
 def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
     """A fast and a slow device with batches [24, 8]: the sharded strategies weight the gradients exactly too
     (their reductions average over ranks; the loss is scaled by world / global count, as under DDP)."""
@@ -95,7 +97,8 @@ def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
     assert_close(params(tmp_path, STEPS), params(runs("none"), STEPS), TOL)
 
 
-@pytest.mark.parametrize("name", ["fsdp", slow("oss-shard-grads"), slow("fairscale-fsdp")])
+@pytest.mark.slow  # quick loop: test_foundation's early stopping in one process
+@pytest.mark.parametrize("name", ["fsdp", "oss-shard-grads", "fairscale-fsdp"])
 def test_early_stopping_under_sharding(tmp_path, name):
     """Every rank reaches the same stop decision (it is made from the gathered dev metrics): stopping at step
     15, after two evaluations without improvement, instead of hanging with one rank still in a collective."""
@@ -109,8 +112,8 @@ def test_early_stopping_under_sharding(tmp_path, name):
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5 and best(str(tmp_path)).endswith("step-5")
 
 
-@pytest.mark.parametrize("name, precision", [  # quick loop: GradScaler (oss) and ShardedGradScaler (fsdp)
-    (n, p) if (n, p) in {("oss", "fp16"), ("fsdp", "fp16")} else slow(n, p) for n in SHARDED for p in ["fp16", "bf16"]])
+@pytest.mark.parametrize("name, precision", [  # quick loop: ShardedGradScaler (fsdp); GradScaler: test_foundation
+    (n, p) if (n, p) == ("fsdp", "fp16") else slow(n, p) for n in SHARDED for p in ["fp16", "bf16"]])
 def test_mixed_precision_under_sharding(runs, tmp_path, name, precision):
     """fp16 autocast with loss scaling (ShardedGradScaler where ranks hold different gradients: fsdp, oss +
     shard_grads; else GradScaler, whose inf check sees the whole all-reduced gradient), or bf16 without: trains
@@ -143,7 +146,7 @@ def test_fsdp_resumes_on_one_process(runs, tmp_path):
     assert_close(params(tmp_path, STEPS), params(first, STEPS), TOL)
 
 
-@pytest.mark.parametrize("source", ["fsdp", "none"])
+@pytest.mark.parametrize("source", ["fsdp", slow("none")])
 def test_fsdp_checkpoint_of_another_model_is_a_one_line_error(runs, tmp_path, capfd, source):
     """Its own DCP folders or a full checkpoint (cut into shards by each rank), made for a wider model."""
     from main import run
@@ -156,6 +159,7 @@ def test_fsdp_checkpoint_of_another_model_is_a_one_line_error(runs, tmp_path, ca
                                     for e in errors), errors  # both ranks said it; printed once
 
 
+@pytest.mark.slow  # quick loop: test_sharded_training_matches_one_process[oss] checks oss writes the full format
 def test_oss_consolidated_checkpoint_resumes_on_one_process(runs, tmp_path):
     first = runs("oss-shard-grads")
     assert train(tmp_path, {"strategy": "oss"}, 32, 1, resume=str(first / "checkpoints" / f"step-{SAVE_AT}")) == 0
@@ -267,6 +271,7 @@ def test_fairscale_fsdp_resume_is_exact(runs, tmp_path):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
+@pytest.mark.slow  # quick loop: test_fsdp_refuses_a_fairscale_fsdp_checkpoint, the other refusal of its format
 def test_fairscale_fsdp_refuses_another_world_size(runs, tmp_path):
     """Its optimizer shards are fairscale's own format, one per rank: resuming on 1 process fails in one line."""
     ckpt = runs("fairscale-fsdp") / "checkpoints" / f"step-{SAVE_AT}"
@@ -287,7 +292,8 @@ def test_fairscale_fsdp_checkpoint_in_test_mode(runs, tmp_path):
     assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", [slow("bf16"), "fp16"])
+@pytest.mark.slow  # quick loop: fsdp x fp16 in test_mixed_precision_under_sharding
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fairscale_fsdp_mixed_precision(runs, tmp_path, precision):
     """fairscale's mixed_precision (low-precision compute copies of fp32 shards, fp32 reduce-scatter) under
     autocast; fp16 with the sharded grad scaler, whose state is checkpointed."""
@@ -310,9 +316,9 @@ def test_impossible_combinations_are_one_line_config_errors(tmp_path):
         assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("source,target", [("none", "oss"), ("oss", "ddp"), ("oss-torch", "oss"),
-                                           ("oss-shard-grads", "none"), ("none", "fsdp"), ("fsdp", "none"),
-                                           slow("fsdp", "ddp")])
+@pytest.mark.parametrize("source,target", [("none", "oss"), slow("oss", "ddp"), slow("oss-torch", "oss"),
+                                           slow("oss-shard-grads", "none"), ("none", "fsdp"), ("fsdp", "none"),
+                                           slow("fsdp", "ddp")])  # quick: full -> oss, full <-> fsdp
 def test_checkpoints_resume_across_strategies(runs, tmp_path, source, target):
     """ddp, none and oss all write the `full` format (oss consolidates its optimizer state first), so a run may
     switch between them; fsdp cuts its shards out of a full checkpoint (each rank from the whole tensors), and
