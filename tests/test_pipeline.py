@@ -51,7 +51,8 @@ def pipe_run(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", slow("interleaved_1f1b"), slow("zero_bubble")])  # quick: two
+# quick loop: 1f1b, the default schedule, whose run the other tests resume
+@pytest.mark.parametrize("schedule", [slow("gpipe"), "1f1b", slow("interleaved_1f1b"), slow("zero_bubble")])
 def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, schedule):
     # 2 ranks; the interleaved schedules put 2 of the CNN's 4 layers' stages on each rank (4 stages in all).
     out = pipe_run if schedule == "1f1b" else tmp_path
@@ -92,7 +93,7 @@ def test_batch_size_auto_gives_the_pipeline_with_a_slowed_stage_less(one_process
     assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", slow("bf16")])  # quick: fp16, whose scaler every stage must follow
 def test_mixed_precision_under_pipe(one_process, tmp_path, precision):
     # fp16: only the last stage scales a loss, yet every rank's scaler must unscale (and agree on skipping).
     assert train(tmp_path, 16, 2, precision=precision) == 0
@@ -102,14 +103,14 @@ def test_mixed_precision_under_pipe(one_process, tmp_path, precision):
     assert_close(params(tmp_path, STEPS), params(one_process, STEPS), 2e-3)
 
 
-def test_resume_is_exact_and_test_mode_reads_a_pipe_checkpoint(tmp_path):
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert train(full, 8, 2) == 0
-    # Resume from the middle: the same checkpoint, continued under the same layout, ends where the full run did.
+def test_resume_is_exact_and_test_mode_reads_a_pipe_checkpoint(pipe_run, tmp_path):
     import shutil
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    shutil.copytree(pipe_run, full)  # a copy: test mode below writes its results into the run's folder
+    # Resume from the middle: the same checkpoint, continued under the same layout, ends where the full run did.
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / f"step-{STEPS}")
-    assert train(cut, 8, 2, resume="auto") == 0
+    assert train(cut, 16, 2, resume="auto") == 0
     with open(cut / "logs" / "rank0.log") as f:
         assert f"resumed from {cut}/checkpoints/step-{SAVE_AT}" in f.read()
     assert_close(params(cut, STEPS), params(full, STEPS), 0.0)
@@ -140,7 +141,8 @@ def test_checkpoints_carry_over_between_pipe_and_replicated_strategies(one_proce
         assert_close(params(out, STEPS), params(one_process, STEPS), TOL)
 
 
-@pytest.mark.parametrize("direction", ["pipe_to_fsdp", slow("fsdp_to_pipe")])
+@pytest.mark.slow  # quick loop: the carry-over between pipe and one process, and test_sharded's full <-> fsdp
+@pytest.mark.parametrize("direction", ["pipe_to_fsdp", "fsdp_to_pipe"])
 def test_checkpoints_carry_over_between_pipe_and_fsdp(one_process, pipe_run, tmp_path, direction):
     """Both write DCP folders keyed by whole-model names: fsdp (2 ranks, each resharding every tensor) resumes
     pipe's step 3, and 2 stages resume the step 3 of an fsdp run. Both end where one process does."""
