@@ -114,6 +114,16 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     return batch_size * steps / seconds
 
 
+def measure(trainer) -> None:
+    """Trainer.measure: train.precision auto on a CPU, then train.batch_size auto (timed in the chosen precision).
+    The global batch, hence the batches per epoch and the steps, stays as it is; only the sampler is rebuilt."""
+    if trainer.precision_asked == "auto" and trainer.ctx.device.type == "cpu":
+        choose_cpu_precision(trainer)
+    if trainer.t.batch_size == "auto":
+        trainer.batch_sizes, trainer.balance_note = auto_batch_sizes(trainer, trainer.resumed_batch_sizes)
+        trainer.sampler = trainer.make_sampler()
+
+
 def auto_precision(cfg, ctx: D.DistContext):
     """train.precision auto, as the Trainer starts: (cfg with the precision chosen, how the plan shows it)."""
     bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # not emulated
@@ -136,7 +146,7 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 
 
 def choose_cpu_precision(trainer) -> None:
-    """train.precision auto on a CPU (Trainer.choose_precision): the measured choice (cpu_precision) becomes the
+    """train.precision auto on a CPU (measure): the measured choice (cpu_precision) becomes the
     Trainer's precision, what its checkpoints and config.yml record. Collective."""
     precision, trainer.precision_note = cpu_precision(trainer)
     trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.t, precision=precision))
@@ -186,7 +196,7 @@ def pick_cpu_precision(timings: list[dict], units: str) -> tuple[str, str]:
 
 
 def time_precisions(trainer, steps: int) -> dict[str, float]:
-    """train.precision auto on a CPU (Trainer.choose_precision): this rank's median seconds of one forward+backward
+    """train.precision auto on a CPU (measure): this rank's median seconds of one forward+backward
     in fp32 and in bf16 autocast, `steps` of each, on the run's next training batches. Interleaved (fp32 then bf16,
     then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
     optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as

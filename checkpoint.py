@@ -90,21 +90,14 @@ def best(output_dir: str, best_step: Optional[int] = None) -> Optional[str]:
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
-def write(output_dir: str, step: int, ctx: DistContext, write_files: Callable[[str], None], meta: dict) -> str:
-    """Collective: every rank calls it. `write_files(tmp_dir)` runs on every rank (sharded strategies write
-    their own pieces); rank 0 then makes everything durable, writes meta.json and renames the directory into
-    place. After each part every rank learns whether any rank failed, so none waits forever for a failed one:
-    all of them raise. A full disk is one line on every rank, `no space left on device writing .../step-N`; the
-    temporary directory is then removed and the earlier checkpoints are untouched."""
-    return start_write(output_dir, step, ctx, lambda tmp: write_files(tmp) or (lambda: None), meta).finish()
-
-
 def start_write(output_dir: str, step: int, ctx: DistContext, start_files: Callable[[str], Callable[[], None]],
                 meta: dict) -> "PendingWrite":
-    """write(), in two halves (train.async_save): `start_files(tmp_dir)` starts writing on every rank and returns
-    a wait() that returns once its files are written; training goes on meanwhile. PendingWrite.finish() (also
-    collective) waits for every rank, then publishes. Until then the checkpoint is a temporary directory that
-    resume ignores: a crash during the write leaves the previous checkpoints as they were."""
+    """Collective: every rank calls it. `start_files(tmp_dir)` starts writing this rank's files (sharded strategies
+    write their own pieces) and returns a wait() that returns once they are written; with train.async_save,
+    training goes on meanwhile. PendingWrite.finish() (collective too) waits for every rank, then rank 0 makes
+    everything durable, writes meta.json and renames the directory into place. After each part every rank learns
+    whether any rank failed, so none waits forever for a failed one: all of them raise (a full disk: one line;
+    the temporary directory is removed and the earlier checkpoints are untouched)."""
     final = os.path.join(root(output_dir), f"step-{step}")
     tmp = broadcast_object(ctx, os.path.join(root(output_dir), f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"))
 
@@ -132,7 +125,7 @@ class PendingWrite:
 
 
 def _publish(tmp: str, final: str, meta: dict) -> None:
-    # Rank 0 makes durable what every rank wrote (all have finished: write() waited for them), meta.json last.
+    # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last.
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     if os.path.lexists(final):
@@ -188,24 +181,14 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
     status = None
     if error is not None:
         import disk_errors  # (loaded only when something failed)
-        status = (ctx.rank, disk_errors.no_space(error, tmp), disk_errors.disk_problem(error, final))
+        status = disk_errors.write_status(ctx.rank, error, final, tmp)
+        if status[1]:  # no space: let the error go (disk_errors.write_failed says why)
+            error = None
     failed = [s for s in gather_objects(ctx, status) if s is not None]
-    if not failed:
-        return
-    if any(no_space for _, no_space, _ in failed):
-        # Drop the error first: its traceback holds the frames of the failed torch.save, whose file (open, as
-        # torch leaves it on a failed write) would keep taking its disk space after the rmtree, until the GC.
-        error = None
-        if ctx.is_main:  # every rank is done with it
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"no space left on device writing {final} (the earlier checkpoints are intact: "
-                              f"free some space and run the same command to resume)") from None
-    not_writable = next((line for _, _, line in failed if line), None)
-    if not_writable:  # checkpoints/ read-only (or a file in it): the same line on every rank
-        raise CheckpointError(not_writable) from None
-    if error is not None:
-        raise error
-    raise RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
+    if failed:
+        import disk_errors
+        disk_errors.write_failed(ctx, failed, final, tmp)  # a full disk or a read-only file: one line, every rank
+        raise error or RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
 
 
 def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from typing import Optional
+
+from config import CheckpointError
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
@@ -60,3 +63,25 @@ def no_space(error: BaseException, directory: str) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < 1 << 20
+
+
+# ---- a checkpoint write that failed on some rank (checkpoint._on_every_rank) ---------------------------------
+def write_status(rank: int, error: BaseException, final: str, tmp: str) -> tuple:
+    """What this rank tells the others of its failed part of writing checkpoint `final` (temporary folder `tmp`):
+    (rank, whether the disk is full, the line for a read-only file or None)."""
+    return rank, no_space(error, tmp), disk_problem(error, final)
+
+
+def write_failed(ctx, failed: list[tuple], final: str, tmp: str) -> None:
+    """Every rank, once any failed (`failed`: their write_status): a full disk anywhere, or a read-only file, is
+    the same one-line CheckpointError on every rank. The rank with a full disk has already let go of its error
+    (checkpoint._on_every_rank): its traceback holds the frames of the failed torch.save, whose file (left open
+    by torch) would keep its disk space after the rmtree below, until the garbage collector ran."""
+    if any(full for _, full, _ in failed):
+        if ctx.is_main:  # every rank is done with it
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"no space left on device writing {final} (the earlier checkpoints are intact: "
+                              f"free some space and run the same command to resume)")
+    not_writable = next((line for _, _, line in failed if line), None)
+    if not_writable:  # checkpoints/ read-only (or a file in it)
+        raise CheckpointError(not_writable)

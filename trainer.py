@@ -88,7 +88,7 @@ class Trainer:
             import balance
             self.slowdown = functools.partial(balance.slowdown, cfg, ctx)
         self.tb = None
-        self.resumed_batch_sizes, self.balance_note = None, None  # see balance_batches()
+        self.resumed_batch_sizes, self.balance_note = None, None  # see measure()
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
 
@@ -98,8 +98,7 @@ class Trainer:
     def train(self) -> dict:
         if self.resume():  # first: it replaces self.state; True: the run it resumed is complete
             return {}
-        self.choose_precision()  # precision auto on a CPU: fp32 or bf16, whichever trains this job faster here
-        self.balance_batches()
+        self.measure()  # precision auto on a CPU, batch_size auto: timed before the first step
         t, state = self.t, self.state
         if self.ctx.is_main:  # config.yml, TensorBoard and the plan
             self.tb = run_log.start(self.cfg, self.log, run_log.plan(self))
@@ -406,27 +405,19 @@ class Trainer:
 
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.t.batch_size
-        if b == "auto":  # an equal split until balance_batches() has measured the ranks
+        if b == "auto":  # an equal split until measure() has timed the ranks
             unit = self.par.batch_unit  # pipe: whole sets of micro-batches
             return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
                                                          [1] * self.par.data_world, minimum=1)]
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
 
-    def choose_precision(self) -> None:
-        """train.precision auto on a CPU: fp32 or bf16, whichever trains this job faster here. Collective."""
-        if self.precision_asked == "auto" and self.ctx.device.type == "cpu":
-            import balance  # (only the runs that measure something load it)
-            balance.choose_cpu_precision(self)
-
-    def balance_batches(self) -> None:
-        """batch_size auto: split the global batch by measured rank speed (after a resume: the split the
-        checkpoint used, so the epoch continues in the same order). The global batch, hence the number of
-        batches per epoch and of steps, stays as it is; only the sampler is rebuilt."""
-        if self.t.batch_size != "auto":
-            return
-        import balance
-        self.batch_sizes, self.balance_note = balance.auto_batch_sizes(self, self.resumed_batch_sizes)
-        self.sampler = self.make_sampler()
+    def measure(self) -> None:
+        """What the auto settings time on this run's own batches before training (balance.py, loaded only by
+        them): precision auto on a CPU (fp32 or bf16, whichever trains this job faster here) and batch_size auto
+        (the global batch split by measured rank speed; after a resume, the checkpoint's split). Collective."""
+        if (self.precision_asked == "auto" and self.ctx.device.type == "cpu") or self.t.batch_size == "auto":
+            import balance
+            balance.measure(self)
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""

@@ -179,7 +179,7 @@ def main():
     task = build_task(cfg)
     ours = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
     if args.defaults:
-        ours.choose_precision()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
+        ours.measure()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
     elif ours.precision_asked == "auto":
         ours.precision_note = f"{ours.t.precision} (the preset's auto as resolved without measuring)"
     t, batch = ours.t, ours.t.batch_size  # (precision as resolved for this device)

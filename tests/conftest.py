@@ -59,6 +59,14 @@ def load_model_state(output_dir, step):
     return torch.load(os.path.join(output_dir, "checkpoints", f"step-{step}", "model.pt"), weights_only=True)
 
 
+def write_checkpoint(output_dir, step: int, ctx, write_files, meta: dict) -> str:
+    """checkpoint.start_write(...).finish() with a `write_files(tmp_dir)` that writes at once: a checkpoint
+    written as the Trainer writes one without train.async_save. Returns its path."""
+    import checkpoint
+    return checkpoint.start_write(str(output_dir), step, ctx, lambda d: write_files(d) or (lambda: None),
+                                  meta).finish()
+
+
 @pytest.fixture
 def shared_data():
     if not os.path.isdir(SHARED):

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import load_model_state, make_config, spawn
+from conftest import load_model_state, make_config, spawn, write_checkpoint
 
 import checkpoint
 import checkpoint_dcp
@@ -103,7 +103,7 @@ def test_write_fsyncs_every_file_and_directory_before_the_rename(tmp_path, monke
         with open(os.path.join(directory, "model_dcp", "__0_0.distcp"), "wb") as f:
             f.write(b"shard")
 
-    final = checkpoint.write(str(tmp_path), 7, SINGLE, write_files, {"step": 7, "state": {}})
+    final = write_checkpoint(str(tmp_path), 7, SINGLE, write_files, {"step": 7, "state": {}})
     renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
     assert len(renames) == 1
     tmp = events[renames[0]][1]
@@ -116,7 +116,7 @@ def test_write_fsyncs_every_file_and_directory_before_the_rename(tmp_path, monke
 
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
     for step in (1, 2, 3):
-        checkpoint.write(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),
+        write_checkpoint(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),
                          {"step": step, "state": {}})
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
@@ -313,7 +313,7 @@ def test_an_error_that_is_not_a_full_disk_is_not_called_one(tmp_path):
     def write_files(directory):
         raise OSError(errno.EACCES, "Permission denied")
     with pytest.raises(OSError, match="Permission denied"):
-        checkpoint.write(str(tmp_path), 1, SINGLE, write_files, {"step": 1, "state": {}})
+        write_checkpoint(str(tmp_path), 1, SINGLE, write_files, {"step": 1, "state": {}})
 
 
 def open_files_in(folder) -> list[str]:
@@ -476,7 +476,7 @@ def _agree_worker(rank, port, out, result_dir):
 def test_ranks_fall_back_together(tmp_path):
     from conftest import free_port
     for step in (1, 2, 3):
-        checkpoint.write(str(tmp_path), step, SINGLE, lambda d: None, {"step": step, "state": {}})
+        write_checkpoint(str(tmp_path), step, SINGLE, lambda d: None, {"step": step, "state": {}})
     spawn(_agree_worker, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert [r["path"] for r in results] == [ckpt(tmp_path, 2)] * 2

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from conftest import ROOT, make_config
+from conftest import ROOT, make_config, write_checkpoint
 
 import checkpoint
 import main
@@ -88,7 +88,7 @@ def test_resuming_another_runs_checkpoint_lists_the_differences(tmp_path, capsys
 def test_a_step_saved_again_replaces_the_old_files(tmp_path):
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
     for value in (1.0, 2.0):
-        path = checkpoint.write(str(tmp_path), 5, ctx, lambda d, v=value: torch.save({"w": torch.tensor(v)},
+        path = write_checkpoint(str(tmp_path), 5, ctx, lambda d, v=value: torch.save({"w": torch.tensor(v)},
                                                                                    os.path.join(d, "model.pt")),
                                 {"step": 5, "state": {}})
         assert torch.load(os.path.join(path, "model.pt"))["w"].item() == value
