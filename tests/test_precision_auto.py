@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import make_config, max_diff, spawn
+from conftest import make_config, max_diff, slow, spawn
 
 import balance
 import run_log
@@ -154,9 +154,9 @@ def _rank(local_rank, cfg, out_dir, timings):
     main.leave(0)
 
 
-@pytest.mark.parametrize("timings, chosen", [
+@pytest.mark.parametrize("timings, chosen", [  # quick loop: the bf16 case (agreement and the bf16 run)
     # Alone, rank 0 would take bf16 and rank 1 fp32: the slowest rank's times (1.0 vs 0.98) say fp32 for both.
-    ([{"fp32": 1.0, "bf16": 0.5}, {"fp32": 1.0, "bf16": 0.98}], "fp32"),
+    slow([{"fp32": 1.0, "bf16": 0.5}, {"fp32": 1.0, "bf16": 0.98}], "fp32"),
     # Alone, rank 0 would keep fp32 and rank 1 take bf16: the slowest rank's times (2.0 vs 1.0) say bf16 for both.
     ([{"fp32": 1.0, "bf16": 0.95}, {"fp32": 2.0, "bf16": 1.0}], "bf16"),
 ])
