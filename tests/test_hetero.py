@@ -119,6 +119,7 @@ def test_simulated_slowdown_stretches_compute_but_not_waiting(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Exactness: uneven per-rank batches step like one process on their union
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # quick loop: the two-node test below, [24, 8] too, with accumulation and the epoch's tail
 def test_uneven_batches_step_like_one_process_on_their_union(tmp_path):
     """[24, 8] on 2 ranks == 32 on one process, for 41 steps: past the end of the epoch, whose tail of 24
     is split 18 + 6."""
