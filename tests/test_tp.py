@@ -194,14 +194,35 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(bert, tmp_pat
         assert not math.isfinite(norm) and unchanged and backoff == 0.5, results  # skipped, scale halved
 
 
-def _count_worker(rank, port, data, queue):
+def _probe_worker(rank, port, data, queue):
+    """The dropout-mask and the all-reduce probes in one pair of processes: each process pays its imports once."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _mask_probe(rank, queue)
+    _count_probe(rank, data, queue)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def probes(bert):
+    """What _probe_worker's ranks sent: {"masks": [...], "counts": [...]}."""
+    import torch.multiprocessing as mp
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn(_probe_worker, args=(free_port(), bert, queue), nprocs=2)
+    out = {"masks": [], "counts": []}
+    while not queue.empty():
+        kind, value = queue.get()
+        out[kind].append(value)
+    return out
+
+
+def _count_probe(rank, data, queue):
     from torch.distributed.tensor.debug import CommDebugMode
     from distributed import DistContext
     from strategies import apply
     from strategies.memory import state_bytes
     from tasks import build_task
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
     cfg = config("/tmp/unused", data, {"strategy": "ddp", "tp": 2, "procs_per_node": 2})
     task = build_task(cfg)
@@ -216,9 +237,7 @@ def _count_worker(rank, port, data, queue):
         loss = task.loss_sum(par.model, batch)
     counts = {str(k): v for k, v in comm.get_comm_counts().items()}
     loss.backward()
-    queue.put((rank, counts, state_bytes(par)["params"], 4 * (total - split + split // 2)))
-    dist.barrier()
-    dist.destroy_process_group()
+    queue.put(("counts", (rank, counts, state_bytes(par)["params"], 4 * (total - split + split // 2))))
 
 
 # What the plan splits: q/k/v and intermediate weights and biases (by columns), the two output weights (by rows);
@@ -227,13 +246,10 @@ SPLIT = tuple(f"{m}.{p}" for m in ("query", "key", "value", "intermediate.dense"
     ("attention.output.dense.weight", "output.dense.weight")
 
 
-def test_a_forward_costs_two_all_reduces_per_block_and_a_rank_holds_half_the_split_matrices(bert):
-    import torch.multiprocessing as mp
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn(_count_worker, args=(free_port(), bert, queue), nprocs=2)
-    results = [queue.get() for _ in range(2)]
+def test_a_forward_costs_two_all_reduces_per_block_and_a_rank_holds_half_the_split_matrices(probes):
     layers = 2  # the tiny BERT
-    for rank, counts, held, formula in results:
+    assert len(probes["counts"]) == 2
+    for rank, counts, held, formula in probes["counts"]:
         reduces = sum(v for k, v in counts.items() if "all_reduce" in k)
         assert reduces == 2 * layers, counts  # attention output and MLP output, per block
         assert held == formula, (held, formula)  # fp32 bytes: whole tensors plus half of each split one
@@ -380,15 +396,13 @@ def _tiny(arch: str):
                                         num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.5, **shape))
 
 
-def _mask_worker(rank, port, queue):
+def _mask_probe(rank, queue):
     """Every dropout mask of one training forward under tp 2, recorded; rank 0 compares them with rank 1's."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from tasks.lm_models import tp_plan
     from tasks.text_common import bert_tp_plan
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     masks, dropout = [], F.dropout
 
@@ -410,25 +424,20 @@ def _mask_worker(rank, port, queue):
             same_stream = [None, None]
             dist.all_gather_object(same_stream, torch.get_rng_state())
             if rank == 0:  # per mask: its shape, whether the ranks drew the same one
-                queue.put((arch, sp, [(tuple(a.shape), torch.equal(a, b)) for a, b in zip(*ranks)],
-                           torch.equal(*same_stream)))
+                queue.put(("masks", (arch, sp, [(tuple(a.shape), torch.equal(a, b)) for a, b in zip(*ranks)],
+                                     torch.equal(*same_stream))))
     F.dropout = dropout
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def test_dropout_masks_differ_between_the_ranks_where_the_data_is_split_and_are_equal_elsewhere():
+def test_dropout_masks_differ_between_the_ranks_where_the_data_is_split_and_are_equal_elsewhere(probes):
     """Batch 2 x 8 positions, width 32, 4 heads (2 per rank). Split data: attention probabilities [2, 2 heads, 8, 8]
     and, under sequence parallelism, [2, 4 positions, 32]; their masks differ between the ranks. Whole data
     ([2, 8, 32]: the embeddings' dropout, and without sequence parallelism GPT-2's residual and BERT's hidden
     dropout) draw equal masks, and the shared stream ends the same on both ranks."""
-    import torch.multiprocessing as mp
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn(_mask_worker, args=(free_port(), queue), nprocs=2)
     split_whole = {("gpt2", False): (2, 5), ("gpt2", True): (6, 1), ("bert", False): (2, 5), ("bert", True): (6, 1),
                    ("llama", False): (2, 0), ("llama", True): (2, 0)}  # masks per forward: split, whole
-    for _ in split_whole:
-        arch, sp, masks, same_stream = queue.get()
+    assert sorted((arch, sp) for arch, sp, _, _ in probes["masks"]) == sorted(split_whole)
+    for arch, sp, masks, same_stream in probes["masks"]:
         split = [same for shape, same in masks if shape in ((2, 2, 8, 8), (2, 4, 32))]
         whole = [same for shape, same in masks if shape == (2, 8, 32)]
         assert (len(split), len(whole)) == split_whole[arch, sp] and len(masks) == len(split) + len(whole), masks
