@@ -30,6 +30,17 @@ def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
             f"(the checkpoints saved so far are intact)")
 
 
+def handler_file(handler) -> str:
+    """The file a logging handler writes to: its log file, or the file the console goes to (`> out.txt`,
+    SLURM's --output), for an error that names none (run_log.StopsOnWriteError)."""
+    if getattr(handler, "baseFilename", None):
+        return handler.baseFilename
+    try:
+        return os.readlink(f"/proc/self/fd/{handler.stream.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return getattr(handler.stream, "name", "the console")
+
+
 def chain(exc: BaseException) -> list[BaseException]:
     """`exc` and the exceptions it was raised from or while handling, nearest first."""
     seen = []

@@ -9,6 +9,7 @@ import ctypes
 import errno
 import functools
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -273,7 +274,17 @@ def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid:
     faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    main.leave(main.worker(cfg, launch))
+    leave(main.worker(cfg, launch))
+
+
+def leave(code: int) -> None:
+    """End a rank's process with `code` (ours, or one torchrun or srun started: main.py), skipping the interpreter's
+    teardown, during which gloo's threads, still held by torch, can abort a run that was done (benchmarks/RESULTS.md,
+    "A rank aborting after the run was done")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
-import logging
 import os
 import socket
 import sys
@@ -202,20 +201,12 @@ def worker(cfg: Config, launch: Launch) -> int:
     return code
 
 
-def leave(code: int) -> None:
-    """End a rank's process with `code`, skipping the interpreter's teardown, during which gloo's threads, still
-    held by torch, can abort a run that was done (benchmarks/RESULTS.md, "A rank aborting after the run was done")."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     faults.ignore_late_signals = True
     code = main()
     # torchrun or srun started this process as one rank: it ends as ours do. (A run that stopped at a mistake in
     # its config never loaded distributed, nor torch: it ends at once.)
     if "distributed" in sys.modules and sys.modules["distributed"].launcher_env() is not None:
-        leave(code)
+        import launcher
+        launcher.leave(code)
     sys.exit(code)

@@ -61,23 +61,15 @@ class StopsOnWriteError:
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
+        import disk_errors  # (loaded only when a write failed)
         if isinstance(error, OSError) and error.filename is None:
-            error = OSError(error.errno, error.strerror, self.where())
-        from disk_errors import disk_problem  # (loaded only when a write failed)
-        if not isinstance(error, OSError) or disk_problem(error, "") is None:
+            error = OSError(error.errno, error.strerror, disk_errors.handler_file(self))
+        if not isinstance(error, OSError) or disk_errors.disk_problem(error, "") is None:
             return super().handleError(record)  # (a closed pipe, say: logging's own report, as ever)
         self.failed = error
         self.pending = threading.current_thread() is not threading.main_thread()
         if not self.pending:
             raise self.failed from None
-
-    def where(self) -> str:
-        if getattr(self, "baseFilename", None):
-            return self.baseFilename
-        try:  # the console: the file that stdout goes to (`> out.txt`, SLURM's --output)
-            return os.readlink(f"/proc/self/fd/{self.stream.fileno()}")
-        except (OSError, ValueError, AttributeError):
-            return getattr(self.stream, "name", "the console")
 
 
 class LogFile(StopsOnWriteError, logging.FileHandler):

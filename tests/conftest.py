@@ -95,8 +95,8 @@ def _train_rank(local_rank, cfg, world, out_dir):
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
     finally:
         D.shutdown(ctx)
-    import main
-    main.leave(0)  # as main.py's ranks end: without the interpreter's teardown, which gloo's threads can abort
+    import launcher
+    launcher.leave(0)  # as main.py's ranks end: without the interpreter's teardown, which gloo's threads can abort
 
 
 def run_ranks(cfg, world, out_dir):

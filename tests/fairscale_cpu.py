@@ -87,8 +87,9 @@ def train(cfg, procs: int) -> int:
 
 def _worker(local_rank: int, cfg, procs: int) -> None:
     import main
+    import launcher
     install()
     code = main.worker(cfg, main.Launch(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)
-    main.leave(0)  # as main.py's ranks end (see there)
+    launcher.leave(0)  # as main.py's ranks end (see there)

@@ -190,8 +190,8 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         D.barrier(ctx)  # as main.worker: rank 0 holds the store, and the other rank may still be making its groups
     finally:
         D.shutdown(ctx)
-    import main
-    main.leave(0)  # as main.py's ranks end (see there)
+    import launcher
+    launcher.leave(0)  # as main.py's ranks end (see there)
 
 
 def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):

@@ -136,7 +136,7 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
 def _rank(local_rank, cfg, out_dir, timings):
     """A spawned rank: this CPU has AMX and measures `timings[local_rank]`; it trains and writes what it chose."""
     import distributed as D
-    import main
+    import launcher
     from tasks import build_task
     torch.set_num_threads(1)
     balance.cpu_bf16_units = lambda: "AMX"
@@ -151,7 +151,7 @@ def _rank(local_rank, cfg, out_dir, timings):
             json.dump({"precision": t.t.precision, "note": t.precision_note, "fp32_params": params_fp32}, f)
     finally:
         D.shutdown(ctx)
-    main.leave(0)
+    launcher.leave(0)
 
 
 @pytest.mark.parametrize("timings, chosen", [  # quick loop: the bf16 case (agreement and the bf16 run)

@@ -146,8 +146,8 @@ def _evaluate_rank(local_rank, cfg, world, out):
                 json.dump(metrics, f)
     finally:
         D.shutdown(ctx)
-    import main
-    main.leave(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
+    import launcher
+    launcher.leave(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
 
 
 def test_eval_batches_subset_is_exact_across_ranks(tmp_path):
