@@ -128,6 +128,7 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last.
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
+    old = None
     if os.path.lexists(final):
         # The same step saved again (a stop right after a resume): the new files replace the old ones, so "saved"
         # is always true of what is on disk. The old one is first renamed to a temporary name, which the next
@@ -135,13 +136,9 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
         old = os.path.join(os.path.dirname(final), f".tmp-step-{os.path.basename(final)[5:]}-replaced-"
                                                     f"{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
-        durable_rename(tmp, final)
-        if os.path.islink(old):
-            os.unlink(old)
-        else:
-            shutil.rmtree(old)
-        return
     durable_rename(tmp, final)
+    if old is not None:
+        os.unlink(old) if os.path.islink(old) else shutil.rmtree(old)
 
 
 def durable_rename(tmp: str, final: str) -> None:
