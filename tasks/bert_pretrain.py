@@ -177,10 +177,8 @@ def check_shards(files: list[str], limits: ModelLimits) -> None:
 
 def check_shard(path: str, f, limits: ModelLimits) -> None:
     """Every value of the shard is one the model can take, checked with numpy on blocks of rows, each array read
-    once. The first bad value is reported as `dataset[row][column] = value`, with what is allowed.
-    Cost, measured on a generated 100,000 x 128 shard (2 shared CPU cores): 0.1 s uncompressed, 0.7 s gzipped
-    (the numpy part 0.06 s; the rest is reading, i.e. decompressing, the arrays once), against 2 min (35 min
-    gzipped) for __getitem__ to read the rows of one epoch."""
+    once. The first bad value is reported as `dataset[row][column] = value`, with what is allowed. Reading each
+    array once costs a small fraction of one epoch's row reads (benchmarks/RESULTS.md, "BERT shards' check")."""
     n, length = f["input_ids"].shape
     rows = max(1, CHECK_ELEMENTS // max(length, 1))
     for start in range(0, n, rows):
