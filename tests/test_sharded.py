@@ -139,6 +139,7 @@ def test_fsdp_resume_is_exact(runs, tmp_path):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
+@pytest.mark.slow  # quick loop: test_checkpoints_resume_across_strategies[fsdp-none], the same DCP folders in 1 process
 def test_fsdp_resumes_on_one_process(runs, tmp_path):
     """2 -> 1 ranks: DCP reshards the model and optimizer state; one rank with 32 samples continues the run."""
     first = runs("fsdp")
