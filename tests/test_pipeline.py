@@ -205,6 +205,7 @@ def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):
         assert c["planned"][rank] == c["held"]  # what the plan prints per stage
 
 
+@pytest.mark.slow  # quick loop: test_sharded's fsdp refusal of the same format (resume.load, for every strategy)
 def test_a_checkpoint_pipe_cannot_read_is_one_line(tmp_path, capfd):
     assert train(tmp_path, 16, 1, max_steps=1, save_every=1, eval_every=0) == 0
     path = tmp_path / "checkpoints" / "step-1"
