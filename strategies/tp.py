@@ -88,10 +88,12 @@ class OwnDropout(ParallelStyle):
         module = self.inner._apply(module, mesh) if self.inner else module
         shared = []  # the shared stream's state while this module's forward runs on the rank's own
 
+        @torch.compiler.disable  # train.compile: streams are switched eagerly, between the compiled pieces
         def enter(*_):
             if module.training:  # evaluation draws nothing
                 shared.append(own_stream(mesh))
 
+        @torch.compiler.disable
         def leave(*_):
             if shared:
                 for g, state in zip(generators(mesh.device_type), shared.pop()):
