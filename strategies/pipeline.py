@@ -43,8 +43,8 @@ from balance import synchronize, time_unnoticed
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, in_boxes
-from strategies.tp import average_grads
+from strategies.fsdp import clip_mixed, fsdp2_policy, in_boxes, local
+from strategies.tp import average_grads, loss_context, sum_partial_grads, task_plan, whole
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -62,11 +62,6 @@ def check_config(cfg, world: int, fail) -> int:
     if d.pp_stages < 1 or world % (d.pp_stages * d.tp):
         fail("dist.pp_stages", f"is {d.pp_stages}; it must divide the world size ({world} processes"
                                f"{f' / dist.tp {d.tp}' if d.tp > 1 else ''}) into pipelines")
-    # Not yet: a stage would receive T/tp positions (a Llama block of the chain builds its rotary positions and
-    # mask from them), and pipe's loss runs outside loss_parallel().
-    for key in ("sequence_parallel", "loss_parallel"):
-        if getattr(d, key):
-            fail(f"dist.{key}", "is not available with dist.strategy: pipe yet; use ddp or fsdp")
     if d.pp_microbatches < 1:
         fail("dist.pp_microbatches", f"must be >= 1, got {d.pp_microbatches}")
     if d.pp_schedule != "gpipe" and d.pp_microbatches < d.pp_stages:
@@ -192,7 +187,7 @@ class PipeParallel(Parallel):
         return lines
 
     def loss_fn(self, output, target):
-        loss = self.task.loss_from_output(output, target).float() * self.scale
+        loss = whole(self.task.loss_from_output(output, target)).float() * self.scale  # (dist.loss_parallel: a DTensor)
         return self.scaler.scale(loss) if self.scaler else loss
 
     def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
@@ -205,7 +200,10 @@ class PipeParallel(Parallel):
 
     def reduce_grads(self) -> None:
         """ddp x tp: DDP cannot hold DTensor parameters, so the stage's replicas average their gradients here, over
-        the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward)."""
+        the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence
+        parallelism, the norms' gradients are summed over the tp group."""
+        if self.cfg.dist.tp > 1:
+            sum_partial_grads(self.raw_model.parameters())
         if self.cfg.dist.tp > 1 and self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
@@ -219,7 +217,7 @@ class PipeParallel(Parallel):
         losses = []
         args = task.pipeline_inputs(batch) if 0 in self.stages else ()
         target = task.pipeline_target(batch) if self.is_last else None
-        with autocast():
+        with autocast(), loss_context(self.mesh):
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if not losses:
             return torch.zeros((), device=self.ctx.device)
@@ -246,8 +244,8 @@ class PipeParallel(Parallel):
         """A parameter used by layers on two ranks (GPT-2's token embedding is also its output projection) has a
         copy on each: add up their gradients so both copies take the same update, as the one tensor would."""
         for param, group in self.tied:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+            if param.grad is not None:  # (pp_dp fsdp: each copy is sharded alike over its replicas)
+                dist.all_reduce(local(param.grad), group=group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over all stages: each piece of a gradient counted once among the ranks of its stage,
@@ -271,9 +269,11 @@ class PipeParallel(Parallel):
             carry = out if isinstance(out, tuple) else (out,)
             if i < self.n_stages - 1:
                 send_tensors(carry, self.rank_of(i + 1))
-        if not (self.is_last and self.reports):
+        if not self.is_last:
             return {}
-        return task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
+        with loss_context(self.mesh):  # every rank of the tp group takes part in a loss-parallel cross-entropy
+            out = task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
+        return {k: whole(v) for k, v in out.items()} if self.reports else {}
 
     def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
         """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).
@@ -571,7 +571,7 @@ def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, me
     """Tensor parallelism on this rank's stages: the task's plan (keyed on the whole model's module names, with
     wildcards) applied to the modules the stages hold, over the "tp" dimension; the other stages' are empty."""
     held = {id(m) for stage in stages.values() for m in stage.modules()}
-    plan = task.tp_plan(model, cfg.dist.tp)
+    plan = task_plan(model, cfg, task, mesh)
     mine = {name: style for name, module in model.named_modules() if id(module) in held
             for key, style in plan.items() if fnmatch.fnmatchcase(name, key)}
     parallelize_module(model, mesh["tp"], mine)

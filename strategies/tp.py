@@ -55,8 +55,15 @@ def check_config(cfg, world: int, fail) -> int:
 def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
     """Split the model's blocks over tp groups (in place); returns the (dp, tp) mesh for the data-parallel
     strategy applied next."""
+    mesh = meshes.build_mesh(ctx, cfg.dist.tp, cfg.dist.dp_replicate)
+    parallelize_module(model, mesh["tp"], task_plan(model, cfg, task, mesh))
+    return mesh
+
+
+def task_plan(model: nn.Module, cfg, task, mesh: meshes.Mesh) -> dict:
+    """The task's plan (Task.tp_plan), checked against dist.sequence_parallel and dist.loss_parallel, which the
+    mesh then records (the start-up plan says them; loss_parallel decides the loss's context)."""
     d = cfg.dist
-    mesh = meshes.build_mesh(ctx, d.tp, d.dp_replicate)
     mesh.sequence_parallel, mesh.loss_parallel = d.sequence_parallel, d.loss_parallel
     plan = task.tp_plan(model, d.tp)
     if d.sequence_parallel and not any(isinstance(style, SequenceParallel) for style in plan.values()):
@@ -66,8 +73,7 @@ def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
                                    for style in plan.values()):
         raise ConfigError(f"dist.loss_parallel: the {cfg.task} task's tensor-parallel plan (Task.tp_plan) keeps no "
                           "output split by vocabulary; use dist.loss_parallel: false")
-    parallelize_module(model, mesh["tp"], plan)
-    return mesh
+    return plan
 
 
 class OwnDropout(ParallelStyle):
@@ -136,7 +142,12 @@ class LossParallel:
             return super().eval_batch(PlainLoss(task), *args)
 
     def loss_context(self):
-        return loss_parallel() if self.mesh.loss_parallel else contextlib.nullcontext()
+        return loss_context(self.mesh)
+
+
+def loss_context(mesh: meshes.Mesh):
+    """loss_parallel() where the plan split the head by vocabulary (the loss's forward and backward run in it)."""
+    return loss_parallel() if mesh.loss_parallel else contextlib.nullcontext()
 
 
 class FSDPxTPParallel(LossParallel, FSDPParallel):
@@ -156,11 +167,17 @@ class TPParallel(LossParallel, FSDPParallel):
         return contextlib.nullcontext()  # nothing is synced before reduce_grads anyway
 
     def reduce_grads(self) -> None:
-        for p in self.raw_model.parameters():  # sequence-parallel norms: each rank's sum over its own positions
-            if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-                p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
+        sum_partial_grads(self.raw_model.parameters())
         if self.data_world > 1:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
+
+
+def sum_partial_grads(params) -> None:
+    """Sequence parallelism: a norm's gradient on each rank is the sum over its own positions (a partial DTensor);
+    summed over the tp group, every rank holds the whole gradient."""
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
 
 
 def average_grads(params, dp) -> None:

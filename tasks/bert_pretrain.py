@@ -306,11 +306,10 @@ class BertPretrainTask(Task):
 
     def collate(self, samples: list) -> dict:
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-        if self.cfg.dist.strategy == "pipe":
-            return batch  # pipeline stages need the same shapes every step: keep the shards' length L
-        # Shards pad every sequence to L; cut the columns that are padding in every row of this batch.
-        width = int(batch["attention_mask"].sum(1).max())
-        batch = {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
+        if self.cfg.dist.strategy != "pipe":  # (pipeline stages need the same shapes every step: the shards' L)
+            # Shards pad every sequence to L; cut the columns that are padding in every row of this batch.
+            width = int(batch["attention_mask"].sum(1).max())
+            batch = {k: (v[:, :width].contiguous() if v.dim() == 2 else v) for k, v in batch.items()}
         return pad_positions(batch, self.cfg.dist.tp if self.cfg.dist.sequence_parallel else 1, {"mlm_labels": -100})
 
     def count(self, batch: dict) -> int:

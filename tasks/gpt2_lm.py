@@ -131,7 +131,8 @@ class GPT2LMTask(Task):
         return {"loss_sum": loss, "tokens": torch.tensor(float(batch["labels"].numel()), device=loss.device)}
 
     def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
-        return lm_models.pipeline_layers(model)
+        d = self.cfg.dist
+        return lm_models.pipeline_layers(model, d.tp if d.sequence_parallel else 1)
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
         return lm_models.tp_plan(model, tp, self.cfg.dist.sequence_parallel, self.cfg.dist.loss_parallel)

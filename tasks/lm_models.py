@@ -124,10 +124,11 @@ def check_folder_shape(cfg, config) -> None:
 
 
 # ---- pipe and tp: the model as a chain of layers, and its tensor-parallel split ----------------------------------
-def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+def pipeline_layers(model: nn.Module, seq_shards: int = 1) -> list[nn.Module]:
     """The model as a chain: embeddings, the blocks, final norm + LM head (the model's forward without caches or
     padding masks: every block is a fixed-length causal window). A tied LM head shares its weight with the token
-    embedding; under pipe each end holds a copy and their gradients are added up."""
+    embedding; under pipe each end holds a copy and their gradients are added up. seq_shards: dist.tp under
+    sequence parallelism, where the blocks after the first receive 1 / seq_shards of the positions."""
     if hasattr(model, "transformer"):  # GPT-2
         t = model.transformer
 
@@ -138,23 +139,25 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
         def head(hidden):
             return model.lm_head(t.ln_f(hidden))
         return [Layer(embed, t.wte, t.wpe, t.drop), *t.h, Layer(head, t.ln_f, model.lm_head)]
-    return llama_pipeline_layers(model)
+    return llama_pipeline_layers(model, seq_shards)
 
 
-def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+def llama_pipeline_layers(model: nn.Module, seq_shards: int = 1) -> list[nn.Module]:
     """Llama: each decoder layer computes its rotary position embeddings and causal mask itself (cheap), as
     LlamaModel.forward does once for all, so that no stage needs another's; each holds the (parameter-free)
-    rotary module for it."""
+    rotary module for it. Under sequence parallelism they are made for all the positions, which the attention
+    all-gathers, not for the rank's own."""
     from transformers.masking_utils import create_causal_mask
     inner = model.model
 
-    def block(layer):
+    def block(layer, shards: int):
         def run(hidden):
-            positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-            mask = create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=None,
+            whole = hidden.new_empty(hidden.shape[0], hidden.shape[1] * shards, 1) if shards > 1 else hidden
+            positions = torch.arange(whole.shape[1], device=hidden.device)[None]
+            mask = create_causal_mask(config=model.config, inputs_embeds=whole, attention_mask=None,
                                       past_key_values=None, position_ids=positions)
             return layer(hidden, attention_mask=mask, position_ids=positions,
-                         position_embeddings=inner.rotary_emb(hidden, positions))
+                         position_embeddings=inner.rotary_emb(whole, positions))
         return Layer(run, layer, inner.rotary_emb)
 
     def embed(input_ids):
@@ -162,7 +165,8 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
 
     def head(hidden):
         return model.lm_head(inner.norm(hidden))
-    return [Layer(embed, inner.embed_tokens), *[block(x) for x in inner.layers],
+    # the first block cuts the positions (tp_plan's sequence_plan), so it receives them all
+    return [Layer(embed, inner.embed_tokens), *[block(x, seq_shards if i else 1) for i, x in enumerate(inner.layers)],
             Layer(head, inner.norm, model.lm_head)]
 
 

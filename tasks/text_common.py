@@ -284,11 +284,13 @@ def bert_pipeline_layers(bert, head) -> list:
 
     def encoder_layer(layer):
         def run(hidden, attention_mask):
-            # The additive mask BertModel builds once, rebuilt per layer (cheap) so that no stage needs another's.
+            # The additive mask BertModel builds once, rebuilt per layer (cheap) so that no stage needs another's;
+            # for all the positions (under sequence parallelism `hidden` holds this rank's share of them).
+            whole = hidden.new_empty(*attention_mask.shape, 1)
             mask, _ = bert._create_attention_masks(attention_mask=attention_mask, encoder_attention_mask=None,
-                                                   embedding_output=hidden, encoder_hidden_states=None,
+                                                   embedding_output=whole, encoder_hidden_states=None,
                                                    past_key_values=None)
-            return layer(hidden, attention_mask=mask), attention_mask
+            return layer(hidden, mask, None), attention_mask  # positional, as BertEncoder calls it (the tp plan's layouts)
         return Layer(run, layer)
     return [Layer(embed, bert.embeddings), *[encoder_layer(x) for x in bert.encoder.layer], head]
 

@@ -263,10 +263,10 @@ LM_TRAIN = {"max_steps": 4, "save_every": 2, "eval_every": 2, "keep_last": 5, "b
             "lr": 0.05, "clip_grad_norm": 0.5, "log_every": 1, "grad_accum_steps": 2}  # norms ~1.3-2.2: clipped
 
 
-def lm_run(out, text, dist, arch="llama", **train) -> int:
+def lm_run(out, text, dist, arch="llama", model=None, **train) -> int:
     from main import run
     return run(make_config(out, task="gpt2_lm", data={"data_dir": text, "max_length": 16},
-                           model={**LM_MODEL, "arch": arch}, train={**LM_TRAIN, **train}, dist=dist))
+                           model={**LM_MODEL, "arch": arch, **(model or {})}, train={**LM_TRAIN, **train}, dist=dist))
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +360,38 @@ def test_pipe_times_tp_replicas_resume_one_process_and_end_where_it_does(lm_ref,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch, split", [("llama", {"sequence_parallel": True}), ("gpt2", {"sequence_parallel": True}),
+                                         ("llama", {"sequence_parallel": True, "loss_parallel": True})])
+def test_pipe_times_tp_sequence_and_loss_parallel_end_where_one_process_does(lm_ref, tmp_path, arch, split):
+    """2 stages x tp 2 with sequence parallelism: the second stage receives each rank's half of the positions (a
+    Llama block builds its rotary positions and causal mask for all of them), and the norms' gradients are summed
+    over the tp group. With loss parallelism (an untied head: its own one-process reference) the schedule runs
+    under loss_parallel() and the logits stay split by vocabulary. Each ends where one process does."""
+    text, one = lm_ref(arch)
+    untied = {"tie_embeddings": False} if split.get("loss_parallel") else {}
+    if untied:
+        one = tmp_path / "one"
+        assert lm_run(one, text, {"strategy": "none"}, arch, model=untied) == 0
+    out = tmp_path / "pipe_tp"
+    assert lm_run(out, text, {**PIPE_TP, **split}, arch, model=untied) == 0
+    line = next(x for x in (out / "logs" / "rank0.log").read_text().splitlines() if "  tp with " in x)
+    assert all(key.replace("_", " ") in line for key in split), line
+    assert_same_lm_run(out, one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"procs_per_node": 4}, {"procs_per_node": 8, "tp": 2, "sequence_parallel": True}])
+def test_pipe_fsdp_replicas_sum_the_tied_embeddings_copies(lm_ref, tmp_path, layout):
+    """2 stages x 2 pipelines, pp_dp fsdp, GPT-2: its token embedding is also its head, so the first and the last
+    stage hold a copy each, sharded alike over the stage's replicas; the copies' gradients are summed shard by
+    shard (an all-reduce of the DTensor itself has no sharding rule). Ends where one process does, and with tp 2
+    and sequence parallelism too (8 ranks: pp 2 x dp 2 x tp 2)."""
+    text, one = lm_ref("gpt2")
+    assert lm_run(tmp_path, text, {"strategy": "pipe", "pp_dp": "fsdp", **layout}, "gpt2", batch_size=4) == 0
+    assert_same_lm_run(tmp_path, one)
+
+
+@pytest.mark.slow
 def test_pipe_times_tp_batch_size_auto_gives_the_pipeline_with_a_slowed_rank_less(lm_ref, tmp_path):
     """1 stage x 2 pipelines x tp 2, rank 2 (in pipeline 1's tp group) simulated 6x slower: each tp group times its
     stage together, so pipeline 1 gets the smaller share, in whole sets of 2 micro-batches; the run with those
@@ -431,8 +463,6 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
     ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
     ({"tp": 2, "pp_stages": 4}, {}, "dist.pp_stages"),                # 4 ranks are not 4 stages x tp 2
-    ({"tp": 2, "sequence_parallel": True}, {}, "dist.sequence_parallel"),  # not under pipe yet
-    ({"tp": 2, "loss_parallel": True}, {}, "dist.loss_parallel"),
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
     from config import ConfigError

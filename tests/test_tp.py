@@ -287,9 +287,12 @@ def test_tp_settings_that_do_not_fit_are_one_line(tmp_path, dist, train, expecte
 # ---- BERT with sequence parallelism: dropout + LayerNorm(x + residual) on T / tp positions -------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, batch", [({"strategy": "ddp", "tp": 2, "procs_per_node": 2}, 16),
-                                           ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8)])  # 2 x 2
+                                           ({"strategy": "fsdp", "tp": 2, "procs_per_node": 4}, 8),  # 2 x 2
+                                           ({"strategy": "pipe", "tp": 2, "procs_per_node": 4}, 16)])  # 2 stages
 def test_bert_sequence_parallel_ends_where_one_process_does(bert, one, tmp_path, layout, batch):
-    """The batches' lengths are padded to even (masked out), and the LayerNorms' gradients summed over the group."""
+    """The batches' lengths are padded to even (masked out), and the LayerNorms' gradients summed over the group.
+    Under pipe the stages after the first receive their rank's half of the positions, and build the attention
+    mask for all of them."""
     assert main.run(config(tmp_path, bert, {**layout, "sequence_parallel": True}, batch_size=batch)) == 0
     assert "sequence parallel" in next(x for x in (tmp_path / "logs" / "rank0.log").read_text().splitlines()
                                        if "  tp with " in x)
@@ -299,7 +302,7 @@ def test_bert_sequence_parallel_ends_where_one_process_does(bert, one, tmp_path,
 @pytest.mark.slow
 def test_sst2_minilm_sequence_parallel_ends_where_one_process_does(tmp_path):
     """The BERT-style classifier (a MiniLM cut to 1 layer, which both cuts and gathers the positions; dropout 0): its
-    pooler and classifier take the gathered output."""
+    pooler and classifier take the gathered output. Under ddp x tp, and pipe 2 stages x tp 2."""
     folder = save_tiny_minilm(tmp_path / "minilm")
     with open(os.path.join(folder, "config.json")) as f:
         shape = {**json.load(f), "num_hidden_layers": 1, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0}
@@ -307,12 +310,14 @@ def test_sst2_minilm_sequence_parallel_ends_where_one_process_does(tmp_path):
         json.dump(shape, f)
     data = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0), sizes=(64, 32, 8))
     runs = {"one": {"strategy": "none"}, "sp": {"strategy": "ddp", "tp": 2, "procs_per_node": 2,
-                                                "sequence_parallel": True}}
+                                                "sequence_parallel": True},
+            "pipe": {"strategy": "pipe", "tp": 2, "procs_per_node": 4, "sequence_parallel": True}}  # 2 stages
     for name, layout in runs.items():
         cfg = make_config(tmp_path / name, task="sst2", data={"data_dir": data, "max_length": 16},
                           model={"pretrained_dir": folder}, train=TRAIN, dist=layout)
         assert main.run(cfg) == 0, name
     assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_same_run(tmp_path / "one", tmp_path / "pipe")  # padded to data.max_length under pipe: masked out
 
 
 # ---- the Llama causal LM: sequence parallelism and loss parallelism ------------------------------------------
