@@ -114,12 +114,13 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     return batch_size * steps / seconds
 
 
-def measure(trainer) -> None:
-    """Trainer.measure: train.precision auto on a CPU, then train.batch_size auto (timed in the chosen precision).
-    The global batch, hence the batches per epoch and the steps, stays as it is; only the sampler is rebuilt."""
-    if trainer.precision_asked == "auto" and trainer.ctx.device.type == "cpu":
+def measure(trainer, precision: bool, batches: bool) -> None:
+    """Trainer.measure: train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
+    the chosen precision). The global batch, hence the batches per epoch and the steps, stays as it is; only the
+    sampler is rebuilt."""
+    if precision:
         choose_cpu_precision(trainer)
-    if trainer.t.batch_size == "auto":
+    if batches:
         trainer.batch_sizes, trainer.balance_note = auto_batch_sizes(trainer, trainer.resumed_batch_sizes)
         trainer.sampler = trainer.make_sampler()
 

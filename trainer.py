@@ -415,9 +415,11 @@ class Trainer:
         """What the auto settings time on this run's own batches before training (balance.py, loaded only by
         them): precision auto on a CPU (fp32 or bf16, whichever trains this job faster here) and batch_size auto
         (the global batch split by measured rank speed; after a resume, the checkpoint's split). Collective."""
-        if (self.precision_asked == "auto" and self.ctx.device.type == "cpu") or self.t.batch_size == "auto":
+        precision = self.precision_asked == "auto" and self.ctx.device.type == "cpu"
+        batches = self.t.batch_size == "auto"
+        if precision or batches:
             import balance
-            balance.measure(self)
+            balance.measure(self, precision, batches)
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""

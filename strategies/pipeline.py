@@ -44,7 +44,7 @@ from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, in_boxes, local
-from strategies.tp import average_grads, loss_context, sum_partial_grads, task_plan, whole
+from strategies.tp import PlainLoss, average_grads, loss_context, sum_partial_grads, task_plan
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -187,7 +187,7 @@ class PipeParallel(Parallel):
         return lines
 
     def loss_fn(self, output, target):
-        loss = whole(self.task.loss_from_output(output, target)).float() * self.scale  # (dist.loss_parallel: a DTensor)
+        loss = self.task.loss_from_output(output, target).float() * self.scale
         return self.scaler.scale(loss) if self.scaler else loss
 
     def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
@@ -202,15 +202,16 @@ class PipeParallel(Parallel):
         """ddp x tp: DDP cannot hold DTensor parameters, so the stage's replicas average their gradients here, over
         the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence
         parallelism, the norms' gradients are summed over the tp group."""
-        if self.cfg.dist.tp > 1:
-            sum_partial_grads(self.raw_model.parameters())
-        if self.cfg.dist.tp > 1 and self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
+        if self.cfg.dist.tp == 1:
+            return
+        sum_partial_grads(self.raw_model.parameters())
+        if self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
     def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
         the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
-        self.task, self.scale = task, scale
+        self.task, self.scale = PlainLoss(task), scale  # (dist.loss_parallel: plain losses of DTensor logits)
         self.check_shapes(batch)
         if self.scaler:  # fp16: only the last stage scales a loss, but every rank's scaler unscales its gradients
             self.scaler.scale(torch.zeros((), device=self.ctx.device))  # (this sets up its scale, equal everywhere)
@@ -269,11 +270,11 @@ class PipeParallel(Parallel):
             carry = out if isinstance(out, tuple) else (out,)
             if i < self.n_stages - 1:
                 send_tensors(carry, self.rank_of(i + 1))
-        if not self.is_last:
+        if not (self.is_last and (self.reports or self.mesh.loss_parallel)):
             return {}
         with loss_context(self.mesh):  # every rank of the tp group takes part in a loss-parallel cross-entropy
-            out = task.eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
-        return {k: whole(v) for k, v in out.items()} if self.reports else {}
+            out = PlainLoss(task).eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
+        return out if self.reports else {}
 
     def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
         """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).

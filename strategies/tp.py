@@ -206,6 +206,12 @@ class PlainLoss:
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
         return {k: whole(v) for k, v in self.task.eval_batch(model, batch).items()}
 
+    def loss_from_output(self, output, target) -> torch.Tensor:  # (pipe's last stage)
+        return whole(self.task.loss_from_output(output, target))
+
+    def eval_from_output(self, output, batch: dict) -> dict:
+        return {k: whole(v) for k, v in self.task.eval_from_output(output, batch).items()}
+
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (differentiable), or the tensor itself."""
