@@ -434,12 +434,12 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     source = path or "<defaults>"
     raw: dict = {}
     if path is not None:
-        if not os.path.exists(path):
-            raise ConfigError(f"{path}: file not found")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: {'a folder, not a YAML file' if os.path.isdir(path) else 'file not found'}")
         try:
             with open(path) as f:
                 raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:  # (a binary file: a checkpoint given as --params)
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None

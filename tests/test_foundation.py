@@ -63,6 +63,11 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="missing.yml: file not found"):
         load_config(str(tmp_path / "missing.yml"))
+    with pytest.raises(ConfigError, match="a folder, not a YAML file"):  # --params configs
+        load_config(str(tmp_path))
+    (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")  # --params given a checkpoint file
+    with pytest.raises(ConfigError, match="model.pt: not valid YAML"):
+        load_config(str(tmp_path / "model.pt"))
 
 
 def test_overrides_are_typed():
