@@ -99,6 +99,19 @@ def load_checkpoint(args):
     return lora.merged(model), tokenizer
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids (empty: the start of a text). A character the tokenizer cannot encode (a char tokenizer
+    knows only its training text's) would silently become <|endoftext|>: refused, naming it."""
+    ids = tokenizer(prompt)["input_ids"]
+    unk = tokenizer.unk_token_id
+    if unk is not None and unk in ids and tokenizer.unk_token not in prompt:
+        unknown = sorted({c for c in prompt if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]})
+        if unknown:
+            raise UserError(f"--prompt holds characters the tokenizer does not know: {', '.join(map(repr, unknown))} "
+                            "(each would be read as its unknown token); leave them out")
+    return ids or [tokenizer.eos_token_id]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -108,13 +121,13 @@ def main(argv=None) -> int:
         if args.export and (args.checkpoint or args.set):
             raise UserError("--export takes the model from the folder: --checkpoint and --set go with --params")
         model, tokenizer = load_export(args.export) if args.export else load_checkpoint(args)
+        prompt = encode_prompt(tokenizer, args.prompt)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
     model.eval()
     torch.manual_seed(args.seed)
-    prompt = tokenizer(args.prompt)["input_ids"] or [tokenizer.eos_token_id]  # empty prompt: start of a text
     with torch.no_grad():
         out = sample(model, torch.tensor([prompt]), args.max_new_tokens, args.temperature, args.top_k,
                      getattr(model.config, "n_positions", None) or model.config.max_position_embeddings)

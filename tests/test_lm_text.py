@@ -243,3 +243,7 @@ def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     capsys.readouterr()
     assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO:", "--max-new-tokens", "30"]) == 0
     assert capsys.readouterr().out == sampled  # the export samples what the checkpoint does
+    # a character the text never had would become <|endoftext|> unseen: refused in one line, naming it
+    assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO: yes", "--max-new-tokens", "3"]) == 2
+    assert capsys.readouterr().err == ("error: --prompt holds characters the tokenizer does not know: 'y' (each "
+                                       "would be read as its unknown token); leave them out\n")
