@@ -253,9 +253,9 @@ class EvalProgress:
                           extra={"file_only": self.bar is not None})
 
 
-def summary(cfg: Config, state, best_metric: str) -> str:
+def summary(cfg: Config, state, best_metric: str, task) -> str:
     """The run's last lines: what it did (`state`: the Trainer's TrainState), where its files are, and what to
-    run next."""
+    run next (export only where the task can be exported)."""
     out, s = cfg.output_dir, state
     best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
             else "no dev result")
@@ -265,8 +265,8 @@ def summary(cfg: Config, state, best_metric: str) -> str:
              f"  logs         {os.path.join(out, 'logs')}"]
     if cfg.log.tensorboard:
         lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
-    lines += [f"  test         python main.py --params {params} --set mode=test",
-              f"  export       python main.py --params {params} --set mode=export"]
+    lines.append(f"  test         python main.py --params {params} --set mode=test")
+    lines += [f"  export       python main.py --params {params} --set mode=export"] if task.export_formats else []
     if cfg.task == "gpt2_lm":
         lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
     return "\n".join(lines)

@@ -152,7 +152,7 @@ class Trainer:
         self.finish_save()
         self.close()
         if self.ctx.is_main:
-            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric))
+            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric, self.task))
         return metrics
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:

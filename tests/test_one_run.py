@@ -127,6 +127,17 @@ def test_a_run_ends_with_a_summary_whose_commands_work(tmp_path, capsys):
         assert os.path.exists(tmp_path / wrote)
 
 
+def test_the_summary_offers_no_export_to_a_task_that_has_none(tmp_path, capsys):
+    """csv_text lists no export_formats: its summary offered a command that could only fail."""
+    (tmp_path / "data").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "data" / f"{split}.csv").write_text("text,label\na fine film,pos\nawful,neg\n")
+    assert main.run(make_config(tmp_path / "run", task="csv_text", data={"data_dir": str(tmp_path / "data")},
+                                train={**TRAIN, "max_steps": 1, "batch_size": 2})) == 0
+    summary = capsys.readouterr().out.split("done: 1 steps;")[1]
+    assert "  test         python main.py" in summary and "mode=export" not in summary
+
+
 def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time, main; lock = main.hold_output_dir(sys.argv[1]);"
                                " print('held', flush=True); time.sleep(60)", str(tmp_path)], cwd=ROOT,
