@@ -92,6 +92,8 @@ def test_parameters_yml_documents_every_field():
         if re.match(r"^\s*\w+:\s*\S", line):  # a key with a value: must carry a comment
             assert "#" in line, f"no comment on: {line}"
     load_config(os.path.join(ROOT, "parameters.yml"))  # and it validates
+    import cli_help
+    assert "parameters.yml lists every field with its default" in cli_help.epilog()  # --help says so
 
 
 def test_customization_points_are_marked():
