@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import pipelining
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -339,7 +339,10 @@ class PipeParallel(Parallel):
         dcp_load({"state": in_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
         for original, boxed in swaps:
             original.copy_(boxed)
-        set_optimizer_state_dict(self.full_model, self.optimizer, optim_sd)
+        # By name into this run's groups (torch's set_optimizer_state_dict drops the hyperparameters of an empty
+        # group that is not the last, as tp's split of the groups makes: KeyError 'weight_decay' at the next step).
+        checkpoint_io.load_optimizer_by_name(self.optimizer, optim_sd["state"],
+                                             checkpoint_io.parameter_names(self.full_model), directory)
 
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'

@@ -298,14 +298,15 @@ PIPE_TP = {"strategy": "pipe", "procs_per_node": 4, "tp": 2}  # 2 stages x tp 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, split, resumed_by", [("llama", "down_proj", {"strategy": "none"}),
-                                                     ("gpt2", "c_proj", PIPE_TP)])
+@pytest.mark.parametrize("arch, split, resumed_by", [("llama", "down_proj", [{"strategy": "none"}, PIPE_TP]),
+                                                     ("gpt2", "c_proj", [PIPE_TP])])
 def test_pipe_times_tp_ends_where_one_process_does(lm_ref, tmp_path, arch, split, resumed_by):
     """2 stages x tp 2 (4 ranks, one pipeline) on one ("pp", "dp", "tp") mesh: each stage's blocks split over its
     tp group, activations sent between ranks of equal tp index, the tied embedding's copies summed, clipping
     counting each piece once. Llama, and GPT-2 whose q|k|v are split in strides. Ends where one process does; its
-    checkpoint (the stages' tp pieces) is read by test mode in one process, and resumed by one process (Llama) or
-    by pipe x tp itself (GPT-2: the strided split read back)."""
+    checkpoint (the stages' tp pieces) is read by test mode in one process, and resumed by one process (Llama) and
+    by pipe x tp itself (GPT-2: the strided split read back; Llama: its optimizer's empty group, for tp-split
+    vectors, keeps its hyperparameters)."""
     from checkpoint_dcp import read_dcp_metadata
     text, one = lm_ref(arch)
     out = tmp_path / "pipe_tp"
@@ -324,10 +325,11 @@ def test_pipe_times_tp_ends_where_one_process_does(lm_ref, tmp_path, arch, split
     with open(out / "dev_results.json") as f:
         assert abs(json.load(f)["metrics"]["loss"] - meta(out, 4)["metrics"]["loss"]) < 1e-6
     import shutil
-    resumed = tmp_path / "resumed"
-    shutil.copytree(out / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    assert lm_run(resumed, text, resumed_by, arch, resume="auto") == 0
-    assert_same_lm_run(resumed, one)
+    for i, layout in enumerate(resumed_by):
+        resumed = tmp_path / f"resumed{i}"
+        shutil.copytree(out / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+        assert lm_run(resumed, text, layout, arch, resume="auto") == 0
+        assert_same_lm_run(resumed, one)
 
 
 @pytest.mark.slow
