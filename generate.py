@@ -120,6 +120,10 @@ def main(argv=None) -> int:
                             "(an exported folder), one of the two")
         if args.export and (args.checkpoint or args.set):
             raise UserError("--export takes the model from the folder: --checkpoint and --set go with --params")
+        settings = {"--max-new-tokens": args.max_new_tokens, "--temperature": args.temperature, "--top-k": args.top_k}
+        negative = [name for name, value in settings.items() if value < 0]
+        if negative:  # (torch would fail deep inside sampling, with a traceback)
+            raise UserError(f"{', '.join(negative)}: must be >= 0")
         model, tokenizer = load_export(args.export) if args.export else load_checkpoint(args)
         prompt = encode_prompt(tokenizer, args.prompt)
     except UserError as e:

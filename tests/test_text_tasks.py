@@ -300,6 +300,12 @@ def test_generate_without_checkpoint_is_a_clear_error(data, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
 
 
+def test_generate_refuses_negative_sampling_settings(capsys):
+    import generate
+    assert generate.main(["--export", "unused", "--temperature", "-1", "--top-k", "-5"]) == 2
+    assert capsys.readouterr().err == "error: --temperature, --top-k: must be >= 0\n"
+
+
 def test_gpt2_bad_json_names_file_and_line(tmp_path):
     from tasks.gpt2_lm import read_texts
     path = tmp_path / "train.json"
