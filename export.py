@@ -96,6 +96,8 @@ def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> 
 
 # ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
 def write_hf(folder: str, task, model) -> str:
+    from tasks.text_common import plain_transformers_output
+    plain_transformers_output()  # no "Writing model shards" bar (a random model loaded nothing that turned it off)
     adapter = ""
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))

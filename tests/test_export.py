@@ -162,8 +162,12 @@ def test_bert_pretrain_exports_a_bert_for_pretraining(data, tmp_path, capsys):
     cfg = task_config("bert_pretrain", data, tmp_path, max_steps=2)
     train(cfg, 1)
     capsys.readouterr()
+    from transformers.utils import logging as hf_logging
+    hf_logging.enable_progress_bar()  # as in a fresh process: nothing of a random BERT's loading turned it off
     assert export(cfg) == 0
-    assert "note: no tokenizer" in capsys.readouterr().out  # the shards were tokenized elsewhere: said so
+    out = capsys.readouterr()
+    assert "note: no tokenizer" in out.out  # the shards were tokenized elsewhere: said so
+    assert "Writing model shards" not in out.err  # transformers' bar is off in an export's output too
     hf = BertForPreTraining.from_pretrained(str(tmp_path / "export"))
     _, model = checkpoint_model(cfg)
     ours = model.bert.state_dict()
