@@ -62,8 +62,8 @@ class Trainer:
         if cfg.model.lora_rank:  # a frozen base + trainable adapters
             from tasks import lora
             model = lora.adapt(model, cfg)
-        # activation checkpointing, then dist.strategy (and dist.tp)
-        self.par = strategies.apply(model, cfg, ctx, task, self.datasets["train"])
+        # activation checkpointing, then dist.strategy (and dist.tp); train(): from_pretrained gives eval mode
+        self.par = strategies.apply(model.train(), cfg, ctx, task, self.datasets["train"])
         if self.t.compile and cfg.mode == "train":
             self.par.compile()  # the first steps (and each new input shape) pay the compilation
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;

