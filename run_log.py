@@ -266,7 +266,8 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     if cfg.log.tensorboard:
         lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")
-    lines += [f"  export       python main.py --params {params} --set mode=export"] if task.export_formats else []
+    if task.export_formats:
+        lines.append(f"  export       python main.py --params {params} --set mode=export")
     if cfg.task == "gpt2_lm":
         lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
     return "\n".join(lines)
