@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from core import data_order
+
 
 def split_proportional(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
     """Split `total` into integers proportional to `weights` (largest remainder), each at least `minimum`."""
@@ -75,7 +77,6 @@ class EpochBatches:
         self.s, self.start, self.offset = sampler, start, 0
         rng = np.random.default_rng([sampler.seed, epoch])
         if sampler.shard_sizes:
-            import data_order  # (only sharded datasets and group_by_length load it)
             self.order = data_order.ShardOrder(rng, sampler.shard_sizes)
         else:
             self.order = rng.permutation(sampler.n)
@@ -95,7 +96,6 @@ class EpochBatches:
         self.end = min(self.offset + self.count * g, sampler.n)  # epoch positions the batches cover
         self.groups = None
         if sampler.lengths is not None:
-            import data_order
             self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, self.end, self.count,
                                                   sampler.seed, epoch)
 

@@ -6,9 +6,6 @@
 
 With --params the model is rebuilt from the training config and the checkpoint (default: the best one in
 output_dir), as test mode does; with --export, model and tokenizer come from the exported folder alone.
-
-torch and transformers are imported inside the functions, after the arguments and the config are checked, so that
-a mistake is said at once (as in main.py).
 """
 from __future__ import annotations
 
@@ -17,7 +14,13 @@ import json
 import os
 import sys
 
-from config import UserError, load_config
+import torch
+
+from core import checkpoint, checkpoint_io, checkpoint_meta
+from core.errors import UserError
+from tasks import lora
+from tasks.text_common import plain_transformers_output
+from wiring import build_task, load_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +42,6 @@ def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, cont
     """Append tokens one at a time. While the text fits in the context window, the model's key/value cache
     means each step runs only the newest token; beyond it, the window slides and the cropped sequence is re-run
     (cached keys carry absolute positions, so they cannot slide with it)."""
-    import torch
     past = None
     for _ in range(max_new_tokens):
         fits = ids.shape[1] < context  # the token appended now still gets a position inside the window
@@ -72,7 +74,6 @@ def load_export(folder: str):
                         "model (export a gpt2_lm run)")                   # causal LM around it, untrained head
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.text_common import plain_transformers_output
     plain_transformers_output()  # no loading bars between the samples
     try:
         return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
@@ -86,10 +87,7 @@ def load_checkpoint(args):
     cfg = load_config(args.params, args.set)
     if cfg.task != "gpt2_lm":
         raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
-    import checkpoint
-    import checkpoint_io
-    from tasks import build_task, lora
-    path = args.checkpoint or checkpoint.best(cfg.output_dir)
+    path = args.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if path is None:
         raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
     task = build_task(cfg)
@@ -129,7 +127,6 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
     model.eval()
     torch.manual_seed(args.seed)
     with torch.no_grad():

@@ -2,9 +2,10 @@
 
     python main.py --params parameters.yml [--set section.key=value ...]
 
-Reads and checks the config (a mistake: one line, exit code 2, before any process starts; torch is not loaded
-yet), then starts this node's ranks (launcher.py) or is the one rank torchrun or srun started. Each rank builds
-the task and a Trainer, then trains or tests; `mode: export` writes a checkpoint in this process (export.py).
+The composition root's first half, the parent process: reads and checks the config (a mistake in it: one line, exit
+code 2, before any process starts and before torch loads), holds output_dir, then starts this node's ranks
+(resilience/launcher.py) or is the one rank torchrun or srun started. What a rank runs, and the tables of tasks and
+strategies: wiring.py, imported once the config's schema has passed; `mode: export` runs in this process.
 """
 from __future__ import annotations
 
@@ -15,18 +16,18 @@ import fcntl
 import os
 import socket
 import sys
-import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-import faults
-from config import Config, UserError, load_config, procs_per_node_list
-from faults import HOST, report
+from core.config import Config, config_source, load_config, procs_per_node_list
+from core.errors import UserError
+from core.launch_env import launcher_env
+from extras.cli_help import epilog
+from resilience import elastic, faults, launcher
 
 
 class Parser(argparse.ArgumentParser):
-    def format_help(self) -> str:  # the modes, presets and examples: loaded only by --help
-        from cli_help import epilog
+    def format_help(self) -> str:  # the modes, presets and examples of this clone
         self.epilog = epilog()
         return super().format_help()
 
@@ -50,7 +51,9 @@ def main(argv=None) -> int:
         print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
               f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
     try:
-        cfg = load_config(args.params, args.set)
+        cfg = load_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
+        import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
+        wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -58,50 +61,46 @@ def main(argv=None) -> int:
 
 
 def run(cfg: Config) -> int:
-    """Start this node's processes and wait for them. Returns the exit code (faults.EXIT_*)."""
-    from distributed import launcher_env
-
+    """Start this node's processes and wait for them. Returns the exit code (core/errors.py's EXIT_*)."""
+    import wiring  # (as in main(): what a rank runs; the tests call run() with a config checked by wiring)
     env = launcher_env()
     if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":
-        import elastic  # (only torchrun's workers load it)
         if elastic.refuse_restarts(env["local_rank"]):
             return 2
     try:
         if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out
-            import export
             if env is None or env["rank"] == 0:  # under torchrun or srun, rank 0 alone writes the folder
-                export.run(cfg)
+                wiring.run_export(cfg)
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
         with hold_output_dir(cfg.output_dir) if cfg.mode == "train" and first else contextlib.nullcontext():
-            return start(cfg, env)  # the lock is held until this run ends, however it ends
+            return start(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def start(cfg: Config, env: Optional[dict]) -> int:
-    """Be the one rank that torchrun or srun started, or start this node's ranks."""
+def start(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace"], int]) -> int:
+    """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
     if env is not None:
-        return worker(cfg, Launch(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
-                                  env["rendezvous"]))
+        return worker(cfg, RankPlace(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
+                                     env["rendezvous"]))
     procs = procs_per_node_list(cfg)
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
-    launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
+    places = [RankPlace(first_rank + i, i, world, here) for i in range(here)]
     if world == 1:
-        return worker(cfg, launches[0])
-    import launcher  # here: a one-process run (and each rank) never needs the launcher
+        return worker(cfg, places[0])
     launcher.check_port_free(cfg)
-    return worker(cfg, launches[0]) if here == 1 else launcher.Supervisor(cfg, launches).run()
+    return worker(cfg, places[0]) if here == 1 else launcher.Supervisor(cfg, places, worker).run()
 
 
 @dataclasses.dataclass
-class Launch:
-    """Where one process sits among the ranks: what worker() needs besides the config."""
+class RankPlace:
+    """Where one process sits among the ranks: what wiring.worker() needs besides the config."""
     rank: int                         # global rank
     local_rank: int                   # rank among the processes of this node (picks the GPU)
     world: int                        # ranks in all, every node
@@ -151,62 +150,11 @@ def hold_output_dir(path: str):
     return f
 
 
-def worker(cfg: Config, launch: Launch) -> int:
-    """One rank: join the group, build task and Trainer, train or test. Returns the exit code; whatever goes
-    wrong is reported once (faults.report), naming this rank, its host and the step."""
-    rank = launch.rank
-    faults.progress.rank = rank
-    threading.excepthook = faults.thread_exception  # a writer thread's full disk: one line, from the main thread
-    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if cfg.mode == "train":
-        faults.stop_request.install(cfg.train.stop_signal, faults.parse_duration(cfg.train.time_limit))
-    ctx = watchdog = None
-    try:
-        import distributed as D  # (torch loads here: see the top of this file)
-        from tasks import build_task
-        from run_log import setup_logging
-        from trainer import Trainer
-
-        log = report.log = setup_logging(cfg.output_dir, rank)
-        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {launch.local_rank} of "
-                 f"{launch.local_procs}, {launch.world} ranks in all, {cfg.mode}", extra={"file_only": True})
-        faults.stop_request.log = log
-        ctx = D.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
-        ctx.cpu_threads = D.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
-        watchdog = faults.start_watchdog(cfg, ctx)  # several ranks only
-        trainer = Trainer(cfg, build_task(cfg), ctx)
-        trainer.test() if cfg.mode == "test" else trainer.train()
-        faults.progress.at(faults.progress.step, "done")
-        D.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
-        code = faults.EXIT_OK
-    except UserError as e:
-        code = faults.user_error(f"error: {e}", watchdog)
-    except (faults.Stopped, faults.Diverged) as e:  # every rank raised it at the same step
-        code = report(e.exit_code, str(e))
-    except KeyboardInterrupt:  # test mode, or before the handlers were installed
-        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
-    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
-        from disk_errors import disk_problem  # (loaded only when something failed)
-        line = disk_problem(e, cfg.output_dir)
-        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
-    if watchdog is not None:
-        watchdog.stop()
-    faults.progress.finished(code)
-    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
-    # tearing down could wait on them (the launcher ends this process instead).
-    if ctx is not None and (code in (faults.EXIT_OK, faults.EXIT_STOPPED, faults.EXIT_DIVERGED)
-                            or ctx.world_size == 1):
-        D.shutdown(ctx)
-    return code
-
-
 if __name__ == "__main__":
     faults.ignore_late_signals = True
     code = main()
     # torchrun or srun started this process as one rank: it ends as ours do. (A run that stopped at a mistake in
-    # its config never loaded distributed, nor torch: it ends at once.)
-    if "distributed" in sys.modules and sys.modules["distributed"].launcher_env() is not None:
-        import launcher
+    # its config never loaded torch: it ends at once.)
+    if "torch" in sys.modules and launcher_env() is not None:
         launcher.leave(code)
     sys.exit(code)

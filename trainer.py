@@ -1,30 +1,30 @@
-"""The Trainer: train / eval / checkpoint / test, for any Task under any strategy.
+"""The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
-Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and
-records (log lines, progress bars, TensorBoard, profiles) is written by run_log.py.
+Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
+(log lines, progress bars, TensorBoard) is written by core/run_log.py. The strategy and the hooks are handed in by
+the composition root (main.py through wiring.py), so this file and what it imports are the whole of a DDP step.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import random
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
-import checkpoint
-import distributed as D
-import faults
-import run_log
-from config import Config, CheckpointError, ConfigError
+from core import checkpoint
+from core import distributed as D
+from core import run_log
+from core.config import Config
+from core.errors import ConfigError, Diverged, Stopped
+from core.hooks import Hooks
+from core.run_log import EvalProgress, Window, setup_logging
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from run_log import EvalProgress, Window, setup_logging
-import strategies
-from strategies.base import base_entry
+from strategies.base import Parallel, base_entry
 from tasks.base import Task
 
 
@@ -47,23 +47,21 @@ def autocast_for(device_type: str, precision: str):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: D.DistContext):
-        self.precision_asked = self.precision_note = cfg.train.precision  # what the plan shows
-        if cfg.train.precision == "auto":  # what this device computes fast in, before anything reads it (balance.py)
-            import balance
-            cfg, self.precision_note = balance.auto_precision(cfg, ctx)
-        self.cfg, self.task, self.ctx, self.t = cfg, task, ctx, cfg.train
+    def __init__(self, cfg: Config, task: Task, ctx: D.DistContext,
+                 parallelize: Callable[..., Parallel], hooks: Hooks = Hooks()):
+        """`parallelize(model, cfg, ctx, task, train_set)`: dist.strategy applied to the model (wiring.parallelize);
+        `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py)."""
+        self.cfg, self.task, self.ctx, self.t, self.hooks = cfg, task, ctx, cfg.train, hooks
+        self.precision_note = cfg.train.precision  # what the plan shows (precision auto: what it chose and why)
         self.log = setup_logging(cfg.output_dir, ctx.rank)
         self.datasets = task.build_datasets()
 
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        if cfg.model.lora_rank:  # a frozen base + trainable adapters
-            from tasks import lora
-            model = lora.adapt(model, cfg)
-        # activation checkpointing, then dist.strategy (and dist.tp); train(): from_pretrained gives eval mode
-        self.par = strategies.apply(model.train(), cfg, ctx, task, self.datasets["train"])
+        # LoRA adapters, activation checkpointing, then dist.strategy (and dist.tp); train(): from_pretrained gives
+        # eval mode
+        self.par = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
         if self.t.compile and cfg.mode == "train":
             self.par.compile()  # the first steps (and each new input shape) pay the compilation
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;
@@ -83,12 +81,8 @@ class Trainer:
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(ctx.device.type, self.t.precision)
-        self.slowdown = lambda model: contextlib.nullcontext()  # around each micro-batch's forward and backward
-        if cfg.dist.simulate_slowdown:  # this rank made slower, to try heterogeneous clusters (balance.slowdown)
-            import balance
-            self.slowdown = functools.partial(balance.slowdown, cfg, ctx)
         self.tb = None
-        self.resumed_batch_sizes, self.balance_note = None, None  # see measure()
+        self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
 
@@ -96,9 +90,9 @@ class Trainer:
     # The loop
     # ================================================================================================
     def train(self) -> dict:
-        if self.resume():  # first: it replaces self.state; True: the run it resumed is complete
+        if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
             return {}
-        self.measure()  # precision auto on a CPU, batch_size auto: timed before the first step
+        self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
         t, state = self.t, self.state
         if self.ctx.is_main:  # config.yml, TensorBoard and the plan
             self.tb = run_log.start(self.cfg, self.log, run_log.plan(self))
@@ -106,15 +100,9 @@ class Trainer:
         metrics, saved_at, evaluated_at = {}, None, None
         window = Window(self.ctx, state.step)
         bar = self.progress_bar()
-        profiler = None
-        if t.profile_steps:  # a trace of chosen steps
-            from profiling import StepProfiler
-            profiler = StepProfiler(t.profile_steps, self.cfg.output_dir, self.ctx, self.log)
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
-            faults.progress.at(state.step + 1, "train")
-            if profiler:
-                profiler.before_step(state.step + 1)
+            self.hooks.at(state.step + 1, "train")
             batches = [next(stream) for _ in range(t.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
@@ -145,8 +133,7 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
-        if profiler:
-            profiler.stop()
+        self.hooks.at(state.step, "done")
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.finish_save()
@@ -163,15 +150,14 @@ class Trainer:
         # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
         # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
-        # or the time limit, see faults.py), so every rank learns of a stop in the same step, for free.
+        # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
         n = sum(self.task.count(b) for b in batches) if par.counts_batch else 0  # one rank per replica counts
-        local = torch.tensor([float(n), faults.stop_request.vote()])
+        local = torch.tensor([float(n), self.hooks.stop_vote()])
         counts = D.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
         scale = par.grad_replicas / count  # grad_replicas: the ranks (pipelines, tp groups) gradients average over
         # -----> the forward and backward of each micro-batch: Parallel.forward_backward (strategies/base.py)
-        loss_total = par.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast,
-                                          self.slowdown)
+        loss_total = par.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
         if par.scaler:
             par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
         grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)  # global: equal on every rank
@@ -200,15 +186,15 @@ class Trainer:
             self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
             D.barrier(self.ctx)
-            raise faults.Diverged(
+            raise Diverged(
                 f"training diverged: {self.bad_steps} steps in a row up to step {self.state.step} had a non-finite "
                 f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
                 f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
 
     def stop(self, bar) -> None:
-        """Every rank asked (or was told) to stop after this step: save, and leave with faults.Stopped. (Called
-        before this step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
-        reasons = [r for r in D.gather_objects(self.ctx, faults.stop_request.reason) if r]
+        """Every rank asked (or was told) to stop after this step: save, and leave with Stopped. (Called before this
+        step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
+        reasons = [r for r in D.gather_objects(self.ctx, self.hooks.stop_reason()) if r]
         reason = reasons[0] if reasons else "a signal"
         if reason == "time limit":
             reason = f"the time limit (train.time_limit={self.t.time_limit})"
@@ -217,7 +203,7 @@ class Trainer:
         self.save_checkpoint({})
         self.finish_save()
         self.close()
-        raise faults.Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
+        raise Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
 
     # ================================================================================================
@@ -243,7 +229,7 @@ class Trainer:
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
-            faults.progress.at(self.state.step, "eval")  # the watchdog sees evaluation advance
+            self.hooks.at(self.state.step, "eval")  # a watchdog sees evaluation advance
             out = self.par.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
@@ -303,16 +289,11 @@ class Trainer:
             s.evals_without_improvement += 1
         return better, bool(t.patience) and s.evals_without_improvement >= t.patience
 
-    def test(self) -> dict:
-        """mode: test: one checkpoint evaluated on test.splits (testmode.py, loaded only in test mode)."""
-        import testmode
-        return testmode.test(self)
-
     # ================================================================================================
     # Checkpoints
     # ================================================================================================
     def save_checkpoint(self, metrics: dict) -> None:
-        faults.progress.at(self.state.step, "save")
+        self.hooks.at(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
         rng = D.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
@@ -352,31 +333,8 @@ class Trainer:
         bad = torch.stack([~torch.isfinite(p).all() for p in local]).sum().float() if local else \
             torch.zeros((), device=self.ctx.device)
         if D.all_reduce_sum(self.ctx, bad).item() > 0:
-            raise faults.Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
+            raise Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
-
-    def resume(self) -> bool:
-        """Continue from a checkpoint (train.resume: resume.py, loaded only when there is one to resume from).
-        True: that run was complete, nothing is left to do."""
-        self.claim_output_dir()
-        which = False if self.t.start_over else self.t.resume
-        if which == "auto" and not D.broadcast_object(self.ctx, checkpoint.latest(self.cfg.output_dir)):
-            which = False  # nothing to resume: a fresh run
-        if not which:
-            return False
-        import resume
-        return resume.resume(self, which)
-
-    def claim_output_dir(self) -> None:
-        """Before resuming: make sure output_dir holds this run only, once an earlier run has left checkpoints/
-        there, or train.start_over asks to move one aside (run_dir.py). Collective."""
-        out, refusal = self.cfg.output_dir, None
-        if self.ctx.is_main and (self.t.start_over or os.path.isdir(checkpoint.root(out))):
-            import run_dir
-            refusal = run_dir.claim(out, self.t, self.log)
-        refusal = D.broadcast_object(self.ctx, refusal)
-        if refusal:
-            raise CheckpointError(refusal)
 
     # ================================================================================================
     # Data
@@ -410,16 +368,6 @@ class Trainer:
             return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
                                                          [1] * self.par.data_world, minimum=1)]
         return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
-
-    def measure(self) -> None:
-        """What the auto settings time on this run's own batches before training (balance.py, loaded only by
-        them): precision auto on a CPU (fp32 or bf16, whichever trains this job faster here) and batch_size auto
-        (the global batch split by measured rank speed; after a resume, the checkpoint's split). Collective."""
-        precision = self.precision_asked == "auto" and self.ctx.device.type == "cpu"
-        batches = self.t.batch_size == "auto"
-        if precision or batches:
-            import balance
-            balance.measure(self, precision, batches)
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""

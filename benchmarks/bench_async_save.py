@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import checkpoint  # noqa: E402
-from distributed import DistContext  # noqa: E402
+from core import checkpoint  # noqa: E402
+from core.distributed import DistContext  # noqa: E402
 from strategies.replicated import ReplicatedParallel  # noqa: E402
 
 

@@ -46,12 +46,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import distributed as D  # noqa: E402
-from config import config_from_dict  # noqa: E402
-from run_log import Window  # noqa: E402
-from tasks import build_task  # noqa: E402
+from core import distributed as D  # noqa: E402
+from wiring import config_from_dict  # noqa: E402
+from core.run_log import Window  # noqa: E402
+from wiring import build_task, build_trainer  # noqa: E402
 from tasks.bert_pretrain import BERT_PRESETS, HDF5Shards, PretrainingModel  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 SEQ_PER_DOC = 6.5  # sequences make_bert_shards.py makes per 60-sentence document (measured: 7754 from 1136)
 
@@ -159,14 +158,14 @@ def main():
         return time.perf_counter()
 
     trainers, losses, widths = {}, {}, {}
-    masked = Trainer(cfg, task, ctx)  # seeds, then builds the model: the reference initialisation
+    masked = build_trainer(cfg, ctx, task)  # seeds, then builds the model: the reference initialisation
     init = masked.par.raw_model.bert
     if "ours-masked" in args.sides:
         trainers["ours-masked"] = masked
     if "ours-allpos" in args.sides:
         build = task.build_model
         task.build_model = lambda: AllPositionsModel(build().bert)  # Trainer seeds first: same init
-        trainers["ours-allpos"] = Trainer(cfg, task, ctx)
+        trainers["ours-allpos"] = build_trainer(cfg, ctx, task)
         task.build_model = build
         assert all(torch.equal(a, b) for a, b in zip(init.state_dict().values(),
                                                      trainers["ours-allpos"].par.raw_model.bert.state_dict().values()))

@@ -24,10 +24,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import distributed as D  # noqa: E402
-from config import load_config  # noqa: E402
-from tasks import build_task  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from core import distributed as D  # noqa: E402
+from wiring import load_config  # noqa: E402
+from wiring import build_task, build_trainer  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
 
@@ -49,7 +48,7 @@ def main():
         return
     torch.set_num_threads(args.threads)
 
-    def trainer(compiled: bool) -> Trainer:
+    def trainer(compiled: bool):
         cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
             f"output_dir=/tmp/bench_compile/{'compiled' if compiled else 'eager'}", f"data.data_dir={DATA}",
             f"train.compile={str(compiled).lower()}", "train.max_steps=100000", "train.eval_every=0",
@@ -67,7 +66,7 @@ def main():
                 return batch
             task.collate = fixed_width
         torch.manual_seed(0)  # the same new classification head on both sides
-        return Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+        return build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
 
     sides = {"eager": trainer(False), "compiled": trainer(True)}
     streams = {name: t.micro_batches() for name, t in sides.items()}

@@ -83,7 +83,7 @@ def child(data_dir: str, out: str, steps: int) -> None:
 
     import main
     import trainer as trainer_module
-    from config import config_from_dict
+    from wiring import config_from_dict
     torch.set_num_threads(1)
     marks = {}
     original = trainer_module.Trainer.train_step

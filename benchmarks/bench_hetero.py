@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
     """(samples this rank trained on, wall seconds, CPU seconds of this process) for `steps` optimizer steps,
     after one untimed step."""
-    import distributed as D
+    from core import distributed as D
     trainer.train_step([next(stream)])
     D.barrier(trainer.ctx)
     start, cpu_start, samples = time.perf_counter(), time.process_time(), 0
@@ -45,11 +45,11 @@ def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
 
 def run_rank(rank: int, args, port: int, out: str) -> None:
     import torch
-    import distributed as D
+    from core import distributed as D
     from conftest import make_config
     from data_loader import split_proportional
-    from tasks import build_task
-    from trainer import Trainer
+    from wiring import build_task
+    from wiring import build_trainer
 
     torch.set_num_threads(1)  # 2 processes on a 2-core machine
     common = dict(model={"channels": args.channels, "dropout": 0.0},
@@ -66,7 +66,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
     }
     load_start = os.getloadavg()[0]
     ctx = D.init(configs["equal"], rank, 2, rank)
-    trainers = {name: Trainer(cfg, build_task(cfg), ctx) for name, cfg in configs.items()}
+    trainers = {name: build_trainer(cfg, ctx) for name, cfg in configs.items()}
     start = time.perf_counter()
     trainers["auto"].measure()  # what train() does first
     balance_s = time.perf_counter() - start

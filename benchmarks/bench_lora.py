@@ -25,17 +25,17 @@ sys.path.insert(0, ROOT)
 
 def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
-    import distributed as D
+    from core import distributed as D
     from strategies.memory import state_bytes
-    from config import load_config
-    from tasks import build_task
-    from trainer import Trainer
+    from wiring import load_config
+    from wiring import build_task
+    from wiring import build_trainer
     sets = [f"output_dir={out}", f"data.data_dir={data}", f"train.max_steps={steps}", f"train.eval_every={steps}",
             f"train.save_every={steps}", f"train.lr={lr}", "train.log_every=25", "log.tensorboard=false",
             "train.precision=fp32"]
     cfg = load_config(os.path.join(ROOT, "configs", preset), sets)
     ctx = D.init(cfg, 0, 1, 0)
-    trainer = Trainer(cfg, build_task(cfg), ctx)
+    trainer = build_trainer(cfg, ctx)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start

@@ -120,7 +120,7 @@ def compare_models(nano: str, steps: int, profile: bool) -> None:
     import torch
     sys.path[:0] = [ROOT, nano]
     from model import GPT, GPTConfig  # nanoGPT's
-    from config import load_config
+    from wiring import load_config
     from tasks import lm_models
     torch.manual_seed(0)
     cfg = load_config(os.path.join(ROOT, "configs", "shakespeare_char.yml"))

@@ -3,7 +3,7 @@
     python benchmarks/bench_sharded_memory.py [--procs 2 4] [--model bert-base|tiny] [--json rows.json]
 
 For each strategy and world size, every rank builds BERT-base (BertForMaskedLM from a default BertConfig,
-random init, ~110M parameters), wraps it with the project's strategy (strategies.STRATEGIES), runs one fp32
+random init, ~110M parameters), wraps it with the project's strategy (wiring.STRATEGIES), runs one fp32
 training step on a tiny batch (this is about memory, not speed) and then counts, before zero_grad, the bytes of
 parameters, gradients and optimizer state it holds (strategies.memory.state_bytes: local shards only). The table shows
 rank 0 (the largest shard under oss) next to the ZeRO paper's bytes per parameter for fp32 AdamW training:
@@ -45,9 +45,9 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
     """One rank: every strategy of `sections` in turn, in one process group (a process start costs more than the
     measurement). fairscale's FSDP comes last: its CPU shim, once installed, stays."""
     import dataclasses
-    from config import config_from_dict
-    from distributed import DistContext
-    from strategies import apply
+    from wiring import config_from_dict
+    from core.distributed import DistContext
+    from wiring import parallelize as apply
     from strategies.memory import state_bytes
     torch.set_num_threads(1)
     backend = None

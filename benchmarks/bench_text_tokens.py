@@ -31,14 +31,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import distributed as D  # noqa: E402
+from core import distributed as D  # noqa: E402
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
-from config import config_from_dict  # noqa: E402
+from wiring import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
-from run_log import Window  # noqa: E402
-from tasks import build_task  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from core.run_log import Window  # noqa: E402
+from wiring import build_task, build_trainer  # noqa: E402
 
 SST2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
 
@@ -79,7 +78,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
         "train": {"batch_size": args.batch, "max_steps": 10**6, "epochs": 0, "lr": 1e-3, "warmup": 0,
                   "schedule": "constant", "best_metric": "accuracy" if task_name == "sst2" else "loss"},
         "log": {"progress_bar": False, "tensorboard": False}}, "bench")
-    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     task, dataset = trainer.task, trainer.datasets["train"]
     stream, window = trainer.micro_batches(), Window(trainer.ctx)
 

@@ -23,14 +23,13 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import distributed as D  # noqa: E402
-from config import config_from_dict  # noqa: E402
+from core import distributed as D  # noqa: E402
+from wiring import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
-from run_log import Window  # noqa: E402
-from tasks import build_task  # noqa: E402
+from core.run_log import Window  # noqa: E402
+from wiring import build_task, build_trainer  # noqa: E402
 from tasks.image import TensorImages  # noqa: E402
 from tasks.mnist import load_mnist  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 
 def images(small: bool):
@@ -66,7 +65,7 @@ def main():
     dataset, data_name = images(args.small)
     task.build_datasets = lambda: {"train": dataset, "dev": None, "test": None}  # same data for both sides
     task.image_size = dataset.images.shape[-1]
-    trainer = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
     stream, window = trainer.micro_batches(), Window(trainer.ctx)
     device = trainer.ctx.device
     cuda = device.type == "cuda"

@@ -45,12 +45,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import distributed as D  # noqa: E402
-from config import load_config  # noqa: E402
-from run_log import Window  # noqa: E402
-from tasks import build_task  # noqa: E402
+from core import distributed as D  # noqa: E402
+from wiring import load_config  # noqa: E402
+from core.run_log import Window  # noqa: E402
+from wiring import build_task, build_trainer  # noqa: E402
 from tasks.sst2 import read_tsv  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
 LONG_WORDS = 110  # --job long: words per joined text, enough to fill 128 MiniLM tokens (~1.2 tokens per word)
@@ -177,7 +176,7 @@ def main():
         "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}",
         f"dist.device={args.device}", *precision, *args.set])
     task = build_task(cfg)
-    ours = Trainer(cfg, task, D.init(cfg, 0, 1, 0))
+    ours = build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
     if args.defaults:
         ours.measure()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
     elif ours.precision_asked == "auto":

@@ -54,7 +54,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import DataError  # noqa: E402
+from core.errors import DataError
 from tasks.pretrained import resolve_package_path  # noqa: E402
 from tasks import token_shards as ts  # noqa: E402
 

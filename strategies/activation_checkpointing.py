@@ -10,7 +10,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from config import ConfigError
+from core.errors import ConfigError
 from strategies.base import model_blocks
 
 

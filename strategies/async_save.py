@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-import checkpoint
+from core import checkpoint
 from strategies.base import Parallel, state_to_save
 
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from config import ConfigError
-from distributed import DistContext
+from core.distributed import DistContext
+from core.errors import ConfigError
 
 
 def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
@@ -116,14 +116,14 @@ class Parallel:
         """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
+    def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step (on the device), each loss multiplied by
         `scale`; gradients are synced on the last one only. Returns the summed loss of the batches, or 0 where
         this rank's batch does not count (another rank of its tp group reports the same loss)."""
         total = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(batches):
             sync = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
-            with sync, slowdown(self.raw_model):
+            with sync:
                 with autocast():
                     loss_sum = task.loss_sum(self.model, batch)
                 loss = loss_sum.float() * scale
@@ -166,9 +166,9 @@ class Parallel:
         return lambda: None
 
     def load(self, directory: str) -> None:
-        """Reads model.pt and optimizer.pt, or a pipe or fsdp checkpoint, into the whole model (checkpoint_io.py)."""
-        import checkpoint_io  # only the runs that read a checkpoint load its readers
-        checkpoint_io.load_whole(self.raw_model, self.optimizer, directory)
+        """Reads a checkpoint of any strategy into this rank's part of the model and optimizer (each strategy's own:
+        core/checkpoint_io.py reads the files)."""
+        raise NotImplementedError
 
 
 # ---- LoRA (tasks/lora.py): a checkpoint holds only what trains, plus a reference to the frozen base -------------

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from distributed import DistContext
+from core.distributed import DistContext
 
 
 def sharded_scaler(cfg, ctx: DistContext):

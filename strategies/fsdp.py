@@ -16,12 +16,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import checkpoint_io
-from checkpoint import read_meta
-from checkpoint_dcp import dcp_load
-from checkpoint_io import load_file
-from config import CheckpointError
-from distributed import DistContext
+from core import checkpoint_io
+from core.checkpoint_meta import read as read_meta
+from core.checkpoint_dcp import dcp_load
+from core.checkpoint_io import load_file
+from core.errors import CheckpointError
+from core.distributed import DistContext
 from strategies import mesh as meshes
 from strategies.base import Parallel, model_blocks, optimizer_recipe, trains_part
 from strategies.fp16 import sharded_scaler

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distributed import DistContext
+from core.distributed import DistContext
 
 
 @dataclass

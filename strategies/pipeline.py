@@ -34,12 +34,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint_io
-from checkpoint_dcp import dcp_load
-from config import CheckpointError, DataError
+from core import checkpoint_io
+from core.checkpoint_dcp import dcp_load
+from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
-from distributed import DistContext
-from balance import synchronize, time_unnoticed
+from core.distributed import DistContext, synchronize, time_unnoticed
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler
@@ -190,7 +189,7 @@ class PipeParallel(Parallel):
         loss = self.task.loss_from_output(output, target).float() * self.scale
         return self.scaler.scale(loss) if self.scaler else loss
 
-    def forward_backward(self, task, batches: list[dict], scale, autocast, slowdown) -> torch.Tensor:
+    def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:
         """Each batch through the schedule (forward and backward of all its micro-batches); dist.simulate_slowdown
         is applied per stage inside it. Returns the pipeline's summed loss on its last stage (0 elsewhere)."""
         total = sum((self.step(task, batch, scale, autocast) for batch in batches),

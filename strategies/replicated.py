@@ -6,14 +6,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import DistContext
+from core import checkpoint_io
+from core.distributed import DistContext
+from strategies.async_save import start_save
 from strategies.base import Parallel, make_scaler, optimizer_recipe
 
 
 class ReplicatedParallel(Parallel):
     def start_save(self, directory: str):
-        from strategies.async_save import start_save  # (only runs with train.async_save load it)
-        return start_save(self, directory)
+        return start_save(self, directory)  # train.async_save: a writer thread
+
+    def load(self, directory: str) -> None:
+        """model.pt and optimizer.pt, or a pipe or fsdp checkpoint, into the whole model."""
+        checkpoint_io.load_whole(self.raw_model, self.optimizer, directory)
 
 
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from config import ConfigError
+from core.errors import ConfigError
 
-from distributed import DistContext
+from core.distributed import DistContext
 from strategies import mesh as meshes
 from strategies.base import Parallel, optimizer_recipe
 from strategies.fp16 import sharded_scaler

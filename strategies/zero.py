@@ -7,7 +7,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import nn
 
-from distributed import DistContext
+from core.distributed import DistContext
 from strategies.base import Parallel, make_scaler, optimizer_recipe
 from strategies.fp16 import sharded_scaler
 from strategies.replicated import DDPParallel, ddp_wrap

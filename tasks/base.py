@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
+from core.errors import ConfigError
 
 
 class Task:
@@ -88,7 +89,6 @@ class Task:
     # -----> to split a new model's blocks: map each linear layer's name (wildcards allowed) to ColwiseParallel()
     # (split by output features) or RowwiseParallel() (by input features; its output is all-reduced).
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
-        from config import ConfigError
         raise ConfigError(f"dist.tp: the {self.cfg.task} task has no tensor-parallel plan (Task.tp_plan names the "
                           "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1")
 

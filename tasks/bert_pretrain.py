@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from config import DataError
+from core.errors import DataError
 from tasks import lm_models
 from tasks.base import Layer, Task
 from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, pad_positions

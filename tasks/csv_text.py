@@ -5,7 +5,7 @@ import re
 import torch
 from torch import nn
 
-from config import DataError
+from core.errors import DataError
 from tasks.base import Task, classification_batch, classification_metrics
 from tasks.table_files import FORMATS, read_split
 

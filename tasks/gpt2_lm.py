@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config import DataError
+from core.errors import DataError
 from tasks import lm_data, lm_models, token_shards
 from tasks.base import Task
 from tasks.lm_data import Blocks, read_texts  # noqa: F401 (read_texts: scripts/prepare_text.py reads JSON with it)

@@ -21,7 +21,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from config import ConfigError
+from core.errors import ConfigError
+from strategies.tp import OwnDropout
 
 
 def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
@@ -59,7 +60,6 @@ def own_dropout(plan: dict, c, sequence_parallel: bool) -> dict:
     """Each rank draws its own dropout masks where the data is split (strategies/tp.OwnDropout): the attention
     probabilities of its heads, up to c_proj, whose output resid_dropout sees whole; under sequence parallelism
     the whole attention and the MLP's dropout, on its own positions. The embeddings' dropout runs whole."""
-    from strategies.tp import OwnDropout
     block = "transformer.h.*."
     if c.attn_pdrop > 0 or (sequence_parallel and c.resid_pdrop > 0):
         plan[block + "attn"] = OwnDropout(plan[block + "attn"], until=None if sequence_parallel else "c_proj")

@@ -14,11 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from config import DataError
+from core.errors import DataError
 from tasks.base import Layer, Task, classification_batch, classification_metrics
-
-CLASSES = 10  # the digits 0-9: Net's output size, and the labels the data may hold
-MIN_IMAGE_SIZE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
+from tasks.mnist import CLASSES, load_mnist_splits
 
 
 class Net(nn.Module):
@@ -82,7 +80,6 @@ class ImageTask(Task):
             images, labels, test_images, test_labels = load_digits_split()
             scale, mean, std = 16.0, 0.3, 0.4  # pixel range 0..16; mean/std of the training images
         elif d.dataset == "mnist":
-            from tasks.mnist import load_mnist_splits  # IDX files: only MNIST runs read them
             images, labels, test_images, test_labels = load_mnist_splits(d.data_dir, d.download)
             scale, mean, std = 255.0, 0.1307, 0.3081
         else:

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from config import DataConfig, DataError
+from core.config import DataConfig
+from core.errors import DataError
 from tasks.text_common import json_lines, read_utf8
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".ndjson")  # what a data_dir is searched for

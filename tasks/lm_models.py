@@ -17,8 +17,11 @@ import math
 import torch
 from torch import nn
 
-from config import ConfigError, DataError
+from core.errors import ConfigError, DataError
 from tasks.base import Layer
+from tasks.text_common import check_pretrained_dir
+from tasks.gpt2_tp import gpt2_plan
+from strategies.tp import OwnDropout
 
 # -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
 PRESETS = {
@@ -96,7 +99,6 @@ def freeze_biases(model: nn.Module) -> None:
 def load_causal_lm(cfg) -> nn.Module:
     """model.pretrained_dir's causal LM (GPT-2 or Llama), after checking the model section agrees with it."""
     from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
-    from tasks.text_common import check_pretrained_dir
     folder = check_pretrained_dir(cfg.model.pretrained_dir)
     config = AutoConfig.from_pretrained(folder)
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
@@ -179,7 +181,6 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_par
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     if hasattr(model, "transformer"):
-        from tasks.gpt2_tp import gpt2_plan
         return gpt2_plan(model, tp, sequence_parallel, loss_parallel)
     c = model.config
     if c.num_attention_heads % tp or c.num_key_value_heads % tp or c.intermediate_size % tp:
@@ -198,7 +199,6 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_par
     if loss_parallel:  # logits stay a DTensor split by vocabulary, for the loss under loss_parallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=rows, output_layouts=Shard(-1), use_local_output=False)
     if c.attention_dropout > 0:  # on each rank's own heads: its own masks (Llama has no other dropout)
-        from strategies.tp import OwnDropout
         plan[layer + "self_attn"] = OwnDropout(plan.get(layer + "self_attn"))
     return plan
 

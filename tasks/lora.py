@@ -4,7 +4,7 @@ peft (`get_peft_model(model, LoraConfig(...))`). A classifier's new head trains 
 What changes for the rest of the trainer: the optimizer sees only the parameters that train (strategies/base.py
 param_groups keeps those with requires_grad); checkpoints hold only them (strategies/base.state_to_save) plus, in
 meta.json, a reference to the frozen base (`lora_base`: model.pretrained_dir and the size and SHA-256 of its
-weight files), and a checkpoint is refused on another base in one line (check_base); `mode: export` writes the
+weight files), and a checkpoint is refused on another base in one line (core/checkpoint_io.check_lora_checkpoint); `mode: export` writes the
 merged model and the adapter folder (export.py).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 
 from torch import nn
 
-from config import CheckpointError, ConfigError
+from core.errors import ConfigError
 
 # -----> the modules a task's model builds new (not in the pretrained folder): trained whole, beside the adapters.
 HEADS = ("classifier", "classification_head", "score")
@@ -137,15 +137,3 @@ def _sha256(paths: tuple, stamp: tuple) -> str:
     return digest.hexdigest()
 
 
-def check_base(model: nn.Module, path: str, saved: dict) -> None:
-    """A checkpoint's adapters are read onto the base they were trained on: the same weights (by hash; the folder
-    may have moved), else one line naming both."""
-    now = model.lora_base
-    if not isinstance(saved, dict) or not isinstance(saved.get("sha256"), str):
-        raise CheckpointError(f"{path}: holds no LoRA base reference (meta.json `lora_base`): it was not written by a "
-                              "LoRA run; use it with model.lora_rank: 0")
-    if saved["sha256"] != now["sha256"]:
-        raise CheckpointError(f"{path}: its LoRA adapters were trained on {saved.get('pretrained_dir')} "
-                              f"({saved.get('bytes')} bytes of weights, sha256 {saved['sha256'][:12]}), but "
-                              f"model.pretrained_dir {now['pretrained_dir']} holds other weights ({now['bytes']} "
-                              f"bytes, sha256 {now['sha256'][:12]}); point model.pretrained_dir at that base")

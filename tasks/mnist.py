@@ -10,8 +10,10 @@ import urllib.request
 
 import numpy as np
 
-from config import DataError
-from tasks.image import CLASSES, MIN_IMAGE_SIZE
+from core.errors import DataError
+
+CLASSES = 10  # the digits 0-9: Net's output size, and the labels the data may hold
+MIN_IMAGE_SIZE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
 
 MNIST_FILES = {  # name -> MD5 as published with the dataset
     "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",

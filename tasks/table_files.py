@@ -25,7 +25,7 @@ import json
 import os
 from typing import Iterable, Iterator, Optional
 
-from config import DataError
+from core.errors import DataError
 from tasks.text_common import json_lines, note, read_utf8
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}

@@ -17,8 +17,10 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-import faults
-from config import ConfigError, DataError
+from core import disk_errors
+from core.errors import ConfigError, DataError
+from tasks.base import Layer
+from strategies.tp import OwnDropout
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
@@ -70,7 +72,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
                 note(f"start over: moved the previous run's tokenizer aside to {aside}")
             if not saved():
                 made = load_tokenizer_folder(folder_from) if folder_from else train_tokenizer(texts(), kind)
-                with faults.naming(folder + ".part"):  # (a full disk's error may name no file)
+                with disk_errors.naming(folder + ".part"):  # (a full disk's error may name no file)
                     made.save_pretrained(folder + ".part")
                     with open(os.path.join(folder + ".part", MADE_AS), "w") as f:
                         json.dump(asked, f)
@@ -277,7 +279,6 @@ def bert_pipeline_layers(bert, head) -> list:
     encoder layer, then `head`, a Layer taking (hidden states, attention mask). This is what BertModel.forward
     does, link by link. The attention mask travels along with the hidden states, as 0/1 integers: a float
     tensor between stages would be taken for an activation that needs a gradient."""
-    from tasks.base import Layer
 
     def embed(input_ids, attention_mask, token_type_ids=None):
         return bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), attention_mask
@@ -306,7 +307,6 @@ def bart_pipeline_layers(bart, head) -> list:
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
     from transformers.models.bart.modeling_bart import shift_tokens_right
 
-    from tasks.base import Layer
     config, encoder, decoder = bart.config, bart.encoder, bart.decoder
 
     def embed(part, ids):
@@ -375,7 +375,6 @@ def bert_tp_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool = Fals
 def bert_own_dropout(model: torch.nn.Module, layers: list, plan: dict, sequence_parallel: bool) -> dict:
     """Where dropout sees split data, each rank draws its own masks (strategies/tp.OwnDropout): the attention
     probabilities of its own heads, and under sequence parallelism the hidden dropout on its own positions."""
-    from strategies.tp import OwnDropout
     for name in layers:
         layer = model.get_submodule(name)
         split = {"attention.self": layer.attention.self.dropout.p}  # the attention function reads its p

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from config import DataError
+from core.errors import DataError
+from tasks.text_common import check_pretrained_dir, main_first, tokenizer_dir
 
 MANIFEST = "manifest.json"
 PLAN = os.path.join("progress", "plan.json")  # written first by prepare_text.py: a preparation was started here
@@ -88,7 +89,6 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
     generate.py look for it). A different tokenizer already in output_dir is an error, not a silent mix of ids."""
     from transformers import AutoTokenizer
 
-    from tasks.text_common import check_pretrained_dir, main_first, tokenizer_dir
     if cfg.model.pretrained_dir:
         tokenizer = AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
         where = f"model.pretrained_dir {cfg.model.pretrained_dir}"

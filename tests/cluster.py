@@ -405,7 +405,7 @@ def spawn_reference(tmp_path_factory):
     Resume is bit-exact and the launchers only change who starts the processes, so a launched, interrupted and
     resumed run must land here within 1e-6."""
     from conftest import free_port, load_model_state
-    from config import load_config
+    from wiring import load_config
     import main
     if "params" in _REFERENCE:  # test modules that import this fixture each get their own: compute it once
         return _REFERENCE["params"]

@@ -35,7 +35,7 @@ def free_port() -> int:
 def make_config(output_dir, **sections):
     """A Config for tests: `make_config(tmp, train={"max_steps": 5}, dist={"strategy": "ddp"})`.
     Defaults: no progress bar, no TensorBoard, a free port."""
-    from config import config_from_dict
+    from wiring import config_from_dict
     raw = {"output_dir": str(output_dir), "log": {"progress_bar": False, "tensorboard": False}}
     for key, value in sections.items():
         if isinstance(value, dict):
@@ -62,7 +62,8 @@ def load_model_state(output_dir, step):
 def write_checkpoint(output_dir, step: int, ctx, write_files, meta: dict) -> str:
     """checkpoint.start_write(...).finish() with a `write_files(tmp_dir)` that writes at once: a checkpoint
     written as the Trainer writes one without train.async_save. Returns its path."""
-    import checkpoint
+    from core import checkpoint
+    from core import checkpoint_meta
     return checkpoint.start_write(str(output_dir), step, ctx, lambda d: write_files(d) or (lambda: None),
                                   meta).finish()
 
@@ -83,19 +84,19 @@ def spawn(fn, args, nprocs: int, join: bool = True):
 def _train_rank(local_rank, cfg, world, out_dir):
     """Spawned by run_ranks: one rank trains, then writes its own copy of the parameters."""
     import torch
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     torch.set_num_threads(1)
     ctx = D.init(cfg, local_rank, world, local_rank)
     try:
-        trainer = Trainer(cfg, build_task(cfg), ctx)
+        trainer = build_trainer(cfg, ctx)
         trainer.train()
         torch.save({k: v.detach().cpu() for k, v in trainer.par.raw_model.state_dict().items()},
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
     finally:
         D.shutdown(ctx)
-    import launcher
+    from resilience import launcher
     launcher.leave(0)  # as main.py's ranks end: without the interpreter's teardown, which gloo's threads can abort
 
 
@@ -134,9 +135,9 @@ def assert_test_mode_gives_the_logged_dev_loss(cfg) -> None:
     logged when it was saved."""
     import json
 
-    import checkpoint
+    from core import checkpoint_meta
     import main
     cfg.mode = "test"
     assert main.run(cfg) == 0
     result = json.load(open(os.path.join(cfg.output_dir, "dev_results.json")))
-    assert abs(result["metrics"]["loss"] - checkpoint.read_meta(result["checkpoint"])["metrics"]["loss"]) < 1e-6
+    assert abs(result["metrics"]["loss"] - checkpoint_meta.read(result["checkpoint"])["metrics"]["loss"]) < 1e-6

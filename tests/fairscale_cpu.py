@@ -87,9 +87,10 @@ def train(cfg, procs: int) -> int:
 
 def _worker(local_rank: int, cfg, procs: int) -> None:
     import main
-    import launcher
+    import wiring
+    from resilience import launcher
     install()
-    code = main.worker(cfg, main.Launch(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
+    code = wiring.worker(cfg, main.RankPlace(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)
     launcher.leave(0)  # as main.py's ranks end (see there)

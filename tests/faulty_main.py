@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
+from core import distributed  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
@@ -76,7 +76,7 @@ if FAULT:
     distributed.shutdown = shutdown
 
 if __name__ == "__main__":
-    import faults
+    from resilience import faults
     import main
     faults.ignore_late_signals = True  # as main.py's own __main__
     sys.exit(main.main())

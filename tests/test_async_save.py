@@ -8,8 +8,8 @@ import torch
 
 from conftest import make_config
 
-import checkpoint
-import checkpoint_io
+from core import checkpoint
+from core import checkpoint_io
 import main
 import trainer as T
 

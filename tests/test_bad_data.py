@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT, make_config, spawn
 
-from config import DataError
-from tasks import build_task
+from core.errors import DataError
+from wiring import build_task
 
 
 def datasets_of(cfg):

@@ -17,13 +17,15 @@ import torch
 
 from conftest import load_model_state, make_config, spawn, write_checkpoint
 
-import checkpoint
-import checkpoint_dcp
-import checkpoint_io
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_dcp
+from core import checkpoint_io
 import main
-import resume
-import run_dir
-from distributed import DistContext
+from resilience import resume
+from resilience import run_dir
+from core.distributed import DistContext
 
 STEPS = 6
 TRAIN = {"max_steps": STEPS, "eval_every": 0, "save_every": 1, "keep_last": 10, "log_every": 1}
@@ -34,7 +36,7 @@ SINGLE = DistContext(0, 1, 0, torch.device("cpu"), None)
 def run(out, train=None, **sections) -> int:
     import torch.distributed as dist
     code = main.run(make_config(out, train={**TRAIN, **(train or {})}, **sections))
-    if dist.is_initialized():  # main.worker leaves the group up after a failure (peers may be gone); one rank here
+    if dist.is_initialized():  # wiring.worker leaves the group up after a failure (peers may be gone); one rank here
         dist.destroy_process_group()
     return code
 
@@ -111,7 +113,7 @@ def test_write_fsyncs_every_file_and_directory_before_the_rename(tmp_path, monke
     for name in ("model.pt", "model_dcp/__0_0.distcp", "meta.json", "model_dcp", ""):
         assert os.path.normpath(os.path.join(tmp, name)) in synced_before, name
     assert ("fsync", os.path.join(str(tmp_path), "checkpoints")) in events[renames[0]:]  # the rename itself
-    assert checkpoint.is_complete(final) and checkpoint.read_meta(final)["step"] == 7
+    assert checkpoint.is_complete(final) and checkpoint_meta.read(final)["step"] == 7
 
 
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
@@ -449,7 +451,7 @@ def test_a_real_fsdp_checkpoint_still_loads_in_test_mode(reference, tmp_path):
         assert isinstance(checkpoint_dcp.read_dcp_metadata(os.path.join(ckpt(ref, STEPS), folder)), Metadata)
     assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(ref, STEPS)})) == 0
     dev = json.load(open(tmp_path / "dev_results.json"))
-    trained = checkpoint.read_meta(ckpt(ref, STEPS))["metrics"]  # dev metrics of the training run, at its end
+    trained = checkpoint_meta.read(ckpt(ref, STEPS))["metrics"]  # dev metrics of the training run, at its end
     assert dev["metrics"]["samples"] == trained["samples"] == 225
     assert dev["metrics"]["accuracy"] == pytest.approx(trained["accuracy"])
 

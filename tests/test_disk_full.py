@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import disk_errors
-import faults
+from core import checkpoint
+from core import disk_errors
+from core import errors
+from resilience import faults
 import main
-import run_log
+from core import run_log
 from conftest import ROOT, free_port, make_config
 
 TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 2, "keep_last": 10, "log_every": 1}
@@ -26,7 +27,7 @@ TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 2, "keep_last": 10, "log
 def run(out, train=None, **sections) -> int:
     import torch.distributed as dist
     code = main.run(make_config(out, train={**TRAIN, **(train or {})}, **sections))
-    if dist.is_initialized():  # main.worker leaves the group up after a failure
+    if dist.is_initialized():  # wiring.worker leaves the group up after a failure
         dist.destroy_process_group()
     return code
 
@@ -68,7 +69,7 @@ class FillsAfter(io.StringIO):
 
 @pytest.fixture
 def thread_hook():
-    """main.worker installs faults.thread_exception for the process: put Python's back after the test."""
+    """wiring.worker installs faults.thread_exception for the process: put Python's back after the test."""
     import threading
     yield
     threading.excepthook = threading.__excepthook__
@@ -76,7 +77,7 @@ def thread_hook():
 
 def test_log_file_full_mid_run_is_one_line_and_resumes(tmp_path, capsys, monkeypatch, thread_hook):
     monkeypatch.setattr(run_log.LogFile, "_open", lambda self: FillsAfter(8))  # about step 4 of 6
-    assert run(tmp_path) == faults.EXIT_USER_ERROR
+    assert run(tmp_path) == errors.EXIT_USER_ERROR
     line = one_error(capsys)
     assert line.startswith(f"error: {tmp_path / 'logs' / 'rank0.log'}: No space left on device: free some space")
     assert "checkpoints saved so far are intact" in line
@@ -114,7 +115,7 @@ def test_tensorboard_full_is_one_line(tmp_path, capsys, monkeypatch, thread_hook
             raise no_space()
         return real(self, data)
     monkeypatch.setattr(record_writer.RecordWriter, "write", write)
-    assert run(tmp_path, log={"tensorboard": True}) == faults.EXIT_USER_ERROR
+    assert run(tmp_path, log={"tensorboard": True}) == errors.EXIT_USER_ERROR
     line = one_error(capsys)
     assert line.startswith(f"error: {tmp_path / 'tensorboard'}: No space left on device: free some space")
     assert saved_steps(tmp_path) == ([] if after == 0 else [2])
@@ -130,7 +131,7 @@ def test_results_json_full_in_test_mode_leaves_no_partial_file(tmp_path, capsys,
     real_open = open
     monkeypatch.setattr(run_log, "open", lambda path, mode="r": Full() if mode == "w" else real_open(path, mode),
                         raising=False)
-    assert run(tmp_path, mode="test") == faults.EXIT_USER_ERROR
+    assert run(tmp_path, mode="test") == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'dev_results.json'}: No space left on device")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("dev_results.json")]
 
@@ -144,7 +145,7 @@ def test_config_yml_on_a_full_disk_keeps_the_previous_one(tmp_path, capsys, monk
         def write(self, text):
             raise no_space()
     monkeypatch.setattr(run_log, "open", lambda path, mode="r": Full(), raising=False)
-    assert run(tmp_path, train={"max_steps": 4}) == faults.EXIT_USER_ERROR
+    assert run(tmp_path, train={"max_steps": 4}) == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'config.yml'}: No space left on device")
     assert (tmp_path / "config.yml").read_text() == before  # test and export still read a whole one
     assert saved_steps(tmp_path) == [2]
@@ -158,7 +159,7 @@ def test_read_only_checkpoints_folder_at_save_is_one_line(tmp_path, capsys, monk
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
         return real(path, *a, **k)
     monkeypatch.setattr(checkpoint.os, "makedirs", makedirs)
-    assert run(tmp_path) == faults.EXIT_USER_ERROR
+    assert run(tmp_path) == errors.EXIT_USER_ERROR
     assert one_error(capsys) == (f"error: {tmp_path / 'checkpoints'}: Read-only file system: make it writable for "
                                  f"this run (or choose another output_dir), then run the same command again (the "
                                  f"checkpoints saved so far are intact)")
@@ -175,7 +176,7 @@ def test_tokenizer_folder_not_writable_is_one_line(tmp_path, capsys, monkeypatch
     code = run(tmp_path / "out", task="gpt2_lm", data={"data_dir": str(tmp_path / "data"), "max_length": 16,
                                                        "tokenizer": "char"},
                model={"name": "tiny"}, train={"best_metric": "loss", "batch_size": 4, "epochs": 0})
-    assert code == faults.EXIT_USER_ERROR
+    assert code == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'out' / 'tokenizer.part'}: Permission denied: make it "
                                         f"writable")
 
@@ -203,7 +204,7 @@ def test_read_only_checkpoints_folder_is_refused_at_start(tmp_path, capsys):
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root to mount a read-only folder (chmod does not stop root)")
     try:
-        assert run(tmp_path) == faults.EXIT_USER_ERROR
+        assert run(tmp_path) == errors.EXIT_USER_ERROR
         assert one_error(capsys) == (f"error: checkpoint folder {str(folder)!r} is not a writable directory "
                                      f"(Read-only file system): make it writable for this run, or choose another "
                                      f"output_dir")
@@ -226,7 +227,7 @@ def test_one_rank_on_a_full_disk_stops_every_rank_with_one_line(tmp_path, rank):
             "--set", "train.max_steps=40", "--set", "train.save_every=2", "--set", "train.log_every=1",
             "--set", "train.eval_every=0", "--set", "log.tensorboard=false", "--set", "log.progress_bar=false"]
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == faults.EXIT_USER_ERROR, r.stderr
+    assert r.returncode == errors.EXIT_USER_ERROR, r.stderr
     assert r.stderr.strip() == (f"error: {out / 'logs' / f'rank{rank}.log'}: No space left on device: free some "
                                 f"space, then run the same command again (the checkpoints saved so far are intact)")
     assert 4 in saved_steps(out)

@@ -10,8 +10,10 @@ import pytest
 
 from conftest import make_config, slow
 
-import checkpoint
-import checkpoint_io
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_io
 import main
 from data_loader import GlobalBatchSampler
 
@@ -75,7 +77,7 @@ def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     quarter of the epoch untrained; now the epoch goes on from sample 480 to its end at 48 a batch."""
     first = tmp_path / "first"
     assert run(first, {"strategy": "none"}, 32, save_every=15) == 0
-    assert checkpoint.read_meta(ckpt(first, 15))["state"]["sample_in_epoch"] == 480
+    assert checkpoint_meta.read(ckpt(first, 15))["state"]["sample_in_epoch"] == 480
     out = tmp_path / "wider"
     resumed_copy(first, out, 15)
     capsys.readouterr()
@@ -85,7 +87,7 @@ def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     assert "the run's length is 32 steps from sample 480 of epoch 0 at this global batch (was 27)" in log
     assert "already complete" not in log
     assert checkpoint.latest(str(out)).endswith("step-32")
-    end = checkpoint.read_meta(ckpt(out, 32))["state"]
+    end = checkpoint_meta.read(ckpt(out, 32))["state"]
     assert (end["epoch"], end["sample_in_epoch"]) == (0, 1272)  # the whole epoch consumed, once
 
 
@@ -98,4 +100,4 @@ def test_fsdp_two_ranks_to_one_process(tmp_path, layout):
     assert run(b, {"strategy": "none"}, 24, max_steps=10, epochs=0) == 0
     x, y = checkpoint_io.model_state_dict(ckpt(one, 10)), checkpoint_io.model_state_dict(ckpt(b, 10))
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-5
-    assert np.isfinite(checkpoint.read_meta(ckpt(b, 10))["metrics"].get("loss", 0.0))
+    assert np.isfinite(checkpoint_meta.read(ckpt(b, 10))["metrics"].get("loss", 0.0))

@@ -19,7 +19,7 @@ from cluster import (NODE_ADDRS, ROOT, STEPS, checkpoint_steps, clean_env, freez
                      two_nodes, wait_for)  # noqa: F401 (fixtures)
 from conftest import free_port, load_model_state, max_diff
 
-import elastic
+from resilience import elastic
 
 # ---- the refusal, from the worker's environment and the agent's command line ---------------------------------
 SHARED = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}

@@ -47,13 +47,13 @@ def export(cfg, **export_section) -> int:
 
 def checkpoint_model(cfg):
     """The task's model with the best checkpoint's weights, loaded as test mode loads it."""
-    import checkpoint
-    import checkpoint_io
-    from tasks import build_task
+    from core import checkpoint, checkpoint_meta
+    from core import checkpoint_io
+    from wiring import build_task
     task = build_task(cfg)
     task.prepare_inference()
     model = task.build_model()
-    checkpoint_io.load_model(model, checkpoint.best(cfg.output_dir), cfg)
+    checkpoint_io.load_model(model, checkpoint_meta.best_recorded(cfg.output_dir), cfg)
     return task, model.eval()
 
 
@@ -141,10 +141,10 @@ def test_gpt2_export_loads_as_causal_lm_with_our_logits_and_generates(data, tmp_
     assert err.count("error: ") == 3 and "BertForSequenceClassification, not a causal language model" in err, err
 
     # A sharded checkpoint (a torch.distributed.checkpoint folder, as fsdp/oss/pipe write) exports the same weights.
-    import checkpoint
+    from core import checkpoint, checkpoint_meta
     import torch.distributed.checkpoint as dcp
-    sharded = tmp_path / "sharded" / os.path.basename(checkpoint.best(cfg.output_dir))
-    shutil.copytree(checkpoint.best(cfg.output_dir), sharded)
+    sharded = tmp_path / "sharded" / os.path.basename(checkpoint_meta.best_recorded(cfg.output_dir))
+    shutil.copytree(checkpoint_meta.best_recorded(cfg.output_dir), sharded)
     dcp.save(torch.load(sharded / "model.pt", weights_only=True), checkpoint_id=str(sharded / "model_dcp"),
              no_dist=True)
     os.remove(sharded / "model.pt")
@@ -242,7 +242,7 @@ def test_a_task_without_export_formats_is_a_clear_error(cnn_run, tmp_path, monke
 
 
 def test_a_failed_export_leaves_nothing_behind(cnn_run, tmp_path, monkeypatch):
-    import export as exporter
+    from extras import export as exporter
 
     def fail(folder, task, model):
         raise RuntimeError("disk full, say")
@@ -255,7 +255,7 @@ def test_a_failed_export_leaves_nothing_behind(cnn_run, tmp_path, monkeypatch):
 def test_an_export_is_fsynced_before_its_rename(tmp_path, monkeypatch):
     """Like a checkpoint (checkpoint.durable_rename): every file and folder flushed, then the rename, then its
     parent, so a power loss never leaves an export with empty files under its final name."""
-    import export as exporter
+    from extras import export as exporter
     events, real_fsync, real_rename = [], os.fsync, os.rename
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd)))

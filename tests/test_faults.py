@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
-import faults
-import heartbeat
+from core import config, errors
+from resilience import faults
+from resilience import heartbeat
 import main
-from config import load_config
+from wiring import load_config
 
 HOST = socket.gethostname()
 
@@ -87,7 +88,7 @@ def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
     wait_for_log(out, 1, r"step 5/40")
     proc.send_signal(signal.SIGTERM)
     code, stdout, stderr = finish(proc)
-    assert code == faults.EXIT_STOPPED, stderr
+    assert code == errors.EXIT_STOPPED, stderr
     lines = [line for line in stdout.splitlines() if line.startswith("stopped by")]
     assert len(lines) == 1, stdout  # said by both ranks, printed once
     m = re.fullmatch(r"stopped by SIGTERM at step (\d+); saved step-\1; run the same command to resume", lines[0])
@@ -125,7 +126,7 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
         for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:  # hear it twice
             p.send_signal(signal.SIGUSR1)  # (directly, and forwarded by the launcher)
     code, stdout, stderr = finish(proc)
-    assert code == faults.EXIT_STOPPED, stderr
+    assert code == errors.EXIT_STOPPED, stderr
     reason = {"ctrl-c": "SIGINT", "SIGUSR1": "SIGUSR1",
               "time_limit": r"the time limit \(train.time_limit=00:00:04\)"}[how]
     m = re.search(rf"^stopped by {reason} at step (\d+); saved step-(\d+); run the same command to resume$",
@@ -142,7 +143,7 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
 def test_crash_in_one_rank_is_reported_with_rank_host_step_and_traceback(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = finish(start(out, fault="raise:1:3"))
-    assert code == faults.EXIT_CRASH
+    assert code == errors.EXIT_CRASH
     first = stderr.splitlines()[0]
     assert first == f"rank 1 on {HOST} failed at step 3: ValueError: injected fault", stderr
     assert stderr.count("ValueError: injected fault") == 2  # the heading and the traceback's last line, once
@@ -162,7 +163,7 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
     t0 = time.monotonic()
     code, _, stderr = finish(proc, timeout=30)
     assert time.monotonic() - t0 < 10
-    assert code == faults.EXIT_CRASH
+    assert code == errors.EXIT_CRASH
     assert re.match(rf"rank 1 on {HOST} \(pid {ranks[1].pid}\) died from SIGKILL \(killed by the kernel: out of "
                     r"memory\?, or kill -9\) at step \d+$", stderr.splitlines()[0]), stderr
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
@@ -179,7 +180,7 @@ def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_pa
     assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down 3 s "
                      r"later; ended it$", stderr, re.M), stderr
     assert "rank 0" not in stderr  # rank 0 closed normally
-    from checkpoint_io import model_state_dict
+    from core.checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
 
 
@@ -195,7 +196,7 @@ def test_a_rank_that_crashes_in_its_teardown_after_it_was_done_does_not_fail_the
     assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but its teardown ended "
                      r"with SIGABRT; counted as done$", stderr, re.M), stderr
     assert "died" not in stderr and "rank 0" not in stderr
-    from checkpoint_io import model_state_dict
+    from core.checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
 
 
@@ -221,7 +222,7 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     code, _, stderr = finish(proc, timeout=60)
     # The timeout, a beat interval, 2 s for the others to read the verdict, the launcher's 2 s of grace, exits
     assert time.monotonic() - t0 < 3 + 7
-    assert code == faults.EXIT_CRASH
+    assert code == errors.EXIT_CRASH
     assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ \(their last "
                     rf"heartbeat; rank 0 is at step \d+; none for 3 s", stderr), stderr
     with open(out / "logs" / "rank0.log") as f:
@@ -236,7 +237,7 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
 def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", fault="hang:1:4"), timeout=60)
-    assert code == faults.EXIT_CRASH
+    assert code == errors.EXIT_CRASH
     assert len(stderr.splitlines()) == 1, stderr  # every rank saw the verdict; said once
     assert "no progress for 3 s at step 4" in stderr
     with open(out / "logs" / "rank1.log") as f:
@@ -249,7 +250,7 @@ def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
 def test_same_user_error_on_every_rank_is_printed_once(tmp_path):
     code, _, stderr = finish(start(tmp_path / "run", "--set", "data.dataset=mnist",
                                    "--set", f"data.data_dir={tmp_path}/none", "--set", "data.download=false"))
-    assert code == faults.EXIT_USER_ERROR
+    assert code == errors.EXIT_USER_ERROR
     assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
 
 
@@ -259,7 +260,7 @@ def test_port_in_use_is_one_line_with_the_fix(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         code, _, stderr = finish(start(tmp_path / "run", "--set", f"dist.master_port={port}"))
-    assert code == faults.EXIT_USER_ERROR
+    assert code == errors.EXIT_USER_ERROR
     assert stderr.strip() == (f"error: dist.master_port {port} is already in use on this machine (another run?); "
                               f"pick a free one, e.g. --set dist.master_port={port + 1}")
 
@@ -267,10 +268,10 @@ def test_port_in_use_is_one_line_with_the_fix(tmp_path):
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cfg = make_config(tmp_path / "file", train={"max_steps": 1})
-    assert main.run(cfg) == faults.EXIT_USER_ERROR
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
     assert capsys.readouterr().err.strip() == f"error: output_dir {str(tmp_path / 'file')!r} is a file, not a directory"
     cfg = make_config(tmp_path / "file" / "sub", train={"max_steps": 1})
-    assert main.run(cfg) == faults.EXIT_USER_ERROR
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
     assert "is not a writable directory" in capsys.readouterr().err
 
 
@@ -288,9 +289,10 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
 
 
 def test_time_limit_and_signal_config():
-    assert faults.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
-    assert faults.parse_duration("05:00") == 300 and faults.parse_duration(90) == 90
-    from config import ConfigError, config_from_dict
+    assert config.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert config.parse_duration("05:00") == 300 and config.parse_duration(90) == 90
+    from wiring import config_from_dict
+    from core.errors import ConfigError
     with pytest.raises(ConfigError, match="train.time_limit"):
         config_from_dict({"train": {"time_limit": "3 hours"}})
     with pytest.raises(ConfigError, match="train.stop_signal"):
@@ -301,11 +303,11 @@ def test_time_limit_and_signal_config():
 # Non-finite steps never reach the parameters
 # ==============================================================================================================
 def make_trainer(tmp_path, **train):
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, **train})
-    return Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -330,12 +332,12 @@ def test_nan_step_leaves_parameters_and_optimizer_state_unchanged(tmp_path, prec
 def test_diverged_run_stops_with_exit_4_keeping_good_checkpoints(tmp_path, capsys):
     cfg = make_config(tmp_path, train={"max_steps": 50, "eval_every": 0, "save_every": 1, "lr": 1e6,
                                        "max_bad_steps": 3})
-    assert main.run(cfg) == faults.EXIT_DIVERGED
+    assert main.run(cfg) == errors.EXIT_DIVERGED
     err = capsys.readouterr().err
     m = re.search(r"training diverged: 3 steps in a row up to step (\d+) had a non-finite gradient norm .*; last "
                   r"checkpoint: (\S+) ", err)
     assert m, err
-    import checkpoint
+    from core import checkpoint
     found = checkpoint.complete_checkpoints(str(tmp_path))
     assert found and m.group(2) == found[-1][1]
     for _, path in found:  # every checkpoint written is finite
@@ -468,7 +470,7 @@ def start_in(out, tmpdir, *extra, procs=2, **popen):
 
 def assert_stopped_and_saved(out, tmpdir, ranks, code, reason):
     import json
-    assert code == faults.EXIT_STOPPED
+    assert code == errors.EXIT_STOPPED
     with open(out / "logs" / "rank0.log") as f:
         m = re.search(rf"stopped by {reason} at step (\d+); saved step-\1; run the same command to resume", f.read())
     assert m
@@ -575,7 +577,7 @@ def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, 
     """The fault drill's finding: a fourth SIGTERM, as the ranks had saved and exited, killed `python main.py`
     (exit -15, not 3: no requeue). As a program it now ignores them once its ranks are gone; in-process callers
     get their own handlers back."""
-    from launcher import Supervisor
+    from resilience.launcher import Supervisor
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2})
     before = signal.getsignal(signal.SIGTERM)
     for program, expected in ((False, before), (True, signal.SIG_IGN)):

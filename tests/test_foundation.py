@@ -18,9 +18,12 @@ import yaml
 
 from conftest import ROOT, load_model_state, make_config, max_diff, run_ranks
 
-import checkpoint
+from core import checkpoint
+
+from core import checkpoint_meta
 import main
-from config import ConfigError, DataError, load_config
+from wiring import load_config
+from core.errors import ConfigError, DataError
 
 
 def run_cli(*args, cwd=ROOT):
@@ -79,7 +82,7 @@ def test_overrides_are_typed():
 
 
 def test_parameters_yml_documents_every_field():
-    from config import SECTIONS, Config
+    from core.config import SECTIONS, Config
     import dataclasses
     text = open(os.path.join(ROOT, "parameters.yml")).read()
     raw = yaml.safe_load(text)
@@ -92,7 +95,7 @@ def test_parameters_yml_documents_every_field():
         if re.match(r"^\s*\w+:\s*\S", line):  # a key with a value: must carry a comment
             assert "#" in line, f"no comment on: {line}"
     load_config(os.path.join(ROOT, "parameters.yml"))  # and it validates
-    import cli_help
+    from extras import cli_help
     assert "parameters.yml lists every field with its default" in cli_help.epilog()  # --help says so
 
 
@@ -113,18 +116,18 @@ def test_default_job_reaches_97_percent(tmp_path):
     r = run_cli("--params", "parameters.yml", "--set", f"output_dir={tmp_path}", "--set", "log.progress_bar=false")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "world size 1" in r.stdout and "global batch 32" in r.stdout  # the plan
-    best = checkpoint.best(str(tmp_path))
-    assert checkpoint.read_meta(best)["metrics"]["accuracy"] >= 0.97
+    best = checkpoint_meta.best_recorded(str(tmp_path))
+    assert checkpoint_meta.read(best)["metrics"]["accuracy"] >= 0.97
     assert os.path.isfile(tmp_path / "config.yml") and os.path.isfile(tmp_path / "logs" / "rank0.log")
     assert glob.glob(str(tmp_path / "tensorboard" / "events.*"))
 
 
 def test_loss_falls_and_accuracy_rises(tmp_path):
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 80, "eval_every": 0, "save_every": 0, "lr": 3e-3})
-    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     before = trainer.evaluate("dev")
     after = trainer.train()
     assert after["loss"] < 0.5 * before["loss"]
@@ -160,7 +163,7 @@ def test_grad_accumulation_equals_the_big_batch(tmp_path):
 def test_mixed_precision_trains(tmp_path, precision):
     cfg = make_config(tmp_path, train={"max_steps": 30, "eval_every": 0, "precision": precision, "lr": 3e-3})
     assert main.run(cfg) == 0
-    meta = checkpoint.read_meta(checkpoint.latest(str(tmp_path)))
+    meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
     assert meta["metrics"]["accuracy"] > 0.5
     state = torch.load(tmp_path / "checkpoints" / "step-30" / "state.pt", weights_only=True)
     assert (state["scaler"] is not None) == (precision == "fp16")
@@ -185,7 +188,7 @@ def test_resume_mid_epoch_is_bit_exact(tmp_path):
     ob = torch.load(resumed_dir / "checkpoints/step-50/optimizer.pt", weights_only=True)
     assert all(torch.equal(oa["state"][i]["exp_avg"], ob["state"][i]["exp_avg"]) for i in oa["state"])
     assert not torch.equal(a["fc2.weight"], load_model_state(tmp_path / "full", 15)["fc2.weight"])
-    meta = checkpoint.read_meta(str(resumed_dir / "checkpoints" / "step-15"))
+    meta = checkpoint_meta.read(str(resumed_dir / "checkpoints" / "step-15"))
     assert meta["state"]["epoch"] == 0 and meta["state"]["batch_in_epoch"] == 15
 
 
@@ -194,10 +197,10 @@ def test_early_stopping_after_patience_evaluations(tmp_path):
     cfg = make_config(tmp_path, train={"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2,
                                        "lr": 1e-12, "schedule": "constant"})
     assert main.run(cfg) == 0
-    meta = checkpoint.read_meta(checkpoint.latest(str(tmp_path)))
+    meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
     assert meta["step"] == 15 and meta["state"]["best_step"] == 5
     assert meta["state"]["evals_without_improvement"] == 2
-    assert checkpoint.best(str(tmp_path)).endswith("step-5")  # kept, and found as the best
+    assert checkpoint_meta.best_recorded(str(tmp_path)).endswith("step-5")  # kept, and found as the best
 
 
 def test_unknown_best_metric_is_a_one_line_error(tmp_path, capsys):
@@ -248,9 +251,9 @@ def test_keep_last_and_best(tmp_path):
     cfg = make_config(tmp_path, train={"max_steps": 40, "save_every": 5, "eval_every": 5, "keep_last": 2})
     assert main.run(cfg) == 0
     steps = [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))]
-    best_step = checkpoint.read_meta(checkpoint.latest(str(tmp_path)))["state"]["best_step"]
+    best_step = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))["state"]["best_step"]
     assert steps[-2:] == [35, 40] and set(steps) == {35, 40, best_step}
-    assert checkpoint.best(str(tmp_path)).endswith(f"step-{best_step}")
+    assert checkpoint_meta.best_recorded(str(tmp_path)).endswith(f"step-{best_step}")
 
 
 def test_crash_during_save_leaves_last_checkpoint_usable(tmp_path, monkeypatch, capsys):
@@ -308,15 +311,15 @@ def test_test_mode_on_a_ddp_checkpoint_in_one_process(ddp_run, tmp_path):
     """The 2-rank run's best checkpoint (found in its output_dir, as `--set mode=test` does), in one process;
     the results go to a copy of that output_dir (the run itself stays as trained, for the other tests)."""
     shutil.copytree(ddp_run, tmp_path, dirs_exist_ok=True)
-    best = checkpoint.best(str(tmp_path))
-    assert checkpoint.read_meta(best)["metrics"]  # an evaluated checkpoint (step 10 or 20)
+    best = checkpoint_meta.best_recorded(str(tmp_path))
+    assert checkpoint_meta.read(best)["metrics"]  # an evaluated checkpoint (step 10 or 20)
     test_cfg = make_config(tmp_path, mode="test", dist={"strategy": "ddp", "procs_per_node": 2})
     assert main.run(test_cfg) == 0
     dev = json.load(open(tmp_path / "dev_results.json"))
     test = json.load(open(tmp_path / "test_results.json"))
     assert dev["checkpoint"] == os.path.abspath(best) and test["metrics"]["samples"] == 300
     # Exact distributed evaluation: 2 ranks during training scored dev exactly as 1 process does now.
-    trained = checkpoint.read_meta(best)["metrics"]
+    trained = checkpoint_meta.read(best)["metrics"]
     assert dev["metrics"]["samples"] == trained["samples"] == 225
     assert dev["metrics"]["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-12)
     assert dev["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
@@ -362,11 +365,11 @@ def test_mnist_task_trains_from_idx_files_and_says_what_is_missing(tmp_path):
     cfg = make_config(tmp_path / "run", data={"dataset": "mnist", "data_dir": str(tmp_path), "download": False},
                       train={"max_steps": 30, "eval_every": 0, "lr": 3e-3})
     assert main.run(cfg) == 0
-    assert checkpoint.read_meta(checkpoint.latest(str(tmp_path / "run")))["metrics"]["accuracy"] > 0.8
+    assert checkpoint_meta.read(checkpoint.latest(str(tmp_path / "run")))["metrics"]["accuracy"] > 0.8
     empty = tmp_path / "empty"
     empty.mkdir()
     missing = make_config(tmp_path / "run2", data={"dataset": "mnist", "data_dir": str(empty), "download": False})
-    from tasks import build_task
+    from wiring import build_task
     with pytest.raises(DataError, match="train-images-idx3-ubyte.*missing.*data.data_dir"):
         build_task(missing).build_datasets()
 

@@ -18,17 +18,17 @@ import torch
 
 from conftest import ROOT, free_port, make_config
 
-import launcher
-import run_log
+from resilience import launcher
+from core import run_log
 import trainer as trainer_module
-from config import load_config
-from balance import resolve_precision
+from wiring import load_config
+from extras.balance import resolve_precision
 
 
 def build_trainer(cfg, task=None):
-    import distributed as D
-    from tasks import build_task
-    return trainer_module.Trainer(cfg, task or build_task(cfg), D.init(cfg, 0, 1, 0))
+    from core import distributed as D
+    from wiring import build_task
+    return build_trainer(cfg, task=task, ctx=D.init(cfg, 0, 1, 0))
 
 
 def child_env(**extra):
@@ -105,7 +105,7 @@ def test_spawned_ranks_start_with_passive_openmp_and_their_share_of_the_cores(tm
 
 
 def test_omp_num_threads_of_the_user_is_kept(tmp_path, monkeypatch):
-    import distributed as D
+    from core import distributed as D
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ctx = D.DistContext(0, 1, 0, torch.device("cpu"), None)

@@ -102,8 +102,8 @@ def test_fairscale_fsdp_checkpoint_resume_and_test_mode(tmp_path, monkeypatch):
 def resume_then_test(tmp_path, dist, precision, device="cuda"):
     """Save at step 20, resume in a new directory, finish; the result matches the uninterrupted run; test mode
     (one process, strategy none) reads the checkpoint and scores dev as training did."""
-    from checkpoint import best, read_meta
-    from checkpoint_io import model_state_dict
+    from core.checkpoint_meta import best_recorded as best, read as read_meta
+    from core.checkpoint_io import model_state_dict
     from main import run
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert_learns(*run_image(full, precision, dist, device))

@@ -9,8 +9,10 @@ import pytest
 from cluster import STEPS, TRAIN_SETS, spawn_reference  # noqa: F401 (fixture)
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
 
-import checkpoint
-import launcher
+from core import checkpoint
+
+from core import checkpoint_meta
+from resilience import launcher
 import main
 
 # The launched runs train TRAIN_SETS (ddp, 2 x 16 samples, STEPS steps, no dropout) over parameters.yml and must
@@ -63,13 +65,13 @@ def test_dp_runs_in_one_process(tmp_path):
         assert main.run(cfg) == 0
         runs[strategy] = load_model_state(tmp_path / strategy, 5)
     assert max_diff(runs["dp"], runs["none"]) == 0.0
-    assert checkpoint.read_meta(checkpoint.latest(str(tmp_path / "dp")))["strategy"] == "dp"
+    assert checkpoint_meta.read(checkpoint.latest(str(tmp_path / "dp")))["strategy"] == "dp"
 
 
 def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatch):
     """Each rank takes cores / (ranks on its node) threads: the launchers' environment says how many."""
-    from distributed import launcher_env
-    from slurm import tasks_on_this_node
+    from core.launch_env import launcher_env
+    from core.launch_env import tasks_on_this_node
     for k in list(os.environ):
         if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_")):
             monkeypatch.delenv(k)
@@ -112,7 +114,7 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypa
     monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
     with pytest.raises(OSError, match="Too many open files"):
-        launcher.Supervisor(cfg, [main.Launch(rank, rank, 2, 2) for rank in range(2)]).run()
+        launcher.Supervisor(cfg, [main.RankPlace(rank, rank, 2, 2) for rank in range(2)]).run()
     assert len(started) == 1
     assert gone(started[0], psutil), f"rank 0 (pid {started[0]}) is still running"
 

@@ -13,10 +13,12 @@ import torch
 
 from conftest import ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, spawn
 
-import checkpoint
-import checkpoint_io
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_io
 import main
-from config import ConfigError
+from core.errors import ConfigError
 from tasks import build_task, lm_models
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -59,7 +61,7 @@ def assert_same(a: dict, b: dict, tol: float) -> None:
 
 
 def dev_loss(out, step=6) -> float:
-    return checkpoint.read_meta(os.path.join(str(out), "checkpoints", f"step-{step}"))["metrics"]["loss"]
+    return checkpoint_meta.read(os.path.join(str(out), "checkpoints", f"step-{step}"))["metrics"]["loss"]
 
 
 def resume_from(source, out, step=3) -> None:
@@ -239,7 +241,7 @@ def test_llama_tp_ends_where_one_process_does(text, tmp_path, layout):
     assert main.run(lm_config(split, text, dist=layout, batch_size=batch)) == 0
     assert "x tp 2 (rank =" in (split / "logs" / "rank0.log").read_text()
     assert_same(state(one), state(split), 1e-5)
-    losses = [checkpoint.read_meta(os.path.join(str(o), "checkpoints", "step-6"))["metrics"]["loss"]
+    losses = [checkpoint_meta.read(os.path.join(str(o), "checkpoints", "step-6"))["metrics"]["loss"]
               for o in (one, split)]
     assert abs(losses[0] - losses[1]) <= 1e-4 * losses[0]
 

@@ -11,7 +11,8 @@ import yaml
 
 import main
 from conftest import ROOT, load_model_state, make_config, max_diff, run_ranks
-from config import ConfigError, DataError, load_config
+from wiring import load_config
+from core.errors import ConfigError, DataError
 from tasks import build_task, lm_data
 
 PLAY = "".join(f"{'ROMEO' if i % 2 else 'JULIET'}:\nO speak again, bright angel {i} ; thou art\n\n" for i in range(40))

@@ -52,7 +52,8 @@ def lora_config(data, out, base, strategy="none", world=1, **train):
 
 def trainable(cfg):
     """The names that train in cfg's LoRA model, as the Trainer builds it."""
-    from tasks import build_task, lora
+    from tasks import lora
+    from wiring import build_task
     task = build_task(cfg)
     task.build_datasets()
     model = lora.adapt(task.build_model(), cfg)
@@ -71,7 +72,7 @@ def trainable(cfg):
     ("sst2", {"model": {"lora_targets": []}}, "model.lora_targets"),
 ])
 def test_lora_refused_in_one_line(tmp_path, tiny_bert, task, sections, match):
-    from config import ConfigError
+    from core.errors import ConfigError
     model = {"pretrained_dir": tiny_bert, "lora_rank": 4, **sections.pop("model", {})}
     with pytest.raises(ConfigError, match=match) as e:
         make_config(tmp_path, task=task, model=model, data={"data_dir": str(tmp_path)}, **sections)
@@ -79,7 +80,7 @@ def test_lora_refused_in_one_line(tmp_path, tiny_bert, task, sections, match):
 
 
 def test_unknown_target_names_the_linear_layers(data, tiny_bert, tmp_path):
-    from config import ConfigError
+    from core.errors import ConfigError
     cfg = lora_config(data, tmp_path, tiny_bert)
     cfg.model.lora_targets = ["query", "qkv"]
     with pytest.raises(ConfigError, match=r"model.lora_targets: qkv is no linear layer of "
@@ -101,7 +102,8 @@ def full_run(data, tiny_bert, tmp_path_factory):
 
 
 def test_checkpoint_holds_only_what_trains_and_the_base(full_run, tiny_bert):
-    import checkpoint
+    from core import checkpoint
+    from core import checkpoint_meta
     names, model = trainable(full_run)
     assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
     assert {n for n in names if "lora_" not in n} == {"base_model.model.classifier.modules_to_save.default.weight",
@@ -111,7 +113,7 @@ def test_checkpoint_holds_only_what_trains_and_the_base(full_run, tiny_bert):
     optimizer = torch.load(os.path.join(full_run.output_dir, "checkpoints", "step-8", "optimizer.pt"),
                            weights_only=True)
     assert len(optimizer["state"]) == len(names)  # the optimizer holds only what trains
-    meta = checkpoint.read_meta(os.path.join(full_run.output_dir, "checkpoints", "step-8"))
+    meta = checkpoint_meta.read(os.path.join(full_run.output_dir, "checkpoints", "step-8"))
     base = meta["lora_base"]
     assert base["pretrained_dir"] == os.path.abspath(tiny_bert) and base["files"] == ["model.safetensors"]
     assert base["bytes"] == os.path.getsize(os.path.join(tiny_bert, "model.safetensors")) and len(base["sha256"]) == 64
@@ -142,12 +144,12 @@ def test_a_pretrained_model_trains_with_its_dropout_and_evaluating_changes_nothi
     evaluation mid-run must leave it as it was: with LoRA (peft's wrapper trains, the BERT inside was in eval
     mode), the first evaluation used to switch the dropouts on, so the result depended on eval_every."""
     import main
-    from tasks import build_task
-    import distributed as D
-    from trainer import Trainer
+    from wiring import build_task
+    from core import distributed as D
+    from wiring import build_trainer
     base = save_tiny_minilm(tmp_path / "base", dropout=0.1)
     cfg = lora_config(data, tmp_path / "probe", base, max_steps=6)
-    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     dropouts = [m for m in trainer.par.raw_model.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.training for m in dropouts)
     ends = []
@@ -173,11 +175,11 @@ def test_another_base_is_refused_in_one_line(full_run, tmp_path):
     shutil.copytree(os.path.join(full_run.output_dir, "checkpoints", "step-4"), out / "checkpoints" / "step-4")
     cfg = lora_config(full_run.data.data_dir, out, str(other))
     cfg.train.resume = str(out / "checkpoints" / "step-4")
-    from config import CheckpointError
-    from tasks import build_task
-    from trainer import Trainer
-    import distributed as D
-    trainer = Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    from core.errors import CheckpointError
+    from wiring import build_task
+    from wiring import build_trainer
+    from core import distributed as D
+    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     with pytest.raises(CheckpointError, match=r"its LoRA adapters were trained on .*tiny_bert.* holds other "
                                               r"weights") as e:
         trainer.resume()
@@ -194,8 +196,8 @@ def test_full_checkpoint_is_refused_by_a_lora_run(data, tiny_bert, tmp_path):
     assert main.run(cfg) == 0
     test_cfg = lora_config(data, tmp_path, tiny_bert)
     test_cfg.mode, test_cfg.test.splits = "test", ["dev"]
-    import checkpoint_io
-    from config import CheckpointError
+    from core import checkpoint_io
+    from core.errors import CheckpointError
     _, model = trainable(test_cfg)
     with pytest.raises(CheckpointError, match="holds no LoRA base reference"):
         checkpoint_io.load_model(model, os.path.join(tmp_path, "checkpoints", "step-2"), test_cfg)
@@ -206,7 +208,7 @@ def test_full_checkpoint_is_refused_by_a_lora_run(data, tiny_bert, tmp_path):
 def test_ddp_and_fsdp_equal_one_process_and_resume(data, tiny_bert, full_run, tmp_path, strategy):
     """Two ranks of 8 equal one process of 16 (full_run's global batch): the frozen base under DDP, and under FSDP2
     with mixed requires_grad in every block; fsdp's sharded (DCP) checkpoint also resumes to the same end."""
-    import checkpoint_io
+    from core import checkpoint_io
     import main
     cfg = lora_config(data, tmp_path / "two", tiny_bert, strategy, world=2, batch_size=8, save_every=4,
                       keep_last=5)
@@ -286,10 +288,11 @@ def tiny_gpt2(data, tmp_path_factory):
 def test_gpt2_lora_trains_and_exports_a_causal_lm(data, tiny_gpt2, tmp_path):
     """peft's default for GPT-2 (c_attn, a Conv1D); the tied LM head stays frozen; the merged export computes the
     checkpoint's logits."""
-    import checkpoint
-    import checkpoint_io
+    from core import checkpoint
+    from core import checkpoint_io
     from transformers import AutoModelForCausalLM
-    from tasks import build_task, lora
+    from tasks import lora
+    from wiring import build_task
     cfg = task_config("gpt2_lm", data, tmp_path, max_steps=12, lr=1e-2, save_every=12)
     cfg.model.pretrained_dir, cfg.model.lora_rank = tiny_gpt2, 4
     losses = train(cfg, 1)

@@ -20,7 +20,7 @@ from cluster import (NODE_ADDRS, ROOT, STEPS, TRAIN_ARGS, checkpoint_steps, clea
 from conftest import free_port, load_model_state, max_diff
 
 import main
-from config import load_config
+from wiring import load_config
 
 PORT = 29500  # node 0's own namespace: nothing else listens there
 

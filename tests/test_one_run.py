@@ -14,9 +14,11 @@ import torch
 
 from conftest import ROOT, make_config, write_checkpoint
 
-import checkpoint
+from core import checkpoint
+
+from core import checkpoint_meta
 import main
-from distributed import DistContext
+from core.distributed import DistContext
 
 TRAIN = {"max_steps": 6, "epochs": 0, "eval_every": 3, "save_every": 3, "log_every": 3}
 
@@ -58,9 +60,9 @@ def test_a_fresh_start_into_another_runs_folder_is_refused_or_starts_over(tmp_pa
     # Test mode scores the new model: its dev result is the one the new run logged at its best step.
     assert main.main(["--params", str(tmp_path / "config.yml"), "--set", "mode=test"]) == 0
     result = json.loads((tmp_path / "dev_results.json").read_text())
-    best = checkpoint.read_meta(str(tmp_path / "checkpoints/step-6"))["state"]["best_step"]
+    best = checkpoint_meta.read(str(tmp_path / "checkpoints/step-6"))["state"]["best_step"]
     assert result["checkpoint"] == str(tmp_path / f"checkpoints/step-{best}")
-    logged = checkpoint.read_meta(result["checkpoint"])["metrics"]
+    logged = checkpoint_meta.read(result["checkpoint"])["metrics"]
     assert abs(result["metrics"]["loss"] - logged["loss"]) < 1e-6
     assert result["metrics"]["accuracy"] == logged["accuracy"]
     assert f"wrote {tmp_path}/dev_results.json" in capsys.readouterr().out
@@ -117,7 +119,7 @@ def test_a_run_ends_with_a_summary_whose_commands_work(tmp_path, capsys):
     assert run(tmp_path, log={"tensorboard": True}) == 0
     out = capsys.readouterr().out
     summary = out[out.index("done: 6 steps; best dev accuracy="):].splitlines()
-    assert summary[1] == f"  checkpoints  {tmp_path}/checkpoints (best: {checkpoint.best(str(tmp_path))})"
+    assert summary[1] == f"  checkpoints  {tmp_path}/checkpoints (best: {checkpoint_meta.best_recorded(str(tmp_path))})"
     assert summary[3] == f"  tensorboard  tensorboard --logdir {tmp_path}/tensorboard"
     commands = {line.split()[0]: line.split(None, 1)[1] for line in summary[4:6]}
     assert commands["test"] == f"python main.py --params {tmp_path}/config.yml --set mode=test"

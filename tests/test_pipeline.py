@@ -165,9 +165,9 @@ def test_checkpoints_carry_over_between_pipe_and_fsdp(one_process, pipe_run, tmp
 def _device_moves_rank(local_rank, cfg, out_dir):
     """Builds a pipe Trainer while counting the parameter elements that go through Tensor.to (a move to the
     device): only this rank's stage may go there, never the whole model."""
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     torch.set_num_threads(1)
     moved, original = [], torch.Tensor.to
 
@@ -180,17 +180,17 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         torch.Tensor.to = spy
         try:
             task = build_task(cfg)
-            trainer = Trainer(cfg, task, ctx)
+            trainer = build_trainer(cfg, ctx, task)
         finally:
             torch.Tensor.to = original
         held = sum(p.numel() for p in trainer.par.raw_model.parameters())
         whole = sum(p.numel() for p in task.build_model().parameters())
         torch.save({"moved": sum(moved), "held": held, "whole": whole, "planned": trainer.par.stage_params},
                    os.path.join(out_dir, f"{local_rank}.pt"))
-        D.barrier(ctx)  # as main.worker: rank 0 holds the store, and the other rank may still be making its groups
+        D.barrier(ctx)  # as wiring.worker: rank 0 holds the store, and the other rank may still be making its groups
     finally:
         D.shutdown(ctx)
-    import launcher
+    from resilience import launcher
     launcher.leave(0)  # as main.py's ranks end (see there)
 
 
@@ -307,7 +307,7 @@ def test_pipe_times_tp_ends_where_one_process_does(lm_ref, tmp_path, arch, split
     checkpoint (the stages' tp pieces) is read by test mode in one process, and resumed by one process (Llama) and
     by pipe x tp itself (GPT-2: the strided split read back; Llama: its optimizer's empty group, for tp-split
     vectors, keeps its hyperparameters)."""
-    from checkpoint_dcp import read_dcp_metadata
+    from core.checkpoint_dcp import read_dcp_metadata
     text, one = lm_ref(arch)
     out = tmp_path / "pipe_tp"
     assert lm_run(out, text, PIPE_TP, arch) == 0
@@ -445,7 +445,7 @@ def test_auto_split_gives_the_slowed_stage_fewer_layers(tmp_path):
 
 
 def test_a_shape_change_is_one_line_naming_the_cause():
-    from config import DataError
+    from core.errors import DataError
     from strategies.pipeline import PipeParallel
     fake = types.SimpleNamespace(first_shapes=None)
     PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
@@ -467,7 +467,7 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"tp": 2, "pp_stages": 4}, {}, "dist.pp_stages"),                # 4 ranks are not 4 stages x tp 2
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
-    from config import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         make_config(tmp_path, dist={"strategy": "pipe", "procs_per_node": 4, **dist_section},
                     train={"batch_size": 8, **train_section})
@@ -475,7 +475,7 @@ def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section
 
 
 def test_a_model_sst2_cannot_split_is_one_line():
-    from config import DataError
+    from core.errors import DataError
     from tasks.sst2 import SST2Task
     with pytest.raises(DataError, match="sst2 splits BART and BERT-style classifiers; Linear is not split yet"):
         SST2Task.pipeline_layers(None, torch.nn.Linear(2, 2))

@@ -9,18 +9,19 @@ import torch
 
 from conftest import make_config, max_diff, slow, spawn
 
-import balance
-import run_log
+from extras import balance
+from core import run_log
 import trainer as trainer_module
+from wiring import build_trainer
 
 # digits CNN with dropout (the measurement must restore the random stream), 6 steps, no evaluation or saving.
 TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 0, "lr": 3e-3, "batch_size": 32}
 
 
 def train(cfg) -> trainer_module.Trainer:
-    import distributed as D
-    from tasks import build_task
-    t = trainer_module.Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    from core import distributed as D
+    from wiring import build_task
+    t = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     t.train()
     return t
 
@@ -89,11 +90,11 @@ def test_explicit_precision_is_kept_and_nothing_is_measured(tmp_path, monkeypatc
 def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypatch):
     """fsdp fixes its mixed-precision policy when it wraps the model, and under tp or pipe a forward waits for other
     ranks: auto keeps fp32 there, unmeasured, and the plan says why (the strategy's flag faked on one process)."""
-    import distributed as D
-    from tasks import build_task
+    from core import distributed as D
+    from wiring import build_task
     inject(monkeypatch, timings=None)
     cfg = make_config(tmp_path, train={**TRAIN, "precision": "auto"})
-    t = trainer_module.Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    t = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     monkeypatch.setattr(t.par, "eval_lockstep", True)
     t.measure()
     assert t.t.precision == "fp32" and autocast_dtype(t) is None
@@ -135,15 +136,15 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
 # ---------------------------------------------------------------------------------------------------------------
 def _rank(local_rank, cfg, out_dir, timings):
     """A spawned rank: this CPU has AMX and measures `timings[local_rank]`; it trains and writes what it chose."""
-    import distributed as D
-    import launcher
-    from tasks import build_task
+    from core import distributed as D
+    from resilience import launcher
+    from wiring import build_task
     torch.set_num_threads(1)
     balance.cpu_bf16_units = lambda: "AMX"
     balance.time_precisions = lambda trainer, steps: timings[local_rank]
     ctx = D.init(cfg, local_rank, 2, local_rank)
     try:
-        t = trainer_module.Trainer(cfg, build_task(cfg), ctx)
+        t = build_trainer(cfg, ctx)
         t.train()
         torch.save(params(t), os.path.join(out_dir, f"rank{local_rank}.pt"))
         params_fp32 = all(p.dtype == torch.float32 for p in t.par.raw_model.parameters())  # DDP reduces in fp32

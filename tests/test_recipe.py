@@ -12,7 +12,8 @@ import torch
 
 import trainer as trainer_module
 from conftest import ROOT, logged, make_config, spawn
-from config import ConfigError, load_config
+from wiring import load_config
+from core.errors import ConfigError
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_sample_text_data as sample  # noqa: E402
@@ -21,10 +22,10 @@ SHORT = {"batch_size": 16, "max_steps": 6, "epochs": 0, "log_every": 2, "eval_ev
 
 
 def build_trainer(cfg):
-    import distributed as D
-    from tasks import build_task
+    from core import distributed as D
+    from wiring import build_task
     torch.set_num_threads(1)
-    return trainer_module.Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
 
 
 def log_of(output_dir) -> str:
@@ -133,12 +134,12 @@ def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
 
 def _evaluate_rank(local_rank, cfg, world, out):
     """Spawned: each rank evaluates the initial model's dev subset at step 2; rank 0 writes the metrics."""
-    import distributed as D
-    from tasks import build_task
+    from core import distributed as D
+    from wiring import build_task
     torch.set_num_threads(1)
     ctx = D.init(cfg, local_rank, world, local_rank)
     try:
-        t = trainer_module.Trainer(cfg, build_task(cfg), ctx)
+        t = build_trainer(cfg, ctx)
         t.state.step = 2
         metrics = t.evaluate("dev")
         if local_rank == 0:
@@ -146,7 +147,7 @@ def _evaluate_rank(local_rank, cfg, world, out):
                 json.dump(metrics, f)
     finally:
         D.shutdown(ctx)
-    import launcher
+    from resilience import launcher
     launcher.leave(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
 
 

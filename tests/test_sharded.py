@@ -46,7 +46,7 @@ def train_fairscale_fsdp(output_dir, batch_size, procs, **train):
 
 
 def params(output_dir, step):
-    from checkpoint_io import model_state_dict
+    from core.checkpoint_io import model_state_dict
     return model_state_dict(os.path.join(output_dir, "checkpoints", f"step-{step}"))
 
 
@@ -102,7 +102,8 @@ def test_uneven_batches_under_sharding_match_one_process(runs, tmp_path, name):
 def test_early_stopping_under_sharding(tmp_path, name):
     """Every rank reaches the same stop decision (it is made from the gathered dev metrics): stopping at step
     15, after two evaluations without improvement, instead of hanging with one rank still in a collective."""
-    from checkpoint import best, latest, read_meta
+    from core.checkpoint import latest
+    from core.checkpoint_meta import best_recorded as best, read as read_meta
     stop = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
     if name == "fairscale-fsdp":
         assert train_fairscale_fsdp(tmp_path, 16, 2, **stop) == 0
@@ -191,10 +192,10 @@ def test_fsdp_refuses_a_fairscale_fsdp_checkpoint(runs, tmp_path, capsys):
 
 # ---- memory: count the state each rank holds after one step ---------------------------------------------------
 def _memory_worker(rank, port, queue):
-    from distributed import DistContext
-    from strategies import apply
+    from core.distributed import DistContext
+    from wiring import parallelize as apply
     from strategies.memory import state_bytes
-    from tasks import build_task
+    from wiring import build_task
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
@@ -306,7 +307,7 @@ def test_fairscale_fsdp_mixed_precision(runs, tmp_path, precision):
 
 
 def test_impossible_combinations_are_one_line_config_errors(tmp_path):
-    from config import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError, match="shard_grads"):
         make_config(tmp_path, dist={"strategy": "ddp", "shard_grads": True})
     with pytest.raises(ConfigError, match="shard_grads"):

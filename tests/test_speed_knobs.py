@@ -11,12 +11,12 @@ import torch
 from conftest import make_config, max_diff, slow
 
 import main
-from config import ConfigError
+from core.errors import ConfigError
 
 
 def train(cfg):
     """Run cfg (main.run starts the ranks); the model of its last checkpoint, whatever the format (FSDP: DCP)."""
-    from checkpoint_io import model_state_dict
+    from core.checkpoint_io import model_state_dict
     assert main.run(cfg) == 0
     return model_state_dict(os.path.join(cfg.output_dir, "checkpoints", f"step-{cfg.train.max_steps}"))
 
@@ -103,10 +103,10 @@ def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_pat
 
 
 def _build_trainer(cfg):
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
-    return Trainer(cfg, build_task(cfg), D.init(cfg, 0, 1, 0))
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
+    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
 
 
 # ---- profiling ------------------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def test_compiled_gpt2_trains_like_eager():
     """train.compile's path (Parallel.compile: Module.compile in place) on a tiny GPT-2: the same loss and
     gradients as eager within relative 1e-4 for two steps with different lengths (inductor fuses and reorders
     float arithmetic; it does not change the maths), and the state-dict keys stay the same."""
-    import distributed as D
+    from core import distributed as D
     from strategies.base import Parallel
     eager, compiled = tiny_gpt2(0.0), tiny_gpt2(0.0)
     Parallel(compiled, compiled, None, D.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)).compile()
@@ -204,9 +204,9 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
     stop votes) and once per log line (the loss window). On CPU nothing waits, but the reads can be counted by
     the line of this project's code that makes them: one read added to the loop by an edit fails here."""
     import sys
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     ours, trainer, reads = os.path.dirname(os.path.abspath(main.__file__)), None, {}
     for name in ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"]:
         def counted(self, *args, _read=getattr(torch.Tensor, name), _name=name, **kwargs):
@@ -220,7 +220,7 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
                                        "precision": precision}, dist={"device": "cpu"})
     ctx = D.init(cfg, 0, 1, 0)
     try:
-        trainer = Trainer(cfg, build_task(cfg), ctx)
+        trainer = build_trainer(cfg, ctx)
         trainer.train()
     finally:
         D.shutdown(ctx)

@@ -13,8 +13,8 @@ import pytest
 from conftest import logged, make_config
 
 import main
-from config import DataError
-from tasks import build_task
+from core.errors import DataError
+from wiring import build_task
 
 ROWS = {  # split: (sentence, sentiment) rows; texts with commas, quotes, accents, an empty one
     "train": [("A fine, \"moving\" film", "pos"), ("awful", "neg"), ("", "neg"), ("café crème, superb", "pos"),
@@ -241,7 +241,7 @@ def test_no_train_split_names_the_formats(tmp_path):
 
 
 def test_one_column_for_texts_and_labels_is_a_config_error(tmp_path):
-    from config import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError, match="data.label_column"):
         config(tmp_path, tmp_path, text_column="x", label_column="x")
 

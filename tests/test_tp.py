@@ -21,8 +21,10 @@ import torch.distributed as dist
 from conftest import (ROOT, assert_test_mode_gives_the_logged_dev_loss, free_port, make_config, save_tiny_minilm, slow,
                       spawn)
 
-import checkpoint
-import checkpoint_io
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_io
 import main
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -53,7 +55,7 @@ def ckpt(out, step) -> str:
 
 
 def dev_loss(out, step=6) -> float:
-    return checkpoint.read_meta(ckpt(out, step))["metrics"]["loss"]
+    return checkpoint_meta.read(ckpt(out, step))["metrics"]["loss"]
 
 
 def assert_same_run(a, b, step=6):
@@ -100,7 +102,7 @@ def test_batch_size_auto_splits_over_tp_groups_and_a_slowed_rank_slows_its_group
     global batch, one size per group; the run with those uneven sizes still ends where one process does."""
     layout = {"strategy": "ddp", "tp": 2, "procs_per_node": 4, "simulate_slowdown": [1, 1, 3, 1]}
     assert main.run(config(tmp_path, bert, layout, batch_size="auto", global_batch_size=16)) == 0
-    sizes = checkpoint.read_meta(ckpt(tmp_path, 6))["batch_sizes"]
+    sizes = checkpoint_meta.read(ckpt(tmp_path, 6))["batch_sizes"]
     assert len(sizes) == 2 and sum(sizes) == 16 and sizes[0] >= 1.5 * sizes[1], sizes  # ideally [12, 4]
     assert f"-> per-tp-group batches {sizes}" in (tmp_path / "logs" / "rank0.log").read_text()
     assert_same_run(one, tmp_path)
@@ -155,16 +157,16 @@ def test_tp_in_fp16_ends_where_one_process_does(bert, one_fp16, tmp_path, layout
 
 def _overflow_worker(rank, port, data, out, strategy, queue):
     """Step 2 overflows in one piece of a tp-split gradient on rank 1 only."""
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = config(out, data, {"strategy": strategy, "tp": 2, "procs_per_node": 2}, precision="fp16")
     cfg.dist.master_port = port
     ctx = D.init(cfg, rank, 2, rank)
     try:
-        tr = Trainer(cfg, build_task(cfg), ctx)
+        tr = build_trainer(cfg, ctx)
         par, stream = tr.par, tr.micro_batches()
         tr.train_step([next(stream)])
         before, scale = {k: local(v).clone() for k, v in par.raw_model.state_dict().items()}, par.scaler.get_scale()
@@ -219,10 +221,10 @@ def probes(bert):
 
 def _count_probe(rank, data, queue):
     from torch.distributed.tensor.debug import CommDebugMode
-    from distributed import DistContext
-    from strategies import apply
+    from core.distributed import DistContext
+    from wiring import parallelize as apply
     from strategies.memory import state_bytes
-    from tasks import build_task
+    from wiring import build_task
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
     cfg = config("/tmp/unused", data, {"strategy": "ddp", "tp": 2, "procs_per_node": 2})
     task = build_task(cfg)
@@ -279,7 +281,7 @@ def test_a_task_without_a_plan_says_what_to_add(tmp_path, capsys):
      "`dist.sequence_parallel` splits over a tensor-parallel group: it needs dist.tp > 1"),
 ])
 def test_tp_settings_that_do_not_fit_are_one_line(tmp_path, dist, train, expected):
-    from config import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError, match=re.escape(expected)):
         make_config(tmp_path, dist={"tp": 2, **dist}, train=train)
 
@@ -454,16 +456,16 @@ GPT2_DROPOUT = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout":
 
 def _replica_worker(rank, port, data, out, layout):
     """Four steps of GPT-2 under `layout` with dropout 0.1; every parameter's piece on this rank."""
-    import distributed as D
-    from tasks import build_task
-    from trainer import Trainer
+    from core import distributed as D
+    from wiring import build_task
+    from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = lm_config(out, data, GPT2_DROPOUT, layout)
     cfg.dist.master_port = port
     ctx = D.init(cfg, rank, layout["procs_per_node"], rank)
     try:
-        tr = Trainer(cfg, build_task(cfg), ctx)
+        tr = build_trainer(cfg, ctx)
         stream = tr.micro_batches()
         for _ in range(4):
             tr.train_step([next(stream)])

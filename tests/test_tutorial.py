@@ -76,8 +76,9 @@ def quoted_line(number: str, start: str) -> str:
 
 def last_checkpoint_metrics(run) -> dict:
     sys.path.insert(0, ROOT)
-    import checkpoint
-    return checkpoint.read_meta(checkpoint.complete_checkpoints(str(run))[-1][1])["metrics"]
+    from core import checkpoint
+    from core import checkpoint_meta
+    return checkpoint_meta.read(checkpoint.complete_checkpoints(str(run))[-1][1])["metrics"]
 
 
 def test_every_chapter_has_commands_and_the_index_links_it():

@@ -12,8 +12,10 @@ import pytest
 from conftest import load_model_state, make_config
 from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
 
-import checkpoint
-import run_dir
+from core import checkpoint
+
+from core import checkpoint_meta
+from resilience import run_dir
 import main
 
 
@@ -131,7 +133,7 @@ def test_read_meta_refuses_a_bad_value_in_one_line_naming_file_and_key(reference
     shutil.copytree(ckpt(reference, 4), ckpt(tmp_path, 4))
     edit_meta(ckpt(tmp_path, 4), change)
     with pytest.raises(checkpoint.Unloadable) as caught:
-        checkpoint.read_meta(ckpt(tmp_path, 4))
+        checkpoint_meta.read(ckpt(tmp_path, 4))
     message = str(caught.value)
     assert message.startswith(f"{ckpt(tmp_path, 4)}/meta.json: unreadable (") and says in message, message
     assert "\n" not in message and len(message) < 400, message
@@ -141,8 +143,8 @@ def test_read_meta_takes_a_real_one_and_values_the_trainer_writes(reference, tmp
     shutil.copytree(ckpt(reference, 4), ckpt(tmp_path, 4))
     edit_meta(ckpt(tmp_path, 4), lambda m: set_key("state", {**m["state"], "best_step": 4, "best_value": -0.5,
                                                             "epoch": 3})(m))
-    assert checkpoint.read_meta(ckpt(tmp_path, 4))["state"]["best_step"] == 4
-    assert checkpoint.best(str(tmp_path)) == ckpt(tmp_path, 4)
+    assert checkpoint_meta.read(ckpt(tmp_path, 4))["state"]["best_step"] == 4
+    assert checkpoint_meta.best_recorded(str(tmp_path)) == ckpt(tmp_path, 4)
 
 
 @pytest.mark.parametrize("name", ["best_value a string", "epoch 1e30", "deeply nested", "step of another directory",
@@ -190,4 +192,4 @@ def test_best_never_names_a_symlinked_checkpoint(reference, tmp_path):
     shutil.rmtree(ckpt(tmp_path, 2))
     os.symlink(tmp_path / "elsewhere", ckpt(tmp_path, 2))
     edit_meta(ckpt(tmp_path, 4), set_key("state.best_step", 2))
-    assert checkpoint.best(str(tmp_path)) == ckpt(tmp_path, 4)  # the latest, as when the best was pruned
+    assert checkpoint_meta.best_recorded(str(tmp_path)) == ckpt(tmp_path, 4)  # the latest, as when the best was pruned

@@ -87,8 +87,8 @@ def curves(out: str, runs: list[str], tags=("train/loss", "dev/accuracy")) -> di
 
 def final_parameters(path: str) -> dict:
     """The parameters of a checkpoint folder, or of a run's newest complete checkpoint."""
-    import checkpoint
-    import checkpoint_io
+    from core import checkpoint
+    from core import checkpoint_io
     if not os.path.isfile(os.path.join(path, "meta.json")):  # not a checkpoint (a copy may have any name): a run
         found = checkpoint.complete_checkpoints(path)
         if not found:
@@ -192,17 +192,17 @@ def bert_model(hidden: int, layers: int, heads: int):
 
 
 def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
-    """One of the spawned ranks of `tp`: each layout in turn, through the project's own strategies.apply."""
+    """One of the spawned ranks of `tp`: each layout in turn, through the project's own wiring.parallelize."""
     import contextlib
     import warnings
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
-    from config import config_from_dict
-    from distributed import DistContext
-    from strategies import apply
+    from wiring import config_from_dict
+    from core.distributed import DistContext
+    from wiring import parallelize as apply
     from strategies.memory import state_bytes
-    from tasks import build_task
+    from wiring import build_task
     torch.set_num_threads(1)
     # Warnings that each rank would print once per layout: CommDebugMode's module hooks (no input needs a gradient,
     # Hugging Face's outputs are not tensors) and FSDP2 on the view a block returns (no in-place op follows it).
@@ -226,7 +226,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
         with CommDebugMode() as forward:
             task.loss_sum(par.model, batch)
         with CommDebugMode() as step:  # forward and backward, with the gradients' reduction over dp
-            par.forward_backward(task, [batch], 1.0, contextlib.nullcontext, lambda m: contextlib.nullcontext())
+            par.forward_backward(task, [batch], 1.0, contextlib.nullcontext)
         par.optimizer.step()  # AdamW's two moments now exist
         counts = [{} for _ in range(2)]
         for total, mode in zip(counts, (forward, step)):
@@ -240,7 +240,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
 
 def tp(out: str, hidden: int, layers: int, heads: int, world: int = 4) -> dict:
     """Spawns `world` CPU ranks (gloo); in each layout of TP_LAYOUTS they spread the same random BERT with
-    strategies.apply, count the collectives of one forward and of one forward+backward (CommDebugMode), take one
+    wiring.parallelize, count the collectives of one forward and of one forward+backward (CommDebugMode), take one
     AdamW step and report the bytes each holds (strategies.memory.state_bytes). Writes a JSON that `memory` draws, with
     the formula: 16 bytes x (whole tensors / s + split tensors / (tp x s)), s = the dp size under fsdp, else 1;
     split tensors are those the task's tp plan cuts (a ColwiseParallel layer's weight and bias, a RowwiseParallel

@@ -1,4 +1,4 @@
-"""A checkpoint's meta.json, read as data from disk, possibly edited or crafted (checkpoint.read_meta): what
+"""A checkpoint's meta.json, read as data from disk, possibly edited or crafted (read): what
 json.load may build is bounded, and every value a reader uses (a path built from it, a number printed or compared)
 is checked before anyone does."""
 from __future__ import annotations
@@ -7,8 +7,11 @@ import json
 import math
 import os
 import re
+from typing import Optional
 
-from checkpoint import STEP_DIR, Unloadable
+from core import checkpoint
+from core.checkpoint import STEP_DIR
+from core.errors import Unloadable
 
 META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
 META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
@@ -48,6 +51,14 @@ def read(path: str) -> dict:
     if problem:
         raise Unloadable(f"{full}: unreadable ({problem})")
     return meta
+
+
+
+def best_recorded(output_dir: str) -> Optional[str]:
+    """The checkpoint the latest one records as best on dev (else the latest): what test, export and generate
+    read when test.checkpoint is not set."""
+    last = checkpoint.latest(output_dir)
+    return checkpoint.best(output_dir, read(last)["state"].get("best_step") if last else None)
 
 
 def _no_constant(name: str):

@@ -6,7 +6,7 @@ import os
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
-import distributed as D
+from core import distributed as D
 
 
 def check_config(cfg, fail) -> None:

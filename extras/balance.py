@@ -17,13 +17,14 @@ import dataclasses
 import itertools
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-import distributed as D
-from config import ConfigError, world_size
+from core import distributed as D
+from core.distributed import synchronize, time_unnoticed
+from core.config import world_size
+from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
 from trainer import autocast_for
 
@@ -37,42 +38,38 @@ def check_config(cfg, fail) -> None:
         fail("dist.simulate_slowdown", f"lists {len(slow)} factors but there are {world} ranks")
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a host clock measures it (CPU work is done when the call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def install_slowdown(model: torch.nn.Module, factor: float, device: torch.device) -> list:
+    """dist.simulate_slowdown: this rank behaves like a device `factor` times slower, its gradients ready `factor`
+    times later. Installed once on the model (wiring.parallelize), so the strategies' step knows nothing of it.
+    Returns the hooks' handles."""
+    clock = {"start": 0.0, "waited": 0.0}
 
-
-def slowdown(cfg, ctx: D.DistContext, model: torch.nn.Module):
-    """Context manager for one micro-batch's forward+backward of `model`. With dist.simulate_slowdown, this rank
-    behaves like a device `factor` times slower: its gradients become ready `factor` times later."""
-    factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
-    if factor == 1.0:
-        return contextlib.nullcontext()  # the normal case: no timing, no hooks, no GPU synchronisation
-    return _stretched(factor, model, ctx.device)
-
-
-@contextlib.contextmanager
-def _stretched(factor: float, model: torch.nn.Module, device: torch.device):
-    # Each time backward has accumulated a parameter's gradient, wait until the time since the start of the block
-    # is `factor` x the compute in it. Waiting there, before DDP hands that gradient to the all-reduce, delays the
-    # other ranks exactly as a slow device would. Waiting after backward instead would stretch the rank's wait for
-    # the others' gradients too, and delay nobody until the next step.
-    synchronize(device)
-    start, waited = time.perf_counter(), 0.0
-
-    def stretch(_param):
-        nonlocal waited
+    def forward_starts(_module, _inputs):  # a micro-batch's compute starts here
         synchronize(device)
-        computed = time.perf_counter() - start - waited
-        end = start + factor * computed
+        clock["start"], clock["waited"] = time.perf_counter(), 0.0
+
+    # Each time backward has accumulated a parameter's gradient, wait until the time since the forward started is
+    # `factor` x the compute in it. Waiting there, before DDP hands that gradient to the all-reduce, delays the
+    # other ranks exactly as a slow device would; waiting after backward would stretch the rank's wait for the
+    # others' gradients too, and delay nobody until the next step.
+    def stretch(_param):
+        synchronize(device)
+        computed = time.perf_counter() - clock["start"] - clock["waited"]
+        end = clock["start"] + factor * computed
         # Busy-wait rather than sleep: on a CPU shared with other processes the OS scheduler favours a process
         # that slept, so a sleeping rank would get more than its share of the CPU and look less slow than it is.
         while time.perf_counter() < end:
             pass
-        waited = (factor - 1.0) * computed
+        clock["waited"] = (factor - 1.0) * computed
 
-    hooks = [p.register_post_accumulate_grad_hook(stretch) for p in model.parameters() if p.requires_grad]
+    return [model.register_forward_pre_hook(forward_starts)] + [
+        p.register_post_accumulate_grad_hook(stretch) for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def slowdown(factor: float, model: torch.nn.Module, device: torch.device):
+    """install_slowdown for the forward and backward passes inside the block only."""
+    hooks = install_slowdown(model, factor, device)
     try:
         yield
     finally:
@@ -99,7 +96,7 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
         batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
         synchronize(ctx.device)
         start = time.perf_counter()
-        with slowdown(cfg, ctx, par.raw_model), loss_context():
+        with loss_context():  # (a simulated slowdown is in the model's hooks)
             with trainer.autocast():
                 loss = task.loss_sum(model, batch)
             loss.float().backward()
@@ -228,44 +225,6 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
         time_unnoticed(par, ctx, both, steps)
     par.model.train(was_training)
     return {p: statistics.median(t) for p, t in seconds.items()}
-
-
-def time_unnoticed(par, ctx: D.DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
-    """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
-    allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
-    random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""
-    buffers = [b.detach().clone() for b in par.raw_model.buffers()]
-    with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
-        forward_backward(0)
-        seconds = sum(forward_backward(i) for i in range(1, steps + 1))
-        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), par.timing_group)
-    par.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for b, saved in zip(par.raw_model.buffers(), buffers):
-            b.copy_(saved)
-    return seconds
-
-
-def busy_until_all_measured(ctx: D.DistContext, work: Callable[[], object], group=None) -> None:
-    """Repeat `work` (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
-    rank that stopped early would hand its share to the others and make them look faster than they are in
-    training, where all ranks compute at once. `group`: ranks whose `work` is one collective (a tp group); they
-    decide together, each round, whether to go on, so that none of them starts a round the others skip."""
-    if not ctx.distributed:
-        return
-    done = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
-    while not all_true(done.is_completed(), group, ctx.device):
-        work()
-    done.wait()
-
-
-def all_true(flag: bool, group, device: torch.device) -> bool:
-    """`flag` on every rank of `group` (one all-reduce over it), or this rank's flag where group is None."""
-    if group is None:
-        return flag
-    both = torch.tensor(float(flag), device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
-    return bool(both.item())
 
 
 def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:

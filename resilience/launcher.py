@@ -19,10 +19,13 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
+from typing import Callable
 
-import faults
-from config import Config, UserError
-from faults import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, HOST, already_stopping, detach_hung_up_terminal, say, stop_signals
+from resilience import faults
+from core.config import Config
+from core.errors import UserError
+from resilience.faults import HOST, already_stopping, detach_hung_up_terminal, say, stop_signals
+from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED
 
 GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
 EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
@@ -77,8 +80,8 @@ class Supervisor:
     finished with, so that a stuck process group cannot turn a finished run into a failure.
     """
 
-    def __init__(self, cfg: Config, launches: list) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, launches: list, worker: Callable) -> None:
+        self.cfg, self.worker = cfg, worker  # worker(cfg, launch): one rank (main.worker)
         self.launches = launches  # one main.Launch per rank of this node
         self.signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
         self.exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
@@ -111,7 +114,7 @@ class Supervisor:
         their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits."""
         self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in run's try: removed whatever happens)
         self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{launch.rank}",
-                                           args=(self.cfg, launch, self.report_dir, self.steps, self.finished,
+                                           args=(self.cfg, launch, self.worker, self.report_dir, self.steps, self.finished,
                                                  os.getpid()))
                           for launch in self.launches)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
@@ -263,9 +266,9 @@ def set_parent_death_signal(parent_pid: int) -> None:
         os._exit(EXIT_CRASH)
 
 
-def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid: int) -> None:
-    """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank."""
-    import main  # here, not at the top: main.py imports this module
+def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
+    """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
+    (`worker(cfg, launch)`: main.worker)."""
     set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
     faults.progress.shared = steps
@@ -274,7 +277,7 @@ def rank_main(cfg: Config, launch, report_dir: str, steps, finished, parent_pid:
     faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    leave(main.worker(cfg, launch))
+    leave(worker(cfg, launch))
 
 
 def leave(code: int) -> None:
@@ -298,8 +301,7 @@ def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) 
 def rank_environment(cfg: Config, nprocs: int) -> dict:
     """OMP_WAIT_POLICY=PASSIVE for CPU ranks sharing a host: idle OpenMP threads spin on the cores the other ranks
     need (benchmarks/RESULTS.md, "OpenMP waiting"). OpenMP reads it as torch loads, so a rank starts with it."""
-    from distributed import pick_device_type  # (distributed imports torch: not loaded before a config is checked)
-    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or pick_device_type(cfg.dist.device) != "cpu":
+    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or cfg.dist.on_gpu():
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -6,7 +6,7 @@ import os
 
 def epilog() -> str:
     # The presets are listed from the folder itself, so that --help names exactly the files a clone has.
-    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     presets = sorted(f for f in os.listdir(configs) if f.endswith((".yml", ".yaml"))) if os.path.isdir(configs) else []
     return "\n".join([
         "modes (--set mode=...):",

@@ -4,6 +4,7 @@ pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with tor
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pathlib
@@ -17,10 +18,16 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from checkpoint import Unloadable
-from checkpoint_io import dcp_cause
-from config import CheckpointError
-from faults import first_line
+from core.errors import CheckpointError, Unloadable, first_line
+
+
+def dcp_cause(e: BaseException) -> BaseException:
+    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
+    rank's exception. Any other exception is its own cause."""
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+
+
+@contextlib.contextmanager
 
 
 def dcp_load(state_dict: dict, dcp_dir: str) -> None:

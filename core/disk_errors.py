@@ -2,12 +2,13 @@
 line that says so, naming the file and what to do. Loaded only once something has failed."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 from typing import Optional
 
-from config import CheckpointError
+from core.errors import CheckpointError
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
@@ -96,3 +97,15 @@ def write_failed(ctx, failed: list[tuple], final: str, tmp: str) -> None:
     not_writable = next((line for _, _, line in failed if line), None)
     if not_writable:  # checkpoints/ read-only (or a file in it)
         raise CheckpointError(not_writable)
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """Inside it, an OSError that names no file names `path`: a full disk is often noticed only as a buffer is
+    flushed (a file's close, a writer thread), by an error without a file name."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from e

@@ -6,19 +6,21 @@ from __future__ import annotations
 import json
 import os
 
-import checkpoint
-import checkpoint_io
-import run_log
-from config import CheckpointError
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_io
+from core import run_log
+from core.errors import CheckpointError
 
 
 def test(trainer) -> dict:
     cfg, log = trainer.cfg, trainer.log
-    path = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
+    path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
     checkpoint_io.load_model(trainer.par.raw_model, path, cfg)
-    trainer.state.step = checkpoint.read_meta(path)["step"] if checkpoint.is_complete(path) else 0
+    trainer.state.step = checkpoint_meta.read(path)["step"] if checkpoint.is_complete(path) else 0
     log.info(f"testing {path}")
     results = {}
     for split in cfg.test.splits:

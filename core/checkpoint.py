@@ -12,7 +12,7 @@ next run starts (run_dir.py). Files:
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
 
 This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
-the DCP folders); meta.json's checks, checkpoint_meta.py; which one a run resumes from, resume.py.
+the DCP folders); meta.json read as untrusted data, checkpoint_meta.py; which one a run resumes from, resume.py.
 """
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ import shutil
 import uuid
 from typing import Callable, Optional
 
-from config import CheckpointError
-from distributed import DistContext, broadcast_object, gather_objects
+from torch.distributed.checkpoint.api import CheckpointException
+
+from core import disk_errors
+from core.distributed import DistContext, broadcast_object, gather_objects
+from core.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
@@ -70,26 +73,16 @@ def latest(output_dir: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
-def read_meta(path: str) -> dict:
-    """meta.json of checkpoint `path`, read as the untrusted data it is (checkpoint_meta.py), or Unloadable naming
-    the file and the key: `resume: auto` then falls back to an older checkpoint."""
-    import checkpoint_meta  # only the runs that read a checkpoint's meta.json load its checks
-    return checkpoint_meta.read(path)
-
-
-def best(output_dir: str, best_step: Optional[int] = None) -> Optional[str]:
-    """The checkpoint best on dev: step `best_step`, or (None) the one the latest checkpoint records as best; else
-    the latest checkpoint."""
+def best(output_dir: str, best_step: Optional[int]) -> Optional[str]:
+    """The checkpoint of step `best_step` (the best on dev), or the latest where that one is gone or unknown
+    (checkpoint_meta.best_recorded reads the step from the latest checkpoint's meta.json)."""
     last = latest(output_dir)
     if last is None:
         return None
-    if best_step is None:
-        best_step = read_meta(last)["state"].get("best_step")
     candidate = os.path.join(root(output_dir), f"step-{best_step}")
     return candidate if best_step is not None and is_complete(candidate) else last
 
 
-# ---- writing ------------------------------------------------------------------------------------------------
 def start_write(output_dir: str, step: int, ctx: DistContext, start_files: Callable[[str], Callable[[], None]],
                 meta: dict) -> "PendingWrite":
     """Collective: every rank calls it. `start_files(tmp_dir)` starts writing this rank's files (sharded strategies
@@ -171,19 +164,16 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
     except Exception as e:
         error = e
     except BaseException as e:  # DCP's CheckpointException is one; Ctrl-C, a second signal, exit: leave at once
-        from torch.distributed.checkpoint.api import CheckpointException
         if not isinstance(e, CheckpointException):
             raise
         error = e
     status = None
     if error is not None:
-        import disk_errors  # (loaded only when something failed)
         status = disk_errors.write_status(ctx.rank, error, final, tmp)
         if status[1]:  # no space: let the error go (disk_errors.write_failed says why)
             error = None
     failed = [s for s in gather_objects(ctx, status) if s is not None]
     if failed:
-        import disk_errors
         disk_errors.write_failed(ctx, failed, final, tmp)  # a full disk or a read-only file: one line, every rank
         raise error or RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
 

@@ -15,7 +15,7 @@ import shutil
 import time
 from typing import Optional
 
-import checkpoint
+from core import checkpoint
 
 
 def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:

@@ -14,7 +14,8 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from faults import EXIT_CRASH, EXIT_USER_ERROR, HOST, progress, report
+from resilience.faults import HOST, progress, report
+from core.errors import EXIT_CRASH, EXIT_USER_ERROR
 
 
 class Watchdog:
@@ -248,3 +249,12 @@ def open_store(ctx, op_timeout: float):
         store = c10d._get_default_store()
     # Under torchrun a restart (allowed only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new store.
     return dist.PrefixStore("trainer-watchdog/", store)
+
+
+def start_watchdog(cfg, ctx) -> Optional[Watchdog]:
+    """The heartbeat watchdog of a run with several ranks and dist.hang_timeout_s, else None (one rank has no peer
+    to watch). Crash reports ask it which peers stopped beating (faults.report.watchdog)."""
+    if ctx.world_size < 2 or not cfg.dist.hang_timeout_s:
+        return None
+    report.watchdog = Watchdog.start(cfg, ctx)
+    return report.watchdog

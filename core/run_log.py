@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import distributed as D
-import faults
-from config import Config, dump_yaml, procs_per_node_list
+from core import checkpoint, disk_errors
+from core import distributed as D
+from core.config import Config, dump_yaml, procs_per_node_list
+from core.launch_env import launcher_env
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -61,7 +61,6 @@ class StopsOnWriteError:
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
-        import disk_errors  # (loaded only when a write failed)
         if isinstance(error, OSError) and error.filename is None:
             error = OSError(error.errno, error.strerror, disk_errors.handler_file(self))
         if not isinstance(error, OSError) or disk_errors.disk_problem(error, "") is None:
@@ -107,7 +106,7 @@ def start(cfg: Config, log: logging.Logger, plan: str):
 def plan(tr) -> str:
     """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder."""
     cfg, ctx, t = tr.cfg, tr.ctx, tr.t
-    env = D.launcher_env()
+    env = launcher_env()
     per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
     return "\n".join([
         "plan:",
@@ -131,7 +130,7 @@ def write_file(path: str, text: str) -> None:
     (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with faults.naming(path), open(tmp, "w") as f:
+        with disk_errors.naming(path), open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
     finally:
@@ -146,15 +145,15 @@ class TensorBoard:
     def __init__(self, folder: str):
         from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
         self.folder = folder
-        with faults.naming(folder):
+        with disk_errors.naming(folder):
             self.writer = SummaryWriter(folder)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        with faults.naming(self.folder):
+        with disk_errors.naming(self.folder):
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
-        with faults.naming(self.folder):
+        with disk_errors.naming(self.folder):
             self.writer.close()
 
 

@@ -15,21 +15,25 @@ import tempfile
 
 import torch
 
-import checkpoint
-import checkpoint_io
-from config import CheckpointError, Config, ConfigError, UserError
-from tasks import build_task, lora
+from core import checkpoint
+
+from core import checkpoint_meta
+from core import checkpoint_io
+from core.config import Config
+from core.errors import CheckpointError, ConfigError, UserError
+from tasks import lora
+from tasks.base import Task
+from tasks.text_common import plain_transformers_output
 
 FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dict",
            "torch_export": "a torch.export program"}
 
 
-def run(cfg: Config) -> str:
+def run(cfg: Config, task: Task) -> str:
     """Export; returns the folder written. User mistakes raise UserError (main.py: one line, exit code 2)."""
-    task = build_task(cfg)
     formats = chosen_formats(cfg, task)  # the cheap checks first, before any model is loaded
     dest = destination(cfg)
-    source = cfg.test.checkpoint or checkpoint.best(cfg.output_dir)
+    source = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if source is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to export (train first, "
                               "or set test.checkpoint)")
@@ -37,7 +41,7 @@ def run(cfg: Config) -> str:
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
     model.eval()
-    meta = checkpoint.read_meta(source) if checkpoint.is_complete(source) else {}
+    meta = checkpoint_meta.read(source) if checkpoint.is_complete(source) else {}
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
     print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest
@@ -96,7 +100,6 @@ def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> 
 
 # ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
 def write_hf(folder: str, task, model) -> str:
-    from tasks.text_common import plain_transformers_output
     plain_transformers_output()  # no "Writing model shards" bar (a random model loaded nothing that turned it off)
     adapter = ""
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in

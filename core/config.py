@@ -1,38 +1,22 @@
 """The configuration schema: one dataclass per section of parameters.yml, a default and a docstring per field.
 
 `load_config` reads the YAML file and the `--set section.key=value` overrides, refuses unknown keys and wrong types
-and runs each section's check (keys that only some runs read: in the file that reads them, OWN_CHECKS). A mistake
-is one line, a `ConfigError`, which main.py turns into exit code 2 without a traceback.
+and runs each section's check, then the checks the composition root passes (wiring.CHECKS: each strategy, task and
+launcher checks the keys it reads; the schema imports none of them). A mistake is one line, a `ConfigError`, which main.py turns into exit code 2 without a traceback.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import yaml
 
-from faults import parse_duration
-from tasks import TASKS
-
-
-class UserError(Exception):
-    """A mistake in what the user gave us (config, data, checkpoint): one line, exit code 2, no traceback."""
-
-
-class ConfigError(UserError):
-    """A user mistake in the configuration. Its message is one line naming the file and the key."""
-
-
-class DataError(UserError):
-    """Missing or malformed data. Its message names the file (and line, where there is one)."""
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete or unreadable. Its message names the path."""
+from core.config_mistakes import unknown_key, wrong_type
+from core.errors import ConfigError
+from core.launch_env import launcher_env
 
 
 # ---- sections: each one's check(fail), under its fields, rejects values a run cannot use (validate, below) ----
@@ -413,13 +397,6 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
-    def check(self, fail) -> None:
-        if self.task not in TASKS:
-            from config_mistakes import closest
-            close = closest(self.task, list(TASKS))
-            fail("task", f"is {self.task!r}, not a known task ({', '.join(TASKS)})"
-                 + (f"; did you mean {close!r}?" if close else ""))
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -429,9 +406,10 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dis
 
 
 # ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------
-def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
-    """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config."""
-    source = path or "<defaults>"
+def load_config(path: Optional[str], overrides: list[str] = (), checks: Sequence[Callable] = ()) -> Config:
+    """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config
+    (`checks`: see validate)."""
+    source = config_source(path, overrides)
     raw: dict = {}
     if path is not None:
         if not os.path.isfile(path):
@@ -447,9 +425,12 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:
         apply_override(raw, item)
-    if overrides:  # a bad value may come from either: name both places to look
-        source += " + --set"
-    return config_from_dict(raw, source)
+    return config_from_dict(raw, source, checks)
+
+
+def config_source(path: Optional[str], overrides: Sequence[str] = ()) -> str:
+    """How a mistake names where the config came from (a bad value may come from either: both places to look)."""
+    return (path or "<defaults>") + (" + --set" if overrides else "")
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -475,7 +456,7 @@ def apply_override(raw: dict, item: str) -> None:
         section[parts[1]] = parsed
 
 
-def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+def config_from_dict(raw: dict, source: str = "<dict>", checks: Sequence[Callable] = ()) -> Config:
     """Build a Config from nested dicts, rejecting unknown keys and wrong types, then check combinations."""
     top = {}
     sections = {}
@@ -491,7 +472,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     cfg = _build(Config, top, source, prefix="", extra_valid=list(SECTIONS))
     for key, value in sections.items():
         setattr(cfg, key, value)
-    validate(cfg, source)
+    validate(cfg, source, checks)
     return cfg
 
 
@@ -501,12 +482,10 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            from config_mistakes import unknown_key
             raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid)))
         try:
             kwargs[key] = _match(value, hints[key])
         except _NoMatch:
-            from config_mistakes import wrong_type
             raise ConfigError(wrong_type(source, f"{prefix}{key}", value, hints[key])) from None
     return cls(**kwargs)
 
@@ -544,14 +523,22 @@ def _match(value: Any, hint):
     raise _NoMatch
 
 
-def validate(cfg: Config, source: str) -> None:
-    """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key."""
+def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
+    """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key. `checks`:
+    the composition root's (wiring.CHECKS): each strategy, task and launcher checks the keys it reads."""
+    fail = failing(source)
+    for part in (cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
+        part.check(fail)
+    for check in checks:  # first: the world size below counts dist.procs_per_node
+        check(cfg, fail)
+    check_across_sections(cfg, fail)
+
+
+def failing(source: str) -> Callable[[str, str], None]:
+    """fail(key, why): the one-line ConfigError every check raises."""
     def fail(key: str, why: str):
         raise ConfigError(f"{source}: `{key}` {why}")
-    for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
-        part.check(fail)
-    check_own_keys(cfg, fail)  # first: the world size below counts dist.procs_per_node
-    check_across_sections(cfg, fail)
+    return fail
 
 
 def check_across_sections(cfg: Config, fail) -> None:
@@ -563,21 +550,8 @@ def check_across_sections(cfg: Config, fail) -> None:
     if d.strategy == "dp" and world > 1:
         fail("dist.strategy", f"is dp, which runs in one process, but {world} processes are configured "
                               "(set procs_per_node: 1, or use ddp)")
-    # The sharded strategies run at world size 1 too: that is how a sharded checkpoint is resumed in one process.
-    # Ranks that each read their own share of the global batch: all of them, or one per pipeline under pipe.
-    readers, who = world, "ranks"
-    if d.tp > 1:  # the strategies' own checks load only in the runs that use them
-        readers, who = importlib.import_module("strategies.tp").check_config(cfg, world, fail), \
-            "tp groups (world size / dist.tp)"
     if world % (d.tp * d.dp_replicate):
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
-    if d.strategy == "pipe":
-        readers, who = importlib.import_module("strategies.pipeline").check_config(cfg, world, fail), \
-            "pipelines (world size / dist.pp_stages)"
-    if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
-        fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
-    if t.batch_size == "auto" and t.global_batch_size < readers:
-        fail("train.global_batch_size", f"must be >= the number of {who} ({readers}), got {t.global_batch_size}")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():
         fail("train.precision", "fp16 with dp needs GPUs")
     if t.compile and cfg.task == "image" and not d.on_gpu():
@@ -586,29 +560,6 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
-
-
-# Keys that only some runs read, listed under the file that reads and checks them (its check_config(cfg, fail)).
-OWN_CHECKS = {
-    "tasks.pretrained": ["model.pretrained_dir"],
-    "tasks.lora": ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"],
-    "tasks.lm_models": ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
-                        "model.tie_embeddings"],
-    "tasks.lm_data": ["data.tokenizer", "data.windows", "data.dev_split"],
-    "profiling": ["train.profile_steps"],
-    "strategies.fsdp": ["dist.fsdp_impl", "dist.dp_replicate"],
-    "strategies.zero": ["dist.shard_grads"],
-    "balance": ["dist.simulate_slowdown"],
-    "launcher": ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr", "dist.master_port",
-                 "dist.init_method"],
-}
-
-
-def check_own_keys(cfg: Config, fail) -> None:
-    """Each file of OWN_CHECKS checks its keys, imported only when one of them is set (not at its default)."""
-    for module, keys in OWN_CHECKS.items():
-        if any(is_set(cfg, key) for key in keys):
-            importlib.import_module(module).check_config(cfg, fail)
 
 
 def is_set(cfg: Config, key: str) -> bool:
@@ -631,10 +582,26 @@ def procs_per_node_list(cfg: Config) -> list[int]:
 
 def world_size(cfg: Config) -> int:
     """Number of ranks: from torchrun/SLURM when they launched us, else from dist.nodes/procs_per_node."""
-    from distributed import launcher_env  # here, not at the top: it imports torch
     env = launcher_env()
     return env["world_size"] if env else sum(procs_per_node_list(cfg))
 
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def parse_duration(value) -> Optional[float]:
+    """train.time_limit: seconds (a number) or 'HH:MM:SS' / 'MM:SS' / 'D-HH:MM:SS' as SLURM writes it."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip()
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+        raise ValueError(text)
+    seconds = 0.0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + 86400 * int(days or 0)

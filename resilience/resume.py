@@ -1,5 +1,5 @@
 """Resuming a run (train.resume): the newest checkpoint that loads on every rank (or the one named), checked against
-this run, restored into the Trainer. Imported by Trainer.resume only when there is a checkpoint to resume from."""
+this run, restored into the Trainer. The Trainer calls it first thing in train() (its resume hook: wiring.RunHooks)."""
 from __future__ import annotations
 
 import math
@@ -10,14 +10,34 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-import checkpoint
-import checkpoint_io
-import checkpoint_meta
-import run_dir
-from checkpoint import Unloadable
-from config import CheckpointError
-from distributed import DistContext, broadcast_object, gather_objects
+from core import checkpoint
+from core import checkpoint_io
+from core import checkpoint_meta
+from resilience import run_dir
+from core.errors import CheckpointError, Unloadable
+from core.distributed import DistContext, broadcast_object, gather_objects
 from trainer import TrainState, lr_lambda
+
+
+def resume_run(trainer) -> bool:
+    """Make sure output_dir holds this run only, then continue from a checkpoint if there is one (train.resume).
+    True: that run was complete, nothing is left to do. Collective."""
+    claim_output_dir(trainer)
+    which = False if trainer.t.start_over else trainer.t.resume
+    if which == "auto" and not broadcast_object(trainer.ctx, checkpoint.latest(trainer.cfg.output_dir)):
+        which = False  # nothing to resume: a fresh run
+    return bool(which) and resume(trainer, which)
+
+
+def claim_output_dir(trainer) -> None:
+    """Once an earlier run has left checkpoints/ in output_dir, or train.start_over asks to move one aside
+    (run_dir.py): this run's only. Collective."""
+    out, refusal = trainer.cfg.output_dir, None
+    if trainer.ctx.is_main and (trainer.t.start_over or os.path.isdir(checkpoint.root(out))):
+        refusal = run_dir.claim(out, trainer.t, trainer.log)
+    refusal = broadcast_object(trainer.ctx, refusal)
+    if refusal:
+        raise CheckpointError(refusal)
 
 
 def resume(trainer, which: str) -> bool:
@@ -106,7 +126,7 @@ def load(trainer, path: str) -> dict:
     that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, par = trainer.t, trainer.par
-    meta = checkpoint.read_meta(path)
+    meta = checkpoint_meta.read(path)
     saved = meta.get("format") or "full"
     if saved not in par.resumes_from:
         *others, last = par.resumes_from

@@ -1,22 +1,21 @@
 """Reading a checkpoint's files into a model and optimizer, whatever strategy and world size wrote them.
 
 Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True) (load_file), and
-DCP folders through checkpoint_dcp.py, imported only by runs that read one. A checkpoint made for another model
+DCP folders through checkpoint_dcp.py. A checkpoint made for another model
 fails in one line (fits_model). Optimizer state travels between strategies by parameter name.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import Unloadable, read_meta
-from checkpoint_meta import differences
-from config import CheckpointError
-from faults import first_line
+from core.checkpoint_meta import read as read_meta
+from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
+from core.checkpoint_meta import differences
+from core.errors import CheckpointError, Unloadable, first_line
 from strategies.base import param_groups, trained_names, trains_part
 
 
@@ -38,13 +37,6 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     return obj
 
 
-def dcp_cause(e: BaseException) -> BaseException:
-    """DCP wraps what failed into a CheckpointException holding each rank's (exception, traceback): the first
-    rank's exception. Any other exception is its own cause."""
-    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-
-
-@contextlib.contextmanager
 def fits_model(path: str, cfg=None):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
@@ -105,9 +97,17 @@ def load_state(model: torch.nn.Module, state: dict, path: str) -> None:
 
 
 def check_lora_checkpoint(model: torch.nn.Module, path: str) -> None:
-    """The checkpoint at `path` was trained on this model's base (tasks/lora.check_base)."""
-    from tasks.lora import check_base  # LoRA runs only (the others never load tasks/lora.py)
-    check_base(model, path, read_meta(path).get("lora_base"))
+    """A checkpoint's adapters are read onto the base they were trained on: the same weights (by hash; the folder
+    may have moved), else one line naming both."""
+    saved, now = read_meta(path).get("lora_base"), model.lora_base
+    if not isinstance(saved, dict) or not isinstance(saved.get("sha256"), str):
+        raise CheckpointError(f"{path}: holds no LoRA base reference (meta.json `lora_base`): it was not written by a "
+                              "LoRA run; use it with model.lora_rank: 0")
+    if saved["sha256"] != now["sha256"]:
+        raise CheckpointError(f"{path}: its LoRA adapters were trained on {saved.get('pretrained_dir')} "
+                              f"({saved.get('bytes')} bytes of weights, sha256 {saved['sha256'][:12]}), but "
+                              f"model.pretrained_dir {now['pretrained_dir']} holds other weights ({now['bytes']} "
+                              f"bytes, sha256 {now['sha256'][:12]}); point model.pretrained_dir at that base")
 
 
 def model_state_dict(path: str) -> dict:
@@ -115,7 +115,6 @@ def model_state_dict(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not os.path.exists(os.path.join(path, "model.pt")) and os.path.isdir(os.path.join(path, "model_dcp")):
-        from checkpoint_dcp import dcp_model_state_dict  # only runs that read a DCP folder load its reader
         return dcp_model_state_dict(os.path.join(path, "model_dcp"))
     return load_file(path, "model.pt")
 
@@ -130,7 +129,6 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directo
     if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
         optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
     else:
-        from checkpoint_dcp import dcp_model_state_dict  # only runs that read a DCP folder load its reader
         by_name = dcp_model_state_dict(os.path.join(directory, "optimizer_dcp")).get("state", {})
         load_optimizer_by_name(optimizer, by_name, parameter_names(model), directory)
 

@@ -2,11 +2,10 @@
 
 A stop signal or train.time_limit stops every rank after the same step, once a checkpoint is saved; every failure
 is reported once, naming the rank, the host and the step; a user mistake (a full disk included) is one line. The
-rules and the exit codes (EXIT_* below): README.md, "When things go wrong". Hung ranks: heartbeat.py.
+rules and the exit codes (core/errors.py): README.md, "When things go wrong". Hung ranks: heartbeat.py.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -19,18 +18,10 @@ import time
 import traceback
 from typing import Optional
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 130: Ctrl-C in test mode)
+from core.disk_errors import disk_problem
+from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
+
 HOST = socket.gethostname()
-
-
-class Stopped(Exception):
-    """Raised by the Trainer once every rank has agreed to stop and the checkpoint is saved."""
-    exit_code = EXIT_STOPPED
-
-
-class Diverged(Exception):
-    """Raised by the Trainer when training produced too many non-finite steps in a row (or parameters)."""
-    exit_code = EXIT_DIVERGED
 
 
 # ---- Where this rank is --------------------------------------------------------------------------------------
@@ -126,23 +117,6 @@ stop_request = StopRequest()
 ignore_late_signals = False
 
 
-def parse_duration(value) -> Optional[float]:
-    """train.time_limit: seconds (a number) or 'HH:MM:SS' / 'MM:SS' / 'D-HH:MM:SS' as SLURM writes it."""
-    if value is None or value == 0:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    text = str(value).strip()
-    days, _, clock = text.rpartition("-")
-    parts = clock.split(":")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
-        raise ValueError(text)
-    seconds = 0.0
-    for p in parts:
-        seconds = seconds * 60 + int(p)
-    return seconds + 86400 * int(days or 0)
-
-
 def detach_hung_up_terminal() -> None:
     """After the terminal hung up (an ssh session that dropped: SIGHUP), every write to it fails (EIO), the final
     line's included: stdout and stderr on it go to /dev/null instead, so that the run still saves and exits 3."""
@@ -196,22 +170,6 @@ def say(code: int, line: str, detail: str = "") -> None:
         print(detail, file=sys.stderr, flush=True)
 
 
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message` (cut at `limit`): an exception in one line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__
-
-
-def start_watchdog(cfg, ctx):
-    """The heartbeat watchdog (heartbeat.py) of a run with several ranks and dist.hang_timeout_s, else None: one
-    rank has no peer to watch, and only runs that have peers load it."""
-    if ctx.world_size < 2 or not cfg.dist.hang_timeout_s:
-        return None
-    from heartbeat import Watchdog
-    report.watchdog = Watchdog.start(cfg, ctx)
-    return report.watchdog
-
-
 def crash_report(exc: BaseException, watchdog) -> int:
     """`rank R on HOST failed at step S: ...` with the traceback, to the log and the launcher. If the error came
     from a collective whose peers vanished, name the ranks that stopped beating."""
@@ -232,24 +190,10 @@ def user_error(line: str, watchdog) -> int:
     return EXIT_USER_ERROR
 
 
-# ---- A full disk, or a file or folder this run may not write (the line that says so: disk_errors.py) ------
-@contextlib.contextmanager
-def naming(path: str):
-    """Inside it, an OSError that names no file names `path`: a full disk is often noticed only as a buffer is
-    flushed (a file's close, a writer thread), by an error without a file name."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None or e.errno is None:
-            raise
-        raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from e
-
-
 def thread_exception(args) -> None:
     """threading.excepthook in a rank. A thread's full disk (TensorBoard's writer thread) goes to the log file
     only: its owner raises it again in the main thread, which reports it in one line. Anything else: as Python
     prints it."""
-    from disk_errors import disk_problem  # (loaded only when something failed)
     if report.log is not None and disk_problem(args.exc_value, "") is not None:
         report.log.error(f"thread {args.thread.name if args.thread else '?'}: {first_line(args.exc_value)}",
                          extra={"file_only": True})

@@ -1,0 +1,43 @@
+"""The ways a run can end besides success, as exception classes and exit codes. Every layer raises these, so they
+live apart from the config schema and the fault handling (resilience/faults.py reports them)."""
+from __future__ import annotations
+
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 130: Ctrl-C in test mode)
+
+
+class UserError(Exception):
+    """A mistake in what the user gave us (config, data, checkpoint): one line, exit code 2, no traceback."""
+
+
+class ConfigError(UserError):
+    """A user mistake in the configuration. Its message is one line naming the file and the key."""
+
+
+class DataError(UserError):
+    """Missing or malformed data. Its message names the file (and line, where there is one)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or unreadable. Its message names the path."""
+
+
+class Unloadable(CheckpointError):
+    """A checkpoint whose files are missing, empty, truncated, malformed or refused (they would run code).
+    `resume: auto` then falls back to an older checkpoint. Other CheckpointErrors (a checkpoint that does not fit
+    this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
+
+
+class Stopped(Exception):
+    """Raised by the Trainer once every rank has agreed to stop and the checkpoint is saved."""
+    exit_code = EXIT_STOPPED
+
+
+class Diverged(Exception):
+    """Raised by the Trainer when training produced too many non-finite steps in a row (or parameters)."""
+    exit_code = EXIT_DIVERGED
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message` (cut at `limit`): an exception in one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__

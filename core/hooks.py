@@ -1,0 +1,26 @@
+"""What the composition root (main.py, through wiring.py) plugs into the Trainer. Each default here does nothing, so
+trainer.py reads, and runs, as a plain loop; resilience/ and extras/ fill them in (wiring.RunHooks)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class Hooks:
+    def resume(self, trainer) -> bool:
+        """Before the first step: continue from a checkpoint (train.resume). True: that run was complete."""
+        return False
+
+    def before_first_step(self, trainer) -> None:
+        """After resume: what the auto settings time (train.batch_size / precision auto), a profiler's start."""
+
+    def at(self, step: int, phase: str) -> None:
+        """This rank starts `phase` ("train", "eval", "save", "done") of optimizer step `step`: what a watchdog
+        reads to name a rank that hangs, and what a profiler counts."""
+
+    def stop_vote(self) -> float:
+        """1.0 when this rank asks every rank to stop after this step (a signal, the time limit), else 0.0."""
+        return 0.0
+
+    def stop_reason(self) -> Optional[str]:
+        """Why this rank voted to stop, for the last line of the run."""
+        return None

@@ -1,0 +1,227 @@
+"""One rank, put together: the composition root's second half, imported by main.py once the config's schema has passed
+(it loads torch, every strategy and every task) and by the ranks main.py starts.
+
+It holds the tables (tasks, strategies, which file checks which config keys) and plugs the packages around the core
+into it: `worker()` joins the process group and builds the Trainer (trainer.py) with its strategy (strategies/) and
+its hooks (resilience/ for resuming, signals and the watchdog; extras/ for the auto settings and profiling). The core
+imports none of these; this file imports them all, at its top.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Optional
+
+from torch import nn
+
+from core import config, disk_errors, distributed
+from core.config import Config, failing, is_set, world_size
+from core.config_mistakes import closest
+from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
+from core.hooks import Hooks
+from core.run_log import setup_logging
+from extras import balance, export, profiling, testmode
+from resilience import faults, heartbeat, launcher, resume
+from resilience.faults import HOST, report
+from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
+from strategies.base import Parallel
+from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
+from tasks.base import Task
+from trainer import Trainer
+
+# -----> register a new task here (and write it as a subclass of tasks.base.Task).
+TASKS: dict[str, Callable[[Config], Task]] = {
+    "image": image.ImageTask,
+    "sst2": sst2.SST2Task,
+    "bert_pretrain": bert_pretrain.BertPretrainTask,
+    "gpt2_lm": gpt2_lm.GPT2LMTask,
+    "csv_text": csv_text.CSVTextTask,  # the tutorial's own task (docs/tutorial/07_your_own_task.md)
+}
+
+# -----> add a strategy: write apply_<name>(model, cfg, ctx, task, train_set) in a file of strategies/, list it here
+# (and in config.DistConfig.strategy).
+STRATEGIES: dict[str, Callable[..., Parallel]] = {
+    "none": replicated.apply_none,
+    "dp": replicated.apply_dp,
+    "ddp": replicated.apply_ddp,
+    "oss": zero.apply_oss,
+    "fsdp": fsdp.apply_fsdp,
+    "pipe": pipeline.apply_pipe,  # with dist.tp > 1 too: it splits each stage itself
+    "ddp+tp": tp.apply_tp_ddp,  # dist.tp > 1: tp first, then ddp or fsdp over the mesh's "dp"
+    "fsdp+tp": tp.apply_tp_fsdp,
+}
+
+# Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
+# them is set (not at its default).
+OWN_CHECKS: list[tuple[Callable, list[str]]] = [
+    (pretrained.check_config, ["model.pretrained_dir"]),
+    (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
+    (lm_models.check_config, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
+                              "model.tie_embeddings"]),
+    (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
+    (profiling.check_config, ["train.profile_steps"]),
+    (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
+    (zero.check_config, ["dist.shard_grads"]),
+    (balance.check_config, ["dist.simulate_slowdown"]),
+    (launcher.check_config, ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr",
+                             "dist.master_port", "dist.init_method"]),
+]
+
+
+# ---- the config: what the schema (core/config.py) leaves to the files that read the keys --------------------------
+def check_task(cfg: Config, fail) -> None:
+    if cfg.task not in TASKS:
+        close = closest(cfg.task, list(TASKS))
+        fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
+             + (f"; did you mean {close!r}?" if close else ""))
+
+
+def check_own_keys(cfg: Config, fail) -> None:
+    for check, keys in OWN_CHECKS:
+        if any(is_set(cfg, key) for key in keys):
+            check(cfg, fail)
+
+
+def check_batch_split(cfg: Config, fail) -> None:
+    """train.batch_size as a list, or auto: one share per rank, or per tp group or pipeline (their own checks)."""
+    t, d, world = cfg.train, cfg.dist, world_size(cfg)
+    readers, who = world, "ranks"
+    if d.tp > 1:
+        readers, who = tp.check_config(cfg, world, fail), "tp groups (world size / dist.tp)"
+    if d.strategy == "pipe":
+        readers, who = pipeline.check_config(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
+    if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
+        fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
+    if t.batch_size == "auto" and t.global_batch_size < readers:
+        fail("train.global_batch_size", f"must be >= the number of {who} ({readers}), got {t.global_batch_size}")
+
+
+CHECKS = (check_task, check_own_keys, check_batch_split)
+
+
+def check(cfg: Config, source: str) -> None:
+    """The checks beyond the schema's (main.py has run those already, before torch loaded)."""
+    fail = failing(source)
+    for one in CHECKS:
+        one(cfg, fail)
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """core/config.load_config with every check (generate.py's and the tests' way in)."""
+    return config.load_config(path, overrides, CHECKS)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    return config.config_from_dict(raw, source, CHECKS)
+
+
+# ---- the Trainer and its parts ------------------------------------------------------------------------------------
+def build_task(cfg: Config) -> Task:
+    return TASKS[cfg.task](cfg)
+
+
+def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Parallel:
+    """LoRA adapters (model.lora_rank), activation checkpointing, then dist.strategy's apply_<name>() on the plain
+    model (on the CPU: each strategy places it), and this rank's simulated slowdown (dist.simulate_slowdown)."""
+    if cfg.model.lora_rank:  # a frozen base + trainable adapters
+        model = lora.adapt(model, cfg)
+    if cfg.model.activation_checkpointing:  # before the strategy, which wraps the checkpointed blocks
+        activation_checkpointing.apply_ac(model, cfg.task)
+    key = cfg.dist.strategy + ("+tp" if cfg.dist.tp > 1 and cfg.dist.strategy in ("ddp", "fsdp") else "")
+    strategy = STRATEGIES[key](model, cfg, ctx, task, train_set)
+    factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
+    if factor > 1 and cfg.dist.strategy != "pipe":  # pipe's stages simulate it themselves
+        balance.install_slowdown(strategy.raw_model, factor, ctx.device)
+    return strategy
+
+
+class RunHooks(Hooks):
+    """What resilience/ and extras/ add to the Trainer's loop (core/hooks.py says when each is called)."""
+
+    def __init__(self, precision_asked: str):
+        self.precision_asked = precision_asked  # `auto` on a CPU: timed before the first step (balance.py)
+        self.profiler: Optional[profiling.StepProfiler] = None
+
+    def resume(self, trainer: Trainer) -> bool:
+        return resume.resume_run(trainer)
+
+    def before_first_step(self, trainer: Trainer) -> None:
+        precision = self.precision_asked == "auto" and trainer.ctx.device.type == "cpu"
+        batches = trainer.t.batch_size == "auto"
+        if precision or batches:
+            balance.measure(trainer, precision, batches)
+        if trainer.t.profile_steps:  # a trace of chosen steps
+            self.profiler = profiling.StepProfiler(trainer.t.profile_steps, trainer.cfg.output_dir, trainer.ctx,
+                                                   trainer.log)
+
+    def at(self, step: int, phase: str) -> None:
+        faults.progress.at(step, phase)
+        if self.profiler is not None and phase in ("train", "done"):
+            self.profiler.before_step(step) if phase == "train" else self.profiler.stop()
+
+    def stop_vote(self) -> float:
+        return faults.stop_request.vote()
+
+    def stop_reason(self) -> Optional[str]:
+        return faults.stop_request.reason
+
+
+def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
+    """The Trainer of this rank, with its strategy and hooks. train.precision auto is resolved first (what this
+    device computes fast in), before anything reads it."""
+    task = task or build_task(cfg)
+    hooks, note = RunHooks(cfg.train.precision), None
+    if cfg.train.precision == "auto":
+        cfg, note = balance.auto_precision(cfg, ctx)
+    trainer = Trainer(cfg, task, ctx, parallelize, hooks)
+    trainer.precision_note = note or trainer.precision_note
+    return trainer
+
+
+def run_export(cfg: Config) -> str:
+    """mode: export, in this process: a checkpoint in, a folder out (extras/export.py)."""
+    return export.run(cfg, build_task(cfg))
+
+
+# ---- one rank ---------------------------------------------------------------------------------------------------------
+def worker(cfg: Config, launch) -> int:
+    """One rank (`launch`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
+    code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
+    rank = launch.rank
+    faults.progress.rank = rank
+    threading.excepthook = faults.thread_exception  # a writer thread's full disk: one line, from the main thread
+    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if cfg.mode == "train":
+        faults.stop_request.install(cfg.train.stop_signal, config.parse_duration(cfg.train.time_limit))
+    ctx = watchdog = None
+    try:
+        log = report.log = setup_logging(cfg.output_dir, rank)
+        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {launch.local_rank} of "
+                 f"{launch.local_procs}, {launch.world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        faults.stop_request.log = log
+        ctx = distributed.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
+        ctx.cpu_threads = distributed.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
+        watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
+        trainer = build_trainer(cfg, ctx)
+        testmode.test(trainer) if cfg.mode == "test" else trainer.train()
+        faults.progress.at(faults.progress.step, "done")
+        distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
+        code = EXIT_OK
+    except UserError as e:
+        code = faults.user_error(f"error: {e}", watchdog)
+    except (Stopped, Diverged) as e:  # every rank raised it at the same step
+        code = report(e.exit_code, str(e))
+    except KeyboardInterrupt:  # test mode, or before the handlers were installed
+        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
+    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
+        line = disk_errors.disk_problem(e, cfg.output_dir)
+        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
+    if watchdog is not None:
+        watchdog.stop()
+    faults.progress.finished(code)
+    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
+    # tearing down could wait on them (the launcher ends this process instead).
+    if ctx is not None and (code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or ctx.world_size == 1):
+        distributed.shutdown(ctx)
+    return code
