@@ -27,9 +27,6 @@ def dcp_cause(e: BaseException) -> BaseException:
     return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
 
 
-@contextlib.contextmanager
-
-
 def dcp_load(state_dict: dict, dcp_dir: str) -> None:
     """dcp.load(state_dict) from the folder `dcp_dir` (collective), refusing anything in it that would run code."""
     read_dcp_metadata(dcp_dir)  # a refusal here is one line, on every rank, before DCP's collectives

@@ -6,6 +6,7 @@ fails in one line (fits_model). Optimizer state travels between strategies by pa
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,6 +38,7 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     return obj
 
 
+@contextlib.contextmanager
 def fits_model(path: str, cfg=None):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
