@@ -4,7 +4,6 @@ pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with tor
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pathlib
