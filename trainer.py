@@ -86,9 +86,7 @@ class Trainer:
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
 
-    # ================================================================================================
-    # The loop
-    # ================================================================================================
+    # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
         if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
             return {}
@@ -206,9 +204,7 @@ class Trainer:
         raise Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
 
-    # ================================================================================================
-    # Evaluation
-    # ================================================================================================
+    # ---- Evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, split: str) -> dict:
         """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice."""
@@ -289,9 +285,7 @@ class Trainer:
             s.evals_without_improvement += 1
         return better, bool(t.patience) and s.evals_without_improvement >= t.patience
 
-    # ================================================================================================
-    # Checkpoints
-    # ================================================================================================
+    # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
         self.hooks.at(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
@@ -336,9 +330,7 @@ class Trainer:
             raise Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
 
-    # ================================================================================================
-    # Data
-    # ================================================================================================
+    # ---- Data ----------------------------------------------------------------------------------------------------
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
@@ -391,9 +383,7 @@ class Trainer:
         self.length_note = first + (f" {verb} {others[0]}" if others else "")
         return total
 
-    # ================================================================================================
-    # What the run shows (the lines, bars and traces themselves: run_log.py)
-    # ================================================================================================
+    # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------
     def progress_bar(self, **kwargs):
         """Rank 0's bar over the run's steps (log.progress_bar), or with kwargs another one (an evaluation's)."""
         return run_log.progress_bar(self.ctx.is_main and self.cfg.log.progress_bar,
@@ -431,9 +421,7 @@ def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.
     return factor
 
 
-# ================================================================================================
-# Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume
-# ================================================================================================
+# ---- Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume ---------------
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

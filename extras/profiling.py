@@ -1,4 +1,4 @@
-"""train.profile_steps: a torch.profiler trace of chosen optimizer steps (imported only by the runs that ask)."""
+"""train.profile_steps: a torch.profiler trace of chosen optimizer steps."""
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,5 @@
 """One output_dir holds one run: what an earlier run left there, found when a run starts in a folder that has
-checkpoints/ (Trainer.claim_output_dir). A fresh output_dir never loads this file.
+checkpoints/ (resume.claim_output_dir).
 
 - what interrupted saves and prunes left in checkpoints/ is removed (clean_stale);
 - train.start_over moves the earlier run's files aside (move_run_aside);

@@ -1,6 +1,6 @@
 """What a task is: model + data + loss + metrics. The Trainer knows nothing else about it.
 
-To add a task, subclass `Task`, fill in the methods below, and register it in `tasks/__init__.py`.
+To add a task, subclass `Task`, fill in the methods below, and register it in wiring.py's TASKS.
 
 Loss convention (the reason the Trainer can weight uneven batches exactly): `loss_sum` returns the loss SUMMED
 over the batch's units, and `count` says how many units that is (samples for classification, target tokens for

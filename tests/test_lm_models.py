@@ -19,7 +19,8 @@ from core import checkpoint_meta
 from core import checkpoint_io
 import main
 from core.errors import ConfigError
-from tasks import build_task, lm_models
+from tasks import lm_models
+from wiring import build_task
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_sample_text_data as sample  # noqa: E402

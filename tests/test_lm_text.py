@@ -13,7 +13,8 @@ import main
 from conftest import ROOT, load_model_state, make_config, max_diff, run_ranks
 from wiring import load_config
 from core.errors import ConfigError, DataError
-from tasks import build_task, lm_data
+from tasks import lm_data
+from wiring import build_task
 
 PLAY = "".join(f"{'ROMEO' if i % 2 else 'JULIET'}:\nO speak again, bright angel {i} ; thou art\n\n" for i in range(40))
 
