@@ -184,6 +184,12 @@ def run_export(cfg: Config) -> str:
 
 
 # ---- one rank ---------------------------------------------------------------------------------------------------------
+# A rank's Trainer lives until its process ends (launcher.end_rank_process, or the interpreter's exit): freed on
+# return, DDP's reducer drops the last reference to its gloo group, whose destructor joins gloo's thread while holding
+# the GIL that thread can be waiting for (a rank hung after its run was done, seen under torchrun with py-spy).
+TRAINERS: list = []
+
+
 def worker(cfg: Config, launch) -> int:
     """One rank (`launch`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
     code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
@@ -204,6 +210,7 @@ def worker(cfg: Config, launch) -> int:
         ctx.cpu_threads = distributed.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
         watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
         trainer = build_trainer(cfg, ctx)
+        TRAINERS.append(trainer)
         testmode.test(trainer) if cfg.mode == "test" else trainer.train()
         faults.progress.at(faults.progress.step, "done")
         distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)

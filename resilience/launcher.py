@@ -301,7 +301,8 @@ def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) 
 def rank_environment(cfg: Config, nprocs: int) -> dict:
     """OMP_WAIT_POLICY=PASSIVE for CPU ranks sharing a host: idle OpenMP threads spin on the cores the other ranks
     need (benchmarks/RESULTS.md, "OpenMP waiting"). OpenMP reads it as torch loads, so a rank starts with it."""
-    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or cfg.dist.on_gpu():
+    on_cpu = cfg.dist.device == "cpu" or (cfg.dist.device == "auto" and not cfg.dist.on_gpu())
+    if nprocs < 2 or "OMP_WAIT_POLICY" in os.environ or not on_cpu:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 

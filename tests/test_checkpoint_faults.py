@@ -18,6 +18,7 @@ import torch
 from conftest import load_model_state, make_config, spawn, write_checkpoint
 
 from core import checkpoint
+from core.errors import Unloadable
 
 from core import checkpoint_meta
 from core import checkpoint_dcp
@@ -465,7 +466,7 @@ def _agree_worker(rank, port, out, result_dir):
 
     def load(path):  # step-3 fails on rank 1 only: then rank 0 must not resume from it either
         if path.endswith("step-3") and rank == 1:
-            raise checkpoint.Unloadable(f"{path}/model.pt: empty (0 bytes)")
+            raise Unloadable(f"{path}/model.pt: empty (0 bytes)")
         loaded.append(path)
 
     warnings = []

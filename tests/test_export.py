@@ -242,13 +242,14 @@ def test_a_task_without_export_formats_is_a_clear_error(cnn_run, tmp_path, monke
 
 
 def test_a_failed_export_leaves_nothing_behind(cnn_run, tmp_path, monkeypatch):
+    import wiring
     from extras import export as exporter
 
     def fail(folder, task, model):
         raise RuntimeError("disk full, say")
     monkeypatch.setattr(exporter, "write_torch_export", fail)
     with pytest.raises(RuntimeError, match="disk full"):
-        exporter.run(make_config(cnn_run.output_dir, mode="export", export={"dir": str(tmp_path / "out")}))
+        wiring.run_export(make_config(cnn_run.output_dir, mode="export", export={"dir": str(tmp_path / "out")}))
     assert os.listdir(tmp_path) == []  # neither the export nor its temporary folder
 
 

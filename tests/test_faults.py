@@ -582,7 +582,7 @@ def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, 
     before = signal.getsignal(signal.SIGTERM)
     for program, expected in ((False, before), (True, signal.SIG_IGN)):
         monkeypatch.setattr(faults, "ignore_late_signals", program)
-        s = Supervisor(cfg, [])
+        s = Supervisor(cfg, [], worker=None)
         s.previous_handlers = {signal.SIGTERM: before}
         s.close()
         assert signal.getsignal(signal.SIGTERM) == expected

@@ -27,8 +27,8 @@ from extras.balance import resolve_precision
 
 def build_trainer(cfg, task=None):
     from core import distributed as D
-    from wiring import build_task
-    return build_trainer(cfg, task=task, ctx=D.init(cfg, 0, 1, 0))
+    import wiring
+    return wiring.build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
 
 
 def child_env(**extra):

@@ -14,6 +14,7 @@ from core import checkpoint
 from core import checkpoint_meta
 from resilience import launcher
 import main
+import wiring
 
 # The launched runs train TRAIN_SETS (ddp, 2 x 16 samples, STEPS steps, no dropout) over parameters.yml and must
 # land on `spawn_reference`: the same run by main.py's own spawn, computed once a session and shared with
@@ -114,7 +115,7 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypa
     monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
     with pytest.raises(OSError, match="Too many open files"):
-        launcher.Supervisor(cfg, [main.RankPlace(rank, rank, 2, 2) for rank in range(2)]).run()
+        launcher.Supervisor(cfg, [main.RankPlace(rank, rank, 2, 2) for rank in range(2)], wiring.worker).run()
     assert len(started) == 1
     assert gone(started[0], psutil), f"rank 0 (pid {started[0]}) is still running"
 

@@ -182,7 +182,7 @@ def test_another_base_is_refused_in_one_line(full_run, tmp_path):
     trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     with pytest.raises(CheckpointError, match=r"its LoRA adapters were trained on .*tiny_bert.* holds other "
                                               r"weights") as e:
-        trainer.resume()
+        trainer.hooks.resume(trainer)
     assert "\n" not in str(e.value)
     cfg.mode, cfg.test.checkpoint = "test", str(out / "checkpoints" / "step-4")
     assert main.run(cfg) == 2  # test mode: the same one line, exit code 2

@@ -96,7 +96,7 @@ def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypa
     cfg = make_config(tmp_path, train={**TRAIN, "precision": "auto"})
     t = build_trainer(cfg, D.init(cfg, 0, 1, 0))
     monkeypatch.setattr(t.par, "eval_lockstep", True)
-    t.measure()
+    t.hooks.before_first_step(t)
     assert t.t.precision == "fp32" and autocast_dtype(t) is None
     assert "auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps" in run_log.plan(t)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import trainer as trainer_module
+from extras import testmode
 from conftest import ROOT, logged, make_config, spawn
 from wiring import load_config
 from core.errors import ConfigError
@@ -23,9 +24,9 @@ SHORT = {"batch_size": 16, "max_steps": 6, "epochs": 0, "log_every": 2, "eval_ev
 
 def build_trainer(cfg):
     from core import distributed as D
-    from wiring import build_task
+    import wiring
     torch.set_num_threads(1)
-    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    return wiring.build_trainer(cfg, D.init(cfg, 0, 1, 0))
 
 
 def log_of(output_dir) -> str:
@@ -129,17 +130,17 @@ def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
     build_trainer(make_config(tmp_path, train={**EVAL, "max_steps": 2})).train()  # a checkpoint to test
     t = build_trainer(make_config(tmp_path, mode="test", train={**EVAL, "max_steps": 2}))
     assert evaluated(monkeypatch, t, 1) == list(range(225))  # at a step that would take the subset in training
-    assert t.test()["dev"]["samples"] == 225  # test mode's own path: Trainer.test
+    assert testmode.test(t)["dev"]["samples"] == 225  # test mode's own path
 
 
 def _evaluate_rank(local_rank, cfg, world, out):
     """Spawned: each rank evaluates the initial model's dev subset at step 2; rank 0 writes the metrics."""
     from core import distributed as D
-    from wiring import build_task
+    import wiring
     torch.set_num_threads(1)
     ctx = D.init(cfg, local_rank, world, local_rank)
     try:
-        t = build_trainer(cfg, ctx)
+        t = wiring.build_trainer(cfg, ctx)
         t.state.step = 2
         metrics = t.evaluate("dev")
         if local_rank == 0:

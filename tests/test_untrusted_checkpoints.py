@@ -13,6 +13,7 @@ from conftest import load_model_state, make_config
 from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
 
 from core import checkpoint
+from core.errors import Unloadable
 
 from core import checkpoint_meta
 from resilience import run_dir
@@ -132,7 +133,7 @@ def test_read_meta_refuses_a_bad_value_in_one_line_naming_file_and_key(reference
     change, says = BAD_META[name]
     shutil.copytree(ckpt(reference, 4), ckpt(tmp_path, 4))
     edit_meta(ckpt(tmp_path, 4), change)
-    with pytest.raises(checkpoint.Unloadable) as caught:
+    with pytest.raises(Unloadable) as caught:
         checkpoint_meta.read(ckpt(tmp_path, 4))
     message = str(caught.value)
     assert message.startswith(f"{ckpt(tmp_path, 4)}/meta.json: unreadable (") and says in message, message
