@@ -192,3 +192,17 @@ def test_main_refuses_hostile_yaml_in_one_line_with_exit_2(tmp_path, capsys, tex
     assert time.perf_counter() - start < 2
     err = capsys.readouterr().err
     assert err == f"error: {path}: {words}" + err.split(words, 1)[1] and err.count("\n") == 1, err
+
+
+def test_a_set_value_over_the_size_cap_is_refused():
+    message = refused_quickly(PARAMS, ["data.data_dir=" + "x" * 1_000_001])
+    assert message.startswith("--set data.data_dir=xxx") and "1,000,001 characters; a YAML value holds at most" \
+        in message, message
+
+
+def test_both_loaders_read_the_shipped_configs_as_safe_load_does(loader):
+    import glob
+    import yaml
+    for path in [PARAMS, *sorted(glob.glob(os.path.join(ROOT, "configs", "*.yml")))]:
+        text = open(path).read()
+        assert config_yaml.parse(text) == yaml.safe_load(text), path
