@@ -371,8 +371,11 @@ class Trainer:
     def count_total_steps(self) -> int:
         """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
         which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
-        t = self.t
-        per_epoch = self.sampler.batches_per_epoch() / t.grad_accum_steps
+        t, s = self.t, self.sampler
+        if s.global_batch > s.n and self.cfg.mode == "train":  # (a config that makes no sense: said before step 1)
+            raise ConfigError(f"`train.batch_size`: the global batch ({s.global_batch} samples over all ranks) is "
+                              f"larger than the training set ({s.n} samples); lower train.batch_size")
+        per_epoch = s.batches_per_epoch() / t.grad_accum_steps
         from_epochs = math.ceil(t.epochs * per_epoch) if t.epochs else None
         limits = [(n, f"{key}={value:g}") for n, key, value in ((from_epochs, "epochs", t.epochs),
                                                                 (t.max_steps or None, "max_steps", t.max_steps))
@@ -381,6 +384,9 @@ class Trainer:
         others = [what for n, what in limits if what != first]
         verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
         self.length_note = first + (f" {verb} {others[0]}" if others else "")
+        if t.warmup >= 1 and t.warmup > total and self.cfg.mode == "train":
+            raise ConfigError(f"`train.warmup` is {t.warmup:g} steps, longer than the run ({total} optimizer steps: "
+                              f"{self.length_note}); lower it, or give a fraction of the run (< 1)")
         return total
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------

@@ -7,6 +7,7 @@ launcher checks the keys it reads; the schema imports none of them). A mistake i
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -14,12 +15,55 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import yaml
 
+from core import config_yaml
 from core.config_mistakes import unknown_key, wrong_type
 from core.errors import ConfigError
 from core.launch_env import launcher_env
 
 
 # ---- sections: each one's check(fail), under its fields, rejects values a run cannot use (validate, below) ----
+INT_MAX = 2**31 - 1  # a count beyond it overflows the C ints of the libraries below (tokenizers, DataLoader)
+YEAR_S = 365 * 86400  # the longest timeout or time limit: longer ones overflow timedelta or threading's waits
+
+
+def in_range(fail, key: str, value, at_least=None, above=None, at_most=None, below=None) -> None:
+    """fail(key, why) unless `value` is a finite number within the bounds given (NaN and infinities never are; a
+    whole number without an upper bound stops at INT_MAX): each numeric field's check, in one line."""
+    if at_most is None and below is None and isinstance(value, int) and value > INT_MAX:
+        fail(key, f"must be <= {INT_MAX}, got {config_yaml.shown(value)}")
+    finite = isinstance(value, int) or math.isfinite(value)
+    if finite and (at_least is None or value >= at_least) and (above is None or value > above) and \
+            (at_most is None or value <= at_most) and (below is None or value < below):
+        return
+    low = ("[", ">=", at_least) if at_least is not None else ("(", ">", above) if above is not None else None
+    high = ("]", "<=", at_most) if at_most is not None else (")", "<", below) if below is not None else None
+    bounds = f"in {low[0]}{low[2]}, {high[2]}{high[0]}" if low and high else " ".join(map(str, (low or high)[1:]))
+    fail(key, f"must be {'' if finite else 'a finite number '}{bounds}, got {config_yaml.shown(value)}")
+
+
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt",
+                  "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_FOLDERS += ("/usr/local", "/usr/share", "/usr/src")
+INSIDE_SYSTEM = ("/bin", "/boot", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr/bin",
+                 "/usr/include", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/sbin")  # (not /dev/shm)
+
+
+def system_folder(path: str) -> Optional[str]:
+    """What `path` is when it is no place for a run ("the root folder", "your home folder", "a system folder"),
+    else None. Symlinks resolved: /bin may be /usr/bin."""
+    real = os.path.realpath(path)  # (a run does not expand ~ either)
+    home = os.path.expanduser("~")
+    if real == "/":
+        return "the root folder"
+    if home not in ("", "~") and real == os.path.realpath(home):
+        return "your home folder"
+    if real in {os.path.realpath(f) for f in SYSTEM_FOLDERS}:
+        return "a system folder"
+    if any(real.startswith(os.path.realpath(f) + os.sep) for f in INSIDE_SYSTEM):
+        return "inside a system folder"
+    return None
+
+
 @dataclass
 class DataConfig:
     dataset: str = "digits"
@@ -56,12 +100,9 @@ class DataConfig:
     """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
 
     def check(self, fail) -> None:
-        if not 0 <= self.dev_fraction < 1:
-            fail("data.dev_fraction", f"must be in [0, 1), got {self.dev_fraction}")
-        if self.num_workers < 0:
-            fail("data.num_workers", f"must be >= 0, got {self.num_workers}")
-        if self.max_length < 1:
-            fail("data.max_length", f"must be >= 1, got {self.max_length}")
+        in_range(fail, "data.dev_fraction", self.dev_fraction, at_least=0, below=1)
+        in_range(fail, "data.num_workers", self.num_workers, at_least=0, at_most=1024)
+        in_range(fail, "data.max_length", self.max_length, at_least=1)
         if self.text_column == self.label_column:
             fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
 
@@ -111,8 +152,15 @@ class ModelConfig:
     true for a random model, pretrained_dir's own otherwise."""
 
     def check(self, fail) -> None:
-        if not 0 <= self.dropout < 1:
-            fail("model.dropout", f"must be in [0, 1), got {self.dropout}")
+        in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
+        in_range(fail, "model.channels", self.channels, at_least=1)
+        in_range(fail, "model.hidden", self.hidden, at_least=1)
+        in_range(fail, "model.lora_rank", self.lora_rank, at_least=0)
+        in_range(fail, "model.lora_alpha", self.lora_alpha, above=0)
+        in_range(fail, "model.lora_dropout", self.lora_dropout, at_least=0, below=1)
+        for key in ("layers", "heads", "width"):
+            if getattr(self, key) is not None:
+                in_range(fail, f"model.{key}", getattr(self, key), at_least=1)
 
 
 @dataclass
@@ -205,23 +253,21 @@ class TrainConfig:
     overflows count only once the loss scale has fallen below 1."""
 
     def check(self, fail) -> None:
-        if self.lr <= 0:
-            fail("train.lr", f"must be > 0, got {self.lr}")
+        in_range(fail, "train.lr", self.lr, above=0)
+        in_range(fail, "train.eps", self.eps, above=0)
         for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "log_every", "max_bad_steps", "balance_steps"):
-            if getattr(self, key) < 1:
-                fail(f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+            in_range(fail, f"train.{key}", getattr(self, key), at_least=1)
         for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
                     "epochs", "eval_batches"):
-            if getattr(self, key) < 0:
-                fail(f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+            in_range(fail, f"train.{key}", getattr(self, key), at_least=0)
+        if self.global_batch_size is not None:
+            in_range(fail, "train.global_batch_size", self.global_batch_size, at_least=1)
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
         betas = self.betas
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):
-            fail("train.betas", f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas}")
-        if self.eps <= 0:
-            fail("train.eps", f"must be > 0, got {self.eps}")
+            fail("train.betas", f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {config_yaml.shown(betas)}")
         # Refused rather than ignored: a setting that silently does nothing is a trap.
         if self.optimizer == "sgd" and ([float(b) for b in betas] != [0.9, 0.999] or self.eps != 1e-8):
             fail("train.betas", "and train.eps apply to adamw only; with train.optimizer sgd leave them at "
@@ -234,21 +280,22 @@ class TrainConfig:
             limit = parse_duration(self.time_limit)
         except ValueError:
             fail("train.time_limit", f"must be seconds or HH:MM:SS (D-HH:MM:SS), got {self.time_limit!r}")
-        if limit is not None and limit < 0:
-            fail("train.time_limit", f"must be >= 0, got {self.time_limit!r}")
+        if limit is not None:
+            in_range(fail, "train.time_limit", limit, at_least=0, at_most=YEAR_S)
         if self.resume is True:
             fail("train.resume", "must be auto, false or a checkpoint path (true is ambiguous)")
         size = self.batch_size
         if isinstance(size, list):
-            if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in size):
-                fail("train.batch_size", f"must hold positive integers, got {size}")
+            if not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= INT_MAX for b in size):
+                fail("train.batch_size", f"must hold positive integers, got {config_yaml.shown(size)}")
         elif isinstance(size, str):
             if size != "auto":
-                fail("train.batch_size", f"must be a positive integer, a list per rank, or auto, got {size!r}")
+                fail("train.batch_size", f"must be a positive integer, a list per rank, or auto, got "
+                                         f"{config_yaml.shown(size)}")
             if self.global_batch_size is None:
                 fail("train.global_batch_size", "must be set when train.batch_size is auto (the total over ranks)")
-        elif size < 1:
-            fail("train.batch_size", f"must be >= 1, got {size}")
+        else:
+            in_range(fail, "train.batch_size", size, at_least=1)
         if self.global_batch_size is not None and size != "auto":
             fail("train.global_batch_size", "is only used with train.batch_size: auto (else the global batch is the "
                                             "sum of the per-rank sizes)")
@@ -333,8 +380,18 @@ class DistConfig:
                 fail(f"dist.{key}", "splits over a tensor-parallel group: it needs dist.tp > 1")
         if self.dp_replicate < 1:
             fail("dist.dp_replicate", f"must be >= 1 (1: no replicas of the shards), got {self.dp_replicate}")
-        if self.hang_timeout_s < 0:
-            fail("dist.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
+        in_range(fail, "dist.hang_timeout_s", self.hang_timeout_s, at_least=0, at_most=YEAR_S)
+        in_range(fail, "dist.timeout_s", self.timeout_s, above=0, at_most=YEAR_S)
+        # The rest of the nodes' keys and of the pipeline's are checked by launcher.py and strategies/pipeline.py;
+        # these bounds keep the lists made from them (a rank per process) within memory.
+        in_range(fail, "dist.nodes", self.nodes, at_least=1, at_most=100_000)
+        procs = self.procs_per_node if isinstance(self.procs_per_node, list) else [self.procs_per_node]
+        for n in procs:
+            if isinstance(n, int) and not isinstance(n, bool):
+                in_range(fail, "dist.procs_per_node", n, at_least=1, at_most=100_000)
+        for factor in self.simulate_slowdown or ():
+            if isinstance(factor, float):  # (its length and the integers: balance.check_config)
+                in_range(fail, "dist.simulate_slowdown", factor, at_least=1)
         if self.device == "cuda" and not self.on_gpu():
             fail("dist.device", "is cuda but no CUDA device is available")
         if self.backend == "nccl" and not self.on_gpu():
@@ -356,7 +413,7 @@ class TestConfig:
     def check(self, fail) -> None:
         for split in self.splits:
             if split not in ("train", "dev", "test"):
-                fail("test.splits", f"must list train/dev/test, got {split!r}")
+                fail("test.splits", f"must list train/dev/test, got {config_yaml.shown(split)}")
 
 
 @dataclass
@@ -397,6 +454,13 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def check(self, fail) -> None:
+        in_range(fail, "seed", self.seed, at_least=0, at_most=2**32 - 1)  # numpy's seeds
+        place = system_folder(self.output_dir)
+        if place:
+            fail("output_dir", f"is {place} ({config_yaml.shown(self.output_dir)}); a run writes checkpoints/, logs/ "
+                               "and .lock into it: give a folder of its own, e.g. runs/NAME")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -414,13 +478,12 @@ def load_config(path: Optional[str], overrides: list[str] = (), checks: Sequence
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: {'a folder, not a YAML file' if os.path.isdir(path) else 'file not found'}")
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as e:  # (a binary file: a checkpoint given as --params)
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+        try:  # capped in size, nesting and values (config_yaml.py): a wrong or hostile file is one line, at once
+            raw = config_yaml.read_file(path) or {}
+        except config_yaml.Refused as e:
+            raise ConfigError(f"{path}: {f'line {e.line}: ' if e.line else ''}{e.why}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:
@@ -435,24 +498,27 @@ def config_source(path: Optional[str], overrides: Sequence[str] = ()) -> str:
 
 def apply_override(raw: dict, item: str) -> None:
     """`train.lr=3e-4` -> raw['train']['lr'] = 3e-4. The value is parsed as YAML, so 3e-4, true, [1, 2] work."""
+    shown = config_yaml.shown_text(item)
     if "=" not in item:
-        raise ConfigError(f"--set {item}: expected section.key=value")
+        raise ConfigError(f"--set {shown}: expected section.key=value")
     key, value = item.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) > 2 or not all(parts):
-        raise ConfigError(f"--set {item}: expected section.key=value or key=value")
+        raise ConfigError(f"--set {shown}: expected section.key=value or key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
+        parsed = config_yaml.parse(value) if value.strip() else None
+    except config_yaml.NotYAML:
         parsed = value
+    except config_yaml.Refused as e:  # too large, too deep, too many values: refused, not read as a string
+        raise ConfigError(f"--set {shown}: {e.why}") from None
     if len(parts) == 1:
         if parts[0] in SECTIONS:
-            raise ConfigError(f"--set {item}: `{parts[0]}` is a section; set one of its keys: {parts[0]}.KEY=VALUE")
+            raise ConfigError(f"--set {shown}: `{parts[0]}` is a section; set one of its keys: {parts[0]}.KEY=VALUE")
         raw[parts[0]] = parsed
     else:
         section = raw.setdefault(parts[0], {})
         if not isinstance(section, dict):
-            raise ConfigError(f"--set {item}: `{parts[0]}` is not a section")
+            raise ConfigError(f"--set {shown}: `{parts[0]}` is not a section")
         section[parts[1]] = parsed
 
 
@@ -465,7 +531,8 @@ def config_from_dict(raw: dict, source: str = "<dict>", checks: Sequence[Callabl
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: `{key}` must be a section (a mapping of keys), got {value!r}")
+                raise ConfigError(f"{source}: `{key}` must be a section (a mapping of keys), got "
+                                  f"{config_yaml.shown(value)}")
             sections[key] = _build(SECTIONS[key], value, source, prefix=f"{key}.")
         else:
             top[key] = value
@@ -527,7 +594,7 @@ def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key. `checks`:
     the composition root's (wiring.CHECKS): each strategy, task and launcher checks the keys it reads."""
     fail = failing(source)
-    for part in (cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
+    for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
         part.check(fail)
     for check in checks:  # first: the world size below counts dist.procs_per_node
         check(cfg, fail)

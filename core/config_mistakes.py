@@ -5,11 +5,13 @@ import difflib
 import typing
 from typing import Literal, Union
 
+from core.config_yaml import shown, shown_text
+
 
 def unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> str:
     close = closest(key, valid)
     hint = f" (did you mean `{prefix}{close}`?)" if close else f" (valid keys: {', '.join(valid)})"
-    return f"{source}: unknown key `{prefix}{key}`{hint}"
+    return f"{source}: unknown key `{prefix}{shown_text(key)}`{hint}"
 
 
 def closest(key: str, valid: list[str]):
@@ -27,7 +29,7 @@ def closest(key: str, valid: list[str]):
 
 def wrong_type(source: str, key: str, value, hint) -> str:
     options = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
-    return f"{source}: `{key}` must be {' or '.join(type_name(a) for a in options)}, got {value!r}"
+    return f"{source}: `{key}` must be {' or '.join(type_name(a) for a in options)}, got {shown(value)}"
 
 
 def type_name(hint) -> str:

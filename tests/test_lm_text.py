@@ -228,7 +228,7 @@ def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     data = tmp_path / "plays"
     write(data / "input.txt", PLAY * 3)
     preset = os.path.join(ROOT, "configs", "shakespeare_char.yml")
-    overrides = [f"data.data_dir={data}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4",
+    overrides = [f"data.data_dir={data}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4", "train.warmup=2",
                  "train.eval_every=2", "log.progress_bar=false", "log.tensorboard=false"]
     cfg = load_config(preset, overrides)
     assert main.run(cfg) == 0
