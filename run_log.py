@@ -21,6 +21,7 @@ import checkpoint
 import distributed as D
 import faults
 from config import Config, dump_yaml, procs_per_node_list
+from strategies import optimizers
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -122,6 +123,9 @@ def plan(tr) -> str:
         *([f"  {tr.balance_note}"] if tr.balance_note else []),
         f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
         f"micro-batches per epoch), starting at step {tr.state.step}",
+        f"  {optimizers.plan_line(tr.par.optimizer, t)}",
+        f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
+        + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
 
