@@ -102,6 +102,9 @@ def write_hf(folder: str, task, model) -> str:
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
     hf = task.hf_model(lora.merged(model))
+    names = task.label_names()
+    if names and len(names) == hf.config.num_labels:  # a classifier answers with the data's label names, not LABEL_0, LABEL_1, ...
+        hf.config.id2label, hf.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
     hf.save_pretrained(folder)
     tokenizer = task.hf_tokenizer()
     cls = type(hf).__name__

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from config import DataError
+from tasks import bag_of_words_hf
 from tasks.base import Task, classification_batch, classification_metrics
 from tasks.table_files import FORMATS, read_split
 
@@ -51,3 +52,15 @@ class CSVTextTask(Task):
 
     def metrics(self, totals):
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
+
+    def label_names(self):  # the label column's strings, in the order of the model's outputs
+        return self.classes
+
+    # mode: export: a Hugging Face folder that pipeline("text-classification", model=folder) reads (the same model)
+    export_formats, hf_pipeline = ("hf",), "text-classification"
+
+    def hf_model(self, model):
+        return bag_of_words_hf.hf_classifier(model, self.classes)
+
+    def hf_tokenizer(self):
+        return bag_of_words_hf.hf_tokenizer(self.vocab, self.cfg.data.max_length)
