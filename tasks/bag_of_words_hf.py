@@ -22,13 +22,32 @@ import math
 import torch
 from torch import nn
 
+from config import UserError
+
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1
 
 
-def hf_classifier(model: nn.Sequential, names: list[str]):
+class BagOfWordsExport:
+    """What mode export's `hf` format asks a task (tasks/base.py), for csv_text: its model as below, its words
+    and vocabulary (`vocab`) as a tokenizer, the label names (`classes`) in config.json."""
+    export_formats, hf_pipeline = ("hf",), "text-classification"
+
+    def hf_model(self, model: nn.Module):
+        return hf_classifier(model, self.classes)
+
+    def hf_tokenizer(self):
+        return hf_tokenizer(self.vocab, self.cfg.data.max_length)
+
+
+def hf_classifier(model: nn.Module, names: list[str]):
     """The EuroBertForSequenceClassification equal to csv_text's model (EmbeddingBag, Dropout, Linear)."""
     from transformers import EuroBertConfig, EuroBertForSequenceClassification
-    bag, linear = model[0], model[-1]
+    parts = list(model.children()) if isinstance(model, nn.Sequential) else []
+    if not (parts and isinstance(parts[0], nn.EmbeddingBag) and parts[0].mode == "mean"
+            and isinstance(parts[-1], nn.Linear) and all(isinstance(p, nn.Dropout) for p in parts[1:-1])):
+        raise UserError(f"export: the hf format converts csv_text's bag of words (EmbeddingBag mean, Dropout, "
+                        f"Linear), not a {type(model).__name__} of other layers; write the task's hf_model")
+    bag, linear = parts[0], parts[-1]
     with torch.no_grad():
         per_word = (bag.weight.double() @ linear.weight.double().T + linear.bias.double())  # [vocab, classes]
         offset = FLOOR - per_word.min(0).values.clamp(max=0)  # every entry of t_j + offset is >= FLOOR

@@ -94,8 +94,9 @@ class Task:
 
     def label_names(self) -> Optional[list[str]]:
         """A classifier's class names as the data names them, in the order of its outputs (the plan lists them,
-        an `hf` export's config.json maps ids to them); None: not a classifier, or classes known only by number."""
-        return None
+        an `hf` export's config.json maps ids to them): the task's `classes` where it has them (csv_text); None:
+        not a classifier, or classes known only by number."""
+        return getattr(self, "classes", None)
 
     def data_name(self) -> str:
         """What the run's plan names as this task's data."""

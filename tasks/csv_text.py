@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from config import DataError
-from tasks import bag_of_words_hf
+from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task, classification_batch, classification_metrics
 from tasks.table_files import FORMATS, read_split
 
@@ -15,7 +15,7 @@ def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face 
     return re.findall(r"[a-z0-9']+", text.lower())
 
 
-class CSVTextTask(Task):
+class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hugging Face folder, for pipeline()
     def read(self, split):  # -----> another file format: return (texts, label names) of a split, or None
         d = self.cfg.data  # the format comes from the file name; every row is checked (DataError naming it)
         return read_split(d.data_dir, split, d.text_column, d.label_column)
@@ -52,15 +52,3 @@ class CSVTextTask(Task):
 
     def metrics(self, totals):
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
-
-    def label_names(self):  # the label column's strings, in the order of the model's outputs
-        return self.classes
-
-    # mode: export: a Hugging Face folder that pipeline("text-classification", model=folder) reads (the same model)
-    export_formats, hf_pipeline = ("hf",), "text-classification"
-
-    def hf_model(self, model):
-        return bag_of_words_hf.hf_classifier(model, self.classes)
-
-    def hf_tokenizer(self):
-        return bag_of_words_hf.hf_tokenizer(self.vocab, self.cfg.data.max_length)
