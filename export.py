@@ -103,7 +103,7 @@ def write_hf(folder: str, task, model) -> str:
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
     hf = task.hf_model(lora.merged(model))
     names = task.label_names()
-    if names and len(names) == hf.config.num_labels:  # a classifier answers with the data's label names, not LABEL_0, LABEL_1, ...
+    if names and len(names) == hf.config.num_labels:  # pipeline answers with the data's names, not LABEL_0, ...
         hf.config.id2label, hf.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
     hf.save_pretrained(folder)
     tokenizer = task.hf_tokenizer()
