@@ -144,9 +144,11 @@ TRAIN = {"max_steps": STEPS, "save_every": SAVE_AT, "eval_every": 0, "keep_last"
 
 
 def train(output_dir, strategy, optimizer, **extra):
+    """strategy: a dist.strategy, or `oss-torch` (PyTorch's ZeroRedundancyOptimizer around the class)."""
     from main import run
+    dist = {"strategy": "oss", "oss_impl": "torch"} if strategy == "oss-torch" else {"strategy": strategy}
     cfg = make_config(output_dir, model={"dropout": 0.0}, train={**TRAIN, **optimizer, **extra},
-                      dist={"strategy": strategy, "procs_per_node": 2})
+                      dist={**dist, "procs_per_node": 2})
     return run(cfg)
 
 
@@ -162,7 +164,7 @@ RADAM = {"optimizer": "RAdam", "weight_decay": 0.01, "optimizer_args": {"decoupl
 # All slow (~30-70 s each on 2 shared cores); the quick loop's multi-process run is test_labels_export's ddp one.
 @pytest.mark.parametrize("strategy, optimizer", [
     slow("fsdp", RADAM), slow("ddp", RADAM), slow("ddp", SGD_NESTEROV), slow("fsdp", SGD_NESTEROV),
-    slow("oss", RADAM)])
+    slow("oss", RADAM), slow("oss-torch", SGD_NESTEROV)])
 def test_resume_ends_where_an_uninterrupted_run_does(tmp_path, strategy, optimizer):
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     assert train(first, strategy, optimizer) == 0
