@@ -37,6 +37,7 @@ class TrainState:
     sample_in_epoch: int = 0  # samples of the epoch's order consumed by all ranks: where the epoch resumes
     best_value: Optional[float] = None
     best_step: Optional[int] = None
+    best_loss: Optional[float] = None  # the best checkpoint's dev loss: breaks ties of best_value
     evals_without_improvement: int = 0
 
 
@@ -276,11 +277,14 @@ class Trainer:
         if self.best_metric not in metrics:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})")
-        value = metrics[self.best_metric]
+        value, loss = metrics[self.best_metric], metrics.get("loss")
         better = math.isfinite(value) and (  # NaN is never best
-            s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value))
+            s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
+            # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss
+            or (value == s.best_value and loss is not None and s.best_loss is not None and loss < s.best_loss))
         if better:
             s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
+            s.best_loss = loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
         else:
             s.evals_without_improvement += 1
         return better, bool(t.patience) and s.evals_without_improvement >= t.patience

@@ -23,7 +23,7 @@ from core.run_log import setup_logging
 from extras import balance, export, profiling, testmode
 from resilience import faults, heartbeat, launcher, resume
 from resilience.faults import HOST, report
-from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
+from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
 from strategies.base import Parallel
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
@@ -60,6 +60,7 @@ OWN_CHECKS: list[tuple[Callable, list[str]]] = [
                               "model.tie_embeddings"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
     (profiling.check_config, ["train.profile_steps"]),
+    (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
     (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
     (zero.check_config, ["dist.shard_grads"]),
     (balance.check_config, ["dist.simulate_slowdown"]),

@@ -180,8 +180,12 @@ class TrainConfig:
     """Passes over the training set (may be fractional). 0: train for `max_steps` only."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer: `adamw` or `sgd` (with momentum 0.9)."""
+    optimizer: str = "AdamW"
+    """A torch.optim class by name, any case (AdamW, SGD: momentum 0.9 unless optimizer_args says, RAdam, Adafactor,
+    ...) or one listed in strategies/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
+    optimizer_args: Optional[dict] = None
+    """The optimizer's own keyword arguments, e.g. {momentum: 0.9, nesterov: true} for SGD; checked at start.
+    null: none."""
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     """fused (one kernel for all parameters), foreach (batched over the tensors) or for_loop (one at a time); the
     same update within rounding. auto: fused where the device supports it, else foreach."""
@@ -201,10 +205,11 @@ class TrainConfig:
     """linear and cosine: the fraction of `lr` they decay to at the last step (0.1 with lr 1e-3: a 1e-4 floor,
     nanoGPT's). 0: decay to 0."""
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW's (beta1, beta2): decay rates of its gradient and squared-gradient averages (torch's defaults).
-    adamw only: with sgd, other values are refused rather than ignored."""
+    """AdamW's (beta1, beta2): decay rates of its gradient and squared-gradient averages (torch's defaults). Passed
+    to the optimizers that take them (Adam, RAdam, NAdam, ...) when set; refused rather than ignored elsewhere."""
     eps: float = 1e-8
-    """AdamW's epsilon, added to the root of the squared-gradient average (torch's default). adamw only."""
+    """AdamW's epsilon, added to the root of the squared-gradient average (torch's default); passed, when set, to
+    the optimizers that take one number (Adadelta, RMSprop, ...): at 1e-8 each keeps its own default."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 (SGD)."""
     clip_grad_norm: float = 0.0
@@ -236,7 +241,8 @@ class TrainConfig:
     patience: int = 0
     """Early stopping: stop after this many evaluations without improvement of best_metric. 0: never."""
     best_metric: Optional[str] = None
-    """Dev metric that decides the best checkpoint and early stopping (e.g. accuracy, f1, loss).
+    """Dev metric that decides the best checkpoint and early stopping (e.g. accuracy, f1, loss); a tie goes to
+    the lower dev loss.
     None: the task's own choice (accuracy for classification, loss for pretraining and language modelling)."""
     best_mode: Literal["auto", "max", "min"] = "auto"
     """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
@@ -268,10 +274,6 @@ class TrainConfig:
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):
             fail("train.betas", f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {config_yaml.shown(betas)}")
-        # Refused rather than ignored: a setting that silently does nothing is a trap.
-        if self.optimizer == "sgd" and ([float(b) for b in betas] != [0.9, 0.999] or self.eps != 1e-8):
-            fail("train.betas", "and train.eps apply to adamw only; with train.optimizer sgd leave them at "
-                                "[0.9, 0.999] and 1e-8")
         if self.max_steps == 0 and self.epochs == 0:
             fail("train.max_steps", "and train.epochs are both 0: set at least one")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
@@ -585,7 +587,7 @@ def _match(value: Any, hint):
             pass
     elif hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    elif hint in (str, bool, list) and isinstance(value, hint):
+    elif hint in (str, bool, list, dict) and isinstance(value, hint):
         return value
     raise _NoMatch
 

@@ -36,4 +36,4 @@ def type_name(hint) -> str:
     if typing.get_origin(hint) is Literal:  # e.g. inside Optional: "one of gpt2, llama or null"
         return "one of " + ", ".join(map(str, typing.get_args(hint)))
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-            type(None): "null"}.get(hint, str(hint))
+            type(None): "null", dict: "a mapping"}.get(hint, str(hint))

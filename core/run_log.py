@@ -21,6 +21,7 @@ from core import checkpoint, disk_errors
 from core import distributed as D
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
+from strategies import optimizers
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -111,6 +112,7 @@ def plan(tr) -> str:
     return "\n".join([
         "plan:",
         f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
+        *([classes_line(tr.task.label_names())] if tr.task.label_names() else []),
         f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
@@ -121,8 +123,17 @@ def plan(tr) -> str:
         *([f"  {tr.balance_note}"] if tr.balance_note else []),
         f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
         f"micro-batches per epoch), starting at step {tr.state.step}",
+        f"  {optimizers.plan_line(tr.par.optimizer, t)}",
+        f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
+        + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
+
+
+def classes_line(names: list) -> str:
+    """The plan's line naming a classifier's classes (cut to ~80 characters)."""
+    shown = ", ".join(map(str, names))
+    return f"  {len(names)} classes: " + (shown if len(shown) <= 80 else shown[:77] + "...")
 
 
 def write_file(path: str, text: str) -> None:

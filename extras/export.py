@@ -105,6 +105,9 @@ def write_hf(folder: str, task, model) -> str:
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
     hf = task.hf_model(lora.merged(model))
+    names = task.label_names()
+    if names and len(names) == hf.config.num_labels:  # pipeline answers with the data's names, not LABEL_0, ...
+        hf.config.id2label, hf.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
     hf.save_pretrained(folder)
     tokenizer = task.hf_tokenizer()
     cls = type(hf).__name__

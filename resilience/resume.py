@@ -134,7 +134,7 @@ def load(trainer, path: str) -> dict:
         raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
                               f"cannot resume under {trainer.cfg.dist.strategy} (it reads {reads})")
     was = (meta.get("config") or {}).get("train", {}).get("optimizer", t.optimizer)
-    if was != t.optimizer:  # its state would load without complaint and fail (or mislead) at step()
+    if str(was).lower() != t.optimizer.lower():  # (any case: adamw is AdamW) its state would fail at step()
         raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {t.optimizer}; resume "
                               f"with {was}, or start over with train.start_over: true")
     try:

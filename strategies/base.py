@@ -14,17 +14,23 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from core.distributed import DistContext
 from core.errors import ConfigError
+from strategies import optimizers
 
 
 def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
                      fused_ok: bool = True) -> tuple[list[dict], type, dict]:
-    """(param groups, optimizer class, kwargs). Weight decay applies to matrices only, not biases and norms.
-    fused_ok=False: the caller's wrapper cannot run the fused kernel (train.optimizer_impl auto: foreach)."""
+    """(param groups, optimizer class, kwargs): train.optimizer by name (strategies/optimizers.py). Weight decay
+    applies to matrices only, not biases and norms. fused_ok=False: the caller's wrapper cannot run the fused
+    kernel (train.optimizer_impl auto: foreach)."""
     groups = param_groups(model, train_cfg.weight_decay, keep_empty)
     params = [p for g in groups for p in g["params"]]
-    # torch 2.13 has no DTensor rule for the fused SGD kernel (aten._fused_sgd_): FSDP2's sharded parameters
-    # take foreach there (fused AdamW has one: tested under fsdp).
-    if train_cfg.optimizer == "sgd" and any(isinstance(p, DTensor) for p in params):
+    # -----> another optimizer: train.optimizer names any torch.optim class (train.optimizer_args: its own
+    # keywords); a hand-written one is listed in optimizers.OPTIMIZERS and must accept (param groups, lr=...,
+    # its optimizer_args) and weight_decay, betas, eps, fused, foreach only if it implements them.
+    cls = optimizers.resolve(train_cfg.optimizer)
+    # torch 2.13 has DTensor rules for the fused Adam/AdamW kernels only (not aten._fused_sgd_): FSDP2's sharded
+    # parameters take foreach with the others (fused AdamW: tested under fsdp).
+    if cls not in (torch.optim.Adam, torch.optim.AdamW) and any(isinstance(p, DTensor) for p in params):
         fused_ok = False
     if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
         # tp: split matrices are DTensors, the rest plain tensors; a foreach or fused kernel takes one kind at a
@@ -32,12 +38,8 @@ def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
         groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
                   for g in groups for dt in (True, False)]
         groups = [g for g in groups if g["params"] or keep_empty]
-    kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok)
-    # -----> choose another optimizer here.
-    if train_cfg.optimizer == "sgd":
-        return groups, torch.optim.SGD, {"lr": train_cfg.lr, "momentum": 0.9, **kernel}
-    return groups, torch.optim.AdamW, {"lr": train_cfg.lr, "betas": tuple(train_cfg.betas), "eps": train_cfg.eps,
-                                       **kernel}
+    kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok, cls)
+    return groups, cls, {**optimizers.arguments(cls, train_cfg), **kernel}
 
 
 def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
@@ -49,17 +51,20 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
     return [g for g in groups if g["params"] or keep_empty]
 
 
-def optimizer_kernel(impl: str, params: list, fused_ok: bool = True) -> dict:
-    """The optimizer's implementation switch (train.optimizer_impl) as its keyword arguments. auto: fused where the
-    device has the kernel (PyTorch's own CPU default runs one small op per tensor: benchmarks/RESULTS.md)."""
+def optimizer_kernel(impl: str, params: list, fused_ok: bool = True, cls: type = torch.optim.AdamW) -> dict:
+    """The optimizer's implementation switch (train.optimizer_impl) as the keyword arguments `cls` takes of fused
+    and foreach. auto: fused where the device and the class have the kernel (PyTorch's own CPU default runs one
+    small op per tensor: benchmarks/RESULTS.md), else foreach where the class has it."""
+    takes = optimizers.keywords(cls)
     device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
                     for p in params)
-    if impl == "fused" and not (device_ok and fused_ok):
-        where = "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}"
+    if impl == "fused" and not (device_ok and fused_ok and "fused" in takes):
+        where = (f"{cls.__name__}" if "fused" not in takes else
+                 "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}")
         raise ConfigError(f"train.optimizer_impl: fused is not supported by {where}; use auto or foreach")
     if impl == "auto":
-        impl = "fused" if device_ok and fused_ok else "foreach"
-    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+        impl = "fused" if device_ok and fused_ok and "fused" in takes else "foreach"
+    return {k: v for k, v in {"fused": impl == "fused", "foreach": impl == "foreach"}.items() if k in takes}
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:

@@ -92,6 +92,12 @@ class Task:
         raise ConfigError(f"dist.tp: the {self.cfg.task} task has no tensor-parallel plan (Task.tp_plan names the "
                           "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1")
 
+    def label_names(self) -> Optional[list[str]]:
+        """A classifier's class names as the data names them, in the order of its outputs (the plan lists them,
+        an `hf` export's config.json maps ids to them): the task's `classes` where it has them (csv_text); None:
+        not a classifier, or classes known only by number."""
+        return getattr(self, "classes", None)
+
     def data_name(self) -> str:
         """What the run's plan names as this task's data."""
         return self.cfg.data.data_dir

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from core.errors import DataError
+from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task, classification_batch, classification_metrics
 from tasks.table_files import FORMATS, read_split
 
@@ -14,7 +15,7 @@ def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face 
     return re.findall(r"[a-z0-9']+", text.lower())
 
 
-class CSVTextTask(Task):
+class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hugging Face folder, for pipeline()
     def read(self, split):  # -----> another file format: return (texts, label names) of a split, or None
         d = self.cfg.data  # the format comes from the file name; every row is checked (DataError naming it)
         return read_split(d.data_dir, split, d.text_column, d.label_column)

@@ -99,6 +99,10 @@ def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
 
 class SST2Task(Task):
     num_labels = 2  # shards of another label set (scripts/prepare_text.py --labels ...) say how many they have
+    names = ("negative", "positive")  # SST-2's 0 and 1; shards: their --labels, or None (numbers only)
+
+    def label_names(self):
+        return list(self.names) if self.names else None
 
     def build_datasets(self) -> dict:
         d = self.cfg.data
@@ -132,6 +136,7 @@ class SST2Task(Task):
                  f"{self.cfg.data.max_length} does not make them longer")
         self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
         self.num_labels = max(2, manifest["num_labels"])
+        self.names = manifest.get("label_names") or (SST2Task.names if self.num_labels == 2 else None)
         datasets = {split: token_shards.TokenExamples(folder, manifest, split, self.cfg.data.max_length)
                     for split in manifest["splits"]}
         self.datasets = datasets  # for check_fits
@@ -268,10 +273,7 @@ class SST2Task(Task):
         self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
 
     def hf_model(self, model: nn.Module):
-        if model.config.num_labels == 2:  # SST-2's labels by name (other label sets keep LABEL_0, LABEL_1, ...)
-            model.config.id2label, model.config.label2id = {0: "negative", 1: "positive"}, {"negative": 0,
-                                                                                              "positive": 1}
-        return model
+        return model  # its labels are named by export.write_hf (label_names)
 
     def hf_tokenizer(self):
         # Sentences were cut at data.max_length in training: pipeline(..., truncation=True) then cuts them there too.

@@ -16,7 +16,7 @@ NOT_PRODUCT = {"tests", "benchmarks", "scripts", "docs", "notebooks", "configs",
 
 # The layers, lowest first: a file may import its own layer and those before it, never a later one.
 LAYERS = [
-    ("core", ["core", "trainer", "data_loader", "strategies.base", "tasks.base"]),
+    ("core", ["core", "trainer", "data_loader", "strategies.base", "strategies.optimizers", "tasks.base"]),
     ("strategies", ["strategies"]),
     ("tasks", ["tasks"]),
     ("resilience", ["resilience"]),

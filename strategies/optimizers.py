@@ -1,0 +1,130 @@
+"""train.optimizer by name: a torch.optim class (or one listed in OPTIMIZERS) and the keyword arguments it gets.
+
+lr comes from train.lr, weight decay from train.weight_decay (per parameter group: strategies/base.py), betas and
+eps from train.betas / train.eps when they are set and the class takes them in that shape; the class's own
+keywords come from train.optimizer_args; fused/foreach (train.optimizer_impl) only where the class accepts them.
+Everything is checked when the config is read (check_config), so a wrong name or keyword is one line at start.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# -----> a hand-written optimizer: list it here by name (train.optimizer: MyOpt). It must be a
+# torch.optim.Optimizer subclass whose __init__ takes the parameter groups first, then `lr` and the keywords of
+# train.optimizer_args (and `weight_decay`, `betas`, `eps`, `fused`, `foreach` if it implements them).
+OPTIMIZERS: dict[str, type] = {}
+
+# Arguments that differ from torch's defaults unless optimizer_args says otherwise: plain SGD (momentum 0) rarely
+# trains these models well.
+DEFAULT_ARGS = {"SGD": {"momentum": 0.9}}
+
+# Refused by name, with the reason: the Trainer's step() passes no closure and the gradients are dense.
+REFUSED = {"LBFGS": "needs a closure that recomputes the loss at each step(); the Trainer's step has none",
+           "SparseAdam": "takes sparse gradients only; these models' gradients are dense",
+           "Muon": "takes 2-D parameters only, and every model here has biases and norms"}
+
+# Keys train.* sets, which optimizer_args may not set again.
+FROM_TRAIN = {"lr": "train.lr", "weight_decay": "train.weight_decay", "fused": "train.optimizer_impl",
+              "foreach": "train.optimizer_impl", "params": "the model"}
+TRAIN_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # TrainConfig's; at these, each class keeps its own
+
+
+def choices() -> dict[str, type]:
+    """Every optimizer train.optimizer can name: torch.optim's classes, then OPTIMIZERS."""
+    found = {name: cls for name, cls in vars(torch.optim).items()
+             if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+    return {**found, **OPTIMIZERS}
+
+
+def resolve(name: str) -> type:
+    """The class train.optimizer names, case-insensitively (`adamw` is AdamW); ValueError naming the choices."""
+    table = choices()
+    by_lower = {n.lower(): n for n in table}
+    canonical = by_lower.get(str(name).lower())
+    if canonical is None or canonical in REFUSED:
+        usable = ", ".join(sorted(n for n in table if n not in REFUSED))
+        why = f"{canonical} {REFUSED[canonical]}" if canonical in REFUSED else f"{name!r} is not a torch.optim class"
+        raise ValueError(f"{why}; choose one of {usable}")
+    return table[canonical]
+
+
+def keywords(cls: type) -> dict:
+    """{keyword: default} of cls.__init__, params left out."""
+    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
+            if n not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def takes_from_train(cls: type, key: str) -> bool:
+    """Whether cls takes train.betas (a pair of numbers) or train.eps (a number) as they are: Adafactor's eps is
+    a pair, for one, which optimizer_args gives instead."""
+    default = keywords(cls).get(key, inspect.Parameter.empty)
+    if key == "betas":
+        return isinstance(default, tuple) and len(default) == 2 and all(isinstance(d, float) for d in default)
+    return isinstance(default, float)
+
+
+def from_train(cls: type, t) -> dict:
+    """lr, and betas/eps where set (not at TrainConfig's defaults) and the class takes them in that shape."""
+    takes = keywords(cls)
+    args = {"lr": t.lr} if "lr" in takes else {}
+    for key, default in TRAIN_DEFAULTS.items():
+        value = getattr(t, key)
+        if value != default and takes_from_train(cls, key):
+            args[key] = tuple(value) if key == "betas" else value
+    return args
+
+
+def arguments(cls: type, t) -> dict:
+    """The keyword arguments the optimizer gets (fused/foreach apart): train.*'s, then optimizer_args'."""
+    own = {k: tuple(v) if isinstance(v, list) else v for k, v in (t.optimizer_args or {}).items()}
+    return {**from_train(cls, t), **DEFAULT_ARGS.get(cls.__name__, {}), **own}
+
+
+def plan_line(optimizer, t) -> str:
+    """The plan's line: the class and the arguments it got (betas/eps: the class's own where train.* left them),
+    and its implementation. `optimizer`: the optimizer, or a sharding wrapper around it (OSS, ZeRO: .optim)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    cls, used = type(inner), inner.defaults
+    shown = {k: used[k] for k in ("lr", *TRAIN_DEFAULTS) if k in used and k in keywords(cls)}
+    shown.update(arguments(cls, t))
+    if "weight_decay" in keywords(cls):
+        shown["weight_decay"] = f"{t.weight_decay:g} on matrices"
+    impl = "fused" if used.get("fused") else "foreach" if used.get("foreach") else "for_loop"
+    text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+    return f"optimizer {cls.__name__}({text}), {impl}"
+
+
+def check_config(cfg, fail) -> None:
+    """train.optimizer, train.optimizer_args, set (config.OWN_CHECKS): the class exists and takes what it gets."""
+    t = cfg.train
+    try:
+        cls = resolve(t.optimizer)
+    except ValueError as e:
+        fail("train.optimizer", str(e))
+    takes, name = keywords(cls), cls.__name__
+    for key, default in TRAIN_DEFAULTS.items():
+        value = getattr(t, key)
+        if value != default and not takes_from_train(cls, key):
+            fail(f"train.{key}", f"is for adamw only and the optimizers that take it; {name} does not take it "
+                 f"in that form: leave it at {default}" + (" (set its own eps in train.optimizer_args)"
+                                                           if key in takes else ""))
+    if t.weight_decay and "weight_decay" not in takes:
+        fail("train.weight_decay", f"is {t.weight_decay:g} but {name} has no weight decay; set it to 0")
+    own = t.optimizer_args or {}
+    for key in own:
+        if key in FROM_TRAIN or (key in TRAIN_DEFAULTS and takes_from_train(cls, key)):
+            fail("train.optimizer_args", f"sets {key}, which comes from {FROM_TRAIN.get(key, 'train.' + key)}: "
+                                         "set it there")
+        if key not in takes:
+            usable = ", ".join(k for k in takes if k not in FROM_TRAIN and not (
+                k in TRAIN_DEFAULTS and takes_from_train(cls, k))) or "none"
+            fail("train.optimizer_args", f"{key!r} is not a keyword of {name}; its keywords: {usable}"[:200])
+    if t.optimizer_impl in ("fused", "foreach") and t.optimizer_impl not in takes:
+        fail("train.optimizer_impl", f"{t.optimizer_impl}: {name} has no such implementation; use auto")
+    try:  # the values themselves: the class's own checks (a negative momentum, nesterov without momentum, ...)
+        cls([torch.nn.Parameter(torch.zeros(2, 2))], **arguments(cls, t))
+    except (ValueError, TypeError, RuntimeError) as e:
+        fail("train.optimizer_args", f"{name} refuses them: {str(e).strip().splitlines()[0][:120]}")
+
