@@ -387,8 +387,13 @@ class ExportConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
-    """Write TensorBoard scalars under output_dir/tensorboard (rank 0)."""
+    report_to: list = field(default_factory=lambda: ["tensorboard"])
+    """Where rank 0 sends the config, the training line's values, evaluations and the summary (trackers.py): any of
+    `tensorboard`, `csv` (output_dir/metrics.csv), `wandb`, `mlflow`; [] for none."""
+    tensorboard: Optional[bool] = None
+    """The older switch for TensorBoard: true adds it to report_to, false removes it; null: report_to decides."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow's store; null: the MLFLOW_TRACKING_URI environment variable, else sqlite:///<output_dir>/mlflow.db."""
     progress_bar: bool = True
     """Show tqdm progress bars on rank 0 for training and evaluation, when stderr is a terminal (never in log files)."""
 
@@ -599,6 +604,7 @@ OWN_CHECKS = {
     "strategies.fsdp": ["dist.fsdp_impl", "dist.dp_replicate"],
     "strategies.zero": ["dist.shard_grads"],
     "balance": ["dist.simulate_slowdown"],
+    "trackers": ["log.report_to", "log.mlflow_tracking_uri"],
     "launcher": ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr", "dist.master_port",
                  "dist.init_method"],
 }
@@ -613,7 +619,7 @@ def check_own_keys(cfg: Config, fail) -> None:
 
 def is_set(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
-    return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section], name)
+    return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section](), name)  # (list defaults too)
 
 
 def procs_per_node_list(cfg: Config) -> list[int]:

@@ -96,7 +96,7 @@ def freeze_biases(model: nn.Module) -> None:
 def load_causal_lm(cfg) -> nn.Module:
     """model.pretrained_dir's causal LM (GPT-2 or Llama), after checking the model section agrees with it."""
     from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
-    from tasks.text_common import check_pretrained_dir
+    from tasks.text_common import check_pretrained_dir, load_report
     folder = check_pretrained_dir(cfg.model.pretrained_dir)
     config = AutoConfig.from_pretrained(folder)
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
@@ -108,7 +108,8 @@ def load_causal_lm(cfg) -> nn.Module:
                           f"model; set model.arch to null (or {config.model_type})")
     check_folder_shape(cfg, config)
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
-    return classes[config.model_type].from_pretrained(folder)
+    with load_report(cfg):
+        return classes[config.model_type].from_pretrained(folder)
 
 
 def check_folder_shape(cfg, config) -> None:
