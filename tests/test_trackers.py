@@ -300,3 +300,38 @@ def test_the_newly_initialized_report_shows_only_when_training_starts_from_the_f
     for mode in ("test", "export"):
         cfg.mode = mode
         assert load_reports(cfg) == []
+
+
+@pytest.mark.slow  # ~60 s: two spawned ranks, W&B's service, a LoRA model
+def test_two_ranks_report_once(tmp_path, tiny_bert):
+    """Two ranks, sst2 with LoRA on a pretrained folder: the console shows transformers' load report and the
+    libraries' warnings once (rank 0's), and the trackers get one value per step and tag, from rank 0 alone."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import random
+
+    import make_sample_text_data as sample
+    data = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0))
+    out = tmp_path / "run"
+    args = [sys.executable, "main.py", "--set", "task=sst2", "--set", f"data.data_dir={data}",
+            "--set", "data.max_length=32", "--set", "model.name=tiny", "--set", f"model.pretrained_dir={tiny_bert}",
+            "--set", "model.lora_rank=4", "--set", "train.batch_size=8", "--set", "train.max_steps=4",
+            "--set", "train.eval_every=2", "--set", "train.log_every=2", "--set", "dist.strategy=ddp",
+            "--set", "dist.procs_per_node=2", "--set", f"output_dir={out}", "--set", "log.progress_bar=false",
+            "--set", "log.report_to=[csv, wandb]"]
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_DIR", None)
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    console = r.stdout + r.stderr
+    assert r.returncode == 0, console[-3000:]
+    assert console.count("LOAD REPORT") == 1, console[-3000:]  # rank 0's; a fine-tuning starts: it is true
+    warned = [line for line in console.splitlines() if "Warning: " in line]
+    assert len(warned) == len(set(warned)), warned  # each library warning once, not once per rank
+    rows = csv_rows(out)
+    assert len({(s, t) for s, t, _ in rows}) == len(rows) and [s for s, t, _ in rows if t == "train/loss"] == [2, 4]
+    assert len(glob.glob(str(out / "wandb" / "offline-run-*"))) == 1
+    # Test mode: the checkpoint's weights replace the new head, so no "newly initialized" report.
+    test = subprocess.run(args + ["--set", "mode=test", "--set", "dist.strategy=none", "--set",
+                                  "dist.procs_per_node=1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert test.returncode == 0, (test.stdout + test.stderr)[-3000:]
+    assert "LOAD REPORT" not in test.stdout + test.stderr and "newly initialized" not in test.stdout + test.stderr
