@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import math
 import os
 import time
 from typing import Callable, Optional
@@ -230,7 +229,7 @@ class MLflow:
     def scalars(self, step: int, values: dict) -> None:
         from mlflow.entities import Metric
         self.step, now = step, int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, step) for k, v in values.items() if not math.isinf(float(v))]
+        metrics = [Metric(k, float(v), now, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def summary(self, values: dict) -> None:

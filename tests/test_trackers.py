@@ -240,7 +240,8 @@ import transformers
 from transformers.utils import logging as hf_logging
 print("rank0", hf_logging.get_verbosity() == logging.WARNING)
 run_log.setup_logging({str(tmp_path / 'r1')!r}, 1)
-print("rank1", hf_logging.get_verbosity() == logging.ERROR, logging.getLogger("peft").getEffectiveLevel() == logging.ERROR)
+peft = logging.getLogger("peft").getEffectiveLevel()
+print("rank1", hf_logging.get_verbosity() == logging.ERROR, peft == logging.ERROR)
 with warnings.catch_warnings(record=True) as seen:
     warnings.warn_explicit("library", FutureWarning, "x.py", 1, module="transformers.modeling_utils")
     warnings.warn_explicit("library", UserWarning, "x.py", 1, module="peft.tuners")
