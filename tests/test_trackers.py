@@ -274,7 +274,9 @@ def load_reports(cfg) -> list[str]:
     class Keep(logging.Handler):
         def emit(self, record):
             seen.append(record.getMessage())
-    keep = Keep(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+    keep, level = Keep(logging.WARNING), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # as in a rank 0 process (a test before may have quieted a rank > 0 here)
     logging.getLogger("transformers").addHandler(keep)
     try:
         task = build_task(cfg)
@@ -282,6 +284,7 @@ def load_reports(cfg) -> list[str]:
         task.build_model()
     finally:
         logging.getLogger("transformers").removeHandler(keep)
+        hf_logging.set_verbosity(level)
     return [m for m in seen if "LOAD REPORT" in m]
 
 
@@ -321,6 +324,7 @@ def test_two_ranks_report_once(tmp_path, tiny_bert):
             "--set", "log.report_to=[csv, wandb]"]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_DIR", None)
+    env.pop("TRANSFORMERS_VERBOSITY", None)  # set by a test that quieted a rank > 0 in the test process
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     console = r.stdout + r.stderr
     assert r.returncode == 0, console[-3000:]
