@@ -117,7 +117,7 @@ def test_csv_holds_the_logged_values_and_a_resume_continues_it(tmp_path, capsys)
     assert [v for _, t, v in again if t == "summary/steps"] == [6]
 
 
-@pytest.mark.slow  # ~20 s: a Jupyter kernel starts
+@pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
 def test_the_notebook_reads_metrics_csv(tmp_path, monkeypatch):
     """notebooks/inspect_run.ipynb, executed on a run with csv (tests/test_tutorial.py runs it on one without)."""
     import nbformat
@@ -183,7 +183,7 @@ def wandb_run(path) -> dict:
     return out
 
 
-@pytest.mark.slow  # ~60-90 s on 2 shared cores: W&B's service and MLflow's sqlite schema start twice
+@pytest.mark.slow  # 15 s (45 s on busy cores): W&B's service and MLflow's sqlite schema start twice
 def test_wandb_offline_and_mlflow_receive_the_run_and_a_resume_continues_them(tmp_path, monkeypatch):
     import mlflow
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -306,7 +306,7 @@ def test_the_newly_initialized_report_shows_only_when_training_starts_from_the_f
         assert load_reports(cfg) == []
 
 
-@pytest.mark.slow  # ~60 s: two spawned ranks, W&B's service, a LoRA model
+@pytest.mark.slow  # 25 s (80 s on busy cores): two spawned ranks, W&B's service, a LoRA model, test mode
 def test_two_ranks_report_once(tmp_path, tiny_bert):
     """Two ranks, sst2 with LoRA on a pretrained folder: the console shows transformers' load report and the
     libraries' warnings once (rank 0's), and the trackers get one value per step and tag, from rank 0 alone."""
