@@ -1,7 +1,7 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
-(log lines, progress bars, TensorBoard) is written by core/run_log.py. The strategy and the hooks are handed in by
+(log lines, progress bars, trackers) is written by core/run_log.py (core/trackers.py). The strategy and the hooks are handed in by
 the composition root (main.py through wiring.py), so this file and what it imports are the whole of a DDP step.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Trainer:
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(ctx.device.type, self.t.precision)
-        self.tb = None
+        self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from run_log.start
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
@@ -93,8 +93,8 @@ class Trainer:
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
         t, state = self.t, self.state
-        if self.ctx.is_main:  # config.yml, TensorBoard and the plan
-            self.tb = run_log.start(self.cfg, self.log, run_log.plan(self))
+        if self.ctx.is_main:  # config.yml, the trackers and the plan
+            self.trackers = run_log.start(self.cfg, self.log, run_log.plan(self), state.step)
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
         window = Window(self.ctx, state.step)
@@ -255,9 +255,8 @@ class Trainer:
                 dataset) else ""  # after the metrics, so `step N dev: k=v ...` reads as it always did
             self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
                           + subset)
-            if self.tb:
-                for k, v in metrics.items():
-                    self.tb.add_scalar(f"{split}/{k}", v, self.state.step)
+            if self.trackers:
+                self.trackers.scalars(self.state.step, {f"{split}/{k}": v for k, v in metrics.items()})
         return metrics
 
     def eval_indices(self, split: str, n: int):
@@ -404,11 +403,13 @@ class Trainer:
         the window's ms_per_step and, for a task with tokens (Task.tokens), tokens_per_s."""
         stats = {"loss": w["loss"], "lr": self.scheduler.get_last_lr()[0], "samples_per_s": w["samples_per_s"],
                  "grad_norm": grad_norm, **{k: w[k] for k in ("ms_per_step", "tokens_per_s") if k in w}}
-        run_log.train_line(self.log, self.tb, bar, self.state.step, self.total_steps, stats)
+        run_log.train_line(self.log, self.trackers, bar, self.state.step, self.total_steps, stats)
 
     def close(self) -> None:
-        if self.tb:
-            self.tb.close()
+        if self.trackers:
+            self.trackers.summary(run_log.final_values(self.state, self.best_metric))
+            self.trackers.close()
+            self.trackers = None
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, disk_errors, distributed
+from core import config, disk_errors, distributed, trackers
 from core.config import Config, failing, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
@@ -61,6 +61,7 @@ OWN_CHECKS: list[tuple[Callable, list[str]]] = [
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
     (profiling.check_config, ["train.profile_steps"]),
     (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
+    (trackers.check_config, ["log.report_to", "log.mlflow_tracking_uri"]),
     (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
     (zero.check_config, ["dist.shard_grads"]),
     (balance.check_config, ["dist.simulate_slowdown"]),

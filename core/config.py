@@ -430,8 +430,13 @@ class ExportConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
-    """Write TensorBoard scalars under output_dir/tensorboard (rank 0)."""
+    report_to: list = field(default_factory=lambda: ["tensorboard"])
+    """Where rank 0 sends the config, the training line's values, evaluations and the summary (trackers.py): any of
+    `tensorboard`, `csv` (output_dir/metrics.csv), `wandb`, `mlflow`; [] for none."""
+    tensorboard: Optional[bool] = None
+    """The older switch for TensorBoard: true adds it to report_to, false removes it; null: report_to decides."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow's store; null: the MLFLOW_TRACKING_URI environment variable, else sqlite:///<output_dir>/mlflow.db."""
     progress_bar: bool = True
     """Show tqdm progress bars on rank 0 for training and evaluation, when stderr is a terminal (never in log files)."""
 
@@ -633,7 +638,7 @@ def check_across_sections(cfg: Config, fail) -> None:
 
 def is_set(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
-    return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section], name)
+    return getattr(getattr(cfg, section), name) != getattr(SECTIONS[section](), name)  # (list defaults too)
 
 
 def procs_per_node_list(cfg: Config) -> list[int]:

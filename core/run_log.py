@@ -1,6 +1,6 @@
 """What a run shows and records: each rank's log file and rank 0's console, the plan, the progress bars, the
-training line, TensorBoard and the closing summary (train.profile_steps' traces: profiling.py). The Trainer calls
-these; nothing here changes what is trained.
+training line, the trackers (TensorBoard here, the others in trackers.py) and the closing summary
+(train.profile_steps' traces: profiling.py). The Trainer calls these; nothing here changes what is trained.
 """
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Optional
 
 import torch
+import yaml
 from tqdm import tqdm
 
 from core import checkpoint, disk_errors
@@ -22,6 +24,7 @@ from core import distributed as D
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
 from strategies import optimizers
+from core import trackers
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -42,7 +45,24 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
         sh.setFormatter(logging.Formatter("%(message)s"))
         sh.addFilter(lambda record: not getattr(record, "file_only", False))
         log.addHandler(sh)
+    else:
+        quiet_libraries()
     return log
+
+
+QUIET_LIBRARIES = ("transformers", "peft")
+
+
+def quiet_libraries() -> None:
+    """Ranks > 0: the libraries' reports and warnings (the same on every rank) are rank 0's to show; their
+    errors still show."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers sets up its logger, if not yet
+    if "transformers" in sys.modules:  # it has: set it there
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=rf"({'|'.join(QUIET_LIBRARIES)})(\.|$)")
 
 
 class StopsOnWriteError:
@@ -93,15 +113,18 @@ class ConsoleHandler(StopsOnWriteError, logging.StreamHandler):
             self.handleError(record)
 
 
-def start(cfg: Config, log: logging.Logger, plan: str):
-    """Rank 0, as training starts: writes output_dir/config.yml (what test, export and generate read), opens
-    TensorBoard's writer (log.tensorboard; returned, else None) and prints the plan."""
+def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optional[trackers.Trackers]:
+    """Rank 0, as training starts at `step` (> 0: resumed): writes output_dir/config.yml (what test, export and
+    generate read), opens the trackers of log.report_to (returned, None without any) and gives them the config,
+    then prints the plan."""
     # start_over: this start's, not the run's
-    write_file(os.path.join(cfg.output_dir, "config.yml"),
-               dump_yaml(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))))
-    tb = TensorBoard(os.path.join(cfg.output_dir, "tensorboard")) if cfg.log.tensorboard else None
+    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
+    write_file(os.path.join(cfg.output_dir, "config.yml"), dump_yaml(saved))
+    tracked = trackers.Trackers(cfg, step, tensorboard=TensorBoard) if trackers.names(cfg) else None
+    if tracked:
+        tracked.config(saved.to_dict())
     log.info(plan)
-    return tb
+    return tracked
 
 
 def plan(tr) -> str:
@@ -163,6 +186,19 @@ class TensorBoard:
         with disk_errors.naming(self.folder):
             self.writer.add_scalar(tag, value, step)
 
+    # What trackers.Trackers calls on each of its trackers
+    def config(self, values: dict) -> None:
+        text = yaml.safe_dump(values, sort_keys=False)
+        with disk_errors.naming(self.folder):  # indented: TensorBoard's text tab shows it as a code block
+            self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
+
+    def scalars(self, step: int, values: dict) -> None:
+        for tag, value in values.items():
+            self.add_scalar(tag, value, step)
+
+    def summary(self, values: dict) -> None:
+        pass  # the curves are the record; the summary's values are the last points of train/ and dev/
+
     def close(self) -> None:
         with disk_errors.naming(self.folder):
             self.writer.close()
@@ -176,17 +212,16 @@ def progress_bar(wanted: bool, **kwargs):
     return tqdm(dynamic_ncols=True, **kwargs)
 
 
-def train_line(log: logging.Logger, tb, bar, step: int, total: int, stats: dict) -> None:
+def train_line(log: logging.Logger, tracked, bar, step: int, total: int, stats: dict) -> None:
     """Every rank writes the training line to its own log; rank 0 also to the console, or to the bar when there
-    is one. TensorBoard (rank 0) gets each value."""
+    is one. The trackers (rank 0's trackers.Trackers, else None) get each value."""
     if bar is not None:
         bar.n = step
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", sps=f"{stats['samples_per_s']:.0f}")
     log.info(f"step {step}/{total} " + " ".join(f"{k}={v:.4g}" for k, v in stats.items()),
              extra={"file_only": bar is not None})  # the bar shows it on the console
-    if tb:
-        for k, v in stats.items():
-            tb.add_scalar(f"train/{k}", v, step)
+    if tracked:
+        tracked.scalars(step, {f"train/{k}": v for k, v in stats.items()})
 
 
 class Window:
@@ -263,6 +298,14 @@ class EvalProgress:
                           extra={"file_only": self.bar is not None})
 
 
+def final_values(state, best_metric: str) -> dict:
+    """What the trackers get as the run's summary (`state`: the Trainer's TrainState)."""
+    values = {"steps": state.step}
+    if state.best_step is not None:
+        values.update({"best_step": state.best_step, f"best_dev_{best_metric}": state.best_value})
+    return values
+
+
 def summary(cfg: Config, state, best_metric: str, task) -> str:
     """The run's last lines: what it did (`state`: the Trainer's TrainState), where its files are, and what to
     run next (export only where the task can be exported)."""
@@ -273,8 +316,13 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     lines = [f"done: {s.step} steps; {best}",
              f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
              f"  logs         {os.path.join(out, 'logs')}"]
-    if cfg.log.tensorboard:
+    tracked = trackers.names(cfg)
+    if "tensorboard" in tracked:
         lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+    if "csv" in tracked:
+        lines.append(f"  metrics      {os.path.join(out, trackers.CSV_FILE)}")
+    if "mlflow" in tracked:
+        lines.append(f"  mlflow       mlflow ui --backend-store-uri {trackers.mlflow_uri(cfg)}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")
     if task.export_formats:
         lines.append(f"  export       python main.py --params {params} --set mode=export")

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from core.errors import DataError
 from tasks import lm_models
 from tasks.base import Layer, Task
-from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, pad_positions
+from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -289,7 +289,8 @@ class BertPretrainTask(Task):
         if m.pretrained_dir:
             # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
             lm_models.check_folder_shape(self.cfg, BertConfig.from_pretrained(m.pretrained_dir))
-            return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir))
+            with load_report(self.cfg):
+                return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir))
         # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
         shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,

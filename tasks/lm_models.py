@@ -19,7 +19,7 @@ from torch import nn
 
 from core.errors import ConfigError, DataError
 from tasks.base import Layer
-from tasks.text_common import check_pretrained_dir
+from tasks.text_common import check_pretrained_dir, load_report
 from tasks.gpt2_tp import gpt2_plan
 from strategies.tp import OwnDropout
 
@@ -110,7 +110,8 @@ def load_causal_lm(cfg) -> nn.Module:
                           f"model; set model.arch to null (or {config.model_type})")
     check_folder_shape(cfg, config)
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
-    return classes[config.model_type].from_pretrained(folder)
+    with load_report(cfg):
+        return classes[config.model_type].from_pretrained(folder)
 
 
 def check_folder_shape(cfg, config) -> None:

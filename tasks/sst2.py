@@ -28,7 +28,7 @@ from core.errors import DataError
 from tasks import lm_models, token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
-                               note, read_utf8)
+                               load_report, note, read_utf8)
 from core.errors import ConfigError
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
@@ -148,8 +148,9 @@ class SST2Task(Task):
         from transformers import AutoModelForSequenceClassification, BartConfig, BartForSequenceClassification
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
-            model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir,
-                                                                       num_labels=self.num_labels)
+            with load_report(self.cfg):
+                model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir,
+                                                                           num_labels=self.num_labels)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
             return model

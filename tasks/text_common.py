@@ -7,6 +7,7 @@ output_dir (resume, `mode: test`, generate.py) load that folder, so ids never ch
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from core import disk_errors
+from core import checkpoint, disk_errors
 from core.errors import ConfigError, DataError
 from tasks.base import Layer
 from strategies.tp import OwnDropout
@@ -263,6 +264,38 @@ class _PlainText(logging.Filter):
         if not terminal:
             record.msg, record.args = self.ANSI.sub("", record.getMessage()), None
         return True
+
+
+def weights_from_checkpoint(cfg) -> bool:
+    """The model built now gets a checkpoint's weights next (test, export, a run that resumes), not only the
+    pretrained folder's."""
+    if cfg.mode != "train":
+        return True
+    which = False if cfg.train.start_over else cfg.train.resume
+    return bool(which) and (which != "auto" or checkpoint.latest(cfg.output_dir) is not None)
+
+
+@contextlib.contextmanager
+def load_report(cfg):
+    """Around from_pretrained: transformers reports the weights the folder lacks as "newly initialized", true
+    when training starts from the folder, misleading when a checkpoint's weights replace them next: silenced then
+    (errors still show)."""
+    if not weights_from_checkpoint(cfg):
+        yield
+        return
+    # A filter, not the logger's level: transformers reads that level to decide on other warnings.
+    logger = logging.getLogger("transformers.modeling_utils")  # where transformers logs the report
+    only_errors = _OnlyErrors()
+    logger.addFilter(only_errors)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only_errors)
+
+
+class _OnlyErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 def check_pretrained_dir(path: str) -> str:

@@ -230,7 +230,7 @@ def test_08_pipeline_equals_one_process_and_carries_on_under_fsdp(tmp_path):
 def logged_losses(run) -> list[str]:
     """The training losses rank 0 logged, as printed (`step 3/6 loss=10.72 ...`)."""
     with open(run / "logs" / "rank0.log") as f:
-        return re.findall(r"\bstep \d+/\d+ loss=(\S+)", f.read())
+        return re.findall(r"\bstep \d+/\d+ [^\n]*?\bloss=(\S+)", f.read())
 
 
 @pytest.mark.slow

@@ -1,0 +1,239 @@
+"""Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_log.TensorBoard), a CSV
+file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
+summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
+
+Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
+MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
+MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
+missing, the config check refuses the run in one line naming what to install.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import time
+from typing import Callable, Optional
+
+from core import disk_errors
+from core.errors import UserError
+
+NAMES = ("tensorboard", "csv", "wandb", "mlflow")
+# What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
+# mlflow-skinny, not mlflow: the full package pins pyarrow below requirements.txt's.
+PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-skinny==3.17.2"}}
+SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
+IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
+CSV_FILE = "metrics.csv"
+
+
+def names(cfg) -> list[str]:
+    """The trackers a run reports to: log.report_to, with log.tensorboard (when set) adding or removing TensorBoard."""
+    wanted = [n for n in dict.fromkeys(cfg.log.report_to) if n != "tensorboard" or cfg.log.tensorboard is not False]
+    if cfg.log.tensorboard and "tensorboard" not in wanted:
+        wanted.insert(0, "tensorboard")
+    return wanted
+
+
+def check_config(cfg, fail) -> None:
+    """log.report_to names known trackers whose packages are installed (config.validate asks, when it is set)."""
+    report, uri = cfg.log.report_to, cfg.log.mlflow_tracking_uri
+    for name in report:
+        if name not in NAMES:
+            fail("log.report_to", f"lists {str(name)[:40]!r}, not a tracker ({', '.join(NAMES)})")
+    if uri is not None and not uri.strip():
+        fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
+    for name in names(cfg):
+        need = dict(PACKAGES.get(name, {}))
+        if name == "mlflow" and mlflow_uri(cfg).startswith("sqlite:"):
+            need.update(SQL_PACKAGES)
+        missing = [module for module in need if importlib.util.find_spec(module) is None]
+        if missing:
+            fail("log.report_to", f"lists {name}, but Python finds no {', '.join(missing)} package: "
+                                  f"pip install {' '.join(need.values())}")
+
+
+def run_name(cfg) -> str:
+    return os.path.basename(os.path.abspath(cfg.output_dir))
+
+
+def mlflow_uri(cfg) -> str:
+    """log.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else a sqlite file in output_dir."""
+    return (cfg.log.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{os.path.abspath(os.path.join(cfg.output_dir, 'mlflow.db'))}")
+
+
+def flat(values: dict, prefix: str = "") -> dict:
+    """{'train': {'lr': 0.1}} -> {'train.lr': 0.1}."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class Trackers:
+    """The trackers of log.report_to, built on rank 0 as training starts at `step` (> 0: resumed). `tensorboard`:
+    what builds TensorBoard's writer from its folder (run_log.TensorBoard). Each call goes to every tracker."""
+
+    def __init__(self, cfg, step: int, tensorboard: Callable[[str], object]):
+        out = cfg.output_dir
+        self.ids_path = os.path.join(out, IDS_FILE)
+        ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
+        builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard")),
+                    "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
+                    "wandb": lambda: WandB(cfg, ids.get("wandb")),
+                    "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
+        self.names = names(cfg)
+        self.members = []
+        try:
+            for name in self.names:
+                self.members.append(builders[name]())
+        except BaseException:
+            self.close()
+            raise
+        run_ids = {name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}
+        if run_ids:
+            with disk_errors.naming(self.ids_path), open(self.ids_path, "w") as f:
+                json.dump(run_ids, f)
+
+    def read_ids(self) -> dict:
+        try:
+            with open(self.ids_path) as f:
+                ids = json.load(f)
+            return ids if isinstance(ids, dict) else {}
+        except (OSError, ValueError):  # none, or unreadable: new tracked runs
+            return {}
+
+    def config(self, values: dict) -> None:
+        for m in self.members:
+            m.config(values)
+
+    def scalars(self, step: int, values: dict) -> None:
+        for m in self.members:
+            m.scalars(step, values)
+
+    def summary(self, values: dict) -> None:
+        for m in self.members:
+            m.summary(values)
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+        self.members = []
+
+
+class CSV:
+    """`path` (output_dir/metrics.csv): a `step,tag,value` row per value. Resumed at `step`, it keeps the rows up
+    to that step (what the checkpoint saw); the rows after it are written again by the resumed run."""
+    FIELDS = ("step", "tag", "value")
+
+    def __init__(self, path: str, step: int):
+        self.path, self.last_step = path, step
+        kept = []
+        if step and os.path.exists(path):
+            with open(path, newline="") as f:
+                kept = [r for r in csv.DictReader(f)
+                        if r.get("step", "").isdigit() and int(r["step"]) <= step
+                        and not r.get("tag", "").startswith("summary/")]
+        with disk_errors.naming(path):
+            self.file = open(path, "w", newline="")
+            self.writer = csv.DictWriter(self.file, self.FIELDS)
+            self.writer.writeheader()
+            self.writer.writerows(kept)
+            self.file.flush()
+
+    def config(self, values: dict) -> None:
+        pass  # config.yml, beside it, holds the config
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.last_step = step
+        with disk_errors.naming(self.path):
+            self.writer.writerows({"step": step, "tag": k, "value": repr(float(v))} for k, v in values.items())
+            self.file.flush()  # a reader (the notebook) sees each line as it is logged
+
+    def summary(self, values: dict) -> None:
+        self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
+
+    def close(self) -> None:
+        with disk_errors.naming(self.path):
+            self.file.close()
+
+
+class WandB:
+    """A Weights & Biases run (WANDB_MODE=offline: files only, under WANDB_DIR, else output_dir/wandb).
+    `run_id`: the run to continue (resume="allow"), or None for a new one."""
+
+    def __init__(self, cfg, run_id: Optional[str]):
+        import wandb  # optional; check_config made sure it is there
+        self.step = 0
+        try:
+            if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+                wandb.login(prompt=False)  # no API key: an error, never a question on stdin
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.task, name=run_name(cfg),
+                                  dir=os.environ.get("WANDB_DIR") or cfg.output_dir, id=run_id,
+                                  resume="allow" if run_id else None)
+        except wandb.errors.Error as e:
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise UserError(f"log.report_to: wandb could not start a run: {line} (run `wandb login`, or set "
+                            "WANDB_MODE=offline)") from None
+        self.run_id = self.run.id
+
+    def config(self, values: dict) -> None:
+        self.run.config.update(values, allow_val_change=True)  # a resumed run may change some
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.step = step
+        self.run.log(values, step=step)
+
+    def summary(self, values: dict) -> None:
+        self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflow:
+    """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
+    continue, or None (or a run the store does not hold) for a new one."""
+    BATCH = 100  # MLflow's limit of params per log_batch call
+
+    def __init__(self, cfg, run_id: Optional[str]):
+        from mlflow import MlflowClient  # optional; check_config made sure it is there
+        from mlflow.exceptions import MlflowException
+        self.client, self.step = MlflowClient(mlflow_uri(cfg)), 0
+        if run_id:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+            except MlflowException:  # another store than the one it was made in
+                run_id = None
+        if not run_id:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.task
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                name, artifact_location=os.path.abspath(os.path.join(cfg.output_dir, "mlflow-artifacts")))
+            run_id = self.client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
+        self.run_id = run_id
+
+    def config(self, values: dict) -> None:
+        from mlflow.entities import Param
+        # MLflow refuses to change a logged param: a resumed run logs only the keys its run does not hold yet.
+        held = self.client.get_run(self.run_id).data.params
+        params = [Param(k, str(v)[:6000]) for k, v in flat(values).items() if k not in held]
+        for i in range(0, len(params), self.BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + self.BATCH])
+
+    def scalars(self, step: int, values: dict) -> None:
+        from mlflow.entities import Metric
+        self.step, now = step, int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def summary(self, values: dict) -> None:
+        self.scalars(self.step, {f"summary/{k}": v for k, v in values.items()})
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)

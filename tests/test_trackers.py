@@ -1,0 +1,343 @@
+"""Trackers (log.report_to, trackers.py): TensorBoard, metrics.csv, W&B offline and MLflow on a local sqlite store,
+read back; resume continues the same tracked run. And one voice: the libraries' reports from rank 0 only, and not
+the "newly initialized" report when a checkpoint's weights come next (issue 34, items 1 and 5)."""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, make_config, save_tiny_minilm
+
+import main
+from core import trackers
+from wiring import load_config
+from core.errors import ConfigError
+
+TRAIN = {"max_steps": 4, "epochs": 0, "eval_every": 2, "save_every": 2, "log_every": 2}
+
+
+def run(out, report_to, train=None, **sections) -> int:
+    # log.tensorboard: null, so that report_to decides (make_config's false would take TensorBoard out)
+    log = {"report_to": report_to, "tensorboard": None}
+    return main.run(make_config(out, train={**TRAIN, **(train or {})}, log=log, **sections))
+
+
+def csv_rows(out) -> list[tuple[int, str, float]]:
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+        return [(int(r["step"]), r["tag"], float(r["value"])) for r in csv.DictReader(f)]
+
+
+def logged_lines(out) -> dict:
+    """{(step, tag): value} of rank 0's training and dev lines, as printed (4 significant digits)."""
+    values = {}
+    for step, split, fields in re.findall(r"step (\d+)(?:/\d+)?( dev:)? (.*)", open(os.path.join(out, "logs",
+                                                                                              "rank0.log")).read()):
+        for k, v in re.findall(r"(\w+)=(\S+)", fields):
+            values[(int(step), f"{'dev' if split else 'train'}/{k}")] = float(v)
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The setting
+# ---------------------------------------------------------------------------------------------------------------
+def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_it():
+    def names(*overrides):
+        return trackers.names(load_config(None, list(overrides)))
+    assert names() == ["tensorboard"]
+    assert names("log.report_to=[csv]") == ["csv"]
+    assert names("log.report_to=[csv]", "log.tensorboard=true") == ["tensorboard", "csv"]
+    assert names("log.tensorboard=false") == []  # what configs and tests that turned TensorBoard off still do
+    assert names("log.report_to=[csv, tensorboard, csv]", "log.tensorboard=false") == ["csv"]
+    assert names("log.report_to=[]") == []
+
+
+@pytest.mark.parametrize("overrides, content", [
+    (["log.report_to=[tensorbord]"], ["`log.report_to` lists 'tensorbord', not a tracker", "tensorboard, csv"]),
+    (["log.report_to=csv"], ["log.report_to"]),  # a list is expected
+    (["log.mlflow_tracking_uri=' '"], ["`log.mlflow_tracking_uri` is empty"]),
+])
+def test_a_wrong_report_to_is_one_line(overrides, content):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value) and all(c in str(e.value) for c in content), str(e.value)
+
+
+@pytest.mark.parametrize("tracker, module, pip", [
+    ("wandb", "wandb", "pip install wandb==0.31.0"),
+    ("mlflow", "mlflow", "pip install mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
+    ("mlflow", "sqlalchemy", "pip install mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
+])
+def test_a_tracker_whose_package_is_missing_is_refused_in_one_line(tmp_path, capsys, monkeypatch, tracker, module,
+                                                                   pip):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+    code = main.main(["--set", f"output_dir={tmp_path}", "--set", f"log.report_to=[csv, {tracker}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "`log.report_to` lists " + tracker in err and f"no {module}" in err and pip in err, err
+    assert not os.path.exists(tmp_path / "logs")  # refused before anything started
+    # Another store than sqlite needs no SQL packages.
+    if module == "sqlalchemy":
+        cfg = load_config(None, [f"log.report_to=[{tracker}]", "log.mlflow_tracking_uri=http://localhost:5000"])
+        assert trackers.names(cfg) == ["mlflow"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# metrics.csv
+# ---------------------------------------------------------------------------------------------------------------
+def test_csv_holds_the_logged_values_and_a_resume_continues_it(tmp_path, capsys):
+    assert run(tmp_path, ["csv"]) == 0
+    rows = csv_rows(tmp_path)
+    printed = logged_lines(tmp_path)
+    values = {(s, t): v for s, t, v in rows if not t.startswith("summary/")}
+    assert set(values) == set(printed)  # the same scalars as the log lines: every one, no other
+    assert all(f"{values[k]:.4g}" == f"{printed[k]:.4g}" for k in printed), (values, printed)
+    assert {t for _, t, _ in rows} >= {"train/loss", "train/lr", "train/grad_norm", "dev/accuracy", "dev/loss"}
+    summary = {t: v for _, t, v in rows if t.startswith("summary/")}
+    assert summary["summary/steps"] == 4 and summary["summary/best_step"] in (2, 4)
+    assert f"  metrics      {tmp_path}/metrics.csv" in capsys.readouterr().out
+    assert not (tmp_path / "tensorboard").exists()  # report_to without tensorboard: none
+
+    # A row written after the last checkpoint (a crash between them) is dropped: the resumed run writes it again.
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("5,train/loss,123.0\n")
+    assert run(tmp_path, ["csv"], train={"max_steps": 6}) == 0
+    again = csv_rows(tmp_path)
+    assert again[:len(rows) - len(summary)] == rows[:len(rows) - len(summary)]  # the first steps' rows kept
+    steps = [s for s, t, _ in again if t == "train/loss"]
+    assert steps == [2, 4, 6] and 123.0 not in [v for _, _, v in again]
+    assert [v for _, t, v in again if t == "summary/steps"] == [6]
+
+
+@pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
+def test_the_notebook_reads_metrics_csv(tmp_path, monkeypatch):
+    """notebooks/inspect_run.ipynb, executed on a run with csv (tests/test_tutorial.py runs it on one without)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from test_tutorial import kernel
+    out = tmp_path / "run"
+    assert run(out, ["tensorboard", "csv"]) == 0
+    monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
+    [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    first.source = f"run = {str(out)!r}\nfigures = {str(tmp_path / 'figures')!r}"
+    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
+                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    last = {t: (s, v) for s, t, v in csv_rows(out)}
+    assert float(re.search(r"csv train/loss: last (\S+) at step 4 \(2 rows\)", printed).group(1)) == \
+        pytest.approx(last["train/loss"][1], rel=1e-5)
+    assert "csv dev/accuracy: last" in printed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# W&B (offline) and MLflow (sqlite in output_dir), read back
+# ---------------------------------------------------------------------------------------------------------------
+def wandb_records(path):
+    """The records of a W&B run file (run-<id>.wandb: W&B's log of protobuf records in 32 KiB blocks, each piece
+    with a 7-byte header: CRC32, length, kind (1 whole, 2 first, 3 middle, 4 last))."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def wandb_run(path) -> dict:
+    """What a W&B run file holds: its run record's id and name, its config, and its history rows."""
+    out = {"history": [], "summary": {}, "config": {}}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"], out["name"], out["project"] = record.run.run_id, record.run.display_name, record.run.project
+        elif kind == "config":
+            out["config"].update({i.key: json.loads(i.value_json) for i in record.config.update})
+        elif kind == "history":
+            out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                   for i in record.history.item})
+        elif kind == "summary":
+            out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                   for i in record.summary.update})
+    return out
+
+
+@pytest.mark.slow  # 15 s (45 s on busy cores): W&B's service and MLflow's sqlite schema start twice
+def test_wandb_offline_and_mlflow_receive_the_run_and_a_resume_continues_them(tmp_path, monkeypatch):
+    import mlflow
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "digits-a"
+    assert run(out, ["csv", "wandb", "mlflow"]) == 0
+    ids = json.load(open(out / "trackers.json"))
+    first = csv_rows(out)
+    assert run(out, ["csv", "wandb", "mlflow"], train={"max_steps": 6}) == 0  # resumed from step 4
+    assert json.load(open(out / "trackers.json")) == ids  # the same tracked runs
+    rows = {(s, t): v for s, t, v in csv_rows(out)}
+    assert first and {(s, t) for s, t, _ in first if not t.startswith("summary/")} <= set(rows)
+
+    # W&B: two offline files under output_dir/wandb, one run id, named after output_dir; the history is the CSV's.
+    files = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2, files
+    runs = [wandb_run(f) for f in files]
+    assert {r["id"] for r in runs} == {ids["wandb"]} and {r["name"] for r in runs} == {"digits-a"}
+    assert runs[0]["project"] == "image"  # the task's name without WANDB_PROJECT
+    history = {(row["_step"], k): v for r in runs for row in r["history"] for k, v in row.items()
+               if not k.startswith("_")}
+    assert history == {k: v for k, v in rows.items() if not k[1].startswith("summary/")}
+    config = runs[0]["config"]
+    assert config["train"]["max_steps"] == 4 and config["output_dir"] == str(out)
+    assert runs[1]["summary"]["summary/steps"] == 6
+
+    # MLflow: one run in output_dir/mlflow.db, resumed, named after output_dir, with the config as params.
+    uri = f"sqlite:///{out}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # where mlflow.search_runs looks
+    found = mlflow.search_runs(experiment_names=["image"], output_format="list")
+    assert len(found) == 1, found
+    r = found[0]
+    assert r.info.run_id == ids["mlflow"] and r.info.run_name == "digits-a" and r.info.status == "FINISHED"
+    assert r.data.params["train.max_steps"] == "4" and r.data.params["task"] == "image"
+    assert r.data.metrics["summary/steps"] == 6
+    client = mlflow.MlflowClient(uri)
+    loss = [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "train/loss")]
+    assert sorted(loss) == sorted((s, v) for (s, t), v in rows.items() if t == "train/loss")
+    assert sorted(s for s, _ in loss) == [2, 4, 6]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One voice: rank 0 reports; the load report only where it is true
+# ---------------------------------------------------------------------------------------------------------------
+def test_ranks_after_0_leave_library_reports_and_warnings_to_rank_0(tmp_path):
+    """Run in a fresh interpreter: quieting changes the process's logging and warnings for good."""
+    code = f"""
+import logging, warnings, sys
+sys.path.insert(0, {ROOT!r})
+from core import run_log
+run_log.setup_logging({str(tmp_path / 'r0')!r}, 0)
+import transformers
+from transformers.utils import logging as hf_logging
+print("rank0", hf_logging.get_verbosity() == logging.WARNING)
+run_log.setup_logging({str(tmp_path / 'r1')!r}, 1)
+peft = logging.getLogger("peft").getEffectiveLevel()
+print("rank1", hf_logging.get_verbosity() == logging.ERROR, peft == logging.ERROR)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.warn_explicit("library", FutureWarning, "x.py", 1, module="transformers.modeling_utils")
+    warnings.warn_explicit("library", UserWarning, "x.py", 1, module="peft.tuners")
+    warnings.warn_explicit("ours", UserWarning, "x.py", 1, module="trainer")
+print("warnings", [str(w.message) for w in seen])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TRANSFORMERS_VERBOSITY": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["rank0 True", "rank1 True True", "warnings ['ours']"], r.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    return save_tiny_minilm(tmp_path_factory.mktemp("tiny_bert"))
+
+
+def load_reports(cfg) -> list[str]:
+    """The warnings transformers logs while sst2 builds its model under `cfg`."""
+    import logging
+    import random
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_sample_text_data as sample
+    from wiring import build_task
+    if not os.path.isdir(cfg.data.data_dir):
+        sample.write_sst2(cfg.data.data_dir, random.Random(0))
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    from transformers.utils import logging as hf_logging
+    keep, level = Keep(logging.WARNING), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # as in a rank 0 process (a test before may have quieted a rank > 0 here)
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        task = build_task(cfg)
+        task.build_datasets()
+        task.build_model()
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+        hf_logging.set_verbosity(level)
+    return [m for m in seen if "LOAD REPORT" in m]
+
+
+def test_the_newly_initialized_report_shows_only_when_training_starts_from_the_folder(tmp_path, tiny_bert,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": str(tmp_path / "sst2"), "max_length": 32},
+                      model={"name": "tiny", "pretrained_dir": tiny_bert})
+    fresh = load_reports(cfg)
+    assert len(fresh) == 1 and "classifier" in fresh[0]  # a fine-tuning starts: the new head is worth saying
+    (tmp_path / "run" / "checkpoints" / "step-2").mkdir(parents=True)  # a run to resume (train.resume: auto)
+    (tmp_path / "run" / "checkpoints" / "step-2" / "meta.json").write_text("{}")
+    assert load_reports(cfg) == []  # the checkpoint's head replaces the new one
+    cfg.train.start_over = True
+    assert len(load_reports(cfg)) == 1
+    cfg.train.start_over = False
+    for mode in ("test", "export"):
+        cfg.mode = mode
+        assert load_reports(cfg) == []
+
+
+@pytest.mark.slow  # 25 s (80 s on busy cores): two spawned ranks, W&B's service, a LoRA model, test mode
+def test_two_ranks_report_once(tmp_path, tiny_bert):
+    """Two ranks, sst2 with LoRA on a pretrained folder: the console shows transformers' load report and the
+    libraries' warnings once (rank 0's), and the trackers get one value per step and tag, from rank 0 alone."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import random
+
+    import make_sample_text_data as sample
+    data = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0))
+    out = tmp_path / "run"
+    args = [sys.executable, "main.py", "--set", "task=sst2", "--set", f"data.data_dir={data}",
+            "--set", "data.max_length=32", "--set", "model.name=tiny", "--set", f"model.pretrained_dir={tiny_bert}",
+            "--set", "model.lora_rank=4", "--set", "train.batch_size=8", "--set", "train.max_steps=4",
+            "--set", "train.eval_every=2", "--set", "train.log_every=2", "--set", "dist.strategy=ddp",
+            "--set", "dist.procs_per_node=2", "--set", f"output_dir={out}", "--set", "log.progress_bar=false",
+            "--set", "log.report_to=[csv, wandb]"]
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_DIR", None)
+    env.pop("TRANSFORMERS_VERBOSITY", None)  # set by a test that quieted a rank > 0 in the test process
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    console = r.stdout + r.stderr
+    assert r.returncode == 0, console[-3000:]
+    assert console.count("LOAD REPORT") == 1, console[-3000:]  # rank 0's; a fine-tuning starts: it is true
+    warned = [line for line in console.splitlines() if "Warning: " in line]
+    assert len(warned) == len(set(warned)), warned  # each library warning once, not once per rank
+    rows = csv_rows(out)
+    assert len({(s, t) for s, t, _ in rows}) == len(rows) and [s for s, t, _ in rows if t == "train/loss"] == [2, 4]
+    assert len(glob.glob(str(out / "wandb" / "offline-run-*"))) == 1
+    # Test mode: the checkpoint's weights replace the new head, so no "newly initialized" report.
+    test = subprocess.run(args + ["--set", "mode=test", "--set", "dist.strategy=none", "--set",
+                                  "dist.procs_per_node=1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert test.returncode == 0, (test.stdout + test.stderr)[-3000:]
+    assert "LOAD REPORT" not in test.stdout + test.stderr and "newly initialized" not in test.stdout + test.stderr
