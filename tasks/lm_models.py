@@ -98,7 +98,7 @@ def load_causal_lm(cfg) -> nn.Module:
     from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
     from tasks.text_common import check_pretrained_dir
     folder = check_pretrained_dir(cfg.model.pretrained_dir)
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
     if config.model_type not in classes:
         raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; gpt2_lm builds "
@@ -108,7 +108,7 @@ def load_causal_lm(cfg) -> nn.Module:
                           f"model; set model.arch to null (or {config.model_type})")
     check_folder_shape(cfg, config)
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
-    return classes[config.model_type].from_pretrained(folder)
+    return classes[config.model_type].from_pretrained(folder, trust_remote_code=False)
 
 
 def check_folder_shape(cfg, config) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import faults
 from config import ConfigError, DataError
+from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
@@ -55,7 +56,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
-        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
+        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir), trust_remote_code=False)
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
     asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
@@ -79,7 +80,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
         check_made_as(folder, asked)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
     # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 MADE_AS = "made_as.json"  # in the tokenizer folder: {"kind": gpt2 | bpe | char | byte | folder, "folder": PATH}
@@ -109,8 +110,9 @@ def load_tokenizer_folder(folder: str):
     from transformers import AutoTokenizer
     if not os.path.isdir(folder):
         raise DataError(f"data.tokenizer: {folder!r} is neither bpe, char, byte nor a tokenizer folder")
+    refuse_custom_code(folder, "data.tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DataError(f"data.tokenizer: {folder} is not a Hugging Face tokenizer folder "
                         f"({str(e).strip().splitlines()[0]})") from None
@@ -269,6 +271,7 @@ def check_pretrained_dir(path: str) -> str:
         raise DataError(f"model.pretrained_dir: {path}/config.json not found. Download a checkpoint with "
                         f"`python scripts/download_pretrained.py MODEL_ID {path}` (needs network), point it at "
                         "another Hugging Face folder, or set it to null for a random model")
+    check_folder(path)  # no code from the folder runs, no pickle in it executes: one line, before transformers
     return path
 
 
