@@ -73,7 +73,7 @@ def run(cfg: Config) -> int:
         if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out
             import export
             if env is None or env["rank"] == 0:  # under torchrun or srun, rank 0 alone writes the folder
-                export.run(cfg)
+                return export.main(cfg)  # 0, or 130 after Ctrl-C
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
