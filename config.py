@@ -70,6 +70,9 @@ class DataConfig:
     """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
     label_column: str = "label"
     """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
+    min_class_count: int = 2
+    """csv_text: a training class seen fewer times is refused as a likely stray label (checked when the classes
+    average 10 rows or more); 1 trains every class seen."""
 
     def check(self, fail) -> None:
         if not 0 <= self.dev_fraction < 1:
@@ -429,6 +432,12 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dis
 
 
 # ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------
+def yaml_line(path: str, position: int) -> int:
+    """The line of character `position` in the text file `path` (PyYAML's reader counts characters)."""
+    with open(path, errors="replace") as f:
+        return f.read(position).count("\n") + 1
+
+
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config."""
     source = path or "<defaults>"
@@ -442,6 +451,8 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         except (yaml.YAMLError, UnicodeDecodeError) as e:  # (a binary file: a checkpoint given as --params)
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
+            if isinstance(e, yaml.reader.ReaderError):  # a control character (a NUL byte): a position, no mark
+                where, e.problem = f" line {yaml_line(path, e.position)}", str(e).splitlines()[0]
             raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import shlex
 import sys
 import threading
 import time
@@ -259,12 +260,12 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     out, s = cfg.output_dir, state
     best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
             else "no dev result")
-    params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
+    params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
     lines = [f"done: {s.step} steps; {best}",
              f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
              f"  logs         {os.path.join(out, 'logs')}"]
     if cfg.log.tensorboard:
-        lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+        lines.append(f"  tensorboard  tensorboard --logdir {shlex.quote(os.path.join(out, 'tensorboard'))}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")
     if task.export_formats:
         lines.append(f"  export       python main.py --params {params} --set mode=export")
