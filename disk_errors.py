@@ -8,6 +8,7 @@ import shutil
 from typing import Optional
 
 from config import CheckpointError
+from resource_errors import resource_problem
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
@@ -17,6 +18,9 @@ def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
     """The one line for `exc` when a full disk (or quota) or a read-only file or folder caused it: an OSError
     with such an errno anywhere in its chain (TensorBoard, the logs, config.yml, *_results.json, the tokenizer,
     checkpoints/). It names the file (else output_dir) and what to do; None for any other error."""
+    resource = resource_problem(exc)  # a full /dev/shm is no full disk; out of memory: the step and what to lower
+    if resource is not None:
+        return resource
     error = next((e for e in chain(exc) if isinstance(e, OSError) and
                   (e.errno in NO_SPACE or (e.errno in NOT_WRITABLE and e.filename is not None))), None)
     if error is None:

@@ -22,6 +22,7 @@ from typing import Optional
 import faults
 from config import Config, UserError, load_config, procs_per_node_list
 from faults import HOST, report
+from resource_errors import reports_a_kill
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,7 +94,8 @@ def start(cfg: Config, env: Optional[dict]) -> int:
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     launches = [Launch(first_rank + i, i, world, here) for i in range(here)]
     if world == 1:
-        return worker(cfg, launches[0])
+        with reports_a_kill(cfg.output_dir):  # no launcher above this process to say that it was killed
+            return worker(cfg, launches[0])
     import launcher  # here: a one-process run (and each rank) never needs the launcher
     launcher.check_port_free(cfg)
     return worker(cfg, launches[0]) if here == 1 else launcher.Supervisor(cfg, launches).run()
