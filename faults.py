@@ -143,6 +143,15 @@ def parse_duration(value) -> Optional[float]:
     return seconds + 86400 * int(days or 0)
 
 
+def no_stdin() -> None:
+    """Nothing in a run waits on a prompt (transformers asks before running a model folder's code, and a "y" piped
+    in would answer it): stdin, Python's and file descriptor 0, reads as empty from here on."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull)
+
+
 def detach_hung_up_terminal() -> None:
     """After the terminal hung up (an ssh session that dropped: SIGHUP), every write to it fails (EIO), the final
     line's included: stdout and stderr on it go to /dev/null instead, so that the run still saves and exits 3."""

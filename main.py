@@ -159,6 +159,7 @@ def worker(cfg: Config, launch: Launch) -> int:
     rank = launch.rank
     faults.progress.rank = rank
     threading.excepthook = faults.thread_exception  # a writer thread's full disk: one line, from the main thread
+    faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
     # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":

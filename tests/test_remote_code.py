@@ -148,3 +148,11 @@ def test_pickled_weights_of_plain_tensors_load(minilm, tmp_path):
     (folder / "pytorch_model.bin").write_bytes(b"not a pickle")
     with pytest.raises(DataError, match="pytorch_model.bin: refused: "):
         untrusted_folders.check_pickled_weights(str(folder))
+
+
+def test_a_rank_reads_no_stdin():
+    """faults.no_stdin, called first in every rank (main.worker, launcher.rank_main): a prompt gets end-of-file."""
+    code = ("import os, faults\nfaults.no_stdin()\nassert os.read(0, 10) == b''\n"
+            "try:\n    input('run the custom code? [y/N] ')\nexcept EOFError:\n    print('eof')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="y\n", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.endswith("eof\n"), r.stderr
