@@ -51,3 +51,20 @@ def test_a_text_file_over_1_gib_is_refused_before_it_is_read(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {data / 'input.txt'}: 1.1 GiB, more than the 1 GiB") \
         and "scripts/prepare_text.py" in lines[0], r.stderr
+
+
+def test_a_long_text_trains_the_same_tokenizer_in_pieces(monkeypatch):
+    """The BPE trainer gets a long text in pieces cut before a space (its memory: ~80 bytes per character of one
+    text); the words it counts, hence its vocabulary and merges, are those of the whole text."""
+    import random
+
+    from tasks import text_common
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 7))) for _ in range(300)]
+    text = "".join(rng.choice(words) + rng.choice([" ", " ", "  ", "\n", ", "]) for _ in range(6000))
+    whole = text_common.train_tokenizer([text], "gpt2")
+    monkeypatch.setattr(text_common, "PIECE_CHARS", 500)
+    assert len(list(text_common.pieces([text]))) > 50
+    cut = text_common.train_tokenizer([text], "gpt2")
+    assert cut.get_vocab() == whole.get_vocab()
+    assert cut(text)["input_ids"] == whole(text)["input_ids"]
