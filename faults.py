@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Optional
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 128+N: signal N in test mode or export)
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (130: Ctrl-C in test or export mode)
 HOST = socket.gethostname()
 
 
