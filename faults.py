@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Optional
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (130: Ctrl-C in test or export mode)
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (130: Ctrl-C in test, export)
 HOST = socket.gethostname()
 
 
