@@ -259,7 +259,9 @@ def thread_exception(args) -> None:
     only: its owner raises it again in the main thread, which reports it in one line. Anything else: as Python
     prints it."""
     from disk_errors import disk_problem  # (loaded only when something failed)
-    if report.log is not None and disk_problem(args.exc_value, "") is not None:
+    from resource_errors import resource_problem  # a thread's lack of memory: printed, no owner raises it again
+    if report.log is not None and disk_problem(args.exc_value, "") is not None and \
+            resource_problem(args.exc_value) is None:
         report.log.error(f"thread {args.thread.name if args.thread else '?'}: {first_line(args.exc_value)}",
                          extra={"file_only": True})
         return
