@@ -113,8 +113,8 @@ def test_every_loader_passes_trust_remote_code_false(minilm, tmp_path):
         with pytest.raises(ValueError):
             load(str(folder), trust_remote_code=False)
     assert not marker.exists()
-    sources = [os.path.join(d, f) for d in ("tasks", "scripts", "benchmarks", ".") for f in os.listdir(os.path.join(ROOT, d))
-               if f.endswith(".py")]
+    sources = [os.path.join(d, f) for d in ("tasks", "scripts", "benchmarks", ".")
+               for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")]
     for path in sources:
         code = open(os.path.join(ROOT, path)).read()
         calls = code.count(".from_pretrained(") - code.count("from_pretrained(FOLDER")  # README examples in strings
