@@ -76,7 +76,8 @@ def load_export(folder: str):
 
     plain_transformers_output()  # no loading bars between the samples
     try:
-        return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+        return (AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False),
+                AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
     except (OSError, ValueError) as e:  # not a causal LM, no tokenizer files, ...
         raise UserError(f"--export {folder}: not a causal language model with its tokenizer "
                         f"({str(e).strip().splitlines()[0]})") from None

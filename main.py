@@ -24,6 +24,7 @@ from core.errors import UserError
 from core.launch_env import launcher_env
 from extras.cli_help import epilog
 from resilience import elastic, faults, launcher
+from resilience.resource_errors import reports_a_kill
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,7 +74,7 @@ def run(cfg: Config) -> int:
     try:
         if cfg.mode == "export":  # one process, no process group: a checkpoint in, a folder out
             if env is None or env["rank"] == 0:  # under torchrun or srun, rank 0 alone writes the folder
-                wiring.run_export(cfg)
+                return wiring.run_export(cfg)  # 0, or 130 after Ctrl-C
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
@@ -93,7 +94,8 @@ def start(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     places = [RankPlace(first_rank + i, i, world, here) for i in range(here)]
     if world == 1:
-        return worker(cfg, places[0])
+        with reports_a_kill(cfg.output_dir):  # no launcher above this process to say that it was killed
+            return worker(cfg, places[0])
     launcher.check_port_free(cfg)
     return worker(cfg, places[0]) if here == 1 else launcher.Supervisor(cfg, places, worker).run()
 

@@ -21,7 +21,7 @@ from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped,
 from core.hooks import Hooks
 from core.run_log import setup_logging
 from extras import balance, export, profiling, testmode
-from resilience import faults, heartbeat, launcher, resume
+from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
 from strategies.base import Parallel
@@ -180,9 +180,10 @@ def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task
     return trainer
 
 
-def run_export(cfg: Config) -> str:
-    """mode: export, in this process: a checkpoint in, a folder out (extras/export.py)."""
-    return export.run(cfg, build_task(cfg))
+def run_export(cfg: Config) -> int:
+    """mode: export, in this process: a checkpoint in, a folder out (extras/export.py). 0, or 128 + a signal's
+    number after Ctrl-C, SIGTERM or SIGHUP."""
+    return export.main(cfg, build_task(cfg))
 
 
 # ---- one rank ---------------------------------------------------------------------------------------------------------
@@ -197,7 +198,8 @@ def worker(cfg: Config, launch) -> int:
     code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
     rank = launch.rank
     faults.progress.rank = rank
-    threading.excepthook = faults.thread_exception  # a writer thread's full disk: one line, from the main thread
+    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from the main thread
+    faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
     # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.mode == "train":
@@ -224,7 +226,7 @@ def worker(cfg: Config, launch) -> int:
     except KeyboardInterrupt:  # test mode, or before the handlers were installed
         code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
     except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
-        line = disk_errors.disk_problem(e, cfg.output_dir)
+        line = resource_errors.failure_line(e, cfg.output_dir)
         code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
     if watchdog is not None:
         watchdog.stop()

@@ -123,7 +123,7 @@ def token_only_shards(folder: str, tokens: int, tokenizer_dir: str, seed: int = 
     from transformers import AutoTokenizer
 
     from tasks import token_shards as ts
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     os.makedirs(folder)
     shutil.copytree(tokenizer_dir, os.path.join(folder, "tokenizer"))
     rng = np.random.default_rng(seed)

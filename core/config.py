@@ -98,6 +98,9 @@ class DataConfig:
     """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
     label_column: str = "label"
     """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
+    min_class_count: int = 2
+    """csv_text: a training class seen fewer times is refused as a likely stray label (checked when the classes
+    average 10 rows or more); 1 trains every class seen."""
 
     def check(self, fail) -> None:
         in_range(fail, "data.dev_fraction", self.dev_fraction, at_least=0, below=1)

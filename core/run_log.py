@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import shlex
 import sys
 import threading
 import time
@@ -312,15 +313,15 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     out, s = cfg.output_dir, state
     best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
             else "no dev result")
-    params = os.path.join(out, "config.yml")  # this run's effective config: the next commands need nothing else
+    params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
     lines = [f"done: {s.step} steps; {best}",
              f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
              f"  logs         {os.path.join(out, 'logs')}"]
     tracked = trackers.names(cfg)
     if "tensorboard" in tracked:
-        lines.append(f"  tensorboard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+        lines.append(f"  tensorboard  tensorboard --logdir {shlex.quote(os.path.join(out, 'tensorboard'))}")
     if "csv" in tracked:
-        lines.append(f"  metrics      {os.path.join(out, trackers.CSV_FILE)}")
+        lines.append(f"  metrics      {shlex.quote(os.path.join(out, trackers.CSV_FILE))}")
     if "mlflow" in tracked:
         lines.append(f"  mlflow       mlflow ui --backend-store-uri {trackers.mlflow_uri(cfg)}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")

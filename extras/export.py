@@ -8,17 +8,19 @@ how to load it. The folder is renamed into place when complete (write_atomically
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
 
 import torch
 
-from core import checkpoint
-
-from core import checkpoint_meta
-from core import checkpoint_io
+from core import checkpoint, checkpoint_io, checkpoint_meta, disk_errors
 from core.config import Config
 from core.errors import CheckpointError, ConfigError, UserError
 from tasks import lora
@@ -27,6 +29,31 @@ from tasks.text_common import plain_transformers_output
 
 FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dict",
            "torch_export": "a torch.export program"}
+
+
+class Interrupted(BaseException):
+    """Ctrl-C, SIGTERM or SIGHUP during an export: nothing is written (exit code 128 + the signal's number)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def main(cfg: Config, task: Task) -> int:
+    """Export as main.py runs it: 0, or 128 + N after signal N (Ctrl-C: 130), said in one line. User mistakes, a
+    full disk and a read-only folder raise UserError (main.py: one line, exit code 2)."""
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+    previous = {n: signal.signal(n, interrupt) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run(cfg, task)
+        return 0
+    except Interrupted as e:
+        print(f"export interrupted by {e}: nothing exported (no temporary folder left)", file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        for n, handler in previous.items():
+            signal.signal(n, handler)
 
 
 def run(cfg: Config, task: Task) -> str:
@@ -71,10 +98,13 @@ def destination(cfg: Config) -> str:
 def write_atomically(dest: str, write_files) -> None:
     """write_files(tmp) into a fresh folder beside `dest`, then one durable rename: a crash or power loss leaves
     no half export under the final name. The rename fails if `dest` appeared meanwhile (a non-empty folder is
-    never replaced)."""
+    never replaced). The folder is removed however this ends (SIGKILL aside: the next export removes it), and a
+    full disk or a read-only folder is one line (UserError)."""
     parent = os.path.dirname(os.path.abspath(dest))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dest))}.part-", dir=parent)
+    prefix = f".{os.path.basename(os.path.normpath(dest))}.part-"
+    remove_stale(parent, prefix)
+    tmp = tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
     try:
         write_files(tmp)
         umask = os.umask(0)
@@ -86,9 +116,42 @@ def write_atomically(dest: str, write_files) -> None:
         if os.path.lexists(dest):
             raise UserError(f"export.dir: {dest} appeared while exporting; it was left alone")
         checkpoint.durable_rename(tmp, dest)  # fsynced like a checkpoint: no half export after a power loss
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError):
+            raise
+        if disk_errors.no_space(e, parent):  # safetensors and torch.export say so without an errno
+            raise UserError(f"{dest}: no space left on device writing the export (nothing was left behind): free "
+                            "some space, then run the same command again") from None
+        line = disk_errors.disk_problem(e, parent)
+        if line:
+            raise UserError(line.split(", then run")[0] + ", then run the same command again") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale(parent: str, prefix: str) -> None:
+    """The temporary folders of exports to the same place that were killed (SIGKILL, a power loss): on this host,
+    by a process that is gone."""
+    pattern = re.compile(re.escape(prefix) + r"(.+)-(\d+)-[^-]*$")
+    for name in os.listdir(parent):
+        found = pattern.match(name)
+        if not found or found.group(1) != socket.gethostname() or alive(int(found.group(2))):
+            continue
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        print(f"note: removed {os.path.join(parent, name)}, left by an export that was killed", flush=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> None:
@@ -145,7 +208,10 @@ def write_torch_export(folder: str, task, model) -> str:
     example = task.example_inputs()
     batch = torch.export.Dim("batch")  # any batch size; the other dimensions are fixed
     program = torch.export.export(model, example, dynamic_shapes=tuple({0: batch} for _ in example))
-    torch.export.save(program, os.path.join(folder, "model.pt2"))
+    buffer = io.BytesIO()  # torch's zip writer aborts the process on a full disk: Python writes the file instead
+    torch.export.save(program, buffer)
+    with open(os.path.join(folder, "model.pt2"), "wb") as f:
+        f.write(buffer.getbuffer())
     return ("model.pt2: a torch.export program (the network with its weights; no code from this project "
             "needed), any batch size.\n\n```python\nimport torch\n"
             "model = torch.export.load(FOLDER + \"/model.pt2\").module()\nlogits = model(images)\n```\n")

@@ -13,12 +13,10 @@ import signal
 import socket
 import sys
 import termios
-import threading
 import time
 import traceback
 from typing import Optional
 
-from core.disk_errors import disk_problem
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
 
 HOST = socket.gethostname()
@@ -117,6 +115,15 @@ stop_request = StopRequest()
 ignore_late_signals = False
 
 
+def no_stdin() -> None:
+    """Nothing in a run waits on a prompt (transformers asks before running a model folder's code, and a "y" piped
+    in would answer it): stdin, Python's and file descriptor 0, reads as empty from here on."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull)
+
+
 def detach_hung_up_terminal() -> None:
     """After the terminal hung up (an ssh session that dropped: SIGHUP), every write to it fails (EIO), the final
     line's included: stdout and stderr on it go to /dev/null instead, so that the run still saves and exits 3."""
@@ -188,14 +195,3 @@ def user_error(line: str, watchdog) -> int:
     if watchdog is not None:
         watchdog.leave_together()
     return EXIT_USER_ERROR
-
-
-def thread_exception(args) -> None:
-    """threading.excepthook in a rank. A thread's full disk (TensorBoard's writer thread) goes to the log file
-    only: its owner raises it again in the main thread, which reports it in one line. Anything else: as Python
-    prints it."""
-    if report.log is not None and disk_problem(args.exc_value, "") is not None:
-        report.log.error(f"thread {args.thread.name if args.thread else '?'}: {first_line(args.exc_value)}",
-                         extra={"file_only": True})
-        return
-    threading.__excepthook__(args)

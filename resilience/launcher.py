@@ -271,6 +271,7 @@ def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, fin
     (`worker(cfg, launch)`: main.worker)."""
     set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
+    faults.no_stdin()  # (multiprocessing gives Python's stdin /dev/null; file descriptor 0 too)
     faults.progress.shared = steps
     faults.progress.slot = launch.local_rank
     faults.progress.codes = finished

@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     if not args.tokenizer or not os.path.isdir(args.tokenizer):
         print(f"error: --tokenizer {args.tokenizer!r} is not a tokenizer folder", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)  # from a folder: the full vocab (see README)
+    # From a folder: the full vocab (see README); never code from it.
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
     rng = random.Random(args.seed)
     documents = read_documents(args.input, tokenizer)
     documents = [d for d in documents if d]

@@ -377,7 +377,7 @@ def init_worker(output: str, plan: dict, in_pool: bool = True) -> None:
     hf_logging.set_verbosity_error()  # "sequence longer than the model's maximum": shards hold whole documents
     if in_pool:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(output, "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(output, "tokenizer"), trust_remote_code=False)
     WORKER.update(output=output, plan=plan, tokenizer=tokenizer, dtype=ts.dtype_for(len(tokenizer)))
 
 
@@ -467,7 +467,7 @@ def prepare_tokenizer(args, plan: dict) -> None:
         if not os.path.isdir(source):
             raise DataError(f"--tokenizer {args.tokenizer}: not a folder (a Hugging Face model or tokenizer folder)")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it ({e})") from None
     else:
@@ -505,7 +505,8 @@ def special_suffix(tokenizer) -> int:
 
 def write_manifest(args, plan: dict, markers: dict) -> dict:
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.output, "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.output, "tokenizer"),
+                                              trust_remote_code=False)
     splits: dict = {}
     for chunk in plan["chunks"]:
         for name, shard in markers[chunk["id"]]["splits"].items():

@@ -280,7 +280,8 @@ class BertPretrainTask(Task):
         if not self.cfg.model.pretrained_dir:
             return RANDOM_MODEL
         from transformers import BertConfig
-        c = BertConfig.from_pretrained(check_pretrained_dir(self.cfg.model.pretrained_dir))
+        c = BertConfig.from_pretrained(check_pretrained_dir(self.cfg.model.pretrained_dir),
+                                       trust_remote_code=False)
         return ModelLimits(c.vocab_size, c.type_vocab_size, c.max_position_embeddings)
 
     def build_model(self) -> nn.Module:
@@ -288,9 +289,10 @@ class BertPretrainTask(Task):
         m = self.cfg.model
         if m.pretrained_dir:
             # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
-            lm_models.check_folder_shape(self.cfg, BertConfig.from_pretrained(m.pretrained_dir))
+            lm_models.check_folder_shape(self.cfg, BertConfig.from_pretrained(m.pretrained_dir,
+                                                                                      trust_remote_code=False))
             with load_report(self.cfg):
-                return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir))
+                return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir, trust_remote_code=False))
         # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
         shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,
@@ -397,7 +399,7 @@ class BertPretrainTask(Task):
         if not d or not os.path.isfile(os.path.join(d, "tokenizer_config.json")):
             return None
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(d)
+        return AutoTokenizer.from_pretrained(d, trust_remote_code=False)
 
     def metrics(self, totals: dict) -> dict:
         tokens, seqs = max(totals["mlm_tokens"], 1), max(totals["sequences"], 1)

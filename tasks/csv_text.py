@@ -8,7 +8,7 @@ from torch import nn
 from core.errors import DataError
 from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task, classification_batch, classification_metrics
-from tasks.table_files import FORMATS, read_split
+from tasks.table_files import FORMATS, check_classes, read_split
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -26,8 +26,12 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
             raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs train and dev files ({FORMATS})")
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
+        self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
         self.vocab = {w: i for i, w in enumerate(sorted({w for t in texts for w in words(t)}), 2)}
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
+
+    def data_name(self):  # the plan: the folder and the training classes with their counts
+        return f"{self.cfg.data.data_dir}; {self.class_note}"
 
     def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train lacks), class numbers
         if set(labels) - set(self.classes):

@@ -68,6 +68,7 @@ def find_files(data, split: str) -> list[str]:
 
 def read_file(path: str, text_column: str = "text") -> list[str]:
     """The texts of one file, by its suffix (see the module docstring)."""
+    check_size(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".jsonl", ".ndjson"):
         return read_json_lines(path, text_column)
@@ -78,6 +79,19 @@ def read_file(path: str, text_column: str = "text") -> list[str]:
     if not text:
         raise DataError(f"{path}: empty file, no text")
     return [text]
+
+
+# A file larger than this is refused: read in memory, its bpe token stream needs about 150 bytes per byte of text
+# (measured: 2.8 GiB for 19 MiB), and a 2 GB text aborted tokenizers' Rust code; token shards stream any size.
+MAX_FILE_BYTES = 1 << 30
+
+
+def check_size(path: str) -> None:
+    size = os.path.getsize(path)
+    if size > MAX_FILE_BYTES:
+        raise DataError(f"{path}: {size / 2**30:.1f} GiB, more than the {MAX_FILE_BYTES >> 30} GiB a text file read "
+                        "in memory may hold; make token shards of it with scripts/prepare_text.py --task lm (streamed, "
+                        "any size) and set data.data_dir to their folder")
 
 
 def read_texts(path: str, text: str | None = None) -> list[str]:

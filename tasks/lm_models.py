@@ -100,7 +100,7 @@ def load_causal_lm(cfg) -> nn.Module:
     """model.pretrained_dir's causal LM (GPT-2 or Llama), after checking the model section agrees with it."""
     from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
     folder = check_pretrained_dir(cfg.model.pretrained_dir)
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
     if config.model_type not in classes:
         raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; gpt2_lm builds "
@@ -111,7 +111,7 @@ def load_causal_lm(cfg) -> nn.Module:
     check_folder_shape(cfg, config)
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
     with load_report(cfg):
-        return classes[config.model_type].from_pretrained(folder)
+        return classes[config.model_type].from_pretrained(folder, trust_remote_code=False)
 
 
 def check_folder_shape(cfg, config) -> None:

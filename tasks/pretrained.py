@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from tasks.untrusted_folders import refuse_custom_code
+
 
 def check_config(cfg, fail) -> None:
     """model.pretrained_dir, set (config.validate asks): the folder the run will read, which must exist."""
@@ -13,6 +15,7 @@ def check_config(cfg, fail) -> None:
     if not os.path.isdir(m.pretrained_dir):
         fail("model.pretrained_dir", f"{m.pretrained_dir!r} is not a folder (fetch one with "
                                      "scripts/download_pretrained.py, or set null for a random model)")
+    refuse_custom_code(m.pretrained_dir)  # before any rank starts, and before transformers could prompt
 
 
 def resolve_package_path(path: str) -> str:

@@ -149,8 +149,8 @@ class SST2Task(Task):
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
             with load_report(self.cfg):
-                model = AutoModelForSequenceClassification.from_pretrained(m.pretrained_dir,
-                                                                           num_labels=self.num_labels)
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
             return model

@@ -23,9 +23,10 @@ import csv
 import io
 import json
 import os
+from collections import Counter
 from typing import Iterable, Iterator, Optional
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from tasks.text_common import json_lines, note, read_utf8
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
@@ -45,6 +46,30 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
         note(f"{path}: no labels (as in GLUE's test splits): skipped, there is nothing to score")
         return None
     return checked(path, rows, columns)
+
+
+def check_classes(data, labels: list[str]) -> str:
+    """The training classes with their counts for the plan (`2 classes: neg 40, pos 38`, most common first, cut to
+    about 80 characters), once check_rare_classes has let them pass."""
+    check_rare_classes(data.data_dir, labels, data.min_class_count)
+    counts = Counter(labels).most_common()
+    shown = ", ".join(f"{name[:20]} {n}" for name, n in counts)
+    return f"{len(counts)} classes: " + (shown if len(shown) <= 80 else shown[:77].rsplit(",", 1)[0] + ", ...")
+
+
+def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None:
+    """A training class seen fewer than data.min_class_count times, among classes of 10 rows or more on average,
+    is most likely a stray label (a `7` among 0s and 1s) that would silently add a class: refused in one line."""
+    if min_count < 1:
+        raise ConfigError(f"data.min_class_count: must be >= 1, got {min_count}")
+    counts = Counter(labels)
+    if len(labels) < 10 * len(counts):  # a tiny file: every class is rare
+        return
+    name, n = min(counts.items(), key=lambda item: (item[1], item[0]))
+    if n < min_count:
+        raise DataError(f"{find_split(data_dir, 'train')}: class {name[:40]!r} appears {n} time{'s' * (n != 1)} "
+                        f"among {len(labels)} rows (data.min_class_count={min_count}); fix its label{'s' * (n != 1)}, "
+                        "or set data.min_class_count: 1 to train it as a class")
 
 
 def find_split(data_dir: str, split: str) -> Optional[str]:

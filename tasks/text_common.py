@@ -22,6 +22,7 @@ from core import checkpoint, disk_errors
 from core.errors import ConfigError, DataError
 from tasks.base import Layer
 from strategies.tp import OwnDropout
+from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
@@ -58,7 +59,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
-        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
+        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir), trust_remote_code=False)
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
     asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
@@ -82,7 +83,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
         check_made_as(folder, asked)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
     # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 MADE_AS = "made_as.json"  # in the tokenizer folder: {"kind": gpt2 | bpe | char | byte | folder, "folder": PATH}
@@ -112,8 +113,9 @@ def load_tokenizer_folder(folder: str):
     from transformers import AutoTokenizer
     if not os.path.isdir(folder):
         raise DataError(f"data.tokenizer: {folder!r} is neither bpe, char, byte nor a tokenizer folder")
+    refuse_custom_code(folder, "data.tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DataError(f"data.tokenizer: {folder} is not a Hugging Face tokenizer folder "
                         f"({str(e).strip().splitlines()[0]})") from None
@@ -143,12 +145,30 @@ def train_tokenizer(texts: Iterable[str], kind: str):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB_SIZE, special_tokens=special_list,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(pieces(texts), trainer)
     if kind != "gpt2":  # sequence classification with BART reads the final </s>: wrap every text as <s> ... </s>
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
             special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024, **specials)
+
+
+PIECE_CHARS = 1 << 20
+
+
+def pieces(texts: Iterable[str]) -> Iterable[str]:
+    """The texts for the BPE trainer, a long one cut before a space into pieces of about PIECE_CHARS characters:
+    one long text costs the trainer about 80 bytes of memory per character (a 57 MiB text: 4.5 GiB; a 2 GB text
+    aborted it), its pieces a few hundred MiB in all; the words it counts are the same (a cut keeps the space
+    with the word after it, as the byte-level pre-tokenizer does)."""
+    for text in texts:
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            cut = text.rfind(" ", start + 1, start + PIECE_CHARS)
+            cut = cut if cut > start else start + PIECE_CHARS
+            yield text[start:cut]
+            start = cut
+        yield text[start:] if start else text
 
 
 def char_tokenizer(texts: Iterable[str]):
@@ -304,6 +324,7 @@ def check_pretrained_dir(path: str) -> str:
         raise DataError(f"model.pretrained_dir: {path}/config.json not found. Download a checkpoint with "
                         f"`python scripts/download_pretrained.py MODEL_ID {path}` (needs network), point it at "
                         "another Hugging Face folder, or set it to null for a random model")
+    check_folder(path)  # no code from the folder runs, no pickle in it executes: one line, before transformers
     return path
 
 

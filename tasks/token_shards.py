@@ -90,7 +90,8 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
     from transformers import AutoTokenizer
 
     if cfg.model.pretrained_dir:
-        tokenizer = AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir))
+        tokenizer = AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir),
+                                                  trust_remote_code=False)
         where = f"model.pretrained_dir {cfg.model.pretrained_dir}"
     else:
         saved = tokenizer_dir(cfg)
@@ -100,7 +101,7 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
                 shutil.copytree(os.path.join(folder, "tokenizer"), saved + ".part", dirs_exist_ok=True)
                 os.replace(saved + ".part", saved)
         main_first(copy)
-        tokenizer = AutoTokenizer.from_pretrained(saved)
+        tokenizer = AutoTokenizer.from_pretrained(saved, trust_remote_code=False)
         where = saved
     if fingerprint(tokenizer) != manifest["fingerprint"]:
         raise DataError(f"{folder}: the shards were tokenized with another tokenizer than {where}'s "

@@ -69,7 +69,7 @@ class FillsAfter(io.StringIO):
 
 @pytest.fixture
 def thread_hook():
-    """wiring.worker installs faults.thread_exception for the process: put Python's back after the test."""
+    """wiring.worker installs resource_errors.thread_exception for the process: put Python's back after the test."""
     import threading
     yield
     threading.excepthook = threading.__excepthook__

@@ -1,0 +1,105 @@
+"""A Hugging Face folder read as untrusted data: no code from it runs and no pickle in it executes.
+
+transformers runs a folder's own .py files when its config.json or tokenizer_config.json maps a class through
+`auto_map` and its model_type is one transformers does not know (after asking "Do you wish to run the custom
+code?" on stdin). Every load in this project passes trust_remote_code=False; such a folder is refused here first,
+in one line. Pickled weights (`pytorch_model*.bin`) are read with torch.load(weights_only=True) before transformers
+reads them, so a pickle that would import anything else is refused in one line too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from typing import Optional
+
+from core.errors import DataError
+
+PICKLED_WEIGHTS = ("pytorch_model", ".bin")  # transformers' names: pytorch_model.bin, pytorch_model-00001-of-2.bin
+
+
+def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code or whose pickled
+    weights would run code."""
+    refuse_custom_code(folder, key)
+    check_pickled_weights(folder, key)
+
+
+def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
+    """A folder whose auto_map names a class of its own for a model type transformers does not know: loading it
+    would need its .py files to run (transformers imported only then)."""
+    config, tokenizer = read_json(folder, "config.json"), read_json(folder, "tokenizer_config.json")
+    entry = next(((name, data["auto_map"]) for name, data in (("config.json", config),
+                                                              ("tokenizer_config.json", tokenizer))
+                  if isinstance(data.get("auto_map"), dict) and data["auto_map"]), None)
+    if entry is None:
+        return
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in known_model_types():
+        return  # transformers' own class is used (trust_remote_code=False): the folder's .py files are ignored
+    name, auto_map = entry
+    cls, target = next(iter(auto_map.items()))
+    shown = f"{cls} -> {target}" if isinstance(target, str) else f"{cls} -> {json.dumps(target)}"
+    what = f"model_type {str(model_type)[:40]!r}" if model_type is not None else "no model_type"
+    raise DataError(f"{key}: {folder} needs code of its own to load ({name}'s auto_map: {shown[:80]}; {what} is "
+                    "not one transformers knows); this trainer never runs code from a model folder: use a folder of "
+                    "a model type transformers supports")
+
+
+def known_model_types() -> set:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def read_json(folder: str, name: str) -> dict:
+    """A folder's JSON file as a dict ({} when absent or unreadable: transformers says what is wrong with it)."""
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_pickled_weights(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Each pytorch_model*.bin of the folder loaded with weights_only=True (memory-mapped where torch can: the
+    tensors are not read): one that holds anything but tensors and plain containers is refused in one line."""
+    import torch
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if not (name.startswith(PICKLED_WEIGHTS[0]) and name.endswith(PICKLED_WEIGHTS[1]) and os.path.isfile(path)):
+            continue
+        why = pickle_problem(torch, path)
+        if why:
+            raise DataError(f"{key}: {path}: refused: {why}; pickled weights are loaded only with "
+                            "torch.load(weights_only=True) (or use a folder with model.safetensors)")
+
+
+def pickle_problem(torch, path: str) -> Optional[str]:
+    """Why torch.load(path, weights_only=True) refuses the file, in one short phrase; None if it loads."""
+    try:
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # not a zip file (the legacy format) cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch: "... unsupported GLOBAL posix.system whose module ..."
+        return f"it would import {found.group(1)[:80]}" if found else f"not plain weights ({first_words(e)})"
+    except Exception as e:  # a truncated or foreign file
+        return f"cannot be loaded ({': '.join(filter(None, (type(e).__name__, first_words(e))))})"
+    return None
+
+
+def first_words(e: BaseException) -> str:
+    """The first line of `e` that says what is wrong (torch's weights_only errors open with general advice)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(("Weights only load failed", "Please file an issue",
+                                                                  "Check the documentation"))]
+    return (said or lines or [""])[0][:80]
