@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import Unloadable, read_meta
+from checkpoint import Unloadable, read_meta, verify
 from checkpoint_meta import differences
 from config import CheckpointError
 from faults import first_line
@@ -82,8 +82,10 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
+def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
+    its files are verified first (`note`: where a checkpoint that cannot be is said; default stderr)."""
+    verify(path, note=note)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
 

@@ -1,0 +1,102 @@
+"""What a checkpoint's files should hold: the size and sha256 of every file, recorded in its meta.json (`files`)
+when it is published, and checked before anything of it is loaded (checkpoint.verify). A flipped bit in a weight
+loads without complaint, so only a hash of the bytes tells; sha256 is the fastest strong hash here (SHA-NI;
+benchmarks/RESULTS.md, "Checkpoint hashes").
+
+A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
+model_dcp/ wins, say) makes the checkpoint unloadable. meta.json itself is not listed: it is written last, holding
+the list.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Optional
+
+CHUNK = 1 << 20  # bytes read at a time: large enough that the hash, not Python, sets the pace
+HEX = re.compile(r"^[0-9a-f]{64}$")
+MAX_FILES = 100_000  # far more than any checkpoint holds (a DCP folder has one file per rank)
+
+
+def hash_file(path: str) -> str:
+    """sha256 of the file at `path`, as 64 hex digits."""
+    digest, buffer = hashlib.sha256(), bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def listed_files(folder: str) -> list[str]:
+    """Every file under `folder` but its meta.json, as sorted paths relative to it with '/' between parts."""
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in files:
+            rel = os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
+            if rel != "meta.json":
+                found.append(rel)
+    return sorted(found)
+
+
+def record(folder: str) -> dict[str, dict]:
+    """{relative path: {"bytes": size, "sha256": hex}} of every file in the finished checkpoint folder `folder`."""
+    return {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": hash_file(os.path.join(folder, rel))}
+            for rel in listed_files(folder)}
+
+
+def problem(folder: str, files) -> Optional[str]:
+    """What differs between checkpoint folder `folder` and `files`, its meta.json's record (untrusted: checked
+    first): one line naming the file, or None if nothing does. Sizes and names are compared before any file is
+    hashed, so a missing or truncated file is said at once."""
+    malformed = _malformed(files)
+    if malformed:
+        return f"{os.path.join(folder, 'meta.json')}: unreadable (`files` {malformed})"
+    try:
+        return _difference(folder, files)
+    except OSError as e:  # a file that cannot be read (a failing disk, no permission)
+        return f"{e.filename or folder}: unreadable ({e.strerror or e})"
+
+
+def _difference(folder: str, files: dict) -> Optional[str]:
+    present = set(listed_files(folder))
+    for rel, entry in files.items():
+        full = os.path.join(folder, rel)
+        if rel not in present:
+            return f"{full}: missing from the checkpoint (meta.json lists it)"
+        size = os.path.getsize(full)
+        if size == 0 and entry["bytes"]:
+            return f"{full}: empty (0 bytes)"
+        if size < entry["bytes"]:
+            return f"{full}: truncated ({size} of {entry['bytes']} bytes)"
+        if size != entry["bytes"]:
+            return f"{full}: {size} bytes, but meta.json says {entry['bytes']} (the file changed after it was saved)"
+    extra = sorted(present - set(files))
+    if extra:
+        return f"{os.path.join(folder, extra[0])}: not in meta.json's list of files (added after the checkpoint " \
+               f"was saved; remove it)" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
+    for rel, entry in files.items():
+        if hash_file(os.path.join(folder, rel)) != entry["sha256"]:
+            return f"{os.path.join(folder, rel)}: sha256 differs from meta.json (the file changed after it was saved)"
+    return None
+
+
+def _malformed(files) -> str:
+    """What is wrong with a `files` record read from meta.json ("" if nothing): each name must stay inside the
+    checkpoint folder (it becomes a path that is opened) and each entry hold a size and a sha256."""
+    if not isinstance(files, dict):
+        return f"is a {type(files).__name__}, not an object"
+    if len(files) > MAX_FILES:
+        return f"lists {len(files)} files (more than {MAX_FILES})"
+    for rel, entry in files.items():
+        parts = rel.split("/")
+        if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts) or \
+                rel == "meta.json" or "\0" in rel:
+            return f"names {rel[:60]!r}, not a file inside the checkpoint"
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and
+                not isinstance(entry["bytes"], bool) and entry["bytes"] >= 0 and
+                isinstance(entry.get("sha256"), str) and HEX.match(entry["sha256"])):
+            return f"entry {rel[:60]!r} is {str(entry)[:60]}, not {{\"bytes\": size, \"sha256\": 64 hex digits}}"
+    return ""
