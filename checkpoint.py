@@ -10,7 +10,8 @@ next run starts (run_dir.py). Files:
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),
-                             and the size and sha256 of every other file (`files`), checked before loading (verify)
+                             and the size and sha256 of every other file (`files`), checked before loading
+                             (checkpoint_io.verify)
 
 This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
 the DCP folders); meta.json's checks, checkpoint_meta.py; which one a run resumes from, resume.py.
@@ -22,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import uuid
 from typing import Callable, Optional
 
@@ -80,35 +80,6 @@ def read_meta(path: str) -> dict:
     return checkpoint_meta.read(path)
 
 
-def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None) -> None:
-    """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
-    not what meta.json recorded (checkpoint_hashes.py). One written without that record (or whose meta.json is
-    unreadable: its reader says so) loads, after one `note` (default: a line on stderr). With `ctx` it is
-    collective: rank 0 reads the files, every rank raises."""
-    main = ctx is None or ctx.is_main
-    found = _files_problem(path) if main else None
-    kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
-    if kind == "problem":
-        raise Unloadable(line)
-    if kind == "note" and main:
-        (note or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
-
-
-def _files_problem(path: str) -> Optional[tuple[str, str]]:
-    """("problem", line), ("note", line) or None (all files as recorded)."""
-    if not os.path.isdir(path):
-        return None  # the loader names it
-    try:
-        files = read_meta(path).get("files")
-    except Unloadable as e:
-        return "note", f"note: the files of {path} cannot be verified: {e}"
-    if files is None:
-        return "note", f"note: {path} was saved without file hashes (an older version), so its files cannot be " \
-                       "verified"
-    found = checkpoint_hashes.problem(path, files)
-    return ("problem", found) if found else None
-
-
 def best(output_dir: str, best_step: Optional[int] = None) -> Optional[str]:
     """The checkpoint best on dev: step `best_step`, or (None) the one the latest checkpoint records as best; else
     the latest checkpoint."""
@@ -158,7 +129,7 @@ class PendingWrite:
 
 def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last,
-    # holding what each file holds so that a load can tell when one changed (verify).
+    # holding what each file holds so that a load can tell when one changed (checkpoint_io.verify).
     meta = {**meta, "files": checkpoint_hashes.record(tmp)}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)

@@ -2,20 +2,25 @@
 
 Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True) (load_file), and
 DCP folders through checkpoint_dcp.py, imported only by runs that read one. A checkpoint made for another model
-fails in one line (fits_model). Optimizer state travels between strategies by parameter name.
+fails in one line (fits_model). Optimizer state travels between strategies by parameter name. Before any of it is
+read, every file is checked against the sizes and sha256 that meta.json records (verify, checkpoint_hashes.py).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import Unloadable, read_meta, verify
+import checkpoint_hashes
+from checkpoint import Unloadable, read_meta
 from checkpoint_meta import differences
 from config import CheckpointError
+from distributed import DistContext, broadcast_object
 from faults import first_line
 from strategies.base import param_groups, trained_names, trains_part
 
@@ -36,6 +41,35 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     if missing:
         raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
     return obj
+
+
+def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None) -> None:
+    """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
+    not what meta.json recorded (checkpoint_hashes.py). One written without that record (or whose meta.json is
+    unreadable: its reader says so) loads, after one `note` (default: a line on stderr). With `ctx` it is
+    collective: rank 0 reads the files, every rank raises."""
+    main = ctx is None or ctx.is_main
+    found = _files_problem(path) if main else None
+    kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
+    if kind == "problem":
+        raise Unloadable(line)
+    if kind == "note" and main:
+        (note or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+
+
+def _files_problem(path: str) -> Optional[tuple[str, str]]:
+    """("problem", line), ("note", line) or None (all files as recorded)."""
+    if not os.path.isdir(path):
+        return None  # the loader names it
+    try:
+        files = read_meta(path).get("files")
+    except Unloadable as e:
+        return "note", f"note: the files of {path} cannot be verified: {e}"
+    if files is None:
+        return "note", f"note: {path} was saved without file hashes (an older version), so its files cannot be " \
+                       "verified"
+    found = checkpoint_hashes.problem(path, files)
+    return ("problem", found) if found else None
 
 
 def dcp_cause(e: BaseException) -> BaseException:

@@ -61,7 +61,7 @@ def test_meta_json_records_every_file_with_its_sha256(reference):
     for name, entry in files.items():
         data = open(os.path.join(path, name), "rb").read()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    checkpoint.verify(path)  # as saved: nothing to say
+    checkpoint_io.verify(path)  # as saved: nothing to say
 
 
 @pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "state.pt"])
@@ -134,7 +134,7 @@ def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
     crashed_copy(reference("none"), tmp_path, 4)
     os.remove(os.path.join(ckpt(tmp_path, 4), "state.pt"))
     with pytest.raises(checkpoint.Unloadable) as caught:
-        checkpoint.verify(ckpt(tmp_path, 4))
+        checkpoint_io.verify(ckpt(tmp_path, 4))
     assert str(caught.value) == f"{ckpt(tmp_path, 4)}/state.pt: missing from the checkpoint (meta.json lists it)"
     # A file the save did not write would be read unverified (model.pt is read before model_dcp/, say).
     os.makedirs(os.path.join(ckpt(tmp_path, 3), "model_dcp"))
@@ -161,7 +161,7 @@ def test_a_malformed_record_is_refused_in_one_line(reference, tmp_path, name):
     crashed_copy(reference("none"), tmp_path, 4)
     edit_meta(ckpt(tmp_path, 4), lambda meta: meta.update(files=files))
     with pytest.raises(checkpoint.Unloadable) as caught:
-        checkpoint.verify(ckpt(tmp_path, 4))
+        checkpoint_io.verify(ckpt(tmp_path, 4))
     message = str(caught.value)
     assert message.startswith(f"{ckpt(tmp_path, 4)}/meta.json: unreadable (`files` {says}"), message
     assert "\n" not in message and len(message) < 300
@@ -178,7 +178,7 @@ def test_each_file_is_hashed_once_per_load_and_a_short_one_not_at_all(reference,
     with open(os.path.join(ckpt(tmp_path, 3), "optimizer.pt"), "r+b") as f:
         f.truncate(100)
     with pytest.raises(checkpoint.Unloadable, match=r"optimizer.pt: truncated \(100 of \d+ bytes\)"):
-        checkpoint.verify(ckpt(tmp_path, 3))
+        checkpoint_io.verify(ckpt(tmp_path, 3))
     assert hashed == []  # sizes first: a truncated file is said without reading a byte
 
 
@@ -206,4 +206,4 @@ def test_fsdp_dcp_async_save_checkpoints_carry_the_record(tmp_path):
         assert {"model_dcp/__0_0.distcp", "model_dcp/__1_0.distcp", "optimizer_dcp/__1_0.distcp"} <= set(files)
     flip_byte(os.path.join(ckpt(tmp_path, 4), "optimizer_dcp", "__0_0.distcp"))
     with pytest.raises(checkpoint.Unloadable, match=re.escape(CHANGED)):
-        checkpoint.verify(ckpt(tmp_path, 4))
+        checkpoint_io.verify(ckpt(tmp_path, 4))
