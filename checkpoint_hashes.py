@@ -1,7 +1,7 @@
 """What a checkpoint's files should hold: the size and sha256 of every file, recorded in its meta.json (`files`)
 when it is published, and checked before anything of it is loaded (checkpoint_io.verify). A flipped bit in a weight
-loads without complaint, so only a hash of the bytes tells; sha256 is the fastest strong hash here (SHA-NI;
-benchmarks/RESULTS.md, "Checkpoint hashes").
+loads without complaint, so only a hash of the bytes tells; sha256 is the standard library's fastest strong hash
+on CPUs with SHA instructions, and `sha256sum` prints the same digests (benchmarks/RESULTS.md, "Checkpoint hashes").
 
 A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
 model_dcp/ wins, say) makes the checkpoint unloadable. meta.json itself is not listed: it is written last, holding

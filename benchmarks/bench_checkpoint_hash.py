@@ -6,7 +6,7 @@ the check before a load against the load itself, measured side by side in one ru
 BERT-base (transformers' BertConfig() defaults, 110M parameters, random weights) with AdamW state, one process,
 saved as a run saves it (ReplicatedParallel.save, a state.pt, checkpoint.start_write(...).finish(): fsyncs and
 rename included). Saves alternate without and with the record for --rounds rounds ("without": the record replaced
-by an empty one, in this process only). Then the check (checkpoint.verify: every file's size and sha256) and the
+by an empty one, in this process only). Then the check (checkpoint_io.verify: every file's size and sha256) and the
 load it precedes (torch.load of model.pt, optimizer.pt and state.pt, as resume reads them), each with the files in
 the page cache ("warm": a save just wrote them) and out of it ("cold": evicted with posix_fadvise, so they come
 from the disk), alternating.
@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402
+import checkpoint_io  # noqa: E402
 import checkpoint_hashes  # noqa: E402
 from distributed import DistContext  # noqa: E402
 from strategies.replicated import ReplicatedParallel  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv=None) -> None:
     read = {"warm": [], "cold": []}
     for _ in range(args.rounds):
         for cache in check:
-            for what, work in ((check, lambda: checkpoint.verify(path)), (read, lambda: load(path))):
+            for what, work in ((check, lambda: checkpoint_io.verify(path)), (read, lambda: load(path))):
                 if cache == "cold":
                     evict(path)
                 else:
