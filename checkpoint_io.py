@@ -118,7 +118,7 @@ def _settings_changed(path: str, cfg) -> str:
 
 def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
-    its files are verified first (`note`: where a checkpoint that cannot be is said; default stderr)."""
+    its files are verified first (`note` says so where they cannot be; default: a line on stderr)."""
     verify(path, note=note)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
