@@ -1,6 +1,7 @@
 """Fault drill: break runs on purpose, the ways a cluster does, and count what survived.
 
-    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --only bad kill signal detect nan issue20]
+    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --only bad kill signal detect nan bitflip
+                                      issue20]
 
 Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
   - kill -9 of the whole job at random moments (many of them inside a save or a pruning, since every step saves
@@ -12,6 +13,9 @@ Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
   - NaN: runs with lr=1e6 stopped with exit code 4, no non-finite checkpoint;
   - bad inputs: how many kinds of mistake (config, data, checkpoint, environment) end with exit code 2 and one
     `error:` line, with no traceback;
+  - bit flips (`--only bitflip`, issue 33): one byte flipped in model.pt, optimizer.pt, state.pt or an fsdp
+    `.distcp` shard of the newest checkpoint: resume falls back to the one before with one line naming the file,
+    test mode (and export) refuse it with exit code 2 and one line;
   - issue 20's faults (`--only issue20`), one probe each, clean or not: repeated SIGTERM while stopping, SIGHUP,
     two runs on one output_dir, resume at another world size, a symlinked checkpoint with keep_last, tampered
     meta.json values, bad csv rows, an OOM-killed rank, and (as root: tmpfs mounts) a full disk or read-only
@@ -496,6 +500,55 @@ def probe_console_full(tmp, mounts):
     return name, ok, seen
 
 
+# ==============================================================================================================
+# Bit flips (issue 33): a byte of a saved file changes; meta.json's sha256 of it says so before anything loads
+# ==============================================================================================================
+def flip_byte(path):
+    """One bit flipped in the middle of the file: in the tensors' bytes, past any header."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
+
+
+def bit_flip_probes(tmp, say):
+    """For each kind of file: resume (auto) falls back past the flipped checkpoint with one line naming the file
+    and ends at exit 0; test mode on it stops with exit 2 and one line; and export, for model.pt."""
+    changed = "sha256 differs from meta.json"
+    runs = {"none": ["--set", "dist.strategy=none"], "fsdp": ["--set", "dist.strategy=fsdp"]}
+    files = [("none", "model.pt"), ("none", "optimizer.pt"), ("none", "state.pt"),
+             ("fsdp", "model_dcp/__1_0.distcp")]
+    save = ["--set", "train.save_every=2", "--set", "train.keep_last=5"]
+    for strategy, extra in runs.items():
+        procs = 1 if strategy == "none" else 2
+        assert run(cmd(os.path.join(tmp, f"flip-src-{strategy}"), *save, *extra, procs=procs, steps=4)).returncode == 0
+    probes = []
+    for strategy, name in files:
+        procs = 1 if strategy == "none" else 2
+        out = os.path.join(tmp, "flip", name.replace("/", "_"))
+        shutil.copytree(os.path.join(tmp, f"flip-src-{strategy}"), out)
+        step4 = os.path.join(out, "checkpoints", "step-4")
+        flip_byte(os.path.join(step4, name))
+        t = run(cmd(out, *runs[strategy], "--set", "mode=test", "--set", f"test.checkpoint={step4}", procs=1,
+                    steps=6))
+        says = f"{step4}/{name}: {changed}"
+        probes.append((f"{name} bit flip: test mode refuses in one line", *one_line(t, 2, says)))
+        if name == "model.pt":
+            e = run(cmd(out, *runs[strategy], "--set", "mode=export", procs=1, steps=6))
+            probes.append((f"{name} bit flip: export refuses in one line", *one_line(e, 2, f"{name}: {changed}")))
+        r = run(cmd(out, *save, *runs[strategy], procs=procs, steps=6))
+        log = open(os.path.join(out, "logs", "rank0.log")).read()
+        skips = re.findall(r"resume: skipping \S+, which cannot be loaded: (.*)", log)
+        ok = r.returncode == 0 and skips == [f"{step4}/{name}: {changed} (the file changed after it was saved)"] \
+            and re.search(r"resumed from \S+/step-2 ", log) is not None and "Traceback" not in r.stderr
+        probes.append((f"{name} bit flip: resume falls back to step-2", ok,
+                       f"exit {r.returncode}: {' | '.join(skips)[-200:] or r.stderr.strip()[-200:]}"))
+    for name, ok, seen in probes:
+        say(f"  {'clean' if ok else 'NOT CLEAN'}  {name}: {seen}")
+    return probes
+
+
 def issue20_probes(tmp, say):
     """Run every probe, saying each result as it comes; returns [(name, clean, what it saw)]. A probe that fails
     with an exception of its own counts as not clean."""
@@ -537,7 +590,7 @@ def main():
     p.add_argument("--kill-trials", type=int, default=12)
     p.add_argument("--signal-trials", type=int, default=2, help="per kind of signal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "issue20"])
+    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "bitflip", "issue20"])
     args = p.parse_args()
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="fault-drill-")
@@ -564,6 +617,10 @@ def main():
         if "nan" in args.only:
             n = nan_runs(tmp, 3)
             say(f"NaN (lr 1e5, 1e6, 1e7): {n}/3 stopped with exit 4 and only finite checkpoints")
+        if "bitflip" in args.only:
+            say("bit flips (issue 33):")
+            flips = bit_flip_probes(tmp, say)
+            say(f"bit flips: {sum(ok for _, ok, _ in flips)}/{len(flips)} clean")
         if "issue20" in args.only:
             say("issue 20 probes:")
             probes = issue20_probes(tmp, say)

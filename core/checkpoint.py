@@ -9,7 +9,9 @@ next run starts (run_dir.py). Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies.Parallel.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
-    meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable)
+    meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),
+                             and the size and sha256 of every other file (`files`), checked before loading
+                             (checkpoint_io.verify)
 
 This file is the directory protocol; reading the files inside one is checkpoint_io.py (and checkpoint_dcp.py for
 the DCP folders); meta.json read as untrusted data, checkpoint_meta.py; which one a run resumes from, resume.py.
@@ -26,7 +28,7 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from core import disk_errors
+from core import checkpoint_hashes, disk_errors
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError
 
@@ -118,7 +120,9 @@ class PendingWrite:
 
 
 def _publish(tmp: str, final: str, meta: dict) -> None:
-    # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last.
+    # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last,
+    # holding what each file holds so that a load can tell when one changed (checkpoint_io.verify).
+    meta = {**meta, "files": checkpoint_hashes.record(tmp)}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     old = None

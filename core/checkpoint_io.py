@@ -2,21 +2,26 @@
 
 Loading never runs code from a checkpoint: `.pt` files go through torch.load(weights_only=True) (load_file), and
 DCP folders through checkpoint_dcp.py. A checkpoint made for another model
-fails in one line (fits_model). Optimizer state travels between strategies by parameter name.
+fails in one line (fits_model). Optimizer state travels between strategies by parameter name. Before any of it is
+read, every file is checked against the sizes and sha256 that meta.json records (verify, checkpoint_hashes.py).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from core import checkpoint_hashes
 from core.checkpoint_meta import read as read_meta
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint_meta import differences
 from core.errors import CheckpointError, Unloadable, first_line
+from core.distributed import DistContext, broadcast_object
 from strategies.base import param_groups, trained_names, trains_part
 
 
@@ -36,6 +41,35 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     if missing:
         raise Unloadable(f"{full}: cannot be loaded (no {', '.join(missing)} in it)")
     return obj
+
+
+def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None) -> None:
+    """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
+    not what meta.json recorded (checkpoint_hashes.py). One written without that record (or whose meta.json is
+    unreadable: its reader says so) loads, after one `note` (default: a line on stderr). With `ctx` it is
+    collective: rank 0 reads the files, every rank raises."""
+    main = ctx is None or ctx.is_main
+    found = _files_problem(path) if main else None
+    kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
+    if kind == "problem":
+        raise Unloadable(line)
+    if kind == "note" and main:
+        (note or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+
+
+def _files_problem(path: str) -> Optional[tuple[str, str]]:
+    """("problem", line), ("note", line) or None (all files as recorded)."""
+    if not os.path.isdir(path):
+        return None  # the loader names it
+    try:
+        files = read_meta(path).get("files")
+    except Unloadable as e:
+        return "note", f"note: the files of {path} cannot be verified: {e}"
+    if files is None:
+        return "note", f"note: {path} was saved without file hashes (an older version), so its files cannot be " \
+                       "verified"
+    found = checkpoint_hashes.problem(path, files)
+    return ("problem", found) if found else None
 
 
 @contextlib.contextmanager
@@ -76,8 +110,10 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_model(model: torch.nn.Module, path: str, cfg=None) -> None:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, generate.py."""
+def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
+    its files are verified first (`note` says so where they cannot be; default: a line on stderr)."""
+    verify(path, note=note)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
 

@@ -127,6 +127,7 @@ def load(trainer, path: str) -> dict:
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, par = trainer.t, trainer.par
     meta = checkpoint_meta.read(path)
+    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning)  # every file as saved, before any is loaded
     saved = meta.get("format") or "full"
     if saved not in par.resumes_from:
         *others, last = par.resumes_from

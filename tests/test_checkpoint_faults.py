@@ -23,6 +23,7 @@ from core.errors import Unloadable
 from core import checkpoint_meta
 from core import checkpoint_dcp
 from core import checkpoint_io
+from core import checkpoint_hashes
 import main
 from resilience import resume
 from resilience import run_dir
@@ -188,7 +189,7 @@ CORRUPTIONS = {  # name: (how, what the one-line message says after the checkpoi
     "model.pt 0 bytes": (empty("model.pt"), "/model.pt: empty (0 bytes)"),
     "optimizer.pt 0 bytes": (empty("optimizer.pt"), "/optimizer.pt: empty (0 bytes)"),  # after model.pt loaded
     "state.pt 0 bytes": (empty("state.pt"), "/state.pt: empty (0 bytes)"),
-    "model.pt truncated": (truncate("model.pt"), "/model.pt: cannot be loaded ("),
+    "model.pt truncated": (truncate("model.pt"), "/model.pt: truncated ("),
     "meta.json {}": (write_text("meta.json", "{}"), "/meta.json: unreadable (`step` is missing)"),
     "meta.json without state": (drop_key("state"), "/meta.json: unreadable (`state` is missing)"),
     "meta.json not JSON": (write_text("meta.json", '{"step": 4,'), "/meta.json: unreadable ("),
@@ -364,6 +365,14 @@ def test_full_disk_on_a_real_small_filesystem(reference, tmp_path, capsys, strat
 def craft_metadata(path, folder, marker):
     with open(os.path.join(path, folder, ".metadata"), "wb") as f:
         pickle.dump(Payload(marker), f)
+    rehash(path)
+
+
+def rehash(path):
+    """meta.json's record of the files made to match them, as the maker of a crafted checkpoint would: what then
+    refuses it are the checks behind the hashes."""
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    write_text("meta.json", json.dumps({**meta, "files": checkpoint_hashes.record(path)}))(path)
 
 
 @pytest.mark.parametrize("folder", ["model_dcp", "optimizer_dcp"])
@@ -417,6 +426,7 @@ def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys)
         with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore")
             dcp.save(state, checkpoint_id=path, no_dist=True)
+        rehash(ckpt(tmp_path, step))
     cfg = make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 1)})
     assert main.run(cfg) == 2
     assert run(tmp_path, train={"resume": ckpt(tmp_path, 2)}, dist=FSDP) == 2
@@ -438,7 +448,7 @@ def test_damaged_dcp_folder_is_a_one_line_error_naming_the_file(reference, tmp_p
         says = f"{folder}/__0_0.distcp: missing from the checkpoint"
     else:
         empty(".metadata")(folder)
-        says = f"{folder}/.metadata: cannot be loaded (EOFError"
+        says = f"{folder}/.metadata: empty (0 bytes)"
     assert run(tmp_path, train={"resume": ckpt(tmp_path, 2)}, dist=FSDP) == 2
     err = errors(capsys)
     assert len(err) == 1 and err[0].startswith(f"error: {says}"), err

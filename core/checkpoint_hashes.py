@@ -1,0 +1,105 @@
+"""What a checkpoint's files should hold: the size and sha256 of every file, recorded in its meta.json (`files`)
+when it is published, and checked before anything of it is loaded (checkpoint_io.verify). A flipped bit in a weight
+loads without complaint, so only a hash of the bytes tells; sha256 is the standard library's fastest strong hash
+on CPUs with SHA instructions, and `sha256sum` prints the same digests (benchmarks/RESULTS.md, "Checkpoint hashes").
+
+A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
+model_dcp/ wins, say) makes the checkpoint unloadable. meta.json itself is not listed: it is written last, holding
+the list.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+CHUNK = 1 << 20  # bytes read at a time: large enough that the hash, not Python, sets the pace
+HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_file(path: str) -> str:
+    """sha256 of the file at `path`, as 64 hex digits."""
+    digest, buffer = hashlib.sha256(), bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def hash_files(paths: list[str]) -> list[str]:
+    """hash_file of each path, several at a time: hashlib lets go of the GIL, so files (a DCP folder's shards,
+    model.pt beside optimizer.pt) are hashed on as many cores as there are files, up to 8."""
+    if len(paths) < 2:
+        return [hash_file(p) for p in paths]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(paths))) as pool:
+        return list(pool.map(hash_file, paths))
+
+
+def listed_files(folder: str) -> list[str]:
+    """Every file under `folder` but its meta.json, as sorted paths relative to it with '/' between parts."""
+    found = (os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
+             for parent, _, files in os.walk(folder) for name in files)
+    return sorted(rel for rel in found if rel != "meta.json")
+
+
+def record(folder: str) -> dict[str, dict]:
+    """{relative path: {"bytes": size, "sha256": hex}} of every file in the finished checkpoint folder `folder`."""
+    names = listed_files(folder)
+    digests = hash_files([os.path.join(folder, rel) for rel in names])
+    return {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": digest}
+            for rel, digest in zip(names, digests)}
+
+
+def problem(folder: str, files) -> Optional[str]:
+    """What differs between checkpoint folder `folder` and `files`, its meta.json's record (untrusted: checked
+    first): one line naming the file, or None if nothing does. Sizes and names are compared before any file is
+    hashed, so a missing or truncated file is said at once."""
+    malformed = _malformed(files)
+    if malformed:
+        return f"{os.path.join(folder, 'meta.json')}: unreadable (`files` {malformed})"
+    try:
+        return _difference(folder, files)
+    except OSError as e:  # a file that cannot be read (a failing disk, no permission)
+        return f"{e.filename or folder}: unreadable ({e.strerror or e})"
+
+
+def _difference(folder: str, files: dict) -> Optional[str]:
+    present = set(listed_files(folder))
+    for rel, entry in files.items():
+        full = os.path.join(folder, rel)
+        if rel not in present:
+            return f"{full}: missing from the checkpoint (meta.json lists it)"
+        size = os.path.getsize(full)
+        if size == 0 and entry["bytes"]:
+            return f"{full}: empty (0 bytes)"
+        if size < entry["bytes"]:
+            return f"{full}: truncated ({size} of {entry['bytes']} bytes)"
+        if size != entry["bytes"]:
+            return f"{full}: {size} bytes, but meta.json says {entry['bytes']} (the file changed after it was saved)"
+    extra = sorted(present - set(files))
+    if extra:
+        return f"{os.path.join(folder, extra[0])}: not in meta.json's list of files (added after the checkpoint " \
+               f"was saved; remove it)" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
+    digests = hash_files([os.path.join(folder, rel) for rel in files])
+    for (rel, entry), digest in zip(files.items(), digests):
+        if digest != entry["sha256"]:
+            return f"{os.path.join(folder, rel)}: sha256 differs from meta.json (the file changed after it was saved)"
+    return None
+
+
+def _malformed(files) -> str:
+    """What is wrong with a `files` record read from meta.json ("" if nothing): each name must stay inside the
+    checkpoint folder (it becomes a path that is opened) and each entry hold a size and a sha256."""
+    if not isinstance(files, dict):
+        return f"is a {type(files).__name__}, not an object"
+    for rel, entry in files.items():
+        if rel == "meta.json" or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
+            return f"names {rel[:60]!r}, not a file inside the checkpoint"
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and
+                not isinstance(entry["bytes"], bool) and entry["bytes"] >= 0 and
+                isinstance(entry.get("sha256"), str) and HEX.match(entry["sha256"])):
+            return f"entry {rel[:60]!r} is {str(entry)[:60]}, not {{\"bytes\": size, \"sha256\": 64 hex digits}}"
+    return ""

@@ -1,0 +1,212 @@
+"""Checkpoints that prove their bytes (issue 33, item 1): meta.json records the size and sha256 of every file a
+checkpoint writes (whole, DCP shards, async saves), and a file that changed after the save (one flipped byte, which
+torch.load and DCP read without complaint) is refused in one line naming it before anything is loaded: resume=auto
+falls back to the previous checkpoint, an explicit path, test mode and export stop with exit code 2. A checkpoint
+written before the record existed loads, with one note."""
+import hashlib
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import make_config
+from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
+
+from core import checkpoint
+
+from core import checkpoint_meta
+from core.errors import Unloadable
+from core import checkpoint_hashes
+from core import checkpoint_io
+import main
+
+FSDP2 = {"dist": {"strategy": "fsdp", "procs_per_node": 2}, "train": {"batch_size": 16}}
+CHANGED = "sha256 differs from meta.json (the file changed after it was saved)"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs of STEPS steps, a checkpoint at every step: 'none' (one process), 'fsdp' (2 ranks)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"reference-{name}")
+            assert (run(out) if name == "none" else run(out, **FSDP2)) == 0
+            done[name] = out
+        return done[name]
+    return get
+
+
+def flip_byte(path: str) -> None:
+    """One bit flipped in the middle of the file: in the tensors' bytes, past any header."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
+
+
+def edit_meta(path: str, change) -> None:
+    full = os.path.join(path, "meta.json")
+    meta = json.load(open(full))
+    change(meta)
+    with open(full, "w") as f:
+        json.dump(meta, f)
+
+
+def test_meta_json_records_every_file_with_its_sha256(reference):
+    path = ckpt(reference("none"), 4)
+    files = checkpoint_meta.read(path)["files"]
+    assert sorted(files) == ["model.pt", "optimizer.pt", "state.pt"]
+    for name, entry in files.items():
+        data = open(os.path.join(path, name), "rb").read()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    checkpoint_io.verify(path)  # as saved: nothing to say
+
+
+@pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "state.pt"])
+def test_resume_falls_back_past_a_flipped_byte(reference, tmp_path, name):
+    ref = reference("none")
+    crashed_copy(ref, tmp_path, 4)
+    flip_byte(os.path.join(ckpt(tmp_path, 4), name))
+    torch.load(os.path.join(ckpt(tmp_path, 4), name), weights_only=True)  # what loaded silently before
+    assert run(tmp_path) == 0
+    log = rank_log(tmp_path)
+    line = f"resume: skipping {ckpt(tmp_path, 4)}, which cannot be loaded: {ckpt(tmp_path, 4)}/{name}: {CHANGED}"
+    assert log.count(line) == 1
+    assert f"resumed from {ckpt(tmp_path, 3)} at step 3" in log
+    assert os.path.isdir(ckpt(tmp_path, 4) + ".unloadable")  # kept aside for a look; step 4 saved again
+    assert same_params(checkpoint_io.model_state_dict(ckpt(tmp_path, STEPS)),
+                       checkpoint_io.model_state_dict(ckpt(ref, STEPS)))
+
+
+@pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "state.pt"])
+def test_explicit_resume_test_mode_and_export_refuse_a_flipped_byte(reference, tmp_path, capsys, name):
+    crashed_copy(reference("none"), tmp_path, 4)
+    flip_byte(os.path.join(ckpt(tmp_path, 4), name))
+    line = f"error: {ckpt(tmp_path, 4)}/{name}: {CHANGED}"
+    assert run(tmp_path, train={"resume": ckpt(tmp_path, 4)}) == 2  # an explicit path never falls back
+    assert errors(capsys) == [line]
+    assert main.run(make_config(tmp_path, mode="test")) == 2  # the best: the latest here
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 4)})) == 2
+    assert main.run(make_config(tmp_path, mode="export", export={"dir": str(tmp_path / "export")})) == 2
+    assert errors(capsys) == [line] * 3
+    assert not (tmp_path / "export").exists() and not (tmp_path / "dev_results.json").exists()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step-{s}" for s in (1, 2, 3, 4)]  # nothing moved
+    with pytest.raises(Unloadable, match=re.escape(CHANGED)):  # generate.py's loading
+        checkpoint_io.load_model(torch.nn.Linear(1, 1), ckpt(tmp_path, 4))
+
+
+def test_two_fsdp_ranks_fall_back_past_a_flipped_shard(reference, tmp_path, capsys):
+    """One byte of rank 1's model shard (a .distcp file) flipped in step-4: both ranks go back to step-3 and end
+    bit-exact; test mode (one process) refuses step-4."""
+    ref = reference("fsdp")
+    crashed_copy(ref, tmp_path, 4)
+    shard = os.path.join(ckpt(tmp_path, 4), "model_dcp", "__1_0.distcp")
+    flip_byte(shard)
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 4)})) == 2
+    assert errors(capsys) == [f"error: {shard}: {CHANGED}"]
+    assert run(tmp_path, **FSDP2) == 0
+    for rank in (0, 1):
+        log = rank_log(tmp_path, rank)
+        assert f"skipping {ckpt(tmp_path, 4)}, which cannot be loaded: {shard}: {CHANGED}" in log
+        assert f"resumed from {ckpt(tmp_path, 3)} at step 3" in log
+    assert same_params(checkpoint_io.model_state_dict(ckpt(tmp_path, STEPS)),
+                       checkpoint_io.model_state_dict(ckpt(ref, STEPS)))
+
+
+def test_a_checkpoint_without_the_record_loads_with_one_note(reference, tmp_path, capsys):
+    """Written before the hashes were recorded: meta.json has no `files`."""
+    crashed_copy(reference("none"), tmp_path, 4)
+    edit_meta(ckpt(tmp_path, 4), lambda meta: meta.pop("files"))
+    note = f"note: {ckpt(tmp_path, 4)} was saved without file hashes (an older version), so its files cannot be " \
+           "verified"
+    assert main.run(make_config(tmp_path, mode="test")) == 0
+    assert capsys.readouterr().out.count(note) == 1
+    before = len(rank_log(tmp_path))  # the log goes on from test mode's
+    assert run(tmp_path) == 0
+    log = rank_log(tmp_path)[before:]
+    assert log.count(note) == 1 and f"resumed from {ckpt(tmp_path, 4)} at step 4" in log
+    assert "files" in checkpoint_meta.read(ckpt(tmp_path, STEPS))  # what this run saves carries them
+
+
+def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
+    crashed_copy(reference("none"), tmp_path, 4)
+    os.remove(os.path.join(ckpt(tmp_path, 4), "state.pt"))
+    with pytest.raises(Unloadable) as caught:
+        checkpoint_io.verify(ckpt(tmp_path, 4))
+    assert str(caught.value) == f"{ckpt(tmp_path, 4)}/state.pt: missing from the checkpoint (meta.json lists it)"
+    # A file the save did not write would be read unverified (model.pt is read before model_dcp/, say).
+    os.makedirs(os.path.join(ckpt(tmp_path, 3), "model_dcp"))
+    open(os.path.join(ckpt(tmp_path, 3), "model_dcp", "__0_0.distcp"), "wb").close()
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)})) == 2
+    assert errors(capsys) == [f"error: {ckpt(tmp_path, 3)}/model_dcp/__0_0.distcp: not in meta.json's list of "
+                              "files (added after the checkpoint was saved; remove it)"]
+
+
+BAD_RECORDS = {  # name: (files, what the line says after `.../meta.json: unreadable (`files` `)
+    "a list": ([], "is a list, not an object"),
+    "a path outside": ({"../../step-3/model.pt": None}, "names '../../step-3/model.pt', not a file inside"),
+    "an absolute path": ({"/etc/passwd": None}, "names '/etc/passwd', not a file inside"),
+    "meta.json itself": ({"meta.json": None}, "names 'meta.json', not a file inside"),
+    "no sha256": ({"model.pt": {"bytes": 1}}, "entry 'model.pt' is {'bytes': 1}, not"),
+    "a short sha256": ({"model.pt": {"bytes": 1, "sha256": "ab"}}, "entry 'model.pt' is"),
+    "bytes a bool": ({"model.pt": {"bytes": True, "sha256": "0" * 64}}, "entry 'model.pt' is"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_RECORDS))
+def test_a_malformed_record_is_refused_in_one_line(reference, tmp_path, name):
+    files, says = BAD_RECORDS[name]
+    crashed_copy(reference("none"), tmp_path, 4)
+    edit_meta(ckpt(tmp_path, 4), lambda meta: meta.update(files=files))
+    with pytest.raises(Unloadable) as caught:
+        checkpoint_io.verify(ckpt(tmp_path, 4))
+    message = str(caught.value)
+    assert message.startswith(f"{ckpt(tmp_path, 4)}/meta.json: unreadable (`files` {says}"), message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_each_file_is_hashed_once_per_load_and_a_short_one_not_at_all(reference, tmp_path, monkeypatch):
+    crashed_copy(reference("none"), tmp_path, 4)
+    hashed, real = [], checkpoint_hashes.hash_file
+    monkeypatch.setattr(checkpoint_hashes, "hash_file", lambda path: hashed.append(path) or real(path))
+    assert run(tmp_path) == 0
+    read = sorted(os.path.relpath(p, ckpt(tmp_path, 4)) for p in hashed if p.startswith(ckpt(tmp_path, 4) + "/"))
+    assert read == ["model.pt", "optimizer.pt", "state.pt"]  # resume read step-4 once, not once per file read
+    hashed.clear()
+    with open(os.path.join(ckpt(tmp_path, 3), "optimizer.pt"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(Unloadable, match=r"optimizer.pt: truncated \(100 of \d+ bytes\)"):
+        checkpoint_io.verify(ckpt(tmp_path, 3))
+    assert hashed == []  # sizes first: a truncated file is said without reading a byte
+
+
+def test_async_save_checkpoints_carry_the_record(tmp_path):
+    cfg = make_config(tmp_path, train={"max_steps": 4, "epochs": 0, "save_every": 2, "eval_every": 0,
+                                       "keep_last": 5, "async_save": True})
+    assert main.run(cfg) == 0
+    for step in (2, 4):
+        path = ckpt(tmp_path, step)
+        assert checkpoint_meta.read(path)["files"] == checkpoint_hashes.record(path)
+        assert sorted(checkpoint_meta.read(path)["files"]) == ["model.pt", "optimizer.pt", "state.pt"]
+
+
+@pytest.mark.slow
+def test_fsdp_dcp_async_save_checkpoints_carry_the_record(tmp_path):
+    """2 ranks, DCP's async_save: every rank's shards are in the record, written while training went on."""
+    cfg = make_config(tmp_path, train={"max_steps": 4, "epochs": 0, "save_every": 2, "eval_every": 0,
+                                       "keep_last": 5, "batch_size": 16, "async_save": True},
+                      dist=FSDP2["dist"])
+    assert main.run(cfg) == 0
+    for step in (2, 4):
+        path = ckpt(tmp_path, step)
+        files = checkpoint_meta.read(path)["files"]
+        assert files == checkpoint_hashes.record(path)
+        assert {"model_dcp/__0_0.distcp", "model_dcp/__1_0.distcp", "optimizer_dcp/__1_0.distcp"} <= set(files)
+    flip_byte(os.path.join(ckpt(tmp_path, 4), "optimizer_dcp", "__0_0.distcp"))
+    with pytest.raises(Unloadable, match=re.escape(CHANGED)):
+        checkpoint_io.verify(ckpt(tmp_path, 4))
