@@ -158,5 +158,5 @@ if __name__ == "__main__":
     # torchrun or srun started this process as one rank: it ends as ours do. (A run that stopped at a mistake in
     # its config never loaded torch: it ends at once.)
     if "torch" in sys.modules and launcher_env() is not None:
-        launcher.leave(code)
+        launcher.end_rank_process(code)
     sys.exit(code)

@@ -1,8 +1,8 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
-(log lines, progress bars, trackers) is written by core/run_log.py (core/trackers.py). The strategy and the hooks are handed in by
-the composition root (main.py through wiring.py), so this file and what it imports are the whole of a DDP step.
+(log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
+composition root (main.py through wiring.py), so this file and what it imports are the whole of a DDP step.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from core import checkpoint
-from core import distributed as D
+from core import distributed
 from core import run_log
 from core.config import Config
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
-from core.run_log import EvalProgress, Window, setup_logging
+from core.run_log import EvalProgress, LossWindow, setup_logging
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from strategies.base import Parallel, base_entry
+from strategies.base import Strategy, lora_base_entry
 from tasks.base import Task
 
 
@@ -48,11 +48,11 @@ def autocast_for(device_type: str, precision: str):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: D.DistContext,
-                 parallelize: Callable[..., Parallel], hooks: Hooks = Hooks()):
+    def __init__(self, cfg: Config, task: Task, ctx: distributed.DistContext,
+                 parallelize: Callable[..., Strategy], hooks: Hooks = Hooks()):
         """`parallelize(model, cfg, ctx, task, train_set)`: dist.strategy applied to the model (wiring.parallelize);
         `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py)."""
-        self.cfg, self.task, self.ctx, self.t, self.hooks = cfg, task, ctx, cfg.train, hooks
+        self.cfg, self.task, self.ctx, self.train_cfg, self.hooks = cfg, task, ctx, cfg.train, hooks
         self.precision_note = cfg.train.precision  # what the plan shows (precision auto: what it chose and why)
         self.log = setup_logging(cfg.output_dir, ctx.rank)
         self.datasets = task.build_datasets()
@@ -62,26 +62,26 @@ class Trainer:
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
         # LoRA adapters, activation checkpointing, then dist.strategy (and dist.tp); train(): from_pretrained gives
         # eval mode
-        self.par = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
-        if self.t.compile and cfg.mode == "train":
-            self.par.compile()  # the first steps (and each new input shape) pay the compilation
+        self.strategy = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
+        if self.train_cfg.compile and cfg.mode == "train":
+            self.strategy.compile()  # the first steps (and each new input shape) pay the compilation
         # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;
-        # the ranks of a tp group share one, see Parallel.seed_rank).
-        seed_everything(cfg.seed + self.par.seed_rank)
+        # the ranks of a tp group share one, see Strategy.random_stream).
+        seed_everything(cfg.seed + self.strategy.random_stream)
 
         train_set = self.datasets["train"]
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
         self.total_steps = self.count_total_steps()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.par.optimizer, lr_lambda(
-            self.total_steps, self.t.warmup, self.t.schedule, self.t.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_lambda(
+            self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
-        self.best_metric = self.t.best_metric or task.best_metric_default
-        self.best_mode = self.t.best_mode if self.t.best_mode != "auto" else (
+        self.best_metric = self.train_cfg.best_metric or task.best_metric_default
+        self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
-        self.autocast = autocast_for(ctx.device.type, self.t.precision)
+        self.autocast = autocast_for(ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from run_log.start
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
@@ -92,12 +92,12 @@ class Trainer:
         if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
-        t, state = self.t, self.state
+        t, state = self.train_cfg, self.state
         if self.ctx.is_main:  # config.yml, the trackers and the plan
             self.trackers = run_log.start(self.cfg, self.log, run_log.plan(self), state.step)
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
-        window = Window(self.ctx, state.step)
+        window = LossWindow(self.ctx, state.step)
         bar = self.progress_bar()
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
@@ -107,9 +107,9 @@ class Trainer:
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
-                window.add(loss_sum, count, samples=self.par.counts_batch * sum(len(next(iter(b.values())))
+                window.add(loss_sum, count, samples=self.strategy.reports_for_replica * sum(len(next(iter(b.values())))
                                                                                  for b in batches),
-                           tokens=run_log.batch_tokens(self.task, batches, self.par.counts_batch))
+                           tokens=run_log.batch_tokens(self.task, batches, self.strategy.reports_for_replica))
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
@@ -144,31 +144,31 @@ class Trainer:
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
         summed loss, the global count, the global gradient norm, and whether any rank asked to stop."""
-        par, ctx = self.par, self.ctx
+        strategy, ctx = self.strategy, self.ctx
         # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
         # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
         # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        n = sum(self.task.count(b) for b in batches) if par.counts_batch else 0  # one rank per replica counts
+        n = sum(self.task.count(b) for b in batches) if strategy.reports_for_replica else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
-        counts = D.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
+        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
-        scale = par.grad_replicas / count  # grad_replicas: the ranks (pipelines, tp groups) gradients average over
-        # -----> the forward and backward of each micro-batch: Parallel.forward_backward (strategies/base.py)
-        loss_total = par.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
-        if par.scaler:
-            par.scaler.unscale_(par.optimizer)  # clip and measure the true gradients, not the scaled ones
-        grad_norm = par.clip_grad_norm(self.t.clip_grad_norm or math.inf)  # global: equal on every rank
+        scale = strategy.grad_average_over / count  # the ranks (pipelines, tp groups) DDP/FSDP average gradients over
+        # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py)
+        loss_total = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
+        if strategy.scaler:
+            strategy.scaler.unscale_(strategy.optimizer)  # clip and measure the true gradients, not the scaled ones
+        grad_norm = strategy.clip_grad_norm(self.train_cfg.clip_grad_norm or math.inf)  # global: equal on every rank
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
         norm, votes = torch.stack([grad_norm.float().reshape(()), counts[1]]).tolist()
-        if par.scaler:
-            par.scaler.step(par.optimizer)  # skips the step by itself if fp16 gradients overflowed
-            par.scaler.update()
+        if strategy.scaler:
+            strategy.scaler.step(strategy.optimizer)  # skips the step by itself if fp16 gradients overflowed
+            strategy.scaler.update()
         elif math.isfinite(norm):
-            par.optimizer.step()
-        par.optimizer.zero_grad(set_to_none=True)
+            strategy.optimizer.step()
+        strategy.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_total, count, norm, votes > 0
 
@@ -176,15 +176,15 @@ class Trainer:
         """The step just done had a NaN/Inf gradient norm, so train_step did not apply it. Several in a row mean
         training has diverged: stop, keeping the checkpoints written before (every rank sees the same global
         norm, so all stop at the same step)."""
-        if self.par.scaler is not None and self.par.scaler.get_scale() >= 1:
+        if self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
             return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
         self.bad_steps += 1
         self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.bad_steps} in a "
-                         f"row; train.max_bad_steps={self.t.max_bad_steps})")
-        if self.bad_steps >= self.t.max_bad_steps:
+                         f"row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
+        if self.bad_steps >= self.train_cfg.max_bad_steps:
             self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
-            D.barrier(self.ctx)
+            distributed.barrier(self.ctx)
             raise Diverged(
                 f"training diverged: {self.bad_steps} steps in a row up to step {self.state.step} had a non-finite "
                 f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
@@ -193,10 +193,10 @@ class Trainer:
     def stop(self, bar) -> None:
         """Every rank asked (or was told) to stop after this step: save, and leave with Stopped. (Called before this
         step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
-        reasons = [r for r in D.gather_objects(self.ctx, self.hooks.stop_reason()) if r]
+        reasons = [r for r in distributed.gather_objects(self.ctx, self.hooks.stop_reason()) if r]
         reason = reasons[0] if reasons else "a signal"
         if reason == "time limit":
-            reason = f"the time limit (train.time_limit={self.t.time_limit})"
+            reason = f"the time limit (train.time_limit={self.train_cfg.time_limit})"
         if bar is not None:
             bar.close()
         self.save_checkpoint({})
@@ -214,35 +214,36 @@ class Trainer:
             return {}
         # Replicated strategies evaluate the plain module; sharded ones must go through the wrapper, and then
         # every rank runs the same number of forward passes (extra ones on a dummy batch, results dropped).
-        model = self.par.eval_model
+        model = self.strategy.eval_model
         was_training = model.training
         model.eval()
-        par = self.par
+        strategy = self.strategy
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
         indices = self.eval_indices(split, len(dataset))
         batches = [[indices[i] for i in batch]
-                   for batch in eval_batches(len(indices), par.data_rank, par.data_world, self.t.eval_batch_size)]
+                   for batch in eval_batches(len(indices), strategy.data_rank, strategy.data_shares,
+                                             self.train_cfg.eval_batch_size)]
         loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
             self.hooks.at(self.state.step, "eval")  # a watchdog sees evaluation advance
-            out = self.par.eval_batch(self.task, self.to_device(batch), self.autocast)
+            out = self.strategy.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
                 if v.dim() == 0:
                     sums[k] = sums.get(k, 0) + v.double()
                 else:
                     arrays.setdefault(k, []).append(v)
-        if self.par.eval_lockstep:
-            most = len(eval_batches(len(indices), 0, par.data_world, self.t.eval_batch_size))
+        if self.strategy.forward_is_collective:
+            most = len(eval_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
-                self.par.eval_batch(self.task, dummy, self.autocast)
+                self.strategy.eval_batch(self.task, dummy, self.autocast)
         local = {k: v.item() for k, v in sums.items()}
         local.update({k: torch.cat(v).cpu().numpy() for k, v in arrays.items()})
         totals = {}
-        for part in D.gather_objects(ctx, local):  # in rank order = dataset order
+        for part in distributed.gather_objects(ctx, local):  # in rank order = dataset order
             for k, v in part.items():
                 if isinstance(v, np.ndarray):
                     totals[k] = np.concatenate([totals[k], v]) if k in totals else v
@@ -264,7 +265,7 @@ class Trainer:
         training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
         rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
         the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them."""
-        size = self.t.eval_batches * self.t.eval_batch_size
+        size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
         if (not size or size >= n or split != "dev" or self.cfg.mode != "train"
                 or self.state.step >= self.total_steps):
             return range(n)
@@ -272,7 +273,7 @@ class Trainer:
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
-        s, t = self.state, self.t
+        s, t = self.state, self.train_cfg
         if self.best_metric not in metrics:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})")
@@ -293,24 +294,24 @@ class Trainer:
         self.hooks.at(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
-        rng = D.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
+        rng = distributed.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
 
         def start_files(directory: str):
-            wait = self.par.start_save(directory) if self.t.async_save else self.par.save(directory)
+            wait = self.strategy.start_save(directory) if self.train_cfg.async_save else self.strategy.save(directory)
             if self.ctx.is_main:
                 torch.save({"scheduler": self.scheduler.state_dict(),
-                            "scaler": self.par.scaler.state_dict() if self.par.scaler else None,
+                            "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
                             "rng": rng}, os.path.join(directory, "state.pt"))
             return wait or (lambda: None)
 
         meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
-                "format": self.par.checkpoint_format,
+                "format": self.strategy.checkpoint_format,
                 "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
-                **base_entry(self.par.raw_model)}  # LoRA: the frozen base the adapters need
+                **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.pending_best = self.state.best_step
-        if not self.t.async_save:
+        if not self.train_cfg.async_save:
             self.finish_save()
 
     def finish_save(self) -> None:
@@ -320,16 +321,16 @@ class Trainer:
             return
         path = pending.finish()
         if self.ctx.is_main:
-            checkpoint.prune(self.cfg.output_dir, self.t.keep_last, keep={self.pending_best})
+            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep={self.pending_best})
             self.log.info(f"saved {path}")
 
     def check_finite_parameters(self) -> None:
         """A checkpoint is never written with NaN/Inf parameters. Skipped steps cannot put them there, but a finite
         update can still overflow; then stop and keep the good checkpoints rather than replace them."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.par.raw_model.parameters()]
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.strategy.raw_model.parameters()]
         bad = torch.stack([~torch.isfinite(p).all() for p in local]).sum().float() if local else \
             torch.zeros((), device=self.ctx.device)
-        if D.all_reduce_sum(self.ctx, bad).item() > 0:
+        if distributed.all_reduce_sum(self.ctx, bad).item() > 0:
             raise Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
 
@@ -357,24 +358,24 @@ class Trainer:
         return {k: v.to(self.ctx.device, non_blocking=self.pin) for k, v in batch.items()}
 
     def per_rank_batch_sizes(self) -> list[int]:
-        b = self.t.batch_size
+        b = self.train_cfg.batch_size
         if b == "auto":  # an equal split until measure() has timed the ranks
-            unit = self.par.batch_unit  # pipe: whole sets of micro-batches
-            return [n * unit for n in split_proportional(self.t.global_batch_size // unit,
-                                                         [1] * self.par.data_world, minimum=1)]
-        return list(b) if isinstance(b, list) else [b] * self.par.data_world  # pipe: one size per pipeline
+            unit = self.strategy.batch_multiple  # pipe: whole sets of micro-batches
+            return [n * unit for n in split_proportional(self.train_cfg.global_batch_size // unit,
+                                                         [1] * self.strategy.data_shares, minimum=1)]
+        return list(b) if isinstance(b, list) else [b] * self.strategy.data_shares  # pipe: one size per pipeline
 
     def make_sampler(self) -> GlobalBatchSampler:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
         train_set = self.datasets["train"]
-        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.par.data_rank, self.cfg.seed,
+        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.strategy.data_rank, self.cfg.seed,
                                   shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths,
-                                  drop_last=self.par.drop_last)  # pipe: a smaller last batch cannot go through
+                                  drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:
         """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
         which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
-        t, s = self.t, self.sampler
+        t, s = self.train_cfg, self.sampler
         if s.global_batch > s.n and self.cfg.mode == "train":  # (a config that makes no sense: said before step 1)
             raise ConfigError(f"`train.batch_size`: the global batch ({s.global_batch} samples over all ranks) is "
                               f"larger than the training set ({s.n} samples); lower train.batch_size")
@@ -399,7 +400,7 @@ class Trainer:
                                     **(kwargs or {"total": self.total_steps, "initial": self.state.step}))
 
     def log_train(self, w: dict, grad_norm: float, bar) -> None:
-        """The training line: the window's loss and throughput (run_log.Window), the lr and the gradient norm, then
+        """The training line: the window's loss and throughput (run_log.LossWindow), the lr and the gradient norm, then
         the window's ms_per_step and, for a task with tokens (Task.tokens), tokens_per_s."""
         stats = {"loss": w["loss"], "lr": self.scheduler.get_last_lr()[0], "samples_per_s": w["samples_per_s"],
                  "grad_norm": grad_norm, **{k: w[k] for k in ("ms_per_step", "tokens_per_s") if k in w}}

@@ -24,7 +24,7 @@ from extras import balance, export, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
-from strategies.base import Parallel
+from strategies.base import Strategy
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
 from trainer import Trainer
@@ -40,7 +40,7 @@ TASKS: dict[str, Callable[[Config], Task]] = {
 
 # -----> add a strategy: write apply_<name>(model, cfg, ctx, task, train_set) in a file of strategies/, list it here
 # (and in config.DistConfig.strategy).
-STRATEGIES: dict[str, Callable[..., Parallel]] = {
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "none": replicated.apply_none,
     "dp": replicated.apply_dp,
     "ddp": replicated.apply_ddp,
@@ -122,7 +122,7 @@ def build_task(cfg: Config) -> Task:
     return TASKS[cfg.task](cfg)
 
 
-def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Parallel:
+def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Strategy:
     """LoRA adapters (model.lora_rank), activation checkpointing, then dist.strategy's apply_<name>() on the plain
     model (on the CPU: each strategy places it), and this rank's simulated slowdown (dist.simulate_slowdown)."""
     if cfg.model.lora_rank:  # a frozen base + trainable adapters
@@ -149,11 +149,11 @@ class RunHooks(Hooks):
 
     def before_first_step(self, trainer: Trainer) -> None:
         precision = self.precision_asked == "auto" and trainer.ctx.device.type == "cpu"
-        batches = trainer.t.batch_size == "auto"
+        batches = trainer.train_cfg.batch_size == "auto"
         if precision or batches:
-            balance.measure(trainer, precision, batches)
-        if trainer.t.profile_steps:  # a trace of chosen steps
-            self.profiler = profiling.StepProfiler(trainer.t.profile_steps, trainer.cfg.output_dir, trainer.ctx,
+            balance.time_auto_settings(trainer, precision, batches)
+        if trainer.train_cfg.profile_steps:  # a trace of chosen steps
+            self.profiler = profiling.StepProfiler(trainer.train_cfg.profile_steps, trainer.cfg.output_dir, trainer.ctx,
                                                    trainer.log)
 
     def at(self, step: int, phase: str) -> None:
@@ -186,7 +186,7 @@ def run_export(cfg: Config) -> int:
     return export.main(cfg, build_task(cfg))
 
 
-# ---- one rank ---------------------------------------------------------------------------------------------------------
+# ---- one rank -------------------------------------------------------------------------------------------------------
 # A rank's Trainer lives until its process ends (launcher.end_rank_process, or the interpreter's exit): freed on
 # return, DDP's reducer drops the last reference to its gloo group, whose destructor joins gloo's thread while holding
 # the GIL that thread can be waiting for (a rank hung after its run was done, seen under torchrun with py-spy).
@@ -198,7 +198,7 @@ def worker(cfg: Config, launch) -> int:
     code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
     rank = launch.rank
     faults.progress.rank = rank
-    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from the main thread
+    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
     faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
     # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -4,7 +4,7 @@
 
 A model of --params million fp32 parameters (a stack of square Linear layers) with AdamW state (so 16 bytes per
 parameter are saved: model.pt and optimizer.pt), one process, through the same code a run uses
-(ReplicatedParallel.save / start_save and checkpoint.start_write / PendingWrite.finish). The stall is the time the
+(ReplicatedStrategy.save / start_save and checkpoint.start_write / PendingWrite.finish). The stall is the time the
 training loop is held by a save: all of it when synchronous; the host copy and the thread's start when
 asynchronous (copy to the host, then, after --train-s seconds of training, publishing it at the next save).
 Saves alternate sync, async, sync, ... for --rounds rounds. Both include the fsyncs that make a checkpoint durable.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import checkpoint  # noqa: E402
 from core.distributed import DistContext  # noqa: E402
-from strategies.replicated import ReplicatedParallel  # noqa: E402
+from strategies.replicated import ReplicatedStrategy  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     model(torch.randn(2, width)).sum().backward()
     optimizer.step()  # AdamW state exists: what a real checkpoint holds
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
-    par = ReplicatedParallel(model, model, optimizer, ctx)
+    strategy = ReplicatedStrategy(model, model, optimizer, ctx)
     shutil.rmtree(args.dir, ignore_errors=True)
     stall = {"sync": [], "async": []}
     step = 0
@@ -49,8 +49,8 @@ def main(argv=None) -> None:
         for mode in ("sync", "async"):
             step += 1
             start = time.perf_counter()
-            pending = checkpoint.start_write(args.dir, step, ctx, par.start_save if mode == "async" else
-                                             (lambda d: par.save(d) or (lambda: None)), {"step": step, "state": {}})
+            write = strategy.start_save if mode == "async" else (lambda d: strategy.save(d) or (lambda: None))
+            pending = checkpoint.start_write(args.dir, step, ctx, write, {"step": step, "state": {}})
             held = time.perf_counter() - start
             if mode == "async":  # training goes on; the next save publishes this one
                 time.sleep(args.train_s)

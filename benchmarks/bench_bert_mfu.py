@@ -46,9 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from core import distributed as D  # noqa: E402
+from core import distributed  # noqa: E402
 from wiring import config_from_dict  # noqa: E402
-from core.run_log import Window  # noqa: E402
+from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 from tasks.bert_pretrain import BERT_PRESETS, HDF5Shards, PretrainingModel  # noqa: E402
 
@@ -150,7 +150,7 @@ def main():
         k = next((i + 1 for i, n in enumerate(itertools.accumulate(train_set.shard_sizes)) if n >= needed), len(files))
         train_set = InMemoryShards(files[:k])
     task.build_datasets = lambda: {"train": train_set, "dev": None, "test": None}  # one dataset for all sides
-    ctx = D.init(cfg, 0, 1, 0)
+    ctx = distributed.init(cfg, 0, 1, 0)
 
     def sync_clock() -> float:
         if cuda:
@@ -159,7 +159,7 @@ def main():
 
     trainers, losses, widths = {}, {}, {}
     masked = build_trainer(cfg, ctx, task)  # seeds, then builds the model: the reference initialisation
-    init = masked.par.raw_model.bert
+    init = masked.strategy.raw_model.bert
     if "ours-masked" in args.sides:
         trainers["ours-masked"] = masked
     if "ours-allpos" in args.sides:
@@ -168,7 +168,7 @@ def main():
         trainers["ours-allpos"] = build_trainer(cfg, ctx, task)
         task.build_model = build
         assert all(torch.equal(a, b) for a, b in zip(init.state_dict().values(),
-                                                     trainers["ours-allpos"].par.raw_model.bert.state_dict().values()))
+                                                     trainers["ours-allpos"].strategy.raw_model.bert.state_dict().values()))
 
     def trainer_block(name):
         trainer, stream, window = trainers[name], streams[name], windows[name]
@@ -180,7 +180,7 @@ def main():
         losses[name] = window.flush()["loss"]  # .item(): waits for the device, inside the block
 
     streams = {n: t.micro_batches() for n, t in trainers.items()}
-    windows = {n: Window(ctx) for n in trainers}
+    windows = {n: LossWindow(ctx) for n in trainers}
     times = {name: [] for name in args.sides}
 
     def run_trainer_blocks():

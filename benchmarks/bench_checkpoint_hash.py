@@ -4,7 +4,7 @@ the check before a load against the load itself, measured side by side in one ru
     python benchmarks/bench_checkpoint_hash.py [--rounds 3] [--dir /tmp/bench_checkpoint_hash]
 
 BERT-base (transformers' BertConfig() defaults, 110M parameters, random weights) with AdamW state, one process,
-saved as a run saves it (ReplicatedParallel.save, a state.pt, checkpoint.start_write(...).finish(): fsyncs and
+saved as a run saves it (ReplicatedStrategy.save, a state.pt, checkpoint.start_write(...).finish(): fsyncs and
 rename included). Saves alternate without and with the record for --rounds rounds ("without": the record replaced
 by an empty one, in this process only). Then the check (checkpoint_io.verify: every file's size and sha256) and the
 load it precedes (torch.load of model.pt, optimizer.pt and state.pt, as resume reads them), each with the files in
@@ -28,7 +28,7 @@ from core import checkpoint  # noqa: E402
 from core import checkpoint_io  # noqa: E402
 from core import checkpoint_hashes  # noqa: E402
 from core.distributed import DistContext  # noqa: E402
-from strategies.replicated import ReplicatedParallel  # noqa: E402
+from strategies.replicated import ReplicatedStrategy  # noqa: E402
 
 
 def evict(folder: str) -> None:
@@ -70,10 +70,10 @@ def main(argv=None) -> None:
         param.grad = torch.randn_like(param) * 1e-3
     optimizer.step()  # AdamW state exists: what a real checkpoint holds
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
-    par = ReplicatedParallel(model, model, optimizer, ctx)
+    strategy = ReplicatedStrategy(model, model, optimizer, ctx)
 
     def write_files(folder: str):
-        par.save(folder)
+        strategy.save(folder)
         torch.save({"scheduler": {}, "scaler": None, "rng": [torch.get_rng_state()]}, os.path.join(folder, "state.pt"))
         return lambda: None
 

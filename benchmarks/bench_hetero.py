@@ -31,21 +31,21 @@ sys.path.insert(0, ROOT)
 def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
     """(samples this rank trained on, wall seconds, CPU seconds of this process) for `steps` optimizer steps,
     after one untimed step."""
-    from core import distributed as D
+    from core import distributed
     trainer.train_step([next(stream)])
-    D.barrier(trainer.ctx)
+    distributed.barrier(trainer.ctx)
     start, cpu_start, samples = time.perf_counter(), time.process_time(), 0
     for _ in range(steps):
         batch = next(stream)
         samples += trainer.task.count(batch)
         trainer.train_step([batch])
-    D.barrier(trainer.ctx)  # the step is over when the slowest rank is done
+    distributed.barrier(trainer.ctx)  # the step is over when the slowest rank is done
     return samples, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def run_rank(rank: int, args, port: int, out: str) -> None:
     import torch
-    from core import distributed as D
+    from core import distributed
     from conftest import make_config
     from data_loader import split_proportional
     from wiring import build_task
@@ -65,7 +65,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
         "ideal": make_config(os.path.join(out, "ideal"), train={"batch_size": ideal_split}, **common),
     }
     load_start = os.getloadavg()[0]
-    ctx = D.init(configs["equal"], rank, 2, rank)
+    ctx = distributed.init(configs["equal"], rank, 2, rank)
     trainers = {name: build_trainer(cfg, ctx) for name, cfg in configs.items()}
     start = time.perf_counter()
     trainers["auto"].measure()  # what train() does first
@@ -77,9 +77,9 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
     for r in range(args.rounds):
         for name in names[r % 3:] + names[:r % 3]:
             samples, seconds, cpu_seconds = timed_steps(trainers[name], streams[name], args.steps)
-            rounds[name].append((D.all_reduce_sum(ctx, torch.tensor(float(samples))).item(), seconds))
+            rounds[name].append((distributed.all_reduce_sum(ctx, torch.tensor(float(samples))).item(), seconds))
             cpu[name] += cpu_seconds
-    cpu = D.gather_objects(ctx, cpu)
+    cpu = distributed.gather_objects(ctx, cpu)
     if ctx.is_main:
         speed = {name: sum(s for s, _ in rounds[name]) / sum(t for _, t in rounds[name]) for name in names}
         # Equal halves move at the slow rank's pace; balanced, the pair does 1 + 1/f of the fast rank's work.
@@ -103,7 +103,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
             wall = sum(t for _, t in rounds[name])
             print(f"CPU seconds per wall second, {name}: " + ", ".join(
                 f"rank {r} {c[name] / wall:.2f}" for r, c in enumerate(cpu)))
-    D.shutdown(ctx)
+    distributed.shutdown(ctx)
 
 
 def main() -> None:

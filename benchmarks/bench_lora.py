@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
-    from core import distributed as D
+    from core import distributed
     from strategies.memory import state_bytes
     from wiring import load_config
     from wiring import build_task
@@ -34,18 +34,18 @@ def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
             f"train.save_every={steps}", f"train.lr={lr}", "train.log_every=25", "log.tensorboard=false",
             "train.precision=fp32"]
     cfg = load_config(os.path.join(ROOT, "configs", preset), sets)
-    ctx = D.init(cfg, 0, 1, 0)
+    ctx = distributed.init(cfg, 0, 1, 0)
     trainer = build_trainer(cfg, ctx)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    held = state_bytes(trainer.par)
+    held = state_bytes(trainer.strategy)
     step_dir = os.path.join(out, "checkpoints", f"step-{steps}")
     saved = sum(os.path.getsize(os.path.join(step_dir, f)) for f in ("model.pt", "optimizer.pt"))
     log = open(os.path.join(out, "logs", "rank0.log")).read()
     ms = [float(x) for x in re.findall(r"ms_per_step=(\S+)", log)]
     accuracy = float(re.findall(r"dev .*?accuracy=(\S+)", log)[-1])
-    model = trainer.par.raw_model
+    model = trainer.strategy.raw_model
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del trainer
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -1,5 +1,5 @@
-"""What each rank's own dropout masks cost (strategies/tp.OwnDropout): a training step of a random GPT-2 under a tp
-plan with dropout 0.1, with and without the plan's OwnDropout entries, timed interleaved.
+"""What each rank's own dropout masks cost (strategies/tp.PerRankDropout): a training step of a random GPT-2 under a tp
+plan with dropout 0.1, with and without the plan's PerRankDropout entries, timed interleaved.
 
     python benchmarks/bench_own_dropout.py [--layers 4] [--width 256] [--heads 8] [--batch 8] [--seq 128] [--rounds 20]
 
@@ -24,7 +24,7 @@ def build(args, own: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from transformers import GPT2Config, GPT2LMHeadModel
-    from strategies.tp import OwnDropout
+    from strategies.tp import PerRankDropout
     from tasks.lm_models import tp_plan
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
@@ -32,7 +32,7 @@ def build(args, own: bool):
                                        bos_token_id=0, eos_token_id=0))
     plan = tp_plan(model, 1)
     if not own:  # the plan as it was: the split styles only
-        plan = {k: (s.inner if isinstance(s, OwnDropout) else s) for k, s in plan.items()}
+        plan = {k: (s.inner if isinstance(s, PerRankDropout) else s) for k, s in plan.items()}
         plan = {k: s for k, s in plan.items() if s is not None}
     return parallelize_module(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), plan).train()
 

@@ -68,12 +68,12 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
         torch.manual_seed(0)
         model = build_model(model_name)
         n_params = sum(p.numel() for p in model.parameters())
-        par = apply(model, cfg, ctx, None, None)
+        strategy = apply(model, cfg, ctx, None, None)
         ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
-        par.model(input_ids=ids, labels=ids).loss.backward()
-        par.optimizer.step()
-        queue.put((index, rank, n_params, state_bytes(par)))  # before zero_grad: params, grads and state all present
-        del par, model
+        strategy.model(input_ids=ids, labels=ids).loss.backward()
+        strategy.optimizer.step()
+        queue.put((index, rank, n_params, state_bytes(strategy)))  # before zero_grad: params, grads and state all present
+        del strategy, model
         if backend:
             dist.barrier()
     if backend:

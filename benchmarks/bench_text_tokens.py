@@ -31,12 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from core import distributed as D  # noqa: E402
+from core import distributed  # noqa: E402
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 from wiring import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
-from core.run_log import Window  # noqa: E402
+from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 
 SST2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
@@ -78,9 +78,9 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
         "train": {"batch_size": args.batch, "max_steps": 10**6, "epochs": 0, "lr": 1e-3, "warmup": 0,
                   "schedule": "constant", "best_metric": "accuracy" if task_name == "sst2" else "loss"},
         "log": {"progress_bar": False, "tensorboard": False}}, "bench")
-    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
     task, dataset = trainer.task, trainer.datasets["train"]
-    stream, window = trainer.micro_batches(), Window(trainer.ctx)
+    stream, window = trainer.micro_batches(), LossWindow(trainer.ctx)
 
     def hand_batches():
         epoch = 0
@@ -90,7 +90,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
 
     def hand_loop(loss_fn):
         """A bare loop: its own copy of the weights, AdamW, the same batches in the same order."""
-        model = copy.deepcopy(trainer.par.raw_model)
+        model = copy.deepcopy(trainer.strategy.raw_model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         batches = hand_batches()
 
@@ -125,7 +125,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
             blocks[name](name)
             rates[name].append((counted[name] - before) / (time.perf_counter() - start))
     r = {name: statistics.median(v) for name, v in rates.items()}
-    return {"task": task_name, **r, "params": sum(p.numel() for p in trainer.par.raw_model.parameters())}
+    return {"task": task_name, **r, "params": sum(p.numel() for p in trainer.strategy.raw_model.parameters())}
 
 
 def main():

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core import distributed as D  # noqa: E402
+from core import distributed  # noqa: E402
 from wiring import config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
-from core.run_log import Window  # noqa: E402
+from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 from tasks.image import TensorImages  # noqa: E402
 from tasks.mnist import load_mnist  # noqa: E402
@@ -65,13 +65,13 @@ def main():
     dataset, data_name = images(args.small)
     task.build_datasets = lambda: {"train": dataset, "dev": None, "test": None}  # same data for both sides
     task.image_size = dataset.images.shape[-1]
-    trainer = build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
-    stream, window = trainer.micro_batches(), Window(trainer.ctx)
+    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
+    stream, window = trainer.micro_batches(), LossWindow(trainer.ctx)
     device = trainer.ctx.device
     cuda = device.type == "cuda"
 
     # The hand-written loop: plain model, AdamW, DataLoader over the same batches, nothing else.
-    model = copy.deepcopy(trainer.par.raw_model)
+    model = copy.deepcopy(trainer.strategy.raw_model)
     # The same AdamW kernel as the Trainer's (train.optimizer_impl auto: fused on CPU and CUDA), so the ratio
     # measures the Trainer's own overhead, not a faster optimizer.
     from strategies.base import optimizer_kernel

@@ -45,9 +45,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core import distributed as D  # noqa: E402
+from core import distributed  # noqa: E402
 from wiring import load_config  # noqa: E402
-from core.run_log import Window  # noqa: E402
+from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 from tasks.sst2 import read_tsv  # noqa: E402
 
@@ -176,14 +176,14 @@ def main():
         "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}",
         f"dist.device={args.device}", *precision, *args.set])
     task = build_task(cfg)
-    ours = build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
+    ours = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
     if args.defaults:
         ours.measure()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
     elif ours.precision_asked == "auto":
         ours.precision_note = f"{ours.t.precision} (the preset's auto as resolved without measuring)"
     t, batch = ours.t, ours.t.batch_size  # (precision as resolved for this device)
-    stream, window = ours.micro_batches(), Window(ours.ctx)
-    hf_model = copy.deepcopy(ours.par.raw_model)  # the same starting weights, new classifier head included
+    stream, window = ours.micro_batches(), LossWindow(ours.ctx)
+    hf_model = copy.deepcopy(ours.strategy.raw_model)  # the same starting weights, new classifier head included
 
     tokens = {"ours": [0], "hf": [0]}  # padded tokens per block: the work done, whatever the lengths drawn
 
@@ -232,7 +232,7 @@ def main():
                               data_collator=collator, processing_class=task.tokenizer, callbacks=[Alternate()])
     hf.train()
     dev = task.datasets["dev"]
-    acc = {"ours": dev_accuracy(ours.par.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
+    acc = {"ours": dev_accuracy(ours.strategy.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
     report(args, cfg, ours, hf_args, times, tokens, acc, len(dev), transformers)
 
 

@@ -120,18 +120,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_unnoticed(par, ctx: DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
+def time_unnoticed(strategy, ctx: DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
     """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
     allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
     random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""
-    buffers = [b.detach().clone() for b in par.raw_model.buffers()]
+    buffers = [b.detach().clone() for b in strategy.raw_model.buffers()]
     with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
         forward_backward(0)
         seconds = sum(forward_backward(i) for i in range(1, steps + 1))
-        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), par.timing_group)
-    par.optimizer.zero_grad(set_to_none=True)
+        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), strategy.replica_group)
+    strategy.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        for b, saved in zip(par.raw_model.buffers(), buffers):
+        for b, saved in zip(strategy.raw_model.buffers(), buffers):
             b.copy_(saved)
     return seconds
 

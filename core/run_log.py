@@ -21,7 +21,7 @@ import yaml
 from tqdm import tqdm
 
 from core import checkpoint, disk_errors
-from core import distributed as D
+from core import distributed
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
 from strategies import optimizers
@@ -130,7 +130,7 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
 
 def plan(tr) -> str:
     """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder."""
-    cfg, ctx, t = tr.cfg, tr.ctx, tr.t
+    cfg, ctx, t = tr.cfg, tr.ctx, tr.train_cfg
     env = launcher_env()
     per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
     return "\n".join([
@@ -140,14 +140,14 @@ def plan(tr) -> str:
         f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
-        *tr.par.plan_lines(),
-        *([f"  {tr.par.raw_model.lora_note}"] if hasattr(tr.par.raw_model, "lora_note") else []),
-        f"  batch per {tr.par.replica} {tr.batch_sizes} x {t.grad_accum_steps} "
+        *tr.strategy.plan_lines(),
+        *([f"  {tr.strategy.raw_model.lora_note}"] if hasattr(tr.strategy.raw_model, "lora_note") else []),
+        f"  batch per {tr.strategy.replica} {tr.batch_sizes} x {t.grad_accum_steps} "
         f"accumulation, global batch {sum(tr.batch_sizes) * t.grad_accum_steps}",
         *([f"  {tr.balance_note}"] if tr.balance_note else []),
         f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
         f"micro-batches per epoch), starting at step {tr.state.step}",
-        f"  {optimizers.plan_line(tr.par.optimizer, t)}",
+        f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
         f"  output {os.path.abspath(cfg.output_dir)}",
@@ -225,11 +225,11 @@ def train_line(log: logging.Logger, tracked, bar, step: int, total: int, stats: 
         tracked.scalars(step, {f"train/{k}": v for k, v in stats.items()})
 
 
-class Window:
+class LossWindow:
     """Loss and throughput since the last training line. Adds device tensors without waiting for them.
     `step`: the optimizer steps done when the window opens (flush(step) then also gives ms_per_step)."""
 
-    def __init__(self, ctx: D.DistContext, step: int = 0):
+    def __init__(self, ctx: distributed.DistContext, step: int = 0):
         self.ctx, self.step = ctx, step
         self.reset()
 
@@ -251,7 +251,7 @@ class Window:
         # global already). Every rank runs the same task, so all of them send tokens, or none.
         counted = [float(self.samples)] + ([float(self.tokens)] if self.tokens is not None else [])
         counted = torch.tensor(counted, device=self.ctx.device)
-        sums = D.all_reduce_sum(self.ctx, torch.cat([self.loss.reshape(1), counted]))
+        sums = distributed.all_reduce_sum(self.ctx, torch.cat([self.loss.reshape(1), counted]))
         loss, samples, *tokens, count = torch.cat([sums, self.count.reshape(1)]).tolist()
         elapsed = max(time.perf_counter() - self.start, 1e-9)  # after the wait: the device's work is done
         out = {"loss": loss / count if count else math.nan,  # nan: every step of the window was skipped
@@ -266,7 +266,7 @@ class Window:
 
 
 def batch_tokens(task, batches: list[dict], counts: bool) -> Optional[int]:
-    """The input tokens of one step's micro-batches on this rank (Task.tokens), for Window.add: 0 on a rank
+    """The input tokens of one step's micro-batches on this rank (Task.tokens), for LossWindow.add: 0 on a rank
     whose replica's batch another rank counts (`counts` false: tp, pipe), None for a task without tokens."""
     n = [task.tokens(b) for b in batches]
     return None if None in n else counts * sum(n)

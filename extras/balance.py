@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from core import distributed as D
+from core import distributed
 from core.distributed import synchronize, time_unnoticed
 from core.config import world_size
 from core.errors import ConfigError
@@ -85,12 +85,12 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     must not notice: gradients stay local (no_sync) and are dropped, there is no optimizer step, and buffers and
     the random state are restored afterwards.
     """
-    par, task, ctx, cfg = trainer.par, trainer.task, trainer.ctx, trainer.cfg
+    strategy, task, ctx, cfg = trainer.strategy, trainer.task, trainer.ctx, trainer.cfg
     dataset = trainer.datasets["train"]
-    sampler = GlobalBatchSampler(len(dataset), [batch_size] * par.data_world, par.data_rank, cfg.seed)
+    sampler = GlobalBatchSampler(len(dataset), [batch_size] * strategy.data_shares, strategy.data_rank, cfg.seed)
     batches = list(itertools.islice(sampler.epoch_batches(0), steps + 1))  # not a whole epoch's lists
-    model = par.model
-    loss_context = getattr(par, "loss_context", contextlib.nullcontext)  # tp's dist.loss_parallel needs it
+    model = strategy.model
+    loss_context = getattr(strategy, "loss_context", contextlib.nullcontext)  # tp's dist.loss_parallel needs it
 
     def forward_backward(i: int) -> float:
         batch = trainer.to_device(task.collate([dataset[j] for j in batches[i % len(batches)]]))
@@ -105,13 +105,13 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
 
     was_training = model.training
     model.train()
-    with par.no_sync():
-        seconds = time_unnoticed(par, ctx, forward_backward, steps)
+    with strategy.no_sync():
+        seconds = time_unnoticed(strategy, ctx, forward_backward, steps)
     model.train(was_training)
     return batch_size * steps / seconds
 
 
-def measure(trainer, precision: bool, batches: bool) -> None:
+def time_auto_settings(trainer, precision: bool, batches: bool) -> None:
     """Trainer.measure: train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
     the chosen precision). The global batch, hence the batches per epoch and the steps, stays as it is; only the
     sampler is rebuilt."""
@@ -122,7 +122,7 @@ def measure(trainer, precision: bool, batches: bool) -> None:
         trainer.sampler = trainer.make_sampler()
 
 
-def auto_precision(cfg, ctx: D.DistContext):
+def auto_precision(cfg, ctx: distributed.DistContext):
     """train.precision auto, as the Trainer starts: (cfg with the precision chosen, how the plan shows it)."""
     bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # not emulated
     precision, note = resolve_precision(cfg.train.precision, ctx.device.type, bf16)
@@ -147,8 +147,8 @@ def choose_cpu_precision(trainer) -> None:
     """train.precision auto on a CPU (measure): the measured choice (cpu_precision) becomes the
     Trainer's precision, what its checkpoints and config.yml record. Collective."""
     precision, trainer.precision_note = cpu_precision(trainer)
-    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.t, precision=precision))
-    trainer.t = trainer.cfg.train
+    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.train_cfg, precision=precision))
+    trainer.train_cfg = trainer.cfg.train
     trainer.autocast = autocast_for("cpu", precision)
 
 
@@ -156,14 +156,15 @@ def cpu_precision(trainer) -> tuple[str, str]:
     """train.precision auto on a CPU (choose_cpu_precision): (precision, plan note). Whether bf16 autocast pays
     depends on the CPU and the job, so every rank times forward+backward in both on the run's next batches
     (time_precisions) and all take bf16 only where it is clearly faster (pick_cpu_precision). Collective."""
-    units = D.gather_objects(trainer.ctx, cpu_bf16_units())
+    units = distributed.gather_objects(trainer.ctx, cpu_bf16_units())
     if not all(units):  # without the units bf16 is emulated, slower: not worth measuring
         return "fp32", "auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
-    if not trainer.par.runs_alone:  # its precision is fixed when it wraps the model, or a forward waits for others
+    # its precision is fixed when it wraps the model, or a forward waits for the others
+    if not trainer.strategy.can_be_timed_alone:
         return "fp32", (f"auto -> fp32 (CPU with {units[0]}, not measured under {trainer.cfg.dist.strategy}: its "
                         "precision is fixed when it wraps the model, or a forward waits for other ranks; set "
                         "train.precision: bf16 to try it)")
-    timings = D.gather_objects(trainer.ctx, time_precisions(trainer, trainer.t.balance_steps))
+    timings = distributed.gather_objects(trainer.ctx, time_precisions(trainer, trainer.train_cfg.balance_steps))
     return pick_cpu_precision(timings, units[0])
 
 
@@ -199,7 +200,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
     optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as
     measure_speed (time_unnoticed)."""
-    par, task, ctx, s = trainer.par, trainer.task, trainer.ctx, trainer.state
+    strategy, task, ctx, s = trainer.strategy, trainer.task, trainer.ctx, trainer.state
     dataset = trainer.datasets["train"]
     batches = list(itertools.islice(trainer.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch), steps + 1))
     seconds: dict[str, list[float]] = {"fp32": [], "bf16": []}
@@ -207,7 +208,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     def one(batch: dict, precision: str) -> float:
         start = time.perf_counter()
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = task.loss_sum(par.model, batch)
+            loss = task.loss_sum(strategy.model, batch)
         loss.float().backward()
         return time.perf_counter() - start
 
@@ -219,11 +220,11 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
                 seconds[p].append(t)
         return sum(took.values())
 
-    was_training = par.model.training
-    par.model.train()
-    with par.no_sync():
-        time_unnoticed(par, ctx, both, steps)
-    par.model.train(was_training)
+    was_training = strategy.model.training
+    strategy.model.train()
+    with strategy.no_sync():
+        time_unnoticed(strategy, ctx, both, steps)
+    strategy.model.train(was_training)
     return {p: statistics.median(t) for p, t in seconds.items()}
 
 
@@ -233,37 +234,37 @@ def auto_batch_sizes(trainer, stored: Optional[list]) -> tuple[list[int], str]:
     `stored`: the sizes a resumed checkpoint trained with. They are reused as they are, so the current epoch
     continues in exactly the same data order (re-measuring could give a different split).
     """
-    t, par = trainer.t, trainer.par
-    if par.replicas_in_lockstep:
+    t, strategy = trainer.train_cfg, trainer.strategy
+    if strategy.replicas_wait_for_each_other:
         raise ConfigError(f"`train.batch_size` is auto, which needs a replicated strategy such as ddp; under "
                           f"{trainer.cfg.dist.strategy} every forward waits for all ranks, so no rank's own speed "
                           "can be measured (give per-rank sizes as a list instead)")
-    if stored is not None and len(stored) == par.data_world and sum(stored) == t.global_batch_size:
-        return list(stored), f"batch_size auto: per-{par.replica} batches {stored} reused from the checkpoint"
-    if par.data_world == 1:
-        return [t.global_batch_size], f"batch_size auto: one {par.replica} takes the whole global batch"
+    if stored is not None and len(stored) == strategy.data_shares and sum(stored) == t.global_batch_size:
+        return list(stored), f"batch_size auto: per-{strategy.replica} batches {stored} reused from the checkpoint"
+    if strategy.data_shares == 1:
+        return [t.global_batch_size], f"batch_size auto: one {strategy.replica} takes the whole global batch"
     return replica_batch_sizes(trainer)
 
 
 def replica_batch_sizes(trainer) -> tuple[list[int], str]:
     """Every rank times its forward+backward per sample on an equal share of the global batch: alone (measure_speed),
     with its tp group (the group's time: a forward is a collective), or its own stages on one micro-batch under
-    pipe (PipeParallel.seconds_per_sample). A replica (a rank, a tp group, a pipeline) goes at the pace of its
+    pipe (PipeStrategy.seconds_per_sample). A replica (a rank, a tp group, a pipeline) goes at the pace of its
     slowest rank, so the global batch is split over the replicas by 1 / that time, in whole units of
-    par.batch_unit (pipe: sets of micro-batches)."""
-    par, t, ctx, unit = trainer.par, trainer.t, trainer.ctx, trainer.par.batch_unit
-    equal = t.global_batch_size // par.data_world
-    if par.pipelined:
+    strategy.batch_multiple (pipe: sets of micro-batches)."""
+    strategy, t, ctx, unit = trainer.strategy, trainer.train_cfg, trainer.ctx, trainer.strategy.batch_multiple
+    equal = t.global_batch_size // strategy.data_shares
+    if strategy.pipelined:
         dataset = trainer.datasets["train"]
         batch = trainer.to_device(trainer.task.collate([dataset[i] for i in range(equal // unit)]))
-        seconds = par.seconds_per_sample(trainer.task, batch, t.balance_steps)
+        seconds = strategy.seconds_per_sample(trainer.task, batch, t.balance_steps)
     else:
         seconds = 1 / measure_speed(trainer, equal, t.balance_steps)
-    every = D.gather_objects(ctx, (par.data_rank, seconds))
-    slowest = [max(s for r, s in every if r == j) for j in range(par.data_world)]
+    every = distributed.gather_objects(ctx, (strategy.data_rank, seconds))
+    slowest = [max(s for r, s in every if r == j) for j in range(strategy.data_shares)]
     units = split_proportional(t.global_batch_size // unit, [1 / s for s in slowest], minimum=1)
     sizes = [u * unit for u in units]  # same inputs, same answer on every rank
     shown = ", ".join(f"{1 / s:.0f}" for s in slowest)
-    pace = " (its slowest stage)" if par.pipelined else ""
-    return sizes, (f"batch_size auto: measured samples/s per {par.replica}{pace} [{shown}] (batch {equal}) -> "
-                   f"per-{par.replica.replace(' ', '-')} batches {sizes}")
+    pace = " (its slowest stage)" if strategy.pipelined else ""
+    return sizes, (f"batch_size auto: measured samples/s per {strategy.replica}{pace} [{shown}] (batch {equal}) -> "
+                   f"per-{strategy.replica.replace(' ', '-')} batches {sizes}")

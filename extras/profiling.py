@@ -6,7 +6,7 @@ import os
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
-from core import distributed as D
+from core import distributed
 
 
 def check_config(cfg, fail) -> None:
@@ -24,7 +24,7 @@ class StepProfiler:
     """A torch.profiler trace of optimizer steps [first, last], by each rank into output_dir/profile/rank<R>.*.json
     (TensorBoard's profiler plugin, Perfetto, chrome://tracing); an evaluation or save in the range is in it too."""
 
-    def __init__(self, steps, output_dir: str, ctx: D.DistContext, log: logging.Logger):
+    def __init__(self, steps, output_dir: str, ctx: distributed.DistContext, log: logging.Logger):
         self.first, self.last = (1, steps) if isinstance(steps, int) else steps
         self.dir, self.ctx, self.log, self.prof = os.path.join(output_dir, "profile"), ctx, log, None
 

@@ -19,7 +19,7 @@ def test(trainer) -> dict:
     path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-    checkpoint_io.load_model(trainer.par.raw_model, path, cfg, note=log.warning)
+    checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning)
     trainer.state.step = checkpoint_meta.read(path)["step"] if checkpoint.is_complete(path) else 0
     log.info(f"testing {path}")
     results = {}

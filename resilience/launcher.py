@@ -114,7 +114,8 @@ class Supervisor:
         their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits."""
         self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in run's try: removed whatever happens)
         self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{launch.rank}",
-                                           args=(self.cfg, launch, self.worker, self.report_dir, self.steps, self.finished,
+                                           args=(self.cfg, launch, self.worker, self.report_dir, self.steps,
+                                                 self.finished,
                                                  os.getpid()))
                           for launch in self.launches)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
@@ -278,10 +279,10 @@ def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, fin
     faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    leave(worker(cfg, launch))
+    end_rank_process(worker(cfg, launch))
 
 
-def leave(code: int) -> None:
+def end_rank_process(code: int) -> None:
     """End a rank's process with `code` (ours, or one torchrun or srun started: main.py), skipping the interpreter's
     teardown, during which gloo's threads, still held by torch, can abort a run that was done (benchmarks/RESULTS.md,
     "A rank aborting after the run was done")."""

@@ -23,7 +23,7 @@ def resume_run(trainer) -> bool:
     """Make sure output_dir holds this run only, then continue from a checkpoint if there is one (train.resume).
     True: that run was complete, nothing is left to do. Collective."""
     claim_output_dir(trainer)
-    which = False if trainer.t.start_over else trainer.t.resume
+    which = False if trainer.train_cfg.start_over else trainer.train_cfg.resume
     if which == "auto" and not broadcast_object(trainer.ctx, checkpoint.latest(trainer.cfg.output_dir)):
         which = False  # nothing to resume: a fresh run
     return bool(which) and resume(trainer, which)
@@ -33,8 +33,8 @@ def claim_output_dir(trainer) -> None:
     """Once an earlier run has left checkpoints/ in output_dir, or train.start_over asks to move one aside
     (run_dir.py): this run's only. Collective."""
     out, refusal = trainer.cfg.output_dir, None
-    if trainer.ctx.is_main and (trainer.t.start_over or os.path.isdir(checkpoint.root(out))):
-        refusal = run_dir.claim(out, trainer.t, trainer.log)
+    if trainer.ctx.is_main and (trainer.train_cfg.start_over or os.path.isdir(checkpoint.root(out))):
+        refusal = run_dir.claim(out, trainer.train_cfg, trainer.log)
     refusal = broadcast_object(trainer.ctx, refusal)
     if refusal:
         raise CheckpointError(refusal)
@@ -65,7 +65,7 @@ def resume(trainer, which: str) -> bool:
 
 def already_complete(trainer) -> bool:
     """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
-    s, t = trainer.state, trainer.t
+    s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and (s.step >= trainer.total_steps or stopped_early)
     if done:
@@ -125,12 +125,12 @@ def load(trainer, path: str) -> dict:
     """Checkpoint `path` into the Trainer; returns the train section of the config it was saved with. Everything
     that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
     fail after them); the next checkpoint tried overwrites both entirely."""
-    t, par = trainer.t, trainer.par
+    t, strategy = trainer.train_cfg, trainer.strategy
     meta = checkpoint_meta.read(path)
     checkpoint_io.verify(path, trainer.ctx, trainer.log.warning)  # every file as saved, before any is loaded
     saved = meta.get("format") or "full"
-    if saved not in par.resumes_from:
-        *others, last = par.resumes_from
+    if saved not in strategy.resumes_from:
+        *others, last = strategy.resumes_from
         reads = f"{', '.join(others)} or {last}" if others else last
         raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
                               f"cannot resume under {trainer.cfg.dist.strategy} (it reads {reads})")
@@ -146,13 +146,13 @@ def load(trainer, path: str) -> dict:
         state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]), trainer.sampler.n)
     extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
     with checkpoint_io.fits_model(path, trainer.cfg):
-        par.load(path)
+        strategy.load(path)
     check_same_run(trainer, path, meta)
-    trainer.scheduler.load_state_dict(per_group(extra["scheduler"], len(par.optimizer.param_groups)))
-    for group, lr in zip(par.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+    trainer.scheduler.load_state_dict(per_group(extra["scheduler"], len(strategy.optimizer.param_groups)))
+    for group, lr in zip(strategy.optimizer.param_groups, trainer.scheduler.get_last_lr()):
         group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
-    if par.scaler and extra["scaler"]:
-        par.scaler.load_state_dict(extra["scaler"])
+    if strategy.scaler and extra["scaler"]:
+        strategy.scaler.load_state_dict(extra["scaler"])
     trainer.state = state
     trainer.resumed_batch_sizes = meta.get("batch_sizes")
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
@@ -167,7 +167,7 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
-    t, saved = trainer.t, meta.get("config") or {}
+    t, saved = trainer.train_cfg, meta.get("config") or {}
     diffs = checkpoint_meta.differences(saved, trainer.cfg.to_dict())
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
@@ -187,13 +187,13 @@ def schedule_changes(trainer, saved: dict) -> None:
     """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the learning
     rate from here on is not what the first run would have used: say so. The new lr takes effect (the scheduler's
     saved state would otherwise keep the old one)."""
-    t, sched = trainer.t, trainer.scheduler
+    t, sched = trainer.train_cfg, trainer.scheduler
     keys = ("lr", "max_steps", "epochs", "warmup", "schedule", "min_lr_ratio")
     changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in keys if k in saved and saved[k] != getattr(t, k)]
     if not changed:
         return
     sched.base_lrs = [t.lr for _ in sched.base_lrs]
-    for group, factor in zip(trainer.par.optimizer.param_groups, sched.lr_lambdas):
+    for group, factor in zip(trainer.strategy.optimizer.param_groups, sched.lr_lambdas):
         group["initial_lr"], group["lr"] = t.lr, t.lr * factor(sched.last_epoch)
     trainer.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
                         f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
@@ -203,7 +203,7 @@ def length_from_position(trainer) -> None:
     """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
     where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
     follows the new number of steps from here on (said in one line)."""
-    t, s, sampler, sched = trainer.t, trainer.state, trainer.sampler, trainer.scheduler
+    t, s, sampler, sched = trainer.train_cfg, trainer.state, trainer.sampler, trainer.scheduler
     if not t.epochs:
         return
     per_epoch = sampler.batches_per_epoch()
@@ -219,7 +219,7 @@ def length_from_position(trainer) -> None:
     trainer.total_steps = total
     factor = lr_lambda(total, t.warmup, t.schedule, t.min_lr_ratio)
     sched.lr_lambdas = [factor] * len(sched.lr_lambdas)
-    for group, base in zip(trainer.par.optimizer.param_groups, sched.base_lrs):
+    for group, base in zip(trainer.strategy.optimizer.param_groups, sched.base_lrs):
         group["lr"] = base * factor(sched.last_epoch)
 
 

@@ -10,14 +10,14 @@ from typing import Callable
 import torch
 
 from core import checkpoint
-from strategies.base import Parallel, state_to_save
+from strategies.base import Strategy, state_to_save
 
 
-def start_save(par: Parallel, directory: str) -> Callable[[], None]:
+def start_save(strategy: Strategy, directory: str) -> Callable[[], None]:
     """Start writing model.pt and optimizer.pt into `directory`; return a wait() for the writer."""
-    if not par.ctx.is_main:
+    if not strategy.ctx.is_main:
         return lambda: None
-    model, optimizer = host_copy(state_to_save(par.raw_model)), host_copy(par.optimizer.state_dict())
+    model, optimizer = host_copy(state_to_save(strategy.raw_model)), host_copy(strategy.optimizer.state_dict())
 
     def write():  # and flush to disk here, so that publishing (fsync, rename) holds the loop only briefly
         for obj, name in ((model, "model.pt"), (optimizer, "optimizer.pt")):

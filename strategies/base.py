@@ -1,4 +1,4 @@
-"""What every strategy returns: a `Parallel`, the one object the Trainer talks to. Also the optimizer recipe the
+"""What every strategy returns: a `Strategy`, the one object the Trainer talks to. Also the optimizer recipe the
 strategies share (fp16 loss scaling for sharded ones: fp16.py; the bytes a rank holds: memory.py)."""
 from __future__ import annotations
 
@@ -75,43 +75,43 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return units[::-1]
 
 
-class Parallel:
+class Strategy:
     """A model prepared for a strategy. Defaults describe replicated strategies (none, dp, ddp): every rank
     holds the full state, and rank 0 alone writes it."""
 
-    eval_lockstep = False  # True: every rank must run the same number of forward passes (sharded params)
+    forward_is_collective = False  # True: every rank must run the same number of forward passes (sharded params)
     checkpoint_format = "full"  # recorded in meta.json
     resumes_from = ("full", "sharded-pipe", "sharded-dcp")  # the formats load() reads; others: refused in one line
     pipelined = False  # pipe: balance.py measures whole pipelines (strategies/pipeline.py)
-    replicas_in_lockstep = False  # True: a forward waits for the other replicas (sharded parameters): no auto batch
-    timing_group = None  # ranks that time forward+backward together (a tp group: its forward is a collective)
+    replicas_wait_for_each_other = False  # True: a forward waits for the others (sharded parameters): no auto batch
+    replica_group = None  # ranks that time forward+backward together (a tp group: its forward is a collective)
     replica = "rank"  # what reads one share of the global batch: a rank, a pipeline (pipe), a tp group (tp)
-    batch_unit = 1  # a replica's batch is a multiple of this (pipe: its micro-batches)
+    batch_multiple = 1  # a replica's batch is a multiple of this (pipe: its micro-batches)
     drop_last = False  # True: an epoch's smaller last batch is dropped (pipe: its stages need fixed shapes)
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
-        # How the data is shared out: this rank reads share `data_rank` of `data_world` of each global batch, and
-        # its samples count toward the global count. The gradient all-reduce averages over `grad_replicas` ranks
+        # How the data is shared out: this rank reads share `data_rank` of `data_shares` of each global batch, and
+        # its samples count toward the global count. The gradient all-reduce averages over `grad_average_over` ranks
         # (the Trainer multiplies the loss by it to undo the average). Under pipe, the ranks of one pipeline read
         # the same batch: one share per pipeline.
-        self.data_rank, self.data_world, self.grad_replicas = ctx.rank, ctx.world_size, ctx.world_size
-        self.counts_batch = True
+        self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
+        self.reports_for_replica = True
         # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)
         # must draw the same masks.
-        self.seed_rank = ctx.rank
+        self.random_stream = ctx.rank
 
     @property
-    def runs_alone(self) -> bool:
+    def can_be_timed_alone(self) -> bool:
         """Whether one rank's forward+backward runs without the other ranks (so it can be timed on its own): not
         when a forward is a collective (sharded parameters, tp) or goes through a pipeline."""
-        return not (self.eval_lockstep or self.pipelined)
+        return not (self.forward_is_collective or self.pipelined)
 
     @property
     def eval_model(self) -> nn.Module:
         """What evaluation runs: the plain module, or the wrapper when a forward pass is a collective."""
-        return self.model if self.eval_lockstep else self.raw_model
+        return self.model if self.forward_is_collective else self.raw_model
 
     def plan_lines(self) -> list[str]:
         """Lines the run's plan adds for this strategy."""
@@ -135,7 +135,7 @@ class Parallel:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
         self.reduce_grads()
-        return total if self.counts_batch else torch.zeros_like(total)
+        return total if self.reports_for_replica else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
         """Called after a step's last backward. DDP and FSDP reduce gradients during backward: nothing to do."""
@@ -144,7 +144,7 @@ class Parallel:
         """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""
         with autocast():
             out = task.eval_batch(self.eval_model, batch)
-        return out if self.counts_batch else {}
+        return out if self.reports_for_replica else {}
 
     def compile(self) -> None:
         """train.compile: torch.compile the model in place (Module.compile: same module, same state-dict keys).
@@ -195,7 +195,7 @@ def state_to_save(model: torch.nn.Module) -> dict:
     return state
 
 
-def base_entry(model: torch.nn.Module) -> dict:
+def lora_base_entry(model: torch.nn.Module) -> dict:
     """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
     return {"lora_base": model.lora_base} if trains_part(model) else {}
 

@@ -23,15 +23,15 @@ from core.checkpoint_io import load_file
 from core.errors import CheckpointError
 from core.distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, model_blocks, optimizer_recipe, trains_part
+from strategies.base import Strategy, model_blocks, optimizer_recipe, trains_part
 from strategies.fp16 import sharded_scaler
 
 
-class FSDPParallel(Parallel):
+class FSDPStrategy(Strategy):
     """PyTorch FSDP2 (`fully_shard`, ZeRO-3): parameters, gradients and optimizer state are DTensors sharded
     along dim 0; each unit's parameters are all-gathered just for its forward and backward."""
-    eval_lockstep = True  # a forward pass is a collective (the all-gather)
-    replicas_in_lockstep = True
+    forward_is_collective = True  # a forward pass is a collective (the all-gather)
+    replicas_wait_for_each_other = True
     checkpoint_format = "sharded-dcp"  # torch.distributed.checkpoint folders model_dcp/ and optimizer_dcp/
     resumes_from = ("sharded-dcp", "full", "sharded-pipe")
 
@@ -39,7 +39,7 @@ class FSDPParallel(Parallel):
         super().__init__(model, raw_model, optimizer, ctx, scaler)
         self.mesh = mesh  # with dist.tp or dist.dp_replicate > 1: the device mesh (strategies/mesh.py)
         if mesh is not None:
-            meshes.take_roles(self, mesh)
+            meshes.assign_data_shares(self, mesh)
 
     def plan_lines(self) -> list[str]:
         return meshes.plan_lines(self.mesh) if self.mesh is not None else []
@@ -70,9 +70,9 @@ class FSDPParallel(Parallel):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def save(self, directory: str) -> None:
-        # Every rank writes its own shards: nothing is gathered (but tp splits in strides, in_boxes). get_state_dict
+        # Every rank writes its own shards, nothing gathered (tp splits in strides: state_in_dcp_boxes). get_state_dict
         # keys the entries by the plain model's parameter names, so the files do not depend on the world size.
-        model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
+        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
                                                                      options=self.state_options()))
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
         dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
@@ -83,7 +83,7 @@ class FSDPParallel(Parallel):
         training's, and not the other thread's (two threads on one group could pair different collectives)."""
         if getattr(self, "save_groups", None) is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
-        model_sd, optim_sd = (in_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
+        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
                                                                      options=self.state_options()))
         futures = [dcp.async_save(sd, checkpoint_id=os.path.join(directory, name), process_group=group)
                    for sd, name, group in ((model_sd, "model_dcp", self.save_groups[0]),
@@ -104,10 +104,10 @@ class FSDPParallel(Parallel):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         # dcp_load, not dcp.load: DCP's own unpickling could run a crafted checkpoint's code (checkpoint_dcp.py).
         swaps = []
-        dcp_load(in_boxes(model_sd, swaps), os.path.join(directory, "model_dcp"))
+        dcp_load(state_in_dcp_boxes(model_sd, swaps), os.path.join(directory, "model_dcp"))
         # The per-parameter state only: layouts group parameters differently (pipe per stage, tp splits DTensors
         # from the rest), so this run's groups stay, and the learning rate comes back with the scheduler.
-        dcp_load({"state": in_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
+        dcp_load({"state": state_in_dcp_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
         for original, boxed in swaps:  # in place, into model_sd and optim_sd
             original.copy_(boxed)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -132,11 +132,11 @@ class FSDPParallel(Parallel):
                                              directory)
 
 
-class FairscaleFSDPParallel(Parallel):
+class FairscaleFSDPStrategy(Strategy):
     """fairscale FullyShardedDataParallel (CUDA only). model.pt is gathered at save time (fairscale cannot
     write sharded files that another world size reads); the optimizer is saved as one shard per rank."""
-    eval_lockstep = True
-    replicas_in_lockstep = True
+    forward_is_collective = True
+    replicas_wait_for_each_other = True
     checkpoint_format = "sharded-fairscale"
     resumes_from = ("sharded-fairscale",)
 
@@ -161,7 +161,7 @@ class FairscaleFSDPParallel(Parallel):
         self.optimizer.load_state_dict(load_file(directory, f"optimizer-rank{self.ctx.rank}.pt"))
 
 
-def in_boxes(state: dict, swaps: list = None) -> dict:
+def state_in_dcp_boxes(state: dict, swaps: list = None) -> dict:
     """`state` (nested dicts) for DCP, which writes one box of a tensor per rank. A tp plan's split in strides
     (_StridedShard: GPT-2's q|k|v, where rank r holds [q_r | k_r | v_r], tasks/gpt2_tp.py) is not one, so such a
     DTensor is replaced by a copy split in plain blocks (gathered over the tp group), and (original, copy) goes to
@@ -169,7 +169,7 @@ def in_boxes(state: dict, swaps: list = None) -> dict:
     out = {}
     for key, value in state.items():
         if isinstance(value, dict):
-            value = in_boxes(value, swaps)
+            value = state_in_dcp_boxes(value, swaps)
         elif isinstance(value, DTensor):
             places = list(value.placements)
             boxed = [Shard(p.dim) if isinstance(p, _StridedShard) and not any(
@@ -221,7 +221,7 @@ def fsdp2_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """Fully sharded data parallel: FSDP2 (shard, below), over every rank or, with dist.dp_replicate > 1, over
     the shards of each replica (HSDP). dist.fsdp_impl fairscale: fairscale's FullyShardedDataParallel (CUDA
     only). With dist.tp > 1, strategies/tp.py splits the blocks first and then calls shard()."""
@@ -241,14 +241,14 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
             replace_module(model, unit, wrap(unit))
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
-        return FairscaleFSDPParallel(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
+        return FairscaleFSDPStrategy(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
     mesh = meshes.build_mesh(ctx, 1, d.dp_replicate) if d.dp_replicate > 1 else None  # HSDP: replicas of shards
-    return shard(model, cfg, ctx, mesh, FSDPParallel)
+    return shard(model, cfg, ctx, mesh, FSDPStrategy)
 
 
-def shard(model: nn.Module, cfg, ctx: DistContext, mesh: Optional[meshes.Mesh], parallel: type) -> Parallel:
+def shard(model: nn.Module, cfg, ctx: DistContext, mesh: Optional[meshes.Mesh], parallel: type) -> Strategy:
     """FSDP2's fully_shard per model_blocks() and then the root (fsdp2_policy), over the mesh's dp dimension
-    (None: over all ranks); returns `parallel` (FSDPParallel, or tp's FSDPxTPParallel) with its optimizer."""
+    (None: over all ranks); returns `parallel` (FSDPStrategy, or tp's FSDPxTPStrategy) with its optimizer."""
     d = cfg.dist
     policy, dp_mesh = fsdp2_policy(cfg.train.precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
     for unit in model_blocks(model):

@@ -50,19 +50,19 @@ def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def take_roles(par, mesh: Mesh) -> None:
-    """What the Trainer reads from a Parallel to share out the data, for this mesh: the ranks of a tp group read
+def assign_data_shares(strategy, mesh: Mesh) -> None:
+    """What the Trainer reads from a Strategy to share out the data, for this mesh: the ranks of a tp group read
     the same batch (one share of the global batch per dp index), one of them counts its samples and reports its
     loss and evaluation results, and all of them draw the same dropout masks (their activations outside the split
-    matrices are the same tensors; inside, strategies/tp.OwnDropout draws each rank's own)."""
+    matrices are the same tensors; inside, strategies/tp.PerRankDropout draws each rank's own)."""
     dp, tp = mesh["dp"], mesh["tp"]
-    par.mesh = mesh
-    par.data_rank, par.data_world, par.grad_replicas = dp.get_local_rank(), dp.size(), dp.size()
-    par.counts_batch = tp.get_local_rank() == 0
-    par.seed_rank = par.ctx.rank - tp.get_local_rank()
-    par.eval_lockstep = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
-    par.timing_group = tp.get_group() if tp.size() > 1 else None  # balance.py: the group times itself together
-    par.replica = "tp group" if tp.size() > 1 else "rank"
+    strategy.mesh = mesh
+    strategy.data_rank, strategy.data_shares, strategy.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
+    strategy.reports_for_replica = tp.get_local_rank() == 0
+    strategy.random_stream = strategy.ctx.rank - tp.get_local_rank()
+    strategy.forward_is_collective = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
+    strategy.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py: the group times itself together
+    strategy.replica = "tp group" if tp.size() > 1 else "rank"
 
 
 # What the start-up plan calls a coordinate along each dimension.

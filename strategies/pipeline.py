@@ -13,7 +13,7 @@ pipelines + pipeline) x tp + tp_index. The replicas of one stage and their tp gr
 pipelines x tp GPUs they share a node and the all-reduces (the heavy traffic) stay inside it; only activations
 cross nodes, each rank sending to the rank of the next stage with its own pipeline and tp index.
 
-What the Trainer sees is the usual `Parallel`, plus `step()` (forward + backward of one batch through the
+What the Trainer sees is the usual `Strategy`, plus `step()` (forward + backward of one batch through the
 schedule) and `eval_batch()`; everything about stages stays in this file.
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from core.distributed import DistContext, synchronize, time_unnoticed
 from strategies import mesh as meshes
-from strategies.base import Parallel, optimizer_recipe
+from strategies.base import Strategy, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, in_boxes, local
-from strategies.tp import PlainLoss, average_grads, loss_context, sum_partial_grads, task_plan
+from strategies.fsdp import clip_mixed, fsdp2_policy, state_in_dcp_boxes, local
+from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -117,7 +117,7 @@ class Stage(nn.Module):
         return carry if len(carry) > 1 else carry[0]
 
 
-class PipeParallel(Parallel):
+class PipeStrategy(Strategy):
     checkpoint_format = "sharded-pipe"  # DCP folders model_dcp/ and optimizer_dcp/ keyed by whole-model names
     resumes_from = ("sharded-pipe", "full", "sharded-dcp")  # full: a replicated strategy's model.pt and
     # optimizer.pt, by name; sharded-dcp: fsdp's folders, which hold the same names as pipe's
@@ -137,15 +137,15 @@ class PipeParallel(Parallel):
         self.stage_rank, self.pipeline, self.tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
         self.n_stages = d.pp_stages * STAGES_PER_RANK[d.pp_schedule]
         # A forward is an all-gather over the replicas with pp_dp fsdp; with tp, a collective over the tp group.
-        self.eval_lockstep = self.replicas_in_lockstep = d.pp_dp == "fsdp" and self.pipelines > 1
-        self.timing_group = mesh["tp"].get_group() if d.tp > 1 else None
+        self.forward_is_collective = self.replicas_wait_for_each_other = d.pp_dp == "fsdp" and self.pipelines > 1
+        self.replica_group = mesh["tp"].get_group() if d.tp > 1 else None
         # What the Trainer reads to share out the data (see trainer.train_step): each pipeline reads its own
         # share of the global batch; the gradient all-reduce averages over the pipelines.
-        self.data_rank, self.data_world, self.grad_replicas = self.pipeline, self.pipelines, self.pipelines
+        self.data_rank, self.data_shares, self.grad_average_over = self.pipeline, self.pipelines, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
-        self.counts_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
-        self.seed_rank = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
-        self.batch_unit = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
+        self.reports_for_replica = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
+        self.random_stream = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
+        self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
@@ -210,7 +210,7 @@ class PipeParallel(Parallel):
     def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
         the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
-        self.task, self.scale = PlainLoss(task), scale  # (dist.loss_parallel: plain losses of DTensor logits)
+        self.task, self.scale = TaskWithPlainLosses(task), scale  # (dist.loss_parallel: plain losses of DTensor logits)
         self.check_shapes(batch)
         if self.scaler:  # fp16: only the last stage scales a loss, but every rank's scaler unscales its gradients
             self.scaler.scale(torch.zeros((), device=self.ctx.device))  # (this sets up its scale, equal everywhere)
@@ -272,7 +272,7 @@ class PipeParallel(Parallel):
         if not (self.is_last and (self.reports or self.mesh.loss_parallel)):
             return {}
         with loss_context(self.mesh):  # every rank of the tp group takes part in a loss-parallel cross-entropy
-            out = PlainLoss(task).eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
+            out = TaskWithPlainLosses(task).eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
         return out if self.reports else {}
 
     def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
@@ -318,11 +318,11 @@ class PipeParallel(Parallel):
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
     def save(self, directory: str) -> None:
-        # in_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
-        dcp.save(in_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))
+        # state_in_dcp_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
+        dcp.save(state_in_dcp_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))
         # Only the per-parameter state: param_groups list this stage's names and differ between ranks (the
         # learning rate comes back with the scheduler).
-        dcp.save({"state": in_boxes(self.optimizer_state()["state"])},
+        dcp.save({"state": state_in_dcp_boxes(self.optimizer_state()["state"])},
                  checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
     def load(self, directory: str) -> None:
@@ -333,9 +333,10 @@ class PipeParallel(Parallel):
                 raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
         swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
-        dcp_load(in_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))  # in place: parameters
+        # in place: parameters
+        dcp_load(state_in_dcp_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))
         optim_sd = self.optimizer_state()
-        dcp_load({"state": in_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
+        dcp_load({"state": state_in_dcp_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
         for original, boxed in swaps:
             original.copy_(boxed)
         # By name into this run's groups (torch's set_optimizer_state_dict drops the hyperparameters of an empty
@@ -453,9 +454,9 @@ def min_max_partition(cost: list[list[float]]) -> list[int]:
     return sizes[::-1]
 
 
-def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Parallel:
+def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Strategy:
     """Build this rank's stages of the task's layer chain (build_stages), sync each over its replicas
-    (wrap_for_replicas), and make the Parallel: the optimizer over this rank's stages and the schedule."""
+    (wrap_for_replicas), and make the Strategy: the optimizer over this rank's stages and the schedule."""
     d = cfg.dist
     mesh = meshes.pipe_mesh(ctx, d.pp_stages, d.tp)
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
@@ -467,10 +468,10 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Para
     # scheduler saved by rank 0 have the same number of groups.
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
-    par = PipeParallel(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
+    strategy = PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
                        tied, unowned, order)
-    par.split, par.stage_params = split, stage_params
-    return par
+    strategy.split, strategy.stage_params = split, stage_params
+    return strategy
 
 
 def build_stages(model: nn.Module, cfg, ctx: DistContext, task, train_set, mesh: meshes.Mesh) -> tuple:
@@ -554,7 +555,7 @@ def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept:
 
 def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
     """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
-    DDP, or as it is (one pipeline; or ddp x tp, which PipeParallel.reduce_grads averages: DDP cannot hold
+    DDP, or as it is (one pipeline; or ddp x tp, which PipeStrategy.reduce_grads averages: DDP cannot hold
     DTensors)."""
     d = cfg.dist
     if mesh["dp"].size() == 1:

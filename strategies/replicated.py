@@ -9,10 +9,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from core import checkpoint_io
 from core.distributed import DistContext
 from strategies.async_save import start_save
-from strategies.base import Parallel, make_scaler, optimizer_recipe
+from strategies.base import Strategy, make_scaler, optimizer_recipe
 
 
-class ReplicatedParallel(Parallel):
+class ReplicatedStrategy(Strategy):
     def start_save(self, directory: str):
         return start_save(self, directory)  # train.async_save: a writer thread
 
@@ -21,33 +21,33 @@ class ReplicatedParallel(Parallel):
         checkpoint_io.load_whole(self.raw_model, self.optimizer, directory)
 
 
-def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return ReplicatedParallel(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedStrategy(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
-def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """DataParallel: one process scatters each batch over all local GPUs. Simple, but the GIL and the
     gather on GPU 0 make it slower than ddp; kept because it needs no launcher at all."""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 and ctx.device.type == "cuda" else model
-    return ReplicatedParallel(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedStrategy(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
-class DDPParallel(ReplicatedParallel):
+class DDPStrategy(ReplicatedStrategy):
     def no_sync(self):
         return self.model.no_sync()
 
 
-def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
     backward. The Trainer scales the loss so that average is the mean over the global batch. (With dist.tp > 1:
     strategies/tp.py's apply_tp_ddp.)"""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return DDPParallel(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return DDPStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
 def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:

@@ -13,10 +13,10 @@ Two options where the plan supports them (gpt2_lm: tasks/lm_models.tp_plan; BERT
 tasks/text_common.bert_tp_plan). dist.sequence_parallel cuts the residual stream between the split matrices along
 the positions (norms on 1/tp of them; the all-reduces become reduce-scatter + all-gather). dist.loss_parallel splits
 the LM head by vocabulary and keeps its logits a DTensor, so the cross-entropy runs under DTensor's loss_parallel():
-each rank holds logits for 1/tp of the vocabulary. Dropout on split data draws each rank's own masks (OwnDropout).
+each rank holds logits for 1/tp of the vocabulary. Dropout on split data draws each rank's own masks (PerRankDropout).
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
-strategies/fsdp.py) or ddp (TPParallel below: gradients averaged over "dp" after the step's last backward).
+strategies/fsdp.py) or ddp (TPStrategy below: gradients averaged over "dp" after the step's last backward).
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from core.errors import ConfigError
 
 from core.distributed import DistContext
 from strategies import mesh as meshes
-from strategies.base import Parallel, optimizer_recipe
+from strategies.base import Strategy, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import FSDPParallel, local, shard
+from strategies.fsdp import FSDPStrategy, local, shard
 
 
 def check_config(cfg, world: int, fail) -> int:
@@ -76,10 +76,10 @@ def task_plan(model: nn.Module, cfg, task, mesh: meshes.Mesh) -> dict:
     return plan
 
 
-class OwnDropout(ParallelStyle):
+class PerRankDropout(ParallelStyle):
     """Dropout on data split over the tp group (each rank's own attention heads; under sequence parallelism its own
     positions) draws this rank's own masks, as one process draws a different mask for each piece; elsewhere the
-    group shares one stream (Parallel.seed_rank), so replicated activations stay equal. Megatron's model-parallel
+    group shares one stream (Strategy.random_stream), so replicated activations stay equal. Megatron's model-parallel
     RNG tracker without state of its own: entering the module's forward, every rank draws one integer from the
     shared stream (the same on all, so it advances alike) and seeds its stream with (integer, tp index); leaving
     (at the start of submodule `until`, whose output is whole again, or at the end) restores the shared stream.
@@ -130,16 +130,16 @@ def generators(device_type: str) -> list:
 
 
 class LossParallel:
-    """dist.loss_parallel, for a Parallel on the mesh (ddp x tp, fsdp x tp): forward and backward run under
+    """dist.loss_parallel, for a Strategy on the mesh (ddp x tp, fsdp x tp): forward and backward run under
     loss_parallel(), which the cross-entropy of vocabulary-split logits needs, and the Trainer gets plain losses."""
 
     def forward_backward(self, task, *args):
         with self.loss_context():
-            return super().forward_backward(PlainLoss(task), *args)
+            return super().forward_backward(TaskWithPlainLosses(task), *args)
 
     def eval_batch(self, task, *args):
         with self.loss_context():
-            return super().eval_batch(PlainLoss(task), *args)
+            return super().eval_batch(TaskWithPlainLosses(task), *args)
 
     def loss_context(self):
         return loss_context(self.mesh)
@@ -150,15 +150,15 @@ def loss_context(mesh: meshes.Mesh):
     return loss_parallel() if mesh.loss_parallel else contextlib.nullcontext()
 
 
-class FSDPxTPParallel(LossParallel, FSDPParallel):
+class FSDPxTPStrategy(LossParallel, FSDPStrategy):
     """fsdp x tp: FSDP2 shards the split model over the mesh's dp dimension (strategies/fsdp.py)."""
 
 
-class TPParallel(LossParallel, FSDPParallel):
+class TPStrategy(LossParallel, FSDPStrategy):
     """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
     the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
-    FSDPParallel's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
-    replicas_in_lockstep = False  # nothing crosses dp before reduce_grads: each tp group can be timed alone
+    FSDPStrategy's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
+    replicas_wait_for_each_other = False  # nothing crosses dp before reduce_grads: each tp group can be timed alone
 
     def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
         super().__init__(model, model, optimizer, ctx, scaler, mesh)  # the mesh's roles; clipping: clip_mixed
@@ -168,7 +168,7 @@ class TPParallel(LossParallel, FSDPParallel):
 
     def reduce_grads(self) -> None:
         sum_partial_grads(self.raw_model.parameters())
-        if self.data_world > 1:
+        if self.data_shares > 1:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
 
@@ -190,7 +190,7 @@ def average_grads(params, dp) -> None:
         g.copy_(part.view_as(g))
 
 
-class PlainLoss:
+class TaskWithPlainLosses:
     """The task, with its losses and evaluation sums as plain tensors (the Trainer's sums and all-reduces): under
     loss_parallel, the cross-entropy of DTensor logits is a replicated DTensor."""
 
@@ -201,33 +201,33 @@ class PlainLoss:
         return getattr(self.task, name)
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return whole(self.task.loss_sum(model, batch))
+        return full_value(self.task.loss_sum(model, batch))
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        return {k: whole(v) for k, v in self.task.eval_batch(model, batch).items()}
+        return {k: full_value(v) for k, v in self.task.eval_batch(model, batch).items()}
 
     def loss_from_output(self, output, target) -> torch.Tensor:  # (pipe's last stage)
-        return whole(self.task.loss_from_output(output, target))
+        return full_value(self.task.loss_from_output(output, target))
 
     def eval_from_output(self, output, batch: dict) -> dict:
-        return {k: whole(v) for k, v in self.task.eval_from_output(output, batch).items()}
+        return {k: full_value(v) for k, v in self.task.eval_from_output(output, batch).items()}
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
+def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (differentiable), or the tensor itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # ---- tp first, then the data-parallel strategy over the mesh's dp dimension (strategies.STRATEGIES) ----------
-def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Parallel:
-    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPParallel)."""
+def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
+    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPStrategy)."""
     model = model.to(ctx.device)
     mesh = apply_tp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return TPParallel(model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)  # ranks skip together
+    return TPStrategy(model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)  # ranks skip together
 
 
-def apply_tp_fsdp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Parallel:
+def apply_tp_fsdp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
     """fsdp with dist.tp > 1: the blocks split over "tp", then FSDP2 shards them over "dp" (2-D parameters)."""
     model = model.to(ctx.device)
-    return shard(model, cfg, ctx, apply_tp(model, cfg, ctx, task), FSDPxTPParallel)
+    return shard(model, cfg, ctx, apply_tp(model, cfg, ctx, task), FSDPxTPStrategy)

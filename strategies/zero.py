@@ -8,12 +8,12 @@ from fairscale.optim import OSS
 from torch import nn
 
 from core.distributed import DistContext
-from strategies.base import Parallel, make_scaler, optimizer_recipe
+from strategies.base import Strategy, make_scaler, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.replicated import DDPParallel, ddp_wrap
+from strategies.replicated import DDPStrategy, ddp_wrap
 
 
-class OSSParallel(DDPParallel):
+class OSSStrategy(DDPStrategy):
     """Optimizer state sharded over ranks (ZeRO-1; ZeRO-2 when gradients are sharded too). Each rank updates
     only the parameters it owns, then broadcasts them, so parameters stay whole and replicated. The model is
     DDP or fairscale's ShardedDataParallel: both have DDP's no_sync()."""
@@ -33,7 +33,7 @@ class OSSParallel(DDPParallel):
         super().save(directory)
 
 
-def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Parallel:
+def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """Optimizer state sharding. fairscale OSS (default) with DDP gradients = ZeRO-1; with dist.shard_grads,
     fairscale ShardedDataParallel reduces each gradient to its owner only = ZeRO-2. dist.oss_impl: torch uses
     PyTorch's ZeroRedundancyOptimizer with DDP (ZeRO-1)."""
@@ -49,8 +49,8 @@ def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
         # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed,
         # each gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
         wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
-        return OSSParallel(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
-    return OSSParallel(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
+        return OSSStrategy(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
+    return OSSStrategy(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
 
 
 def check_config(cfg, fail) -> None:

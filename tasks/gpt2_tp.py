@@ -6,7 +6,7 @@ dimension. attn.c_attn computes q, k and v in one matrix whose output columns ar
 would give rank 0 all of q and half of k. Its weight is split with _StridedShard(split_factor=3) instead: each
 third is cut over the tp group, so rank r holds [q_r | k_r | v_r], the q, k and v of its own heads, while the
 DTensor's global value stays the one-process weight (checkpoints keep the one-process layout; DCP takes such a
-tensor as a plain split copy: strategies/fsdp.in_boxes). The attention then cuts its local output in three of
+tensor as a plain split copy: strategies/fsdp.state_in_dcp_boxes). The attention then cuts its local output in three of
 width / tp columns (split_size) and views them as heads / tp heads. dist.sequence_parallel and dist.loss_parallel
 work as in Llama's plan (tasks/lm_models.tp_plan). Imported only by runs with dist.tp > 1.
 """
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from core.errors import ConfigError
-from strategies.tp import OwnDropout
+from strategies.tp import PerRankDropout
 
 
 def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
@@ -57,14 +57,14 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_p
 
 
 def own_dropout(plan: dict, c, sequence_parallel: bool) -> dict:
-    """Each rank draws its own dropout masks where the data is split (strategies/tp.OwnDropout): the attention
+    """Each rank draws its own dropout masks where the data is split (strategies/tp.PerRankDropout): the attention
     probabilities of its heads, up to c_proj, whose output resid_dropout sees whole; under sequence parallelism
     the whole attention and the MLP's dropout, on its own positions. The embeddings' dropout runs whole."""
     block = "transformer.h.*."
     if c.attn_pdrop > 0 or (sequence_parallel and c.resid_pdrop > 0):
-        plan[block + "attn"] = OwnDropout(plan[block + "attn"], until=None if sequence_parallel else "c_proj")
+        plan[block + "attn"] = PerRankDropout(plan[block + "attn"], until=None if sequence_parallel else "c_proj")
     if sequence_parallel and c.resid_pdrop > 0:
-        plan[block + "mlp.dropout"] = OwnDropout()
+        plan[block + "mlp.dropout"] = PerRankDropout()
     return plan
 
 

@@ -21,7 +21,7 @@ from core.errors import ConfigError, DataError
 from tasks.base import Layer
 from tasks.text_common import check_pretrained_dir, load_report
 from tasks.gpt2_tp import gpt2_plan
-from strategies.tp import OwnDropout
+from strategies.tp import PerRankDropout
 
 # -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
 PRESETS = {
@@ -200,7 +200,7 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_par
     if loss_parallel:  # logits stay a DTensor split by vocabulary, for the loss under loss_parallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=rows, output_layouts=Shard(-1), use_local_output=False)
     if c.attention_dropout > 0:  # on each rank's own heads: its own masks (Llama has no other dropout)
-        plan[layer + "self_attn"] = OwnDropout(plan.get(layer + "self_attn"))
+        plan[layer + "self_attn"] = PerRankDropout(plan.get(layer + "self_attn"))
     return plan
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from core import checkpoint, disk_errors
 from core.errors import ConfigError, DataError
 from tasks.base import Layer
-from strategies.tp import OwnDropout
+from strategies.tp import PerRankDropout
 from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
@@ -427,7 +427,7 @@ def bert_tp_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool = Fals
 
 
 def bert_own_dropout(model: torch.nn.Module, layers: list, plan: dict, sequence_parallel: bool) -> dict:
-    """Where dropout sees split data, each rank draws its own masks (strategies/tp.OwnDropout): the attention
+    """Where dropout sees split data, each rank draws its own masks (strategies/tp.PerRankDropout): the attention
     probabilities of its own heads, and under sequence parallelism the hidden dropout on its own positions."""
     for name in layers:
         layer = model.get_submodule(name)
@@ -437,7 +437,7 @@ def bert_own_dropout(model: torch.nn.Module, layers: list, plan: dict, sequence_
                           "output.dropout": layer.output.dropout.p})
         for key, p in split.items():
             if p > 0:
-                plan[f"{name}.{key}"] = OwnDropout(plan.get(f"{name}.{key}"))
+                plan[f"{name}.{key}"] = PerRankDropout(plan.get(f"{name}.{key}"))
     return plan
 
 

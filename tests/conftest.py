@@ -84,20 +84,20 @@ def spawn(fn, args, nprocs: int, join: bool = True):
 def _train_rank(local_rank, cfg, world, out_dir):
     """Spawned by run_ranks: one rank trains, then writes its own copy of the parameters."""
     import torch
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     torch.set_num_threads(1)
-    ctx = D.init(cfg, local_rank, world, local_rank)
+    ctx = distributed.init(cfg, local_rank, world, local_rank)
     try:
         trainer = build_trainer(cfg, ctx)
         trainer.train()
-        torch.save({k: v.detach().cpu() for k, v in trainer.par.raw_model.state_dict().items()},
+        torch.save({k: v.detach().cpu() for k, v in trainer.strategy.raw_model.state_dict().items()},
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
     from resilience import launcher
-    launcher.leave(0)  # as main.py's ranks end: without the interpreter's teardown, which gloo's threads can abort
+    launcher.end_rank_process(0)  # as main.py's ranks end: without the interpreter's teardown (gloo's threads)
 
 
 def run_ranks(cfg, world, out_dir):

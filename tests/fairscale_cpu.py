@@ -93,4 +93,4 @@ def _worker(local_rank: int, cfg, procs: int) -> None:
     code = wiring.worker(cfg, main.RankPlace(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)
-    launcher.leave(0)  # as main.py's ranks end (see there)
+    launcher.end_rank_process(0)  # as main.py's ranks end (see there)

@@ -164,10 +164,10 @@ def test_a_run_that_makes_no_sense_is_refused_at_start(tmp_path, capsys, sets, w
 
 
 def test_warmup_as_long_as_the_run_or_a_fraction_is_accepted(tmp_path):
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     for warmup in (3, 0.5):
         cfg = load_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
                                    f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
-        assert build_trainer(cfg, D.init(cfg, 0, 1, 0)).total_steps == 3
+        assert build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).total_steps == 3

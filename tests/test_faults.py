@@ -303,11 +303,11 @@ def test_time_limit_and_signal_config():
 # Non-finite steps never reach the parameters
 # ==============================================================================================================
 def make_trainer(tmp_path, **train):
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, **train})
-    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -315,18 +315,18 @@ def test_nan_step_leaves_parameters_and_optimizer_state_unchanged(tmp_path, prec
     tr = make_trainer(tmp_path, precision=precision)
     stream = tr.micro_batches()
     tr.train_step([next(stream)])  # the optimizer has state now
-    params = copy.deepcopy(tr.par.raw_model.state_dict())
-    opt = copy.deepcopy(tr.par.optimizer.state_dict())
+    params = copy.deepcopy(tr.strategy.raw_model.state_dict())
+    opt = copy.deepcopy(tr.strategy.optimizer.state_dict())
     loss_sum = tr.task.loss_sum
     tr.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
     _, _, norm, _ = tr.train_step([next(stream)])
     assert norm != norm  # nan
-    assert max_diff(tr.par.raw_model.state_dict(), params) == 0
-    after = tr.par.optimizer.state_dict()["state"]
+    assert max_diff(tr.strategy.raw_model.state_dict(), params) == 0
+    after = tr.strategy.optimizer.state_dict()["state"]
     assert all(torch.equal(after[k][n], opt["state"][k][n]) for k in after for n in after[k])
     tr.task.loss_sum = loss_sum
     _, _, norm, _ = tr.train_step([next(stream)])  # and training goes on
-    assert norm == norm and max_diff(tr.par.raw_model.state_dict(), params) > 0
+    assert norm == norm and max_diff(tr.strategy.raw_model.state_dict(), params) > 0
 
 
 def test_diverged_run_stops_with_exit_4_keeping_good_checkpoints(tmp_path, capsys):

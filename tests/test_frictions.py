@@ -26,9 +26,9 @@ from extras.balance import resolve_precision
 
 
 def build_trainer(cfg, task=None):
-    from core import distributed as D
+    from core import distributed
     import wiring
-    return wiring.build_trainer(cfg, D.init(cfg, 0, 1, 0), task)
+    return wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
 
 
 def child_env(**extra):
@@ -54,7 +54,7 @@ def test_precision_auto_follows_the_device(device, bf16, expected, note):
 
 def test_precision_auto_is_fp32_on_cpu_and_the_plan_says_so(tmp_path):
     t = build_trainer(make_config(tmp_path, train={"precision": "auto", "max_steps": 2}))
-    assert t.t.precision == "fp32" and t.cfg.train.precision == "fp32"
+    assert t.train_cfg.precision == "fp32" and t.cfg.train.precision == "fp32"
     assert isinstance(t.autocast(), contextlib.nullcontext)  # no autocast
     assert "precision auto -> fp32 (CPU)" in run_log.plan(t)
 
@@ -105,17 +105,17 @@ def test_spawned_ranks_start_with_passive_openmp_and_their_share_of_the_cores(tm
 
 
 def test_omp_num_threads_of_the_user_is_kept(tmp_path, monkeypatch):
-    from core import distributed as D
+    from core import distributed
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ctx = D.DistContext(0, 1, 0, torch.device("cpu"), None)
+    ctx = distributed.DistContext(0, 1, 0, torch.device("cpu"), None)
     try:
         torch.set_num_threads(1)
-        line = D.share_cores(ctx, 2)
+        line = distributed.share_cores(ctx, 2)
         assert torch.get_num_threads() == 1 and "CPU threads per rank 1 (OMP_NUM_THREADS=1)" in line
         monkeypatch.delenv("OMP_NUM_THREADS")
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-        line = D.share_cores(ctx, 2)
+        line = distributed.share_cores(ctx, 2)
         assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
         assert "OMP_WAIT_POLICY unset (idle threads spin: export OMP_WAIT_POLICY=PASSIVE" in line
     finally:
@@ -207,7 +207,7 @@ def test_dev_loss_follows_an_edited_training_loss(tmp_path):
     # Same initial weights (same seed): the predictions agree, the loss is the smoothed one.
     assert edited["accuracy"] == plain["accuracy"] and abs(edited["loss"] - plain["loss"]) > 1e-3
     batch = edited_trainer.task.collate([edited_trainer.datasets["dev"][i] for i in range(225)])
-    model = edited_trainer.par.raw_model.eval()
+    model = edited_trainer.strategy.raw_model.eval()
     with torch.no_grad():
         expected = edited_trainer.task.loss_sum(model, batch).item() / 225
     assert edited["loss"] == pytest.approx(expected, rel=1e-5)

@@ -216,6 +216,6 @@ def test_auto_refuses_strategies_whose_forward_waits_for_all_ranks():
     from extras import balance
     cfg = load_config(None, DDP2 + ["train.batch_size=auto", "train.global_batch_size=64"])
     trainer = SimpleNamespace(cfg=cfg, t=cfg.train, ctx=SimpleNamespace(world_size=2, rank=0),
-                              par=SimpleNamespace(replicas_in_lockstep=True))
+                              strategy=SimpleNamespace(replicas_wait_for_each_other=True))
     with pytest.raises(ConfigError, match="`train.batch_size` is auto, which needs a replicated strategy"):
         balance.auto_batch_sizes(trainer, None)

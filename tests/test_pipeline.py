@@ -165,7 +165,7 @@ def test_checkpoints_carry_over_between_pipe_and_fsdp(one_process, pipe_run, tmp
 def _device_moves_rank(local_rank, cfg, out_dir):
     """Builds a pipe Trainer while counting the parameter elements that go through Tensor.to (a move to the
     device): only this rank's stage may go there, never the whole model."""
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         if isinstance(self, torch.nn.Parameter) and self.numel():
             moved.append(self.numel())
         return original(self, *args, **kwargs)
-    ctx = D.init(cfg, local_rank, 2, local_rank)
+    ctx = distributed.init(cfg, local_rank, 2, local_rank)
     try:
         torch.Tensor.to = spy
         try:
@@ -183,15 +183,15 @@ def _device_moves_rank(local_rank, cfg, out_dir):
             trainer = build_trainer(cfg, ctx, task)
         finally:
             torch.Tensor.to = original
-        held = sum(p.numel() for p in trainer.par.raw_model.parameters())
+        held = sum(p.numel() for p in trainer.strategy.raw_model.parameters())
         whole = sum(p.numel() for p in task.build_model().parameters())
-        torch.save({"moved": sum(moved), "held": held, "whole": whole, "planned": trainer.par.stage_params},
+        torch.save({"moved": sum(moved), "held": held, "whole": whole, "planned": trainer.strategy.stage_params},
                    os.path.join(out_dir, f"{local_rank}.pt"))
-        D.barrier(ctx)  # as wiring.worker: rank 0 holds the store, and the other rank may still be making its groups
+        distributed.barrier(ctx)  # as wiring.worker: rank 0 holds the store; the other may still make its groups
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
     from resilience import launcher
-    launcher.leave(0)  # as main.py's ranks end (see there)
+    launcher.end_rank_process(0)  # as main.py's ranks end (see there)
 
 
 def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):
@@ -446,12 +446,12 @@ def test_auto_split_gives_the_slowed_stage_fewer_layers(tmp_path):
 
 def test_a_shape_change_is_one_line_naming_the_cause():
     from core.errors import DataError
-    from strategies.pipeline import PipeParallel
+    from strategies.pipeline import PipeStrategy
     fake = types.SimpleNamespace(first_shapes=None)
-    PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
-    PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
+    PipeStrategy.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
+    PipeStrategy.check_shapes(fake, {"input_ids": torch.zeros(8, 32), "labels": torch.zeros(8)})
     with pytest.raises(DataError) as e:
-        PipeParallel.check_shapes(fake, {"input_ids": torch.zeros(8, 20), "labels": torch.zeros(8)})
+        PipeStrategy.check_shapes(fake, {"input_ids": torch.zeros(8, 20), "labels": torch.zeros(8)})
     assert "input_ids (8, 32) -> (8, 20)" in str(e.value) and "\n" not in str(e.value)
 
 

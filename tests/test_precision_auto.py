@@ -19,15 +19,15 @@ TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 0, "lr": 3e-3, "batch_si
 
 
 def train(cfg) -> trainer_module.Trainer:
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
-    t = build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    t = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
     t.train()
     return t
 
 
 def params(t) -> dict:
-    return {k: v.detach().clone() for k, v in t.par.raw_model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in t.strategy.raw_model.state_dict().items()}
 
 
 def inject(monkeypatch, units: str = "AMX", timings=None):
@@ -54,7 +54,7 @@ def autocast_dtype(t):
 def test_auto_takes_bf16_only_when_clearly_faster_and_the_plan_shows_both(tmp_path, monkeypatch, timings, chosen):
     inject(monkeypatch, timings=timings)
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
-    assert t.t.precision == t.cfg.train.precision == chosen  # what checkpoints and config.yml record
+    assert t.train_cfg.precision == t.cfg.train.precision == chosen  # what checkpoints and config.yml record
     assert autocast_dtype(t) == (torch.bfloat16 if chosen == "bf16" else None)
     plan = run_log.plan(t)
     assert (f"precision auto -> {chosen} (CPU with AMX: forward+backward {timings['bf16'] * 1e3:.0f} ms bf16 vs "
@@ -75,7 +75,7 @@ def test_auto_choosing_bf16_trains_exactly_as_explicit_bf16(tmp_path, monkeypatc
 def test_without_bf16_units_auto_is_fp32_without_measuring(tmp_path, monkeypatch):
     inject(monkeypatch, units="", timings=None)
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
-    assert t.t.precision == "fp32" and autocast_dtype(t) is None
+    assert t.train_cfg.precision == "fp32" and autocast_dtype(t) is None
     assert "precision auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)" in run_log.plan(t)
 
 
@@ -83,21 +83,21 @@ def test_without_bf16_units_auto_is_fp32_without_measuring(tmp_path, monkeypatch
 def test_explicit_precision_is_kept_and_nothing_is_measured(tmp_path, monkeypatch, explicit):
     inject(monkeypatch, timings=None)  # bf16 units present: only the explicit setting stops the measurement
     t = train(make_config(tmp_path, train={**TRAIN, "precision": explicit}))
-    assert t.t.precision == explicit and t.precision_note == explicit
+    assert t.train_cfg.precision == explicit and t.precision_note == explicit
     assert autocast_dtype(t) == (torch.bfloat16 if explicit == "bf16" else None)
 
 
 def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypatch):
     """fsdp fixes its mixed-precision policy when it wraps the model, and under tp or pipe a forward waits for other
     ranks: auto keeps fp32 there, unmeasured, and the plan says why (the strategy's flag faked on one process)."""
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     inject(monkeypatch, timings=None)
     cfg = make_config(tmp_path, train={**TRAIN, "precision": "auto"})
-    t = build_trainer(cfg, D.init(cfg, 0, 1, 0))
-    monkeypatch.setattr(t.par, "eval_lockstep", True)
+    t = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    monkeypatch.setattr(t.strategy, "forward_is_collective", True)
     t.hooks.before_first_step(t)
-    assert t.t.precision == "fp32" and autocast_dtype(t) is None
+    assert t.train_cfg.precision == "fp32" and autocast_dtype(t) is None
     assert "auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps" in run_log.plan(t)
 
 
@@ -125,7 +125,7 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
     monkeypatch.setattr(balance, "cpu_bf16_units", lambda: "AMX")
     monkeypatch.setattr(balance, "BF16_GAIN", gain)
     t = train(make_config(tmp_path / "auto", train={**TRAIN, "precision": "auto", "balance_steps": 2}))
-    assert calls == [2] and t.t.precision == chosen
+    assert calls == [2] and t.train_cfg.precision == chosen
     assert "ms bf16 vs" in t.precision_note
     explicit = train(make_config(tmp_path / chosen, train={**TRAIN, "precision": chosen}))
     assert max_diff(params(t), params(explicit)) == 0.0
@@ -136,23 +136,23 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
 # ---------------------------------------------------------------------------------------------------------------
 def _rank(local_rank, cfg, out_dir, timings):
     """A spawned rank: this CPU has AMX and measures `timings[local_rank]`; it trains and writes what it chose."""
-    from core import distributed as D
+    from core import distributed
     from resilience import launcher
     from wiring import build_task
     torch.set_num_threads(1)
     balance.cpu_bf16_units = lambda: "AMX"
     balance.time_precisions = lambda trainer, steps: timings[local_rank]
-    ctx = D.init(cfg, local_rank, 2, local_rank)
+    ctx = distributed.init(cfg, local_rank, 2, local_rank)
     try:
         t = build_trainer(cfg, ctx)
         t.train()
         torch.save(params(t), os.path.join(out_dir, f"rank{local_rank}.pt"))
-        params_fp32 = all(p.dtype == torch.float32 for p in t.par.raw_model.parameters())  # DDP reduces in fp32
+        params_fp32 = all(p.dtype == torch.float32 for p in t.strategy.raw_model.parameters())  # DDP reduces in fp32
         with open(os.path.join(out_dir, f"rank{local_rank}.json"), "w") as f:
-            json.dump({"precision": t.t.precision, "note": t.precision_note, "fp32_params": params_fp32}, f)
+            json.dump({"precision": t.train_cfg.precision, "note": t.precision_note, "fp32_params": params_fp32}, f)
     finally:
-        D.shutdown(ctx)
-    launcher.leave(0)
+        distributed.shutdown(ctx)
+    launcher.end_rank_process(0)
 
 
 @pytest.mark.parametrize("timings, chosen", [  # quick loop: the bf16 case (agreement and the bf16 run)

@@ -23,10 +23,10 @@ SHORT = {"batch_size": 16, "max_steps": 6, "epochs": 0, "log_every": 2, "eval_ev
 
 
 def build_trainer(cfg):
-    from core import distributed as D
+    from core import distributed
     import wiring
     torch.set_num_threads(1)
-    return wiring.build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    return wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
 
 
 def log_of(output_dir) -> str:
@@ -38,8 +38,8 @@ def log_of(output_dir) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 def test_betas_and_eps_reach_the_optimizer(tmp_path):
     t = build_trainer(make_config(tmp_path, train={"betas": [0.8, 0.95], "eps": 1e-6}))
-    assert t.par.optimizer.param_groups, "no parameter groups"
-    for group in t.par.optimizer.param_groups:  # every group: matrices (decayed) and biases alike
+    assert t.strategy.optimizer.param_groups, "no parameter groups"
+    for group in t.strategy.optimizer.param_groups:  # every group: matrices (decayed) and biases alike
         assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6, group
 
 
@@ -136,10 +136,10 @@ def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
 
 def _evaluate_rank(local_rank, cfg, world, out):
     """Spawned: each rank evaluates the initial model's dev subset at step 2; rank 0 writes the metrics."""
-    from core import distributed as D
+    from core import distributed
     import wiring
     torch.set_num_threads(1)
-    ctx = D.init(cfg, local_rank, world, local_rank)
+    ctx = distributed.init(cfg, local_rank, world, local_rank)
     try:
         t = wiring.build_trainer(cfg, ctx)
         t.state.step = 2
@@ -148,9 +148,9 @@ def _evaluate_rank(local_rank, cfg, world, out):
             with open(out, "w") as f:
                 json.dump(metrics, f)
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
     from resilience import launcher
-    launcher.leave(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
+    launcher.end_rank_process(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
 
 
 def test_eval_batches_subset_is_exact_across_ranks(tmp_path):

@@ -207,11 +207,11 @@ def _memory_worker(rank, port, queue):
         task = build_task(cfg)
         train_set = task.build_datasets()["train"]
         torch.manual_seed(0)
-        par = apply(task.build_model(), cfg, ctx, task, train_set)
+        strategy = apply(task.build_model(), cfg, ctx, task, train_set)
         batch = task.collate([train_set[i] for i in range(8 * rank, 8 * rank + 8)])
-        task.loss_sum(par.model, batch).backward()
-        par.optimizer.step()
-        queue.put((name, rank, state_bytes(par)))  # before zero_grad: parameters, gradients and state
+        task.loss_sum(strategy.model, batch).backward()
+        strategy.optimizer.step()
+        queue.put((name, rank, state_bytes(strategy)))  # before zero_grad: parameters, gradients and state
     dist.barrier()
     dist.destroy_process_group()
 

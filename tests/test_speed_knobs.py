@@ -103,10 +103,10 @@ def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_pat
 
 
 def _build_trainer(cfg):
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
-    return build_trainer(cfg, D.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
 
 
 # ---- profiling ------------------------------------------------------------------------------------------------
@@ -132,13 +132,14 @@ def test_bad_profile_steps_are_one_line_errors(tmp_path, steps):
 # ---- torch.compile --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compiled_gpt2_trains_like_eager():
-    """train.compile's path (Parallel.compile: Module.compile in place) on a tiny GPT-2: the same loss and
+    """train.compile's path (Strategy.compile: Module.compile in place) on a tiny GPT-2: the same loss and
     gradients as eager within relative 1e-4 for two steps with different lengths (inductor fuses and reorders
     float arithmetic; it does not change the maths), and the state-dict keys stay the same."""
-    from core import distributed as D
-    from strategies.base import Parallel
+    from core import distributed
+    from strategies.base import Strategy
     eager, compiled = tiny_gpt2(0.0), tiny_gpt2(0.0)
-    Parallel(compiled, compiled, None, D.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)).compile()
+    ctx = distributed.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)
+    Strategy(compiled, compiled, None, ctx).compile()
     assert list(compiled.state_dict()) == list(eager.state_dict())
     for length in (16, 24):
         ids = torch.randint(0, 100, (4, length))
@@ -204,7 +205,7 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
     stop votes) and once per log line (the loss window). On CPU nothing waits, but the reads can be counted by
     the line of this project's code that makes them: one read added to the loop by an edit fails here."""
     import sys
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     ours, trainer, reads = os.path.dirname(os.path.abspath(main.__file__)), None, {}
@@ -218,12 +219,12 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
         monkeypatch.setattr(torch.Tensor, name, counted)
     cfg = make_config(tmp_path, train={"max_steps": 10, "log_every": 4, "eval_every": 0, "save_every": 0,
                                        "precision": precision}, dist={"device": "cpu"})
-    ctx = D.init(cfg, 0, 1, 0)
+    ctx = distributed.init(cfg, 0, 1, 0)
     try:
         trainer = build_trainer(cfg, ctx)
         trainer.train()
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
     # After s steps: the next step's read, and after steps 4 and 8 the log line's (after 10 come the last log
     # line, the evaluation and the save, which wait for the device anyway).
     middle = {s: len(r) for s, r in reads.items() if s < 10}

@@ -157,32 +157,33 @@ def test_tp_in_fp16_ends_where_one_process_does(bert, one_fp16, tmp_path, layout
 
 def _overflow_worker(rank, port, data, out, strategy, queue):
     """Step 2 overflows in one piece of a tp-split gradient on rank 1 only."""
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = config(out, data, {"strategy": strategy, "tp": 2, "procs_per_node": 2}, precision="fp16")
     cfg.dist.master_port = port
-    ctx = D.init(cfg, rank, 2, rank)
+    ctx = distributed.init(cfg, rank, 2, rank)
     try:
         tr = build_trainer(cfg, ctx)
-        par, stream = tr.par, tr.micro_batches()
+        strategy, stream = tr.strategy, tr.micro_batches()
         tr.train_step([next(stream)])
-        before, scale = {k: local(v).clone() for k, v in par.raw_model.state_dict().items()}, par.scaler.get_scale()
-        split = next(p for n, p in par.raw_model.named_parameters() if n.endswith("query.weight"))
-        reduce_grads = par.reduce_grads
+        before = {k: local(v).clone() for k, v in strategy.raw_model.state_dict().items()}
+        scale = strategy.scaler.get_scale()
+        split = next(p for n, p in strategy.raw_model.named_parameters() if n.endswith("query.weight"))
+        reduce_grads = strategy.reduce_grads
 
         def overflow():
             reduce_grads()
             if rank == 1:
                 local(split.grad).view(-1)[0] = math.inf
-        par.reduce_grads = overflow
+        strategy.reduce_grads = overflow
         _, _, norm, _ = tr.train_step([next(stream)])
-        unchanged = all(torch.equal(local(v), before[k]) for k, v in par.raw_model.state_dict().items())
-        queue.put((rank, norm, unchanged, par.scaler.get_scale() / scale))
+        unchanged = all(torch.equal(local(v), before[k]) for k, v in strategy.raw_model.state_dict().items())
+        queue.put((rank, norm, unchanged, strategy.scaler.get_scale() / scale))
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
 
 
 @pytest.mark.slow
@@ -233,13 +234,13 @@ def _count_probe(rank, data, queue):
     whole = task.build_model()
     split = sum(p.numel() for n, p in whole.named_parameters() if n.endswith(SPLIT))
     total = sum(p.numel() for p in whole.parameters())
-    par = apply(whole, cfg, ctx, task, train_set)
+    strategy = apply(whole, cfg, ctx, task, train_set)
     batch = task.collate([train_set[i] for i in range(4)])
     with CommDebugMode() as comm:
-        loss = task.loss_sum(par.model, batch)
+        loss = task.loss_sum(strategy.model, batch)
     counts = {str(k): v for k, v in comm.get_comm_counts().items()}
     loss.backward()
-    queue.put(("counts", (rank, counts, state_bytes(par)["params"], 4 * (total - split + split // 2))))
+    queue.put(("counts", (rank, counts, state_bytes(strategy)["params"], 4 * (total - split + split // 2))))
 
 
 # What the plan splits: q/k/v and intermediate weights and biases (by columns), the two output weights (by rows);
@@ -420,7 +421,7 @@ def _mask_probe(rank, queue):
     F.dropout = recorded
     for arch in ("gpt2", "bert", "llama"):
         for sp in (False, True):
-            torch.manual_seed(0)  # the group's shared stream (Parallel.seed_rank)
+            torch.manual_seed(0)  # the group's shared stream (Strategy.random_stream)
             model = _tiny(arch)
             plan = bert_tp_plan(model, 2, sp) if arch == "bert" else tp_plan(model, 2, sp)
             parallelize_module(model, tp, plan).train()
@@ -456,22 +457,22 @@ GPT2_DROPOUT = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout":
 
 def _replica_worker(rank, port, data, out, layout):
     """Four steps of GPT-2 under `layout` with dropout 0.1; every parameter's piece on this rank."""
-    from core import distributed as D
+    from core import distributed
     from wiring import build_task
     from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = lm_config(out, data, GPT2_DROPOUT, layout)
     cfg.dist.master_port = port
-    ctx = D.init(cfg, rank, layout["procs_per_node"], rank)
+    ctx = distributed.init(cfg, rank, layout["procs_per_node"], rank)
     try:
         tr = build_trainer(cfg, ctx)
         stream = tr.micro_batches()
         for _ in range(4):
             tr.train_step([next(stream)])
-        torch.save({n: local(p) for n, p in tr.par.raw_model.named_parameters()}, f"{out}/rank{rank}.pt")
+        torch.save({n: local(p) for n, p in tr.strategy.raw_model.named_parameters()}, f"{out}/rank{rank}.pt")
     finally:
-        D.shutdown(ctx)
+        distributed.shutdown(ctx)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """train.compile under tensor parallelism with dropout: the compiled blocks still draw each rank's own masks where
-the data is split (strategies/tp.OwnDropout), and the group's shared stream still ends equal on every rank. (Apart
+the data is split (strategies/tp.PerRankDropout), and the group's shared stream still ends equal on every rank. (Apart
 from tests/test_tp.py: compiling takes a minute.)"""
 import os
 
@@ -12,7 +12,7 @@ from conftest import free_port, spawn
 
 def _compiled_masks(rank, port, cache, queue):
     """One training forward of a tiny GPT-2 (attention dropout 0.5, 2 heads per rank) split over tp 2, its blocks
-    compiled as TPParallel.compile does, with and without OwnDropout in the plan; rank 0 reports, per layer, whether
+    compiled as TPStrategy.compile does, with and without PerRankDropout in the plan; rank 0 reports, per layer, whether
     the two ranks' attention probabilities were zeroed at the same places."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_CACHE_DIR=cache)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -20,17 +20,17 @@ def _compiled_masks(rank, port, cache, queue):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from strategies.base import model_blocks
-    from strategies.tp import OwnDropout
+    from strategies.tp import PerRankDropout
     from tasks.lm_models import tp_plan
     from test_tp import _tiny
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     for own in (True, False):
-        torch.manual_seed(0)  # the group's shared stream (Parallel.seed_rank)
+        torch.manual_seed(0)  # the group's shared stream (Strategy.random_stream)
         model = _tiny("gpt2")
         plan = tp_plan(model, 2, False)
-        assert any(isinstance(style, OwnDropout) for style in plan.values())
+        assert any(isinstance(style, PerRankDropout) for style in plan.values())
         if not own:  # the control: the plan's other styles alone
-            plan = {k: v.inner if isinstance(v, OwnDropout) else v for k, v in plan.items()}
+            plan = {k: v.inner if isinstance(v, PerRankDropout) else v for k, v in plan.items()}
             plan = {k: v for k, v in plan.items() if v is not None}
         parallelize_module(model, tp, plan).train()
         for unit in model_blocks(model):
@@ -55,6 +55,6 @@ def test_compiled_blocks_draw_each_ranks_own_masks_where_the_data_is_split(tmp_p
         found[own] = (shapes, same, same_stream)
     assert found[True][0] == [(2, 2, 8, 8)] * 2  # 2 layers; batch 2, this rank's 2 heads, 8 x 8 positions
     assert found[True][1] == [False, False] and found[True][2]  # own masks per rank; the shared stream stays equal
-    assert found[False][1] == [True, True] and found[False][2]  # without OwnDropout both ranks draw the same masks
+    assert found[False][1] == [True, True] and found[False][2]  # without PerRankDropout both ranks draw the same masks
     assert any(os.scandir(tmp_path / "inductor"))  # the blocks were compiled
     assert "Graph break" not in capfd.readouterr().err  # the stream switch is left out of the compiled code quietly

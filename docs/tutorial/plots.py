@@ -222,18 +222,18 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
                                 "log": {"progress_bar": False, "tensorboard": False},
                                 "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
         task = build_task(cfg)
-        par = apply(bert_model(*size), cfg, ctx, task, None)
+        strategy = apply(bert_model(*size), cfg, ctx, task, None)
         with CommDebugMode() as forward:
-            task.loss_sum(par.model, batch)
+            task.loss_sum(strategy.model, batch)
         with CommDebugMode() as step:  # forward and backward, with the gradients' reduction over dp
-            par.forward_backward(task, [batch], 1.0, contextlib.nullcontext)
-        par.optimizer.step()  # AdamW's two moments now exist
+            strategy.forward_backward(task, [batch], 1.0, contextlib.nullcontext)
+        strategy.optimizer.step()  # AdamW's two moments now exist
         counts = [{} for _ in range(2)]
         for total, mode in zip(counts, (forward, step)):
             for op, n in mode.get_comm_counts().items():
                 what = COLLECTIVES.get(str(op).split(".")[-1], str(op))
                 total[what] = total.get(what, 0) + n
-        queue.put((name, rank, counts, state_bytes(par)))
+        queue.put((name, rank, counts, state_bytes(strategy)))
     dist.barrier()
     dist.destroy_process_group()
 
