@@ -2,10 +2,9 @@
 
     python main.py --params parameters.yml [--set section.key=value ...]
 
-The composition root's first half, the parent process: reads and checks the config (a mistake in it: one line, exit
-code 2, before any process starts and before torch loads), holds output_dir, then starts this node's ranks
-(resilience/launcher.py) or is the one rank torchrun or srun started. What a rank runs, and the tables of tasks and
-strategies: wiring.py, imported once the config's schema has passed; `mode: export` runs in this process.
+The composition root's first half, the parent process: checks the config (a mistake: one line, exit code 2, before
+torch loads), holds output_dir, then starts this node's ranks (resilience/launcher.py) or is the one rank torchrun or
+srun started. What a rank runs, and the tables: wiring.py, imported once the schema passed.
 """
 from __future__ import annotations
 

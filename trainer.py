@@ -16,9 +16,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from core import checkpoint
-from core import distributed
-from core import run_log
+from core import checkpoint, distributed, run_log
 from core.config import Config
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
@@ -60,8 +58,7 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        # LoRA adapters, activation checkpointing, then dist.strategy (and dist.tp); train(): from_pretrained gives
-        # eval mode
+        # LoRA, activation checkpointing, dist.strategy (wiring.parallelize); train(): from_pretrained gives eval mode
         self.strategy = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
         if self.train_cfg.compile and cfg.mode == "train":
             self.strategy.compile()  # the first steps (and each new input shape) pay the compilation
@@ -253,7 +250,7 @@ class Trainer:
         metrics = self.task.metrics(totals)
         if ctx.is_main:
             subset = f" (on {len(indices)} of {len(dataset)} samples: train.eval_batches)" if len(indices) < len(
-                dataset) else ""  # after the metrics, so `step N dev: k=v ...` reads as it always did
+                dataset) else ""  # after the metrics: `step N dev: k=v ...` stays one pattern to read
             self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
                           + subset)
             if self.trackers:

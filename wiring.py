@@ -1,10 +1,6 @@
-"""One rank, put together: the composition root's second half, imported by main.py once the config's schema has passed
-(it loads torch, every strategy and every task) and by the ranks main.py starts.
-
-It holds the tables (tasks, strategies, which file checks which config keys) and plugs the packages around the core
-into it: `worker()` joins the process group and builds the Trainer (trainer.py) with its strategy (strategies/) and
-its hooks (resilience/ for resuming, signals and the watchdog; extras/ for the auto settings and profiling). The core
-imports none of these; this file imports them all, at its top.
+"""One rank, put together: the composition root's second half, imported by main.py once the config's schema has
+passed, and by the ranks it starts. The tables (tasks, strategies, which file checks which config keys), and
+`worker()`: the process group, then the Trainer with its strategy (strategies/) and its hooks (resilience/, extras/).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fault drill: break runs on purpose, the ways a cluster does, and count what survived.
 
-    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --only bad kill signal detect nan bitflip
-                                      issue20]
+    python benchmarks/fault_drill.py [--kill-trials 12 --signal-trials 2 --only bad kill signal detect nan issue33
+                                      bitflip issue20]
 
 Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
   - kill -9 of the whole job at random moments (many of them inside a save or a pruning, since every step saves
@@ -13,6 +13,9 @@ Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
   - NaN: runs with lr=1e6 stopped with exit code 4, no non-finite checkpoint;
   - bad inputs: how many kinds of mistake (config, data, checkpoint, environment) end with exit code 2 and one
     `error:` line, with no traceback;
+  - issue 33's hostile values and files (`--only issue33`): non-finite and out-of-range numbers, a warm-up longer
+    than the run, output_dir=/, billion laughs, deep nesting, duplicate keys, a 2 MB or NUL-holding params file, a
+    pretrained folder that needs its own code: exit 2, one `error:` line, within 20 s;
   - bit flips (`--only bitflip`, issue 33): one byte flipped in model.pt, optimizer.pt, state.pt or an fsdp
     `.distcp` shard of the newest checkpoint: resume falls back to the one before with one line naming the file,
     test mode (and export) refuse it with exit code 2 and one line;
@@ -243,6 +246,48 @@ def bad_inputs(tmp):
         clean += ok
         failures += [] if ok else [f"{name}: exit {r.returncode}: {r.stderr.strip()[-200:]}"]
     busy.close()
+    return clean, len(cases), failures
+
+
+def issue33_inputs(tmp):
+    """Issue 33's hostile values and files: each must end with exit code 2 and one `error:` line, within seconds."""
+    def write(name, data):
+        path = os.path.join(tmp, "issue33", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.encode())
+        return path
+
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    custom = os.path.dirname(write("custom_model/config.json", '{"model_type": "my_own", "auto_map": '
+                                                               '{"AutoConfig": "code.MyConfig"}}'))
+    cases = {f"{key}={value}": ["--set", f"{key}={value}"] for key, value in [
+        ("train.lr", "nan"), ("train.lr", "inf"), ("train.epochs", "inf"), ("train.warmup", "nan"),
+        ("train.eps", "nan"), ("seed", "-1"), ("seed", str(2 ** 64)), ("dist.timeout_s", "0"),
+        ("dist.timeout_s", "-5"), ("train.weight_decay", "nan"), ("train.clip_grad_norm", "nan"),
+        ("train.time_limit", "nan"), ("dist.hang_timeout_s", "nan"), ("train.batch_size", "1000000000"),
+        ("output_dir", "/")]}
+    cases.update({
+        "warm-up longer than the run": ["--set", "train.warmup=500", "--set", "train.max_steps=3"],
+        "billion laughs file": ["--params", write("laughs.yml", laughs + "train:\n  lr: *i\n")],
+        "billion laughs --set": ["--set", "model.lora_targets=" + laughs.replace("\n", "\n")],
+        "list nested 10,000 deep": ["--params", write("deep.yml", "train:\n  lr: " + "[" * 10000 + "]" * 10000)],
+        "duplicate key": ["--params", write("dup.yml", "train:\n  lr: 0.1\n  lr: 0.2\n")],
+        "2 MB params file": ["--params", write("big.yml", "# " + "x" * (2 << 20) + "\n")],
+        "NUL byte": ["--params", write("nul.yml", b"train:\n  max_steps: 4\x002\n")],
+        "remote code folder": ["--set", "task=sst2", "--set", f"model.pretrained_dir={custom}"],
+    })
+    clean, failures = 0, []
+    for name, extra in cases.items():
+        out = os.path.join(tmp, "issue33-runs", re.sub(r"\W", "_", name)[:60])
+        start = time.monotonic()
+        r = run(cmd(out, procs=1, steps=2) + ["--set", "dist.strategy=none"] + extra, timeout=120)
+        seconds = time.monotonic() - start
+        ok, saw = one_line(r, 2, "error: ")
+        ok = ok and seconds < 20
+        clean += ok
+        failures += [] if ok else [f"{name}: {seconds:.0f} s, {saw}"]
     return clean, len(cases), failures
 
 
@@ -590,7 +635,7 @@ def main():
     p.add_argument("--kill-trials", type=int, default=12)
     p.add_argument("--signal-trials", type=int, default=2, help="per kind of signal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "bitflip", "issue20"])
+    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "issue33", "bitflip", "issue20"])
     args = p.parse_args()
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="fault-drill-")
@@ -617,6 +662,11 @@ def main():
         if "nan" in args.only:
             n = nan_runs(tmp, 3)
             say(f"NaN (lr 1e5, 1e6, 1e7): {n}/3 stopped with exit 4 and only finite checkpoints")
+        if "issue33" in args.only:
+            clean, kinds, failures = issue33_inputs(tmp)
+            say(f"issue 33 values and files: {clean}/{kinds} end with exit 2 and one `error:` line within 20 s")
+            for f in failures:
+                say(f"  not clean: {f}")
         if "bitflip" in args.only:
             say("bit flips (issue 33):")
             flips = bit_flip_probes(tmp, say)

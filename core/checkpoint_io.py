@@ -17,11 +17,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import checkpoint_hashes
-from core.checkpoint_meta import read as read_meta
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
-from core.checkpoint_meta import differences
-from core.errors import CheckpointError, Unloadable, first_line
+from core.checkpoint_meta import differences, read as read_meta
 from core.distributed import DistContext, broadcast_object
+from core.errors import CheckpointError, Unloadable, first_line
 from strategies.base import param_groups, trained_names, trains_part
 
 

@@ -20,7 +20,6 @@ from core.config_mistakes import unknown_key, wrong_type
 from core.errors import ConfigError
 from core.launch_env import launcher_env
 
-
 # ---- sections: each one's check(fail), under its fields, rejects values a run cannot use (validate, below) ----
 INT_MAX = 2**31 - 1  # a count beyond it overflows the C ints of the libraries below (tokenizers, DataLoader)
 YEAR_S = 365 * 86400  # the longest timeout or time limit: longer ones overflow timedelta or threading's waits

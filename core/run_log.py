@@ -20,12 +20,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from core import checkpoint, disk_errors
-from core import distributed
+from core import checkpoint, disk_errors, distributed, trackers
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
 from strategies import optimizers
-from core import trackers
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -86,7 +84,7 @@ class StopsOnWriteError:
         if isinstance(error, OSError) and error.filename is None:
             error = OSError(error.errno, error.strerror, disk_errors.handler_file(self))
         if not isinstance(error, OSError) or disk_errors.disk_problem(error, "") is None:
-            return super().handleError(record)  # (a closed pipe, say: logging's own report, as ever)
+            return super().handleError(record)  # (a closed pipe, say: logging's own report)
         self.failed = error
         self.pending = threading.current_thread() is not threading.main_thread()
         if not self.pending:
@@ -136,7 +134,8 @@ def plan(tr) -> str:
     return "\n".join([
         "plan:",
         f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
-        *([classes_line(tr.task.label_names())] if tr.task.label_names() else []),
+        *([f"  {tr.task.class_note}" if hasattr(tr.task, "class_note") else classes_line(tr.task.label_names())]
+          if tr.task.label_names() else []),  # csv_text's with their counts
         f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),

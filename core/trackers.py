@@ -220,6 +220,7 @@ class MLflow:
 
     def config(self, values: dict) -> None:
         from mlflow.entities import Param
+
         # MLflow refuses to change a logged param: a resumed run logs only the keys its run does not hold yet.
         held = self.client.get_run(self.run_id).data.params
         params = [Param(k, str(v)[:6000]) for k, v in flat(values).items() if k not in held]

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 
 from core import distributed
-from core.distributed import synchronize, time_unnoticed
 from core.config import world_size
+from core.distributed import synchronize, time_unnoticed
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
 from trainer import autocast_for
@@ -64,17 +64,6 @@ def install_slowdown(model: torch.nn.Module, factor: float, device: torch.device
 
     return [model.register_forward_pre_hook(forward_starts)] + [
         p.register_post_accumulate_grad_hook(stretch) for p in model.parameters() if p.requires_grad]
-
-
-@contextlib.contextmanager
-def slowdown(factor: float, model: torch.nn.Module, device: torch.device):
-    """install_slowdown for the forward and backward passes inside the block only."""
-    hooks = install_slowdown(model, factor, device)
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def measure_speed(trainer, batch_size: int, steps: int) -> float:

@@ -6,11 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from core import checkpoint
-
-from core import checkpoint_meta
-from core import checkpoint_io
-from core import run_log
+from core import checkpoint, checkpoint_io, checkpoint_meta, run_log
 from core.errors import CheckpointError
 
 

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from resilience.faults import HOST, progress, report
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR
+from resilience.faults import HOST, progress, report
 
 
 class Watchdog:

@@ -21,11 +21,10 @@ import time
 from multiprocessing.connection import wait
 from typing import Callable
 
-from resilience import faults
 from core.config import Config
-from core.errors import UserError
+from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, UserError
+from resilience import faults
 from resilience.faults import HOST, already_stopping, detach_hung_up_terminal, say, stop_signals
-from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED
 
 GRACE_S = 2.0  # after a rank fails, how long the others get to report before they are killed
 EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit

@@ -10,12 +10,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from core import checkpoint
-from core import checkpoint_io
-from core import checkpoint_meta
-from resilience import run_dir
-from core.errors import CheckpointError, Unloadable
+from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
+from core.errors import CheckpointError, Unloadable
+from resilience import run_dir
 from trainer import TrainState, lr_lambda
 
 

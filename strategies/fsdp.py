@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from core import checkpoint_io
-from core.checkpoint_meta import read as read_meta
 from core.checkpoint_dcp import dcp_load
 from core.checkpoint_io import load_file
-from core.errors import CheckpointError
+from core.checkpoint_meta import read as read_meta
 from core.distributed import DistContext
+from core.errors import CheckpointError
 from strategies import mesh as meshes
 from strategies.base import Strategy, model_blocks, optimizer_recipe, trains_part
 from strategies.fp16 import sharded_scaler
@@ -230,6 +230,7 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if d.fsdp_impl == "fairscale":
         from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP  # (fairscale runs only)
+
         # The weight-decay groups are built first: without flattening, fairscale shards each parameter in
         # place (p.data becomes the shard), so the same Parameter objects remain in the groups.
         groups, cls, kwargs = optimizer_recipe(model, cfg.train)

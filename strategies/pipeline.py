@@ -36,13 +36,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
+from core.distributed import DistContext, synchronize, time_unnoticed
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
-from core.distributed import DistContext, synchronize, time_unnoticed
 from strategies import mesh as meshes
 from strategies.base import Strategy, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, state_in_dcp_boxes, local
+from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
 from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank

@@ -29,9 +29,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from core.errors import ConfigError
-
 from core.distributed import DistContext
+from core.errors import ConfigError
 from strategies import mesh as meshes
 from strategies.base import Strategy, optimizer_recipe
 from strategies.fp16 import sharded_scaler

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
+
 from core.errors import ConfigError
 
 

@@ -146,7 +146,7 @@ def load_digits_split(test_size: int = 300):
 
 def read_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits as (images [1797, 8, 8] float64, targets int), what `load_digits()` returns, read
-    from the CSV it ships: importing sklearn.datasets takes longer than training the CNN (benchmarks/RESULTS.md)."""
+    from the CSV it ships: importing sklearn.datasets takes longer than training the CNN (benchmarks/RESULTS.md, "CI time with the fault tests")."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else ""
     if not os.path.isfile(path):  # a scikit-learn that keeps it elsewhere: ask it

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError, DataError
-from tasks.base import Layer
-from tasks.text_common import check_pretrained_dir, load_report
-from tasks.gpt2_tp import gpt2_plan
 from strategies.tp import PerRankDropout
+from tasks.base import Layer
+from tasks.gpt2_tp import gpt2_plan
+from tasks.text_common import check_pretrained_dir, load_report
 
 # -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
 PRESETS = {

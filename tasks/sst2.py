@@ -24,12 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
 from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
                                load_report, note, read_utf8)
-from core.errors import ConfigError
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {

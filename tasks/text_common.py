@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from core import checkpoint, disk_errors
 from core.errors import ConfigError, DataError
-from tasks.base import Layer
 from strategies.tp import PerRankDropout
+from tasks.base import Layer
 from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
@@ -447,8 +447,8 @@ def bert_sequence_plan(layers: list) -> dict:
     attention.output and output run on them. The first layer cuts its input, the last gathers its output whole
     for the heads and the pooler (the embeddings and the attention mask stay whole: the mask is built from them)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput,
-                                                   PrepareModuleOutput, SequenceParallel)
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   SequenceParallel)
     whole, cut = (Replicate(),), (Shard(1),)
     gather = dict(input_layouts=cut, desired_input_layouts=whole, use_local_output=True)
     plan = {}

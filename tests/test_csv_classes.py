@@ -31,7 +31,8 @@ def test_the_plan_lists_the_classes_and_min_count_1_trains_a_rare_one(tmp_path, 
     data = write_data(tmp_path / "data", ["0", "1"] * 20 + ["7"])
     assert main.run(make_config(tmp_path / "run", task="csv_text", data={"data_dir": str(data), "min_class_count": 1},
                                 train=TRAIN)) == 0
-    assert f"task csv_text ({data}; 3 classes: 0 20, 1 20, 7 1)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"task csv_text ({data})" in out and "\n  3 classes: 0 20, 1 20, 7 1\n" in out
 
 
 def test_check_classes_rules():

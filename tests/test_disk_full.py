@@ -88,8 +88,9 @@ def test_log_file_full_mid_run_is_one_line_and_resumes(tmp_path, capsys, monkeyp
     assert "resumed from" in (tmp_path / "logs" / "rank0.log").read_text()
 
 
-def test_a_failed_log_write_in_another_thread_is_raised_by_the_main_thread(tmp_path):
+def test_a_failed_log_write_in_another_thread_is_raised_by_the_main_thread(tmp_path, monkeypatch):
     import threading
+    monkeypatch.setattr(run_log, "quiet_libraries", lambda: None)  # (rank 3's quiet would last the session)
     log = run_log.setup_logging(str(tmp_path), rank=3)
     handler = log.handlers[0]
     handler.stream = FillsAfter(0)

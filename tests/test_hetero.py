@@ -108,16 +108,18 @@ def test_simulated_slowdown_stretches_compute_but_not_waiting(tmp_path):
             return super().forward(x)
 
     model = Busy(4, 1)
+    hooks = balance.install_slowdown(model, 3.0, torch.device("cpu"))
     start = time.perf_counter()
-    with balance.slowdown(3.0, model, torch.device("cpu")):
-        model(torch.ones(2, 4)).sum().backward()
-        stretched = time.perf_counter() - start
-        time.sleep(0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    stretched = time.perf_counter() - start
+    time.sleep(0.1)
     total = time.perf_counter() - start
+    for h in hooks:
+        h.remove()
     assert 0.15 * 0.98 <= stretched < 0.15 + 0.1
     assert total - stretched < 0.1 + 0.1  # stretched, the sleep would have made it 0.3
     start = time.perf_counter()
-    model(torch.ones(2, 4)).sum().backward()  # outside the block: its hooks are gone, nothing is stretched
+    model(torch.ones(2, 4)).sum().backward()  # its hooks are gone: nothing is stretched
     assert time.perf_counter() - start < 0.05 + 0.05
 
 
@@ -215,7 +217,7 @@ def test_auto_refuses_strategies_whose_forward_waits_for_all_ranks():
     from types import SimpleNamespace
     from extras import balance
     cfg = load_config(None, DDP2 + ["train.batch_size=auto", "train.global_batch_size=64"])
-    trainer = SimpleNamespace(cfg=cfg, t=cfg.train, ctx=SimpleNamespace(world_size=2, rank=0),
+    trainer = SimpleNamespace(cfg=cfg, train_cfg=cfg.train, ctx=SimpleNamespace(world_size=2, rank=0),
                               strategy=SimpleNamespace(replicas_wait_for_each_other=True))
     with pytest.raises(ConfigError, match="`train.batch_size` is auto, which needs a replicated strategy"):
         balance.auto_batch_sizes(trainer, None)

