@@ -9,10 +9,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
 import termios
+import threading
 import time
 import traceback
 from typing import Optional
@@ -71,12 +73,17 @@ def already_stopping(name: str, pid: Optional[int] = None) -> str:
 class StopRequest:
     """Set by a signal handler or the time limit; the Trainer votes it into the step's all-reduce, so all ranks
     stop after the same step. A stop signal again only logs a line (schedulers and people send them twice): the
-    save must not be lost to it; SIGKILL ends a run at once."""
+    save must not be lost to it; SIGKILL ends a run at once.
+
+    The handler logs nothing itself: a signal that lands while this thread is inside a log handler's write would
+    write into the same file again ("reentrant call inside BufferedWriter"). It queues its line (SimpleQueue is
+    safe in a signal handler), and a thread of its own writes it."""
 
     def __init__(self):
         self.reason: Optional[str] = None
         self.deadline: Optional[float] = None
         self.log: Optional[logging.Logger] = None
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()  # (message, extra) the handler has to say
 
     def install(self, extra_signal: Optional[str], time_limit_s: Optional[float]) -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
@@ -85,6 +92,7 @@ class StopRequest:
         signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
         for signum in signums:
             signal.signal(signum, self._handle)
+        threading.Thread(target=self._say_lines, name="stop-signal-lines", daemon=True).start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
 
     def _handle(self, signum, frame) -> None:
@@ -92,15 +100,18 @@ class StopRequest:
         if signum == signal.SIGHUP:
             detach_hung_up_terminal()
         if self.reason is not None and self.reason != "time limit":
-            if self.log:  # (under main.py's launcher, it says this on the console: here, the log file only)
-                self.log.warning(already_stopping(name),
-                                 extra={"file_only": report.sink is not None})
+            # (under main.py's launcher, it says this on the console: here, the log file only)
+            self.lines.put((already_stopping(name), {"file_only": report.sink is not None}))
             return
         self.reason = name
-        if self.log:
-            self.log.warning(f"{name} received: stopping after the current step, once a checkpoint is saved "
-                             f"(a stop signal again does not stop it sooner; SIGKILL ends the run at once, "
-                             f"without saving)")
+        self.lines.put((f"{name} received: stopping after the current step, once a checkpoint is saved (a stop "
+                        f"signal again does not stop it sooner; SIGKILL ends the run at once, without saving)", {}))
+
+    def _say_lines(self) -> None:
+        while True:
+            line, extra = self.lines.get()
+            if self.log:  # (a signal before the run's log exists is still obeyed; its line is not written)
+                self.log.warning(line, extra=extra)
 
     def vote(self) -> float:
         """1.0 if this rank wants to stop (a signal came, or the time limit is reached), else 0.0."""

@@ -565,8 +565,44 @@ def test_stop_request_ignores_repeats_and_sighup_stops(tmp_path):
             os.kill(os.getpid(), signum)
             time.sleep(0.01)  # (the handler runs at the next bytecode of this thread)
         assert request.reason == "SIGHUP" and request.vote() == 1.0
+        deadline = time.monotonic() + 10  # (the lines are written by the request's own thread)
+        while len(records) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(records) == 4 and records[0].startswith("SIGHUP received: stopping after the current step")
         assert records[1:] == [faults.already_stopping(n) for n in ("SIGINT", "SIGINT", "SIGTERM")]
+    finally:
+        request.log.removeHandler(handler)
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_a_stop_signal_while_a_line_is_being_written_does_not_write_into_it():
+    # CI's finding: a second Ctrl-C landed while the first one's line was being flushed, the handler logged into the
+    # same file again, and logging printed "reentrant call inside BufferedWriter" with a traceback. The handler only
+    # queues its line; the request's thread writes it once the line being written is done.
+    import logging
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    request, records, writing = faults.StopRequest(), [], []
+    request.log = logging.getLogger("test_stop_request_reentry")
+    request.log.addHandler(handler := logging.Handler())
+
+    def emit(record):
+        assert not writing, "a log line was written while another was being written (from a signal handler)"
+        writing.append(record)
+        if len(records) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the signal lands inside this write
+            time.sleep(0.05)
+        records.append(record.getMessage())
+        writing.clear()
+    handler.emit = emit
+    try:
+        request.install(None, None)
+        request.log.warning("step 3/400")
+        deadline = time.monotonic() + 10
+        while len(records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert records[0] == "step 3/400" and records[1].startswith("SIGTERM received"), records
+        assert request.reason == "SIGTERM"
     finally:
         request.log.removeHandler(handler)
         for s, h in saved.items():
