@@ -15,7 +15,7 @@ import shutil
 import time
 from typing import Optional
 
-from core import checkpoint
+from core import checkpoint, trackers
 
 
 def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
@@ -64,14 +64,15 @@ def unused_path(path: str) -> str:
     return candidate
 
 
-
-RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml")  # and *_results.json
+# What belongs to one run (and *_results.json). Kept in place: logs/ (each start's log says what it did), and the
+# stores that hold many runs side by side (output_dir/wandb's run folders, mlflow.db): a new run is a new run there.
+RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml", trackers.CSV_FILE, trackers.IDS_FILE)
 
 
 def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:
-    """train.start_over: move what the previous run left in output_dir (checkpoints, TensorBoard files, results,
-    config; its logs stay, and say so) into output_dir/replaced-<date>-<time>/. Returns the names moved and where.
-    Only these known names are touched: output_dir may be a folder that holds other things too."""
+    """train.start_over: move what the previous run left in output_dir (RUN_FILES) into
+    output_dir/replaced-<date>-<time>/. Returns the names moved and where. Only these known names are touched:
+    output_dir may be a folder that holds other things too."""
     names = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
     names += sorted(n for n in os.listdir(output_dir) if n.endswith("_results.json"))
     if not names:

@@ -117,6 +117,12 @@ def test_csv_holds_the_logged_values_and_a_resume_continues_it(tmp_path, capsys)
     assert steps == [2, 4, 6] and 123.0 not in [v for _, _, v in again]
     assert [v for _, t, v in again if t == "summary/steps"] == [6]
 
+    # train.start_over: the previous run's metrics.csv goes aside with its checkpoints, not overwritten.
+    assert run(tmp_path, ["csv"], train={"max_steps": 2, "start_over": True}) == 0
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("replaced-")]
+    assert len(aside) == 1 and csv_rows(tmp_path / aside[0]) == again
+    assert [s for s, t, _ in csv_rows(tmp_path) if t == "train/loss"] == [2]
+
 
 @pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
 def test_the_notebook_reads_metrics_csv(tmp_path, monkeypatch):
