@@ -67,18 +67,23 @@ def same_params(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs of STEPS steps, a checkpoint at every step, one per strategy ('none', 'fsdp')."""
+def reference_runs(tmp_path_factory, configs: dict):
+    """Uninterrupted runs of STEPS steps, a checkpoint at every step, each made on its first use: `configs` maps a
+    name to run()'s sections."""
     done = {}
 
-    def get(strategy):
-        if strategy not in done:
-            out = tmp_path_factory.mktemp(f"reference-{strategy}")
-            assert run(out, dist=FSDP if strategy == "fsdp" else {"strategy": "none"}) == 0
-            done[strategy] = out
-        return done[strategy]
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"reference-{name}")
+            assert run(out, **configs[name]) == 0
+            done[name] = out
+        return done[name]
     return get
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_runs(tmp_path_factory, {"none": {"dist": {"strategy": "none"}}, "fsdp": {"dist": FSDP}})
 
 
 class Payload:

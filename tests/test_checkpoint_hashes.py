@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from conftest import make_config
-from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
+from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, reference_runs, run, same_params
 
-from core import checkpoint
 
 from core import checkpoint_meta
 from core.errors import Unloadable
@@ -28,16 +27,7 @@ CHANGED = "sha256 differs from meta.json (the file changed after it was saved)"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs of STEPS steps, a checkpoint at every step: 'none' (one process), 'fsdp' (2 ranks)."""
-    done = {}
-
-    def get(name):
-        if name not in done:
-            out = tmp_path_factory.mktemp(f"reference-{name}")
-            assert (run(out) if name == "none" else run(out, **FSDP2)) == 0
-            done[name] = out
-        return done[name]
-    return get
+    return reference_runs(tmp_path_factory, {"none": {}, "fsdp": FSDP2})  # 'fsdp': 2 ranks
 
 
 def flip_byte(path: str) -> None:
