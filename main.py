@@ -92,11 +92,14 @@ def start(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace
     procs = procs_per_node_list(cfg)
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     places = [RankPlace(first_rank + i, i, world, here) for i in range(here)]
-    if world == 1:
-        with reports_a_kill(cfg.output_dir):  # no launcher above this process to say that it was killed
-            return worker(cfg, places[0])
-    launcher.check_port_free(cfg)
-    return worker(cfg, places[0]) if here == 1 else launcher.Supervisor(cfg, places, worker).run()
+    if world > 1:
+        launcher.check_port_free(cfg)
+    if here > 1:
+        return launcher.Supervisor(cfg, places, worker).run()
+    # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
+    # that it was killed.
+    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):
+        return worker(cfg, places[0])
 
 
 @dataclasses.dataclass

@@ -116,10 +116,12 @@ def quiet_broken_loaders() -> None:
 
 # ---- a one-process run killed by the kernel -----------------------------------------------------------------
 @contextlib.contextmanager
-def reports_a_kill(output_dir: str):
+def reports_a_kill(output_dir: str, rank: Optional[int] = None):
     """Around a run in this process with no launcher above it: a forked watcher waits for this process and, if it
     ends without leaving the block (SIGKILL: the kernel's out-of-memory killer, a memory cgroup, kill -9), prints
-    the line a launcher prints for its ranks, with the step reached. Forked before torch is loaded."""
+    the line a launcher prints for its ranks, with the step reached. `rank`: this process's rank when it is one
+    of several (a node that runs one rank of a multi-node run); None: the run's only process. Forked before torch
+    is loaded."""
     if not hasattr(os, "fork"):
         yield
         return
@@ -130,7 +132,7 @@ def reports_a_kill(output_dir: str):
     pid = os.fork()
     if pid == 0:  # the watcher
         os.close(done_w)
-        watch(parent, done_r, steps, kills, output_dir)
+        watch(parent, done_r, steps, kills, output_dir, rank)
     os.close(done_r)
     previous = faults.progress.shared, faults.progress.slot
     faults.progress.shared, faults.progress.slot = steps, 0
@@ -145,7 +147,7 @@ def reports_a_kill(output_dir: str):
         shared.close()
 
 
-def watch(parent: int, done_r: int, steps, kills: Optional[int], output_dir: str) -> None:
+def watch(parent: int, done_r: int, steps, kills: Optional[int], output_dir: str, rank: Optional[int]) -> None:
     """The watcher's whole life: never returns. It ignores the signals a terminal or scheduler sends the group."""
     try:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -159,8 +161,9 @@ def watch(parent: int, done_r: int, steps, kills: Optional[int], output_dir: str
         why = ("killed by the kernel: out of memory (its memory cgroup counted an OOM kill)"
                if kills is not None and after is not None and after > kills else
                "killed without a word (SIGKILL: the kernel's out-of-memory killer?, or kill -9)")
-        os.write(2, (f"error: the run (pid {parent} on {faults.HOST}) was {why} at step {steps[0]}; see "
-                     f"{os.path.join(output_dir, 'logs', 'rank0.log')}\n").encode(errors="replace"))
+        who = "the run" if rank is None else f"rank {rank}"
+        os.write(2, (f"error: {who} (pid {parent} on {faults.HOST}) was {why} at step {steps[0]}; see "
+                     f"{os.path.join(output_dir, 'logs', f'rank{rank or 0}.log')}\n").encode(errors="replace"))
     finally:
         os._exit(0)
 

@@ -120,6 +120,24 @@ def watched(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
+def test_one_rank_of_a_multi_node_run_killed_by_sigkill_says_so(tmp_path):
+    # A node that runs one rank of several runs it in its own process, with no launcher above it: the watcher names
+    # that rank and its log. (The worker stands in for the Trainer: no torch, no peers.)
+    code = ("import os, signal, sys\nimport main\nfrom resilience import faults\nfrom wiring import load_config\n"
+            f"cfg = load_config(None, ['dist.strategy=ddp', 'dist.nodes=2', 'dist.procs_per_node=[2,1]', "
+            f"'dist.node_rank=1', 'dist.master_addr=127.0.0.1', 'output_dir={tmp_path}'])\n"
+            "def worker(cfg, place):\n"
+            "    faults.progress.at(5, 'train')\n"
+            "    assert place.rank == 2\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "main.start(cfg, None, worker)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 2 (pid ") and "killed without a word (SIGKILL" in \
+        lines[0] and f"at step 5; see {tmp_path}/logs/rank2.log" in lines[0], r.stderr
+
+
 def test_the_watcher_speaks_only_when_its_process_is_killed():
     killed = watched("os.kill(os.getpid(), signal.SIGKILL)")
     assert killed.returncode == -signal.SIGKILL
