@@ -2,7 +2,9 @@
 
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
 (log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
-composition root (main.py through wiring.py), so this file and what it imports are the whole of a DDP step.
+composition root (main.py through wiring.py): this file and what it imports are the whole of a step, forward to
+optimizer. The one line they do not show is the wrapper that makes backward all-reduce the gradients: ddp_wrap in
+strategies/replicated.py (FSDP's: strategies/fsdp.py), which wiring.parallelize applies before the Trainer is made.
 """
 from __future__ import annotations
 
