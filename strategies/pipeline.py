@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -156,6 +155,8 @@ class PipeStrategy(Strategy):
         self.scale = 1.0
         self.first_shapes: Optional[dict] = None
         pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
+        # Imported here, not at the top: it loads TorchDynamo, 0.7-1 s in every rank of every run, pipe or not.
+        from torch.distributed import pipelining
         pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=pp_group)
                        for i in sorted(wrapped)]
         schedule_cls = getattr(pipelining, SCHEDULES[d.pp_schedule])

@@ -90,6 +90,7 @@ def test_explicit_resume_test_mode_and_export_refuse_a_flipped_byte(reference, t
         checkpoint_io.load_model(torch.nn.Linear(1, 1), ckpt(tmp_path, 4))
 
 
+@pytest.mark.slow  # 11 s: two fsdp ranks twice (the reference, the fall-back); quick loop: the one-process flips above
 def test_two_fsdp_ranks_fall_back_past_a_flipped_shard(reference, tmp_path, capsys):
     """One byte of rank 1's model shard (a .distcp file) flipped in step-4: both ranks go back to step-3 and end
     bit-exact; test mode (one process) refuses step-4."""

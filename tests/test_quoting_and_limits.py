@@ -6,6 +6,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 import main
 from conftest import ROOT, make_config
 
@@ -38,6 +40,7 @@ def test_a_nul_byte_in_the_yaml_is_one_line_naming_file_and_line(tmp_path):
     assert r.stderr.startswith(f"error: {params}: ") and "NUL" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+@pytest.mark.slow  # 5 s: a sparse 1 GiB file and a run
 def test_a_text_file_over_1_gib_is_refused_before_it_is_read(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
