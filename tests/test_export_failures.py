@@ -86,6 +86,7 @@ def test_a_killed_exports_folder_is_removed_by_the_next_export(cnn_run, tmp_path
     assert f"removed {stale}" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 4 s: a real export killed; quick loop: the stale folder's removal below
 def test_a_killed_export_by_sigkill_leaves_a_folder_the_next_one_removes(cnn_run, tmp_path):  # noqa: F811
     """A real `python main.py` export killed with SIGKILL while it writes, then the same command again."""
     import yaml

@@ -60,6 +60,7 @@ def test_wrong_names_and_keywords_are_one_line_config_errors(tmp_path, sets, wor
     assert "\n" not in message and all(w in message for w in words), message
 
 
+@pytest.mark.slow  # 5 s: `python main.py`; quick loop: the config errors' unit test
 def test_a_wrong_name_exits_2_before_anything_runs(tmp_path):
     run = subprocess.run([sys.executable, "main.py", "--params", "parameters.yml", "--set",
                           f"output_dir={tmp_path}", "--set", "train.optimizer=Nadamw"],

@@ -131,6 +131,7 @@ def test_a_known_model_type_with_an_auto_map_loads_transformers_own_class(minilm
     assert not marker.exists()
 
 
+@pytest.mark.slow  # 5 s: `python main.py` on the folder; quick loop: the pretrained loaders' unit tests
 def test_a_malicious_pickle_is_refused_in_one_line(minilm, sst2, tmp_path):
     folder, marker = evil_pickle_folder(minilm, tmp_path)
     line = one_line(run_main(tmp_path, sst2, folder))

@@ -120,6 +120,7 @@ def watched(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # 4 s: a process that loads torch; quick loop: the watcher's test below
 def test_one_rank_of_a_multi_node_run_killed_by_sigkill_says_so(tmp_path):
     # A node that runs one rank of several runs it in its own process, with no launcher above it: the watcher names
     # that rank and its log. (The worker stands in for the Trainer: no torch, no peers.)

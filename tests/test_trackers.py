@@ -236,6 +236,7 @@ def test_wandb_offline_and_mlflow_receive_the_run_and_a_resume_continues_them(tm
 # ---------------------------------------------------------------------------------------------------------------
 # One voice: rank 0 reports; the load report only where it is true
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 5 s: a process that loads transformers
 def test_ranks_after_0_leave_library_reports_and_warnings_to_rank_0(tmp_path):
     """Run in a fresh interpreter: quieting changes the process's logging and warnings for good."""
     code = f"""
