@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, disk_errors, distributed, trackers
+from core import config, distributed, trackers
 from core.config import Config, failing, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError

@@ -229,7 +229,7 @@ JSON_CACHE: dict = {}  # JSON arrays, read once per process
 
 def json_texts(path: str) -> list[str]:
     if path not in JSON_CACHE:
-        from tasks.gpt2_lm import read_texts
+        from tasks.lm_data import read_texts
         JSON_CACHE[path] = read_texts(path)
     return JSON_CACHE[path]
 

@@ -27,7 +27,7 @@ from torch import nn
 from core.errors import DataError
 from tasks import lm_data, lm_models, token_shards
 from tasks.base import Task
-from tasks.lm_data import Blocks, read_texts  # noqa: F401 (read_texts: scripts/prepare_text.py reads JSON with it)
+from tasks.lm_data import Blocks
 from tasks.text_common import load_or_train_tokenizer
 
 TOKENIZER_KINDS = {"auto": "gpt2", "bpe": "gpt2", "char": "char", "byte": "byte"}  # data.tokenizer -> trained kind

@@ -307,7 +307,7 @@ def test_generate_refuses_negative_sampling_settings(capsys):
 
 
 def test_gpt2_bad_json_names_file_and_line(tmp_path):
-    from tasks.gpt2_lm import read_texts
+    from tasks.lm_data import read_texts
     path = tmp_path / "train.json"
     path.write_text('[\n"one text",\n"another" "missing comma"\n]')
     with pytest.raises(DataError, match=re.escape(f"{path}:3: not valid JSON")):
