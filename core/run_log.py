@@ -134,8 +134,7 @@ def plan(tr) -> str:
     return "\n".join([
         "plan:",
         f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
-        *([f"  {tr.task.class_note}" if hasattr(tr.task, "class_note") else classes_line(tr.task.label_names())]
-          if tr.task.label_names() else []),  # csv_text's with their counts
+        *([f"  {tr.task.classes_note()}"] if tr.task.classes_note() else []),
         f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
@@ -151,12 +150,6 @@ def plan(tr) -> str:
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
-
-
-def classes_line(names: list) -> str:
-    """The plan's line naming a classifier's classes (cut to ~80 characters)."""
-    shown = ", ".join(map(str, names))
-    return f"  {len(names)} classes: " + (shown if len(shown) <= 80 else shown[:77] + "...")
 
 
 def write_file(path: str, text: str) -> None:

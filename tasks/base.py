@@ -99,6 +99,15 @@ class Task:
         not a classifier, or classes known only by number."""
         return getattr(self, "classes", None)
 
+    def classes_note(self) -> Optional[str]:
+        """What the run's plan says of a classifier's classes (`3 classes: neg, neu, pos`, cut to ~80 characters);
+        None where label_names() has none."""
+        names = self.label_names()
+        if not names:
+            return None
+        shown = ", ".join(map(str, names))
+        return f"{len(names)} classes: " + (shown if len(shown) <= 80 else shown[:77] + "...")
+
     def data_name(self) -> str:
         """What the run's plan names as this task's data."""
         return self.cfg.data.data_dir

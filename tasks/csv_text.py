@@ -30,6 +30,9 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
         self.vocab = {w: i for i, w in enumerate(sorted({w for t in texts for w in words(t)}), 2)}
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
 
+    def classes_note(self):  # the plan: the training classes with their counts (check_classes)
+        return self.class_note
+
     def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train lacks), class numbers
         if set(labels) - set(self.classes):
             raise DataError(f"{split} split: labels {sorted(set(labels) - set(self.classes))} are not in train's")
