@@ -157,8 +157,8 @@ def hold_output_dir(path: str):
 if __name__ == "__main__":
     faults.ignore_late_signals = True
     code = main()
-    # torchrun or srun started this process as one rank: it ends as ours do. (A run that stopped at a mistake in
-    # its config never loaded torch: it ends at once.)
-    if "torch" in sys.modules and launcher_env() is not None:
+    # Whatever loaded torch (a rank torchrun or srun started, the one process of a run, the launcher of this node's
+    # ranks) ends as our ranks do. A run that stopped at a mistake in its config never loaded torch: it ends at once.
+    if "torch" in sys.modules:
         launcher.end_rank_process(code)
     sys.exit(code)

@@ -4,6 +4,7 @@ that the ranks stop together after saving, and takes the others down when one fa
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -282,10 +283,11 @@ def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, fin
 
 
 def end_rank_process(code: int) -> None:
-    """End a rank's process with `code` (ours, or one torchrun or srun started: main.py), skipping the interpreter's
-    teardown, during which gloo's threads, still held by torch, can abort a run that was done (benchmarks/RESULTS.md,
-    "A rank aborting after the run was done")."""
-    logging.shutdown()
+    """End a process that loaded torch (a rank, or main.py's process) with `code`: its exit handlers run (W&B's
+    service and temporary folders, logging), the interpreter's teardown does not. In that teardown gloo's threads,
+    still held by torch, can abort a run that was done, and it takes ~1 s (benchmarks/RESULTS.md, "A rank aborting
+    after the run was done", "Ending main.py's process as its ranks end")."""
+    atexit._run_exitfuncs()  # (CPython's own call at exit; the atexit module has no public one)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
