@@ -3,9 +3,8 @@
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
 (log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
 composition root (main.py through wiring.py): this file and what it imports are the whole of a step, forward to
-optimizer. The one line they do not show is the wrapper that makes backward all-reduce the gradients: ddp_wrap in
-strategies/replicated.py (FSDP's: strategies/fsdp.py), which wiring.parallelize applies before the Trainer is made.
-"""
+optimizer, the wrapper that makes backward all-reduce the gradients included (strategies/base.py's ddp_wrap; FSDP's
+is strategies/fsdp.py). The model's own forward and loss are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
@@ -168,6 +167,7 @@ class Trainer:
         elif math.isfinite(norm):
             strategy.optimizer.step()
         strategy.optimizer.zero_grad(set_to_none=True)
+        self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
         return loss_total, count, norm, votes > 0
 
@@ -208,15 +208,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, split: str) -> dict:
         """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice."""
-        ctx, dataset = self.ctx, self.datasets.get(split)
+        ctx, dataset, strategy = self.ctx, self.datasets.get(split), self.strategy
         if dataset is None:
             return {}
         # Replicated strategies evaluate the plain module; sharded ones must go through the wrapper, and then
         # every rank runs the same number of forward passes (extra ones on a dummy batch, results dropped).
-        model = self.strategy.eval_model
+        model = strategy.eval_model
         was_training = model.training
         model.eval()
-        strategy = self.strategy
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
         indices = self.eval_indices(split, len(dataset))
         batches = [[indices[i] for i in batch]
@@ -227,18 +226,18 @@ class Trainer:
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
             self.hooks.at(self.state.step, "eval")  # a watchdog sees evaluation advance
-            out = self.strategy.eval_batch(self.task, self.to_device(batch), self.autocast)
+            out = strategy.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
                 if v.dim() == 0:
                     sums[k] = sums.get(k, 0) + v.double()
                 else:
                     arrays.setdefault(k, []).append(v)
-        if self.strategy.forward_is_collective:
+        if strategy.forward_is_collective:
             most = len(eval_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
-                self.strategy.eval_batch(self.task, dummy, self.autocast)
+                strategy.eval_batch(self.task, dummy, self.autocast)
         local = {k: v.item() for k, v in sums.items()}
         local.update({k: torch.cat(v).cpu().numpy() for k, v in arrays.items()})
         totals = {}
@@ -401,7 +400,7 @@ class Trainer:
     def log_train(self, w: dict, grad_norm: float, bar) -> None:
         """The training line: the window's loss and throughput (run_log.LossWindow), the lr and the gradient norm, then
         the window's ms_per_step and, for a task with tokens (Task.tokens), tokens_per_s."""
-        stats = {"loss": w["loss"], "lr": self.scheduler.get_last_lr()[0], "samples_per_s": w["samples_per_s"],
+        stats = {"loss": w["loss"], "lr": self.step_lr, "samples_per_s": w["samples_per_s"],
                  "grad_norm": grad_norm, **{k: w[k] for k in ("ms_per_step", "tokens_per_s") if k in w}}
         run_log.train_line(self.log, self.trackers, bar, self.state.step, self.total_steps, stats)
 

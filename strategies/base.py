@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from core.distributed import DistContext
@@ -91,6 +92,7 @@ class Strategy:
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
+        # model: what forward runs (ddp: ddp_wrap(raw_model), below); raw_model: the module inside, what is saved.
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
         # How the data is shared out: this rank reads share `data_rank` of `data_shares` of each global batch, and
         # its samples count toward the global count. The gradient all-reduce averages over `grad_average_over` ranks
@@ -203,3 +205,9 @@ def lora_base_entry(model: torch.nn.Module) -> dict:
 def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
     """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
     return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
+
+
+def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none). Its hooks all-reduce (average) the
+    gradients in buckets while backward runs, so raw_model's .grad are the average; no_sync() keeps them local."""
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

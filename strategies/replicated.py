@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io
 from core.distributed import DistContext
 from strategies.async_save import start_save
-from strategies.base import Strategy, make_scaler, optimizer_recipe
+from strategies.base import Strategy, ddp_wrap, make_scaler, optimizer_recipe
 
 
 class ReplicatedStrategy(Strategy):
@@ -48,8 +47,3 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return DDPStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
-
-
-def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """DistributedDataParallel on this rank's device (GPU: device_ids names it; CPU: none)."""
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

@@ -8,9 +8,9 @@ from fairscale.optim import OSS
 from torch import nn
 
 from core.distributed import DistContext
-from strategies.base import Strategy, make_scaler, optimizer_recipe
+from strategies.base import Strategy, ddp_wrap, make_scaler, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.replicated import DDPStrategy, ddp_wrap
+from strategies.replicated import DDPStrategy
 
 
 class OSSStrategy(DDPStrategy):

@@ -77,11 +77,15 @@ def test_min_lr_ratio_floors_the_decay(schedule):
     assert all(floored(s) >= 0.1 - 1e-12 for s in range(10, 200))  # never below the floor, even past the end
 
 
-def test_min_lr_ratio_is_the_runs_last_lr_and_ms_per_step_is_logged(tmp_path):
+def test_the_schedule_ends_at_min_lr_ratio_a_line_shows_its_steps_lr_and_ms_per_step_is_logged(tmp_path):
     cfg = make_config(tmp_path, train={**SHORT, "lr": 1e-3, "warmup": 0, "schedule": "cosine",
                                        "min_lr_ratio": 0.1})
-    build_trainer(cfg).train()
-    assert logged(tmp_path, "lr")[-1] == pytest.approx(1e-4)  # the lr after the last step: lr x min_lr_ratio
+    trainer = build_trainer(cfg)
+    trainer.train()
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # after the last step: lr x min_lr_ratio
+    # The line of step N shows the lr step N ran at, factor(N - 1) (factor(N) is the next step's).
+    factor = trainer_module.lr_lambda(6, 0, "cosine", 0.1)
+    assert logged(tmp_path, "lr") == pytest.approx([1e-3 * factor(n - 1) for n in (2, 4, 6)], rel=1e-3)
     ms, sps = logged(tmp_path, "ms_per_step"), logged(tmp_path, "samples_per_s")
     assert len(ms) == 3 and all(m > 0 for m in ms), ms
     # One clock for both: ms per step x samples per s = samples per step, the global batch (4 digits logged).
