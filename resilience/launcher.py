@@ -10,7 +10,6 @@ import ctypes
 import errno
 import functools
 import json
-import logging
 import multiprocessing as mp
 import os
 import shutil
