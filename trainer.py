@@ -59,7 +59,8 @@ class Trainer:
         # Same seed on every rank, so every replica (or shard) starts from the same parameters.
         seed_everything(cfg.seed)
         model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        # LoRA, activation checkpointing, dist.strategy (wiring.parallelize); train(): from_pretrained gives eval mode
+        # LoRA, activation checkpointing, dist.strategy (wiring.parallelize; ddp: replicated.apply_ddp, which puts the
+        # model on its device, makes its optimizer and wraps it: ddp_wrap). train(): from_pretrained gives eval mode
         self.strategy = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
         if self.train_cfg.compile and cfg.mode == "train":
             self.strategy.compile()  # the first steps (and each new input shape) pay the compilation
@@ -145,8 +146,8 @@ class Trainer:
         strategy, ctx = self.strategy, self.ctx
         # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
         # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
-        # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so this
-        # all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
+        # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
+        # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
         n = sum(self.task.count(b) for b in batches) if strategy.reports_for_replica else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
@@ -414,7 +415,7 @@ class Trainer:
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
 def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
     """The lr factor after `step` optimizer steps: linear warm-up, then `schedule` from 1 down to min_lr_ratio
-    (train.min_lr_ratio: the fraction of train.lr at the last step; 0 decays to 0)."""
+    (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far

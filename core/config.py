@@ -1,8 +1,8 @@
 """The configuration schema: one dataclass per section of parameters.yml, a default and a docstring per field.
 
 `load_config` reads the YAML file and the `--set section.key=value` overrides, refuses unknown keys and wrong types
-and runs each section's check, then the checks the composition root passes (wiring.CHECKS: each strategy, task and
-launcher checks the keys it reads; the schema imports none of them). A mistake is one line, a `ConfigError`, which main.py turns into exit code 2 without a traceback.
+and runs each section's check; then main.py runs wiring.check (each strategy, task and launcher checks the keys it
+reads; the schema imports none of them). A mistake is one line, a `ConfigError`: exit code 2, no traceback.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def in_range(fail, key: str, value, at_least=None, above=None, at_most=None, bel
 
 
 SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt",
-                  "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
-SYSTEM_FOLDERS += ("/usr/local", "/usr/share", "/usr/src")
+                  "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/usr/local", "/usr/share",
+                  "/usr/src")
 INSIDE_SYSTEM = ("/bin", "/boot", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr/bin",
                  "/usr/include", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/sbin")  # (not /dev/shm)
 
@@ -204,8 +204,8 @@ class TrainConfig:
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     """Learning-rate decay after warm-up: `constant`, `linear` to 0, or `cosine` to 0 (or to min_lr_ratio)."""
     min_lr_ratio: float = 0.0
-    """linear and cosine: the fraction of `lr` they decay to at the last step (0.1 with lr 1e-3: a 1e-4 floor,
-    nanoGPT's). 0: decay to 0."""
+    """linear and cosine: the fraction of `lr` they decay to, reached as the last step ends (0.1 with lr 1e-3: a
+    1e-4 floor, nanoGPT's). 0: decay to 0."""
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     """AdamW's (beta1, beta2): decay rates of its gradient and squared-gradient averages (torch's defaults). Passed
     to the optimizers that take them (Adam, RAdam, NAdam, ...) when set; refused rather than ignored elsewhere."""

@@ -120,8 +120,8 @@ class Strategy:
         return []
 
     def no_sync(self):
-        """Context for accumulation micro-batches: gradients stay local until the last micro-batch."""
-        return contextlib.nullcontext()
+        """Accumulation micro-batches keep their gradients local: DDP's no_sync() (ddp_wrap, below), else nothing."""
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
 
     def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step (on the device), each loss multiplied by

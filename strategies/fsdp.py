@@ -140,9 +140,6 @@ class FairscaleFSDPStrategy(Strategy):
     checkpoint_format = "sharded-fairscale"
     resumes_from = ("sharded-fairscale",)
 
-    def no_sync(self):
-        return self.model.no_sync()
-
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return self.model.clip_grad_norm_(max_norm)  # the global norm over all shards
 

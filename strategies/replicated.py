@@ -35,15 +35,10 @@ def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None)
     return ReplicatedStrategy(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
 
 
-class DDPStrategy(ReplicatedStrategy):
-    def no_sync(self):
-        return self.model.no_sync()
-
-
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
     backward. The Trainer scales the loss so that average is the mean over the global batch. (With dist.tp > 1:
     strategies/tp.py's apply_tp_ddp.)"""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return DDPStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))

@@ -10,13 +10,13 @@ from torch import nn
 from core.distributed import DistContext
 from strategies.base import Strategy, ddp_wrap, make_scaler, optimizer_recipe
 from strategies.fp16 import sharded_scaler
-from strategies.replicated import DDPStrategy
+from strategies.replicated import ReplicatedStrategy
 
 
-class OSSStrategy(DDPStrategy):
+class OSSStrategy(ReplicatedStrategy):
     """Optimizer state sharded over ranks (ZeRO-1; ZeRO-2 when gradients are sharded too). Each rank updates
     only the parameters it owns, then broadcasts them, so parameters stay whole and replicated. The model is
-    DDP or fairscale's ShardedDataParallel: both have DDP's no_sync()."""
+    DDP or fairscale's ShardedDataParallel: both have the no_sync() that Strategy.no_sync uses."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if isinstance(self.optimizer, OSS):  # grads may exist only on their owner: norm over shards, all-reduced

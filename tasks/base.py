@@ -106,7 +106,7 @@ class Task:
         if not names:
             return None
         shown = ", ".join(map(str, names))
-        return f"{len(names)} classes: " + (shown if len(shown) <= 80 else shown[:77] + "...")
+        return f"{len(names)} classes: " + (shown if len(shown) <= 80 else shown[:77].rsplit(",", 1)[0] + ", ...")
 
     def data_name(self) -> str:
         """What the run's plan names as this task's data."""

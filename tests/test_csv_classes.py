@@ -44,3 +44,14 @@ def test_check_classes_rules():
     assert check_classes(Data, ["a", "b", "c"]) == "3 classes: a 1, b 1, c 1"  # a tiny file: every class is rare
     many = check_classes(Data, [f"class-{i}" for i in range(40) for _ in range(10)])
     assert many.startswith("40 classes: class-0 10, ") and many.endswith(", ...") and len(many) < 100
+
+
+def test_the_plans_classes_line_of_any_classifier_is_cut_between_names_as_csv_texts_is():
+    from tasks.base import Task
+
+    class Classifier(Task):
+        classes = [f"class-{i}" for i in range(40)]
+    note = Classifier(cfg=None).classes_note()
+    assert note.startswith("40 classes: class-0, class-1, ") and note.endswith(", ...") and len(note) < 100
+    assert all(name.startswith("class-") and name[6:].isdigit() for name in note[12:-5].split(", ")), note
+    assert Classifier.__base__(cfg=None).classes_note() is None  # no classes: no line

@@ -419,3 +419,43 @@ def test_classification_metrics_equal_scikit_learns():
                         "mcc": matthews_corrcoef(labels, preds)}
             for k, v in want.items():
                 assert abs(got[k] - v) < 1e-12, (labels, preds, average, k, got[k], v)
+
+
+def test_accumulation_micro_batches_run_under_the_wrappers_no_sync_and_the_last_one_syncs():
+    """Strategy.forward_backward keeps DDP's gradients local (the model's no_sync(), as DDP and fairscale's wrappers
+    have it) on every micro-batch but the last, whose backward all-reduces them; a plain module needs none."""
+    import contextlib
+    from core.distributed import DistContext
+    from strategies.base import Strategy
+
+    class Wrapper(torch.nn.Module):  # what forward_backward needs of DistributedDataParallel: forward, no_sync
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.syncing, self.backwards_synced = module, True, []
+
+        def forward(self, x):
+            out = self.module(x)
+            out.register_hook(lambda g: self.backwards_synced.append(self.syncing))
+            return out
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.syncing = False
+            try:
+                yield
+            finally:
+                self.syncing = True
+
+    class Task:
+        def loss_sum(self, model, batch):
+            return model(batch["x"]).sum()
+
+    raw = torch.nn.Linear(3, 1)
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    batches = [{"x": torch.randn(2, 3)} for _ in range(3)]
+    wrapped = Wrapper(raw)
+    Strategy(wrapped, raw, torch.optim.SGD(raw.parameters(), lr=0.1), ctx).forward_backward(
+        Task(), batches, 1.0, contextlib.nullcontext)
+    assert wrapped.backwards_synced == [False, False, True]
+    plain = Strategy(raw, raw, torch.optim.SGD(raw.parameters(), lr=0.1), ctx)
+    assert isinstance(plain.no_sync(), contextlib.nullcontext)
