@@ -2,9 +2,9 @@
 
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
 (log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
-composition root (main.py through wiring.py): this file and what it imports are the whole of a step, forward to
-optimizer, the wrapper that makes backward all-reduce the gradients included (strategies/base.py's ddp_wrap; FSDP's
-is strategies/fsdp.py). The model's own forward and loss are the task's (tasks/)."""
+composition root (main.py through wiring.py): this file and what it imports run a whole step, forward to optimizer,
+and define DDP's wrapper (strategies/base.py's ddp_wrap), which strategies/replicated.py's apply_ddp applies (FSDP's:
+strategies/fsdp.py). The model's own forward and loss are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
@@ -173,9 +173,9 @@ class Trainer:
         return loss_total, count, norm, votes > 0
 
     def skipped_step(self, norm: float) -> None:
-        """The step just done had a NaN/Inf gradient norm, so train_step did not apply it. Several in a row mean
-        training has diverged: stop, keeping the checkpoints written before (every rank sees the same global
-        norm, so all stop at the same step)."""
+        """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and
+        the schedule moved on). Several in a row mean training has diverged: stop, keeping the checkpoints written
+        before (every rank sees the same global norm, so all stop at the same step)."""
         if self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
             return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
         self.bad_steps += 1
