@@ -134,7 +134,7 @@ def plan(tr) -> str:
     return "\n".join([
         "plan:",
         f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
-        *([f"  {tr.task.classes_note()}"] if tr.task.classes_note() else []),
+        *([f"  {note}"] if (note := tr.task.classes_note()) else []),
         f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),

@@ -207,7 +207,7 @@ def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
     return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
 
 
-def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none). Its hooks all-reduce (average) the
-    gradients in buckets while backward runs, so raw_model's .grad are the average; no_sync() keeps them local."""
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+def ddp_wrap(model: nn.Module, ctx: DistContext, group=None) -> nn.Module:
+    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none; `group`: the ranks, default all). Its
+    hooks all-reduce (average) the gradients in buckets while backward runs; no_sync() keeps them local."""
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group)

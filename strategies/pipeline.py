@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
@@ -39,7 +38,7 @@ from core.distributed import DistContext, synchronize, time_unnoticed
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from strategies import mesh as meshes
-from strategies.base import Strategy, optimizer_recipe
+from strategies.base import Strategy, ddp_wrap, optimizer_recipe
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
 from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan
@@ -568,8 +567,7 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
         return dict(stages)
     if d.tp > 1:
         return dict(stages)
-    return {i: DDP(s, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                   process_group=mesh["dp"].get_group()) for i, s in stages.items()}
+    return {i: ddp_wrap(s, ctx, mesh["dp"].get_group()) for i, s in stages.items()}
 
 
 def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:
