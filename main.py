@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from core.config import Config, config_source, load_config, procs_per_node_list
 from core.errors import UserError
 from core.launch_env import launcher_env
+from extras import dev_run
 from extras.cli_help import epilog
 from resilience import elastic, faults, launcher
 from resilience.resource_errors import reports_a_kill
@@ -39,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--params", default="parameters.yml", help="YAML config (default: parameters.yml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field, e.g. --set dist.strategy=ddp (repeatable)")
+    p.add_argument("--dev-run", action="store_true",
+                   help="after an edit: every stage (train, evaluate, save, resume, test, export) for a step or two, "
+                        "in a temporary folder (train.dev_run)")
     return p.parse_args(argv)
 
 
@@ -57,6 +61,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dev_run or cfg.train.dev_run:
+        return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
+                           exports=bool(wiring.TASKS[cfg.task].export_formats))
     return run(cfg)
 
 

@@ -256,6 +256,9 @@ class TrainConfig:
     stop_signal: Optional[Literal["SIGUSR1", "SIGUSR2", "SIGHUP"]] = "SIGUSR1"
     """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
     `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
+    dev_run: bool = False
+    """A dev run instead of this run: two steps, an evaluation, a save, a resume, test mode and export, in a
+    temporary folder (extras/dev_run.py); `python main.py --dev-run` says the same."""
     max_bad_steps: int = 5
     """Steps with a NaN/Inf gradient norm are skipped; this many in a row stop training (exit code 4). fp16:
     overflows count only once the loss scale has fallen below 1."""

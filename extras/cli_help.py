@@ -26,4 +26,5 @@ def epilog() -> str:
         "  python main.py --params parameters.yml",
         "  python main.py --set dist.strategy=ddp --set dist.procs_per_node=2",
         "  python main.py --params parameters.yml --set mode=test",
+        "  python main.py --params configs/NAME.yml --dev-run     after an edit: every stage for a step or two",
     ])
