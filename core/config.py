@@ -428,9 +428,10 @@ class ExportConfig:
     dir: Optional[str] = None
     """Where `mode: export` writes the checkpoint (test.checkpoint, else the best of output_dir). None:
     <output_dir>/export. It must not exist yet: an export is written aside, then renamed, never overwritten."""
-    format: Literal["auto", "hf", "state_dict", "torch_export"] = "auto"
+    format: Literal["auto", "hf", "state_dict", "torch_export", "onnx"] = "auto"
     """hf: a Hugging Face folder (text tasks); state_dict: model.safetensors, config.json and a loading snippet;
-    torch_export: a torch.export program, model.pt2 (image). auto: hf, or state_dict and torch_export for image."""
+    torch_export: a torch.export program, model.pt2 (image); onnx: model.onnx and labels.json for onnxruntime
+    (classifiers; needs the onnx and onnxscript packages). auto: hf, or state_dict and torch_export for image."""
 
 
 @dataclass

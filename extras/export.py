@@ -8,8 +8,11 @@ how to load it. The folder is renamed into place when complete (write_atomically
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,8 +20,10 @@ import signal
 import socket
 import sys
 import tempfile
+import warnings
 
 import torch
+from torch import nn
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, disk_errors
 from core.config import Config
@@ -28,7 +33,8 @@ from tasks.base import Task
 from tasks.text_common import plain_transformers_output
 
 FORMATS = {"hf": "a Hugging Face folder", "state_dict": "a safetensors state dict",
-           "torch_export": "a torch.export program"}
+           "torch_export": "a torch.export program", "onnx": "an ONNX graph"}
+ONNX_PACKAGES = ("onnx", "onnxscript")  # torch.onnx's exporter needs both; onnxruntime only runs the graph
 
 
 class Interrupted(BaseException):
@@ -78,8 +84,13 @@ def chosen_formats(cfg: Config, task) -> tuple:
     if not task.export_formats:
         raise ConfigError(f"mode: task {cfg.task} cannot be exported yet (its Task lists no export_formats: "
                           "see tasks/base.py); its checkpoints load with checkpoint_io.load_model")
-    if cfg.export.format == "auto":
-        return task.export_formats
+    if cfg.export.format == "auto":  # onnx only when asked: it needs packages of its own
+        return tuple(f for f in task.export_formats if f != "onnx")
+    if cfg.export.format == "onnx":
+        missing = [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ConfigError(f"export.format: onnx needs {' and '.join(missing)}, not installed here: "
+                              f"python -m pip install {' '.join(missing)}")
     if cfg.export.format not in task.export_formats:
         can = " or ".join(f"{f} ({FORMATS[f]})" for f in task.export_formats)
         raise ConfigError(f"export.format: task {cfg.task} cannot export as {cfg.export.format} "
@@ -155,7 +166,8 @@ def alive(pid: int) -> bool:
 
 
 def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> None:
-    writers = {"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export}
+    writers = {"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export,
+               "onnx": write_onnx}
     usage = [writers[fmt](folder, task, model) for fmt in formats]
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write(readme(task, source, meta, usage))
@@ -215,6 +227,69 @@ def write_torch_export(folder: str, task, model) -> str:
     return ("model.pt2: a torch.export program (the network with its weights; no code from this project "
             "needed), any batch size.\n\n```python\nimport torch\n"
             "model = torch.export.load(FOLDER + \"/model.pt2\").module()\nlogits = model(images)\n```\n")
+
+
+class TextLogits(nn.Module):
+    """A Hugging Face classifier as a graph of plain tensors: (input_ids, attention_mask) -> logits."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask):
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def write_onnx(folder: str, task, model) -> str:
+    """model.onnx (the classifier, any batch size and, for text, any length), labels.json (its label names, or
+    LABEL_n where the data has none) and, for text, the tokenizer that makes its inputs."""
+    text = task.hf_pipeline == "text-classification"
+    if text:
+        net = TextLogits(task.hf_model(lora.merged(model)))
+        tokenizer = task.hf_tokenizer()
+        example = tuple(tokenizer(["an example", "another example to export"], padding=True,
+                                  return_tensors="pt")[k] for k in ("input_ids", "attention_mask"))
+        inputs, batch, length = ["input_ids", "attention_mask"], torch.export.Dim("batch"), torch.export.Dim("length")
+        shapes = ({0: batch, 1: length}, {0: batch, 1: length})
+    else:
+        net, example, inputs = model, task.example_inputs(), ["images"]
+        shapes = ({0: torch.export.Dim("batch")},)
+    net.eval()
+    with torch.no_grad():
+        classes = net(*example).shape[-1]
+    names = task.label_names() or [f"LABEL_{i}" for i in range(classes)]
+    if len(names) != classes:
+        raise UserError(f"export: the model has {classes} outputs but the data names {len(names)} labels")
+    chatter, exporter_log = io.StringIO(), logging.getLogger("torch.onnx")
+    level = exporter_log.level  # its progress lines, warnings and notes: one line below says what was written
+    try:
+        exporter_log.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(net, example, dynamo=True, input_names=inputs, output_names=["logits"],
+                                        dynamic_shapes=shapes)
+    except Exception as e:
+        raise UserError(f"export: torch.onnx could not export the {type(model).__name__} "
+                        f"({str(e).strip().splitlines()[0][:200]})") from None
+    finally:
+        exporter_log.setLevel(level)
+    program.save(os.path.join(folder, "model.onnx"))
+    with open(os.path.join(folder, "labels.json"), "w") as f:
+        json.dump({"id2label": dict(enumerate(names))}, f, indent=2)
+    if text:
+        tokenizer.save_pretrained(folder)
+        feed = ('enc = AutoTokenizer.from_pretrained(FOLDER)(texts, padding=True, truncation=True, return_tensors="np")'
+                '\nlogits = session.run(["logits"], {"input_ids": enc["input_ids"], '
+                '"attention_mask": enc["attention_mask"]})[0]')
+        head = "from transformers import AutoTokenizer\n"
+    else:
+        feed = (f'logits = session.run(["logits"], {{"images": images}})[0]\n'
+                f'# images: {task.export_config(model)["input"]}, as a float32 numpy array')
+        head = ""
+    return ("model.onnx: an ONNX graph with its weights (any batch size" + (" and length" if text else "")
+            + "); labels.json: the label of each output.\n\n```python\nimport json, onnxruntime\n" + head
+            + 'session = onnxruntime.InferenceSession(FOLDER + "/model.onnx")\n' + feed
+            + '\nnames = json.load(open(FOLDER + "/labels.json"))["id2label"]\n```\n')
 
 
 def readme(task, source: str, meta: dict, usage: list[str]) -> str:

@@ -30,7 +30,7 @@ FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) r
 class BagOfWordsExport:
     """What mode export's `hf` format asks a task (tasks/base.py), for csv_text: its model as below, its words
     and vocabulary (`vocab`) as a tokenizer, the label names (`classes`) in config.json."""
-    export_formats, hf_pipeline = ("hf",), "text-classification"
+    export_formats, hf_pipeline = ("hf", "onnx"), "text-classification"
 
     def hf_model(self, model: nn.Module):
         return hf_classifier(model, self.classes)

@@ -114,7 +114,7 @@ class ImageTask(Task):
         return (batch["images"],)
 
     # mode: export (export.py): the weights, how to rebuild Net around them, and a torch.export program.
-    export_formats = ("state_dict", "torch_export")
+    export_formats = ("state_dict", "torch_export", "onnx")
 
     def export_config(self, model: Net) -> dict:
         scale, mean, std = self.pixels

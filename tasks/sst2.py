@@ -263,7 +263,7 @@ class SST2Task(Task):
         return batch["input_ids"], batch["attention_mask"]
 
     # mode: export (export.py): a Hugging Face folder that pipeline("text-classification", model=folder) reads.
-    export_formats = ("hf",)
+    export_formats = ("hf", "onnx")
     hf_pipeline = "text-classification"
 
     def prepare_inference(self) -> None:
