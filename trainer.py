@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -38,6 +38,11 @@ class TrainState:
     best_step: Optional[int] = None
     best_loss: Optional[float] = None  # the best checkpoint's dev loss: breaks ties of best_value
     evals_without_improvement: int = 0
+    best_k: list = field(default_factory=list)  # train.keep_best: [value, dev loss, step] of the k best, best first
+
+
+def finite_or_none(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def autocast_for(device_type: str, precision: str):
@@ -271,7 +276,7 @@ class Trainer:
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
-        """Update the best dev value; return (improved, should_stop)."""
+        """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
         s, t = self.state, self.train_cfg
         if self.best_metric not in metrics:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
@@ -283,10 +288,16 @@ class Trainer:
             or (value == s.best_value and loss is not None and s.best_loss is not None and loss < s.best_loss))
         if better:
             s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
-            s.best_loss = loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+            s.best_loss = finite_or_none(loss)
         else:
             s.evals_without_improvement += 1
-        return better, bool(t.patience) and s.evals_without_improvement >= t.patience
+        ranked = False
+        if t.keep_best > 1 and math.isfinite(value):  # the same order: a tie to the lower loss, then the earlier step
+            s.best_k = sorted(s.best_k + [[value, finite_or_none(loss), s.step]],
+                              key=lambda r: (-r[0] if self.best_mode == "max" else r[0],
+                                             math.inf if r[1] is None else r[1], r[2]))[:t.keep_best]
+            ranked = s.step in (r[2] for r in s.best_k)
+        return better or ranked, bool(t.patience) and s.evals_without_improvement >= t.patience
 
     # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
@@ -320,7 +331,8 @@ class Trainer:
             return
         path = pending.finish()
         if self.ctx.is_main:
-            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep={self.pending_best})
+            keep = {self.pending_best, *(step for _, _, step in self.state.best_k)}  # and train.keep_best's
+            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep=keep)
             self.log.info(f"saved {path}")
 
     def check_finite_parameters(self) -> None:

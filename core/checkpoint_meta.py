@@ -114,6 +114,11 @@ def _meta_problem(meta: dict, name: str) -> str:
     value = state.get("best_value")
     if value is not None and not _finite(value):
         return f"`state.best_value` is {_shown(value)}, not a finite number"
+    ranked = state.get("best_k", [])
+    if not (isinstance(ranked, list) and all(
+            isinstance(r, list) and len(r) == 3 and _finite(r[0]) and (r[1] is None or _finite(r[1]))
+            and _count(r[2]) and r[2] <= step for r in ranked)):
+        return f"`state.best_k` is {_shown(ranked)}, not a list of [value, loss, step] of this run"
     kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list}
     for key, kind in kinds.items():
         if meta.get(key) is not None and not isinstance(meta[key], kind):

@@ -228,6 +228,9 @@ class TrainConfig:
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
+    keep_best: int = 1
+    """How many of the best checkpoints by best_metric to keep as well, whatever keep_last prunes (Lightning's
+    save_top_k); a tie goes to the lower dev loss. Test mode's `best` is the first of them."""
     async_save: bool = False
     """Write checkpoints in the background (the state copied to the host first; fsdp: DCP's async_save), published
     at the next save or at the end. pipe and oss write as usual."""
@@ -266,7 +269,7 @@ class TrainConfig:
     def check(self, fail) -> None:
         in_range(fail, "train.lr", self.lr, above=0)
         in_range(fail, "train.eps", self.eps, above=0)
-        for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "log_every", "max_bad_steps", "balance_steps"):
+        for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "keep_best", "log_every", "max_bad_steps", "balance_steps"):
             in_range(fail, f"train.{key}", getattr(self, key), at_least=1)
         for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
                     "epochs", "eval_batches"):

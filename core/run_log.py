@@ -148,6 +148,8 @@ def plan(tr) -> str:
         f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
+        f"  checkpoints kept: the last {t.keep_last} and the "
+        + (f"{t.keep_best} best" if t.keep_best > 1 else "best"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
 
