@@ -84,7 +84,8 @@ def run(cfg: Config) -> int:
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
-        with hold_output_dir(cfg.output_dir) if cfg.mode == "train" and first else contextlib.nullcontext():
+        with hold_output_dir(cfg.output_dir) if cfg.mode in ("train", "lr_find") and first else \
+                contextlib.nullcontext():
             return start(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ passed, and by the ranks it starts. The tables (tasks, strategies, which file ch
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Callable, Optional
@@ -16,7 +17,7 @@ from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
 from core.run_log import setup_logging
-from extras import balance, export, profiling, testmode
+from extras import balance, export, lr_find, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
@@ -209,9 +210,14 @@ def worker(cfg: Config, launch) -> int:
         ctx = distributed.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
         ctx.cpu_threads = distributed.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
         watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
-        trainer = build_trainer(cfg, ctx)
+        # lr_find sweeps with the run's own Trainer, as a fresh training run would start (no resume)
+        sweep = dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train, resume=False))
+        trainer = build_trainer(sweep if cfg.mode == "lr_find" else cfg, ctx)
         TRAINERS.append(trainer)
-        testmode.test(trainer) if cfg.mode == "test" else trainer.train()
+        if cfg.mode == "lr_find":
+            lr_find.sweep(trainer)
+        else:
+            testmode.test(trainer) if cfg.mode == "test" else trainer.train()
         faults.progress.at(faults.progress.step, "done")
         distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         code = EXIT_OK

@@ -438,6 +438,22 @@ class ExportConfig:
 
 
 @dataclass
+class LRFindConfig:
+    min: float = 1e-7
+    """`mode: lr_find`: the learning rate of the sweep's first step (extras/lr_find.py)."""
+    max: float = 10.0
+    """The learning rate of its last step; the sweep grows it exponentially and stops early once the loss diverges."""
+    steps: int = 100
+    """Optimizer steps of the sweep, each on the next training batch."""
+
+    def check(self, fail) -> None:
+        in_range(fail, "lr_find.min", self.min, above=0)
+        in_range(fail, "lr_find.steps", self.steps, at_least=5)
+        if not self.max > self.min:
+            fail("lr_find.max", f"must be larger than lr_find.min ({self.min:g}), got {self.max:g}")
+
+
+@dataclass
 class LogConfig:
     report_to: list = field(default_factory=lambda: ["tensorboard"])
     """Where rank 0 sends the config, the training line's values, evaluations and the summary (trackers.py): any of
@@ -455,9 +471,10 @@ class Config:
     task: str = "image"
     """What to train: `image` (CNN on digits/MNIST), `sst2`, `bert_pretrain`, `gpt2_lm`, `csv_text` (text,label
     CSV files; the tutorial's own task)."""
-    mode: Literal["train", "test", "export"] = "train"
+    mode: Literal["train", "test", "export", "lr_find"] = "train"
     """`train`; `test`: evaluate a checkpoint (see the test section) on the dev and test splits; `export`: write
-    it for use outside this project (see the export section)."""
+    it for use outside this project (see the export section); `lr_find`: a learning-rate range test (see the
+    lr_find section)."""
     output_dir: str = "runs/digits"
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
@@ -468,6 +485,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     test: TestConfig = field(default_factory=TestConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    lr_find: LRFindConfig = field(default_factory=LRFindConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def check(self, fail) -> None:
@@ -482,7 +500,7 @@ class Config:
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig,
-            "test": TestConfig, "export": ExportConfig, "log": LogConfig}
+            "test": TestConfig, "export": ExportConfig, "lr_find": LRFindConfig, "log": LogConfig}
 
 
 # ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------

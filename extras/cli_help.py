@@ -15,6 +15,7 @@ def epilog() -> str:
         "           in one process; writes <output_dir>/<split>_results.json",
         "  export   write that checkpoint for use outside this project (export.format; export.dir, by default",
         "           <output_dir>/export)",
+        "  lr_find  a learning-rate range test: output_dir/lr_find.csv and lr_find.png, a suggested lr",
         "",
         "presets (--params configs/NAME.yml; each file's first lines say what it needs):",
         *(f"  configs/{name}" for name in presets),

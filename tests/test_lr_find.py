@@ -1,0 +1,43 @@
+"""mode: lr_find (issue 41): an exponential sweep of the learning rate with the run's own Trainer, stopped when the
+loss diverges; lr_find.csv and lr_find.png in output_dir, the suggestion in one line, no checkpoint; under ddp the
+losses are the global ones, equal to one process's on the same global batches."""
+import csv
+import math
+
+import main
+from conftest import make_config
+
+
+def sweep(tmp_path, **dist) -> list[dict]:
+    cfg = make_config(tmp_path, mode="lr_find", lr_find={"min": 1e-6, "max": 10.0, "steps": 100},
+                      model={"dropout": 0.0},  # dropout masks differ between ranks: the same losses need none
+                      train={"batch_size": 32 // dist.get("procs_per_node", 1)}, dist=dist)
+    assert main.run(cfg) == 0
+    with open(tmp_path / "lr_find.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_lr_find_sweeps_stops_at_divergence_and_writes_its_files(tmp_path, caplog):
+    from PIL import Image
+    rows = sweep(tmp_path)
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[0] == 1e-6 and all(math.isclose(b / a, 1e7 ** (1 / 99), rel_tol=1e-4) for a, b in zip(lrs, lrs[1:]))
+    assert 20 < len(rows) < 100, "AdamW at lr 10 diverges: the sweep stops before its last step"
+    smoothed = [float(r["smoothed_loss"]) for r in rows]
+    assert smoothed[-1] > 4 * min(smoothed[:-1])  # it stopped because the loss diverged
+    with Image.open(tmp_path / "lr_find.png") as picture:
+        assert picture.size[0] > 300 and picture.size[1] > 200
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    line = [l for l in log.splitlines() if "lr_find: suggested lr" in l]
+    assert len(line) == 1, log
+    suggested = float(line[0].split("suggested lr ")[1].split()[0])
+    assert lrs[10] <= suggested <= lrs[-2]
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_lr_find_under_ddp_records_the_global_loss(tmp_path):
+    one = sweep(tmp_path / "one")
+    two = sweep(tmp_path / "two", strategy="ddp", procs_per_node=2)
+    n = min(len(one), len(two), 60)  # the flat start and the fall: equal to float rounding on the same batches
+    for a, b in zip(one[:n], two[:n]):
+        assert math.isclose(float(a["loss"]), float(b["loss"]), rel_tol=1e-4), (a, b)
