@@ -199,6 +199,11 @@ def test_06_resume_is_exact_and_test_mode(resumed_run):
         assert re.search(r"resumed from \S+step-40 at step 40", f.read())
     with open(run / "test_results.json") as f:
         assert json.load(f)["metrics"]["accuracy"] > 0.5
+    kept = sorted(os.listdir(base / "runs/tutorial/06-best/checkpoints"))
+    assert "step-60" in kept and 3 <= len(kept) <= 4, kept  # keep_best: the 3 best and the last
+    assert "dev run passed" in out
+    assert (base / "runs/tutorial/06-lr/lr_find.png").stat().st_size > 0 and "lr_find: suggested lr" in out
+    assert sorted(os.listdir(base / "runs/tutorial/06-onnx")) == ["README.md", "labels.json", "model.onnx"]
 
 
 @pytest.mark.slow
