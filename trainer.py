@@ -1,10 +1,9 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
 Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
-(log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
-composition root (main.py through wiring.py): this file and what it imports run a whole step, forward to optimizer,
-and define DDP's wrapper (strategies/base.py's ddp_wrap), which strategies/replicated.py's apply_ddp applies (FSDP's:
-strategies/fsdp.py). The model's own forward and loss are the task's (tasks/)."""
+(log lines, progress bars, trackers) is written by core/run_log.py. The Trainer is handed its parts, built by the
+composition root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it, its
+optimizer and loss scaler) and the hooks. The model's own forward and loss are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +11,7 @@ import math
 import os
 import random
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -47,26 +46,15 @@ def autocast_for(device_type: str, precision: str):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: distributed.DistContext,
-                 parallelize: Callable[..., Strategy], hooks: Hooks = Hooks()):
-        """`parallelize(model, cfg, ctx, task, train_set)`: dist.strategy applied to the model (wiring.parallelize);
-        `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py)."""
-        self.cfg, self.task, self.ctx, self.train_cfg, self.hooks = cfg, task, ctx, cfg.train, hooks
-        self.precision_note = cfg.train.precision  # what the plan shows (precision auto: what it chose and why)
-        self.log = setup_logging(cfg.output_dir, ctx.rank)
-        self.datasets = task.build_datasets()
-
-        # Same seed on every rank, so every replica (or shard) starts from the same parameters.
-        seed_everything(cfg.seed)
-        model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        # LoRA, activation checkpointing, dist.strategy (wiring.parallelize; ddp: replicated.apply_ddp, which puts the
-        # model on its device, makes its optimizer and wraps it: ddp_wrap). train(): from_pretrained gives eval mode
-        self.strategy = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
-        if self.train_cfg.compile and cfg.mode == "train":
-            self.strategy.compile()  # the first steps (and each new input shape) pay the compilation
-        # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;
-        # the ranks of a tp group share one, see Strategy.random_stream).
-        seed_everything(cfg.seed + self.strategy.random_stream)
+    def __init__(self, cfg: Config, task: Task, datasets: dict, strategy: Strategy, hooks: Hooks = Hooks(),
+                 precision_note: Optional[str] = None):
+        """`datasets`: the task's splits; `strategy`: the model as dist.strategy prepared it, with its optimizer;
+        `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py). All built by wiring.build_trainer."""
+        self.cfg, self.task, self.datasets, self.strategy, self.hooks = cfg, task, datasets, strategy, hooks
+        self.ctx, self.train_cfg = strategy.ctx, cfg.train
+        # what the plan shows (precision auto: what it chose and why)
+        self.precision_note = precision_note or cfg.train.precision
+        self.log = setup_logging(cfg.output_dir, self.ctx.rank)
 
         train_set = self.datasets["train"]
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
@@ -79,8 +67,8 @@ class Trainer:
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
-        self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
-        self.autocast = autocast_for(ctx.device.type, self.train_cfg.precision)
+        self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
+        self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from run_log.start
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)

@@ -23,7 +23,7 @@ from strategies import activation_checkpointing, fsdp, optimizers, pipeline, rep
 from strategies.base import Strategy
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
-from trainer import Trainer
+from trainer import Trainer, seed_everything
 
 # -----> register a new task here (and write it as a subclass of tasks.base.Task).
 TASKS: dict[str, Callable[[Config], Task]] = {
@@ -165,15 +165,22 @@ class RunHooks(Hooks):
 
 
 def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
-    """The Trainer of this rank, with its strategy and hooks. train.precision auto is resolved first (what this
+    """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
+    wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this
     device computes fast in), before anything reads it."""
     task = task or build_task(cfg)
     hooks, note = RunHooks(cfg.train.precision), None
     if cfg.train.precision == "auto":
         cfg, note = balance.auto_precision(cfg, ctx)
-    trainer = Trainer(cfg, task, ctx, parallelize, hooks)
-    trainer.precision_note = note or trainer.precision_note
-    return trainer
+    datasets = task.build_datasets()
+    seed_everything(cfg.seed)  # the same seed on every rank: every replica (or shard) starts from the same parameters
+    model = task.build_model().train()  # on the CPU, in train mode (from_pretrained gives eval mode)
+    strategy = parallelize(model, cfg, ctx, task, datasets["train"])
+    if cfg.train.compile and cfg.mode == "train":
+        strategy.compile()  # the first steps (and each new input shape) pay the compilation
+    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.random_stream).
+    seed_everything(cfg.seed + strategy.random_stream)
+    return Trainer(cfg, task, datasets, strategy, hooks, precision_note=note)
 
 
 def run_export(cfg: Config) -> int:
