@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import random
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
@@ -61,7 +62,7 @@ class Trainer:
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
         self.total_steps = self.count_total_steps()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_lambda(
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
@@ -281,25 +282,81 @@ class Trainer:
         self.hooks.at(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
-        rng = distributed.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
+        own = self.state_dict()
+        rng = distributed.gather_objects(self.ctx, own["rng"])  # every rank's stream, so each resumes its own
 
-        def start_files(directory: str):
+        def start_files(directory: str):  # the model and optimizer: the strategy's files (Strategy.save)
             wait = self.strategy.start_save(directory) if self.train_cfg.async_save else self.strategy.save(directory)
             if self.ctx.is_main:
-                torch.save({"scheduler": self.scheduler.state_dict(),
-                            "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
-                            "rng": rng}, os.path.join(directory, "state.pt"))
+                torch.save({"scheduler": own["scheduler"], "scaler": own["scaler"], "rng": rng},
+                           os.path.join(directory, "state.pt"))
             return wait or (lambda: None)
 
-        meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
+        meta = {"step": self.state.step, "state": own["state"], "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.strategy.checkpoint_format,
-                "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
+                "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
                 **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.pending_best = self.state.best_step
         if not self.train_cfg.async_save:
             self.finish_save()
+
+    # ---- The Trainer's state, both ways, and what resume and balancing may change -------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint holds besides the model and optimizer (the strategy's files: Strategy.save/load): the
+        scheduler, the loss scaler, this rank's random streams, the progress (data position, best) and batch sizes."""
+        return {"scheduler": self.scheduler.state_dict(),
+                "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
+                "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
+        checkpoint came from another world size, so this rank keeps its fresh streams."""
+        self.scheduler.load_state_dict(per_group(saved["scheduler"], len(self.strategy.optimizer.param_groups)))
+        self.apply_lr()  # the same value, except under pipe (its optimizer files keep no param_groups)
+        if self.strategy.scaler and saved["scaler"]:
+            self.strategy.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState(**saved["state"])
+        self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
+        if saved["rng"] is not None:
+            set_rng_state(saved["rng"])
+
+    def apply_lr(self) -> None:
+        """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""
+        sched = self.scheduler
+        for group, base, factor in zip(self.strategy.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+
+    def set_base_lr(self, lr: float) -> None:
+        """Resumed with another train.lr: the schedule continues from it (the loaded scheduler holds the old one)."""
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for group in self.strategy.optimizer.param_groups:
+            group["initial_lr"] = lr
+        self.apply_lr()
+
+    def set_total_steps(self, total: int) -> None:
+        """The run's length counted again (resume.length_from_position): the schedule follows the new length."""
+        self.total_steps = total
+        t = self.train_cfg
+        factor = lr_factor_function(total, t.warmup, t.schedule, t.min_lr_ratio)
+        self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
+        self.apply_lr()
+
+    def set_batch_sizes(self, sizes: list[int], note: Optional[str] = None) -> None:
+        """batch_size auto (extras/balance.py): new per-rank sizes, same global batch; the sampler is rebuilt."""
+        self.batch_sizes, self.balance_note = list(sizes), note
+        self.sampler = self.make_sampler()
+
+    def set_precision(self, precision: str, note: str) -> None:
+        """precision auto on a CPU (extras/balance.py): the measured choice, what checkpoints and config.yml record."""
+        self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.train_cfg, precision=precision))
+        self.train_cfg, self.precision_note = self.cfg.train, note
+        self.autocast = autocast_for(self.ctx.device.type, precision)
+
+    def set_step(self, step: int) -> None:
+        """test mode: the step of the checkpoint evaluated, which its log lines name."""
+        self.state.step = step
 
     def finish_save(self) -> None:
         """Wait for the checkpoint being written (every rank), publish it, prune the old ones, and say "saved"."""
@@ -401,9 +458,9 @@ class Trainer:
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
-def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
-    """The lr factor after `step` optimizer steps: linear warm-up, then `schedule` from 1 down to min_lr_ratio
-    (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
+def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
+    """The function factor(step) (step: optimizer steps done): linear warm-up, then `schedule` from 1 down to
+    min_lr_ratio (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
@@ -432,6 +489,22 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def set_rng_state(state: dict) -> None:
+    """This rank's random streams as rng_state() saved them."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def per_group(scheduler_state: dict, groups: int) -> dict:
+    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
+    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
+    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
 
 
 def _numpy_state():

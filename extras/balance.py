@@ -26,7 +26,6 @@ from core.config import world_size
 from core.distributed import synchronize, time_unnoticed
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
-from trainer import autocast_for
 
 
 def check_config(cfg, fail) -> None:
@@ -101,14 +100,13 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
 
 
 def time_auto_settings(trainer, precision: bool, batches: bool) -> None:
-    """Trainer.measure: train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
+    """Before the first step (wiring.RunHooks): train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
     the chosen precision). The global batch, hence the batches per epoch and the steps, stays as it is; only the
     sampler is rebuilt."""
     if precision:
         choose_cpu_precision(trainer)
     if batches:
-        trainer.batch_sizes, trainer.balance_note = auto_batch_sizes(trainer, trainer.resumed_batch_sizes)
-        trainer.sampler = trainer.make_sampler()
+        trainer.set_batch_sizes(*auto_batch_sizes(trainer, trainer.resumed_batch_sizes))
 
 
 def auto_precision(cfg, ctx: distributed.DistContext):
@@ -135,10 +133,7 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 def choose_cpu_precision(trainer) -> None:
     """train.precision auto on a CPU (measure): the measured choice (cpu_precision) becomes the
     Trainer's precision, what its checkpoints and config.yml record. Collective."""
-    precision, trainer.precision_note = cpu_precision(trainer)
-    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.train_cfg, precision=precision))
-    trainer.train_cfg = trainer.cfg.train
-    trainer.autocast = autocast_for("cpu", precision)
+    trainer.set_precision(*cpu_precision(trainer))
 
 
 def cpu_precision(trainer) -> tuple[str, str]:

@@ -196,6 +196,41 @@ def test_trainer_and_all_it_can_load_fit_in_an_afternoon():
     assert n["trainer closure lines"] <= MAX_TRAINER_CLOSURE
 
 
+def trainer_fields_assigned(path: str) -> list:
+    """(line, target) of every assignment in the file whose target goes through a name `trainer` (trainer.x = ...,
+    trainer.state.step += ..., a, trainer.x = ...): the Trainer's fields, set from outside it."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute):
+                    root = part.value
+                    while isinstance(root, (ast.Attribute, ast.Subscript)):
+                        root = root.value
+                    if isinstance(root, ast.Name) and root.id == "trainer":
+                        found.append((node.lineno, ast.unparse(part)))
+                        break
+    return found
+
+
+def test_only_the_trainer_assigns_its_fields():
+    """Hooks change the Trainer through its methods (load_state_dict, set_batch_sizes, set_precision...), never by
+    assigning its fields."""
+    assigned = {path: found for name, path in product_files().items() if name != "trainer"
+                for found in [trainer_fields_assigned(path)] if found}
+    assert assigned == {}
+
+
+def test_the_field_check_sees_assignments(tmp_path, monkeypatch):
+    (tmp_path / "hook.py").write_text("def f(trainer, x):\n    y, trainer.cfg = x\n    trainer.state.step += 1\n"
+                                      "    trainer.log.info('x')\n    trainer.set_step(3)\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert trainer_fields_assigned("hook.py") == [(2, "trainer.cfg"), (3, "trainer.state.step")]
+
+
 def test_a_schema_mistake_is_said_before_torch_loads():
     """main.py's top imports no torch: the composition root loads wiring.py (torch, every strategy and task) only
     once the config's schema has passed."""
