@@ -23,7 +23,8 @@ from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from strategies.base import Strategy, lora_base_entry
+from core.model_parts import lora_base_entry
+from strategies.base import Strategy
 from tasks.base import Task
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, distributed, trackers
+from core import config, distributed, optimizers, trackers
 from core.config import Config, failing, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
@@ -19,7 +19,7 @@ from core.run_log import setup_logging
 from extras import balance, export, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
-from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
+from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
 from strategies.base import Strategy
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task

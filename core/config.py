@@ -184,7 +184,7 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
     optimizer: str = "AdamW"
     """A torch.optim class by name, any case (AdamW, SGD: momentum 0.9 unless optimizer_args says, RAdam, Adafactor,
-    ...) or one listed in strategies/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
+    ...) or one listed in core/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
     optimizer_args: Optional[dict] = None
     """The optimizer's own keyword arguments, e.g. {momentum: 0.9, nesterov: true} for SGD; checked at start.
     null: none."""

@@ -20,10 +20,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from core import checkpoint, disk_errors, distributed, trackers
+from core import checkpoint, disk_errors, distributed, optimizers, trackers
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
-from strategies import optimizers
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:

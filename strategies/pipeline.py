@@ -38,7 +38,9 @@ from core.distributed import DistContext, synchronize, time_unnoticed
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from strategies import mesh as meshes
-from strategies.base import Strategy, ddp_wrap, optimizer_recipe
+from core.optimizers import optimizer_recipe
+from strategies.base import Strategy
+from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
 from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan

@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from core.distributed import DistContext
 from core.errors import ConfigError
 from strategies import mesh as meshes
-from strategies.base import Strategy, optimizer_recipe
+from core.optimizers import optimizer_recipe
+from strategies.base import Strategy
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import FSDPStrategy, local, shard
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.base import Layer, Task, classification_batch, classification_metrics
+from tasks.base import Layer, Task
+from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
 
 

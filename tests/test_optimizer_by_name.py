@@ -14,8 +14,8 @@ import trainer as trainer_module
 from conftest import ROOT, make_config, slow
 from wiring import load_config
 from core.errors import ConfigError
-from strategies import optimizers
-from strategies.base import optimizer_recipe
+from core import optimizers
+from core.optimizers import optimizer_recipe
 
 PARAMS = os.path.join(ROOT, "parameters.yml")
 
