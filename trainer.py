@@ -1,9 +1,10 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
-Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
-(log lines, progress bars, trackers) is written by core/run_log.py. The Trainer is handed its parts, built by the
-composition root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it, its
-optimizer and loss scaler) and the hooks. The model's own forward and loss are the task's (tasks/)."""
+Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints as it trains
+(log lines, progress bars) is written by core/run_log.py. The Trainer is handed its parts, built by the composition
+root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it, its optimizer and
+loss scaler) and the hooks (which also record the run's plan, trackers and summary). The model's own forward and loss
+are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,6 @@ import numpy as np
 import torch
 
 from core import checkpoint, distributed, run_log
-from core.config import Config
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
@@ -48,9 +48,10 @@ def autocast_for(device_type: str, precision: str):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, datasets: dict, strategy: Strategy, hooks: Hooks = Hooks(),
+    def __init__(self, cfg, task: Task, datasets: dict, strategy: Strategy, hooks: Hooks = Hooks(),
                  precision_note: Optional[str] = None):
-        """`datasets`: the task's splits; `strategy`: the model as dist.strategy prepared it, with its optimizer;
+        """`cfg`: the run's core.config.Config, read here, never checked (its schema and checks ran before);
+        `datasets`: the task's splits; `strategy`: the model as dist.strategy prepared it, with its optimizer;
         `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py). All built by wiring.build_trainer."""
         self.cfg, self.task, self.datasets, self.strategy, self.hooks = cfg, task, datasets, strategy, hooks
         self.ctx, self.train_cfg = strategy.ctx, cfg.train
@@ -71,7 +72,7 @@ class Trainer:
             "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
         self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
-        self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from run_log.start
+        self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
@@ -82,8 +83,8 @@ class Trainer:
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
         t, state = self.train_cfg, self.state
-        if self.ctx.is_main:  # config.yml, the trackers and the plan
-            self.trackers = run_log.start(self.cfg, self.log, run_log.plan(self), state.step)
+        if self.ctx.is_main:  # config.yml, the plan, and the trackers the run reports to
+            self.trackers = self.hooks.run_starts(self)
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
         window = LossWindow(self.ctx, state.step)
@@ -127,7 +128,7 @@ class Trainer:
         self.finish_save()
         self.close()
         if self.ctx.is_main:
-            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric, self.task))
+            self.hooks.run_ends(self)  # the closing lines
         return metrics
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:

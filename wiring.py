@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, distributed, optimizers, trackers
+from core import config, distributed, optimizers, run_record, trackers
 from core.config import Config, failing, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
@@ -151,6 +151,12 @@ class RunHooks(Hooks):
         if trainer.train_cfg.profile_steps:  # a trace of chosen steps
             self.profiler = profiling.StepProfiler(trainer.train_cfg.profile_steps, trainer.cfg.output_dir, trainer.ctx,
                                                    trainer.log)
+
+    def run_starts(self, trainer: Trainer):
+        return run_record.start(trainer.cfg, trainer.log, run_record.plan(trainer), trainer.state.step)
+
+    def run_ends(self, trainer: Trainer) -> None:
+        trainer.log.info(run_record.summary(trainer.cfg, trainer.state, trainer.best_metric, trainer.task))
 
     def at(self, step: int, phase: str) -> None:
         faults.progress.at(step, phase)
