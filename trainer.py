@@ -69,7 +69,7 @@ class Trainer:
         self.state = TrainState()
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
-            "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
+            "min" if self.best_metric in task.lower_is_better else "max")
         self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
@@ -387,8 +387,7 @@ class Trainer:
         s = self.state
         while True:
             batches = self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch)  # made as consumed
-            if hasattr(self.datasets["train"], "set_epoch"):  # samples drawn per epoch (random LM windows)
-                self.datasets["train"].set_epoch(s.epoch)
+            self.task.start_epoch(self.datasets["train"], s.epoch)  # e.g. random LM windows drawn per epoch
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
                                  self.pin, self.cfg.seed + s.epoch)
             for batch in loader:
@@ -415,7 +414,7 @@ class Trainer:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
         train_set = self.datasets["train"]
         return GlobalBatchSampler(len(train_set), self.batch_sizes, self.strategy.data_rank, self.cfg.seed,
-                                  shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths,
+                                  shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
                                   drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:

@@ -247,7 +247,8 @@ class TrainConfig:
     the lower dev loss.
     None: the task's own choice (accuracy for classification, loss for pretraining and language modelling)."""
     best_mode: Literal["auto", "max", "min"] = "auto"
-    """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
+    """Whether larger or smaller best_metric is better. auto: the task says (Task.lower_is_better: min for losses and
+    perplexity, max otherwise)."""
     log_every: int = 20
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None
@@ -630,9 +631,6 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():
         fail("train.precision", "fp16 with dp needs GPUs")
-    if t.compile and cfg.task == "image" and not d.on_gpu():
-        fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
-                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")

@@ -31,8 +31,9 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
     return tracked
 
 
-def plan(tr) -> str:
-    """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder."""
+def plan(tr, notes: list[str] = ()) -> str:
+    """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder.
+    `notes`: lines about the model as it was built (wiring.build_model: LoRA's)."""
     cfg, ctx, t = tr.cfg, tr.ctx, tr.train_cfg
     env = launcher_env()
     per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
@@ -44,7 +45,7 @@ def plan(tr) -> str:
         f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
         *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
         *tr.strategy.plan_lines(),
-        *([f"  {tr.strategy.raw_model.lora_note}"] if hasattr(tr.strategy.raw_model, "lora_note") else []),
+        *(f"  {note}" for note in notes),
         f"  batch per {tr.strategy.replica} {tr.batch_sizes} x {t.grad_accum_steps} "
         f"accumulation, global batch {sum(tr.batch_sizes) * t.grad_accum_steps}",
         *([f"  {tr.balance_note}"] if tr.balance_note else []),
@@ -109,6 +110,6 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     lines.append(f"  test         python main.py --params {params} --set mode=test")
     if task.export_formats:
         lines.append(f"  export       python main.py --params {params} --set mode=export")
-    if cfg.task == "gpt2_lm":
+    if task.generates_text:
         lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
     return "\n".join(lines)

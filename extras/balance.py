@@ -100,9 +100,9 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
 
 
 def time_auto_settings(trainer, precision: bool, batches: bool) -> None:
-    """Before the first step (wiring.RunHooks): train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
-    the chosen precision). The global batch, hence the batches per epoch and the steps, stays as it is; only the
-    sampler is rebuilt."""
+    """Before the first step (wiring.RunHooks): train.precision auto on a CPU (`precision`), then train.batch_size
+    auto (`batches`, timed in the chosen precision). The global batch, hence the batches per epoch and the steps,
+    stays as it is; only the sampler is rebuilt."""
     if precision:
         choose_cpu_precision(trainer)
     if batches:

@@ -58,7 +58,7 @@ class Strategy:
         return []
 
     def no_sync(self):
-        """Accumulation micro-batches keep their gradients local: DDP's no_sync() (replicated.ddp_wrap), else nothing."""
+        """Accumulation micro-batches keep their gradients local: DDP's no_sync() (replicated.ddp_wrap), else none."""
         return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
 
     def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:

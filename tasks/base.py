@@ -21,6 +21,12 @@ from core.errors import ConfigError
 
 class Task:
     best_metric_default = "accuracy"
+    lower_is_better: tuple = ("loss",)
+    """The metrics (of `metrics()`) where lower is better: train.best_mode auto takes min for them, max for others."""
+    compiles_on_cpu = True
+    """False: train.compile is refused on a CPU (torch 2.13's inductor computes wrong gradients for the model)."""
+    generates_text = False
+    """True: generate.py samples from this task's checkpoints (the run's closing lines say how)."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole Config: tasks read cfg.data and cfg.model
@@ -33,6 +39,17 @@ class Task:
     def build_datasets(self) -> dict[str, Optional[Dataset]]:
         """{'train': ..., 'dev': ..., 'test': ...}; a split the data lacks is None."""
         raise NotImplementedError
+
+    def start_epoch(self, dataset: Dataset, epoch: int) -> None:
+        """Before each training epoch: a dataset that draws its samples per epoch (lm_data.RandomWindows) has a
+        set_epoch, called here; others need nothing."""
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+
+    def shard_sizes(self, dataset: Dataset) -> Optional[list[int]]:
+        """The sizes of the shards a dataset reads one at a time (its `shard_sizes`: token shards, HDF5 shards), so
+        that an epoch's order is drawn a shard at a time; None: any order is cheap."""
+        return getattr(dataset, "shard_sizes", None)
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:
         """Turn a list of dataset items into one batch: a flat dict of tensors."""

@@ -65,6 +65,8 @@ class TensorImages(Dataset):
 
 
 class ImageTask(Task):
+    compiles_on_cpu = False  # torch 2.13's inductor computes zero gradients for its convolutions on CPU
+
     def build_model(self) -> nn.Module:
         m = self.cfg.model
         if m.name != "cnn":
