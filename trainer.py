@@ -75,14 +75,14 @@ class Trainer:
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
-        self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
+        self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
         if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
-        t, state = self.train_cfg, self.state
+        train_cfg, state = self.train_cfg, self.state
         if self.ctx.is_main:  # config.yml, the plan, and the trackers the run reports to
             self.trackers = self.hooks.run_starts(self)
         stream = self.micro_batches()
@@ -92,33 +92,33 @@ class Trainer:
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.at(state.step + 1, "train")
-            batches = [next(stream) for _ in range(t.grad_accum_steps)]
+            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
-                window.add(loss_sum, count, samples=self.strategy.reports_for_replica * sum(len(next(iter(b.values())))
-                                                                                 for b in batches),
-                           tokens=run_log.batch_tokens(self.task, batches, self.strategy.reports_for_replica))
+                reports = self.strategy.is_replica_reporter  # one rank per replica counts its samples and tokens
+                samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
+                window.add(loss_sum, count, samples=samples, tokens=run_log.batch_tokens(self.task, batches, reports))
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
-            if state.step % t.log_every == 0 or last:  # the loss window waits for the device here only
+            if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
             if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
                 self.stop(bar)
 
             improved = stop = False
-            if (t.eval_every and state.step % t.eval_every == 0) or last:
+            if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
                 metrics = self.evaluate("dev")
                 evaluated_at = state.step
                 improved, stop = self.track_best(metrics)
-            if (t.save_every and state.step % t.save_every == 0) or last or improved or stop:
+            if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
             if stop:
                 self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
-                              f"in {t.patience} evaluations")
+                              f"in {train_cfg.patience} evaluations")
                 break
         if bar is not None:
             bar.close()
@@ -140,7 +140,7 @@ class Trainer:
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
         # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        n = sum(self.task.count(b) for b in batches) if strategy.reports_for_replica else 0  # one rank per replica
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
         counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
@@ -263,21 +263,23 @@ class Trainer:
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value; return (improved, should_stop)."""
-        s, t = self.state, self.train_cfg
+        state, train_cfg = self.state, self.train_cfg
         if self.best_metric not in metrics:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})")
         value, loss = metrics[self.best_metric], metrics.get("loss")
         better = math.isfinite(value) and (  # NaN is never best
-            s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
+            state.best_value is None
+            or (value > state.best_value if self.best_mode == "max" else value < state.best_value)
             # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss
-            or (value == s.best_value and loss is not None and s.best_loss is not None and loss < s.best_loss))
+            or (value == state.best_value and loss is not None and state.best_loss is not None
+                and loss < state.best_loss))
         if better:
-            s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
-            s.best_loss = loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+            state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+            state.best_loss = loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
         else:
-            s.evals_without_improvement += 1
-        return better, bool(t.patience) and s.evals_without_improvement >= t.patience
+            state.evals_without_improvement += 1
+        return better, bool(train_cfg.patience) and state.evals_without_improvement >= train_cfg.patience
 
     # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
@@ -300,7 +302,7 @@ class Trainer:
                 "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
                 **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
-        self.pending_best = self.state.best_step
+        self.best_step_to_keep = self.state.best_step
         if not self.train_cfg.async_save:
             self.finish_save()
 
@@ -340,8 +342,8 @@ class Trainer:
     def set_total_steps(self, total: int) -> None:
         """The run's length counted again (resume.length_from_position): the schedule follows the new length."""
         self.total_steps = total
-        t = self.train_cfg
-        factor = lr_factor_function(total, t.warmup, t.schedule, t.min_lr_ratio)
+        factor = lr_factor_function(total, self.train_cfg.warmup, self.train_cfg.schedule,
+                                    self.train_cfg.min_lr_ratio)
         self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
         self.apply_lr()
 
@@ -367,7 +369,7 @@ class Trainer:
             return
         path = pending.finish()
         if self.ctx.is_main:
-            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep={self.pending_best})
+            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep={self.best_step_to_keep})
             self.log.info(f"saved {path}")
 
     def check_finite_parameters(self) -> None:
@@ -384,17 +386,17 @@ class Trainer:
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
-        s = self.state
+        state = self.state
         while True:
-            batches = self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch)  # made as consumed
-            self.task.start_epoch(self.datasets["train"], s.epoch)  # e.g. random LM windows drawn per epoch
+            batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
+            self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin, self.cfg.seed + s.epoch)
+                                 self.pin, self.cfg.seed + state.epoch)
             for batch in loader:
-                s.batch_in_epoch += 1
-                s.sample_in_epoch = min(s.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
+                state.batch_in_epoch += 1
+                state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
                 yield batch
-            s.epoch, s.batch_in_epoch, s.sample_in_epoch = s.epoch + 1, 0, 0
+            state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
@@ -420,22 +422,22 @@ class Trainer:
     def count_total_steps(self) -> int:
         """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
         which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
-        t, s = self.train_cfg, self.sampler
-        if s.global_batch > s.n and self.cfg.mode == "train":  # (a config that makes no sense: said before step 1)
-            raise ConfigError(f"`train.batch_size`: the global batch ({s.global_batch} samples over all ranks) is "
-                              f"larger than the training set ({s.n} samples); lower train.batch_size")
-        per_epoch = s.batches_per_epoch() / t.grad_accum_steps
-        from_epochs = math.ceil(t.epochs * per_epoch) if t.epochs else None
-        limits = [(n, f"{key}={value:g}") for n, key, value in ((from_epochs, "epochs", t.epochs),
-                                                                (t.max_steps or None, "max_steps", t.max_steps))
+        train_cfg, sampler = self.train_cfg, self.sampler
+        if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
+            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
+                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
+        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
+        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
+        limits = [(n, f"{key}={value:g}") for n, key, value in (
+            (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
                   if n is not None]
         total, first = min(limits)
         others = [what for n, what in limits if what != first]
         verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
         self.length_note = first + (f" {verb} {others[0]}" if others else "")
-        if t.warmup >= 1 and t.warmup > total and self.cfg.mode == "train":
-            raise ConfigError(f"`train.warmup` is {t.warmup:g} steps, longer than the run ({total} optimizer steps: "
-                              f"{self.length_note}); lower it, or give a fraction of the run (< 1)")
+        if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
+            raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
+                              f"steps: {self.length_note}); lower it, or give a fraction of the run (< 1)")
         return total
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from core import config, distributed, optimizers, run_record, trackers
-from core.config import Config, failing, is_set, world_size
+from core.config import Config, fail_naming, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
@@ -49,7 +49,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
 
 # Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
 # them is set (not at its default).
-OWN_CHECKS: list[tuple[Callable, list[str]]] = [
+READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
     (lm_models.check_config, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
@@ -78,7 +78,7 @@ def check_task(cfg: Config, fail) -> None:
 
 
 def check_own_keys(cfg: Config, fail) -> None:
-    for check, keys in OWN_CHECKS:
+    for check, keys in READER_CHECKS:
         if any(is_set(cfg, key) for key in keys):
             check(cfg, fail)
 
@@ -102,7 +102,7 @@ CHECKS = (check_task, check_own_keys, check_batch_split)
 
 def check(cfg: Config, source: str) -> None:
     """The checks beyond the schema's (main.py has run those already, before torch loaded)."""
-    fail = failing(source)
+    fail = fail_naming(source)
     for one in CHECKS:
         one(cfg, fail)
 
@@ -195,8 +195,8 @@ def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task
     strategy = parallelize(model, cfg, ctx, task, datasets["train"])
     if cfg.train.compile and cfg.mode == "train":
         strategy.compile()  # the first steps (and each new input shape) pay the compilation
-    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.random_stream).
-    seed_everything(cfg.seed + strategy.random_stream)
+    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.seed_offset).
+    seed_everything(cfg.seed + strategy.seed_offset)
     return Trainer(cfg, task, datasets, strategy, RunHooks(asked, plan_notes), precision_note=note)
 
 

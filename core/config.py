@@ -603,7 +603,7 @@ def _match(value: Any, hint):
 def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key. `checks`:
     the composition root's (wiring.CHECKS): each strategy, task and launcher checks the keys it reads."""
-    fail = failing(source)
+    fail = fail_naming(source)
     for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
         part.check(fail)
     for check in checks:  # first: the world size below counts dist.procs_per_node
@@ -611,7 +611,7 @@ def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     check_across_sections(cfg, fail)
 
 
-def failing(source: str) -> Callable[[str, str], None]:
+def fail_naming(source: str) -> Callable[[str, str], None]:
     """fail(key, why): the one-line ConfigError every check raises."""
     def fail(key: str, why: str):
         raise ConfigError(f"{source}: `{key}` {why}")

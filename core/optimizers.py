@@ -105,7 +105,7 @@ def plan_line(optimizer, t) -> str:
 
 
 def check_config(cfg, fail) -> None:
-    """train.optimizer, train.optimizer_args, set (wiring.OWN_CHECKS): the class exists and takes what it gets."""
+    """train.optimizer, train.optimizer_args, set (wiring.READER_CHECKS): the class exists and takes what it gets."""
     t = cfg.train
     try:
         cls = resolve(t.optimizer)

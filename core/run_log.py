@@ -179,11 +179,11 @@ class LossWindow:
         return out
 
 
-def batch_tokens(task, batches: list[dict], counts: bool) -> Optional[int]:
+def batch_tokens(task, batches: list[dict], reports: bool) -> Optional[int]:
     """The input tokens of one step's micro-batches on this rank (Task.tokens), for LossWindow.add: 0 on a rank
-    whose replica's batch another rank counts (`counts` false: tp, pipe), None for a task without tokens."""
+    whose replica's batch another rank counts (`reports` false: tp, pipe), None for a task without tokens."""
     n = [task.tokens(b) for b in batches]
-    return None if None in n else counts * sum(n)
+    return None if None in n else sum(n) if reports else 0
 
 
 EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive

@@ -23,7 +23,7 @@ import torch
 
 from core import distributed
 from core.config import world_size
-from core.distributed import synchronize, time_unnoticed
+from core.distributed import synchronize, time_forward_backward
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
 
@@ -94,7 +94,7 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     was_training = model.training
     model.train()
     with strategy.no_sync():
-        seconds = time_unnoticed(strategy, ctx, forward_backward, steps)
+        seconds = time_forward_backward(strategy, ctx, forward_backward, steps)
     model.train(was_training)
     return batch_size * steps / seconds
 
@@ -183,7 +183,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     in fp32 and in bf16 autocast, `steps` of each, on the run's next training batches. Interleaved (fp32 then bf16,
     then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
     optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as
-    measure_speed (time_unnoticed)."""
+    measure_speed (time_forward_backward)."""
     strategy, task, ctx, s = trainer.strategy, trainer.task, trainer.ctx, trainer.state
     dataset = trainer.datasets["train"]
     batches = list(itertools.islice(trainer.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch), steps + 1))
@@ -207,7 +207,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     was_training = strategy.model.training
     strategy.model.train()
     with strategy.no_sync():
-        time_unnoticed(strategy, ctx, both, steps)
+        time_forward_backward(strategy, ctx, both, steps)
     strategy.model.train(was_training)
     return {p: statistics.median(t) for p, t in seconds.items()}
 

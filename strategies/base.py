@@ -37,10 +37,10 @@ class Strategy:
         # (the Trainer multiplies the loss by it to undo the average). Under pipe, the ranks of one pipeline read
         # the same batch: one share per pipeline.
         self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
-        self.reports_for_replica = True
+        self.is_replica_reporter = True
         # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)
         # must draw the same masks.
-        self.random_stream = ctx.rank
+        self.seed_offset = ctx.rank
 
     @property
     def can_be_timed_alone(self) -> bool:
@@ -75,7 +75,7 @@ class Strategy:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
         self.reduce_grads()
-        return total if self.reports_for_replica else torch.zeros_like(total)
+        return total if self.is_replica_reporter else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
         """Called after a step's last backward. DDP and FSDP reduce gradients during backward: nothing to do."""
@@ -84,7 +84,7 @@ class Strategy:
         """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""
         with autocast():
             out = task.eval_batch(self.eval_model, batch)
-        return out if self.reports_for_replica else {}
+        return out if self.is_replica_reporter else {}
 
     def compile(self) -> None:
         """train.compile: torch.compile the model in place (Module.compile: same module, same state-dict keys).

@@ -25,7 +25,7 @@ def _compiled_masks(rank, port, cache, queue):
     from test_tp import _tiny
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     for own in (True, False):
-        torch.manual_seed(0)  # the group's shared stream (Strategy.random_stream)
+        torch.manual_seed(0)  # the group's shared stream (Strategy.seed_offset)
         model = _tiny("gpt2")
         plan = tp_plan(model, 2, False)
         assert any(isinstance(style, PerRankDropout) for style in plan.values())
