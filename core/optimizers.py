@@ -175,7 +175,7 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
 def optimizer_kernel(impl: str, params: list, fused_ok: bool = True, cls: type = torch.optim.AdamW) -> dict:
     """The optimizer's implementation switch (train.optimizer_impl) as the keyword arguments `cls` takes of fused
     and foreach. auto: fused where the device and the class have the kernel (PyTorch's own CPU default runs one
-    small op per tensor: benchmarks/RESULTS.md, "Speed: this Trainer vs Hugging Face's Trainer"), else foreach where the class has it."""
+    small op per tensor, slower), else foreach where the class has it."""
     takes = keywords(cls)
     device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
                     for p in params)

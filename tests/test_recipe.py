@@ -69,7 +69,8 @@ def test_bad_recipe_values_are_one_line_errors(tmp_path, sets, match):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_min_lr_ratio_floors_the_decay(schedule):
-    floored, plain = trainer_module.lr_factor_function(110, 10, schedule, 0.1), trainer_module.lr_factor_function(110, 10, schedule)
+    floored = trainer_module.lr_factor_function(110, 10, schedule, 0.1)
+    plain = trainer_module.lr_factor_function(110, 10, schedule)
     assert floored(110) == pytest.approx(0.1) and plain(110) == pytest.approx(0.0)  # the end: the floor, or 0
     # Half-way through the decay both schedules are at half of it: 0.1 + 0.9 * 0.5.
     assert floored(60) == pytest.approx(0.55) and plain(60) == pytest.approx(0.5)
