@@ -63,9 +63,6 @@ class GlobalBatchSampler:
         start = sum(sizes[: self.rank])
         return global_batch[start:start + sizes[self.rank]]
 
-    def batches(self, epoch: int, start: int = 0) -> list[list[int]]:
-        return list(self.epoch_batches(epoch, start))
-
 
 class EpochBatches:
     """One rank's batches of one epoch from batch `start` on: a sized iterable of index lists, which DataLoader
@@ -74,7 +71,7 @@ class EpochBatches:
     every rank a sample and is dropped. Sharded datasets and group_by_length: data_order.py."""
 
     def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int, start_sample: Optional[int] = None):
-        self.s, self.start, self.offset = sampler, start, 0
+        self.sampler, self.start, self.offset = sampler, start, 0
         rng = np.random.default_rng([sampler.seed, epoch])
         if sampler.shard_sizes:
             self.order = data_order.ShardOrder(rng, sampler.shard_sizes)
@@ -103,11 +100,11 @@ class EpochBatches:
         return max(0, self.count - self.start)
 
     def __iter__(self):
-        g = self.s.global_batch
+        g = self.sampler.global_batch
         for k in range(self.start, self.count):
             batch = self.groups[k] if self.groups is not None else \
                 self.order[self.offset + k * g:min(self.offset + (k + 1) * g, self.end)]
-            yield self.s.rank_slice(batch).tolist()
+            yield self.sampler.rank_slice(batch).tolist()
 
 
 def eval_shard(n: int, rank: int, world: int) -> range:

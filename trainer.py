@@ -1,29 +1,30 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
-Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints and records
-(log lines, progress bars, trackers) is written by core/run_log.py. The strategy and the hooks are handed in by the
-composition root (main.py through wiring.py): this file and what it imports run a whole step, forward to optimizer,
-and define DDP's wrapper (strategies/base.py's ddp_wrap), which strategies/replicated.py's apply_ddp applies (FSDP's:
-strategies/fsdp.py). The model's own forward and loss are the task's (tasks/)."""
+Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints as it trains
+(log lines, progress bars) is written by core/run_log.py. The Trainer is handed its parts, built by the composition
+root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it, its optimizer and
+loss scaler) and the hooks (which also record the run's plan, trackers and summary). The model's own forward and loss
+are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
 import math
 import os
 import random
+import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from core import checkpoint, distributed, run_log
-from core.config import Config
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
 from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
-from strategies.base import Strategy, lora_base_entry
+from core.model_parts import lora_base_entry
+from strategies.base import Strategy
 from tasks.base import Task
 
 
@@ -52,53 +53,43 @@ def autocast_for(device_type: str, precision: str):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: distributed.DistContext,
-                 parallelize: Callable[..., Strategy], hooks: Hooks = Hooks()):
-        """`parallelize(model, cfg, ctx, task, train_set)`: dist.strategy applied to the model (wiring.parallelize);
-        `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py)."""
-        self.cfg, self.task, self.ctx, self.train_cfg, self.hooks = cfg, task, ctx, cfg.train, hooks
-        self.precision_note = cfg.train.precision  # what the plan shows (precision auto: what it chose and why)
-        self.log = setup_logging(cfg.output_dir, ctx.rank)
-        self.datasets = task.build_datasets()
-
-        # Same seed on every rank, so every replica (or shard) starts from the same parameters.
-        seed_everything(cfg.seed)
-        model = task.build_model()  # on the CPU: the strategy places it (pipe: only this rank's stages)
-        # LoRA, activation checkpointing, dist.strategy (wiring.parallelize; ddp: replicated.apply_ddp, which puts the
-        # model on its device, makes its optimizer and wraps it: ddp_wrap). train(): from_pretrained gives eval mode
-        self.strategy = parallelize(model.train(), cfg, ctx, task, self.datasets["train"])
-        if self.train_cfg.compile and cfg.mode == "train":
-            self.strategy.compile()  # the first steps (and each new input shape) pay the compilation
-        # After init, each rank gets its own random stream (dropout masks differ between ranks, as they should;
-        # the ranks of a tp group share one, see Strategy.random_stream).
-        seed_everything(cfg.seed + self.strategy.random_stream)
+    def __init__(self, cfg, task: Task, datasets: dict, strategy: Strategy, hooks: Hooks = Hooks(),
+                 precision_note: Optional[str] = None):
+        """`cfg`: the run's core.config.Config, read here, never checked (its schema and checks ran before);
+        `datasets`: the task's splits; `strategy`: the model as dist.strategy prepared it, with its optimizer;
+        `hooks`: what resilience/ and extras/ add to the loop (core/hooks.py). All built by wiring.build_trainer."""
+        self.cfg, self.task, self.datasets, self.strategy, self.hooks = cfg, task, datasets, strategy, hooks
+        self.ctx, self.train_cfg = strategy.ctx, cfg.train
+        # what the plan shows (precision auto: what it chose and why)
+        self.precision_note = precision_note or cfg.train.precision
+        self.log = setup_logging(cfg.output_dir, self.ctx.rank)
 
         train_set = self.datasets["train"]
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
         self.total_steps = self.count_total_steps()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_lambda(
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
-            "min" if any(k in self.best_metric for k in ("loss", "perplexity")) else "max")
-        self.pin = ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
-        self.autocast = autocast_for(ctx.device.type, self.train_cfg.precision)
-        self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from run_log.start
+            "min" if self.best_metric in task.lower_is_better else "max")
+        self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
+        self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
+        self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
-        self.pending_save, self.pending_best = None, None  # a checkpoint being written (train.async_save)
+        self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
         if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
-        t, state = self.train_cfg, self.state
-        if self.ctx.is_main:  # config.yml, the trackers and the plan
-            self.trackers = run_log.start(self.cfg, self.log, run_log.plan(self), state.step)
+        train_cfg, state = self.train_cfg, self.state
+        if self.ctx.is_main:  # config.yml, the plan, and the trackers the run reports to
+            self.trackers = self.hooks.run_starts(self)
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at = {}, None, None
         window = LossWindow(self.ctx, state.step)
@@ -106,33 +97,33 @@ class Trainer:
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.at(state.step + 1, "train")
-            batches = [next(stream) for _ in range(t.grad_accum_steps)]
+            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
-                window.add(loss_sum, count, samples=self.strategy.reports_for_replica * sum(len(next(iter(b.values())))
-                                                                                 for b in batches),
-                           tokens=run_log.batch_tokens(self.task, batches, self.strategy.reports_for_replica))
+                reports = self.strategy.is_replica_reporter  # one rank per replica counts its samples and tokens
+                samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
+                window.add(loss_sum, count, samples=samples, tokens=run_log.batch_tokens(self.task, batches, reports))
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
-            if state.step % t.log_every == 0 or last:  # the loss window waits for the device here only
+            if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
             if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
                 self.stop(bar)
 
             improved = stop = False
-            if (t.eval_every and state.step % t.eval_every == 0) or last:
+            if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
                 metrics = self.evaluate("dev")
                 evaluated_at = state.step
                 improved, stop = self.track_best(metrics)
-            if (t.save_every and state.step % t.save_every == 0) or last or improved or stop:
+            if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
             if stop:
                 self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
-                              f"in {t.patience} evaluations")
+                              f"in {train_cfg.patience} evaluations")
                 break
         if bar is not None:
             bar.close()
@@ -142,7 +133,7 @@ class Trainer:
         self.finish_save()
         self.close()
         if self.ctx.is_main:
-            self.log.info(run_log.summary(self.cfg, self.state, self.best_metric, self.task))
+            self.hooks.run_ends(self)  # the closing lines
         return metrics
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
@@ -154,7 +145,7 @@ class Trainer:
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
         # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        n = sum(self.task.count(b) for b in batches) if strategy.reports_for_replica else 0  # one rank per replica
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
         counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
@@ -277,52 +268,110 @@ class Trainer:
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
-        s, t = self.state, self.train_cfg
+        state, train_cfg = self.state, self.train_cfg
         if self.best_metric not in metrics:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})")
         value, loss = metrics[self.best_metric], metrics.get("loss")
         better = math.isfinite(value) and (  # NaN is never best
-            s.best_value is None or (value > s.best_value if self.best_mode == "max" else value < s.best_value)
+            state.best_value is None
+            or (value > state.best_value if self.best_mode == "max" else value < state.best_value)
             # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss
-            or (value == s.best_value and loss is not None and s.best_loss is not None and loss < s.best_loss))
+            or (value == state.best_value and loss is not None and state.best_loss is not None
+                and loss < state.best_loss))
         if better:
-            s.best_value, s.best_step, s.evals_without_improvement = value, s.step, 0
-            s.best_loss = finite_or_none(loss)
+            state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+            state.best_loss = finite_or_none(loss)
         else:
-            s.evals_without_improvement += 1
+            state.evals_without_improvement += 1
         ranked = False
-        if t.keep_best > 1 and math.isfinite(value):  # the same order: a tie to the lower loss, then the earlier step
-            s.best_k = sorted(s.best_k + [[value, finite_or_none(loss), s.step]],
-                              key=lambda r: (-r[0] if self.best_mode == "max" else r[0],
-                                             math.inf if r[1] is None else r[1], r[2]))[:t.keep_best]
-            ranked = s.step in (r[2] for r in s.best_k)
-        return better or ranked, bool(t.patience) and s.evals_without_improvement >= t.patience
+        if train_cfg.keep_best > 1 and math.isfinite(value):  # the same order: a tie to the lower loss, then the step
+            state.best_k = sorted(state.best_k + [[value, finite_or_none(loss), state.step]],
+                                  key=lambda r: (-r[0] if self.best_mode == "max" else r[0],
+                                                 math.inf if r[1] is None else r[1], r[2]))[:train_cfg.keep_best]
+            ranked = state.step in (r[2] for r in state.best_k)
+        return better or ranked, bool(train_cfg.patience) and state.evals_without_improvement >= train_cfg.patience
 
     # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
         self.hooks.at(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
-        rng = distributed.gather_objects(self.ctx, rng_state())  # every rank's stream, so each resumes its own
+        own = self.state_dict()
+        rng = distributed.gather_objects(self.ctx, own["rng"])  # every rank's stream, so each resumes its own
 
-        def start_files(directory: str):
+        def start_files(directory: str):  # the model and optimizer: the strategy's files (Strategy.save)
             wait = self.strategy.start_save(directory) if self.train_cfg.async_save else self.strategy.save(directory)
             if self.ctx.is_main:
-                torch.save({"scheduler": self.scheduler.state_dict(),
-                            "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
-                            "rng": rng}, os.path.join(directory, "state.pt"))
+                torch.save({"scheduler": own["scheduler"], "scaler": own["scaler"], "rng": rng},
+                           os.path.join(directory, "state.pt"))
             return wait or (lambda: None)
 
-        meta = {"step": self.state.step, "state": asdict(self.state), "metrics": metrics,
+        meta = {"step": self.state.step, "state": own["state"], "metrics": metrics,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.strategy.checkpoint_format,
-                "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
+                "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
                 **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
-        self.pending_best = self.state.best_step
+        self.best_step_to_keep = self.state.best_step
         if not self.train_cfg.async_save:
             self.finish_save()
+
+    # ---- The Trainer's state, both ways, and what resume and balancing may change -------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint holds besides the model and optimizer (the strategy's files: Strategy.save/load): the
+        scheduler, the loss scaler, this rank's random streams, the progress (data position, best) and batch sizes."""
+        return {"scheduler": self.scheduler.state_dict(),
+                "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
+                "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
+        checkpoint came from another world size, so this rank keeps its fresh streams."""
+        self.scheduler.load_state_dict(per_group(saved["scheduler"], len(self.strategy.optimizer.param_groups)))
+        self.apply_lr()  # the same value, except under pipe (its optimizer files keep no param_groups)
+        if self.strategy.scaler and saved["scaler"]:
+            self.strategy.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState(**saved["state"])
+        self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
+        if saved["rng"] is not None:
+            set_rng_state(saved["rng"])
+
+    def apply_lr(self) -> None:
+        """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""
+        sched = self.scheduler
+        for group, base, factor in zip(self.strategy.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+
+    def set_base_lr(self, lr: float) -> None:
+        """Resumed with another train.lr: the schedule continues from it (the loaded scheduler holds the old one)."""
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for group in self.strategy.optimizer.param_groups:
+            group["initial_lr"] = lr
+        self.apply_lr()
+
+    def set_total_steps(self, total: int) -> None:
+        """The run's length counted again (resume.length_from_position): the schedule follows the new length."""
+        self.total_steps = total
+        factor = lr_factor_function(total, self.train_cfg.warmup, self.train_cfg.schedule,
+                                    self.train_cfg.min_lr_ratio)
+        self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
+        self.apply_lr()
+
+    def set_batch_sizes(self, sizes: list[int], note: Optional[str] = None) -> None:
+        """batch_size auto (extras/balance.py): new per-rank sizes, same global batch; the sampler is rebuilt."""
+        self.batch_sizes, self.balance_note = list(sizes), note
+        self.sampler = self.make_sampler()
+
+    def set_precision(self, precision: str, note: str) -> None:
+        """precision auto on a CPU (extras/balance.py): the measured choice, what checkpoints and config.yml record."""
+        self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.train_cfg, precision=precision))
+        self.train_cfg, self.precision_note = self.cfg.train, note
+        self.autocast = autocast_for(self.ctx.device.type, precision)
+
+    def set_step(self, step: int) -> None:
+        """test mode: the step of the checkpoint evaluated, which its log lines name."""
+        self.state.step = step
 
     def finish_save(self) -> None:
         """Wait for the checkpoint being written (every rank), publish it, prune the old ones, and say "saved"."""
@@ -331,7 +380,7 @@ class Trainer:
             return
         path = pending.finish()
         if self.ctx.is_main:
-            keep = {self.pending_best, *(step for _, _, step in self.state.best_k)}  # and train.keep_best's
+            keep = {self.best_step_to_keep, *(step for _, _, step in self.state.best_k)}  # and train.keep_best's
             checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep=keep)
             self.log.info(f"saved {path}")
 
@@ -349,18 +398,17 @@ class Trainer:
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
-        s = self.state
+        state = self.state
         while True:
-            batches = self.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch)  # made as consumed
-            if hasattr(self.datasets["train"], "set_epoch"):  # samples drawn per epoch (random LM windows)
-                self.datasets["train"].set_epoch(s.epoch)
+            batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
+            self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin, self.cfg.seed + s.epoch)
+                                 self.pin, self.cfg.seed + state.epoch)
             for batch in loader:
-                s.batch_in_epoch += 1
-                s.sample_in_epoch = min(s.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
+                state.batch_in_epoch += 1
+                state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
                 yield batch
-            s.epoch, s.batch_in_epoch, s.sample_in_epoch = s.epoch + 1, 0, 0
+            state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
@@ -380,28 +428,28 @@ class Trainer:
         """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
         train_set = self.datasets["train"]
         return GlobalBatchSampler(len(train_set), self.batch_sizes, self.strategy.data_rank, self.cfg.seed,
-                                  shard_sizes=getattr(train_set, "shard_sizes", None), lengths=self.lengths,
+                                  shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
                                   drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
 
     def count_total_steps(self) -> int:
         """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
         which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
-        t, s = self.train_cfg, self.sampler
-        if s.global_batch > s.n and self.cfg.mode == "train":  # (a config that makes no sense: said before step 1)
-            raise ConfigError(f"`train.batch_size`: the global batch ({s.global_batch} samples over all ranks) is "
-                              f"larger than the training set ({s.n} samples); lower train.batch_size")
-        per_epoch = s.batches_per_epoch() / t.grad_accum_steps
-        from_epochs = math.ceil(t.epochs * per_epoch) if t.epochs else None
-        limits = [(n, f"{key}={value:g}") for n, key, value in ((from_epochs, "epochs", t.epochs),
-                                                                (t.max_steps or None, "max_steps", t.max_steps))
+        train_cfg, sampler = self.train_cfg, self.sampler
+        if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
+            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
+                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
+        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
+        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
+        limits = [(n, f"{key}={value:g}") for n, key, value in (
+            (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
                   if n is not None]
         total, first = min(limits)
         others = [what for n, what in limits if what != first]
         verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
         self.length_note = first + (f" {verb} {others[0]}" if others else "")
-        if t.warmup >= 1 and t.warmup > total and self.cfg.mode == "train":
-            raise ConfigError(f"`train.warmup` is {t.warmup:g} steps, longer than the run ({total} optimizer steps: "
-                              f"{self.length_note}); lower it, or give a fraction of the run (< 1)")
+        if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
+            raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
+                              f"steps: {self.length_note}); lower it, or give a fraction of the run (< 1)")
         return total
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------
@@ -425,9 +473,9 @@ class Trainer:
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
-def lr_lambda(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
-    """The lr factor after `step` optimizer steps: linear warm-up, then `schedule` from 1 down to min_lr_ratio
-    (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
+def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
+    """The function factor(step) (step: optimizer steps done): linear warm-up, then `schedule` from 1 down to
+    min_lr_ratio (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
@@ -456,6 +504,22 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def set_rng_state(state: dict) -> None:
+    """This rank's random streams as rng_state() saved them."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def per_group(scheduler_state: dict, groups: int) -> dict:
+    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
+    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
+    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
 
 
 def _numpy_state():

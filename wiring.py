@@ -11,8 +11,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, distributed, trackers
-from core.config import Config, failing, is_set, world_size
+from core import config, distributed, optimizers, run_record, trackers
+from core.config import Config, fail_naming, is_set, world_size
 from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
@@ -20,11 +20,11 @@ from core.run_log import setup_logging
 from extras import balance, export, lr_find, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
-from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
+from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
 from strategies.base import Strategy
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
-from trainer import Trainer
+from trainer import Trainer, seed_everything
 
 # -----> register a new task here (and write it as a subclass of tasks.base.Task).
 TASKS: dict[str, Callable[[Config], Task]] = {
@@ -50,7 +50,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
 
 # Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
 # them is set (not at its default).
-OWN_CHECKS: list[tuple[Callable, list[str]]] = [
+READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
     (lm_models.check_config, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
@@ -73,10 +73,13 @@ def check_task(cfg: Config, fail) -> None:
         close = closest(cfg.task, list(TASKS))
         fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
              + (f"; did you mean {close!r}?" if close else ""))
+    if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
+        fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
+                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
 
 
 def check_own_keys(cfg: Config, fail) -> None:
-    for check, keys in OWN_CHECKS:
+    for check, keys in READER_CHECKS:
         if any(is_set(cfg, key) for key in keys):
             check(cfg, fail)
 
@@ -100,7 +103,7 @@ CHECKS = (check_task, check_own_keys, check_batch_split)
 
 def check(cfg: Config, source: str) -> None:
     """The checks beyond the schema's (main.py has run those already, before torch loaded)."""
-    fail = failing(source)
+    fail = fail_naming(source)
     for one in CHECKS:
         one(cfg, fail)
 
@@ -119,13 +122,21 @@ def build_task(cfg: Config) -> Task:
     return TASKS[cfg.task](cfg)
 
 
-def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Strategy:
-    """LoRA adapters (model.lora_rank), activation checkpointing, then dist.strategy's apply_<name>() on the plain
-    model (on the CPU: each strategy places it), and this rank's simulated slowdown (dist.simulate_slowdown)."""
+def build_model(cfg: Config, task: Task) -> tuple[nn.Module, list[str]]:
+    """The task's model on the CPU, in train mode (from_pretrained gives eval mode), with LoRA adapters
+    (model.lora_rank) and activation checkpointing; and the lines the plan shows about them."""
+    model, notes = task.build_model().train(), []
     if cfg.model.lora_rank:  # a frozen base + trainable adapters
         model = lora.adapt(model, cfg)
+        notes.append(model.lora_note)
     if cfg.model.activation_checkpointing:  # before the strategy, which wraps the checkpointed blocks
         activation_checkpointing.apply_ac(model, cfg.task)
+    return model, notes
+
+
+def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Strategy:
+    """dist.strategy's apply_<name>() on the model (on the CPU: each strategy places it, wraps it and makes its
+    optimizer), and this rank's simulated slowdown (dist.simulate_slowdown)."""
     key = cfg.dist.strategy + ("+tp" if cfg.dist.tp > 1 and cfg.dist.strategy in ("ddp", "fsdp") else "")
     strategy = STRATEGIES[key](model, cfg, ctx, task, train_set)
     factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
@@ -137,8 +148,9 @@ def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, tas
 class RunHooks(Hooks):
     """What resilience/ and extras/ add to the Trainer's loop (core/hooks.py says when each is called)."""
 
-    def __init__(self, precision_asked: str):
+    def __init__(self, precision_asked: str, plan_notes: list[str] = ()):
         self.precision_asked = precision_asked  # `auto` on a CPU: timed before the first step (balance.py)
+        self.plan_notes = list(plan_notes)  # what build_model says about the model (LoRA)
         self.profiler: Optional[profiling.StepProfiler] = None
 
     def resume(self, trainer: Trainer) -> bool:
@@ -153,6 +165,12 @@ class RunHooks(Hooks):
             self.profiler = profiling.StepProfiler(trainer.train_cfg.profile_steps, trainer.cfg.output_dir, trainer.ctx,
                                                    trainer.log)
 
+    def run_starts(self, trainer: Trainer):
+        return run_record.start(trainer.cfg, trainer.log, run_record.plan(trainer, self.plan_notes), trainer.state.step)
+
+    def run_ends(self, trainer: Trainer) -> None:
+        trainer.log.info(run_record.summary(trainer.cfg, trainer.state, trainer.best_metric, trainer.task))
+
     def at(self, step: int, phase: str) -> None:
         faults.progress.at(step, phase)
         if self.profiler is not None and phase in ("train", "done"):
@@ -166,15 +184,21 @@ class RunHooks(Hooks):
 
 
 def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
-    """The Trainer of this rank, with its strategy and hooks. train.precision auto is resolved first (what this
+    """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
+    wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this
     device computes fast in), before anything reads it."""
-    task = task or build_task(cfg)
-    hooks, note = RunHooks(cfg.train.precision), None
+    task, asked, note = task or build_task(cfg), cfg.train.precision, None
     if cfg.train.precision == "auto":
         cfg, note = balance.auto_precision(cfg, ctx)
-    trainer = Trainer(cfg, task, ctx, parallelize, hooks)
-    trainer.precision_note = note or trainer.precision_note
-    return trainer
+    datasets = task.build_datasets()
+    seed_everything(cfg.seed)  # the same seed on every rank: every replica (or shard) starts from the same parameters
+    model, plan_notes = build_model(cfg, task)
+    strategy = parallelize(model, cfg, ctx, task, datasets["train"])
+    if cfg.train.compile and cfg.mode == "train":
+        strategy.compile()  # the first steps (and each new input shape) pay the compilation
+    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.seed_offset).
+    seed_everything(cfg.seed + strategy.seed_offset)
+    return Trainer(cfg, task, datasets, strategy, RunHooks(asked, plan_notes), precision_note=note)
 
 
 def run_export(cfg: Config) -> int:

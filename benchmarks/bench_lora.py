@@ -6,7 +6,7 @@ and the dev accuracy each reaches.
 
 configs/sst2_minilm.yml (full fine-tuning, lr 5e-5) and configs/sst2_minilm_lora.yml (rank 8 on query and value,
 the classifier whole, lr --lora-lr), each for --steps optimizer steps in this one process, through the Trainer a run
-uses. Reported per run: parameters that train, the optimizer state's bytes after training (strategies.memory.state_bytes), the checkpoint's model.pt + optimizer.pt bytes, ms per step (the mean of the logged
+uses. Reported per run: parameters that train, the optimizer state's bytes after training (tests/rank_memory.state_bytes), the checkpoint's model.pt + optimizer.pt bytes, ms per step (the mean of the logged
 windows; the runs are sequential, so on a shared machine compare them loosely) and the dev accuracy at the last
 step (the whole dev split). Skips (exit 0) without the data folder.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
     from core import distributed
-    from strategies.memory import state_bytes
+    from tests.rank_memory import state_bytes
     from wiring import load_config
     from wiring import build_task
     from wiring import build_trainer

@@ -5,7 +5,7 @@
 For each strategy and world size, every rank builds BERT-base (BertForMaskedLM from a default BertConfig,
 random init, ~110M parameters), wraps it with the project's strategy (wiring.STRATEGIES), runs one fp32
 training step on a tiny batch (this is about memory, not speed) and then counts, before zero_grad, the bytes of
-parameters, gradients and optimizer state it holds (strategies.memory.state_bytes: local shards only). The table shows
+parameters, gradients and optimizer state it holds (tests/rank_memory.state_bytes: local shards only). The table shows
 rank 0 (the largest shard under oss) next to the ZeRO paper's bytes per parameter for fp32 AdamW training:
 params 4 + grads 4 + Adam moments 8 = 16, divided by N where the strategy shards that part.
 """
@@ -48,7 +48,7 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
     from wiring import config_from_dict
     from core.distributed import DistContext
     from wiring import parallelize as apply
-    from strategies.memory import state_bytes
+    from tests.rank_memory import state_bytes
     torch.set_num_threads(1)
     backend = None
     if world > 1:

@@ -85,7 +85,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
     def hand_batches():
         epoch = 0
         while True:
-            yield from make_loader(dataset, trainer.sampler.batches(epoch), task.collate, 0, False, 0)
+            yield from make_loader(dataset, trainer.sampler.epoch_batches(epoch), task.collate, 0, False, 0)
             epoch += 1
 
     def hand_loop(loss_fn):

@@ -74,7 +74,7 @@ def main():
     model = copy.deepcopy(trainer.strategy.raw_model)
     # The same AdamW kernel as the Trainer's (train.optimizer_impl auto: fused on CPU and CUDA), so the ratio
     # measures the Trainer's own overhead, not a faster optimizer.
-    from strategies.base import optimizer_kernel
+    from core.optimizers import optimizer_kernel
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0,
                             **optimizer_kernel(cfg.train.optimizer_impl, list(model.parameters())))
     order = [list(b) for b in np.array_split(np.random.default_rng(0).permutation(len(dataset)),

@@ -21,7 +21,8 @@ from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint_meta import differences, read as read_meta
 from core.distributed import DistContext, broadcast_object
 from core.errors import CheckpointError, Unloadable, first_line
-from strategies.base import param_groups, trained_names, trains_part
+from core.model_parts import trained_names, trains_part
+from core.optimizers import param_groups
 
 
 def load_file(path: str, name: str, keys: tuple[str, ...] = ()):

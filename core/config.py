@@ -184,7 +184,7 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
     optimizer: str = "AdamW"
     """A torch.optim class by name, any case (AdamW, SGD: momentum 0.9 unless optimizer_args says, RAdam, Adafactor,
-    ...) or one listed in strategies/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
+    ...) or one listed in core/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
     optimizer_args: Optional[dict] = None
     """The optimizer's own keyword arguments, e.g. {momentum: 0.9, nesterov: true} for SGD; checked at start.
     null: none."""
@@ -250,7 +250,8 @@ class TrainConfig:
     the lower dev loss.
     None: the task's own choice (accuracy for classification, loss for pretraining and language modelling)."""
     best_mode: Literal["auto", "max", "min"] = "auto"
-    """Whether larger or smaller best_metric is better. auto: min for loss/perplexity, max otherwise."""
+    """Whether larger or smaller best_metric is better. auto: the task says (Task.lower_is_better: min for losses and
+    perplexity, max otherwise)."""
     log_every: int = 20
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None
@@ -627,7 +628,7 @@ def _match(value: Any, hint):
 def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key. `checks`:
     the composition root's (wiring.CHECKS): each strategy, task and launcher checks the keys it reads."""
-    fail = failing(source)
+    fail = fail_naming(source)
     for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
         part.check(fail)
     for check in checks:  # first: the world size below counts dist.procs_per_node
@@ -635,7 +636,7 @@ def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     check_across_sections(cfg, fail)
 
 
-def failing(source: str) -> Callable[[str, str], None]:
+def fail_naming(source: str) -> Callable[[str, str], None]:
     """fail(key, why): the one-line ConfigError every check raises."""
     def fail(key: str, why: str):
         raise ConfigError(f"{source}: `{key}` {why}")
@@ -655,9 +656,6 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():
         fail("train.precision", "fp16 with dp needs GPUs")
-    if t.compile and cfg.task == "image" and not d.on_gpu():
-        fail("train.compile", "is refused for the image task on CPU: torch 2.13's inductor computes wrong "
-                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")

@@ -78,7 +78,7 @@ def share_cores(ctx: DistContext, local_procs: int) -> str:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Close the process group (gloo's threads live on until the process ends: see launcher.leave)."""
+    """Close the process group (gloo's threads live on until the process ends: see launcher.end_rank_process)."""
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -120,7 +120,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_unnoticed(strategy, ctx: DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
+def time_forward_backward(strategy, ctx: DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
     """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
     allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
     random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""

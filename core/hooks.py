@@ -13,6 +13,14 @@ class Hooks:
     def before_first_step(self, trainer) -> None:
         """After resume: what the auto settings time (train.batch_size / precision auto), a profiler's start."""
 
+    def run_starts(self, trainer):
+        """Rank 0, after before_first_step: record the run's start (config.yml, the plan) and return the trackers
+        its numbers go to (scalars, summary, close), or None."""
+        return None
+
+    def run_ends(self, trainer) -> None:
+        """Rank 0, once the run is done: its closing lines."""
+
     def at(self, step: int, phase: str) -> None:
         """This rank starts `phase` ("train", "eval", "save", "done") of optimizer step `step`: what a watchdog
         reads to name a rank that hangs, and what a profiler counts."""

@@ -1,15 +1,13 @@
-"""What a run shows and records: each rank's log file and rank 0's console, the plan, the progress bars, the
-training line, the trackers (TensorBoard here, the others in trackers.py) and the closing summary
-(train.profile_steps' traces: profiling.py). The Trainer calls these; nothing here changes what is trained.
+"""What a run shows while it trains: each rank's log file and rank 0's console, the progress bars, the training
+line and its loss window, an evaluation's progress (the plan, the trackers and the closing summary: run_record.py;
+train.profile_steps' traces: profiling.py). The Trainer calls these; nothing here changes what is trained.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
-import shlex
 import sys
 import threading
 import time
@@ -17,13 +15,9 @@ import warnings
 from typing import Optional
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from core import checkpoint, disk_errors, distributed, trackers
-from core.config import Config, dump_yaml, procs_per_node_list
-from core.launch_env import launcher_env
-from strategies import optimizers
+from core import disk_errors, distributed
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -112,48 +106,6 @@ class ConsoleHandler(StopsOnWriteError, logging.StreamHandler):
             self.handleError(record)
 
 
-def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optional[trackers.Trackers]:
-    """Rank 0, as training starts at `step` (> 0: resumed): writes output_dir/config.yml (what test, export and
-    generate read), opens the trackers of log.report_to (returned, None without any) and gives them the config,
-    then prints the plan."""
-    # start_over: this start's, not the run's
-    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
-    write_file(os.path.join(cfg.output_dir, "config.yml"), dump_yaml(saved))
-    tracked = trackers.Trackers(cfg, step, tensorboard=TensorBoard) if trackers.names(cfg) else None
-    if tracked:
-        tracked.config(saved.to_dict())
-    log.info(plan)
-    return tracked
-
-
-def plan(tr) -> str:
-    """The lines a run starts with (`tr`: the Trainer): what it trains, where, how, for how long, into which folder."""
-    cfg, ctx, t = tr.cfg, tr.ctx, tr.train_cfg
-    env = launcher_env()
-    per_node = f"launched by {env['launcher']}" if env else str(procs_per_node_list(cfg))
-    return "\n".join([
-        "plan:",
-        f"  task {cfg.task} ({tr.task.data_name()}), {len(tr.datasets['train'])} training samples",
-        *([f"  {note}"] if (note := tr.task.classes_note()) else []),
-        f"  world size {ctx.world_size}, ranks per node {per_node}, strategy {cfg.dist.strategy}, "
-        f"backend {ctx.backend or '-'}, device {ctx.device.type}, precision {tr.precision_note}",
-        *([f"  {ctx.cpu_threads}"] if ctx.cpu_threads and ctx.device.type == "cpu" else []),
-        *tr.strategy.plan_lines(),
-        *([f"  {tr.strategy.raw_model.lora_note}"] if hasattr(tr.strategy.raw_model, "lora_note") else []),
-        f"  batch per {tr.strategy.replica} {tr.batch_sizes} x {t.grad_accum_steps} "
-        f"accumulation, global batch {sum(tr.batch_sizes) * t.grad_accum_steps}",
-        *([f"  {tr.balance_note}"] if tr.balance_note else []),
-        f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
-        f"micro-batches per epoch), starting at step {tr.state.step}",
-        f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
-        f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
-        + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
-        f"  checkpoints kept: the last {t.keep_last} and the "
-        + (f"{t.keep_best} best" if t.keep_best > 1 else "best"),
-        f"  output {os.path.abspath(cfg.output_dir)}",
-    ])
-
-
 def write_file(path: str, text: str) -> None:
     """Write `text` to `path` through a temporary file, so that a full disk leaves the previous file whole
     (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
@@ -165,38 +117,6 @@ def write_file(path: str, text: str) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-
-
-class TensorBoard:
-    """TensorBoard's writer (SummaryWriter) into `folder`, whose errors name the folder: its writer thread meets
-    a full disk with an error that names no file, raised again by the next call here."""
-
-    def __init__(self, folder: str):
-        from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
-        self.folder = folder
-        with disk_errors.naming(folder):
-            self.writer = SummaryWriter(folder)
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        with disk_errors.naming(self.folder):
-            self.writer.add_scalar(tag, value, step)
-
-    # What trackers.Trackers calls on each of its trackers
-    def config(self, values: dict) -> None:
-        text = yaml.safe_dump(values, sort_keys=False)
-        with disk_errors.naming(self.folder):  # indented: TensorBoard's text tab shows it as a code block
-            self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
-
-    def scalars(self, step: int, values: dict) -> None:
-        for tag, value in values.items():
-            self.add_scalar(tag, value, step)
-
-    def summary(self, values: dict) -> None:
-        pass  # the curves are the record; the summary's values are the last points of train/ and dev/
-
-    def close(self) -> None:
-        with disk_errors.naming(self.folder):
-            self.writer.close()
 
 
 def progress_bar(wanted: bool, **kwargs):
@@ -259,11 +179,11 @@ class LossWindow:
         return out
 
 
-def batch_tokens(task, batches: list[dict], counts: bool) -> Optional[int]:
+def batch_tokens(task, batches: list[dict], reports: bool) -> Optional[int]:
     """The input tokens of one step's micro-batches on this rank (Task.tokens), for LossWindow.add: 0 on a rank
-    whose replica's batch another rank counts (`counts` false: tp, pipe), None for a task without tokens."""
+    whose replica's batch another rank counts (`reports` false: tp, pipe), None for a task without tokens."""
     n = [task.tokens(b) for b in batches]
-    return None if None in n else counts * sum(n)
+    return None if None in n else sum(n) if reports else 0
 
 
 EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive
@@ -299,28 +219,3 @@ def final_values(state, best_metric: str) -> dict:
     if state.best_step is not None:
         values.update({"best_step": state.best_step, f"best_dev_{best_metric}": state.best_value})
     return values
-
-
-def summary(cfg: Config, state, best_metric: str, task) -> str:
-    """The run's last lines: what it did (`state`: the Trainer's TrainState), where its files are, and what to
-    run next (export only where the task can be exported)."""
-    out, s = cfg.output_dir, state
-    best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
-            else "no dev result")
-    params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
-    lines = [f"done: {s.step} steps; {best}",
-             f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
-             f"  logs         {os.path.join(out, 'logs')}"]
-    tracked = trackers.names(cfg)
-    if "tensorboard" in tracked:
-        lines.append(f"  tensorboard  tensorboard --logdir {shlex.quote(os.path.join(out, 'tensorboard'))}")
-    if "csv" in tracked:
-        lines.append(f"  metrics      {shlex.quote(os.path.join(out, trackers.CSV_FILE))}")
-    if "mlflow" in tracked:
-        lines.append(f"  mlflow       mlflow ui --backend-store-uri {trackers.mlflow_uri(cfg)}")
-    lines.append(f"  test         python main.py --params {params} --set mode=test")
-    if task.export_formats:
-        lines.append(f"  export       python main.py --params {params} --set mode=export")
-    if cfg.task == "gpt2_lm":
-        lines.append(f"  generate     python generate.py --params {params} --prompt \"...\"")
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_log.TensorBoard), a CSV
+"""Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_record.TensorBoard), a CSV
 file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
 summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
 
@@ -77,7 +77,7 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 class Trackers:
     """The trackers of log.report_to, built on rank 0 as training starts at `step` (> 0: resumed). `tensorboard`:
-    what builds TensorBoard's writer from its folder (run_log.TensorBoard). Each call goes to every tracker."""
+    what builds TensorBoard's writer from its folder (run_record.TensorBoard). Each call goes to every tracker."""
 
     def __init__(self, cfg, step: int, tensorboard: Callable[[str], object]):
         out = cfg.output_dir

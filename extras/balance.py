@@ -23,10 +23,9 @@ import torch
 
 from core import distributed
 from core.config import world_size
-from core.distributed import synchronize, time_unnoticed
+from core.distributed import synchronize, time_forward_backward
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
-from trainer import autocast_for
 
 
 def check_config(cfg, fail) -> None:
@@ -95,20 +94,19 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     was_training = model.training
     model.train()
     with strategy.no_sync():
-        seconds = time_unnoticed(strategy, ctx, forward_backward, steps)
+        seconds = time_forward_backward(strategy, ctx, forward_backward, steps)
     model.train(was_training)
     return batch_size * steps / seconds
 
 
 def time_auto_settings(trainer, precision: bool, batches: bool) -> None:
-    """Trainer.measure: train.precision auto on a CPU (`precision`), then train.batch_size auto (`batches`, timed in
-    the chosen precision). The global batch, hence the batches per epoch and the steps, stays as it is; only the
-    sampler is rebuilt."""
+    """Before the first step (wiring.RunHooks): train.precision auto on a CPU (`precision`), then train.batch_size
+    auto (`batches`, timed in the chosen precision). The global batch, hence the batches per epoch and the steps,
+    stays as it is; only the sampler is rebuilt."""
     if precision:
         choose_cpu_precision(trainer)
     if batches:
-        trainer.batch_sizes, trainer.balance_note = auto_batch_sizes(trainer, trainer.resumed_batch_sizes)
-        trainer.sampler = trainer.make_sampler()
+        trainer.set_batch_sizes(*auto_batch_sizes(trainer, trainer.resumed_batch_sizes))
 
 
 def auto_precision(cfg, ctx: distributed.DistContext):
@@ -135,10 +133,7 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 def choose_cpu_precision(trainer) -> None:
     """train.precision auto on a CPU (measure): the measured choice (cpu_precision) becomes the
     Trainer's precision, what its checkpoints and config.yml record. Collective."""
-    precision, trainer.precision_note = cpu_precision(trainer)
-    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.train_cfg, precision=precision))
-    trainer.train_cfg = trainer.cfg.train
-    trainer.autocast = autocast_for("cpu", precision)
+    trainer.set_precision(*cpu_precision(trainer))
 
 
 def cpu_precision(trainer) -> tuple[str, str]:
@@ -188,7 +183,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     in fp32 and in bf16 autocast, `steps` of each, on the run's next training batches. Interleaved (fp32 then bf16,
     then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
     optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as
-    measure_speed (time_unnoticed)."""
+    measure_speed (time_forward_backward)."""
     strategy, task, ctx, s = trainer.strategy, trainer.task, trainer.ctx, trainer.state
     dataset = trainer.datasets["train"]
     batches = list(itertools.islice(trainer.sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch), steps + 1))
@@ -212,7 +207,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     was_training = strategy.model.training
     strategy.model.train()
     with strategy.no_sync():
-        time_unnoticed(strategy, ctx, both, steps)
+        time_forward_backward(strategy, ctx, both, steps)
     strategy.model.train(was_training)
     return {p: statistics.median(t) for p, t in seconds.items()}
 

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-import random
+from dataclasses import asdict
 from typing import Callable, Optional
-
-import numpy as np
-import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
-from trainer import TrainState, lr_lambda
+from trainer import TrainState
 
 
 def resume_run(trainer) -> bool:
@@ -146,18 +143,13 @@ def load(trainer, path: str) -> dict:
     with checkpoint_io.fits_model(path, trainer.cfg):
         strategy.load(path)
     check_same_run(trainer, path, meta)
-    trainer.scheduler.load_state_dict(per_group(extra["scheduler"], len(strategy.optimizer.param_groups)))
-    for group, lr in zip(strategy.optimizer.param_groups, trainer.scheduler.get_last_lr()):
-        group["lr"] = lr  # the same value, except under pipe (its optimizer files keep no param_groups)
-    if strategy.scaler and extra["scaler"]:
-        strategy.scaler.load_state_dict(extra["scaler"])
-    trainer.state = state
-    trainer.resumed_batch_sizes = meta.get("batch_sizes")
+    same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
+    trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
+                             "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
+                             "batch_sizes": meta.get("batch_sizes")})
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
                             f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
-    if len(extra["rng"]) == trainer.ctx.world_size:
-        set_rng_state(extra["rng"][trainer.ctx.rank])
     return (meta.get("config") or {}).get("train") or {}
 
 
@@ -185,14 +177,12 @@ def schedule_changes(trainer, saved: dict) -> None:
     """Resuming with another lr, length or schedule is allowed (a common way to extend a run), but the learning
     rate from here on is not what the first run would have used: say so. The new lr takes effect (the scheduler's
     saved state would otherwise keep the old one)."""
-    t, sched = trainer.train_cfg, trainer.scheduler
+    t = trainer.train_cfg
     keys = ("lr", "max_steps", "epochs", "warmup", "schedule", "min_lr_ratio")
     changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in keys if k in saved and saved[k] != getattr(t, k)]
     if not changed:
         return
-    sched.base_lrs = [t.lr for _ in sched.base_lrs]
-    for group, factor in zip(trainer.strategy.optimizer.param_groups, sched.lr_lambdas):
-        group["initial_lr"], group["lr"] = t.lr, t.lr * factor(sched.last_epoch)
+    trainer.set_base_lr(t.lr)
     trainer.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
                         f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
 
@@ -201,7 +191,7 @@ def length_from_position(trainer) -> None:
     """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
     where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
     follows the new number of steps from here on (said in one line)."""
-    t, s, sampler, sched = trainer.train_cfg, trainer.state, trainer.sampler, trainer.scheduler
+    t, s, sampler = trainer.train_cfg, trainer.state, trainer.sampler
     if not t.epochs:
         return
     per_epoch = sampler.batches_per_epoch()
@@ -214,24 +204,4 @@ def length_from_position(trainer) -> None:
         return
     trainer.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
                         f"this global batch (was {trainer.total_steps}); the learning-rate schedule follows it")
-    trainer.total_steps = total
-    factor = lr_lambda(total, t.warmup, t.schedule, t.min_lr_ratio)
-    sched.lr_lambdas = [factor] * len(sched.lr_lambdas)
-    for group, base in zip(trainer.strategy.optimizer.param_groups, sched.base_lrs):
-        group["lr"] = base * factor(sched.last_epoch)
-
-
-def per_group(scheduler_state: dict, groups: int) -> dict:
-    """A saved LambdaLR state for `groups` parameter groups: its lists hold one entry per group, and all groups
-    follow the same schedule, but strategies group parameters differently (tp splits DTensors from the rest)."""
-    return {k: v[:1] * groups if isinstance(v, list) and v else v for k, v in scheduler_state.items()}
-
-
-def set_rng_state(state: dict) -> None:
-    """This rank's random streams as trainer.rng_state saved them."""
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    trainer.set_total_steps(total)

@@ -1,8 +1,8 @@
-"""model.activation_checkpointing: each block (base.model_blocks: the members of the model's nn.ModuleLists, i.e.
-the transformer layers) keeps only its input in forward and recomputes its activations during backward: less
-memory for about one more forward pass. Dropout draws the same masks again (the RNG state is saved), so the
-gradients are the same. Applied before the strategy wraps the model: FSDP2 gathers a block's parameters before its
-backward, hence before the recomputation."""
+"""model.activation_checkpointing: each block (core/model_parts.model_blocks: the members of the model's
+nn.ModuleLists, i.e. the transformer layers) keeps only its input in forward and recomputes its activations during
+backward: less memory for about one more forward pass. Dropout draws the same masks again (the RNG state is saved),
+so the gradients are the same. Applied before the strategy wraps the model: FSDP2 gathers a block's parameters
+before its backward, hence before the recomputation."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from core.errors import ConfigError
-from strategies.base import model_blocks
+from core.model_parts import model_blocks
 
 
 def apply_ac(model: nn.Module, task: str) -> int:

@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 from core import checkpoint
-from strategies.base import Strategy, state_to_save
+from core.model_parts import state_to_save
+from strategies.base import Strategy
 
 
 def start_save(strategy: Strategy, directory: str) -> Callable[[], None]:

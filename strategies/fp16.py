@@ -1,5 +1,5 @@
 """fp16 loss scaling for strategies whose ranks hold different gradients (shards, tp pieces, pipeline stages).
-Replicated strategies use torch.amp.GradScaler as it is (strategies/base.make_scaler)."""
+Replicated strategies use torch.amp.GradScaler as it is (core/optimizers.make_scaler)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -23,7 +23,9 @@ from core.checkpoint_meta import read as read_meta
 from core.distributed import DistContext
 from core.errors import CheckpointError
 from strategies import mesh as meshes
-from strategies.base import Strategy, model_blocks, optimizer_recipe, trains_part
+from core.model_parts import model_blocks, trains_part
+from core.optimizers import optimizer_recipe
+from strategies.base import Strategy
 from strategies.fp16 import sharded_scaler
 
 
@@ -115,7 +117,7 @@ class FSDPStrategy(Strategy):
 
     def state_options(self):
         """What get_state_dict / set_state_dict cover: every entry, or under LoRA the parameters that train (the
-        frozen base is not in the checkpoint: strategies.base.state_to_save)."""
+        frozen base is not in the checkpoint: core.model_parts.state_to_save)."""
         part = trains_part(self.raw_model)
         return StateDictOptions(ignore_frozen_params=part, strict=not part)
 

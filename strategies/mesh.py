@@ -58,8 +58,8 @@ def assign_data_shares(strategy, mesh: Mesh) -> None:
     dp, tp = mesh["dp"], mesh["tp"]
     strategy.mesh = mesh
     strategy.data_rank, strategy.data_shares, strategy.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
-    strategy.reports_for_replica = tp.get_local_rank() == 0
-    strategy.random_stream = strategy.ctx.rank - tp.get_local_rank()
+    strategy.is_replica_reporter = tp.get_local_rank() == 0
+    strategy.seed_offset = strategy.ctx.rank - tp.get_local_rank()
     strategy.forward_is_collective = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
     strategy.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py: the group times itself together
     strategy.replica = "tp group" if tp.size() > 1 else "rank"

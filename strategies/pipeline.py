@@ -34,11 +34,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
-from core.distributed import DistContext, synchronize, time_unnoticed
+from core.distributed import DistContext, synchronize, time_forward_backward
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from strategies import mesh as meshes
-from strategies.base import Strategy, ddp_wrap, optimizer_recipe
+from core.optimizers import optimizer_recipe
+from strategies.base import Strategy
+from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
 from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan
@@ -141,8 +143,8 @@ class PipeStrategy(Strategy):
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_shares, self.grad_average_over = self.pipeline, self.pipelines, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
-        self.reports_for_replica = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
-        self.random_stream = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
+        self.is_replica_reporter = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
+        self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
@@ -280,7 +282,7 @@ class PipeStrategy(Strategy):
         The stages' inputs travel once, as in eval_batch; then every rank times its stages alone, `steps` times
         after an untimed pass, without the schedule: a replica's gradient all-reduce would make every pipeline
         wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were
-        (balance.time_unnoticed)."""
+        (core/distributed.time_forward_backward)."""
         inputs = {}
         with torch.no_grad():
             carry = task.pipeline_inputs(batch)
@@ -302,7 +304,7 @@ class PipeStrategy(Strategy):
             synchronize(self.ctx.device)
             return time.perf_counter() - start
 
-        seconds = time_unnoticed(self, self.ctx, forward_backward, steps)
+        seconds = time_forward_backward(self, self.ctx, forward_backward, steps)
         return seconds / steps / len(next(iter(batch.values())))
 
     def rank_of(self, stage: int) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io
 from core.distributed import DistContext
 from strategies.async_save import start_save
-from strategies.base import Strategy, ddp_wrap, make_scaler, optimizer_recipe
+from core.optimizers import make_scaler, optimizer_recipe
+from strategies.base import Strategy
 
 
 class ReplicatedStrategy(Strategy):
@@ -42,3 +44,9 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return ReplicatedStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+
+
+def ddp_wrap(model: nn.Module, ctx: DistContext, group=None) -> nn.Module:
+    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none; `group`: the ranks, default all). Its
+    hooks all-reduce (average) the gradients in buckets while backward runs; no_sync() keeps them local."""
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group)

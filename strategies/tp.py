@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from core.distributed import DistContext
 from core.errors import ConfigError
 from strategies import mesh as meshes
-from strategies.base import Strategy, optimizer_recipe
+from core.optimizers import optimizer_recipe
+from strategies.base import Strategy
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import FSDPStrategy, local, shard
 
@@ -78,7 +79,7 @@ def task_plan(model: nn.Module, cfg, task, mesh: meshes.Mesh) -> dict:
 class PerRankDropout(ParallelStyle):
     """Dropout on data split over the tp group (each rank's own attention heads; under sequence parallelism its own
     positions) draws this rank's own masks, as one process draws a different mask for each piece; elsewhere the
-    group shares one stream (Strategy.random_stream), so replicated activations stay equal. Megatron's model-parallel
+    group shares one stream (Strategy.seed_offset), so replicated activations stay equal. Megatron's model-parallel
     RNG tracker without state of its own: entering the module's forward, every rank draws one integer from the
     shared stream (the same on all, so it advances alike) and seeds its stream with (integer, tp index); leaving
     (at the start of submodule `until`, whose output is whole again, or at the end) restores the shared stream.
@@ -217,7 +218,7 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-# ---- tp first, then the data-parallel strategy over the mesh's dp dimension (strategies.STRATEGIES) ----------
+# ---- tp first, then the data-parallel strategy over the mesh's dp dimension (wiring.STRATEGIES) ----------
 def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
     """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPStrategy)."""
     model = model.to(ctx.device)

@@ -8,7 +8,9 @@ from fairscale.optim import OSS
 from torch import nn
 
 from core.distributed import DistContext
-from strategies.base import Strategy, ddp_wrap, make_scaler, optimizer_recipe
+from core.optimizers import make_scaler, optimizer_recipe
+from strategies.base import Strategy
+from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
 from strategies.replicated import ReplicatedStrategy
 

@@ -244,6 +244,7 @@ class PretrainingModel(nn.Module):
 
 class BertPretrainTask(Task):
     best_metric_default = "loss"
+    lower_is_better = ("loss", "mlm_loss", "nsp_loss")
 
     def build_datasets(self) -> dict:
         d = self.cfg.data

@@ -7,7 +7,8 @@ from torch import nn
 
 from core.errors import DataError
 from tasks.bag_of_words_hf import BagOfWordsExport
-from tasks.base import Task, classification_batch, classification_metrics
+from tasks.base import Task
+from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import FORMATS, check_classes, read_split
 
 

@@ -35,6 +35,8 @@ TOKENIZER_KINDS = {"auto": "gpt2", "bpe": "gpt2", "char": "char", "byte": "byte"
 
 class GPT2LMTask(Task):
     best_metric_default = "loss"
+    lower_is_better = ("loss", "perplexity")
+    generates_text = True
 
     def build_datasets(self) -> dict:
         if token_shards.is_prepared(self.cfg.data.data_dir):  # scripts/prepare_text.py's folder: read lazily

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.base import Layer, Task, classification_batch, classification_metrics
+from tasks.base import Layer, Task
+from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
 
 
@@ -64,6 +65,8 @@ class TensorImages(Dataset):
 
 
 class ImageTask(Task):
+    compiles_on_cpu = False  # torch 2.13's inductor computes zero gradients for its convolutions on CPU
+
     def build_model(self) -> nn.Module:
         m = self.cfg.model
         if m.name != "cnn":

@@ -2,7 +2,7 @@
 peft (`get_peft_model(model, LoraConfig(...))`). A classifier's new head trains whole (peft's modules_to_save).
 
 What changes for the rest of the trainer: the optimizer sees only the parameters that train (strategies/base.py
-param_groups keeps those with requires_grad); checkpoints hold only them (strategies/base.state_to_save) plus, in
+param_groups keeps those with requires_grad); checkpoints hold only them (core/model_parts.state_to_save) plus, in
 meta.json, a reference to the frozen base (`lora_base`: model.pretrained_dir and the size and SHA-256 of its
 weight files), and a checkpoint is refused on another base in one line (core/checkpoint_io.check_lora_checkpoint); `mode: export` writes the
 merged model and the adapter folder (export.py).

@@ -1,5 +1,5 @@
 """model.pretrained_dir: the Hugging Face folder a run starts from, resolved (`pkg:`) and checked. Loaded only by
-runs that set it (wiring.OWN_CHECKS)."""
+runs that set it (wiring.READER_CHECKS)."""
 from __future__ import annotations
 
 import importlib.util

@@ -26,7 +26,8 @@ from torch.utils.data import Dataset
 
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
-from tasks.base import Layer, Task, classification_batch, classification_metrics
+from tasks.base import Layer, Task
+from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
                                load_report, note, read_utf8)
 

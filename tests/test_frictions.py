@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, free_port, make_config
 
 from resilience import launcher
-from core import run_log
+from core import run_log, run_record
 import trainer as trainer_module
 from wiring import load_config
 from extras.balance import resolve_precision
@@ -56,7 +56,7 @@ def test_precision_auto_is_fp32_on_cpu_and_the_plan_says_so(tmp_path):
     t = build_trainer(make_config(tmp_path, train={"precision": "auto", "max_steps": 2}))
     assert t.train_cfg.precision == "fp32" and t.cfg.train.precision == "fp32"
     assert isinstance(t.autocast(), contextlib.nullcontext)  # no autocast
-    assert "precision auto -> fp32 (CPU)" in run_log.plan(t)
+    assert "precision auto -> fp32 (CPU)" in run_record.plan(t)
 
 
 def test_presets_use_auto_precision():

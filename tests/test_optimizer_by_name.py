@@ -14,8 +14,8 @@ import trainer as trainer_module
 from conftest import ROOT, make_config, slow
 from wiring import load_config
 from core.errors import ConfigError
-from strategies import optimizers
-from strategies.base import optimizer_recipe
+from core import optimizers
+from core.optimizers import optimizer_recipe
 
 PARAMS = os.path.join(ROOT, "parameters.yml")
 
@@ -129,10 +129,10 @@ def test_a_hand_written_optimizer_listed_by_name(tmp_path, monkeypatch):
 
 
 def test_the_plan_names_the_optimizer_its_arguments_and_the_tie_rule(tmp_path, capsys):
-    from core import run_log
+    from core import run_record
     cfg = make_config(tmp_path, train={"optimizer": "SGD", "optimizer_args": {"nesterov": True}, "max_steps": 1,
                                        "weight_decay": 0.01})
-    plan = run_log.plan(build_trainer(cfg))
+    plan = run_record.plan(build_trainer(cfg))
     line = next(x for x in plan.splitlines() if "optimizer SGD(" in x)
     assert "lr=0.001" in line and "momentum=0.9" in line and "nesterov=True" in line and "0.01" in line, plan
     assert "fused" in line or "foreach" in line, line

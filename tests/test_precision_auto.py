@@ -10,7 +10,7 @@ import torch
 from conftest import make_config, max_diff, slow, spawn
 
 from extras import balance
-from core import run_log
+from core import run_record
 import trainer as trainer_module
 from wiring import build_trainer
 
@@ -56,7 +56,7 @@ def test_auto_takes_bf16_only_when_clearly_faster_and_the_plan_shows_both(tmp_pa
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
     assert t.train_cfg.precision == t.cfg.train.precision == chosen  # what checkpoints and config.yml record
     assert autocast_dtype(t) == (torch.bfloat16 if chosen == "bf16" else None)
-    plan = run_log.plan(t)
+    plan = run_record.plan(t)
     assert (f"precision auto -> {chosen} (CPU with AMX: forward+backward {timings['bf16'] * 1e3:.0f} ms bf16 vs "
             f"{timings['fp32'] * 1e3:.0f} ms fp32; bf16 when >= 10% faster)") in plan
     with open(tmp_path / "config.yml") as f:
@@ -76,7 +76,8 @@ def test_without_bf16_units_auto_is_fp32_without_measuring(tmp_path, monkeypatch
     inject(monkeypatch, units="", timings=None)
     t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto"}))
     assert t.train_cfg.precision == "fp32" and autocast_dtype(t) is None
-    assert "precision auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)" in run_log.plan(t)
+    assert ("precision auto -> fp32 (CPU without bf16 matrix units, AMX or AVX512-BF16: not measured)"
+            in run_record.plan(t))
 
 
 @pytest.mark.parametrize("explicit", ["fp32", "bf16"])
@@ -98,7 +99,8 @@ def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypa
     monkeypatch.setattr(t.strategy, "forward_is_collective", True)
     t.hooks.before_first_step(t)
     assert t.train_cfg.precision == "fp32" and autocast_dtype(t) is None
-    assert "auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps" in run_log.plan(t)
+    assert ("auto -> fp32 (CPU with AMX, not measured under none: its precision is fixed when it wraps"
+            in run_record.plan(t))
 
 
 def test_cpu_bf16_units_reads_the_cpu_flags(monkeypatch, tmp_path):

@@ -69,7 +69,8 @@ def test_bad_recipe_values_are_one_line_errors(tmp_path, sets, match):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_min_lr_ratio_floors_the_decay(schedule):
-    floored, plain = trainer_module.lr_lambda(110, 10, schedule, 0.1), trainer_module.lr_lambda(110, 10, schedule)
+    floored = trainer_module.lr_factor_function(110, 10, schedule, 0.1)
+    plain = trainer_module.lr_factor_function(110, 10, schedule)
     assert floored(110) == pytest.approx(0.1) and plain(110) == pytest.approx(0.0)  # the end: the floor, or 0
     # Half-way through the decay both schedules are at half of it: 0.1 + 0.9 * 0.5.
     assert floored(60) == pytest.approx(0.55) and plain(60) == pytest.approx(0.5)
@@ -84,7 +85,7 @@ def test_the_schedule_ends_at_min_lr_ratio_a_line_shows_its_steps_lr_and_ms_per_
     trainer.train()
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # after the last step: lr x min_lr_ratio
     # The line of step N shows the lr step N ran at, factor(N - 1) (factor(N) is the next step's).
-    factor = trainer_module.lr_lambda(6, 0, "cosine", 0.1)
+    factor = trainer_module.lr_factor_function(6, 0, "cosine", 0.1)
     assert logged(tmp_path, "lr") == pytest.approx([1e-3 * factor(n - 1) for n in (2, 4, 6)], rel=1e-3)
     ms, sps = logged(tmp_path, "ms_per_step"), logged(tmp_path, "samples_per_s")
     assert len(ms) == 3 and all(m > 0 for m in ms), ms

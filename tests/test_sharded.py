@@ -194,7 +194,7 @@ def test_fsdp_refuses_a_fairscale_fsdp_checkpoint(runs, tmp_path, capsys):
 def _memory_worker(rank, port, queue):
     from core.distributed import DistContext
     from wiring import parallelize as apply
-    from strategies.memory import state_bytes
+    from tests.rank_memory import state_bytes
     from wiring import build_task
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -34,7 +34,7 @@ def test_fused_foreach_and_for_loop_adamw_give_the_same_training(tmp_path):
 
 
 def test_auto_picks_fused_on_cpu_and_foreach_when_a_wrapper_cannot():
-    from strategies.base import optimizer_kernel
+    from core.optimizers import optimizer_kernel
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert optimizer_kernel("auto", params) == {"fused": True, "foreach": False}
     assert optimizer_kernel("auto", params, fused_ok=False) == {"fused": False, "foreach": True}

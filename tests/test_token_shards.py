@@ -167,8 +167,8 @@ def test_lm_shards_give_the_json_blocks_and_batches(corpus, tmp_path):
     one = build_task(lm_config(tmp_path / "run1", tmp_path / "one")).build_datasets()["train"]
     assert one.shard_sizes == [len(one)]
     for epoch in (0, 1):
-        a = GlobalBatchSampler(len(memory["train"]), [8], 0, 5).batches(epoch)
-        b = GlobalBatchSampler(len(one), [8], 0, 5, shard_sizes=one.shard_sizes).batches(epoch)
+        a = list(GlobalBatchSampler(len(memory["train"]), [8], 0, 5).epoch_batches(epoch))
+        b = list(GlobalBatchSampler(len(one), [8], 0, 5, shard_sizes=one.shard_sizes).epoch_batches(epoch))
         assert a == b
         assert [task.collate([memory["train"][i] for i in x])["input_ids"].tolist() for x in a[:5]] == \
             [task.collate([one[i] for i in x])["input_ids"].tolist() for x in b[:5]]
@@ -234,8 +234,9 @@ def test_classification_shards_give_the_tsv_examples(corpus, tmp_path):
             "--tokenizer", MINILM, "--max-length", "16")
     task = build_task(cls_config(tmp_path / "run_one", one, group_by_length=True))
     train = task.build_datasets()["train"]
-    a = GlobalBatchSampler(400, [16], 0, 1, lengths=memory_task.lengths(memory["train"])).batches(0)
-    b = GlobalBatchSampler(400, [16], 0, 1, lengths=task.lengths(train), shard_sizes=train.shard_sizes).batches(0)
+    a = list(GlobalBatchSampler(400, [16], 0, 1, lengths=memory_task.lengths(memory["train"])).epoch_batches(0))
+    b = list(GlobalBatchSampler(400, [16], 0, 1, lengths=task.lengths(train),
+                                shard_sizes=train.shard_sizes).epoch_batches(0))
     assert a == b  # group_by_length: the same batches too
 
 

@@ -224,7 +224,7 @@ def _count_probe(rank, data, queue):
     from torch.distributed.tensor.debug import CommDebugMode
     from core.distributed import DistContext
     from wiring import parallelize as apply
-    from strategies.memory import state_bytes
+    from tests.rank_memory import state_bytes
     from wiring import build_task
     ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
     cfg = config("/tmp/unused", data, {"strategy": "ddp", "tp": 2, "procs_per_node": 2})
@@ -421,7 +421,7 @@ def _mask_probe(rank, queue):
     F.dropout = recorded
     for arch in ("gpt2", "bert", "llama"):
         for sp in (False, True):
-            torch.manual_seed(0)  # the group's shared stream (Strategy.random_stream)
+            torch.manual_seed(0)  # the group's shared stream (Strategy.seed_offset)
             model = _tiny(arch)
             plan = bert_tp_plan(model, 2, sp) if arch == "bert" else tp_plan(model, 2, sp)
             parallelize_module(model, tp, plan).train()

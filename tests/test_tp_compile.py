@@ -19,13 +19,13 @@ def _compiled_masks(rank, port, cache, queue):
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
-    from strategies.base import model_blocks
+    from core.model_parts import model_blocks
     from strategies.tp import PerRankDropout
     from tasks.lm_models import tp_plan
     from test_tp import _tiny
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     for own in (True, False):
-        torch.manual_seed(0)  # the group's shared stream (Strategy.random_stream)
+        torch.manual_seed(0)  # the group's shared stream (Strategy.seed_offset)
         model = _tiny("gpt2")
         plan = tp_plan(model, 2, False)
         assert any(isinstance(style, PerRankDropout) for style in plan.values())

@@ -201,7 +201,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
     from wiring import config_from_dict
     from core.distributed import DistContext
     from wiring import parallelize as apply
-    from strategies.memory import state_bytes
+    from tests.rank_memory import state_bytes
     from wiring import build_task
     torch.set_num_threads(1)
     # Warnings that each rank would print once per layout: CommDebugMode's module hooks (no input needs a gradient,
@@ -241,7 +241,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
 def tp(out: str, hidden: int, layers: int, heads: int, world: int = 4) -> dict:
     """Spawns `world` CPU ranks (gloo); in each layout of TP_LAYOUTS they spread the same random BERT with
     wiring.parallelize, count the collectives of one forward and of one forward+backward (CommDebugMode), take one
-    AdamW step and report the bytes each holds (strategies.memory.state_bytes). Writes a JSON that `memory` draws, with
+    AdamW step and report the bytes each holds (tests/rank_memory.state_bytes). Writes a JSON that `memory` draws, with
     the formula: 16 bytes x (whole tensors / s + split tensors / (tp x s)), s = the dp size under fsdp, else 1;
     split tensors are those the task's tp plan cuts (a ColwiseParallel layer's weight and bias, a RowwiseParallel
     layer's weight)."""

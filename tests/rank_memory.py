@@ -1,4 +1,5 @@
-"""What a rank holds: the bytes of its parameters, gradients and optimizer state (tests, benchmarks, the tutorial)."""
+"""What a rank holds: the bytes of its parameters, gradients and optimizer state (tests, benchmarks, the tutorial;
+not the product: no run needs it)."""
 from __future__ import annotations
 
 import torch

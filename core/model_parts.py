@@ -1,0 +1,38 @@
+"""Parts of a model that strategies and checkpoints treat apart: its blocks (what FSDP shards as units and
+activation checkpointing recomputes), and under LoRA (tasks/lora.py) the part that trains, which is all a
+checkpoint holds besides a reference to the frozen base."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, innermost first: what FSDP shards as units of their own (one all-gather each) and
+    activation checkpointing recomputes. Every member of an nn.ModuleList, i.e. the blocks of a transformer
+    (BERT's encoder.layer, BART's encoder.layers and decoder.layers, GPT-2's h); FSDP's root takes the rest."""
+    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return units[::-1]
+
+
+def trains_part(model: torch.nn.Module) -> bool:
+    """Whether only some of the model trains (LoRA's adapters and head), so checkpoints hold just that part."""
+    return getattr(model, "lora_base", None) is not None
+
+
+def trained_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def state_to_save(model: torch.nn.Module) -> dict:
+    """What a checkpoint holds of the model: its state dict, or under LoRA the entries that train."""
+    state = model.state_dict()
+    if trains_part(model):
+        names = trained_names(model)
+        state = {k: v for k, v in state.items() if k in names}
+    return state
+
+
+def lora_base_entry(model: torch.nn.Module) -> dict:
+    """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
+    return {"lora_base": model.lora_base} if trains_part(model) else {}
