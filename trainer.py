@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from core import checkpoint, distributed, run_log
+from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
@@ -81,6 +82,8 @@ class Trainer:
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
+        # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
+        self.ema = WeightAverage(strategy.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -115,7 +118,7 @@ class Trainer:
 
             improved = stop = False
             if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
-                metrics = self.evaluate("dev")
+                metrics = self.evaluate_dev()
                 evaluated_at = state.step
                 improved, stop = self.track_best(metrics)
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
@@ -163,6 +166,8 @@ class Trainer:
             strategy.scaler.update()
         elif math.isfinite(norm):
             strategy.optimizer.step()
+        if self.ema is not None and math.isfinite(norm):  # (an fp16 overflow's step was skipped: its norm is inf)
+            self.ema.update()
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
@@ -202,9 +207,20 @@ class Trainer:
                              f"run the same command to resume")
 
     # ---- Evaluation ----------------------------------------------------------------------------------------------
+    def evaluate_dev(self) -> dict:
+        """dev's metrics; with train.ema_decay the average's too, as ema_<metric> (the trained weights pick the
+        best checkpoint), or the average's alone with train.eval_ema."""
+        if self.ema is None:
+            return self.evaluate("dev")
+        metrics = {} if self.train_cfg.eval_ema else self.evaluate("dev")
+        with self.ema.swapped_in():
+            averaged = self.evaluate("dev", shown_as="dev_ema")
+        return averaged if self.train_cfg.eval_ema else {**metrics, **{f"ema_{k}": v for k, v in averaged.items()}}
+
     @torch.no_grad()
-    def evaluate(self, split: str) -> dict:
-        """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice."""
+    def evaluate(self, split: str, shown_as: Optional[str] = None) -> dict:
+        """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice. `shown_as`:
+        the name of the log line and tracker keys (the split's by default)."""
         ctx, dataset, strategy = self.ctx, self.datasets.get(split), self.strategy
         if dataset is None:
             return {}
@@ -249,10 +265,11 @@ class Trainer:
         if ctx.is_main:
             subset = f" (on {len(indices)} of {len(dataset)} samples: train.eval_batches)" if len(indices) < len(
                 dataset) else ""  # after the metrics: `step N dev: k=v ...` stays one pattern to read
-            self.log.info(f"step {self.state.step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-                          + subset)
+            shown_as = shown_as or split
+            self.log.info(f"step {self.state.step} {shown_as}: "
+                          + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
             if self.trackers:
-                self.trackers.scalars(self.state.step, {f"{split}/{k}": v for k, v in metrics.items()})
+                self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
 
     def eval_indices(self, split: str, n: int):
@@ -305,6 +322,8 @@ class Trainer:
             if self.ctx.is_main:
                 torch.save({"scheduler": own["scheduler"], "scaler": own["scaler"], "rng": rng},
                            os.path.join(directory, "state.pt"))
+                if own["ema"] is not None:
+                    torch.save(own["ema"], os.path.join(directory, "ema.pt"))
             return wait or (lambda: None)
 
         meta = {"step": self.state.step, "state": own["state"], "metrics": metrics,
@@ -320,10 +339,12 @@ class Trainer:
     # ---- The Trainer's state, both ways, and what resume and balancing may change -------------------------------
     def state_dict(self) -> dict:
         """What a checkpoint holds besides the model and optimizer (the strategy's files: Strategy.save/load): the
-        scheduler, the loss scaler, this rank's random streams, the progress (data position, best) and batch sizes."""
+        scheduler, the loss scaler, this rank's random streams, the progress (data position, best), batch sizes and
+        the weights' average (whole: a collective under fsdp)."""
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
-                "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes}
+                "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes,
+                "ema": self.ema.state_dict() if self.ema else None}
 
     def load_state_dict(self, saved: dict) -> None:
         """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
@@ -336,6 +357,10 @@ class Trainer:
         self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
+        if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here
+            self.log.warning("resumed from a checkpoint without a weight average (ema.pt): it starts from its weights")
+        if self.ema is not None and saved.get("ema") is not None:
+            self.ema.load_state_dict(saved["ema"])
 
     def apply_lr(self) -> None:
         """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""

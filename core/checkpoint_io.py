@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from core import checkpoint_hashes
+from core import checkpoint_hashes, ema
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint_meta import differences, read as read_meta
 from core.distributed import DistContext, broadcast_object
@@ -116,6 +116,11 @@ def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
     verify(path, note=note)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
+    if cfg is not None and cfg.test.weights == "ema":  # the average train.ema_decay kept, over the weights
+        if not os.path.isfile(os.path.join(path, "ema.pt")):
+            raise CheckpointError(f"test.weights is ema, but {path} holds no weight average (ema.pt): it was "
+                                  "written without train.ema_decay")
+        ema.load_into(model, load_file(path, "ema.pt"), path)
 
 
 def load_state(model: torch.nn.Module, state: dict, path: str) -> None:

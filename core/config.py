@@ -231,6 +231,12 @@ class TrainConfig:
     keep_best: int = 1
     """How many of the best checkpoints by best_metric to keep as well, whatever keep_last prunes (Lightning's
     save_top_k); a tie goes to the lower dev loss. Test mode's `best` is the first of them."""
+    ema_decay: float = 0.0
+    """An exponential moving average of the trainable weights, updated after each optimizer step with this decay
+    (0.999: about the last 1,000 steps; core/ema.py), saved in checkpoints (ema.pt). 0: none."""
+    eval_ema: bool = False
+    """With ema_decay: evaluate (and pick the best checkpoint by) the average alone. false: both are evaluated,
+    the trained weights pick the best."""
     async_save: bool = False
     """Write checkpoints in the background (the state copied to the host first; fsdp: DCP's async_save), published
     at the next save or at the end. pipe and oss write as usual."""
@@ -277,6 +283,10 @@ class TrainConfig:
             in_range(fail, f"train.{key}", getattr(self, key), at_least=0)
         if self.global_batch_size is not None:
             in_range(fail, "train.global_batch_size", self.global_batch_size, at_least=1)
+        if not 0 <= self.ema_decay < 1:
+            fail("train.ema_decay", f"must be in [0, 1) (0: no average; 0.999 is usual), got {self.ema_decay}")
+        if self.eval_ema and not self.ema_decay:
+            fail("train.eval_ema", "is true but train.ema_decay is 0: there is no average to evaluate")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
         betas = self.betas
@@ -420,6 +430,9 @@ class TestConfig:
     """Checkpoint to evaluate in `mode: test`. None: the best checkpoint of output_dir."""
     splits: list = field(default_factory=lambda: ["dev", "test"])
     """Splits to evaluate; each writes `<split>_results.json` into output_dir."""
+    weights: Literal["trained", "ema"] = "trained"
+    """Which weights test mode, export and predict read from the checkpoint: the trained ones, or their moving
+    average (ema.pt, written with train.ema_decay)."""
 
     def check(self, fail) -> None:
         for split in self.splits:
@@ -491,6 +504,9 @@ class Config:
 
     def check(self, fail) -> None:
         in_range(fail, "seed", self.seed, at_least=0, at_most=2**32 - 1)  # numpy's seeds
+        if self.train.ema_decay and self.dist.strategy == "pipe":
+            fail("train.ema_decay", "is not supported under dist.strategy pipe yet (each stage would average its "
+                                    "own layers); use ddp or fsdp, or train.ema_decay: 0")
         place = system_folder(self.output_dir)
         if place:
             fail("output_dir", f"is {place} ({config_yaml.shown(self.output_dir)}); a run writes checkpoints/, logs/ "

@@ -140,13 +140,15 @@ def load(trainer, path: str) -> dict:
     if "sample_in_epoch" not in meta["state"]:  # written before positions were kept in samples
         state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]), trainer.sampler.n)
     extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
+    has_ema = trainer.ema is not None and os.path.isfile(os.path.join(path, "ema.pt"))
+    ema = checkpoint_io.load_file(path, "ema.pt") if has_ema else None  # train.ema_decay's average
     with checkpoint_io.fits_model(path, trainer.cfg):
         strategy.load(path)
     check_same_run(trainer, path, meta)
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
-                             "batch_sizes": meta.get("batch_sizes")})
+                             "batch_sizes": meta.get("batch_sizes"), "ema": ema})
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
                             f"{meta.get('batch_sizes')}: the data order of the current epoch changes")

@@ -1,0 +1,100 @@
+"""train.ema_decay (issue 41): an exponential moving average of the trainable weights, updated after each optimizer
+step under every strategy but pipe, saved as a whole state dict (ema.pt, hashed like every file), exact across a
+resume and read back after the weights reshard; evaluated beside the weights (or alone: train.eval_ema); test mode
+reads it with test.weights: ema."""
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import main
+from conftest import load_model_state, make_config, slow
+from test_text_tasks import train
+
+DECAY = 0.8
+
+
+def ema_config(out, steps: int, **dist):
+    return make_config(out, model={"dropout": 0.0},
+                       train={"max_steps": steps, "epochs": 0, "save_every": 1, "keep_last": 20, "eval_every": 4,
+                              "ema_decay": DECAY, "lr": 3e-3, "batch_size": 32 // dist.get("procs_per_node", 1)},
+                       dist=dist)
+
+
+def ema_at(out, step: int) -> dict:
+    return torch.load(os.path.join(out, "checkpoints", f"step-{step}", "ema.pt"), weights_only=True)
+
+
+def run(cfg, world: int):
+    if world == 1:
+        train(cfg, 1)
+    else:
+        assert main.run(cfg) == 0
+
+
+def check_recurrence(out, first: int, last: int):
+    """ema_t = decay * ema_(t-1) + (1 - decay) * weights_t, checkpoint after checkpoint."""
+    for step in range(first + 1, last + 1):
+        before, now, weights = ema_at(out, step - 1), ema_at(out, step), load_model_state(out, step)
+        assert set(now) == {k for k in weights if k in now} and len(now) > 0
+        for name in now:
+            expected = DECAY * before[name] + (1 - DECAY) * weights[name]
+            assert torch.allclose(now[name], expected, atol=1e-6), name
+
+
+@pytest.mark.parametrize("world, dist", [(1, {}), (2, {"strategy": "ddp", "procs_per_node": 2}),
+                                          slow(2, {"strategy": "fsdp", "procs_per_node": 2})])
+def test_the_average_follows_the_weights_and_resumes_exactly(tmp_path, world, dist):
+    cfg = ema_config(tmp_path, 8, **dist)
+    run(cfg, world)
+    if dist.get("strategy") != "fsdp":  # (fsdp's weights are sharded DCP files: the reshard test below reads them)
+        check_recurrence(str(tmp_path), 1, 8)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert re.search(r"step 8 dev: loss=", log) and re.search(r"step 8 dev_ema: loss=", log)
+    meta = json.load(open(tmp_path / "checkpoints" / "step-8" / "meta.json"))
+    assert "ema.pt" in meta["files"] and "ema_accuracy" in meta["metrics"]
+    straight = ema_at(str(tmp_path), 8)
+    for step in range(6, 9):  # "the machine died after step 5": the same command resumes from step-5
+        shutil.rmtree(tmp_path / "checkpoints" / f"step-{step}")
+    run(cfg, world)
+    assert "resumed from" in open(tmp_path / "logs" / "rank0.log").read()
+    for name, value in straight.items():
+        assert torch.equal(value, ema_at(str(tmp_path), 8)[name]), name  # bit-exact across the resume
+
+
+@pytest.mark.slow
+def test_an_fsdp_average_resumes_in_one_process_after_the_weights_reshard(tmp_path):
+    run(ema_config(tmp_path, 4, strategy="fsdp", procs_per_node=2), 2)
+    run(ema_config(tmp_path, 6), 1)  # 2 sharded ranks -> one process: the whole average, loaded again
+    check_recurrence(str(tmp_path), 4, 6)
+
+
+def test_test_mode_reads_the_average_with_test_weights_ema(tmp_path, capsys):
+    cfg = ema_config(tmp_path, 8)
+    run(cfg, 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    last_ema = dict(re.findall(r"(\w+)=(\S+)", re.findall(r"step 8 dev_ema: (.*)", log)[-1]))
+    test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(cfg.test, splits=["dev"], weights="ema",
+                                                                           checkpoint=str(tmp_path / "checkpoints" /
+                                                                                          "step-8")))
+    assert main.run(test) == 0
+    got = json.load(open(tmp_path / "dev_results.json"))["metrics"]
+    assert got["loss"] == pytest.approx(float(last_ema["loss"]), rel=1e-3)
+    assert got["accuracy"] == pytest.approx(float(last_ema["accuracy"]), abs=1e-3)
+    plain = make_config(tmp_path / "plain", train={"max_steps": 2, "epochs": 0})
+    run(plain, 1)
+    no_ema = dataclasses.replace(plain, mode="test", test=dataclasses.replace(plain.test, weights="ema"))
+    assert main.run(no_ema) == 2
+    assert "holds no weight average (ema.pt)" in capsys.readouterr().err
+
+
+def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
+    cfg = ema_config(tmp_path, 4)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_ema=True))
+    run(cfg, 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert re.search(r"step 4 dev_ema: ", log) and not re.search(r"step 4 dev: ", log)
