@@ -42,31 +42,37 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     return obj
 
 
-def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None) -> None:
+def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None,
+           allow_unverified: bool = False) -> None:
     """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
-    not what meta.json recorded (checkpoint_hashes.py). One written without that record (or whose meta.json is
-    unreadable: its reader says so) loads, after one `note` (default: a line on stderr). With `ctx` it is
-    collective: rank 0 reads the files, every rank raises."""
+    not what meta.json recorded (checkpoint_hashes.py). One whose files cannot be verified (no meta.json, an
+    unreadable one, or one without the `files` record: an older version) is refused too, unless
+    `allow_unverified` (the config's): then it loads after one `note` (default: a line on stderr). With `ctx` it
+    is collective: rank 0 reads the files, every rank raises."""
     main = ctx is None or ctx.is_main
     found = _files_problem(path) if main else None
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
-    if kind == "problem":
-        raise Unloadable(line)
-    if kind == "note" and main:
-        (note or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+    if kind == "problem" or (kind == "unverified" and not allow_unverified):
+        raise Unloadable(line if kind == "problem" else f"{line}; to load it anyway, set allow_unverified: true")
+    if kind == "unverified" and main:
+        (note or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True)))(
+            f"loading {path} unverified (allow_unverified: true): {line}")
 
 
 def _files_problem(path: str) -> Optional[tuple[str, str]]:
-    """("problem", line), ("note", line) or None (all files as recorded)."""
+    """("problem", line), ("unverified", line) or None (all files as recorded)."""
     if not os.path.isdir(path):
         return None  # the loader names it
+    link = checkpoint_hashes.first_symlink(path)  # refused even where allow_unverified would load the rest
+    if link:
+        return "problem", checkpoint_hashes.symlink_refused(link)
     try:
         files = read_meta(path).get("files")
     except Unloadable as e:
-        return "note", f"note: the files of {path} cannot be verified: {e}"
+        return "unverified", f"its files cannot be verified: {e}"
     if files is None:
-        return "note", f"note: {path} was saved without file hashes (an older version), so its files cannot be " \
-                       "verified"
+        return "unverified", f"{os.path.join(path, 'meta.json')}: holds no record of the files (`files`: an older " \
+                             "version saved it), so they cannot be verified"
     found = checkpoint_hashes.problem(path, files)
     return ("problem", found) if found else None
 
@@ -111,8 +117,9 @@ def _settings_changed(path: str, cfg) -> str:
 
 def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
-    its files are verified first (`note` says so where they cannot be; default: a line on stderr)."""
-    verify(path, note=note)
+    its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded after a
+    `note`; default: a line on stderr)."""
+    verify(path, note=note, allow_unverified=bool(cfg is not None and cfg.allow_unverified))
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
 

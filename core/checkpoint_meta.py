@@ -111,9 +111,9 @@ def _meta_problem(meta: dict, name: str) -> str:
     best_step = state.get("best_step")
     if best_step is not None and not (_count(best_step) and best_step <= step):
         return f"`state.best_step` is {_shown(best_step)}, not a step of this run (0 to {step})"
-    value = state.get("best_value")
-    if value is not None and not _finite(value):
-        return f"`state.best_value` is {_shown(value)}, not a finite number"
+    for key in ("best_value", "best_loss"):  # compared with each evaluation's (a string would fail at a tie)
+        if state.get(key) is not None and not _finite(state[key]):
+            return f"`state.{key}` is {_shown(state[key])}, not a finite number"
     kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list}
     for key, kind in kinds.items():
         if meta.get(key) is not None and not isinstance(meta[key], kind):

@@ -455,6 +455,9 @@ class Config:
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
     """Seed for parameters, data order and dropout. Same seed and config: same run."""
+    allow_unverified: bool = False
+    """Load a checkpoint whose files cannot be verified (no meta.json, or one without the `files` record: an older
+    version wrote it), saying so in one line. Off: such a checkpoint is refused like a damaged one."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -278,10 +278,12 @@ def test_broken_files_are_one_line_errors_in_test_mode(reference, tmp_path, caps
 
 
 def test_empty_meta_json_with_a_model_that_does_not_fit(reference, tmp_path, capsys):
-    """The does-not-fit message reads meta.json to name the changed settings; a `{}` one must not break it."""
+    """The does-not-fit message reads meta.json to name the changed settings; a `{}` one must not break it (loaded
+    on purpose: an unreadable meta.json is otherwise refused before any weight is read)."""
     crashed_copy(reference("none"), tmp_path, 1)
     write_text("meta.json", "{}")(ckpt(tmp_path, 1))
-    cfg = make_config(tmp_path, mode="test", model={"hidden": 64}, test={"checkpoint": ckpt(tmp_path, 1)})
+    cfg = make_config(tmp_path, mode="test", model={"hidden": 64}, test={"checkpoint": ckpt(tmp_path, 1)},
+                      allow_unverified=True)
     assert main.run(cfg) == 2
     err = errors(capsys)
     assert len(err) == 1 and f"{ckpt(tmp_path, 1)}: does not fit this model: size mismatch" in err[0], err

@@ -48,6 +48,10 @@ def test_names_are_torch_optim_classes_in_any_case(name, cls):
     (["train.optimizer=RAdam", "train.optimizer_args={eps: 0.1}"], ["train.optimizer_args", "train.eps"]),
     (["train.optimizer=SGD", "train.optimizer_args={fused: true}"], ["train.optimizer_impl"]),
     (["train.optimizer=SGD", "train.optimizer_args={momentum: -1}"], ["SGD refuses them", "momentum"]),
+    (["train.optimizer=SGD", "train.optimizer_args={momentum: .nan}"],  # issue 40: SGD itself takes NaN
+     ["train.optimizer_args.momentum", "is nan: not a finite number"]),
+    (["train.optimizer=AdamW", "train.optimizer_args={amsgrad: 1}"], ["optimizer_args.amsgrad", "not true or false"]),
+    (["train.optimizer=Adafactor", "train.optimizer_args={eps: [null, .inf]}"], ["eps", "holds inf, not a finite"]),
     (["train.optimizer=SGD", "train.betas=[0.9, 0.99]"], ["train.betas", "SGD does not take it"]),
     (["train.optimizer=Rprop", "train.weight_decay=0.1"], ["train.weight_decay", "Rprop has no weight decay"]),
     (["train.optimizer=RAdam", "train.optimizer_impl=fused"], ["train.optimizer_impl", "RAdam"]),
