@@ -307,6 +307,7 @@ class Trainer:
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.strategy.checkpoint_format,
                 "batch_sizes": self.batch_sizes, "config": self.cfg.to_dict(),
+                "optimizer": checkpoint.hyperparameters(self.strategy.optimizer.param_groups),
                 **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.pending_best = self.state.best_step

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import checkpoint_hashes
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
+from core.checkpoint import hyperparameters
 from core.checkpoint_meta import differences, read as read_meta
 from core.distributed import DistContext, broadcast_object
 from core.errors import CheckpointError, Unloadable, first_line
@@ -101,6 +102,23 @@ def fits_model(path: str, cfg=None):
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
         raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
             from None
+
+
+@contextlib.contextmanager
+def configured_hyperparameters(optimizer: torch.optim.Optimizer, saved: Optional[dict], changes: list[str]):
+    """Around a strategy's load: this run's optimizer hyperparameters (momentum, betas, weight decay, ...: what its
+    groups held before) apply after it, as under every strategy (optimizer.load_state_dict would keep the saved
+    ones; fsdp and pipe keep this run's groups). `changes` gets "momentum 0.9 -> 0.5" for each one that differs
+    from the saved run's (`saved`: meta.json's `optimizer`; an older checkpoint: what the load brought back)."""
+    configured = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+                  for group in optimizer.param_groups]
+    yield
+    loaded = hyperparameters(optimizer.param_groups)
+    for group, values in zip(optimizer.param_groups, configured):
+        group.update(values)
+    was = saved if saved is not None else loaded
+    now = hyperparameters(optimizer.param_groups)
+    changes += [f"{key} {was[key]} -> {now[key]}" for key in sorted(now) if key in was and was[key] != now[key]]
 
 
 def _settings_changed(path: str, cfg) -> str:

@@ -124,7 +124,19 @@ def _meta_problem(meta: dict, name: str) -> str:
         return f"`batch_sizes` is {_shown(meta['batch_sizes'])}, not a list of batch sizes"
     if meta.get("config") is not None and not isinstance(meta["config"].get("train", {}), dict):
         return "`config.train` is not an object"
+    optimizer = meta.get("optimizer")
+    if optimizer is not None and not (isinstance(optimizer, dict) and all(
+            isinstance(k, str) and _plain(v) for k, v in optimizer.items())):
+        return f"`optimizer` is {_shown(optimizer)}, not an object of hyperparameters (numbers, flags, lists)"
     return ""
+
+
+def _plain(value) -> bool:
+    """A value a hyperparameter holds and JSON writes back the same: a flag, a finite number, a short string,
+    None, or a list of those."""
+    if isinstance(value, list):
+        return len(value) <= 8 and all(_plain(v) and not isinstance(v, list) for v in value)
+    return value is None or isinstance(value, bool) or _finite(value) or (isinstance(value, str) and len(value) < 64)
 
 
 # What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which resume.py

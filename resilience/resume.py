@@ -143,7 +143,9 @@ def load(trainer, path: str) -> dict:
     if "sample_in_epoch" not in meta["state"]:  # written before positions were kept in samples
         state.sample_in_epoch = min(state.batch_in_epoch * sum(meta.get("batch_sizes") or [0]), trainer.sampler.n)
     extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
-    with checkpoint_io.fits_model(path, trainer.cfg):
+    changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
+    with checkpoint_io.fits_model(path, trainer.cfg), \
+            checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
     trainer.scheduler.load_state_dict(per_group(extra["scheduler"], len(strategy.optimizer.param_groups)))
@@ -152,6 +154,9 @@ def load(trainer, path: str) -> dict:
     if strategy.scaler and extra["scaler"]:
         strategy.scaler.load_state_dict(extra["scaler"])
     trainer.state = state
+    if changed:
+        trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
+                            f"{state.step} on")
     trainer.resumed_batch_sizes = meta.get("batch_sizes")
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "

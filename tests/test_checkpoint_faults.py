@@ -414,6 +414,15 @@ def test_crafted_dcp_metadata_is_refused_in_test_mode(reference, tmp_path, capsy
     assert not os.path.exists(tmp_path / "dev_results.json")
 
 
+def test_dcp_entries_are_read_once_by_the_weights_only_loader(reference, monkeypatch):
+    """Issue 40, item 9: DCP's planner read each entry's bytes again with weights_only=False after our check."""
+    folder, calls, real = os.path.join(ckpt(reference("fsdp"), STEPS), "optimizer_dcp"), [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(kwargs.get("weights_only")) or
+                        real(*args, **kwargs))
+    state = checkpoint_dcp.dcp_model_state_dict(folder)
+    assert state["param_groups"] and calls and set(calls) == {True}, calls  # (lr, betas, ...: not tensors)
+
+
 def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys):
     """DCP unpickles entries that are not tensors (the optimizer's lr, ...) with torch.load(weights_only=False)."""
     import torch.distributed.checkpoint as dcp

@@ -181,6 +181,31 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path, strategy, optimiz
     assert any(not torch.equal(start[k], b[k]) for k in b)  # the last steps trained
 
 
+# ---- changed hyperparameters on resume apply under every strategy (issue 40, item 4) ------------------------------
+CHANGES = {"SGD": ({"optimizer": "SGD"}, {"optimizer": "SGD", "optimizer_args": {"momentum": 0.5}},
+                   "momentum 0.9 -> 0.5", {"momentum": 0.5}),
+           "AdamW": ({"optimizer": "AdamW", "weight_decay": 0.01},
+                     {"optimizer": "AdamW", "weight_decay": 0.1, "betas": [0.8, 0.99]},
+                     "betas [0.9, 0.999] -> [0.8, 0.99], weight_decay 0.01 -> 0.1",
+                     {"betas": [0.8, 0.99], "weight_decay": 0.1})}
+
+
+# ddp with SGD is the quick loop's (~40 s: two 2-rank runs); under none/dp/ddp/oss the saved values used to stay.
+@pytest.mark.parametrize("strategy, optimizer", [
+    ("ddp", "SGD"), slow("ddp", "AdamW"), slow("fsdp", "SGD"), slow("fsdp", "AdamW")])
+def test_changed_hyperparameters_apply_after_resume_and_are_said_once(tmp_path, strategy, optimizer):
+    from core import checkpoint_meta
+    before, after, line, applied = CHANGES[optimizer]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    assert train(first, strategy, before, max_steps=SAVE_AT) == 0
+    assert train(resumed, strategy, after, resume=str(first / "checkpoints" / f"step-{SAVE_AT}")) == 0
+    with open(resumed / "logs" / "rank0.log") as f:
+        log = f.read()
+    assert log.count(f"resuming with optimizer {line}: the configured values apply from step {SAVE_AT} on") == 1
+    saved = checkpoint_meta.read(str(resumed / "checkpoints" / f"step-{STEPS}"))["optimizer"]  # what the groups held
+    assert {k: saved[k] for k in applied} == applied, saved
+
+
 # ---- the best checkpoint: a tie goes to the lower dev loss (issue 34, item 1) ----------------------------------
 def test_a_tie_of_best_metric_goes_to_the_lower_dev_loss():
     fake = types.SimpleNamespace(state=trainer_module.TrainState(), train_cfg=types.SimpleNamespace(patience=2),
