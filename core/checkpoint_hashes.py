@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 CHUNK = 1 << 20  # bytes read at a time: large enough that the hash, not Python, sets the pace
+MAX_OPEN = 8  # files hashed (so open) at once, whatever the machine: a run under a low `ulimit -n` still saves
 HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -31,10 +32,10 @@ def hash_file(path: str) -> str:
 
 def hash_files(paths: list[str]) -> list[str]:
     """hash_file of each path, several at a time: hashlib lets go of the GIL, so files (a DCP folder's shards,
-    model.pt beside optimizer.pt) are hashed on as many cores as there are files, up to 8."""
+    model.pt beside optimizer.pt) are hashed on as many cores as there are files, up to MAX_OPEN."""
     if len(paths) < 2:
         return [hash_file(p) for p in paths]
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(paths))) as pool:
+    with ThreadPoolExecutor(min(MAX_OPEN, os.cpu_count() or 1, len(paths))) as pool:
         return list(pool.map(hash_file, paths))
 
 

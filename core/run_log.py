@@ -119,7 +119,7 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
     # start_over: this start's, not the run's
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
     write_file(os.path.join(cfg.output_dir, "config.yml"), dump_yaml(saved))
-    tracked = trackers.Trackers(cfg, step, tensorboard=TensorBoard) if trackers.names(cfg) else None
+    tracked = trackers.Trackers(cfg, step, TensorBoard, log.warning) if trackers.names(cfg) else None
     if tracked:
         tracked.config(saved.to_dict())
     log.info(plan)
