@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from core import checkpoint_hashes, disk_errors
+from core import checkpoint_hashes, checkpoint_signing, disk_errors
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError
 
@@ -138,6 +138,9 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last,
     # holding what each file holds so that a load can tell when one changed (checkpoint_io.verify).
     meta = {**meta, "files": checkpoint_hashes.record(tmp)}
+    secret = checkpoint_signing.key(meta.get("config") or {})
+    if secret:  # over meta.json's content, the files' hashes included (checkpoint_signing.py)
+        meta["signature"] = checkpoint_signing.signature(meta, secret)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     old = None

@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint folders, read without running code: DCP itself unpickles `.metadata` with plain
 pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with torch.load(weights_only=False)
-(DefaultLoadPlanner.load_bytes); both are replaced here, and each byte is read once, by a loader that runs no code. Imported by fsdp and pipe runs and by runs that read one.
+(DefaultLoadPlanner.load_bytes); both are replaced here, and each byte is read once, by a loader that runs no
+code. Imported by fsdp and pipe runs and by runs that read one.
 """
 from __future__ import annotations
 

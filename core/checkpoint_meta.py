@@ -114,7 +114,7 @@ def _meta_problem(meta: dict, name: str) -> str:
     for key in ("best_value", "best_loss"):  # compared with each evaluation's (a string would fail at a tie)
         if state.get(key) is not None and not _finite(state[key]):
             return f"`state.{key}` is {_shown(state[key])}, not a finite number"
-    kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list}
+    kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list, "signature": str}
     for key, kind in kinds.items():
         if meta.get(key) is not None and not isinstance(meta[key], kind):
             return f"`{key}` is {_shown(meta[key])}, not a {kind.__name__}"

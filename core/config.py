@@ -455,6 +455,9 @@ class Config:
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
     """Seed for parameters, data order and dropout. Same seed and config: same run."""
+    signing_key_file: Optional[str] = None
+    """A file holding the secret that signs checkpoints (HMAC-SHA256; CHECKPOINT_SIGNING_KEY in the environment
+    wins): every save is signed, every load refuses an unsigned or changed one. null: not signed."""
     allow_unverified: bool = False
     """Load a checkpoint whose files cannot be verified (no meta.json, or one without the `files` record: an older
     version wrote it), saying so in one line. Off: such a checkpoint is refused like a damaged one."""
@@ -468,6 +471,9 @@ class Config:
 
     def check(self, fail) -> None:
         in_range(fail, "seed", self.seed, at_least=0, at_most=2**32 - 1)  # numpy's seeds
+        if self.signing_key_file is not None and not os.path.isfile(self.signing_key_file):
+            fail("signing_key_file", f"{config_yaml.shown(self.signing_key_file)}: no such file (the secret that "
+                                     "signs checkpoints; null: unsigned)")
         place = system_folder(self.output_dir)
         if place:
             fail("output_dir", f"is {place} ({config_yaml.shown(self.output_dir)}); a run writes checkpoints/, logs/ "

@@ -20,7 +20,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from core import checkpoint, disk_errors, distributed, trackers
+from core import checkpoint, checkpoint_signing, disk_errors, distributed, trackers
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
 from strategies import optimizers
@@ -148,6 +148,7 @@ def plan(tr) -> str:
         f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
+        f"  {checkpoint_signing.plan_line(cfg.to_dict())}",
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
 

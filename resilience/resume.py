@@ -125,7 +125,7 @@ def load(trainer, path: str) -> dict:
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, strategy = trainer.train_cfg, trainer.strategy
     meta = checkpoint_meta.read(path)
-    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg.allow_unverified)  # before any load
+    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg)  # every file, before any is read
     saved = meta.get("format") or "full"
     if saved not in strategy.resumes_from:
         *others, last = strategy.resumes_from

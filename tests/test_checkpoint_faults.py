@@ -547,8 +547,10 @@ def test_a_save_out_of_file_descriptors_is_one_line_naming_the_limit(reference, 
     assert run(tmp_path) == 2
     err = errors(capsys)
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    assert len(err) == 1 and err[0].startswith(f"error: too many open files opening {tmp_path}/checkpoints/.tmp-step-3-")
-    assert f"optimizer.pt: this process may open {soft} files at once (ulimit -n): raise it (ulimit -n 65536" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"error: too many open files opening {tmp_path}/checkpoints/"
+                                               ".tmp-step-3-"), err
+    assert f"optimizer.pt: this process may open {soft} files at once (ulimit -n): raise it (ulimit -n 65536" \
+        in err[0]
     for step in (1, 2):  # the checkpoints before it are intact
         checkpoint_io.verify(ckpt(tmp_path, step))
 

@@ -248,3 +248,42 @@ def test_a_symlink_anywhere_in_a_checkpoint_refuses_it(reference, tmp_path, caps
     assert f"skipping {ckpt(tmp_path, 3)}, which cannot be loaded: {link}: {says}" in log
     assert f"resumed from {ckpt(tmp_path, 2)} at step 2" in log
     assert os.listdir(elsewhere / "optimizer_dcp") == []  # nothing read or written through the link
+
+
+# ---- signed checkpoints (issue 40, item 2) -------------------------------------------------------------------
+def test_signed_checkpoints_catch_a_weight_rewritten_with_its_hash(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "a secret for the test")
+    assert run(tmp_path, train={"max_steps": 2}) == 0
+    assert "checkpoints: signed with HMAC-SHA256 (key from CHECKPOINT_SIGNING_KEY)" in rank_log(tmp_path)
+    path = ckpt(tmp_path, 2)
+    checkpoint_io.verify(path)  # as saved
+    # The tamperer changes a weight and writes its new size and sha256 into meta.json: the hashes agree.
+    flip_byte(os.path.join(path, "model.pt"))
+    data = open(os.path.join(path, "model.pt"), "rb").read()
+    edit_meta(path, lambda meta: meta["files"].update({"model.pt": {"bytes": len(data),
+                                                                    "sha256": hashlib.sha256(data).hexdigest()}}))
+    monkeypatch.delenv("CHECKPOINT_SIGNING_KEY")
+    checkpoint_io.verify(path)  # without the key, the hashes alone cannot tell
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "a secret for the test")
+    assert main.run(make_config(tmp_path, mode="test")) == 2
+    assert errors(capsys) == [f"error: {path}/meta.json: the signature does not match (meta.json or a file's "
+                              "recorded hash was changed after the save, or another key signed it)"]
+    edit_meta(path, lambda meta: meta.pop("signature"))  # nor does removing the signature help
+    with pytest.raises(Unloadable, match="meta.json: not signed, but CHECKPOINT_SIGNING_KEY"):
+        checkpoint_io.verify(path)
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "another key")
+    with pytest.raises(Unloadable, match="the signature does not match"):
+        checkpoint_io.verify(ckpt(tmp_path, 1))
+
+
+def test_a_key_file_signs_and_without_a_key_the_plan_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHECKPOINT_SIGNING_KEY", raising=False)
+    assert run(tmp_path / "plain", train={"max_steps": 1}) == 0
+    assert "checkpoints: sha256 of every file checked on load; not signed (set CHECKPOINT_SIGNING_KEY to sign " \
+           "them)" in rank_log(tmp_path / "plain")
+    assert "signature" not in checkpoint_meta.read(ckpt(tmp_path / "plain", 1))
+    (tmp_path / "key").write_text("from a file\n")
+    assert run(tmp_path / "signed", train={"max_steps": 1}, signing_key_file=str(tmp_path / "key")) == 0
+    from core import checkpoint_signing
+    meta = checkpoint_meta.read(ckpt(tmp_path / "signed", 1))
+    assert meta["signature"] == checkpoint_signing.signature(meta, b"from a file")
