@@ -54,6 +54,19 @@ def read(path: str) -> dict:
 
 
 
+def read_loaded(path: str, allow_unverified: bool) -> dict:
+    """meta.json of checkpoint `path`, which verify() let through: read, or {} where there is none or it cannot
+    be read and allow_unverified loaded the checkpoint anyway (verify said so)."""
+    if not os.path.lexists(os.path.join(path, "meta.json")):
+        return {}
+    try:
+        return read(path)
+    except Unloadable:
+        if not allow_unverified:
+            raise
+        return {}
+
+
 def best_recorded(output_dir: str) -> Optional[str]:
     """The checkpoint the latest one records as best on dev (else the latest): what test, export and generate
     read when test.checkpoint is not set."""

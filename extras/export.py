@@ -68,7 +68,7 @@ def run(cfg: Config, task: Task) -> str:
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
     model.eval()
-    meta = checkpoint_meta.read(source) if checkpoint.is_complete(source) else {}
+    meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
     print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest

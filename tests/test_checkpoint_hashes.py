@@ -147,6 +147,13 @@ def test_allow_unverified_loads_an_old_checkpoint_saying_so_once(reference, tmp_
     log = rank_log(tmp_path)[before:]
     assert log.count(note) == 1 and f"resumed from {ckpt(tmp_path, 4)} at step 4" in log
     assert "files" in checkpoint_meta.read(ckpt(tmp_path, STEPS))  # what this run saves carries them
+    with open(os.path.join(ckpt(tmp_path, 3), "meta.json"), "w") as f:
+        f.write("{")  # unreadable: loaded on purpose too
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)},
+                                allow_unverified=True)) == 0
+    assert capsys.readouterr().out.count(f"loading {ckpt(tmp_path, 3)} unverified (allow_unverified: true): its "
+                                         f"files cannot be verified: {ckpt(tmp_path, 3)}/meta.json: unreadable") == 1
 
 
 def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
