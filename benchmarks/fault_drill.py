@@ -27,6 +27,8 @@ Prints, for 2-rank DDP runs of the digits CNN on this machine (gloo):
 Every case runs `python main.py` (or tests/faulty_main.py, for a slowed run) in a subprocess, as a user would.
 """
 import argparse
+import hashlib
+import json
 import os
 import random
 import re
@@ -594,6 +596,72 @@ def bit_flip_probes(tmp, say):
     return probes
 
 
+# Issue 40: nothing unverified loads, changed values are said, a tracker or a file limit is one line
+def issue40_probes(tmp, say):
+    """Each probe's outcome as the issue asks it: exit 2 and one line, or a one-line fallback; nothing loaded that
+    was not verified, no traceback."""
+    def run_with(argv, **environ):
+        return subprocess.run(argv, cwd=ROOT, env={**env(), **environ}, capture_output=True, text=True, timeout=300)
+    src = os.path.join(tmp, "i40-src")
+    save = ["--set", "train.save_every=2", "--set", "train.keep_last=5"]
+    assert run(cmd(src, *save, procs=1, steps=4)).returncode == 0
+
+    def copy(name, change):
+        out = os.path.join(tmp, "i40", name)
+        shutil.copytree(src, out)
+        change(os.path.join(out, "checkpoints", "step-4"))
+        return out, os.path.join(out, "checkpoints", "step-4")
+
+    def resumed_past(out, step4, says):
+        r = run(cmd(out, *save, procs=1, steps=6))
+        log = open(os.path.join(out, "logs", "rank0.log")).read()
+        ok = r.returncode == 0 and f"skipping {step4}, which cannot be loaded: " in log and says in log and \
+            re.search(r"resumed from \S+/step-2 ", log) is not None and "Traceback" not in r.stderr
+        return ok, f"exit {r.returncode}: {(re.findall(r'resume: skipping .*', log) or [r.stderr[-200:]])[0][-200:]}"
+
+    def drop_files(d):
+        meta = json.load(open(os.path.join(d, "meta.json")))
+        meta.pop("files")
+        json.dump(meta, open(os.path.join(d, "meta.json"), "w"))
+    probes = []
+    out, step4 = copy("nometa", lambda d: os.remove(os.path.join(d, "meta.json")))
+    t = run(cmd(out, "--set", "mode=test", "--set", f"test.checkpoint={step4}", procs=1))
+    probes.append(("meta.json deleted: test mode refuses in one line", *one_line(t, 2, "allow_unverified: true")))
+    a = run(cmd(out, "--set", "mode=test", "--set", f"test.checkpoint={step4}", "--set", "allow_unverified=true",
+                procs=1))
+    probes.append(("meta.json deleted, allow_unverified: test mode loads it, said once",
+                   a.returncode == 0 and (a.stdout + a.stderr).count("unverified (allow_unverified: true)") == 1,
+                   f"exit {a.returncode}"))
+    out, step4 = copy("norecord", drop_files)
+    probes.append(("no `files` record: resume falls back to step-2", *resumed_past(out, step4, "no record")))
+    out, step4 = copy("symlink", lambda d: os.symlink(os.path.join(d, "..", "step-2"),
+                                                      os.path.join(d, "optimizer_dcp")))
+    probes.append(("symlinked optimizer_dcp: resume falls back to step-2", *resumed_past(out, step4, "a symlink")))
+    key = {"CHECKPOINT_SIGNING_KEY": "drill"}
+    signed = os.path.join(tmp, "i40-signed")
+    assert run_with(cmd(signed, procs=1, steps=2), **key).returncode == 0
+    path = os.path.join(signed, "checkpoints", "step-2")
+    flip_byte(os.path.join(path, "model.pt"))
+    data = open(os.path.join(path, "model.pt"), "rb").read()
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    meta["files"]["model.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    t = run_with(cmd(signed, "--set", "mode=test", procs=1), **key)
+    probes.append(("signed, weight and hash rewritten: test mode refuses", *one_line(t, 2, "signature does not")))
+    m = run_with(cmd(os.path.join(tmp, "i40-mlflow"), "--set", "log.report_to=[mlflow]", procs=1, steps=2),
+                 MLFLOW_TRACKING_URI=f"file://{tmp}/mlruns")
+    probes.append(("MLFLOW_TRACKING_URI=file://: one line naming mlflow", *one_line(m, 2, "mlflow could not start")))
+    n = run(cmd(os.path.join(tmp, "i40-nan"), "--set", "train.optimizer=SGD", "--set",
+                "train.optimizer_args={momentum: .nan}", procs=1, steps=2))
+    probes.append(("optimizer_args momentum NaN: one line", *one_line(n, 2, "not a finite number")))
+    f = run(["prlimit", "--nofile=32", *cmd(os.path.join(tmp, "i40-nofile"), "--set", "train.save_every=5",
+                                            procs=2, steps=10)])
+    probes.append(("prlimit --nofile=32, 2 ranks: one line naming the limit", *one_line(f, 2, "ulimit -n")))
+    for name, ok, seen in probes:
+        say(f"  {'clean' if ok else 'NOT CLEAN'}  {name}: {seen}")
+    return probes
+
+
 def issue20_probes(tmp, say):
     """Run every probe, saying each result as it comes; returns [(name, clean, what it saw)]. A probe that fails
     with an exception of its own counts as not clean."""
@@ -635,7 +703,8 @@ def main():
     p.add_argument("--kill-trials", type=int, default=12)
     p.add_argument("--signal-trials", type=int, default=2, help="per kind of signal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "issue33", "bitflip", "issue20"])
+    p.add_argument("--only", nargs="*", default=["bad", "kill", "signal", "detect", "nan", "issue33", "bitflip", "issue20",
+                                                          "issue40"])
     args = p.parse_args()
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="fault-drill-")
@@ -671,6 +740,10 @@ def main():
             say("bit flips (issue 33):")
             flips = bit_flip_probes(tmp, say)
             say(f"bit flips: {sum(ok for _, ok, _ in flips)}/{len(flips)} clean")
+        if "issue40" in args.only:
+            say("issue 40 probes:")
+            found = issue40_probes(tmp, say)
+            say(f"issue 40 probes: {sum(ok for _, ok, _ in found)}/{len(found)} clean")
         if "issue20" in args.only:
             say("issue 20 probes:")
             probes = issue20_probes(tmp, say)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from core import checkpoint_hashes, disk_errors
+from core import checkpoint_hashes, checkpoint_signing, disk_errors
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError
 
@@ -36,10 +37,24 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
 
 
-class Unloadable(CheckpointError):
-    """A checkpoint whose files are missing, empty, truncated, malformed or refused (they would run code).
-    `resume: auto` then falls back to an older checkpoint. Other CheckpointErrors (a checkpoint that does not fit
-    this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
+NOT_HYPERPARAMETERS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
+PLAIN = (bool, int, float, str, type(None))
+
+
+def hyperparameters(param_groups: list[dict]) -> dict:
+    """{name: value} of an optimizer's hyperparameters as meta.json records them (`optimizer`; compared on resume,
+    checkpoint_io.configured_hyperparameters): lr (the scheduler's) and the implementation switches left out;
+    weight_decay the largest of the groups' (biases and norms have none), the others the first group's."""
+    found = {}
+    for group in param_groups:
+        for key, value in group.items():
+            value = list(value) if isinstance(value, tuple) else value
+            parts = value if isinstance(value, list) else [value]
+            if key in NOT_HYPERPARAMETERS or not all(isinstance(v, PLAIN) and not (
+                    isinstance(v, float) and not math.isfinite(v)) for v in parts):  # what JSON writes and reads back
+                continue
+            found[key] = max(found.get(key, value), value) if key == "weight_decay" else found.get(key, value)
+    return found
 
 
 def root(output_dir: str) -> str:
@@ -123,6 +138,9 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last,
     # holding what each file holds so that a load can tell when one changed (checkpoint_io.verify).
     meta = {**meta, "files": checkpoint_hashes.record(tmp)}
+    secret = checkpoint_signing.key(meta.get("config") or {})
+    if secret:  # over meta.json's content, the files' hashes included (checkpoint_signing.py)
+        meta["signature"] = checkpoint_signing.signature(meta, secret)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     old = None

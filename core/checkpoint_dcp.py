@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint folders, read without running code: DCP itself unpickles `.metadata` with plain
 pickle.load (FileSystemReader.read_metadata) and the non-tensor entries with torch.load(weights_only=False)
-(DefaultLoadPlanner.load_bytes); both are replaced here. Imported by fsdp and pipe runs and by runs that read one.
+(DefaultLoadPlanner.load_bytes); both are replaced here, and each byte is read once, by a loader that runs no
+code. Imported by fsdp and pipe runs and by runs that read one.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from core.errors import CheckpointError, Unloadable, first_line
@@ -126,20 +128,21 @@ def _reader(dcp_dir: str):
 
 def _planner(dcp_dir: str, empty: bool = False):
     """DCP's load planner (`empty`: the one that loads every entry into an empty dict), whose entries that are
-    not tensors must first pass torch's weights-only unpickler; the bytes are in memory, so what is checked is
-    what is then loaded."""
+    not tensors are read once, by torch's weights-only unpickler (DCP's own reads them with weights_only=False);
+    what it would import, if anything, is named first."""
     class NoCodePlanner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
+        def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes, with the weights-only load
             entry = f"{dcp_dir}: entry {read_item.dest_index.fqn}"
             try:
                 unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
                 value.seek(0)
-                if not unsafe:
-                    torch.load(value, weights_only=True)
+                loaded = None if unsafe else torch.load(value, weights_only=True)
             except Exception as e:  # not a torch.save file, truncated, ...
                 raise Unloadable(f"{entry}: cannot be loaded ({first_line(e)})") from None
             if unsafe:
                 raise Unloadable(f"{entry}: refused: it would import {unsafe[0]} (a checkpoint must never run code)")
-            value.seek(0)
-            super().load_bytes(read_item, value)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
     return NoCodePlanner()

@@ -4,8 +4,8 @@ loads without complaint, so only a hash of the bytes tells; sha256 is the standa
 on CPUs with SHA instructions, and `sha256sum` prints the same digests (benchmarks/RESULTS.md, "Checkpoint hashes").
 
 A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
-model_dcp/ wins, say) makes the checkpoint unloadable. meta.json itself is not listed: it is written last, holding
-the list.
+model_dcp/ wins, say) makes the checkpoint unloadable, and so does a symlink anywhere in it (first_symlink).
+meta.json itself is not listed: it is written last, holding the list.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 CHUNK = 1 << 20  # bytes read at a time: large enough that the hash, not Python, sets the pace
+MAX_OPEN = 8  # files hashed (so open) at once, whatever the machine: a run under a low `ulimit -n` still saves
 HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -31,10 +32,10 @@ def hash_file(path: str) -> str:
 
 def hash_files(paths: list[str]) -> list[str]:
     """hash_file of each path, several at a time: hashlib lets go of the GIL, so files (a DCP folder's shards,
-    model.pt beside optimizer.pt) are hashed on as many cores as there are files, up to 8."""
+    model.pt beside optimizer.pt) are hashed on as many cores as there are files, up to MAX_OPEN."""
     if len(paths) < 2:
         return [hash_file(p) for p in paths]
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(paths))) as pool:
+    with ThreadPoolExecutor(min(MAX_OPEN, os.cpu_count() or 1, len(paths))) as pool:
         return list(pool.map(hash_file, paths))
 
 
@@ -43,6 +44,16 @@ def listed_files(folder: str) -> list[str]:
     found = (os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
              for parent, _, files in os.walk(folder) for name in files)
     return sorted(rel for rel in found if rel != "meta.json")
+
+
+def first_symlink(folder: str) -> Optional[str]:
+    """The first symlink (to a file or a folder) at any depth under `folder`, or None. os.walk does not follow
+    them, so a linked folder would be neither listed nor hashed, yet read by a loader that opens its path."""
+    for parent, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(parent, name)):
+                return os.path.join(parent, name)
+    return None
 
 
 def record(folder: str) -> dict[str, dict]:
@@ -57,6 +68,9 @@ def problem(folder: str, files) -> Optional[str]:
     """What differs between checkpoint folder `folder` and `files`, its meta.json's record (untrusted: checked
     first): one line naming the file, or None if nothing does. Sizes and names are compared before any file is
     hashed, so a missing or truncated file is said at once."""
+    link = first_symlink(folder)
+    if link:
+        return symlink_refused(link)
     malformed = _malformed(files)
     if malformed:
         return f"{os.path.join(folder, 'meta.json')}: unreadable (`files` {malformed})"
@@ -64,6 +78,11 @@ def problem(folder: str, files) -> Optional[str]:
         return _difference(folder, files)
     except OSError as e:  # a file that cannot be read (a failing disk, no permission)
         return f"{e.filename or folder}: unreadable ({e.strerror or e})"
+
+
+def symlink_refused(link: str) -> str:
+    return f"{link}: a symlink inside the checkpoint (refused: it is never followed; a checkpoint holds its own " \
+           "files only)"
 
 
 def _difference(folder: str, files: dict) -> Optional[str]:

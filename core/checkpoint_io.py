@@ -16,8 +16,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from core import checkpoint_hashes, ema
+from core import checkpoint_hashes, checkpoint_signing, ema
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
+from core.checkpoint import hyperparameters
 from core.checkpoint_meta import differences, read as read_meta
 from core.distributed import DistContext, broadcast_object
 from core.errors import CheckpointError, Unloadable, first_line
@@ -43,32 +44,47 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
     return obj
 
 
-def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None) -> None:
+def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None,
+           cfg=None) -> None:
     """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
-    not what meta.json recorded (checkpoint_hashes.py). One written without that record (or whose meta.json is
-    unreadable: its reader says so) loads, after one `note` (default: a line on stderr). With `ctx` it is
-    collective: rank 0 reads the files, every rank raises."""
+    not what meta.json recorded (checkpoint_hashes.py), or, with a signing key (checkpoint_signing.py), a missing
+    or wrong signature. One whose files cannot be verified (no meta.json, an unreadable one, or one without the
+    `files` record: an older version) is refused too, unless the config's allow_unverified: then it loads after
+    one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads the files, every rank
+    raises. `cfg`: the run's config (None: the defaults, and the environment's key)."""
     main = ctx is None or ctx.is_main
-    found = _files_problem(path) if main else None
+    config = cfg.to_dict() if cfg is not None else {}
+    secret = checkpoint_signing.key(config)  # on every rank: a key file that cannot be read fails on all
+    found = _files_problem(path, secret) if main else None
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
-    if kind == "problem":
-        raise Unloadable(line)
-    if kind == "note" and main:
-        (note or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+    if kind == "problem" or (kind == "unverified" and not config.get("allow_unverified")):
+        raise Unloadable(line if kind == "problem" else f"{line}; to load it anyway, set allow_unverified: true")
+    if kind == "unverified" and main:
+        (note or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True)))(
+            f"loading {path} unverified (allow_unverified: true): {line}")
 
 
-def _files_problem(path: str) -> Optional[tuple[str, str]]:
-    """("problem", line), ("note", line) or None (all files as recorded)."""
+def _files_problem(path: str, secret: Optional[bytes]) -> Optional[tuple[str, str]]:
+    """("problem", line), ("unverified", line) or None (all files as recorded, and signed where `secret`)."""
     if not os.path.isdir(path):
         return None  # the loader names it
+    link = checkpoint_hashes.first_symlink(path)  # refused even where allow_unverified would load the rest
+    if link:
+        return "problem", checkpoint_hashes.symlink_refused(link)
     try:
-        files = read_meta(path).get("files")
+        meta, why = read_meta(path), None
     except Unloadable as e:
-        return "note", f"note: the files of {path} cannot be verified: {e}"
-    if files is None:
-        return "note", f"note: {path} was saved without file hashes (an older version), so its files cannot be " \
-                       "verified"
-    found = checkpoint_hashes.problem(path, files)
+        meta, why = None, f"its files cannot be verified: {e}"
+    if meta is not None and meta.get("files") is None:
+        why = f"{os.path.join(path, 'meta.json')}: holds no record of the files (`files`: an older version saved " \
+              "it), so they cannot be verified"
+    if secret is not None:  # a key set: nothing loads unsigned, allow_unverified or not
+        wrong = why if meta is None else checkpoint_signing.problem(path, meta, secret)
+        if wrong:
+            return "problem", wrong
+    if why:
+        return "unverified", why
+    found = checkpoint_hashes.problem(path, meta["files"])
     return ("problem", found) if found else None
 
 
@@ -98,6 +114,23 @@ def fits_model(path: str, cfg=None):
             from None
 
 
+@contextlib.contextmanager
+def configured_hyperparameters(optimizer: torch.optim.Optimizer, saved: Optional[dict], changes: list[str]):
+    """Around a strategy's load: this run's optimizer hyperparameters (momentum, betas, weight decay, ...: what its
+    groups held before) apply after it, as under every strategy (optimizer.load_state_dict would keep the saved
+    ones; fsdp and pipe keep this run's groups). `changes` gets "momentum 0.9 -> 0.5" for each one that differs
+    from the saved run's (`saved`: meta.json's `optimizer`; an older checkpoint: what the load brought back)."""
+    configured = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+                  for group in optimizer.param_groups]
+    yield
+    loaded = hyperparameters(optimizer.param_groups)
+    for group, values in zip(optimizer.param_groups, configured):
+        group.update(values)
+    was = saved if saved is not None else loaded
+    now = hyperparameters(optimizer.param_groups)
+    changes += [f"{key} {was[key]} -> {now[key]}" for key in sorted(now) if key in was and was[key] != now[key]]
+
+
 def _settings_changed(path: str, cfg) -> str:
     """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
     if cfg is None:
@@ -112,8 +145,9 @@ def _settings_changed(path: str, cfg) -> str:
 
 def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
-    its files are verified first (`note` says so where they cannot be; default: a line on stderr)."""
-    verify(path, note=note)
+    its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded after a
+    `note`; default: a line on stderr)."""
+    verify(path, note=note, cfg=cfg)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
     if cfg is not None and cfg.test.weights == "ema":  # the average train.ema_decay kept, over the weights

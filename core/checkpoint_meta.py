@@ -54,6 +54,19 @@ def read(path: str) -> dict:
 
 
 
+def read_loaded(path: str, allow_unverified: bool) -> dict:
+    """meta.json of checkpoint `path`, which verify() let through: read, or {} where there is none or it cannot
+    be read and allow_unverified loaded the checkpoint anyway (verify said so)."""
+    if not os.path.lexists(os.path.join(path, "meta.json")):
+        return {}
+    try:
+        return read(path)
+    except Unloadable:
+        if not allow_unverified:
+            raise
+        return {}
+
+
 def best_recorded(output_dir: str) -> Optional[str]:
     """The checkpoint the latest one records as best on dev (else the latest): what test, export and generate
     read when test.checkpoint is not set."""
@@ -111,15 +124,15 @@ def _meta_problem(meta: dict, name: str) -> str:
     best_step = state.get("best_step")
     if best_step is not None and not (_count(best_step) and best_step <= step):
         return f"`state.best_step` is {_shown(best_step)}, not a step of this run (0 to {step})"
-    value = state.get("best_value")
-    if value is not None and not _finite(value):
-        return f"`state.best_value` is {_shown(value)}, not a finite number"
+    for key in ("best_value", "best_loss"):  # compared with each evaluation's (a string would fail at a tie)
+        if state.get(key) is not None and not _finite(state[key]):
+            return f"`state.{key}` is {_shown(state[key])}, not a finite number"
     ranked = state.get("best_k", [])
     if not (isinstance(ranked, list) and all(
             isinstance(r, list) and len(r) == 3 and _finite(r[0]) and (r[1] is None or _finite(r[1]))
             and _count(r[2]) and r[2] <= step for r in ranked)):
         return f"`state.best_k` is {_shown(ranked)}, not a list of [value, loss, step] of this run"
-    kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list}
+    kinds = {"metrics": dict, "format": str, "strategy": str, "batch_sizes": list, "signature": str}
     for key, kind in kinds.items():
         if meta.get(key) is not None and not isinstance(meta[key], kind):
             return f"`{key}` is {_shown(meta[key])}, not a {kind.__name__}"
@@ -129,7 +142,19 @@ def _meta_problem(meta: dict, name: str) -> str:
         return f"`batch_sizes` is {_shown(meta['batch_sizes'])}, not a list of batch sizes"
     if meta.get("config") is not None and not isinstance(meta["config"].get("train", {}), dict):
         return "`config.train` is not an object"
+    optimizer = meta.get("optimizer")
+    if optimizer is not None and not (isinstance(optimizer, dict) and all(
+            isinstance(k, str) and _plain(v) for k, v in optimizer.items())):
+        return f"`optimizer` is {_shown(optimizer)}, not an object of hyperparameters (numbers, flags, lists)"
     return ""
+
+
+def _plain(value) -> bool:
+    """A value a hyperparameter holds and JSON writes back the same: a flag, a finite number, a short string,
+    None, or a list of those."""
+    if isinstance(value, list):
+        return len(value) <= 8 and all(_plain(v) and not isinstance(v, list) for v in value)
+    return value is None or isinstance(value, bool) or _finite(value) or (isinstance(value, str) and len(value) < 64)
 
 
 # What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which resume.py

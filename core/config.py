@@ -493,6 +493,12 @@ class Config:
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
     """Seed for parameters, data order and dropout. Same seed and config: same run."""
+    signing_key_file: Optional[str] = None
+    """A file holding the secret that signs checkpoints (HMAC-SHA256; CHECKPOINT_SIGNING_KEY in the environment
+    wins): every save is signed, every load refuses an unsigned or changed one. null: not signed."""
+    allow_unverified: bool = False
+    """Load a checkpoint whose files cannot be verified (no meta.json, or one without the `files` record: an older
+    version wrote it), saying so in one line. Off: such a checkpoint is refused like a damaged one."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -507,6 +513,9 @@ class Config:
         if self.train.ema_decay and self.dist.strategy == "pipe":
             fail("train.ema_decay", "is not supported under dist.strategy pipe yet (each stage would average its "
                                     "own layers); use ddp or fsdp, or train.ema_decay: 0")
+        if self.signing_key_file is not None and not os.path.isfile(self.signing_key_file):
+            fail("signing_key_file", f"{config_yaml.shown(self.signing_key_file)}: no such file (the secret that "
+                                     "signs checkpoints; null: unsigned)")
         place = system_folder(self.output_dir)
         if place:
             fail("output_dir", f"is {place} ({config_yaml.shown(self.output_dir)}); a run writes checkpoints/, logs/ "

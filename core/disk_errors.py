@@ -1,10 +1,12 @@
-"""A full disk (or quota), or a file or folder this run may not write: how such an error is recognised and the one
-line that says so, naming the file and what to do. Loaded only once something has failed."""
+"""A full disk (or quota), a file or folder this run may not write, or no file descriptor left: how such an error
+is recognised and the one line that says so, naming the file (or the limit) and what to do. Loaded only once
+something has failed."""
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import resource
 import shutil
 from typing import Optional
 
@@ -12,6 +14,7 @@ from core.errors import CheckpointError
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # counted only with a file named: EPERM has other causes
+TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)  # this process's limit (ulimit -n), or the system's
 
 
 def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
@@ -19,9 +22,12 @@ def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
     with such an errno anywhere in its chain (TensorBoard, the logs, config.yml, *_results.json, the tokenizer,
     checkpoints/). It names the file (else output_dir) and what to do; None for any other error."""
     error = next((e for e in chain(exc) if isinstance(e, OSError) and
-                  (e.errno in NO_SPACE or (e.errno in NOT_WRITABLE and e.filename is not None))), None)
+                  (e.errno in NO_SPACE + TOO_MANY_FILES or (e.errno in NOT_WRITABLE and e.filename is not None))),
+                 None)
     if error is None:
         return None
+    if error.errno in TOO_MANY_FILES:
+        return too_many_files(error)
     where = os.fsdecode(error.filename) if error.filename is not None else f"a file in output_dir {output_dir}"
     if error.errno in NOT_WRITABLE and not os.path.lexists(where):  # what could not be made: its folder is at fault
         where = os.path.dirname(os.path.abspath(where))
@@ -29,6 +35,16 @@ def disk_problem(exc: BaseException, output_dir: str) -> Optional[str]:
             "make it writable for this run (or choose another output_dir)")
     return (f"{where}: {error.strerror or os.strerror(error.errno)}: {todo}, then run the same command again "
             f"(the checkpoints saved so far are intact)")
+
+
+def too_many_files(error: OSError) -> str:
+    """The line for running out of file descriptors: which limit, and what to raise."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    where = f" opening {os.fsdecode(error.filename)}" if error.filename is not None else ""
+    limit = (f"this process may open {soft} files at once (ulimit -n)" if error.errno == errno.EMFILE else
+             "the system's limit of open files is reached (fs.file-max)")
+    return (f"too many open files{where}: {limit}: raise it (ulimit -n 65536; docker --ulimit nofile=65536; "
+            f"systemd LimitNOFILE=), then run the same command again (the checkpoints saved so far are intact)")
 
 
 def handler_file(handler) -> str:

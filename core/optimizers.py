@@ -9,6 +9,7 @@ Everything is checked when the config is read (check_config), so a wrong name or
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Optional
 
 import torch
@@ -104,6 +105,26 @@ def plan_line(optimizer, t) -> str:
     return f"optimizer {cls.__name__}({text}), {impl}"
 
 
+def value_problem(value, default) -> str:
+    """What is wrong with `value` for a keyword whose default in the class's signature is `default` ("" if
+    nothing): a number must be a finite number (NaN would train to a NaN loss at step 1), a flag a flag, a
+    tuple of numbers as many finite numbers."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if number(value) and not math.isfinite(value):
+        return "not a finite number"
+    if isinstance(default, bool):
+        return "" if isinstance(value, bool) else "not true or false"
+    if number(default) and value is not None:
+        return "" if number(value) else "not a number"
+    if isinstance(default, tuple) and default and all(number(d) or d is None for d in default):
+        if not (isinstance(value, (list, tuple)) and len(value) == len(default)):
+            return f"not a list of {len(default)} numbers"
+        bad = [v for v in value if v is not None and not (number(v) and math.isfinite(v))]
+        return f"holds {bad[0]!r}, not a finite number" if bad else ""
+    return ""
+
+
 def check_config(cfg, fail) -> None:
     """train.optimizer, train.optimizer_args, set (wiring.READER_CHECKS): the class exists and takes what it gets."""
     t = cfg.train
@@ -129,6 +150,10 @@ def check_config(cfg, fail) -> None:
             usable = ", ".join(k for k in takes if k not in FROM_TRAIN and not (
                 k in TRAIN_DEFAULTS and takes_from_train(cls, k))) or "none"
             fail("train.optimizer_args", f"{key!r} is not a keyword of {name}; its keywords: {usable}"[:200])
+        wrong = value_problem(own[key], takes[key])
+        if wrong:
+            fail(f"train.optimizer_args.{key}", f"is {own[key]!r}"[:80] + f": {wrong} ({name}'s default: "
+                                                 f"{takes[key]!r})")
     if t.optimizer_impl in ("fused", "foreach") and t.optimizer_impl not in takes:
         fail("train.optimizer_impl", f"{t.optimizer_impl}: {name} has no such implementation; use auto")
     try:  # the values themselves: the class's own checks (a negative momentum, nesterov without momentum, ...)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 
-from core import checkpoint, disk_errors, optimizers, trackers
+from core import checkpoint, checkpoint_signing, disk_errors, optimizers, trackers
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
 from core.run_log import write_file
@@ -24,7 +24,7 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
     # start_over: this start's, not the run's
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
     write_file(os.path.join(cfg.output_dir, "config.yml"), dump_yaml(saved))
-    tracked = trackers.Trackers(cfg, step, tensorboard=TensorBoard) if trackers.names(cfg) else None
+    tracked = trackers.Trackers(cfg, step, TensorBoard, log.warning) if trackers.names(cfg) else None
     if tracked:
         tracked.config(saved.to_dict())
     log.info(plan)
@@ -54,6 +54,7 @@ def plan(tr, notes: list[str] = ()) -> str:
         f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
+        f"  {checkpoint_signing.plan_line(cfg.to_dict())}",
         f"  checkpoints kept: the last {t.keep_last} and the " + (f"{t.keep_best} best" if t.keep_best > 1 else "best"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])

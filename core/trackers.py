@@ -5,7 +5,9 @@ summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
 MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
-missing, the config check refuses the run in one line naming what to install.
+missing, the config check refuses the run in one line naming what to install. A tracker that cannot start (a store
+MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
+named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else.
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import csv
 import importlib.util
 import json
 import os
+import sys
 import time
 from typing import Callable, Optional
 
 from core import disk_errors
-from core.errors import UserError
+from core.errors import UserError, first_line
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 # What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
@@ -26,6 +29,11 @@ PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-sk
 SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 CSV_FILE = "metrics.csv"
+FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
+         "csv": "remove csv from log.report_to to run without it",
+         "wandb": "run `wandb login`, set WANDB_MODE=offline, or remove wandb from log.report_to",
+         "mlflow": "set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a store MLflow accepts, e.g. "
+                   "sqlite:///runs/mlflow.db, or remove mlflow from log.report_to"}
 
 
 def names(cfg) -> list[str]:
@@ -79,8 +87,9 @@ class Trackers:
     """The trackers of log.report_to, built on rank 0 as training starts at `step` (> 0: resumed). `tensorboard`:
     what builds TensorBoard's writer from its folder (run_record.TensorBoard). Each call goes to every tracker."""
 
-    def __init__(self, cfg, step: int, tensorboard: Callable[[str], object]):
-        out = cfg.output_dir
+    def __init__(self, cfg, step: int, tensorboard: Callable[[str], object],
+                 warn: Callable[[str], None] = lambda line: print(f"warning: {line}", file=sys.stderr, flush=True)):
+        out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
         ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
         builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard")),
@@ -91,7 +100,7 @@ class Trackers:
         self.members = []
         try:
             for name in self.names:
-                self.members.append(builders[name]())
+                self.members.append(self.started(name, builders[name]))
         except BaseException:
             self.close()
             raise
@@ -108,21 +117,43 @@ class Trackers:
         except (OSError, ValueError):  # none, or unreadable: new tracked runs
             return {}
 
+    def started(self, name: str, build: Callable[[], object]):
+        """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""
+        try:
+            return build()
+        except UserError:
+            raise
+        except Exception as e:  # MLflow refusing a file:// store, a network error, a broken install, ...
+            if disk_errors.disk_problem(e, self.output_dir):
+                raise
+            raise UserError(f"log.report_to: {name} could not start ({first_line(e, limit=120)}): "
+                            f"{FIXES[name]}") from None
+
+    def each(self, method: str, *args) -> None:
+        """`method(*args)` of every tracker. One that fails (a server gone, a full quota) is named once and
+        dropped: the training goes on without it. A full disk or a read-only file stops the run as anywhere."""
+        for name, member in list(zip(self.names, self.members)):
+            try:
+                getattr(member, method)(*args)
+            except Exception as e:
+                if disk_errors.disk_problem(e, self.output_dir):
+                    raise
+                self.names.remove(name)
+                self.members.remove(member)
+                self.warn(f"tracker {name} failed ({first_line(e, limit=120)}); it is dropped and training goes "
+                          "on without it")
+
     def config(self, values: dict) -> None:
-        for m in self.members:
-            m.config(values)
+        self.each("config", values)
 
     def scalars(self, step: int, values: dict) -> None:
-        for m in self.members:
-            m.scalars(step, values)
+        self.each("scalars", step, values)
 
     def summary(self, values: dict) -> None:
-        for m in self.members:
-            m.summary(values)
+        self.each("summary", values)
 
     def close(self) -> None:
-        for m in self.members:
-            m.close()
+        self.each("close")
         self.members = []
 
 

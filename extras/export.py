@@ -74,7 +74,7 @@ def run(cfg: Config, task: Task) -> str:
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
     model.eval()
-    meta = checkpoint_meta.read(source) if checkpoint.is_complete(source) else {}
+    meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
     print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest
@@ -173,6 +173,17 @@ def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> 
         f.write(readme(task, source, meta, usage))
 
 
+def write_labels(config_json: str, names: list[str]) -> None:
+    """id2label and label2id into config.json, always (pipeline answers with these names): transformers leaves
+    out LABEL_0, LABEL_1 (its base default), and a class whose own default differs (BART: 3) reads back 3 labels."""
+    with open(config_json) as f:
+        config = json.load(f)
+    config["id2label"] = {str(i): name for i, name in enumerate(names)}
+    config["label2id"] = {name: i for i, name in enumerate(names)}
+    with open(config_json, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 # ---- the formats: each writes its files and returns the README's paragraph on loading them --------------------
 def write_hf(folder: str, task, model) -> str:
     plain_transformers_output()  # no "Writing model shards" bar (a random model loaded nothing that turned it off)
@@ -180,10 +191,15 @@ def write_hf(folder: str, task, model) -> str:
     if getattr(model, "lora_base", None):  # LoRA: the adapter folder too, then the model with them merged in
         adapter = "\n" + lora.save_adapter(model, os.path.join(folder, "adapter"))
     hf = task.hf_model(lora.merged(model))
-    names = task.label_names()
-    if names and len(names) == hf.config.num_labels:  # pipeline answers with the data's names, not LABEL_0, ...
-        hf.config.id2label, hf.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
+    names, count = task.label_names(), hf.config.num_labels
+    if names and len(names) != count:
+        print(f"note: the data names {len(names)} classes but the model has {count} outputs: config.json labels "
+              f"them LABEL_0 to LABEL_{count - 1}", flush=True)
+    if not names or len(names) != count:  # never a pretrained folder's names, nor names the data does not give
+        names = [f"LABEL_{i}" for i in range(count)]
+    hf.config.id2label, hf.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
     hf.save_pretrained(folder)
+    write_labels(os.path.join(folder, "config.json"), names)
     tokenizer = task.hf_tokenizer()
     cls = type(hf).__name__
     if tokenizer is None:

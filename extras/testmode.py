@@ -16,7 +16,7 @@ def test(trainer) -> dict:
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
     checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning)
-    trainer.set_step(checkpoint_meta.read(path)["step"] if checkpoint.is_complete(path) else 0)
+    trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
     log.info(f"testing {path}")
     results = {}
     for split in cfg.test.splits:

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Optional
 
-from core.disk_errors import disk_problem
+from core.disk_errors import chain, disk_problem
 from core.errors import first_line
 from resilience import faults
 
@@ -79,14 +79,6 @@ def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(w in str(e) for w in OOM_WORDS)
 
 
-def chain(exc: BaseException) -> list:
-    seen = []
-    while exc is not None and not any(exc is s for s in seen):
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return seen
-
-
 def free_space(path: str) -> str:
     try:
         st = os.statvfs(path)
@@ -106,12 +98,18 @@ def size(n: int) -> str:
 def quiet_broken_loaders() -> None:
     """A DataLoader whose workers could not start fails again in its __del__ (torch: an AttributeError on a half-made
     iterator), after the one line: such errors are dropped; any other unraisable error prints as before."""
-    previous = sys.unraisablehook
+    global _previous_unraisablehook
+    if _previous_unraisablehook is not None:  # installed once per process, however many errors are classified
+        return
+    _previous_unraisablehook = previous = sys.unraisablehook
 
     def hook(args):
         if "DataLoaderIter" not in getattr(args.object, "__qualname__", repr(args.object)):
             previous(args)
     sys.unraisablehook = hook
+
+
+_previous_unraisablehook = None  # the hook quiet_broken_loaders wraps, once it has
 
 
 # ---- a one-process run killed by the kernel -----------------------------------------------------------------

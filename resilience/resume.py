@@ -122,7 +122,7 @@ def load(trainer, path: str) -> dict:
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, strategy = trainer.train_cfg, trainer.strategy
     meta = checkpoint_meta.read(path)
-    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning)  # every file as saved, before any is loaded
+    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg)  # every file, before any is read
     saved = meta.get("format") or "full"
     if saved not in strategy.resumes_from:
         *others, last = strategy.resumes_from
@@ -142,13 +142,18 @@ def load(trainer, path: str) -> dict:
     extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
     has_ema = trainer.ema is not None and os.path.isfile(os.path.join(path, "ema.pt"))
     ema = checkpoint_io.load_file(path, "ema.pt") if has_ema else None  # train.ema_decay's average
-    with checkpoint_io.fits_model(path, trainer.cfg):
+    changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
+    with checkpoint_io.fits_model(path, trainer.cfg), \
+            checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
                              "batch_sizes": meta.get("batch_sizes"), "ema": ema})
+    if changed:
+        trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
+                            f"{state.step} on")
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
                             f"{meta.get('batch_sizes')}: the data order of the current epoch changes")

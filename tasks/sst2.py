@@ -99,7 +99,7 @@ def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
 
 class SST2Task(Task):
     num_labels = 2  # shards of another label set (scripts/prepare_text.py --labels ...) say how many they have
-    names = ("negative", "positive")  # SST-2's 0 and 1; shards: their --labels, or None (numbers only)
+    names = ("negative", "positive")  # SST-2's TSV: GLUE's 0 and 1; shards: their --labels, or None (numbers only)
 
     def label_names(self):
         return list(self.names) if self.names else None
@@ -136,7 +136,7 @@ class SST2Task(Task):
                  f"{self.cfg.data.max_length} does not make them longer")
         self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
         self.num_labels = max(2, manifest["num_labels"])
-        self.names = manifest.get("label_names") or (SST2Task.names if self.num_labels == 2 else None)
+        self.names = manifest.get("label_names")  # shards without --labels: numbers only, never SST-2's names
         datasets = {split: token_shards.TokenExamples(folder, manifest, split, self.cfg.data.max_length)
                     for split in manifest["splits"]}
         self.datasets = datasets  # for check_fits

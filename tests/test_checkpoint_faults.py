@@ -278,10 +278,12 @@ def test_broken_files_are_one_line_errors_in_test_mode(reference, tmp_path, caps
 
 
 def test_empty_meta_json_with_a_model_that_does_not_fit(reference, tmp_path, capsys):
-    """The does-not-fit message reads meta.json to name the changed settings; a `{}` one must not break it."""
+    """The does-not-fit message reads meta.json to name the changed settings; a `{}` one must not break it (loaded
+    on purpose: an unreadable meta.json is otherwise refused before any weight is read)."""
     crashed_copy(reference("none"), tmp_path, 1)
     write_text("meta.json", "{}")(ckpt(tmp_path, 1))
-    cfg = make_config(tmp_path, mode="test", model={"hidden": 64}, test={"checkpoint": ckpt(tmp_path, 1)})
+    cfg = make_config(tmp_path, mode="test", model={"hidden": 64}, test={"checkpoint": ckpt(tmp_path, 1)},
+                      allow_unverified=True)
     assert main.run(cfg) == 2
     err = errors(capsys)
     assert len(err) == 1 and f"{ckpt(tmp_path, 1)}: does not fit this model: size mismatch" in err[0], err
@@ -412,6 +414,15 @@ def test_crafted_dcp_metadata_is_refused_in_test_mode(reference, tmp_path, capsy
     assert not os.path.exists(tmp_path / "dev_results.json")
 
 
+def test_dcp_entries_are_read_once_by_the_weights_only_loader(reference, monkeypatch):
+    """Issue 40, item 9: DCP's planner read each entry's bytes again with weights_only=False after our check."""
+    folder, calls, real = os.path.join(ckpt(reference("fsdp"), STEPS), "optimizer_dcp"), [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(kwargs.get("weights_only")) or
+                        real(*args, **kwargs))
+    state = checkpoint_dcp.dcp_model_state_dict(folder)
+    assert state["param_groups"] and calls and set(calls) == {True}, calls  # (lr, betas, ...: not tensors)
+
+
 def test_crafted_entry_inside_dcp_shards_is_refused(reference, tmp_path, capsys):
     """DCP unpickles entries that are not tensors (the optimizer's lr, ...) with torch.load(weights_only=False)."""
     import torch.distributed.checkpoint as dcp
@@ -521,3 +532,47 @@ def test_two_fsdp_ranks_fall_back_past_a_crafted_checkpoint_together(tmp_path):
     assert not marker.exists()
     assert same_params(checkpoint_io.model_state_dict(ckpt(out, STEPS)),
                        checkpoint_io.model_state_dict(ckpt(tmp_path / "reference", STEPS)))
+
+
+def test_a_save_out_of_file_descriptors_is_one_line_naming_the_limit(reference, tmp_path, capsys, monkeypatch):
+    """Issue 40, item 8: `prlimit --nofile=32` made a save fail with a 64-line traceback (EMFILE)."""
+    import resource
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if ".tmp-step-3-" in str(path) and str(path).endswith("optimizer.pt"):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", save)
+    assert run(tmp_path) == 2
+    err = errors(capsys)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert len(err) == 1 and err[0].startswith(f"error: too many open files opening {tmp_path}/checkpoints/"
+                                               ".tmp-step-3-"), err
+    assert f"optimizer.pt: this process may open {soft} files at once (ulimit -n): raise it (ulimit -n 65536" \
+        in err[0]
+    for step in (1, 2):  # the checkpoints before it are intact
+        checkpoint_io.verify(ckpt(tmp_path, step))
+
+
+def test_hashing_opens_a_bounded_number_of_files_at_once(tmp_path, monkeypatch):
+    for i in range(40):
+        (tmp_path / f"shard-{i}").write_bytes(os.urandom(1000))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a large machine: still at most 8 threads, 8 files open
+    open_now, most, real_open = [0], [0], open
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+
+        def __enter__(self):
+            return self.f
+
+        def __exit__(self, *exc):
+            open_now[0] -= 1
+            self.f.close()
+    monkeypatch.setattr(checkpoint_hashes, "open", Counted, raising=False)
+    found = checkpoint_hashes.record(str(tmp_path))
+    assert len(found) == 40 and 1 <= most[0] <= checkpoint_hashes.MAX_OPEN

@@ -2,7 +2,7 @@
 checkpoint writes (whole, DCP shards, async saves), and a file that changed after the save (one flipped byte, which
 torch.load and DCP read without complaint) is refused in one line naming it before anything is loaded: resume=auto
 falls back to the previous checkpoint, an explicit path, test mode and export stop with exit code 2. A checkpoint
-written before the record existed loads, with one note."""
+without the record (issue 40) is refused the same way, unless allow_unverified: true (then it loads, said once)."""
 import hashlib
 import json
 import os
@@ -109,19 +109,51 @@ def test_two_fsdp_ranks_fall_back_past_a_flipped_shard(reference, tmp_path, caps
                        checkpoint_io.model_state_dict(ckpt(ref, STEPS)))
 
 
-def test_a_checkpoint_without_the_record_loads_with_one_note(reference, tmp_path, capsys):
-    """Written before the hashes were recorded: meta.json has no `files`."""
+UNRECORDED = "holds no record of the files (`files`: an older version saved it), so they cannot be verified"
+ANYWAY = "; to load it anyway, set allow_unverified: true"
+
+
+def test_a_checkpoint_without_its_record_is_refused_by_every_reader(reference, tmp_path, capsys):
+    """Issue 40, item 1: no meta.json, or one without `files`: nothing of it is read unless allow_unverified."""
     crashed_copy(reference("none"), tmp_path, 4)
     edit_meta(ckpt(tmp_path, 4), lambda meta: meta.pop("files"))
-    note = f"note: {ckpt(tmp_path, 4)} was saved without file hashes (an older version), so its files cannot be " \
-           "verified"
-    assert main.run(make_config(tmp_path, mode="test")) == 0
+    line = f"{ckpt(tmp_path, 4)}/meta.json: {UNRECORDED}{ANYWAY}"
+    assert main.run(make_config(tmp_path, mode="test")) == 2
+    assert main.run(make_config(tmp_path, mode="export", export={"dir": str(tmp_path / "export")})) == 2
+    assert errors(capsys) == [f"error: {line}"] * 2
+    assert not (tmp_path / "export").exists() and not (tmp_path / "dev_results.json").exists()
+    with pytest.raises(Unloadable) as caught:  # generate.py's loading
+        checkpoint_io.load_model(torch.nn.Linear(1, 1), ckpt(tmp_path, 4))
+    assert str(caught.value) == line
+    os.remove(os.path.join(ckpt(tmp_path, 3), "meta.json"))  # a folder of weights without its meta.json
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)})) == 2
+    assert errors(capsys) == [f"error: its files cannot be verified: {ckpt(tmp_path, 3)}: not a complete checkpoint "
+                              f"(no meta.json){ANYWAY}"]
+    assert run(tmp_path) == 0  # resume: auto falls back past both, to the last verified one, and says so
+    log = rank_log(tmp_path)
+    assert f"resume: skipping {ckpt(tmp_path, 4)}, which cannot be loaded: {line}" in log
+    assert f"resumed from {ckpt(tmp_path, 2)} at step 2" in log
+
+
+def test_allow_unverified_loads_an_old_checkpoint_saying_so_once(reference, tmp_path, capsys):
+    crashed_copy(reference("none"), tmp_path, 4)
+    edit_meta(ckpt(tmp_path, 4), lambda meta: meta.pop("files"))
+    note = f"loading {ckpt(tmp_path, 4)} unverified (allow_unverified: true): {ckpt(tmp_path, 4)}/meta.json: " \
+           f"{UNRECORDED}"
+    assert main.run(make_config(tmp_path, mode="test", allow_unverified=True)) == 0
     assert capsys.readouterr().out.count(note) == 1
     before = len(rank_log(tmp_path))  # the log goes on from test mode's
-    assert run(tmp_path) == 0
+    assert run(tmp_path, allow_unverified=True) == 0
     log = rank_log(tmp_path)[before:]
     assert log.count(note) == 1 and f"resumed from {ckpt(tmp_path, 4)} at step 4" in log
     assert "files" in checkpoint_meta.read(ckpt(tmp_path, STEPS))  # what this run saves carries them
+    with open(os.path.join(ckpt(tmp_path, 3), "meta.json"), "w") as f:
+        f.write("{")  # unreadable: loaded on purpose too
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)},
+                                allow_unverified=True)) == 0
+    assert capsys.readouterr().out.count(f"loading {ckpt(tmp_path, 3)} unverified (allow_unverified: true): its "
+                                         f"files cannot be verified: {ckpt(tmp_path, 3)}/meta.json: unreadable") == 1
 
 
 def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
@@ -201,3 +233,64 @@ def test_fsdp_dcp_async_save_checkpoints_carry_the_record(tmp_path):
     flip_byte(os.path.join(ckpt(tmp_path, 4), "optimizer_dcp", "__0_0.distcp"))
     with pytest.raises(Unloadable, match=re.escape(CHANGED)):
         checkpoint_io.verify(ckpt(tmp_path, 4))
+
+
+def test_a_symlink_anywhere_in_a_checkpoint_refuses_it(reference, tmp_path, capsys):
+    """Issue 40, item 3: os.walk does not follow a linked folder, so an `optimizer_dcp` link passed the file rule and
+    was loaded (load_whole prefers optimizer_dcp/) unverified. Now any link, at any depth, refuses the checkpoint."""
+    crashed_copy(reference("none"), tmp_path, 4)
+    elsewhere = tmp_path / "elsewhere"
+    os.makedirs(elsewhere / "optimizer_dcp")
+    os.symlink(elsewhere / "optimizer_dcp", os.path.join(ckpt(tmp_path, 4), "optimizer_dcp"))
+    os.makedirs(os.path.join(ckpt(tmp_path, 3), "deep", "er"))
+    link = os.path.join(ckpt(tmp_path, 3), "deep", "er", "model.pt")
+    os.symlink(os.path.join(ckpt(tmp_path, 3), "model.pt"), link)
+    says = "a symlink inside the checkpoint (refused: it is never followed; a checkpoint holds its own files only)"
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)},
+                                allow_unverified=True)) == 2
+    assert errors(capsys) == [f"error: {link}: {says}"]
+    assert run(tmp_path) == 0
+    log = rank_log(tmp_path)
+    assert f"skipping {ckpt(tmp_path, 4)}, which cannot be loaded: {ckpt(tmp_path, 4)}/optimizer_dcp: {says}" in log
+    assert f"skipping {ckpt(tmp_path, 3)}, which cannot be loaded: {link}: {says}" in log
+    assert f"resumed from {ckpt(tmp_path, 2)} at step 2" in log
+    assert os.listdir(elsewhere / "optimizer_dcp") == []  # nothing read or written through the link
+
+
+# ---- signed checkpoints (issue 40, item 2) -------------------------------------------------------------------
+def test_signed_checkpoints_catch_a_weight_rewritten_with_its_hash(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "a secret for the test")
+    assert run(tmp_path, train={"max_steps": 2}) == 0
+    assert "checkpoints: signed with HMAC-SHA256 (key from CHECKPOINT_SIGNING_KEY)" in rank_log(tmp_path)
+    path = ckpt(tmp_path, 2)
+    checkpoint_io.verify(path)  # as saved
+    # The tamperer changes a weight and writes its new size and sha256 into meta.json: the hashes agree.
+    flip_byte(os.path.join(path, "model.pt"))
+    data = open(os.path.join(path, "model.pt"), "rb").read()
+    edit_meta(path, lambda meta: meta["files"].update({"model.pt": {"bytes": len(data),
+                                                                    "sha256": hashlib.sha256(data).hexdigest()}}))
+    monkeypatch.delenv("CHECKPOINT_SIGNING_KEY")
+    checkpoint_io.verify(path)  # without the key, the hashes alone cannot tell
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "a secret for the test")
+    assert main.run(make_config(tmp_path, mode="test")) == 2
+    assert errors(capsys) == [f"error: {path}/meta.json: the signature does not match (meta.json or a file's "
+                              "recorded hash was changed after the save, or another key signed it)"]
+    edit_meta(path, lambda meta: meta.pop("signature"))  # nor does removing the signature help
+    with pytest.raises(Unloadable, match="meta.json: not signed, but CHECKPOINT_SIGNING_KEY"):
+        checkpoint_io.verify(path)
+    monkeypatch.setenv("CHECKPOINT_SIGNING_KEY", "another key")
+    with pytest.raises(Unloadable, match="the signature does not match"):
+        checkpoint_io.verify(ckpt(tmp_path, 1))
+
+
+def test_a_key_file_signs_and_without_a_key_the_plan_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHECKPOINT_SIGNING_KEY", raising=False)
+    assert run(tmp_path / "plain", train={"max_steps": 1}) == 0
+    assert "checkpoints: sha256 of every file checked on load; not signed (set CHECKPOINT_SIGNING_KEY to sign " \
+           "them)" in rank_log(tmp_path / "plain")
+    assert "signature" not in checkpoint_meta.read(ckpt(tmp_path / "plain", 1))
+    (tmp_path / "key").write_text("from a file\n")
+    assert run(tmp_path / "signed", train={"max_steps": 1}, signing_key_file=str(tmp_path / "key")) == 0
+    from core import checkpoint_signing
+    meta = checkpoint_meta.read(ckpt(tmp_path / "signed", 1))
+    assert meta["signature"] == checkpoint_signing.signature(meta, b"from a file")

@@ -141,6 +141,18 @@ def test_gpt2_export_loads_as_causal_lm_with_our_logits_and_generates(data, tmp_
     assert generate.main(["--export", str(tmp_path / "classifier"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("error: ") == 3 and "BertForSequenceClassification, not a causal language model" in err, err
+    # Issue 40: a checkpoint without its file record is refused before any weight is read, unless on purpose.
+    copy = tmp_path / "unrecorded" / "step-8"
+    shutil.copytree(tmp_path / "checkpoints" / "step-8", copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["files"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    assert generate.main(["--params", str(params), "--checkpoint", str(copy), *args]) == 2
+    assert capsys.readouterr().err == f"error: {copy}/meta.json: holds no record of the files (`files`: an older " \
+        "version saved it), so they cannot be verified; to load it anyway, set allow_unverified: true\n"
+    assert generate.main(["--params", str(params), "--checkpoint", str(copy), "--set", "allow_unverified=true",
+                          *args]) == 0
+    assert capsys.readouterr().out == from_checkpoint
 
     # A sharded checkpoint (a torch.distributed.checkpoint folder, as fsdp/oss/pipe write) exports the same weights.
     from core import checkpoint, checkpoint_meta

@@ -146,3 +146,37 @@ def test_sst2_on_prepared_shards_exports_their_label_names(tmp_path):
     pipe = pipeline("text-classification", model=str(tmp_path / "run" / "export"), device="cpu")
     assert pipe.model.config.id2label == dict(enumerate(names))
     assert {r["label"] for r in pipe([t for t, _ in rows["dev"]][:8], truncation=True)} <= set(names)
+
+
+def test_sst2_shards_without_label_names_export_label_n_and_a_count_mismatch_is_one_line(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Issue 40, item 7: two classes known only by number used to export as SST-2's negative/positive."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import prepare_text
+    from conftest import make_config
+    from tasks.sst2 import SST2Task
+    rows = write_tickets(tmp_path / "tickets", sizes=(40, 20))
+    for split in ("train", "dev"):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": t, "label": int(y == "praise")}) + "\n" for t, y in rows[split])
+    assert prepare_text.main(["--task", "classification", "--train", str(tmp_path / "train.jsonl"), "--dev",
+                              str(tmp_path / "dev.jsonl"), "--output", str(tmp_path / "shards"),
+                              "--train-tokenizer", "bpe", "--workers", "1"]) == 0
+    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": str(tmp_path / "shards"), "max_length": 32},
+                      model={"name": "tiny"}, train={"max_steps": 1, "epochs": 0, "batch_size": 16,
+                                                     "eval_every": 0})
+    assert main.run(cfg) == 0
+    assert main.run(dataclasses.replace(cfg, mode="export")) == 0
+    from transformers import AutoConfig
+
+    def labels(folder):
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False).id2label
+    assert labels(tmp_path / "run" / "export") == {0: "LABEL_0", 1: "LABEL_1"}
+    capsys.readouterr()
+    monkeypatch.setattr(SST2Task, "label_names", lambda self: ["a", "b", "c"])
+    assert main.run(dataclasses.replace(cfg, mode="export", export=dataclasses.replace(
+        cfg.export, dir=str(tmp_path / "export-2")))) == 0
+    assert "note: the data names 3 classes but the model has 2 outputs: config.json labels them LABEL_0 to " \
+           "LABEL_1" in capsys.readouterr().out.splitlines()
+    assert labels(tmp_path / "export-2") == {0: "LABEL_0", 1: "LABEL_1"}

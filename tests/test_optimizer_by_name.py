@@ -48,6 +48,10 @@ def test_names_are_torch_optim_classes_in_any_case(name, cls):
     (["train.optimizer=RAdam", "train.optimizer_args={eps: 0.1}"], ["train.optimizer_args", "train.eps"]),
     (["train.optimizer=SGD", "train.optimizer_args={fused: true}"], ["train.optimizer_impl"]),
     (["train.optimizer=SGD", "train.optimizer_args={momentum: -1}"], ["SGD refuses them", "momentum"]),
+    (["train.optimizer=SGD", "train.optimizer_args={momentum: .nan}"],  # issue 40: SGD itself takes NaN
+     ["train.optimizer_args.momentum", "is nan: not a finite number"]),
+    (["train.optimizer=AdamW", "train.optimizer_args={amsgrad: 1}"], ["optimizer_args.amsgrad", "not true or false"]),
+    (["train.optimizer=Adafactor", "train.optimizer_args={eps: [null, .inf]}"], ["eps", "holds inf, not a finite"]),
     (["train.optimizer=SGD", "train.betas=[0.9, 0.99]"], ["train.betas", "SGD does not take it"]),
     (["train.optimizer=Rprop", "train.weight_decay=0.1"], ["train.weight_decay", "Rprop has no weight decay"]),
     (["train.optimizer=RAdam", "train.optimizer_impl=fused"], ["train.optimizer_impl", "RAdam"]),
@@ -175,6 +179,31 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path, strategy, optimiz
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     start = params(first, SAVE_AT)
     assert any(not torch.equal(start[k], b[k]) for k in b)  # the last steps trained
+
+
+# ---- changed hyperparameters on resume apply under every strategy (issue 40, item 4) ------------------------------
+CHANGES = {"SGD": ({"optimizer": "SGD"}, {"optimizer": "SGD", "optimizer_args": {"momentum": 0.5}},
+                   "momentum 0.9 -> 0.5", {"momentum": 0.5}),
+           "AdamW": ({"optimizer": "AdamW", "weight_decay": 0.01},
+                     {"optimizer": "AdamW", "weight_decay": 0.1, "betas": [0.8, 0.99]},
+                     "betas [0.9, 0.999] -> [0.8, 0.99], weight_decay 0.01 -> 0.1",
+                     {"betas": [0.8, 0.99], "weight_decay": 0.1})}
+
+
+# ddp with SGD is the quick loop's (~40 s: two 2-rank runs); under none/dp/ddp/oss the saved values used to stay.
+@pytest.mark.parametrize("strategy, optimizer", [
+    ("ddp", "SGD"), slow("ddp", "AdamW"), slow("fsdp", "SGD"), slow("fsdp", "AdamW")])
+def test_changed_hyperparameters_apply_after_resume_and_are_said_once(tmp_path, strategy, optimizer):
+    from core import checkpoint_meta
+    before, after, line, applied = CHANGES[optimizer]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    assert train(first, strategy, before, max_steps=SAVE_AT) == 0
+    assert train(resumed, strategy, after, resume=str(first / "checkpoints" / f"step-{SAVE_AT}")) == 0
+    with open(resumed / "logs" / "rank0.log") as f:
+        log = f.read()
+    assert log.count(f"resuming with optimizer {line}: the configured values apply from step {SAVE_AT} on") == 1
+    saved = checkpoint_meta.read(str(resumed / "checkpoints" / f"step-{STEPS}"))["optimizer"]  # what the groups held
+    assert {k: saved[k] for k in applied} == applied, saved
 
 
 # ---- the best checkpoint: a tie goes to the lower dev loss (issue 34, item 1) ----------------------------------

@@ -1,7 +1,9 @@
 """A pretrained folder is untrusted data (tasks/untrusted_folders.py): one that needs its own code (`auto_map` and a
 model type transformers does not know) is refused in one line before transformers could ask "Do you wish to run
 the custom code?", even with "y" waiting on stdin; a pickled pytorch_model.bin that would run code is refused in
-one line; the .py and the pickle never run (their marker files stay absent)."""
+one line; the .py and the pickle never run (their marker files stay absent). Every loader call in the product files
+passes trust_remote_code=False (checked on their syntax trees)."""
+import ast
 import json
 import os
 import random
@@ -113,12 +115,45 @@ def test_every_loader_passes_trust_remote_code_false(minilm, tmp_path):
         with pytest.raises(ValueError):
             load(str(folder), trust_remote_code=False)
     assert not marker.exists()
-    sources = [os.path.join(d, f) for d in ("tasks", "scripts", "benchmarks", ".")
-               for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")]
-    for path in sources:
-        code = open(os.path.join(ROOT, path)).read()
-        calls = code.count(".from_pretrained(") - code.count("from_pretrained(FOLDER")  # README examples in strings
-        assert calls <= code.count("trust_remote_code=False"), path
+    calls, unsafe = loader_calls(ROOT)
+    assert calls >= 10 and unsafe == [], unsafe  # (a dozen loaders in tasks/, generate.py, scripts/, benchmarks/)
+
+
+LOADERS = ("from_pretrained", "pipeline", "AutoConfig")  # a call of any of these names may load a folder's code
+
+
+def loader_calls(root: str, sources: dict = None) -> tuple[int, list[str]]:
+    """(how many calls of LOADERS, `file:line` of each that does not pass trust_remote_code=False) in every .py
+    file under `root` but tests/ (or in `sources`: {name: code})."""
+    if sources is None:
+        sources = {}
+        for parent, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "runs", "__pycache__")]
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(parent, name)) as f:
+                        sources[os.path.relpath(os.path.join(parent, name), root)] = f.read()
+    calls, unsafe = 0, []
+    for name, code in sorted(sources.items()):
+        for node in ast.walk(ast.parse(code, name)):
+            func = getattr(node, "func", None)
+            called = getattr(func, "attr", None) or getattr(func, "id", None)
+            if isinstance(node, ast.Call) and called in LOADERS:
+                calls += 1
+                given = {k.arg: k.value for k in node.keywords}.get("trust_remote_code")
+                if not (isinstance(given, ast.Constant) and given.value is False):
+                    unsafe.append(f"{name}:{node.lineno}")
+    return calls, unsafe
+
+
+def test_the_loader_check_finds_each_unsafe_call():
+    code = ("from transformers import AutoConfig, AutoModel, pipeline\n"
+            "AutoConfig.from_pretrained(d)\n"
+            "x = dict(a=AutoModel.from_pretrained(d, trust_remote_code=True))\n"
+            "pipeline('text-classification', model=d, **kwargs)\n"
+            "AutoModel.from_pretrained(d, trust_remote_code=False)\n")
+    calls, unsafe = loader_calls("", {"x.py": code})
+    assert calls == 4 and sorted(unsafe) == ["x.py:2", "x.py:3", "x.py:4"]
 
 
 def test_a_known_model_type_with_an_auto_map_loads_transformers_own_class(minilm, tmp_path):

@@ -57,6 +57,21 @@ def test_the_classification_of_resource_errors(monkeypatch):
     assert resource_errors.resource_problem(plain) is None
 
 
+def test_one_chain_one_unloadable_and_the_unraisable_hook_installed_once(monkeypatch):
+    """Issue 40, item 9: two copies of a class or a function drift apart (an `except` of one misses the other)."""
+    from core import checkpoint, errors
+    assert resource_errors.chain is disk_errors.chain
+    assert getattr(checkpoint, "Unloadable", errors.Unloadable) is errors.Unloadable
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # put back after the test
+    monkeypatch.setattr(resource_errors, "_previous_unraisablehook", None, raising=False)
+    shm = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/dev/shm/torch_1_2")
+    resource_errors.resource_problem(shm)
+    installed = sys.unraisablehook
+    for _ in range(3):  # each classification used to wrap the hook once more
+        resource_errors.resource_problem(shm)
+    assert sys.unraisablehook is installed
+
+
 def run_main(out, *settings, env=None, prefix=(), timeout=300):
     return subprocess.run([*prefix, sys.executable, "main.py", "--set", f"output_dir={out}", *RUN, *settings],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})

@@ -348,3 +348,31 @@ def test_two_ranks_report_once(tmp_path, tiny_bert):
                           timeout=400)
     assert test.returncode == 0, (test.stdout + test.stderr)[-3000:]
     assert "LOAD REPORT" not in test.stdout + test.stderr and "newly initialized" not in test.stdout + test.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A tracker that cannot start is one line before training; one that fails later is dropped (issue 40, item 6)
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")  # MLflow 3 refuses file stores
+    assert run(tmp_path / "run", ["mlflow"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: log.report_to: mlflow could not start (MlflowException: "), err
+    assert "set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a store MLflow accepts" in err[0]
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, monkeypatch):
+    real, calls = trackers.CSV.scalars, []
+
+    def scalars(self, step, values):
+        calls.append(step)
+        if step >= 2:
+            raise ConnectionError("the tracking server went away")
+        real(self, step, values)
+    monkeypatch.setattr(trackers.CSV, "scalars", scalars)
+    assert run(tmp_path, ["csv"]) == 0
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert log.count("tracker csv failed (ConnectionError: the tracking server went away); it is dropped and "
+                     "training goes on without it") == 1
+    assert calls == [2] and os.path.isdir(tmp_path / "checkpoints" / "step-4")  # called no more; the run ended

@@ -110,6 +110,7 @@ BAD_META = {  # name: (change, what the one line says after `.../step-4/meta.jso
     "best_value huge": (set_key("state.best_value", 10 ** 400), "`state.best_value` is 1000000"),
     "best_value NaN": (lambda m: json.dumps(m).replace('"best_value": null', '"best_value": NaN'),
                        "NaN is not a number JSON allows"),
+    "best_loss a string": (set_key("state.best_loss", "0.3"), "`state.best_loss` is '0.3', not a finite number"),
     "epoch 1e30": (set_key("state.epoch", 1e30), "`state.epoch` is 1e+30, not a count from 0 to"),
     "epoch negative": (set_key("state.epoch", -1), "`state.epoch` is -1, not a count"),
     "batch_in_epoch a bool": (set_key("state.batch_in_epoch", True), "`state.batch_in_epoch` is True, not a count"),
@@ -148,7 +149,7 @@ def test_read_meta_takes_a_real_one_and_values_the_trainer_writes(reference, tmp
     assert checkpoint_meta.best_recorded(str(tmp_path)) == ckpt(tmp_path, 4)
 
 
-@pytest.mark.parametrize("name", ["best_value a string", "epoch 1e30", "deeply nested", "step of another directory",
+@pytest.mark.parametrize("name", ["best_value a string", "best_loss a string", "epoch 1e30", "deeply nested", "step of another directory",
                                   "best_step a path"])
 def test_resume_falls_back_past_a_bad_meta_json(reference, tmp_path, name):
     change, says = BAD_META[name]
