@@ -208,7 +208,7 @@ def test_changed_hyperparameters_apply_after_resume_and_are_said_once(tmp_path, 
 
 # ---- the best checkpoint: a tie goes to the lower dev loss (issue 34, item 1) ----------------------------------
 def test_a_tie_of_best_metric_goes_to_the_lower_dev_loss():
-    fake = types.SimpleNamespace(state=trainer_module.TrainState(), train_cfg=types.SimpleNamespace(patience=2),
+    fake = types.SimpleNamespace(state=trainer_module.TrainState(), train_cfg=types.SimpleNamespace(patience=2, keep_best=1),
                                  best_metric="accuracy", best_mode="max")
     track = lambda step, acc, loss: (setattr(fake.state, "step", step),  # noqa: E731
                                      trainer_module.Trainer.track_best(fake, {"accuracy": acc, "loss": loss}))[1]
