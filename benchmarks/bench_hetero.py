@@ -68,7 +68,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
     ctx = distributed.init(configs["equal"], rank, 2, rank)
     trainers = {name: build_trainer(cfg, ctx) for name, cfg in configs.items()}
     start = time.perf_counter()
-    trainers["auto"].measure()  # what train() does first
+    trainers["auto"].hooks.before_first_step(trainers["auto"])  # what train() does first: balance
     balance_s = time.perf_counter() - start
     streams = {name: t.micro_batches() for name, t in trainers.items()}
     names = list(trainers)
