@@ -19,7 +19,7 @@ def epilog() -> str:
         "presets (--params configs/NAME.yml; each file's first lines say what it needs):",
         *(f"  configs/{name}" for name in presets),
         "",
-        "parameters.yml lists every field with its default and a one-line comment (config.py: a docstring",
+        "parameters.yml lists every field with its default and a one-line comment (core/config.py: a docstring",
         "per field). An unknown or mistyped field is refused before anything starts.",
         "",
         "examples:",

@@ -217,7 +217,7 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-# ---- tp first, then the data-parallel strategy over the mesh's dp dimension (strategies.STRATEGIES) ----------
+# ---- tp first, then the data-parallel strategy over the mesh's dp dimension (wiring.STRATEGIES) --------------
 def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
     """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPStrategy)."""
     model = model.to(ctx.device)
