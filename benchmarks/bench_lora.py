@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="/tmp/bench_lora")
     p.add_argument("--full-lr", type=float, default=5e-5)
     p.add_argument("--lora-lr", type=float, default=5e-4)
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.steps = 2
     if not os.path.isfile(os.path.join(args.data, "train.tsv")):
         print(f"skipped: {args.data}/train.tsv not found (real SST-2)")
         return 0

@@ -150,11 +150,15 @@ def parse_args():
                         "(GPU: configs/sst2_bart.yml --set model.pretrained_dir=null for BART-base shapes offline)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: precision as the preset's (auto: bf16 where the GPU has it) on both sides")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.steps, args.rounds = 2, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(os.path.join(DATA, "train.tsv")):
@@ -178,7 +182,7 @@ def main():
     task = build_task(cfg)
     ours = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
     if args.defaults:
-        ours.measure()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
+        ours.hooks.before_first_step(ours)  # what train() does first: auto measures on a CPU
     elif ours.precision_asked == "auto":
         ours.precision_note = f"{ours.t.precision} (the preset's auto as resolved without measuring)"
     t, batch = ours.t, ours.t.batch_size  # (precision as resolved for this device)
