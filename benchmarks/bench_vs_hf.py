@@ -183,9 +183,7 @@ def main():
     ours = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
     if args.defaults:
         ours.hooks.before_first_step(ours)  # what train() does first: auto measures on a CPU
-    elif ours.precision_asked == "auto":
-        ours.precision_note = f"{ours.t.precision} (the preset's auto as resolved without measuring)"
-    t, batch = ours.t, ours.t.batch_size  # (precision as resolved for this device)
+    t, batch = ours.train_cfg, ours.train_cfg.batch_size  # (precision as resolved for this device)
     stream, window = ours.micro_batches(), LossWindow(ours.ctx)
     hf_model = copy.deepcopy(ours.strategy.raw_model)  # the same starting weights, new classifier head included
 
@@ -242,11 +240,11 @@ def main():
 
 def report(args, cfg, ours, hf_args, times, tokens, acc, dev_size, transformers):
     """The mode, each side's precision and speed, the ratio, and the dev accuracy of both sides."""
-    batch, total = ours.t.batch_size, (args.rounds + 1) * args.steps
+    batch, total = ours.train_cfg.batch_size, (args.rounds + 1) * args.steps
     rate = {k: args.steps * batch / statistics.median(v) for k, v in times.items()}
     tok_rate = {k: statistics.median(n / t for n, t in zip(tokens[k][1:], times[k])) for k in times}
     hf_precision = "bf16" if hf_args.bf16 else "fp16" if hf_args.fp16 else "fp32"
-    mode = "default vs default" if args.defaults else f"matched {ours.t.precision}"
+    mode = "default vs default" if args.defaults else f"matched {ours.train_cfg.precision}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{mode}: {args.config}, job {args.job} (max_length {cfg.data.max_length}), {cfg.model.name}, "
           f"batch {batch}, {device}")
