@@ -128,7 +128,8 @@ def main(argv=None) -> int:
                     rates[side].append(main_py_rate(trees[side], os.path.join(tmp, f"run-{pair}-{side}"), args))
             print(f"pair {pair + 1}/{args.pairs}: A {rates['A'][-1]:.1f}, B {rates['B'][-1]:.1f} samples/s", flush=True)
     what = "bench_vs_hf.py " + args.hf_args if args.vs_hf else f"main.py --params {args.params}, {args.steps} steps"
-    print(f"\n{what}, {args.pairs} pairs, alternating order; samples/s")
+    order = "the sides' blocks alternating within each run" if args.vs_hf else "alternating order"
+    print(f"\n{what}, {args.pairs} pairs, {order}; samples/s")
     print("\n".join(summary(labels, rates)))
     return 0
 

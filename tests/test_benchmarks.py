@@ -32,7 +32,7 @@ RESULT_LINE = {
     "bench_sp_memory.py": r"tp 2 \+ both +[\d.]+ MiB +\([\d.]+ of one process\)",
     "bench_text_tokens.py": r"\ngpt2_lm +[\d,]+ +[\d,]+ +[\d,]+ +[\d,]+ +[\d.]+ +[\d.]+",
     "bench_trainer_overhead.py": r"ratio trainer/hand: [\d.]+",
-    "bench_vs_hf.py": r"ratio ours/HF \(\w+\): [\d.]+ in samples/s",
+    "bench_vs_hf.py": r"ratio ours/HF \([\w ]+\): [\d.]+ in samples/s",
     "ab.py": r"ratio B/A: median [\d.]+, min-max [\d.]+-[\d.]+, bootstrap 95% interval [\d.]+-[\d.]+",
     "fault_drill.py": r"bad inputs: 2/2 kinds end with exit 2 and one `error:` line",
 }
