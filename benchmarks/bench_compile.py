@@ -59,7 +59,8 @@ def main():
         cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
             f"output_dir=/tmp/bench_compile/{'compiled' if compiled else 'eager'}", f"data.data_dir={DATA}",
             f"train.compile={str(compiled).lower()}", "train.max_steps=100000", "train.eval_every=0",
-            "train.save_every=0", "log.progress_bar=false", "log.tensorboard=false", "model.dropout=0.0"])
+            "train.save_every=0", "log.progress_bar=false", "log.tensorboard=false", "model.dropout=0.0",
+            *(["train.batch_size=4", "data.max_length=16"] if args.tiny else [])])
         task = build_task(cfg)
         if not args.dynamic:  # every batch as wide as data.max_length: one shape, one graph
             collate, width = task.collate, cfg.data.max_length
