@@ -33,7 +33,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default="/tmp/bench_async_save")
     p.add_argument("--train-s", type=float, default=10, help="training time between two saves (async: the write's)")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.params, args.rounds, args.train_s = 1, 1, 0.1
     width = 2048
     layers = max(1, round(args.params * 1e6 / (width * width + width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])

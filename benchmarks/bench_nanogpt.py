@@ -47,6 +47,8 @@ def parse_args():
                         "10, on random windows")
     p.add_argument("--profile", action="store_true", help="with --models: also print torch.profiler's top ops of "
                    "20 steps of each model")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     return p.parse_args()
 
 
@@ -163,6 +165,11 @@ def compare_models(nano: str, steps: int, profile: bool) -> None:
 
 def main():
     args = parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.steps, args.runs = 20, 1
+    if not args.nanogpt and not os.path.isdir(MIRROR):
+        print(f"skipped: no nanoGPT (--nanogpt FOLDER, or a git mirror at {MIRROR})")
+        return
     work = tempfile.mkdtemp(prefix="bench-nanogpt-")
     nano = os.path.join(work, "nanoGPT")
     copy_nanogpt(nano, args.nanogpt)

@@ -27,7 +27,7 @@ def run(mode: str, args, out: str) -> dict:
     """One training run by main.py in a subprocess; `before` turns off launcher.rank_environment (our launcher
     then passes the environment on unchanged, as it did before)."""
     patch = "launcher.rank_environment = lambda cfg, nprocs: {}; " if mode == "before" else ""
-    code = f"import sys, launcher, main; {patch}sys.exit(main.main(sys.argv[1:]))"
+    code = f"import sys, main; from resilience import launcher; {patch}sys.exit(main.main(sys.argv[1:]))"
     with socket.socket() as s:  # a free port for each run
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -61,7 +61,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="per rank")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both (0: unset, cores // 2)")
     p.add_argument("--set", action="append", default=[], help="more overrides, e.g. data.data_dir=...")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.params, args.rounds, args.steps, args.log_every, args.batch = "parameters.yml", 1, 4, 2, 8
     results = {"before": [], "after": []}
     tmp = tempfile.mkdtemp(prefix="bench-omp-")
     try:

@@ -47,7 +47,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     for name, default in [("layers", 4), ("width", 256), ("heads", 8), ("batch", 8), ("seq", 128), ("rounds", 20)]:
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.layers, args.width, args.heads, args.batch, args.seq, args.rounds = 1, 32, 2, 2, 16, 1
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29741")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -443,7 +443,12 @@ def main(argv=None) -> int:
     ap.add_argument("--auto-steps", type=int, default=3, help="auto split: steps per round")
     ap.add_argument("--no-auto", action="store_true")
     ap.add_argument("--dump", help="also write the raw per-rank measurements (JSON) to this file")
+    ap.add_argument("--tiny", action="store_true",
+                    help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = ap.parse_args(argv)
+    if args.tiny:  # seconds, not a measurement
+        args.stages, args.microbatches, args.layers, args.width, args.steps = [2], [4], 4, 32, 1
+        args.no_auto = True
     if args.quick:
         args.microbatches, args.steps, args.rounds, args.auto_steps = [8], 4, 2, 3
     started = time.perf_counter()

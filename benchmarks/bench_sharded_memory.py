@@ -94,7 +94,11 @@ def main() -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--model", default="bert-base", choices=["bert-base", "tiny"])
     ap.add_argument("--json", help="also write the rows here (docs/tutorial/plots.py memory draws them)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = ap.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.procs, args.model = [2], "tiny"
     mb = 2 ** 20
     [(n, per_rank)] = measure(1, [{"strategy": "none"}], args.model)
     rows = [("none", 1, per_rank, 16.0)]

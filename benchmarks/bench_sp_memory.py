@@ -30,12 +30,14 @@ LAYOUTS = [("tp 1 (one process's model)", None), ("tp 2", (False, False)), ("tp 
 
 def saved_bytes(model, ids, labels, lp: bool) -> int:
     """Bytes of the distinct tensors one forward of the loss saves for backward."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
     seen = {}
 
     def pack(t):
         t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t  # its storage exists once waited
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (loss_parallel() if lp else
@@ -90,7 +92,11 @@ def main() -> None:
     p.add_argument("--model", choices=["llama", "bert"], default="llama")
     for key, default in [("layers", 4), ("width", 256), ("heads", 8), ("vocab", 8192), ("batch", 4), ("seq", 256)]:
         p.add_argument(f"--{key}", type=int, default=default)
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.layers, args.width, args.heads, args.vocab, args.batch, args.seq = 1, 32, 2, 128, 1, 16
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from conftest import free_port
     queue = mp.get_context("spawn").SimpleQueue()

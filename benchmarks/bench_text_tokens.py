@@ -136,7 +136,11 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-length", type=int, default=64, help="sst2 truncation / gpt2 block size")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: least disturbed by other load)")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.tasks, args.rounds, args.steps, args.batch, args.max_length = ["gpt2_lm"], 1, 1, 4, 16
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as root:
         data = make_data(root)

@@ -55,7 +55,11 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: least disturbed by other load)")
     p.add_argument("--small", action="store_true", help="8x8 digits instead of 28x28 images")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     args = p.parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.rounds, args.steps, args.batch, args.small = 1, 2, 8, True
     torch.set_num_threads(args.threads)
 
     cfg = config_from_dict({"output_dir": "/tmp/bench_overhead", "train": {

@@ -150,11 +150,15 @@ def parse_args():
                         "(GPU: configs/sst2_bart.yml --set model.pretrained_dir=null for BART-base shapes offline)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: precision as the preset's (auto: bf16 where the GPU has it) on both sides")
+    p.add_argument("--tiny", action="store_true",
+                   help="seconds, to prove the script runs (tests/test_benchmarks.py); the figures mean nothing")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
+    if args.tiny:  # seconds, not a measurement
+        args.steps, args.rounds, args.set = 2, 1, [*args.set, "train.batch_size=8"]
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(os.path.join(DATA, "train.tsv")):
@@ -178,10 +182,8 @@ def main():
     task = build_task(cfg)
     ours = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
     if args.defaults:
-        ours.measure()  # what train() does first: auto on a CPU measures (or not, without bf16 units)
-    elif ours.precision_asked == "auto":
-        ours.precision_note = f"{ours.t.precision} (the preset's auto as resolved without measuring)"
-    t, batch = ours.t, ours.t.batch_size  # (precision as resolved for this device)
+        ours.hooks.before_first_step(ours)  # what train() does first: auto measures on a CPU
+    t, batch = ours.train_cfg, ours.train_cfg.batch_size  # (precision as resolved for this device)
     stream, window = ours.micro_batches(), LossWindow(ours.ctx)
     hf_model = copy.deepcopy(ours.strategy.raw_model)  # the same starting weights, new classifier head included
 
@@ -232,17 +234,18 @@ def main():
                               data_collator=collator, processing_class=task.tokenizer, callbacks=[Alternate()])
     hf.train()
     dev = task.datasets["dev"]
+    dev = [dev[i] for i in range(64)] if args.tiny else dev  # the first 64 sentences
     acc = {"ours": dev_accuracy(ours.strategy.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
     report(args, cfg, ours, hf_args, times, tokens, acc, len(dev), transformers)
 
 
 def report(args, cfg, ours, hf_args, times, tokens, acc, dev_size, transformers):
     """The mode, each side's precision and speed, the ratio, and the dev accuracy of both sides."""
-    batch, total = ours.t.batch_size, (args.rounds + 1) * args.steps
+    batch, total = ours.train_cfg.batch_size, (args.rounds + 1) * args.steps
     rate = {k: args.steps * batch / statistics.median(v) for k, v in times.items()}
     tok_rate = {k: statistics.median(n / t for n, t in zip(tokens[k][1:], times[k])) for k in times}
     hf_precision = "bf16" if hf_args.bf16 else "fp16" if hf_args.fp16 else "fp32"
-    mode = "default vs default" if args.defaults else f"matched {ours.t.precision}"
+    mode = "default vs default" if args.defaults else f"matched {ours.train_cfg.precision}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{mode}: {args.config}, job {args.job} (max_length {cfg.data.max_length}), {cfg.model.name}, "
           f"batch {batch}, {device}")

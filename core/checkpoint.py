@@ -6,7 +6,7 @@ with `meta.json` written last. So a crash, a power loss or a full disk during a 
 checkpoints untouched, and resume only ever sees complete ones. Pruning removes `meta.json` first, so a kill
 halfway leaves a directory that resume ignores. What interrupted saves and prunes leave behind is removed when the
 next run starts (run_dir.py). Files:
-    model.pt, optimizer.pt   strategy-dependent (see strategies.Strategy.save); model.pt is a plain state dict
+    model.pt, optimizer.pt   strategy-dependent (see strategies/base.Strategy.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),

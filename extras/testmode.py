@@ -1,5 +1,5 @@
 """mode: test: evaluate one checkpoint (test.checkpoint, or the run's best) on test.splits, in one process, and
-write each split's metrics to output_dir/<split>_results.json. Loaded by Trainer.test only.
+write each split's metrics to output_dir/<split>_results.json. Called by wiring.worker only.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A stop signal or train.time_limit stops every rank after the same step, once a checkpoint is saved; every failure
 is reported once, naming the rank, the host and the step; a user mistake (a full disk included) is one line. The
-rules and the exit codes (core/errors.py): README.md, "When things go wrong". Hung ranks: heartbeat.py.
+rules and the exit codes (core/errors.py): docs/faults.md. Hung ranks: heartbeat.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The heartbeat watchdog of a run with several ranks (faults.start_watchdog, dist.hang_timeout_s): names a rank
+"""The heartbeat watchdog of a run with several ranks (start_watchdog, dist.hang_timeout_s): names a rank
 that froze or died, or a run that hangs."""
 from __future__ import annotations
 

@@ -80,8 +80,8 @@ class Supervisor:
     """
 
     def __init__(self, cfg: Config, launches: list, worker: Callable) -> None:
-        self.cfg, self.worker = cfg, worker  # worker(cfg, launch): one rank (main.worker)
-        self.launches = launches  # one main.Launch per rank of this node
+        self.cfg, self.worker = cfg, worker  # worker(cfg, launch): one rank (wiring.worker)
+        self.launches = launches  # one main.RankPlace per rank of this node
         self.signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
         self.exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
         self.mpc = mp.get_context("spawn")
@@ -268,7 +268,7 @@ def set_parent_death_signal(parent_pid: int) -> None:
 
 def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
     """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
-    (`worker(cfg, launch)`: main.worker)."""
+    (`worker(cfg, launch)`: wiring.worker)."""
     set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
     faults.no_stdin()  # (multiprocessing gives Python's stdin /dev/null; file descriptor 0 too)
