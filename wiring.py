@@ -21,7 +21,7 @@ from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
 from strategies.base import Strategy
-from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
+from tasks import bert_pretrain, csv_text, gpt2_lm, image, image_folder, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
 from trainer import Trainer
 
@@ -32,6 +32,7 @@ TASKS: dict[str, Callable[[Config], Task]] = {
     "bert_pretrain": bert_pretrain.BertPretrainTask,
     "gpt2_lm": gpt2_lm.GPT2LMTask,
     "csv_text": csv_text.CSVTextTask,  # the tutorial's own task (docs/tutorial/07_your_own_task.md)
+    "image_folder": image_folder.ImageFolderTask,  # your own photos, a ResNet (docs/image_folder.md)
 }
 
 # -----> add a strategy: write apply_<name>(model, cfg, ctx, task, train_set) in a file of strategies/, list it here
@@ -52,8 +53,10 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
 OWN_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
-    (lm_models.check_config, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
-                              "model.tie_embeddings"]),
+    (lambda cfg, fail: check_model_shape(cfg, fail), ["model.arch", "model.layers", "model.heads", "model.width", "model.bias", "model.tie_embeddings",
+                     "model.sync_batchnorm"]),
+    (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
+                                      "data.image_std", "data.skip_bad_images"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
     (profiling.check_config, ["train.profile_steps"]),
     (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
@@ -72,6 +75,15 @@ def check_task(cfg: Config, fail) -> None:
         close = closest(cfg.task, list(TASKS))
         fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
              + (f"; did you mean {close!r}?" if close else ""))
+
+
+def check_model_shape(cfg: Config, fail) -> None:
+    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
+    if cfg.task == "image_folder":
+        return image_folder.check_config(cfg, fail)
+    if cfg.model.sync_batchnorm:
+        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
+    lm_models.check_config(cfg, fail)
 
 
 def check_own_keys(cfg: Config, fail) -> None:
