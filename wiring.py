@@ -16,7 +16,7 @@ from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
 from core.run_log import setup_logging
-from extras import balance, export, profiling, testmode
+from extras import balance, export, predict, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, optimizers, pipeline, replicated, tp, zero
@@ -223,7 +223,10 @@ def worker(cfg: Config, launch) -> int:
         watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
         trainer = build_trainer(cfg, ctx)
         TRAINERS.append(trainer)
-        testmode.test(trainer) if cfg.mode == "test" else trainer.train()
+        if cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
+            predict.predict(trainer)
+        else:
+            testmode.test(trainer) if cfg.mode == "test" else trainer.train()
         faults.progress.at(faults.progress.step, "done")
         distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         code = EXIT_OK

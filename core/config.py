@@ -72,8 +72,7 @@ class DataConfig:
     download: bool = True
     """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
     num_workers: Union[int, Literal["auto"]] = 0
-    """DataLoader worker processes per rank. 0 loads in the training process (best for small data). auto: one per
-    core this rank's threads leave, 1-8 (image_folder decodes images in them)."""
+    """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8."""
     dev_fraction: float = 0.15
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128
@@ -103,19 +102,17 @@ class DataConfig:
     average 10 rows or more); 1 trains every class seen."""
 
     image_size: int = 224
-    """image_folder: the side of the square images the model sees (training: the random crop; evaluation: the
-    center crop)."""
+    """image_folder: the side of the square images the model sees (the training crops, evaluation's center crop)."""
     resize_size: int = 256
-    """image_folder, evaluation: the shorter side is resized to this before the center crop of image_size."""
+    """image_folder, evaluation: the shorter side is resized to this, then center-cropped to image_size."""
     crop_scale: list = field(default_factory=lambda: [0.08, 1.0])
     """image_folder, training: RandomResizedCrop's share of the image's area, [min, max]."""
     image_mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])
-    """image_folder: per-channel (R, G, B) mean subtracted from pixels in 0..1 (ImageNet's by default)."""
+    """image_folder: the R, G, B means subtracted from pixels in 0..1 (ImageNet's by default)."""
     image_std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    """image_folder: per-channel (R, G, B) standard deviation the pixels are divided by."""
+    """image_folder: the R, G, B standard deviations the pixels are then divided by."""
     skip_bad_images: bool = False
-    """image_folder: a truncated or unreadable image is skipped and counted (true) instead of stopping the run
-    with one line naming it (false)."""
+    """image_folder: a truncated or unreadable image is skipped and counted (true), or stops the run naming it."""
 
     def check(self, fail) -> None:
         in_range(fail, "data.dev_fraction", self.dev_fraction, at_least=0, below=1)
@@ -155,7 +152,7 @@ class ModelConfig:
     arch: Optional[Literal["gpt2", "llama", "resnet18", "resnet34", "resnet50", "resnet101"]] = None
     """gpt2_lm's decoder (tasks/lm_models.py): `gpt2` (GPT2LMHeadModel) or `llama` (LlamaForCausalLM: rotary
     positions, RMSNorm, SwiGLU). null: gpt2, or model.pretrained_dir's own. image_folder (tasks/image_folder.py):
-    `resnet18` | `resnet34` | `resnet50` | `resnet101` (transformers' ResNet, random init); null: resnet50."""
+    resnet18 | resnet34 | resnet50 | resnet101 (transformers' ResNet, random init); null: resnet50."""
     layers: Optional[int] = None
     """Transformer blocks (gpt2_lm, bert_pretrain, sst2's random BART: encoder and decoder each). null: model.name's
     preset, or model.pretrained_dir's (another value is refused, as for heads, width, bias, tie_embeddings)."""
@@ -172,8 +169,7 @@ class ModelConfig:
     true for a random model, pretrained_dir's own otherwise."""
 
     sync_batchnorm: bool = False
-    """image_folder under ddp: BatchNorm's batch statistics over all ranks' samples (torch.nn.SyncBatchNorm, GPUs)
-    instead of each rank's own (docs/image_folder.md)."""
+    """image_folder, ddp on GPUs: BatchNorm's statistics over all ranks' samples, not each rank's (SyncBatchNorm)."""
 
     def check(self, fail) -> None:
         in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
@@ -455,9 +451,9 @@ class ExportConfig:
 @dataclass
 class PredictConfig:
     input: Optional[str] = None
-    """`mode: predict`: a folder of images (image_folder), or a CSV/TSV/text file of texts (text classifiers)."""
+    """`mode: predict`: a folder of images (image tasks), or a CSV/TSV/text file of texts (text classifiers)."""
     top_k: int = 1
-    """How many of the most likely classes predictions.csv lists per input (label and probability each)."""
+    """How many of the most likely classes predictions.csv lists per input, each with its probability."""
     checkpoint: Optional[str] = None
     """Checkpoint to predict with. None: the best checkpoint of output_dir."""
 
@@ -485,8 +481,7 @@ class Config:
     CSV files; the tutorial's own task)."""
     mode: Literal["train", "test", "export", "predict"] = "train"
     """`train`; `test`: evaluate a checkpoint (see the test section) on the dev and test splits; `export`: write
-    it for use outside this project (see the export section); `predict`: a classifier's labels for new inputs
-    (see the predict section), written to output_dir/predictions.csv."""
+    it for use outside this project (see the export section); `predict`: labels for new inputs (predict section)."""
     output_dir: str = "runs/digits"
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
@@ -673,6 +668,8 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+    if cfg.mode == "predict" and cfg.predict.input is None:
+        fail("predict.input", "is not set: a folder of images or a CSV/TSV/text file of texts to predict")
 
 
 def is_set(cfg: Config, key: str) -> bool:

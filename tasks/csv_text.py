@@ -8,7 +8,7 @@ from torch import nn
 from core.errors import DataError
 from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task, classification_batch, classification_metrics
-from tasks.table_files import FORMATS, check_classes, read_split
+from tasks.table_files import FORMATS, check_classes, read_split, read_texts
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -53,6 +53,13 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
 
     def eval_batch(self, model, batch):  # the dev loss is loss_sum's: edit the loss once, both follow
         return classification_batch(model(batch["ids"]), batch["labels"], self.loss_sum(model, batch))
+
+    def predict_inputs(self, path):  # mode: predict: a CSV/TSV/text file of texts, encoded as training's were
+        texts = read_texts(path, self.cfg.data.text_column)
+        return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
+
+    def predict_logits(self, model, batch):
+        return model(batch["ids"])
 
     def metrics(self, totals):
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])

@@ -28,7 +28,7 @@ from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.untrusted_folders import check_folder
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # any case
-SPLITS = ("train", "dev", "test")
+SPLITS = ("train", "dev", "test", "predict")
 SPLIT_FOLDERS = {"train": ("train",), "dev": ("val", "valid", "validation", "eval", "dev"), "test": ("test",)}
 CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision's
 # model.arch -> (block type, blocks per stage, channels of the last stage per unit of width: 8 basic, 32 bottleneck)
@@ -148,6 +148,18 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
         splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored
+
+
+def image_files(path: str) -> list[str]:
+    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
+    if not os.path.isdir(path):
+        raise DataError(f"predict.input: {path} is not a folder of images")
+    found = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in sorted(names)
+                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    return found
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------
@@ -385,6 +397,16 @@ class ImageFolderTask(Task):
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["pixel_values"],)
+
+    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+        """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out)."""
+        files = image_files(path)
+        self.files["predict"] = [(f, 0) for f in files]
+        return [os.path.relpath(f, path) for f in files], ImageFiles(self.files["predict"], "predict", self.cfg)
+
+    def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        self.refuse_bad_image(batch)
+        return self.logits(model, batch)
 
     # mode: export: the transformers model, its classes from the folders, and an image processor of the same
     # evaluation preprocessing (Pillow only).
