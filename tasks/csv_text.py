@@ -2,6 +2,7 @@
 `datasets` save_to_disk folder: tasks/table_files.py) with a text and a label column; see docs/tutorial/07."""
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,8 +23,11 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
 
     def build_datasets(self):
         raw = {split: self.read(split) for split in ("train", "dev", "test")}
+        if raw["train"] is not None and raw["dev"] is None and self.cfg.data.dev_fraction > 0:
+            raw["train"], raw["dev"] = split_off(*raw["train"], self.cfg.data.dev_fraction)
         if raw["train"] is None or raw["dev"] is None:
-            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs train and dev files ({FORMATS})")
+            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs a train file, and a dev file or "
+                            f"data.dev_fraction > 0 ({FORMATS})")
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
         self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
@@ -63,3 +67,11 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
 
     def metrics(self, totals):
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
+
+
+def split_off(texts, labels, fraction):  # a fixed dev_fraction of the rows (whatever the seed) becomes dev
+    order = np.random.default_rng(0).permutation(len(texts))
+    dev = set(order[:int(round(len(texts) * fraction))].tolist())
+    part = lambda keep: ([t for i, t in enumerate(texts) if (i in dev) == keep],  # noqa: E731
+                         [y for i, y in enumerate(labels) if (i in dev) == keep])
+    return part(False), part(True)

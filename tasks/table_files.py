@@ -73,7 +73,9 @@ def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None
 
 
 def find_split(data_dir: str, split: str) -> Optional[str]:
-    """The one file (or save_to_disk folder) of `split` in data_dir, or None."""
+    """The one file (or save_to_disk folder) of `split` in data_dir, or None. data_dir a file: the training rows."""
+    if os.path.isfile(data_dir):  # (csv_text cuts its dev split off them: data.dev_fraction)
+        return data_dir if split == "train" and os.path.splitext(data_dir)[1] in READERS else None
     names = SPLIT_NAMES[split]
     found = [name + ext for name in names for ext in READERS if os.path.isfile(os.path.join(data_dir, name + ext))]
     found += [name + "/" for name in names if os.path.isfile(os.path.join(data_dir, name, "state.json"))]

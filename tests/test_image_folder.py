@@ -197,6 +197,12 @@ def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strate
     assert results["checkpoint"] == os.path.abspath(best) and results["metrics"]["samples"] == 12
     assert results["metrics"]["accuracy"] == pytest.approx(dev["accuracy"])  # one process scores what ddp did
     assert json.load(open(tmp_path / "test_results.json"))["metrics"]["samples"] == 12
+    # predict from this strategy's checkpoint, in one process: each test image once, in order
+    test_dir = os.path.join(folder, "test")
+    assert main.run(tiny(tmp_path, folder, train=train, dist=dist, mode="predict", predict={"input": test_dir})) == 0
+    rows = read_csv(tmp_path / "predictions.csv")[1:]
+    assert [r[0] for r in rows] == sorted(os.path.join(c, f) for c in os.listdir(test_dir)
+                                          for f in os.listdir(os.path.join(test_dir, c)))
 
 
 @pytest.mark.slow
@@ -211,3 +217,72 @@ def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
     assert main.run(cfg) == 0
     state = load_model_state(tmp_path, 2)
     assert state["classifier.1.weight"].shape == (3, 2048)
+
+
+# ---- export and predict ----------------------------------------------------------------------------------------------
+def read_csv(path):
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsys):
+    """One trained run: predict writes each image once, in order, with top_k names; the export's
+    pipeline("image-classification") names the same classes with the same probabilities."""
+    from transformers import pipeline
+    assert main.run(tiny(tmp_path, folder, train={"max_steps": 6, "eval_every": 0, "save_every": 0})) == 0
+    new = tmp_path / "new"
+    shutil.copytree(os.path.join(folder, "test"), new)
+    open(new / ".DS_Store", "w").write("x")
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new), "top_k": 2})) == 0
+    table = read_csv(tmp_path / "predictions.csv")
+    files = sorted(os.path.relpath(os.path.join(r, f), new) for r, _, fs in os.walk(new) for f in fs if f[0] != ".")
+    assert table[0] == ["input", "label", "probability", "label_2", "probability_2"]
+    assert [row[0] for row in table[1:]] == files and len(files) == 12
+    assert all(row[1] in ("one", "two", "zero") and float(row[2]) >= float(row[4]) for row in table[1:])
+    assert main.run(tiny(tmp_path, folder, mode="export")) == 0
+    pipe = pipeline("image-classification", model=str(tmp_path / "export"))
+    for row in table[1:]:
+        answer = pipe(str(new / row[0]), top_k=2)
+        assert [a["label"] for a in answer] == [row[1], row[3]]
+        assert answer[0]["score"] == pytest.approx(float(row[2]), abs=1e-4)
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "nothing")})) == 2
+    assert f"error: predict.input: {tmp_path / 'nothing'} is not a folder of images" in capsys.readouterr().err
+
+
+def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
+    """csv_text on a single CSV (its dev split a data.dev_fraction of it), then predict on a text file."""
+    rows = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
+                                                                          for i in range(30)]
+    (tmp_path / "all.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    run = dict(task="csv_text", data={"data_dir": str(tmp_path / "all.csv"), "dev_fraction": 0.2},
+               model={"hidden": 16, "dropout": 0.0},
+               train={"max_steps": 30, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8, "lr": 0.05})
+    assert main.run(make_config(tmp_path / "run", **run)) == 0
+    assert "dev: loss" in open(tmp_path / "run" / "logs" / "rank0.log").read()
+    (tmp_path / "new.txt").write_text("a lovely great day\n\nsuch a sad awful day\nfine\n")
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict",
+                                predict={"input": str(tmp_path / "new.txt")})) == 0
+    table = read_csv(tmp_path / "run" / "predictions.csv")
+    assert [r[:2] for r in table[1:]] == [["a lovely great day", "pos"], ["such a sad awful day", "neg"],
+                                          ["fine", "pos"]]
+    (tmp_path / "bad.csv").write_text("id,sentence\n1,hello\n")
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict",
+                                predict={"input": str(tmp_path / "bad.csv")})) == 2
+    assert f"error: predict.input: {tmp_path / 'bad.csv'} has no column 'text' (data.text_column) among id, " \
+           "sentence" in capsys.readouterr().err
+
+
+def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
+    from tasks.image import load_digits_split
+    assert main.run(make_config(tmp_path, train={"max_steps": 60, "epochs": 0, "eval_every": 0, "lr": 1e-2})) == 0
+    _, _, images, labels = load_digits_split()
+    os.makedirs(tmp_path / "new")
+    for i in range(20):  # the digits' 0..16 pixels as 8x8 PNGs, some upscaled
+        image = Image.fromarray((images[i] * 255 / 16).astype(np.uint8), "L")
+        (image.resize((32, 32), Image.NEAREST) if i % 2 else image).save(tmp_path / "new" / f"{i:02d}-{labels[i]}.png")
+    assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
+    rows = read_csv(tmp_path / "predictions.csv")[1:]
+    assert [r[0] for r in rows] == sorted(os.listdir(tmp_path / "new"))
+    right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
+    assert right >= 14, rows  # a CNN trained 60 steps reads most of them
