@@ -261,6 +261,15 @@ def bad_image_line(path: str) -> str:
             "to skip such files")
 
 
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def rank_log() -> logging.Logger:
+    """This rank's log (core/run_log.py's): its file, and rank 0's console."""
+    return logging.getLogger(f"trainer.rank{rank()}")
+
+
 # ---- the models -----------------------------------------------------------------------------------------------------
 def resnet(arch: str, width: Optional[int], classes: list[str]) -> nn.Module:
     """transformers' ResNet of `arch`, random init; `width`: the first stage's channels (64 in the paper)."""
@@ -324,7 +333,7 @@ class ImageFolderTask(Task):
             self.build_datasets()
         # -----> swap in your own image model here (it takes pixel_values [N, 3, H, W], returns .logits).
         if m.pretrained_dir:
-            model = pretrained(m.pretrained_dir, self.classes, print)
+            model = pretrained(m.pretrained_dir, self.classes, rank_log().info if rank() == 0 else lambda line: None)
         else:
             model = resnet(m.arch or "resnet50", m.width, self.classes)
         if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
@@ -357,9 +366,8 @@ class ImageFolderTask(Task):
         if "skipped" in batch:  # data.skip_bad_images: each file said once, with the count so far
             new = [i for i in batch["skipped"].tolist() if i not in self.skipped]
             self.skipped.update(new)
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             for i in new:
-                logging.getLogger(f"trainer.rank{rank}").warning(
+                rank_log().warning(
                     f"skipped {self.files['train'][i][0]}: not a readable image (data.skip_bad_images; "
                     f"{len(self.skipped)} skipped so far on this rank)")
         return len(batch["labels"])

@@ -286,3 +286,24 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
     assert [r[0] for r in rows] == sorted(os.listdir(tmp_path / "new"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
+
+
+@pytest.mark.parametrize("kind", ["resnet", slow("vit")])
+def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind):
+    """Any AutoModelForImageClassification folder: its 5-class head replaced by one for the folder's 3, said once."""
+    from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
+    if kind == "resnet":
+        model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8],
+                                                          depths=[1, 1, 1, 1], layer_type="basic", num_labels=5))
+    else:
+        model = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32, num_labels=5))
+    model.save_pretrained(tmp_path / "pretrained")
+    cfg = tiny(tmp_path / "run", folder, train={"max_steps": 2, "eval_every": 0, "save_every": 0},
+               model={"pretrained_dir": str(tmp_path / "pretrained"), "dropout": 0.0})
+    assert main.run(cfg) == 0
+    log = open(tmp_path / "run" / "logs" / "rank0.log").read()
+    assert log.count("head had 5 classes; a new head of 3 (random) replaces it") == 1
+    state = load_model_state(tmp_path / "run", 2)
+    head = "classifier.1.weight" if kind == "resnet" else "classifier.weight"
+    assert state[head].shape[0] == 3
