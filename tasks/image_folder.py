@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from core.errors import DataError
 from tasks.base import Layer, Task, classification_batch, classification_metrics
+from tasks.text_common import load_report, plain_transformers_output
 from tasks.untrusted_folders import check_folder
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # any case
@@ -283,14 +284,17 @@ def resnet(arch: str, width: Optional[int], classes: list[str]) -> nn.Module:
     return ResNetForImageClassification(config)
 
 
-def pretrained(folder: str, classes: list[str], log) -> nn.Module:
+def pretrained(cfg, classes: list[str], log) -> nn.Module:
     """Any AutoModelForImageClassification folder (no code of its own), its head resized to `classes`."""
     from transformers import AutoConfig, AutoModelForImageClassification
+    folder = cfg.model.pretrained_dir
     check_folder(folder)
+    plain_transformers_output()
     had = AutoConfig.from_pretrained(folder, trust_remote_code=False).num_labels
-    model = AutoModelForImageClassification.from_pretrained(
-        folder, num_labels=len(classes), id2label=dict(enumerate(classes)),
-        label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False)
+    with load_report(cfg):  # (silent when a checkpoint's weights come next)
+        model = AutoModelForImageClassification.from_pretrained(
+            folder, id2label=dict(enumerate(classes)),  # (num_labels follows id2label)
+            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False)
     if had != len(classes):
         log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
             "replaces it")
@@ -333,7 +337,7 @@ class ImageFolderTask(Task):
             self.build_datasets()
         # -----> swap in your own image model here (it takes pixel_values [N, 3, H, W], returns .logits).
         if m.pretrained_dir:
-            model = pretrained(m.pretrained_dir, self.classes, rank_log().info if rank() == 0 else lambda line: None)
+            model = pretrained(self.cfg, self.classes, rank_log().info if rank() == 0 else lambda line: None)
         else:
             model = resnet(m.arch or "resnet50", m.width, self.classes)
         if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
