@@ -15,6 +15,8 @@ def epilog() -> str:
         "           in one process; writes <output_dir>/<split>_results.json",
         "  export   write that checkpoint for use outside this project (export.format; export.dir, by default",
         "           <output_dir>/export)",
+        "  predict  label new inputs (predict.input: a folder of images, or a CSV/TSV/text file of texts) with",
+        "           that checkpoint, in one process; writes <output_dir>/predictions.csv",
         "",
         "presets (--params configs/NAME.yml; each file's first lines say what it needs):",
         *(f"  configs/{name}" for name in presets),
