@@ -197,12 +197,19 @@ def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strate
     assert results["checkpoint"] == os.path.abspath(best) and results["metrics"]["samples"] == 12
     assert results["metrics"]["accuracy"] == pytest.approx(dev["accuracy"])  # one process scores what ddp did
     assert json.load(open(tmp_path / "test_results.json"))["metrics"]["samples"] == 12
-    # predict from this strategy's checkpoint, in one process: each test image once, in order
+    # predict from this strategy's checkpoint (ddp: on both ranks, else in one process): each test image once, in
+    # order, as one process predicts them
     test_dir = os.path.join(folder, "test")
     assert main.run(tiny(tmp_path, folder, train=train, dist=dist, mode="predict", predict={"input": test_dir})) == 0
     rows = read_csv(tmp_path / "predictions.csv")[1:]
     assert [r[0] for r in rows] == sorted(os.path.join(c, f) for c in os.listdir(test_dir)
                                           for f in os.listdir(os.path.join(test_dir, c)))
+    if strategy == "ddp":
+        assert "predicting 12 inputs" in open(tmp_path / "logs" / "rank1.log").read()
+        assert main.run(tiny(tmp_path, folder, train=train, mode="predict", predict={"input": test_dir})) == 0
+        alone = read_csv(tmp_path / "predictions.csv")[1:]
+        assert [r[:2] for r in alone] == [r[:2] for r in rows]
+        assert [float(r[2]) for r in alone] == pytest.approx([float(r[2]) for r in rows], abs=1e-5)
 
 
 @pytest.mark.slow
