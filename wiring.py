@@ -48,13 +48,23 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "fsdp+tp": tp.apply_tp_fsdp,
 }
 
+
+def check_model_shape(cfg: Config, fail) -> None:
+    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
+    if cfg.task == "image_folder":
+        return image_folder.check_config(cfg, fail)
+    if cfg.model.sync_batchnorm:
+        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
+    lm_models.check_config(cfg, fail)
+
+
 # Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
 # them is set (not at its default).
 OWN_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
-    (lambda cfg, fail: check_model_shape(cfg, fail), ["model.arch", "model.layers", "model.heads", "model.width", "model.bias", "model.tie_embeddings",
-                     "model.sync_batchnorm"]),
+    (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
+                         "model.tie_embeddings", "model.sync_batchnorm"]),
     (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
                                       "data.image_std", "data.skip_bad_images"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
@@ -75,15 +85,6 @@ def check_task(cfg: Config, fail) -> None:
         close = closest(cfg.task, list(TASKS))
         fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
              + (f"; did you mean {close!r}?" if close else ""))
-
-
-def check_model_shape(cfg: Config, fail) -> None:
-    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
-    if cfg.task == "image_folder":
-        return image_folder.check_config(cfg, fail)
-    if cfg.model.sync_batchnorm:
-        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
-    lm_models.check_config(cfg, fail)
 
 
 def check_own_keys(cfg: Config, fail) -> None:

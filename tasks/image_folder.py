@@ -23,6 +23,7 @@ from PIL import Image, ImageFile
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.config import is_set
 from core.errors import DataError
 from tasks.base import Layer, Task, classification_batch, classification_metrics
 from tasks.text_common import load_report, plain_transformers_output
@@ -61,7 +62,9 @@ def check_data_config(cfg, fail) -> None:
     """The preprocessing keys of data.* (wiring.OWN_CHECKS asks when one is set)."""
     d = cfg.data
     if cfg.task != "image_folder":
-        fail("data.image_size", f"and the other image keys are for task image_folder, not {cfg.task}")
+        key = next(k for k in ("image_size", "resize_size", "crop_scale", "image_mean", "image_std", "skip_bad_images")
+                   if is_set(cfg, f"data.{k}"))
+        fail(f"data.{key}", f"is for task image_folder, not {cfg.task}; remove it")
     if not 8 <= d.image_size <= 4096:
         fail("data.image_size", f"must be in [8, 4096], got {d.image_size}")
     if not d.image_size <= d.resize_size <= 8192:
@@ -177,8 +180,12 @@ def random_resized_crop(width: int, height: int, rng: np.random.Generator, scale
             top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
             return left, top, left + w, top + h
     ratio = width / height
-    w, h = (width, height) if CROP_RATIO[0] <= ratio <= CROP_RATIO[1] else \
-        ((width, int(round(width / CROP_RATIO[0]))) if ratio < CROP_RATIO[0] else (int(round(height * CROP_RATIO[1])), height))
+    if ratio < CROP_RATIO[0]:  # taller than 3:4: the full width, as tall as 3:4 allows
+        w, h = width, int(round(width / CROP_RATIO[0]))
+    elif ratio > CROP_RATIO[1]:
+        w, h = int(round(height * CROP_RATIO[1])), height
+    else:
+        w, h = width, height
     left, top = (width - w) // 2, (height - h) // 2
     return left, top, left + w, top + h
 
@@ -327,7 +334,8 @@ class ImageFolderTask(Task):
             return None
         counts = self.counts.get("train", [])
         shown = ", ".join(f"{c} ({n})" for c, n in zip(self.classes, counts))
-        line = f"{len(self.classes)} classes: " + (shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ...")
+        shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
+        line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
         return line + (f"; {ignored} hidden or non-image files ignored" if ignored else "")
 

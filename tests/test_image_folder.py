@@ -90,6 +90,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         make_config(tmp_path, model={"arch": "resnet18"})  # the digits CNN
     with pytest.raises(ConfigError, match="`data.resize_size` must be in"):
         tiny(tmp_path, tmp_path, data={"resize_size": 8})
+    with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
+        make_config(tmp_path, data={"skip_bad_images": True})
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
@@ -149,8 +151,8 @@ def test_crop_box_follows_torchvisions_bounds():
 
 # ---- runs --------------------------------------------------------------------------------------------------------
 def truncate_one(root) -> str:
-    path = sorted(p for p in (os.path.join(root, "train", "two", f) for f in os.listdir(os.path.join(root, "train", "two")))
-                  if p.endswith(".png"))[0]
+    folder = os.path.join(root, "train", "two")
+    path = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".png"))[0])
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
     return path
