@@ -90,6 +90,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         make_config(tmp_path, model={"arch": "resnet18"})  # the digits CNN
     with pytest.raises(ConfigError, match="`data.resize_size` must be in"):
         tiny(tmp_path, tmp_path, data={"resize_size": 8})
+    with pytest.raises(ConfigError, match="`model.sync_batchnorm` needs GPUs"):
+        tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
 
@@ -186,10 +188,10 @@ def test_resume_is_bit_exact_crops_included(tmp_path, folder):
     assert not torch.equal(a["classifier.1.weight"], load_model_state(tmp_path / "full", 4)["classifier.1.weight"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe")])
+@pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("dp"), slow("ddp [8, 4]")])
 def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
-    dist = {"strategy": strategy, "procs_per_node": 2}
-    train = {"max_steps": 12, "eval_every": 6, "save_every": 6}
+    dist = {"strategy": strategy.split()[0], "procs_per_node": 1 if strategy == "dp" else 2}
+    train = {"max_steps": 12, "eval_every": 6, "save_every": 6, **({"batch_size": [8, 4]} if "[" in strategy else {})}
     assert main.run(tiny(tmp_path, folder, train=train, dist=dist)) == 0
     best = checkpoint_meta.best_recorded(str(tmp_path))
     dev = checkpoint_meta.read(best)["metrics"]
