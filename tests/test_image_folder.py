@@ -259,6 +259,11 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
         assert answer[0]["score"] == pytest.approx(float(row[2]), abs=1e-4)
     assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "nothing")})) == 2
     assert f"error: predict.input: {tmp_path / 'nothing'} is not a folder of images" in capsys.readouterr().err
+    broken = new / "zero" / "broken.png"
+    broken.write_bytes(open(new / row[0], "rb").read()[:100])  # a cut-off file among the inputs
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new)})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and err[0].startswith(f"error: {broken}: not a readable image ("), err
 
 
 def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
