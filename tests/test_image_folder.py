@@ -323,3 +323,21 @@ def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind)
     state = load_model_state(tmp_path / "run", 2)
     head = "classifier.1.weight" if kind == "resnet" else "classifier.weight"
     assert state[head].shape[0] == 3
+
+
+@pytest.mark.slow
+def test_ddp_equals_one_process_for_a_model_without_batchnorm(tmp_path, folder):
+    """The crops are drawn per sample, not per rank: a ViT (LayerNorm, no BatchNorm) trained by 2 ddp ranks of 6
+    ends where one process with batch 12 ends (a ResNet would not: each rank's BatchNorm sees its own 6 images)."""
+    from transformers import ViTConfig, ViTForImageClassification
+    vit = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=32, num_labels=3))
+    vit.save_pretrained(tmp_path / "vit")
+    model = {"pretrained_dir": str(tmp_path / "vit"), "dropout": 0.0}
+    train = {"max_steps": 4, "eval_every": 0, "save_every": 0}
+    assert main.run(tiny(tmp_path / "one", folder, train={**train, "batch_size": 12}, model=model)) == 0
+    assert main.run(tiny(tmp_path / "ddp", folder, train={**train, "batch_size": 6}, model=model,
+                         dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    a, b = load_model_state(tmp_path / "one", 4), load_model_state(tmp_path / "ddp", 4)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert not torch.equal(a["classifier.weight"], vit.classifier.weight)
