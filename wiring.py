@@ -55,8 +55,9 @@ def check_model_shape(cfg: Config, fail) -> None:
         return image_folder.check_config(cfg, fail)
     if cfg.model.sync_batchnorm:
         fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
-    if cfg.model.arch in image_folder.RESNETS and cfg.task == "gpt2_lm":
-        fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; gpt2_lm takes gpt2 or llama")
+    if cfg.model.arch in image_folder.RESNETS:
+        fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; "
+                           + ("gpt2_lm takes gpt2 or llama" if cfg.task == "gpt2_lm" else f"remove it for {cfg.task}"))
     lm_models.check_config(cfg, fail)
 
 

@@ -86,7 +86,7 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
 def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match="`model.heads` is for the transformer tasks, not image_folder"):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "heads": 2})
-    with pytest.raises(ConfigError, match="`model.arch` is resnet18, but only gpt2_lm"):
+    with pytest.raises(ConfigError, match="`model.arch` is resnet18, a ResNet of task image_folder; remove it for image"):
         make_config(tmp_path, model={"arch": "resnet18"})  # the digits CNN
     with pytest.raises(ConfigError, match="`data.resize_size` must be in"):
         tiny(tmp_path, tmp_path, data={"resize_size": 8})
