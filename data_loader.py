@@ -114,12 +114,20 @@ def eval_shard(n: int, rank: int, world: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, num_workers: int, pin: bool,
+def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, num_workers, pin: bool,
                 seed: int) -> DataLoader:
     """A DataLoader over precomputed index lists. The generator keeps worker seeding off the global RNG, so
     loading data never changes the random stream that dropout uses (and resume stays bit-exact)."""
+    if num_workers == "auto":
+        num_workers = auto_workers()
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin, generator=torch.Generator().manual_seed(seed))
+
+
+def auto_workers() -> int:
+    """data.num_workers: auto: this rank's share of the cores (distributed.share_cores set its threads to it) less
+    one for the training step, at least 1 (decoding never runs inside the step), at most 8."""
+    return max(1, min(8, torch.get_num_threads() - 1))
 
 
 def eval_batches(n: int, rank: int, world: int, batch_size: int) -> list[list[int]]:

@@ -71,7 +71,8 @@ def run(cfg: Config) -> int:
     """Start this node's processes and wait for them. Returns the exit code (core/errors.py's EXIT_*)."""
     import wiring  # (as in main(): what a rank runs; the tests call run() with a config checked by wiring)
     env = launcher_env()
-    if cfg.mode == "test":  # test mode always runs in one process, whatever trained the checkpoint
+    # test runs in one process, whatever trained the checkpoint; predict too, unless it shares the inputs under ddp
+    if cfg.mode == "test" or (cfg.mode == "predict" and cfg.dist.strategy != "ddp"):
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":

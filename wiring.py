@@ -17,12 +17,12 @@ from core.config_mistakes import closest
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
 from core.run_log import setup_logging
-from extras import balance, export, lr_find, profiling, testmode
+from extras import balance, export, lr_find, predict, profiling, testmode
 from resilience import faults, heartbeat, launcher, resource_errors, resume
 from resilience.faults import HOST, report
 from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
 from strategies.base import Strategy
-from tasks import bert_pretrain, csv_text, gpt2_lm, image, lm_data, lm_models, lora, pretrained, sst2
+from tasks import bert_pretrain, csv_text, gpt2_lm, image, image_folder, lm_data, lm_models, lora, pretrained, sst2
 from tasks.base import Task
 from trainer import Trainer, seed_everything
 
@@ -33,6 +33,7 @@ TASKS: dict[str, Callable[[Config], Task]] = {
     "bert_pretrain": bert_pretrain.BertPretrainTask,
     "gpt2_lm": gpt2_lm.GPT2LMTask,
     "csv_text": csv_text.CSVTextTask,  # the tutorial's own task (docs/tutorial/07_your_own_task.md)
+    "image_folder": image_folder.ImageFolderTask,  # your own photos, a ResNet (docs/image_folder.md)
 }
 
 # -----> add a strategy: write apply_<name>(model, cfg, ctx, task, train_set) in a file of strategies/, list it here
@@ -48,13 +49,28 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "fsdp+tp": tp.apply_tp_fsdp,
 }
 
+
+def check_model_shape(cfg: Config, fail) -> None:
+    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
+    if cfg.task == "image_folder":
+        return image_folder.check_config(cfg, fail)
+    if cfg.model.sync_batchnorm:
+        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
+    if cfg.model.arch in image_folder.RESNETS:
+        fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; "
+                           + ("gpt2_lm takes gpt2 or llama" if cfg.task == "gpt2_lm" else f"remove it for {cfg.task}"))
+    lm_models.check_config(cfg, fail)
+
+
 # Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
 # them is set (not at its default).
 READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
-    (lm_models.check_config, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
-                              "model.tie_embeddings"]),
+    (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
+                         "model.tie_embeddings", "model.sync_batchnorm"]),
+    (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
+                                      "data.image_std", "data.skip_bad_images"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
     (profiling.check_config, ["train.profile_steps"]),
     (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
@@ -240,6 +256,8 @@ def worker(cfg: Config, launch) -> int:
         TRAINERS.append(trainer)
         if cfg.mode == "lr_find":
             lr_find.sweep(trainer)
+        elif cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
+            predict.predict(trainer)
         else:
             testmode.test(trainer) if cfg.mode == "test" else trainer.train()
         faults.progress.at(faults.progress.step, "done")

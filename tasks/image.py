@@ -11,11 +11,13 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
 from tasks.base import Layer, Task
+from tasks.image_folder import BAD_IMAGE, image_files
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
 
@@ -131,9 +133,28 @@ class ImageTask(Task):
     def example_inputs(self) -> tuple:
         return (torch.zeros(2, 1, self.image_size, self.image_size),)
 
+    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+        """mode: predict: a folder's images as the CNN saw its training images (gray, image_size square)."""
+        files = image_files(path)
+        _, mean, std = self.pixels
+        images = np.stack([gray_square(f, self.image_size) for f in files]) if files else np.zeros((0, 1, 1))
+        return [os.path.relpath(f, path) for f in files], TensorImages(images, np.zeros(len(files)), mean, std)
+
+    def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(batch["images"])
+
     def metrics(self, totals: dict) -> dict:
         # -----> metrics of a task, from everything eval_batch returned over the whole split.
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
+
+
+def gray_square(path: str, size: int) -> np.ndarray:
+    """An image file as the CNN's input: grayscale, resized to size x size, pixels in 0..1."""
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("L").resize((size, size), Image.BILINEAR), dtype=np.float32) / 255
+    except BAD_IMAGE as e:
+        raise DataError(f"predict.input: {path}: not a readable image ({str(e).splitlines()[0][:80]})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

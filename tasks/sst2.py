@@ -28,6 +28,7 @@ from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
 from tasks.base import Layer, Task
 from tasks.metrics import classification_batch, classification_metrics
+from tasks.table_files import read_texts
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
                                load_report, note, read_utf8)
 
@@ -281,6 +282,14 @@ class SST2Task(Task):
         tok = self.tokenizer
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
         return tok
+
+    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+        """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were."""
+        texts = read_texts(path, self.cfg.data.text_column)
+        return texts, TokenizedSentences(texts, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+
+    def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return self.logits(model, batch)
 
     def metrics(self, totals: dict) -> dict:
         return classification_metrics(np.asarray(totals["preds"]), np.asarray(totals["labels"]),

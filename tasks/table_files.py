@@ -73,7 +73,9 @@ def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None
 
 
 def find_split(data_dir: str, split: str) -> Optional[str]:
-    """The one file (or save_to_disk folder) of `split` in data_dir, or None."""
+    """The one file (or save_to_disk folder) of `split` in data_dir, or None. data_dir a file: the training rows."""
+    if os.path.isfile(data_dir):  # (csv_text cuts its dev split off them: data.dev_fraction)
+        return data_dir if split == "train" and os.path.splitext(data_dir)[1] in READERS else None
     names = SPLIT_NAMES[split]
     found = [name + ext for name in names for ext in READERS if os.path.isfile(os.path.join(data_dir, name + ext))]
     found += [name + "/" for name in names if os.path.isfile(os.path.join(data_dir, name, "state.json"))]
@@ -234,3 +236,36 @@ def class_names(schema, column: str) -> Optional[list]:
 
 
 READERS = {".csv": csv_rows, ".tsv": tsv_rows, ".jsonl": jsonl_rows, ".json": jsonl_rows, ".parquet": parquet_rows}
+
+
+# ---- mode: predict's texts (extras/predict.py): no labels --------------------------------------------------------
+TEXT_FILES = (".csv", ".tsv", ".txt")
+
+
+def read_texts(path: str, text_column: str) -> list[str]:
+    """The texts of a CSV/TSV file (its `text_column`, or its only column) or a text file (one per line)."""
+    if not os.path.isfile(path) or not path.lower().endswith(TEXT_FILES):
+        raise DataError(f"predict.input: {path} is not a {'/'.join(e[1:] for e in TEXT_FILES)} file of texts")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            if path.lower().endswith(".txt"):
+                return [line.rstrip("\r\n") for line in f if line.strip()]
+            table = list(csv.reader(f, delimiter="\t" if path.lower().endswith(".tsv") else ","))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"predict.input: {path} cannot be read ({str(e).splitlines()[0][:80]})") from None
+    except csv.Error as e:
+        raise DataError(f"predict.input: {path}: not a valid CSV/TSV file ({e})") from None
+    if not table:
+        raise DataError(f"predict.input: {path} is empty")
+    header = table[0]
+    if text_column in header:
+        column = header.index(text_column)
+    elif len(header) == 1:
+        column = 0
+    else:
+        raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column) among "
+                        f"{', '.join(header)[:80]}")
+    for number, row in enumerate(table[1:], 2):
+        if len(row) <= column:
+            raise DataError(f"predict.input: {path}: line {number} has no {header[column]!r} value")
+    return [row[column] for row in table[1:]]

@@ -63,7 +63,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
     asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
-    if texts is None or cfg.mode == "test":  # nothing to train on: the training run must have saved one
+    if texts is None or cfg.mode in ("test", "predict"):  # the training run must have saved one
         if not saved():
             raise DataError(f"{folder}: no tokenizer saved there; train first (it is written by the training run) "
                             "or set model.pretrained_dir")

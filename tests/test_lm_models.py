@@ -133,7 +133,10 @@ def test_sst2_random_bart_takes_the_shape_keys(tmp_path):
     ("sst2", {"tie_embeddings": False}, {}, "`model.tie_embeddings` is for models with an output layer over the "
                                             "vocabulary (gpt2_lm, bert_pretrain), not sst2's classifiers"),
     ("gpt2_lm", {"heads": 3, "width": 64}, {}, "`model.heads` (3) must divide model.width (64)"),
-    ("gpt2_lm", {"arch": "mamba"}, {}, "`model.arch` must be one of gpt2, llama or null, got 'mamba'"),
+    ("gpt2_lm", {"arch": "mamba"}, {}, "`model.arch` must be one of gpt2, llama, resnet18, resnet34, resnet50, "
+                                          "resnet101 or null, got 'mamba'"),
+        ("gpt2_lm", {"arch": "resnet50"}, {}, "`model.arch` is resnet50, a ResNet of task image_folder; gpt2_lm takes "
+                                              "gpt2 or llama"),
 ])
 def test_keys_a_task_does_not_take_are_one_line(tmp_path, task, model, dist, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):

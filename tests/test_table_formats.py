@@ -236,8 +236,9 @@ def test_two_files_for_one_split_are_refused(tmp_path):
 
 def test_no_train_split_names_the_formats(tmp_path):
     write(tmp_path, "csv", "dev", ROWS["dev"])
-    assert error(tmp_path) == (f"data.data_dir={str(tmp_path)!r} needs train and dev files (.csv, .tsv, .jsonl, "
-                               ".json, .parquet, or a datasets save_to_disk folder; dev may be named validation)")
+    assert error(tmp_path) == (f"data.data_dir={str(tmp_path)!r} needs a train file, and a dev file or "
+                               "data.dev_fraction > 0 (.csv, .tsv, .jsonl, .json, .parquet, or a datasets "
+                               "save_to_disk folder; dev may be named validation)")
 
 
 def test_one_column_for_texts_and_labels_is_a_config_error(tmp_path):

@@ -123,6 +123,23 @@ def test_sst2_test_mode_writes_results_with_the_saved_tokenizer(data, tmp_path):
     assert json.load(open(tmp_path / "tokenizer" / "tokenizer.json"))["model"]["vocab"] == vocab  # not retrained
 
 
+@pytest.mark.slow
+def test_sst2_predicts_a_tsv_of_sentences_with_the_saved_tokenizer(data, tmp_path):
+    """mode: predict on a classifier of SST-2's label names: one row per sentence, in order; no new tokenizer."""
+    import csv
+    import main
+    train(task_config("sst2", data, tmp_path, max_steps=24, eval_every=12, save_every=12), 1)
+    made = os.path.getmtime(tmp_path / "tokenizer" / "tokenizer.json")
+    sentences = [line.split("\t")[0] for line in open(os.path.join(data["sst2"], "dev.tsv")).read().splitlines()[1:9]]
+    (tmp_path / "new.tsv").write_text("sentence\n" + "".join(f"{s}\n" for s in sentences))
+    cfg = task_config("sst2", data, tmp_path)
+    cfg.mode, cfg.data.text_column, cfg.predict.input = "predict", "sentence", str(tmp_path / "new.tsv")
+    assert main.run(cfg) == 0
+    rows = list(csv.reader(open(tmp_path / "predictions.csv", newline="")))
+    assert [r[0] for r in rows[1:]] == sentences and {r[1] for r in rows[1:]} <= {"negative", "positive"}
+    assert os.path.getmtime(tmp_path / "tokenizer" / "tokenizer.json") == made  # the training run's tokenizer
+
+
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
     from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))

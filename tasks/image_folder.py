@@ -1,0 +1,452 @@
+"""task: image_folder: your own photos in PyTorch's image-folder layout, trained by a ResNet (or any Hugging Face
+image classifier folder).
+
+    data_dir/train/<class>/*.jpg   data_dir/val/<class>/...   [data_dir/test/<class>/...]
+    (also TRAIN/ and EVAL/; or data_dir/<class>/... alone, its dev split a fixed data.dev_fraction of it)
+
+Class names are the subfolder names, sorted. Images are decoded with Pillow in the DataLoader's workers and
+preprocessed as the ImageNet recipes do (torch and Pillow only): training RandomResizedCrop + horizontal flip,
+evaluation resize + center crop, then mean/std. Each random crop comes from a generator seeded by (seed, epoch,
+sample), so a resumed run sees the same crops and augmentation never draws from the stream dropout uses.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageFile
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.config import is_set
+from core.errors import DataError
+from tasks.base import Layer, Task
+from tasks.metrics import classification_batch, classification_metrics
+from tasks.text_common import load_report, plain_transformers_output
+from tasks.untrusted_folders import check_folder
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # any case
+SPLITS = ("train", "dev", "test", "predict")
+SPLIT_FOLDERS = {"train": ("train",), "dev": ("val", "valid", "validation", "eval", "dev"), "test": ("test",)}
+CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision's
+# model.arch -> (block type, blocks per stage, channels of the last stage per unit of width: 8 basic, 32 bottleneck)
+RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 3]),
+           "resnet50": ("bottleneck", [3, 4, 6, 3]), "resnet101": ("bottleneck", [3, 4, 23, 3])}
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
+
+
+def check_config(cfg, fail) -> None:
+    """model.arch / model.width / model.sync_batchnorm for image_folder (wiring.READER_CHECKS asks; lm_models checks
+    them for the other tasks)."""
+    m = cfg.model
+    if m.arch is not None and m.arch not in RESNETS:
+        fail("model.arch", f"is {m.arch}; image_folder builds {' | '.join(RESNETS)}")
+    if m.width is not None and m.width < 1:
+        fail("model.width", f"must be >= 1 (the ResNet's first channels; null: 64), got {m.width}")
+    for key in ("layers", "heads", "bias", "tie_embeddings"):
+        if getattr(m, key) is not None:
+            fail(f"model.{key}", f"is for the transformer tasks, not image_folder (model.arch and model.width shape "
+                                 "its ResNet); remove it")
+    if m.sync_batchnorm and cfg.dist.strategy != "ddp":
+        fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
+    if m.sync_batchnorm and not cfg.dist.on_gpu():
+        fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
+
+
+def check_data_config(cfg, fail) -> None:
+    """The preprocessing keys of data.* (wiring.READER_CHECKS asks when one is set)."""
+    d = cfg.data
+    if cfg.task != "image_folder":
+        key = next(k for k in ("image_size", "resize_size", "crop_scale", "image_mean", "image_std", "skip_bad_images")
+                   if is_set(cfg, f"data.{k}"))
+        fail(f"data.{key}", f"is for task image_folder, not {cfg.task}; remove it")
+    if not 8 <= d.image_size <= 4096:
+        fail("data.image_size", f"must be in [8, 4096], got {d.image_size}")
+    if not d.image_size <= d.resize_size <= 8192:
+        fail("data.resize_size", f"must be in [data.image_size ({d.image_size}), 8192], got {d.resize_size}")
+    s = d.crop_scale
+    if len(s) != 2 or not all(isinstance(v, (int, float)) for v in s) or not 0 < s[0] <= s[1] <= 1:
+        fail("data.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {s}")
+    for key in ("image_mean", "image_std"):
+        v = getattr(d, key)
+        if len(v) != 3 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in v):
+            fail(f"data.{key}", f"must list 3 numbers (R, G, B), got {v}")
+    if not all(x > 0 for x in d.image_std):
+        fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
+
+
+# ---- the folder: splits, classes, files ---------------------------------------------------------------------------
+def split_folder(data_dir: str, split: str) -> Optional[str]:
+    """data_dir's folder for `split` (train/TRAIN, val/EVAL/dev..., test), any case; None if it has none."""
+    try:
+        names = sorted(os.listdir(data_dir))
+    except OSError as e:
+        raise DataError(f"data.data_dir: {data_dir} cannot be read ({e.strerror})") from None
+    for name in names:
+        if name.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, name)):
+            return os.path.join(data_dir, name)
+    return None
+
+
+def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
+    """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
+    left out), and how many other files were ignored (hidden ones, other extensions)."""
+    classes, ignored = {}, 0
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
+            ignored += not os.path.isdir(path)
+            continue
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for f in sorted(names):
+                if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
+                    ignored += 1
+                else:
+                    files.append(os.path.join(root, f))
+        if not files:
+            raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
+                            "images); put images in it or remove it")
+        classes[name] = files
+    return classes, ignored
+
+
+def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, dict]:
+    """(class names, {split: [(path, class index)]}, {split: files ignored}) of the folder."""
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data.data_dir: {data_dir} is not a folder (give one with train/<class>/ images, or "
+                        "<class>/ folders alone)")
+    folders = {split: split_folder(data_dir, split) for split in SPLIT_FOLDERS}
+    whole = folders["train"] is None
+    train_dir = data_dir if whole else folders["train"]
+    every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
+    found, ignored = {}, {}
+    found["train"], ignored["train"] = scan_classes(train_dir, every_split_name if whole else ())
+    names = sorted(found["train"])
+    if not names:
+        raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
+    index = {n: i for i, n in enumerate(names)}
+    splits = {}
+    if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
+        pool = [(p, index[c]) for c in names for p in found["train"][c]]
+        order = np.random.default_rng(0).permutation(len(pool))
+        n_dev = int(round(len(pool) * dev_fraction))
+        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])] or None
+        splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
+    else:
+        splits["train"] = [(p, index[c]) for c in names for p in found["train"][c]]
+    for split in ("dev", "test"):
+        if folders[split] is None or (split == "dev" and whole):
+            splits.setdefault(split, None)
+            continue
+        found[split], ignored[split] = scan_classes(folders[split])
+        for c in found[split]:
+            if c not in index:
+                raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
+                                f"{train_dir} (its classes: {', '.join(names)[:80]})")
+        splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
+    return names, splits, ignored
+
+
+def image_files(path: str) -> list[str]:
+    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
+    if not os.path.isdir(path):
+        raise DataError(f"predict.input: {path} is not a folder of images")
+    found = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in sorted(names)
+                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    return found
+
+
+# ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------
+def random_resized_crop(width: int, height: int, rng: np.random.Generator, scale) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop box (left, top, right, bottom): an area share in `scale` and an aspect ratio
+    in CROP_RATIO (log-uniform), 10 tries, else the whole image cut to the nearest allowed ratio."""
+    area = width * height
+    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        ratio = math.exp(rng.uniform(*log_ratio))
+        w, h = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
+            return left, top, left + w, top + h
+    ratio = width / height
+    if ratio < CROP_RATIO[0]:  # taller than 3:4: the full width, as tall as 3:4 allows
+        w, h = width, int(round(width / CROP_RATIO[0]))
+    elif ratio > CROP_RATIO[1]:
+        w, h = int(round(height * CROP_RATIO[1])), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+def resize_center_crop(image: Image.Image, resize: int, size: int) -> Image.Image:
+    """Evaluation: the shorter side to `resize` (aspect kept), then the center `size` x `size` (as Hugging Face's
+    image processors compute it, so an export's pipeline() sees the pixels test mode saw)."""
+    width, height = image.size
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(resize * long / short)
+    new = (resize, new_long) if width <= height else (new_long, resize)
+    image = image.resize(new, Image.BILINEAR)
+    left, top = (new[0] - size) // 2, (new[1] - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+def to_tensor(image: Image.Image, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """RGB image -> float [3, H, W]: pixels / 255, then (x - mean) / std per channel."""
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+    return (pixels.permute(2, 0, 1).float() / 255 - mean[:, None, None]) / std[:, None, None]
+
+
+def open_rgb(path: str) -> Image.Image:
+    """The image at `path`, fully decoded, as RGB (grayscale, palette, RGBA, CMYK converted); OSError and the like
+    when it is truncated or not an image."""
+    with Image.open(path) as image:
+        image.load()
+        if image.mode == "RGB":
+            return image.copy()
+        if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
+            rgba = image.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        return image.convert("RGB")
+
+
+BAD_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on a broken file
+
+
+class ImageFiles(Dataset):
+    """(path, class) pairs decoded on demand: training crops seeded by (seed, epoch, index); evaluation resize +
+    center crop. A file that fails to decode comes back as {"bad": index}, for `collate` (see there)."""
+
+    def __init__(self, files: list, split: str, cfg):
+        d = cfg.data
+        self.files, self.split, self.train, self.seed, self.epoch = files, split, split == "train", cfg.seed, 0
+        self.size, self.resize, self.scale = d.image_size, d.resize_size, tuple(d.crop_scale)
+        self.mean, self.std = torch.tensor(d.image_mean), torch.tensor(d.image_std)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def set_epoch(self, epoch: int) -> None:  # the Trainer calls it before each epoch's loader starts its workers
+        self.epoch = epoch
+
+    def __getitem__(self, i: int) -> dict:
+        path, label = self.files[i]
+        try:
+            image = open_rgb(path)
+        except BAD_IMAGE:
+            return {"bad": (SPLITS.index(self.split), i)}
+        if self.train:
+            rng = np.random.default_rng([self.seed, self.epoch, i])  # never the global stream (dropout's)
+            box = random_resized_crop(image.width, image.height, rng, self.scale)
+            image = image.resize((self.size, self.size), Image.BILINEAR, box=box)
+            if rng.random() < 0.5:
+                image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        else:
+            image = resize_center_crop(image, self.resize, self.size)
+        return {"pixel_values": to_tensor(image, self.mean, self.std), "labels": torch.tensor(label)}
+
+
+def bad_image_line(path: str) -> str:
+    """Why Pillow cannot read `path`, in one line naming it."""
+    try:
+        open_rgb(path)
+        why = "it could not be decoded in a loader worker"
+    except BAD_IMAGE as e:
+        why = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+    return (f"{path}: not a readable image ({why}); remove or replace it, or set data.skip_bad_images: true "
+            "to skip such files")
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def rank_log() -> logging.Logger:
+    """This rank's log (core/run_log.py's): its file, and rank 0's console."""
+    return logging.getLogger(f"trainer.rank{rank()}")
+
+
+# ---- the models -----------------------------------------------------------------------------------------------------
+def resnet(arch: str, width: Optional[int], classes: list[str]) -> nn.Module:
+    """transformers' ResNet of `arch`, random init; `width`: the first stage's channels (64 in the paper)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+    layer_type, depths = RESNETS[arch]
+    w = width or 64
+    hidden = [w, 2 * w, 4 * w, 8 * w] if layer_type == "basic" else [4 * w, 8 * w, 16 * w, 32 * w]
+    config = ResNetConfig(num_channels=3, embedding_size=w, hidden_sizes=hidden, depths=depths,
+                          layer_type=layer_type, num_labels=len(classes),
+                          id2label=dict(enumerate(classes)), label2id={c: i for i, c in enumerate(classes)})
+    return ResNetForImageClassification(config)
+
+
+def pretrained(cfg, classes: list[str], log) -> nn.Module:
+    """Any AutoModelForImageClassification folder (no code of its own), its head resized to `classes`."""
+    from transformers import AutoConfig, AutoModelForImageClassification
+    folder = cfg.model.pretrained_dir
+    check_folder(folder)
+    plain_transformers_output()
+    had = AutoConfig.from_pretrained(folder, trust_remote_code=False).num_labels
+    with load_report(cfg):  # (silent when a checkpoint's weights come next)
+        model = AutoModelForImageClassification.from_pretrained(
+            folder, id2label=dict(enumerate(classes)),  # (num_labels follows id2label)
+            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False)
+    if had != len(classes):
+        log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
+            "replaces it")
+    return model
+
+
+# ---- the task ------------------------------------------------------------------------------------------------------
+class ImageFolderTask(Task):
+    hf_pipeline = "image-classification"
+    export_formats = ("hf",)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.classes, self.files, self.counts, self.ignored, self.skipped = None, {}, {}, {}, set()
+
+    def data_name(self) -> str:
+        return self.cfg.data.data_dir
+
+    def build_datasets(self) -> dict:
+        d = self.cfg.data
+        self.classes, files, self.ignored = read_layout(d.data_dir, d.dev_fraction)
+        self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
+                       for split, f in files.items() if f}
+        self.files = files
+        return {split: ImageFiles(f, split, self.cfg) if f else None for split, f in files.items()}
+
+    def classes_note(self) -> Optional[str]:
+        """The plan's line: each class with its training count (and what was ignored)."""
+        if not self.classes:
+            return None
+        counts = self.counts.get("train", [])
+        shown = ", ".join(f"{c} ({n})" for c, n in zip(self.classes, counts))
+        shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
+        line = f"{len(self.classes)} classes: {shown}"
+        ignored = sum(self.ignored.values())
+        return line + (f"; {ignored} hidden or non-image files ignored" if ignored else "")
+
+    def build_model(self) -> nn.Module:
+        m = self.cfg.model
+        if self.classes is None:
+            self.build_datasets()
+        # -----> swap in your own image model here (it takes pixel_values [N, 3, H, W], returns .logits).
+        if m.pretrained_dir:
+            model = pretrained(self.cfg, self.classes, rank_log().info if rank() == 0 else lambda line: None)
+        else:
+            model = resnet(m.arch or "resnet50", m.width, self.classes)
+        if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return model
+
+    def collate(self, samples: list) -> dict:
+        """Decoded samples into a batch. A file that failed to decode: the batch carries `bad_image` (its index),
+        which count()/eval_batch turn into one line naming it in the main process (a worker's exception would
+        arrive there wrapped in a traceback); with data.skip_bad_images it is left out and `skipped` says which."""
+        bad = [s["bad"] for s in samples if "bad" in s]
+        good = [s for s in samples if "bad" not in s]
+        if bad and not self.cfg.data.skip_bad_images:
+            return {"bad_image": torch.tensor(bad[0])}
+        batch = {"pixel_values": torch.stack([s["pixel_values"] for s in good]) if good else
+                 torch.zeros(0, 3, self.cfg.data.image_size, self.cfg.data.image_size),
+                 "labels": torch.stack([s["labels"] for s in good]) if good else torch.zeros(0, dtype=torch.long)}
+        if bad:
+            batch["skipped"] = torch.tensor([i for _, i in bad])
+        return batch
+
+    def refuse_bad_image(self, batch: dict) -> None:
+        """A batch that met a file Pillow cannot decode: one line naming it."""
+        if "bad_image" in batch:
+            split, index = batch["bad_image"].tolist()
+            raise DataError(bad_image_line(self.files[SPLITS[split]][index][0]))
+
+    def count(self, batch: dict) -> int:
+        self.refuse_bad_image(batch)
+        if "skipped" in batch:  # data.skip_bad_images: each file said once, with the count so far
+            new = [i for i in batch["skipped"].tolist() if i not in self.skipped]
+            self.skipped.update(new)
+            for i in new:
+                rank_log().warning(
+                    f"skipped {self.files['train'][i][0]}: not a readable image (data.skip_bad_images; "
+                    f"{len(self.skipped)} skipped so far on this rank)")
+        return len(batch["labels"])
+
+    def tokens(self, batch: dict) -> Optional[int]:
+        return None
+
+    def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(pixel_values=batch["pixel_values"]).logits
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return self.loss_from_output(self.logits(model, batch), batch["labels"])
+
+    def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+    def eval_batch(self, model: nn.Module, batch: dict) -> dict:
+        self.refuse_bad_image(batch)
+        return self.eval_from_output(self.logits(model, batch), batch)
+
+    def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
+
+    def metrics(self, totals: dict) -> dict:
+        return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
+
+    # pipe: the ResNet's stem, each stage, then pooling and the head (transformers' ResNetForImageClassification).
+    def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
+        if not hasattr(model, "resnet"):
+            raise DataError(f"dist.strategy: pipe splits a ResNet into its stages; {type(model).__name__} is not one")
+        r = model.resnet
+        head = lambda x: model.classifier(r.pooler(x))  # noqa: E731
+        return [Layer(r.embedder, r.embedder), *[Layer(stage, stage) for stage in r.encoder.stages],
+                Layer(head, r.pooler, model.classifier)]
+
+    def pipeline_inputs(self, batch: dict) -> tuple:
+        return (batch["pixel_values"],)
+
+    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+        """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out)."""
+        files = image_files(path)
+        self.files["predict"] = [(f, 0) for f in files]
+        return [os.path.relpath(f, path) for f in files], ImageFiles(self.files["predict"], "predict", self.cfg)
+
+    def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        self.refuse_bad_image(batch)
+        return self.logits(model, batch)
+
+    # mode: export: the transformers model, its classes from the folders, and an image processor of the same
+    # evaluation preprocessing (Pillow only).
+    def prepare_inference(self) -> None:
+        self.build_datasets()
+
+    def label_names(self) -> Optional[list[str]]:
+        return self.classes
+
+    def hf_model(self, model: nn.Module):
+        return model
+
+    def hf_tokenizer(self):
+        return None
+
+    def hf_image_processor(self):
+        from transformers import BitImageProcessorPil
+        d = self.cfg.data
+        return BitImageProcessorPil(do_resize=True, size={"shortest_edge": d.resize_size}, resample=Image.BILINEAR,
+                                    do_center_crop=True, crop_size={"height": d.image_size, "width": d.image_size},
+                                    do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                                    image_mean=list(d.image_mean), image_std=list(d.image_std), do_convert_rgb=True)

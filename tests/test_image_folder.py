@@ -1,0 +1,343 @@
+"""task: image_folder on real images: MNIST digits written out as PNG and JPEG folders (tests/image_folders.py) and
+scikit-learn's sample photos; the hostile folders; the seeded crops; runs under none and ddp, resume, test mode."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import load_model_state, make_config, slow
+from image_folders import digit_folder
+import main
+from core import checkpoint_meta
+from core.errors import ConfigError, DataError
+from tasks import image_folder
+from tasks.image_folder import ImageFolderTask
+
+TINY = {"task": "image_folder", "model": {"arch": "resnet18", "width": 4, "dropout": 0.0},
+        "data": {"image_size": 16, "resize_size": 20, "crop_scale": [0.35, 1.0]}}
+TRAIN = {"max_steps": 8, "epochs": 0, "batch_size": 12, "eval_every": 4, "save_every": 4, "keep_last": 5,
+         "lr": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return digit_folder(tmp_path_factory.mktemp("digits"), train=16, val=4, test=4)
+
+
+def tiny(out, data_dir, train=None, data=None, **sections):
+    return make_config(out, **{**TINY, "data": {**TINY["data"], "data_dir": str(data_dir), **(data or {})},
+                               "train": {**TRAIN, **(train or {})}, **sections})
+
+
+def task_for(out, data_dir, **data) -> ImageFolderTask:
+    return ImageFolderTask(tiny(out, data_dir, data=data))
+
+
+# ---- the folder ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["train_val", "TRAIN_EVAL", "whole"])
+def test_each_layout_gives_the_sorted_class_folders(tmp_path, layout):
+    root = digit_folder(tmp_path / "d", classes=("zero", "one", "two"), train=10, val=5, layout=layout)
+    task = task_for(tmp_path, root, dev_fraction=0.2)
+    sets = task.build_datasets()
+    assert task.label_names() == ["one", "two", "zero"]  # sorted names, whatever the digits
+    assert len(sets["train"]) + len(sets["dev"]) == 45 and sets["test"] is None
+    assert len(sets["dev"]) == (9 if layout == "whole" else 15)  # whole: a dev_fraction of the 45 files
+    assert task.classes_note().startswith("3 classes: one (")
+    paths = {p for p, _ in sets["train"].files} & {p for p, _ in sets["dev"].files}
+    assert not paths  # no file in both splits
+    labels = {os.path.basename(os.path.dirname(p)): c for p, c in sets["train"].files}
+    assert labels == {"one": 0, "two": 1, "zero": 2}
+
+
+def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    for name in (".DS_Store", "notes.txt", "._00001.png", "Thumbs.db"):
+        open(os.path.join(root, "train", "one", name), "w").write("x")
+    os.makedirs(os.path.join(root, "train", "one", ".cache"))
+    open(os.path.join(root, "train", "one", ".cache", "a.png"), "w").write("x")  # a hidden folder: not read
+    task = task_for(tmp_path, root)
+    sets = task.build_datasets()
+    assert len(sets["train"]) == 18
+    assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
+
+
+@pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train"])
+def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
+    root = digit_folder(tmp_path / "d", train=4, val=2)
+    if case == "empty class":
+        os.makedirs(os.path.join(root, "train", "three"))
+        open(os.path.join(root, "train", "three", "readme.txt"), "w").write("x")
+        expected = f"{root}/train/three: an empty class folder"
+    elif case == "no classes":
+        shutil.rmtree(os.path.join(root, "train"))
+        os.makedirs(os.path.join(root, "train"))
+        expected = f"{root}/train: no class folders"
+    else:
+        shutil.copytree(os.path.join(root, "val", "one"), os.path.join(root, "val", "seven"))
+        expected = f"{root}/val/seven: class 'seven' is not in {root}/train (its classes: one, two, zero)"
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
+    with pytest.raises(ConfigError, match="`model.heads` is for the transformer tasks, not image_folder"):
+        tiny(tmp_path, tmp_path, model={**TINY["model"], "heads": 2})
+    with pytest.raises(ConfigError, match="`model.arch` is resnet18, a ResNet of task image_folder; remove it for image"):
+        make_config(tmp_path, model={"arch": "resnet18"})  # the digits CNN
+    with pytest.raises(ConfigError, match="`data.resize_size` must be in"):
+        tiny(tmp_path, tmp_path, data={"resize_size": 8})
+    with pytest.raises(ConfigError, match="`model.sync_batchnorm` needs GPUs"):
+        tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
+    with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
+        make_config(tmp_path, data={"skip_bad_images": True})
+
+
+# ---- decoding and preprocessing --------------------------------------------------------------------------------------
+def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
+    """Grayscale, palette, RGBA, CMYK and scikit-learn's JPEG photos decode to [3, S, S] normalised tensors."""
+    from sklearn.datasets import load_sample_images
+    root = tmp_path / "d"
+    os.makedirs(root / "train" / "a")
+    photo = Image.fromarray(load_sample_images().images[0])  # 640x427 JPEG, decoded by scikit-learn
+    photo.save(root / "train" / "a" / "rgb.JPEG", quality=90)
+    photo.convert("L").save(root / "train" / "a" / "gray.png")
+    photo.convert("P").save(root / "train" / "a" / "palette.gif")
+    photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
+    photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
+    photo.save(root / "train" / "a" / "bitmap.BMP")
+    task = task_for(tmp_path, root, image_size=24, resize_size=32, dev_fraction=0.0)
+    sets = task.build_datasets()
+    assert len(sets["train"]) == 6
+    sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
+    items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
+    assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
+    assert torch.allclose(items["rgb.JPEG"], items["bitmap.BMP"], atol=0.15)  # JPEG's loss, re-encoded
+    assert torch.allclose(items["cmyk.tif"], items["bitmap.BMP"], atol=0.1)
+    gray = items["gray.png"]
+    assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
+    # The center crop of a 256-style resize, as computed by hand from the photo.
+    small = photo.resize((int(32 * 640 / 427), 32), Image.BILINEAR)
+    left = (small.width - 24) // 2
+    expect = torch.tensor(np.asarray(small.crop((left, 4, left + 24, 28))), dtype=torch.float32).permute(2, 0, 1)
+    mean, std = torch.tensor([0.485, 0.456, 0.406])[:, None, None], torch.tensor([0.229, 0.224, 0.225])[:, None, None]
+    assert torch.allclose(items["bitmap.BMP"], (expect / 255 - mean) / std, atol=1e-5)
+
+
+def test_crops_are_drawn_per_seed_epoch_and_sample_off_the_global_stream(tmp_path, folder):
+    task = task_for(tmp_path, folder)
+    train = task.build_datasets()["train"]
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = train[3]["pixel_values"]
+    assert torch.equal(torch.get_rng_state(), before)  # dropout's stream untouched
+    assert torch.equal(first, train[3]["pixel_values"])  # the same sample, the same crop
+    train.set_epoch(1)
+    assert not torch.equal(first, train[3]["pixel_values"])  # another epoch, another crop
+    train.set_epoch(0)
+    train.seed += 1
+    assert not torch.equal(first, train[3]["pixel_values"])
+
+
+def test_crop_box_follows_torchvisions_bounds():
+    rng = np.random.default_rng(0)
+    for width, height in ((640, 427), (28, 28), (10, 300)):
+        for _ in range(50):
+            left, top, right, bottom = image_folder.random_resized_crop(width, height, rng, (0.08, 1.0))
+            assert 0 <= left < right <= width and 0 <= top < bottom <= height
+    assert image_folder.random_resized_crop(10, 300, rng, (0.9, 1.0)) == (0, 143, 10, 156)  # 3/4 at most
+
+
+# ---- runs --------------------------------------------------------------------------------------------------------
+def truncate_one(root) -> str:
+    folder = os.path.join(root, "train", "two")
+    path = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".png"))[0])
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("workers", [1, slow(0)])
+def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, workers):
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    bad = truncate_one(root)
+    train = {"max_steps": 2, "eval_every": 0, "save_every": 0, "batch_size": 18}
+    assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": workers})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{bad}: not a readable image (" in err[0] and "data.skip_bad_images" in err[0]
+    assert main.run(tiny(tmp_path / "b", root, train=train, data={"num_workers": workers,
+                                                                 "skip_bad_images": True})) == 0
+    log = open(tmp_path / "b" / "logs" / "rank0.log").read()
+    assert f"skipped {bad}: not a readable image (data.skip_bad_images; 1 skipped so far" in log
+
+
+def test_resume_is_bit_exact_crops_included(tmp_path, folder):
+    """Two epochs of random crops in two loader workers; resumed at step 4 (mid-epoch), it ends where the
+    uninterrupted run ends, bit for bit."""
+    data = {"num_workers": 2}
+    assert main.run(tiny(tmp_path / "full", folder, data=data)) == 0
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "full/checkpoints/step-4", tmp_path / "resumed/checkpoints/step-4")
+    assert main.run(tiny(tmp_path / "resumed", folder, data=data)) == 0
+    assert "resumed from" in open(tmp_path / "resumed" / "logs" / "rank0.log").read()
+    a, b = load_model_state(tmp_path / "full", 8), load_model_state(tmp_path / "resumed", 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["classifier.1.weight"], load_model_state(tmp_path / "full", 4)["classifier.1.weight"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("dp"), slow("ddp [8, 4]")])
+def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
+    dist = {"strategy": strategy.split()[0], "procs_per_node": 1 if strategy == "dp" else 2}
+    train = {"max_steps": 12, "eval_every": 6, "save_every": 6, **({"batch_size": [8, 4]} if "[" in strategy else {})}
+    assert main.run(tiny(tmp_path, folder, train=train, dist=dist)) == 0
+    best = checkpoint_meta.best_recorded(str(tmp_path))
+    dev = checkpoint_meta.read(best)["metrics"]
+    assert main.run(tiny(tmp_path, folder, train=train, dist=dist, mode="test")) == 0
+    import json
+    results = json.load(open(tmp_path / "dev_results.json"))
+    assert results["checkpoint"] == os.path.abspath(best) and results["metrics"]["samples"] == 12
+    assert results["metrics"]["accuracy"] == pytest.approx(dev["accuracy"])  # one process scores what ddp did
+    assert json.load(open(tmp_path / "test_results.json"))["metrics"]["samples"] == 12
+    # predict from this strategy's checkpoint (ddp: on both ranks, else in one process): each test image once, in
+    # order, as one process predicts them
+    test_dir = os.path.join(folder, "test")
+    assert main.run(tiny(tmp_path, folder, train=train, dist=dist, mode="predict", predict={"input": test_dir})) == 0
+    rows = read_csv(tmp_path / "predictions.csv")[1:]
+    assert [r[0] for r in rows] == sorted(os.path.join(c, f) for c in os.listdir(test_dir)
+                                          for f in os.listdir(os.path.join(test_dir, c)))
+    if strategy == "ddp":
+        assert "predicting 12 inputs" in open(tmp_path / "logs" / "rank1.log").read()
+        assert main.run(tiny(tmp_path, folder, train=train, mode="predict", predict={"input": test_dir})) == 0
+        alone = read_csv(tmp_path / "predictions.csv")[1:]
+        assert [r[:2] for r in alone] == [r[:2] for r in rows]
+        assert [float(r[2]) for r in alone] == pytest.approx([float(r[2]) for r in rows], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
+    from wiring import load_config
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "resnet50_imagefolder.yml"),
+                      [f"data.data_dir={folder}", f"output_dir={tmp_path}", "data.image_size=64",
+                       "data.resize_size=72", "train.batch_size=4", "train.max_steps=2", "train.epochs=0",
+                       "train.eval_every=0", "train.eval_batches=1", "train.precision=fp32", "log.progress_bar=false",
+                       "log.report_to=[]"])
+    assert cfg.model.arch == "resnet50" and cfg.train.optimizer == "SGD"
+    assert main.run(cfg) == 0
+    state = load_model_state(tmp_path, 2)
+    assert state["classifier.1.weight"].shape == (3, 2048)
+
+
+# ---- export and predict ----------------------------------------------------------------------------------------------
+def read_csv(path):
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsys):
+    """One trained run: predict writes each image once, in order, with top_k names; the export's
+    pipeline("image-classification") names the same classes with the same probabilities."""
+    from transformers import pipeline
+    assert main.run(tiny(tmp_path, folder, train={"max_steps": 6, "eval_every": 0, "save_every": 0})) == 0
+    new = tmp_path / "new"
+    shutil.copytree(os.path.join(folder, "test"), new)
+    open(new / ".DS_Store", "w").write("x")
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new), "top_k": 2})) == 0
+    table = read_csv(tmp_path / "predictions.csv")
+    files = sorted(os.path.relpath(os.path.join(r, f), new) for r, _, fs in os.walk(new) for f in fs if f[0] != ".")
+    assert table[0] == ["input", "label", "probability", "label_2", "probability_2"]
+    assert [row[0] for row in table[1:]] == files and len(files) == 12
+    assert all(row[1] in ("one", "two", "zero") and float(row[2]) >= float(row[4]) for row in table[1:])
+    assert main.run(tiny(tmp_path, folder, mode="export")) == 0
+    pipe = pipeline("image-classification", model=str(tmp_path / "export"))
+    for row in table[1:]:
+        answer = pipe(str(new / row[0]), top_k=2)
+        assert [a["label"] for a in answer] == [row[1], row[3]]
+        assert answer[0]["score"] == pytest.approx(float(row[2]), abs=1e-4)
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "nothing")})) == 2
+    assert f"error: predict.input: {tmp_path / 'nothing'} is not a folder of images" in capsys.readouterr().err
+    broken = new / "zero" / "broken.png"
+    broken.write_bytes(open(new / row[0], "rb").read()[:100])  # a cut-off file among the inputs
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new)})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and err[0].startswith(f"error: {broken}: not a readable image ("), err
+
+
+def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
+    """csv_text on a single CSV (its dev split a data.dev_fraction of it), then predict on a text file."""
+    rows = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
+                                                                          for i in range(30)]
+    (tmp_path / "all.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    run = dict(task="csv_text", data={"data_dir": str(tmp_path / "all.csv"), "dev_fraction": 0.2},
+               model={"hidden": 16, "dropout": 0.0},
+               train={"max_steps": 30, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8, "lr": 0.05})
+    assert main.run(make_config(tmp_path / "run", **run)) == 0
+    assert "dev: loss" in open(tmp_path / "run" / "logs" / "rank0.log").read()
+    (tmp_path / "new.txt").write_text("a lovely great day\n\nsuch a sad awful day\nfine\n")
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict",
+                                predict={"input": str(tmp_path / "new.txt")})) == 0
+    table = read_csv(tmp_path / "run" / "predictions.csv")
+    assert [r[:2] for r in table[1:]] == [["a lovely great day", "pos"], ["such a sad awful day", "neg"],
+                                          ["fine", "pos"]]
+    (tmp_path / "bad.csv").write_text("id,sentence\n1,hello\n")
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict",
+                                predict={"input": str(tmp_path / "bad.csv")})) == 2
+    assert f"error: predict.input: {tmp_path / 'bad.csv'} has no column 'text' (data.text_column) among id, " \
+           "sentence" in capsys.readouterr().err
+
+
+def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
+    from tasks.image import load_digits_split
+    assert main.run(make_config(tmp_path, train={"max_steps": 60, "epochs": 0, "eval_every": 0, "lr": 1e-2})) == 0
+    _, _, images, labels = load_digits_split()
+    os.makedirs(tmp_path / "new")
+    for i in range(20):  # the digits' 0..16 pixels as 8x8 PNGs, some upscaled
+        image = Image.fromarray((images[i] * 255 / 16).astype(np.uint8), "L")
+        (image.resize((32, 32), Image.NEAREST) if i % 2 else image).save(tmp_path / "new" / f"{i:02d}-{labels[i]}.png")
+    assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
+    rows = read_csv(tmp_path / "predictions.csv")[1:]
+    assert [r[0] for r in rows] == sorted(os.listdir(tmp_path / "new"))
+    right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
+    assert right >= 14, rows  # a CNN trained 60 steps reads most of them
+
+
+@pytest.mark.parametrize("kind", ["resnet", slow("vit")])
+def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind):
+    """Any AutoModelForImageClassification folder: its 5-class head replaced by one for the folder's 3, said once."""
+    from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
+    if kind == "resnet":
+        model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8],
+                                                          depths=[1, 1, 1, 1], layer_type="basic", num_labels=5))
+    else:
+        model = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32, num_labels=5))
+    model.save_pretrained(tmp_path / "pretrained")
+    cfg = tiny(tmp_path / "run", folder, train={"max_steps": 2, "eval_every": 0, "save_every": 0},
+               model={"pretrained_dir": str(tmp_path / "pretrained"), "dropout": 0.0})
+    assert main.run(cfg) == 0
+    log = open(tmp_path / "run" / "logs" / "rank0.log").read()
+    assert log.count("head had 5 classes; a new head of 3 (random) replaces it") == 1
+    state = load_model_state(tmp_path / "run", 2)
+    head = "classifier.1.weight" if kind == "resnet" else "classifier.weight"
+    assert state[head].shape[0] == 3
+
+
+@pytest.mark.slow
+def test_ddp_equals_one_process_for_a_model_without_batchnorm(tmp_path, folder):
+    """The crops are drawn per sample, not per rank: a ViT (LayerNorm, no BatchNorm) trained by 2 ddp ranks of 6
+    ends where one process with batch 12 ends (a ResNet would not: each rank's BatchNorm sees its own 6 images)."""
+    from transformers import ViTConfig, ViTForImageClassification
+    vit = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=32, num_labels=3))
+    vit.save_pretrained(tmp_path / "vit")
+    model = {"pretrained_dir": str(tmp_path / "vit"), "dropout": 0.0}
+    train = {"max_steps": 4, "eval_every": 0, "save_every": 0}
+    assert main.run(tiny(tmp_path / "one", folder, train={**train, "batch_size": 12}, model=model)) == 0
+    assert main.run(tiny(tmp_path / "ddp", folder, train={**train, "batch_size": 6}, model=model,
+                         dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    a, b = load_model_state(tmp_path / "one", 4), load_model_state(tmp_path / "ddp", 4)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert not torch.equal(a["classifier.weight"], vit.classifier.weight)
