@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from core.errors import UserError
+from tasks.table_files import read_texts
 
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1
 
 
 class BagOfWordsExport:
-    """What mode export's `hf` format asks a task (tasks/base.py), for csv_text: its model as below, its words
+    """What mode export's `hf` format (and mode predict) asks a task (tasks/base.py), for csv_text: its model as below, its words
     and vocabulary (`vocab`) as a tokenizer, the label names (`classes`) in config.json."""
     export_formats, hf_pipeline = ("hf", "onnx"), "text-classification"
 
@@ -37,6 +38,13 @@ class BagOfWordsExport:
 
     def hf_tokenizer(self):
         return hf_tokenizer(self.vocab, self.cfg.data.max_length)
+
+    def predict_inputs(self, path):  # mode: predict: a CSV/TSV/text file of texts, encoded as training's were
+        texts = read_texts(path, self.cfg.data.text_column)
+        return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
+
+    def predict_logits(self, model, batch):
+        return model(batch["ids"])
 
 
 def hf_classifier(model: nn.Module, names: list[str]):

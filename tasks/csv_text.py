@@ -2,7 +2,6 @@
 `datasets` save_to_disk folder: tasks/table_files.py) with a text and a label column; see docs/tutorial/07."""
 import re
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -10,7 +9,7 @@ from core.errors import DataError
 from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.table_files import FORMATS, check_classes, read_split, read_texts
+from tasks.table_files import check_classes, read_split, train_dev_test
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -23,12 +22,7 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
         return read_split(d.data_dir, split, d.text_column, d.label_column)
 
     def build_datasets(self):
-        raw = {split: self.read(split) for split in ("train", "dev", "test")}
-        if raw["train"] is not None and raw["dev"] is None and self.cfg.data.dev_fraction > 0:
-            raw["train"], raw["dev"] = split_off(*raw["train"], self.cfg.data.dev_fraction)
-        if raw["train"] is None or raw["dev"] is None:
-            raise DataError(f"data.data_dir={self.cfg.data.data_dir!r} needs a train file, and a dev file or "
-                            f"data.dev_fraction > 0 ({FORMATS})")
+        raw = train_dev_test(self.read, self.cfg.data)  # no dev file: data.dev_fraction of train's rows
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
         self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
@@ -59,20 +53,6 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
     def eval_batch(self, model, batch):  # the dev loss is loss_sum's: edit the loss once, both follow
         return classification_batch(model(batch["ids"]), batch["labels"], self.loss_sum(model, batch))
 
-    def predict_inputs(self, path):  # mode: predict: a CSV/TSV/text file of texts, encoded as training's were
-        texts = read_texts(path, self.cfg.data.text_column)
-        return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
-
-    def predict_logits(self, model, batch):
-        return model(batch["ids"])
-
     def metrics(self, totals):
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
 
-
-def split_off(texts, labels, fraction):  # a fixed dev_fraction of the rows (whatever the seed) becomes dev
-    order = np.random.default_rng(0).permutation(len(texts))
-    dev = set(order[:int(round(len(texts) * fraction))].tolist())
-    part = lambda keep: ([t for i, t in enumerate(texts) if (i in dev) == keep],  # noqa: E731
-                         [y for i, y in enumerate(labels) if (i in dev) == keep])
-    return part(False), part(True)

@@ -26,12 +26,29 @@ import os
 from collections import Counter
 from typing import Iterable, Iterator, Optional
 
+import numpy as np
+
 from core.errors import ConfigError, DataError
 from tasks.text_common import json_lines, note, read_utf8
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
 FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
 Rows = Iterable[tuple[object, object, str]]  # (text, label, where: `:LINE` or `[i]`, printed after the file)
+
+
+def train_dev_test(read, data) -> dict:
+    """{split: (texts, labels) or None} read by `read(split)`. Without a dev file, a fixed data.dev_fraction of the
+    training rows (whatever the seed) becomes dev."""
+    raw = {split: read(split) for split in ("train", "dev", "test")}
+    if raw["train"] is not None and raw["dev"] is None and data.dev_fraction > 0:
+        texts, labels = raw["train"]
+        dev = set(np.random.default_rng(0).permutation(len(texts))[:int(round(len(texts) * data.dev_fraction))])
+        raw["train"], raw["dev"] = [([t for i, t in enumerate(texts) if (i in dev) == keep],
+                                     [y for i, y in enumerate(labels) if (i in dev) == keep]) for keep in (False, True)]
+    if raw["train"] is None or raw["dev"] is None:
+        raise DataError(f"data.data_dir={data.data_dir!r} needs a train file, and a dev file or data.dev_fraction > 0 "
+                        f"({FORMATS})")
+    return raw
 
 
 def read_split(data_dir: str, split: str, text_column: str, label_column: str):
