@@ -4,7 +4,9 @@
 
 The composition root's first half, the parent process: checks the config (a mistake: one line, exit code 2, before
 torch loads), holds output_dir, then starts this node's ranks (resilience/launcher.py) or is the one rank torchrun or
-srun started. What a rank runs, and the tables: wiring.py, imported once the schema passed.
+srun started. What a rank runs, and the tables: wiring.py, imported once the schema passed. Each rank is a
+process running launcher.rank_main -> wiring.worker: distributed.init (the process group), build_trainer (the
+model wrapped by its strategy: DDP in strategies/replicated.py), then Trainer.train().
 """
 from __future__ import annotations
 

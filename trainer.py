@@ -148,12 +148,15 @@ class Trainer:
         # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
         # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
         # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
+        # (is_replica_reporter: True on every ddp rank; under tp or pipe, one rank per replica counts)
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0
         local = torch.tensor([float(n), self.hooks.stop_vote()])
         counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
         count = counts[0]
-        scale = strategy.grad_average_over / count  # the ranks (pipelines, tp groups) DDP/FSDP average gradients over
-        # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py)
+        # grad_average_over: the world size under ddp (the replicas DDP/FSDP average over). Not fp16's loss scaler.
+        scale = strategy.grad_average_over / count
+        # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
+        # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
         loss_total = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
         if strategy.scaler:
             strategy.scaler.unscale_(strategy.optimizer)  # clip and measure the true gradients, not the scaled ones

@@ -92,7 +92,8 @@ class Strategy:
         self.model.compile()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping."""
+        """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping. Under ddp
+        every rank holds the averaged gradients, so the norm of its own is the global one (fsdp/zero: their own)."""
         if math.isinf(max_norm):  # the Trainer wants the norm every step (NaN check): skip clipping's extra pass
             return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
