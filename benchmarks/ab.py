@@ -48,6 +48,11 @@ def export_tree(commit: str, folder: str) -> str:
     return tree
 
 
+def logged_rates(log: str) -> list[float]:
+    """The samples_per_s of each training line, as the log writes them (4 significant digits: 1.502e+04 too)."""
+    return [float(v) for v in re.findall(r"samples_per_s=([\d.]+(?:e[+-]?\d+)?)", log)]
+
+
 def main_py_rate(tree: str, out: str, args) -> float:
     """One run of main.py in `tree`: the median logged samples/s, the first window left out."""
     sets = [f"output_dir={out}", f"train.max_steps={args.steps}", f"train.log_every={args.log_every}", *QUIET,
@@ -57,7 +62,7 @@ def main_py_rate(tree: str, out: str, args) -> float:
     if r.returncode:
         sys.exit(f"error: {' '.join(cmd)} in {tree} exited {r.returncode}:\n{r.stderr[-2000:]}")
     with open(os.path.join(out, "logs", "rank0.log")) as f:
-        rates = [float(v) for v in re.findall(r"samples_per_s=([\d.]+)", f.read())]
+        rates = logged_rates(f.read())
     if not rates:
         sys.exit(f"error: {out}/logs/rank0.log has no samples_per_s: raise --steps above --log-every")
     return statistics.median(rates[1:] or rates)

@@ -47,6 +47,14 @@ def test_every_benchmark_is_listed():
     assert scripts == set(RESULT_LINE) | NOT_RUN, "benchmarks/ and RESULT_LINE disagree: add the new script here"
 
 
+def test_ab_reads_rates_the_log_writes_in_scientific_notation():
+    """The training line writes 4 significant digits: 15020 samples/s is `1.502e+04`, which ab.py once read as 1.5."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import ab
+    assert ab.logged_rates("step 20/300 loss=0.3 samples_per_s=1.502e+04 grad_norm=1\n"
+                           "step 40/300 loss=0.2 samples_per_s=955.9 grad_norm=1") == [15020.0, 955.9]
+
+
 def test_bench_elastic_still_finds_its_line():
     with open(os.path.join(ROOT, "tests", "test_elastic_launch.py")) as f:
         assert 'print("recovery after node 1 was lost (s from the kill):", ' in f.read()  # what it parses
