@@ -81,6 +81,7 @@ class Trainer:
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
+        self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
         self.ema = WeightAverage(strategy.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None

@@ -94,7 +94,7 @@ def check_task(cfg: Config, fail) -> None:
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
 
 
-def check_own_keys(cfg: Config, fail) -> None:
+def check_reader_keys(cfg: Config, fail) -> None:
     for check, keys in READER_CHECKS:
         if any(is_set(cfg, key) for key in keys):
             check(cfg, fail)
@@ -102,19 +102,20 @@ def check_own_keys(cfg: Config, fail) -> None:
 
 def check_batch_split(cfg: Config, fail) -> None:
     """train.batch_size as a list, or auto: one share per rank, or per tp group or pipeline (their own checks)."""
-    t, d, world = cfg.train, cfg.dist, world_size(cfg)
+    train_cfg, dist_cfg, world = cfg.train, cfg.dist, world_size(cfg)
     readers, who = world, "ranks"
-    if d.tp > 1:
+    if dist_cfg.tp > 1:
         readers, who = tp.check_config(cfg, world, fail), "tp groups (world size / dist.tp)"
-    if d.strategy == "pipe":
+    if dist_cfg.strategy == "pipe":
         readers, who = pipeline.check_config(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
-    if isinstance(t.batch_size, list) and len(t.batch_size) != readers:
-        fail("train.batch_size", f"lists {len(t.batch_size)} sizes but there are {readers} {who}")
-    if t.batch_size == "auto" and t.global_batch_size < readers:
-        fail("train.global_batch_size", f"must be >= the number of {who} ({readers}), got {t.global_batch_size}")
+    if isinstance(train_cfg.batch_size, list) and len(train_cfg.batch_size) != readers:
+        fail("train.batch_size", f"lists {len(train_cfg.batch_size)} sizes but there are {readers} {who}")
+    if train_cfg.batch_size == "auto" and train_cfg.global_batch_size < readers:
+        fail("train.global_batch_size",
+             f"must be >= the number of {who} ({readers}), got {train_cfg.global_batch_size}")
 
 
-CHECKS = (check_task, check_own_keys, check_batch_split)
+CHECKS = (check_task, check_reader_keys, check_batch_split)
 
 
 def check(cfg: Config, source: str) -> None:

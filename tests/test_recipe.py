@@ -193,3 +193,14 @@ def test_gpt2_training_line_has_tokens_per_s(tmp_path):
     for t, s in zip(tps, sps):  # every sample is a window of max_length input tokens, timed by one clock
         assert t / s == pytest.approx(32, rel=2e-3)
     assert len(logged(cfg.output_dir, "ms_per_step")) == 2
+
+
+def test_best_mode_auto_is_what_the_task_says(tmp_path):
+    """train.best_mode auto: min for the metrics the task lists in lower_is_better, max for the others."""
+    from tasks.bert_pretrain import BertPretrainTask
+    from tasks.gpt2_lm import GPT2LMTask
+    modes = {metric: build_trainer(make_config(tmp_path / metric, train={**SHORT, "best_metric": metric})).best_mode
+             for metric in ("loss", "accuracy", "f1")}
+    assert modes == {"loss": "min", "accuracy": "max", "f1": "max"}
+    assert "perplexity" in GPT2LMTask.lower_is_better and "mlm_loss" in BertPretrainTask.lower_is_better
+    assert "mlm_accuracy" not in BertPretrainTask.lower_is_better
