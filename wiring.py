@@ -251,9 +251,11 @@ def worker(cfg: Config, launch) -> int:
         ctx = distributed.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
         ctx.cpu_threads = distributed.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
         watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
-        # lr_find sweeps with the run's own Trainer, as a fresh training run would start (no resume)
-        sweep = dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train, resume=False))
-        trainer = build_trainer(sweep if cfg.mode == "lr_find" else cfg, ctx)
+        if cfg.mode == "lr_find":  # it sweeps with the run's own Trainer, as a fresh training run starts (no resume)
+            trainer = build_trainer(dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train,
+                                                                                                  resume=False)), ctx)
+        else:
+            trainer = build_trainer(cfg, ctx)
         TRAINERS.append(trainer)
         if cfg.mode == "lr_find":
             lr_find.sweep(trainer)
