@@ -12,7 +12,7 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCT_DIRS = ("core", "strategies", "tasks", "resilience", "extras", "scripts")
 # Config sections read like modules (`export.dir`, `train.lr`): a dotted word starting with one is a config key.
-CONFIG_SECTIONS = set(__import__("core.config", fromlist=["SECTIONS"]).SECTIONS)
+CONFIG_SECTIONS = {"data", "model", "train", "dist", "test", "export", "log", "predict", "lr_find"}
 FILE_SUFFIXES = {"json", "yml", "yaml", "pt", "pt2", "txt", "md", "csv", "tsv", "log", "html", "png", "bin", "hdf5",
                  "sh", "ipynb", "gz", "distcp", "metadata", "conf", "db", "safetensors", "lock", "parquet", "npy"}
 # Other projects' files and the kernel's cgroup files, named where we compare with them or read them.
@@ -21,6 +21,7 @@ EXTERNAL = {"train.py", "model.py", "config/train_shakespeare_char.py", "create_
 # Stale references in code that issue 38's restructuring rewrites (left to it, to keep the merge simple); empty
 # this once that has landed.
 LEFT_FOR_THE_RESTRUCTURE = set()
+LR_FIND_KEYS = {"min", "max", "steps"}  # core/config.py's LRFindConfig
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+)")
 PY_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
 
@@ -107,8 +108,10 @@ class Modules:
     def problem(self, reference: str) -> str | None:
         """None when `reference` is not about this project or names what exists; else what is missing."""
         parts = reference.split(".")
-        if parts[-1] in FILE_SUFFIXES or parts[0] in CONFIG_SECTIONS:
+        if parts[-1] in FILE_SUFFIXES:
             return None
+        if parts[0] in CONFIG_SECTIONS and not (parts[0] == "lr_find" and parts[1] not in LR_FIND_KEYS):
+            return None  # a config key; lr_find is a module too (extras/lr_find.py): its other names are checked
         for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module of ours
             paths = self.by_key.get(".".join(parts[:cut]).replace(".", "/")) or self.by_key.get(".".join(parts[:cut]))
             if paths:
