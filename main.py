@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from core import process_end
 from core.config import Config, config_source, load_config, procs_per_node_list
 from core.errors import UserError
 from core.launch_env import launcher_env
@@ -171,5 +172,5 @@ if __name__ == "__main__":
     # Whatever loaded torch (a rank torchrun or srun started, the one process of a run, the launcher of this node's
     # ranks) ends as our ranks do. A run that stopped at a mistake in its config never loaded torch: it ends at once.
     if "torch" in sys.modules:
-        launcher.end_rank_process(code)
+        process_end.end_process(code)
     sys.exit(code)

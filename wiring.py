@@ -225,7 +225,7 @@ def run_export(cfg: Config) -> int:
 
 
 # ---- one rank -------------------------------------------------------------------------------------------------------
-# A rank's Trainer lives until its process ends (launcher.end_rank_process, or the interpreter's exit): freed on
+# A rank's Trainer lives until its process ends (process_end.end_process, or the interpreter's exit): freed on
 # return, DDP's reducer drops the last reference to its gloo group, whose destructor joins gloo's thread while holding
 # the GIL that thread can be waiting for (a rank hung after its run was done, seen under torchrun with py-spy).
 TRAINERS: list = []

@@ -78,7 +78,7 @@ def share_cores(ctx: DistContext, local_procs: int) -> str:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Close the process group (gloo's threads live on until the process ends: see launcher.end_rank_process)."""
+    """Close the process group (gloo's threads live on until the process ends: see process_end.end_process)."""
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

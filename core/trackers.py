@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from core import disk_errors
+from core import disk_errors, process_end
 from core.errors import UserError, first_line
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
@@ -199,7 +199,7 @@ class WandB:
     `run_id`: the run to continue (resume="allow"), or None for a new one."""
 
     def __init__(self, cfg, run_id: Optional[str]):
-        import wandb  # optional; check_config made sure it is there
+        wandb = process_end.import_with_own_temp_folder("wandb")  # optional; check_config made sure it is there
         self.step = 0
         try:
             if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
@@ -212,6 +212,8 @@ class WandB:
             raise UserError(f"log.report_to: wandb could not start a run: {line} (run `wandb login`, or set "
                             "WANDB_MODE=offline)") from None
         self.run_id = self.run.id
+        if wandb.teardown not in process_end.HANDLERS:
+            process_end.at_end(wandb.teardown)  # stops W&B's service (its own atexit handler would; see process_end)
 
     def config(self, values: dict) -> None:
         self.run.config.update(values, allow_val_change=True)  # a resumed run may change some

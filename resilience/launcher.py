@@ -4,7 +4,6 @@ that the ranks stop together after saving, and takes the others down when one fa
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import errno
@@ -21,6 +20,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Callable
 
+from core import process_end
 from core.config import Config
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, UserError
 from resilience import faults
@@ -278,18 +278,7 @@ def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, fin
     faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    end_rank_process(worker(cfg, launch))
-
-
-def end_rank_process(code: int) -> None:
-    """End a process that loaded torch (a rank, or main.py's process) with `code`: its exit handlers run (W&B's
-    service and temporary folders, logging), the interpreter's teardown does not. In that teardown gloo's threads,
-    still held by torch, can abort a run that was done, and it takes ~1 s (benchmarks/RESULTS.md, "A rank aborting
-    after the run was done", "Ending main.py's process as its ranks end")."""
-    atexit._run_exitfuncs()  # (CPython's own call at exit; the atexit module has no public one)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    process_end.end_process(worker(cfg, launch))
 
 
 def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:

@@ -96,8 +96,8 @@ def _train_rank(local_rank, cfg, world, out_dir):
                    os.path.join(out_dir, f"rank{local_rank}.pt"))
     finally:
         distributed.shutdown(ctx)
-    from resilience import launcher
-    launcher.end_rank_process(0)  # as main.py's ranks end: without the interpreter's teardown (gloo's threads)
+    from core import process_end
+    process_end.end_process(0)  # as main.py's ranks end: without the interpreter's teardown (gloo's threads)
 
 
 def run_ranks(cfg, world, out_dir):

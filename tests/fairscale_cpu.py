@@ -88,9 +88,9 @@ def train(cfg, procs: int) -> int:
 def _worker(local_rank: int, cfg, procs: int) -> None:
     import main
     import wiring
-    from resilience import launcher
+    from core import process_end
     install()
     code = wiring.worker(cfg, main.RankPlace(rank=local_rank, local_rank=local_rank, world=procs, local_procs=procs))
     if code:
         sys.exit(code)
-    launcher.end_rank_process(0)  # as main.py's ranks end (see there)
+    process_end.end_process(0)  # as main.py's ranks end (see there)

@@ -190,8 +190,8 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         distributed.barrier(ctx)  # as wiring.worker: rank 0 holds the store; the other may still make its groups
     finally:
         distributed.shutdown(ctx)
-    from resilience import launcher
-    launcher.end_rank_process(0)  # as main.py's ranks end (see there)
+    from core import process_end
+    process_end.end_process(0)  # as main.py's ranks end (see there)
 
 
 def test_only_a_ranks_own_stage_goes_to_its_device(tmp_path):

@@ -139,7 +139,7 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
 def _rank(local_rank, cfg, out_dir, timings):
     """A spawned rank: this CPU has AMX and measures `timings[local_rank]`; it trains and writes what it chose."""
     from core import distributed
-    from resilience import launcher
+    from core import process_end
     from wiring import build_task
     torch.set_num_threads(1)
     balance.cpu_bf16_units = lambda: "AMX"
@@ -154,7 +154,7 @@ def _rank(local_rank, cfg, out_dir, timings):
             json.dump({"precision": t.train_cfg.precision, "note": t.precision_note, "fp32_params": params_fp32}, f)
     finally:
         distributed.shutdown(ctx)
-    launcher.end_rank_process(0)
+    process_end.end_process(0)
 
 
 @pytest.mark.parametrize("timings, chosen", [  # quick loop: the bf16 case (agreement and the bf16 run)

@@ -154,8 +154,8 @@ def _evaluate_rank(local_rank, cfg, world, out):
                 json.dump(metrics, f)
     finally:
         distributed.shutdown(ctx)
-    from resilience import launcher
-    launcher.end_rank_process(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
+    from core import process_end
+    process_end.end_process(0)  # as main.py's ranks end (gloo's threads can abort the interpreter's teardown)
 
 
 def test_eval_batches_subset_is_exact_across_ranks(tmp_path):
