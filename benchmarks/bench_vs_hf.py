@@ -31,6 +31,10 @@ start from the same weights (one model, deep-copied) and read the same tokenized
 block is a warm-up and is not timed. Printed: samples/s of each side (over the timed blocks), their ratio, and dev
 accuracy of both models after the same number of steps, measured by the same evaluation function (fp32).
 Without ../shared/data/sst2 or the MiniLM package, the benchmark says so and exits (code 0).
+
+Both sides train on the very same batches in the same order (ours' sampler draws them all first; HF's Trainer is
+handed them one per step, sequentially), so the ratio measures the two training loops alone, not the two samplers'
+padding. --own-samplers: each side draws its own batches (its own length grouping), as before 2026-11-28.
 """
 import argparse
 import copy
@@ -85,6 +89,20 @@ class Sentences(torch.utils.data.Dataset):
         return {"input_ids": item["input_ids"], "labels": item["labels"]}
 
 
+class Batches(torch.utils.data.Dataset):
+    """Ours' collated batches, one item each, which HF's Trainer reads in order (batch size 1, the
+    collator hands the item on as the step's batch)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
 def join_sentences(src: str, dst: str, words: int = LONG_WORDS) -> None:
     """--job long's data: in file order, each label's sentences joined until a text has `words` words (so its
     label is still the sentiment of every part); the tail of each label that falls short is dropped."""
@@ -114,12 +132,13 @@ def job_settings(job: str, out: str) -> list[str]:
 def hf_arguments(args, cfg, t, out, total, transformers):
     """HF's TrainingArguments: the job (recipe, steps, order) always; precision, optimizer, device and data
     loader settings as ours (matched) or left to HF's defaults (--defaults)."""
-    job = dict(output_dir=f"{out}/hf", per_device_train_batch_size=t.batch_size, learning_rate=t.lr,
+    same = not args.own_samplers  # HF is handed ours' batches, one item per step, in order
+    job = dict(output_dir=f"{out}/hf", per_device_train_batch_size=1 if same else t.batch_size, learning_rate=t.lr,
                weight_decay=t.weight_decay, warmup_steps=t.warmup, max_grad_norm=t.clip_grad_norm or 0.0,
                lr_scheduler_type={"constant": "constant_with_warmup"}.get(t.schedule, t.schedule),
                max_steps=total, seed=cfg.seed, report_to="none", save_strategy="no", eval_strategy="no",
                logging_steps=10**6, disable_tqdm=True,
-               train_sampling_strategy="random" if args.no_group else "group_by_length")
+               train_sampling_strategy="sequential" if same else "random" if args.no_group else "group_by_length")
     if args.defaults:
         return transformers.TrainingArguments(**job)
     return transformers.TrainingArguments(
@@ -144,6 +163,8 @@ def parse_args():
                    "on torch >= 2.8)")
     p.add_argument("--no-group", action="store_true", help="random order on both sides instead of group_by_length")
     p.add_argument("--set", action="append", default=[], help="extra overrides for our side, e.g. train.fused=false")
+    p.add_argument("--own-samplers", action="store_true", help="each side draws its own batches (default: both "
+                   "train on ours' batches in the same order, so the ratio is the loops' alone)")
     p.add_argument("--profile", type=int, default=0, help="profile N steps of each side and print the top ops")
     p.add_argument("--config", default="configs/sst2_minilm.yml",
                    help="our side's preset; both sides take model, batch, lr, decay, warm-up and clip from it "
@@ -185,6 +206,9 @@ def main():
         ours.hooks.before_first_step(ours)  # what train() does first: auto measures on a CPU
     t, batch = ours.train_cfg, ours.train_cfg.batch_size  # (precision as resolved for this device)
     stream, window = ours.micro_batches(), LossWindow(ours.ctx)
+    if not args.own_samplers:  # every batch drawn before either side runs; ours reads them from the list, HF too
+        drawn = [next(stream) for _ in range(total + (args.profile + 5 if args.profile else 0))]
+        stream = iter(drawn)
     hf_model = copy.deepcopy(ours.strategy.raw_model)  # the same starting weights, new classifier head included
 
     tokens = {"ours": [0], "hf": [0]}  # padded tokens per block: the work done, whatever the lengths drawn
@@ -199,14 +223,15 @@ def main():
 
     hf_args = hf_arguments(args, cfg, t, out, total, transformers)
     pad = transformers.DataCollatorWithPadding(task.tokenizer)
+    train_set = Sentences(task.datasets["train"]) if args.own_samplers else Batches(drawn)
 
     def collator(features):
-        batch = pad(features)
+        batch = pad(features) if args.own_samplers else features[0]  # (ours' batches: one ready batch a step)
         tokens["hf"][-1] += batch["input_ids"].numel()
         return batch
 
     if args.profile:
-        return profile(args.profile, ours_block, hf_model, hf_args, task, collator, transformers)
+        return profile(args.profile, ours_block, hf_model, hf_args, task, train_set, collator, transformers)
 
     times = {"ours": [], "hf": []}
 
@@ -230,11 +255,13 @@ def main():
             tokens["ours"].append(0)
             self.mark = time.perf_counter()
 
-    hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Sentences(task.datasets["train"]),
+    hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=train_set,
                               data_collator=collator, processing_class=task.tokenizer, callbacks=[Alternate()])
     hf.train()
     dev = task.datasets["dev"]
     dev = [dev[i] for i in range(64)] if args.tiny else dev  # the first 64 sentences
+    if not args.own_samplers:  # the same batches: HF's blocks held ours' tokens (accelerate reads a batch ahead,
+        tokens["hf"] = list(tokens["ours"])  # so counting in its collator would shift them by one batch)
     acc = {"ours": dev_accuracy(ours.strategy.raw_model, task, dev), "hf": dev_accuracy(hf_model, task, dev)}
     report(args, cfg, ours, hf_args, times, tokens, acc, len(dev), transformers)
 
@@ -252,18 +279,18 @@ def report(args, cfg, ours, hf_args, times, tokens, acc, dev_size, transformers)
     print(f"  ours: precision {ours.precision_note}; HF: precision {hf_precision}, optim {hf_args.optim.value}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{args.rounds} timed blocks x {args.steps} steps per side (+1 warm-up block), {total} steps each, "
-          f"{'random order' if args.no_group else 'group_by_length'}")
+          f"{'random order' if args.no_group else 'group_by_length'}"
+          f"{', each side its own batches' if args.own_samplers else ', the same batches on both sides'}")
     for k, name in (("ours", "this Trainer"), ("hf", "HF Trainer")):
         blocks = ", ".join(f"{args.steps * batch / x:.1f}" for x in times[k])
         print(f"{name:>12}: {rate[k]:6.1f} samples/s (median block; blocks {blocks}), {tok_rate[k]:6.0f} padded "
               f"tokens/s, dev accuracy after {total} steps {acc[k]:.4f} ({dev_size} dev examples)")
     print(f"ratio ours/HF ({mode}): {rate['ours'] / rate['hf']:.3f} in samples/s "
           f"(goal {'>= 1.5 on a CPU with bf16 units, >= 1.0 without' if args.defaults else '>= 1.0'}), "
-          f"{tok_rate['ours'] / tok_rate['hf']:.3f} in padded tokens/s (the same work per token; the sides draw "
-          "different length-grouped batches)")
+          f"{tok_rate['ours'] / tok_rate['hf']:.3f} in padded tokens/s (the same work per token)")
 
 
-def profile(n, ours_block, hf_model, hf_args, task, collator, transformers):
+def profile(n, ours_block, hf_model, hf_args, task, train_set, collator, transformers):
     """torch.profiler over n steps of each side (after 5 warm-up steps), top CPU ops by self time."""
     from torch.profiler import ProfilerActivity, profile as prof
     ours_block(5)
@@ -283,7 +310,7 @@ def profile(n, ours_block, hf_model, hf_args, task, collator, transformers):
         def on_train_end(self, a, s, control, **kw):
             state["p"].__exit__(None, None, None)
 
-    transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Sentences(task.datasets["train"]),
+    transformers.Trainer(model=hf_model, args=hf_args, train_dataset=train_set,
                          data_collator=collator, processing_class=task.tokenizer, callbacks=[Profile()]).train()
     print(f"=== HF, {n} steps ===")
     print(state["p"].key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
