@@ -23,7 +23,7 @@ from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
-from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
+from data_loader import GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional
 from core.model_parts import lora_base_entry
 from strategies.base import Strategy
 from tasks.base import Task
@@ -76,7 +76,7 @@ class Trainer:
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
             "min" if self.best_metric in task.lower_is_better else "max")
-        self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
+        self.pin_memory = self.ctx.device.type == "cuda"  # pinned batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
@@ -100,7 +100,7 @@ class Trainer:
         bar = self.progress_bar()
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
-            self.hooks.at(state.step + 1, "train")
+            self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
@@ -131,7 +131,7 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
-        self.hooks.at(state.step, "done")
+        self.hooks.phase_starts(state.step, "done")
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.finish_save()
@@ -236,13 +236,14 @@ class Trainer:
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
         indices = self.eval_indices(split, len(dataset))
         batches = [[indices[i] for i in batch]
-                   for batch in eval_batches(len(indices), strategy.data_rank, strategy.data_shares,
-                                             self.train_cfg.eval_batch_size)]
-        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
+                   for batch in eval_shard_batches(len(indices), strategy.data_rank, strategy.data_shares,
+                                                   self.train_cfg.eval_batch_size)]
+        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin_memory,
+                             self.cfg.seed)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
-            self.hooks.at(self.state.step, "eval")  # a watchdog sees evaluation advance
+            self.hooks.phase_starts(self.state.step, "eval")  # a watchdog sees evaluation advance
             out = strategy.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
@@ -251,7 +252,7 @@ class Trainer:
                 else:
                     arrays.setdefault(k, []).append(v)
         if strategy.forward_is_collective:
-            most = len(eval_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
+            most = len(eval_shard_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
                 strategy.eval_batch(self.task, dummy, self.autocast)
@@ -315,7 +316,7 @@ class Trainer:
 
     # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
-        self.hooks.at(self.state.step, "save")
+        self.hooks.phase_starts(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
         own = self.state_dict()
@@ -433,7 +434,7 @@ class Trainer:
             batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
             self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin, self.cfg.seed + state.epoch)
+                                 self.pin_memory, self.cfg.seed + state.epoch)
             for batch in loader:
                 state.batch_in_epoch += 1
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
@@ -442,9 +443,9 @@ class Trainer:
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
-        if self.pin:
+        if self.pin_memory:
             batch = {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
-        return {k: v.to(self.ctx.device, non_blocking=self.pin) for k, v in batch.items()}
+        return {k: v.to(self.ctx.device, non_blocking=self.pin_memory) for k, v in batch.items()}
 
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.train_cfg.batch_size

@@ -111,7 +111,7 @@ def write_file(path: str, text: str) -> None:
     (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with disk_errors.naming(path), open(tmp, "w") as f:
+        with disk_errors.name_unnamed_errors(path), open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
     finally:
