@@ -69,7 +69,7 @@ class Trainer:
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
-        self.total_steps = self.count_total_steps()
+        self.total_steps, self.length_note = self.count_total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
@@ -462,9 +462,9 @@ class Trainer:
                                   shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
                                   drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
 
-    def count_total_steps(self) -> int:
-        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
-        which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
+    def count_total_steps(self) -> tuple[int, str]:
+        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first, and which one it is, for
+        the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
         train_cfg, sampler = self.train_cfg, self.sampler
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
             raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
@@ -477,11 +477,11 @@ class Trainer:
         total, first = min(limits)
         others = [what for n, what in limits if what != first]
         verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
-        self.length_note = first + (f" {verb} {others[0]}" if others else "")
+        note = first + (f" {verb} {others[0]}" if others else "")
         if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
             raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
-                              f"steps: {self.length_note}); lower it, or give a fraction of the run (< 1)")
-        return total
+                              f"steps: {note}); lower it, or give a fraction of the run (< 1)")
+        return total, note
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------
     def progress_bar(self, **kwargs):
