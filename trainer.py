@@ -144,17 +144,13 @@ class Trainer:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
         summed loss, the global count, the global gradient norm, and whether any rank asked to stop."""
         strategy, ctx = self.strategy, self.ctx
-        # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
-        # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
-        # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
-        # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
-        # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        # (is_replica_reporter: True on every ddp rank; under tp or pipe, one rank per replica counts)
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0
+        # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
+        # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # tp, pipe: one per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
-        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
+        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # on a GPU the host does not wait
         count = counts[0]
-        # grad_average_over: the world size under ddp (the replicas DDP/FSDP average over). Not fp16's loss scaler.
+        # DDP/FSDP average the gradients over grad_average_over replicas; multiplying by it undoes that.
         scale = strategy.grad_average_over / count
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
         # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
@@ -449,7 +445,7 @@ class Trainer:
 
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.train_cfg.batch_size
-        if b == "auto":  # an equal split until measure() has timed the ranks
+        if b == "auto":  # an equal split until the ranks are timed (extras/balance.py)
             unit = self.strategy.batch_multiple  # pipe: whole sets of micro-batches
             return [n * unit for n in split_proportional(self.train_cfg.global_batch_size // unit,
                                                          [1] * self.strategy.data_shares, minimum=1)]
@@ -505,8 +501,8 @@ class Trainer:
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
 def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
-    """The function factor(step) (step: optimizer steps done): linear warm-up, then `schedule` from 1 down to
-    min_lr_ratio (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
+    """factor(step), `step` being the optimizer steps done: a linear warm-up, then `schedule` from 1 down to
+    min_lr_ratio, the fraction of train.lr the last step ends at."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
