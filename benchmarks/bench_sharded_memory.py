@@ -62,7 +62,7 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
             fairscale_cpu.install()
             dist_section = {k: v for k, v in dist_section.items() if k != "fsdp_impl"}
         cfg = checked_config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
-                                "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
+                                        "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
         if fairscale_fsdp:
             cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
         torch.manual_seed(0)

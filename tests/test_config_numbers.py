@@ -74,8 +74,8 @@ def test_numbers_out_of_range_are_refused_naming_key_and_value(tmp_path, item, k
 
 def test_values_in_range_still_load(tmp_path):
     cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "seed=0", "train.lr=1e-3", "train.warmup=0.1",
-                               "train.time_limit=01:00:00", "dist.timeout_s=60", "dist.hang_timeout_s=0",
-                               "train.epochs=0.5", "model.dropout=0", "seed=4294967295"])
+                                  "train.time_limit=01:00:00", "dist.timeout_s=60", "dist.hang_timeout_s=0",
+                                  "train.epochs=0.5", "model.dropout=0", "seed=4294967295"])
     assert cfg.seed == 2**32 - 1 and cfg.train.warmup == 0.1 and cfg.dist.hang_timeout_s == 0
 
 
@@ -169,5 +169,5 @@ def test_warmup_as_long_as_the_run_or_a_fraction_is_accepted(tmp_path):
     from wiring import build_trainer
     for warmup in (3, 0.5):
         cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
-                                   f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
+                                      f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
         assert build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).total_steps == 3

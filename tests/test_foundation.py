@@ -76,7 +76,7 @@ def test_yaml_errors_name_file_and_line(tmp_path):
 def test_overrides_are_typed():
     cfg = checked_config(os.path.join(ROOT, "parameters.yml"),
                          ["train.lr=3e-4", "dist.procs_per_node=[2, 1]", "dist.nodes=2", "dist.strategy=ddp",
-                           "dist.master_addr=10.1.2.3", "seed=7", "train.resume=false"])
+                          "dist.master_addr=10.1.2.3", "seed=7", "train.resume=false"])
     assert cfg.train.lr == 3e-4 and cfg.dist.procs_per_node == [2, 1] and cfg.seed == 7
     assert cfg.train.resume is False
 

@@ -219,8 +219,8 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
              "mlm_labels": labels, "nsp_labels": torch.tensor([0, 1, 0, 1])}
     for name, strategy, tp in TP_LAYOUTS:
         cfg = checked_config_from_dict({"task": "bert_pretrain", "output_dir": "unused", "model": {"name": "tiny"},
-                                "log": {"progress_bar": False, "tensorboard": False},
-                                "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
+                                        "log": {"progress_bar": False, "tensorboard": False},
+                                        "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
         task = build_task(cfg)
         strategy = apply(bert_model(*size), cfg, ctx, task, None)
         with CommDebugMode() as forward:
