@@ -146,7 +146,7 @@ class Trainer:
         strategy, ctx = self.strategy, self.ctx
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # tp, pipe: one per replica
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
         counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # on a GPU the host does not wait
         count = counts[0]
