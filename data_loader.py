@@ -114,14 +114,14 @@ def eval_shard(n: int, rank: int, world: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, num_workers, pin: bool,
+def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, num_workers, pin_memory: bool,
                 seed: int) -> DataLoader:
     """A DataLoader over precomputed index lists. The generator keeps worker seeding off the global RNG, so
     loading data never changes the random stream that dropout uses (and resume stays bit-exact)."""
     if num_workers == "auto":
         num_workers = auto_workers()
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
-                      pin_memory=pin, generator=torch.Generator().manual_seed(seed))
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
 def auto_workers() -> int:
@@ -130,6 +130,7 @@ def auto_workers() -> int:
     return max(1, min(8, torch.get_num_threads() - 1))
 
 
-def eval_batches(n: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+def eval_shard_batches(n: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """`rank`'s piece of an evaluation split of `n` (eval_shard), cut into batches of positions."""
     shard = eval_shard(n, rank, world)
     return [list(shard[i:i + batch_size]) for i in range(0, len(shard), batch_size)]

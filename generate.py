@@ -20,7 +20,7 @@ from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.errors import UserError
 from tasks import lora
 from tasks.text_common import plain_transformers_output
-from wiring import build_task, load_config
+from wiring import build_task, checked_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def load_export(folder: str):
 
 def load_checkpoint(args):
     """Model and tokenizer of a checkpoint, rebuilt from the training config (as test mode does)."""
-    cfg = load_config(args.params, args.set)
+    cfg = checked_config(args.params, args.set)
     if cfg.task != "gpt2_lm":
         raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
     path = args.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)

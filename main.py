@@ -21,7 +21,7 @@ import time
 from typing import Callable, Optional
 
 from core import process_end
-from core.config import Config, config_source, load_config, procs_per_node_list
+from core.config import Config, config_source, procs_per_node_list, read_config
 from core.errors import UserError
 from core.launch_env import launcher_env
 from extras import dev_run
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
               f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
     try:
-        cfg = load_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
+        cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:

@@ -23,7 +23,7 @@ from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
-from data_loader import GlobalBatchSampler, eval_batches, make_loader, split_proportional
+from data_loader import GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional
 from core.model_parts import lora_base_entry
 from strategies.base import Strategy
 from tasks.base import Task
@@ -69,14 +69,14 @@ class Trainer:
         self.lengths = task.lengths(train_set) if cfg.data.group_by_length else None
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
-        self.total_steps = self.count_total_steps()
+        self.total_steps, self.length_note = self.count_total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
             "min" if self.best_metric in task.lower_is_better else "max")
-        self.pin = self.ctx.device.type == "cuda"  # pinned host batches: copies to the GPU are queued, not waited for
+        self.pin_memory = self.ctx.device.type == "cuda"  # pinned batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
@@ -100,7 +100,7 @@ class Trainer:
         bar = self.progress_bar()
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
-            self.hooks.at(state.step + 1, "train")
+            self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
             loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
             state.step += 1
@@ -131,7 +131,7 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
-        self.hooks.at(state.step, "done")
+        self.hooks.phase_starts(state.step, "done")
         if saved_at != state.step and state.step > 0:  # e.g. resumed at the end: make sure the end is saved
             self.save_checkpoint(metrics if evaluated_at == state.step else {})
         self.finish_save()
@@ -144,17 +144,13 @@ class Trainer:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
         summed loss, the global count, the global gradient norm, and whether any rank asked to stop."""
         strategy, ctx = self.strategy, self.ctx
-        # The update must be the mean gradient over the GLOBAL batch: sum the loss over every sample of every
-        # micro-batch on every rank, divide by the global number of samples. DDP/FSDP average gradients over
-        # ranks, so each rank multiplies by world_size to undo that. Counts come from the CPU batches, so on a GPU
-        # this all-reduce is queued without making the host wait. It also carries each rank's vote to stop (a signal
-        # or the time limit: hooks.stop_vote), so every rank learns of a stop in the same step, for free.
-        # (is_replica_reporter: True on every ddp rank; under tp or pipe, one rank per replica counts)
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0
+        # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
+        # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
         local = torch.tensor([float(n), self.hooks.stop_vote()])
-        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # pinned + non-blocking on GPU
+        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # on a GPU the host does not wait
         count = counts[0]
-        # grad_average_over: the world size under ddp (the replicas DDP/FSDP average over). Not fp16's loss scaler.
+        # DDP/FSDP average the gradients over grad_average_over replicas; multiplying by it undoes that.
         scale = strategy.grad_average_over / count
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
         # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
@@ -236,13 +232,14 @@ class Trainer:
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
         indices = self.eval_indices(split, len(dataset))
         batches = [[indices[i] for i in batch]
-                   for batch in eval_batches(len(indices), strategy.data_rank, strategy.data_shares,
-                                             self.train_cfg.eval_batch_size)]
-        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin, self.cfg.seed)
+                   for batch in eval_shard_batches(len(indices), strategy.data_rank, strategy.data_shares,
+                                                   self.train_cfg.eval_batch_size)]
+        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin_memory,
+                             self.cfg.seed)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
-            self.hooks.at(self.state.step, "eval")  # a watchdog sees evaluation advance
+            self.hooks.phase_starts(self.state.step, "eval")  # a watchdog sees evaluation advance
             out = strategy.eval_batch(self.task, self.to_device(batch), self.autocast)
             progress.batch_done()
             for k, v in out.items():
@@ -251,7 +248,7 @@ class Trainer:
                 else:
                     arrays.setdefault(k, []).append(v)
         if strategy.forward_is_collective:
-            most = len(eval_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
+            most = len(eval_shard_batches(len(indices), 0, strategy.data_shares, self.train_cfg.eval_batch_size))
             dummy = self.to_device(self.task.collate([dataset[0]]))
             for _ in range(most - len(batches)):
                 strategy.eval_batch(self.task, dummy, self.autocast)
@@ -315,7 +312,7 @@ class Trainer:
 
     # ---- Checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: dict) -> None:
-        self.hooks.at(self.state.step, "save")
+        self.hooks.phase_starts(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
         own = self.state_dict()
@@ -433,7 +430,7 @@ class Trainer:
             batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
             self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin, self.cfg.seed + state.epoch)
+                                 self.pin_memory, self.cfg.seed + state.epoch)
             for batch in loader:
                 state.batch_in_epoch += 1
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
@@ -442,13 +439,13 @@ class Trainer:
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
-        if self.pin:
+        if self.pin_memory:
             batch = {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
-        return {k: v.to(self.ctx.device, non_blocking=self.pin) for k, v in batch.items()}
+        return {k: v.to(self.ctx.device, non_blocking=self.pin_memory) for k, v in batch.items()}
 
     def per_rank_batch_sizes(self) -> list[int]:
         b = self.train_cfg.batch_size
-        if b == "auto":  # an equal split until measure() has timed the ranks
+        if b == "auto":  # an equal split until the ranks are timed (extras/balance.py)
             unit = self.strategy.batch_multiple  # pipe: whole sets of micro-batches
             return [n * unit for n in split_proportional(self.train_cfg.global_batch_size // unit,
                                                          [1] * self.strategy.data_shares, minimum=1)]
@@ -461,9 +458,9 @@ class Trainer:
                                   shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
                                   drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
 
-    def count_total_steps(self) -> int:
-        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first. self.length_note says
-        which one, for the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
+    def count_total_steps(self) -> tuple[int, str]:
+        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first, and which one it is, for
+        the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
         train_cfg, sampler = self.train_cfg, self.sampler
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
             raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
@@ -476,11 +473,11 @@ class Trainer:
         total, first = min(limits)
         others = [what for n, what in limits if what != first]
         verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
-        self.length_note = first + (f" {verb} {others[0]}" if others else "")
+        note = first + (f" {verb} {others[0]}" if others else "")
         if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
             raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
-                              f"steps: {self.length_note}); lower it, or give a fraction of the run (< 1)")
-        return total
+                              f"steps: {note}); lower it, or give a fraction of the run (< 1)")
+        return total, note
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------
     def progress_bar(self, **kwargs):
@@ -504,8 +501,8 @@ class Trainer:
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
 def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
-    """The function factor(step) (step: optimizer steps done): linear warm-up, then `schedule` from 1 down to
-    min_lr_ratio (train.min_lr_ratio: the fraction of train.lr reached as the last step ends; 0 decays to 0)."""
+    """factor(step), `step` being the optimizer steps done: a linear warm-up, then `schedule` from 1 down to
+    min_lr_ratio, the fraction of train.lr the last step ends at."""
     warm = int(warmup) if warmup >= 1 else round(warmup * total)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far

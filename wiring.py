@@ -125,12 +125,13 @@ def check(cfg: Config, source: str) -> None:
         one(cfg, fail)
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
-    """core/config.load_config with every check (generate.py's and the tests' way in)."""
-    return config.load_config(path, overrides, CHECKS)
+def checked_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """core/config.read_config, then every check here (generate.py's and the tests' way in)."""
+    return config.read_config(path, overrides, CHECKS)
 
 
-def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+def checked_config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    """core/config.config_from_dict, then every check here."""
     return config.config_from_dict(raw, source, CHECKS)
 
 
@@ -188,8 +189,8 @@ class RunHooks(Hooks):
     def run_ends(self, trainer: Trainer) -> None:
         trainer.log.info(run_record.summary(trainer.cfg, trainer.state, trainer.best_metric, trainer.task))
 
-    def at(self, step: int, phase: str) -> None:
-        faults.progress.at(step, phase)
+    def phase_starts(self, step: int, phase: str) -> None:
+        faults.progress.phase_starts(step, phase)
         if self.profiler is not None and phase in ("train", "done"):
             self.profiler.before_step(step) if phase == "train" else self.profiler.stop()
 
@@ -263,7 +264,7 @@ def worker(cfg: Config, launch) -> int:
             predict.predict(trainer)
         else:
             testmode.test(trainer) if cfg.mode == "test" else trainer.train()
-        faults.progress.at(faults.progress.step, "done")
+        faults.progress.phase_starts(faults.progress.step, "done")
         distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
         code = EXIT_OK
     except UserError as e:

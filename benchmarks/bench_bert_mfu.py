@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from core import distributed  # noqa: E402
-from wiring import config_from_dict  # noqa: E402
+from wiring import checked_config_from_dict  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 from tasks.bert_pretrain import BERT_PRESETS, HDF5Shards, PretrainingModel  # noqa: E402
@@ -138,7 +138,7 @@ def main():
 
     tmp = tempfile.TemporaryDirectory()
     data_dir = args.shards or make_shards(tmp.name, blocks * args.steps * args.batch)
-    cfg = config_from_dict({
+    cfg = checked_config_from_dict({
         "task": "bert_pretrain", "output_dir": os.path.join(tmp.name, "run"), "seed": 42,
         "data": {"data_dir": data_dir, "dev_files": os.path.join(data_dir, "training", "*.hdf5"),
                  "num_workers": args.workers},

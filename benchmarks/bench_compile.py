@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from core import distributed  # noqa: E402
-from wiring import load_config  # noqa: E402
+from wiring import checked_config  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "sst2")
@@ -56,7 +56,7 @@ def main():
         torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend="eager")
 
     def trainer(compiled: bool):
-        cfg = load_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
+        cfg = checked_config(os.path.join(ROOT, "configs", "sst2_minilm.yml"), [
             f"output_dir=/tmp/bench_compile/{'compiled' if compiled else 'eager'}", f"data.data_dir={DATA}",
             f"train.compile={str(compiled).lower()}", "train.max_steps=100000", "train.eval_every=0",
             "train.save_every=0", "log.progress_bar=false", "log.tensorboard=false", "model.dropout=0.0",

@@ -83,7 +83,7 @@ def child(data_dir: str, out: str, steps: int) -> None:
 
     import main
     import trainer as trainer_module
-    from wiring import config_from_dict
+    from wiring import checked_config_from_dict
     torch.set_num_threads(1)
     marks = {}
     original = trainer_module.Trainer.train_step
@@ -94,7 +94,7 @@ def child(data_dir: str, out: str, steps: int) -> None:
         marks["rss_first_step_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return result
     trainer_module.Trainer.train_step = timed
-    cfg = config_from_dict({
+    cfg = checked_config_from_dict({
         "task": "gpt2_lm", "output_dir": out, "data": {"data_dir": data_dir, "max_length": 128},
         "model": {"name": "tiny", "dropout": 0.0},
         "train": {"batch_size": 16, "max_steps": steps, "epochs": 0, "eval_every": 0, "save_every": 0,

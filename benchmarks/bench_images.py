@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import main  # noqa: E402
 from data_loader import GlobalBatchSampler, make_loader  # noqa: E402
 from tasks.image_folder import ImageFolderTask  # noqa: E402
-from wiring import load_config  # noqa: E402
+from wiring import checked_config  # noqa: E402
 
 PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "resnet50_imagefolder.yml")
@@ -56,7 +56,7 @@ def config(args, output_dir: str, extra=()):
             f"data.num_workers={args.workers}", f"dist.device={args.device}", "data.dev_fraction=0.05"]
     if args.tiny:
         sets += ["model.arch=resnet18", "model.width=8", "data.image_size=32", "data.resize_size=36"]
-    return load_config(PRESET, sets + list(extra))
+    return checked_config(PRESET, sets + list(extra))
 
 
 def ours(args, out: str) -> float:

@@ -27,13 +27,13 @@ def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
     from core import distributed
     from tests.rank_memory import state_bytes
-    from wiring import load_config
+    from wiring import checked_config
     from wiring import build_task
     from wiring import build_trainer
     sets = [f"output_dir={out}", f"data.data_dir={data}", f"train.max_steps={steps}", f"train.eval_every={steps}",
             f"train.save_every={steps}", f"train.lr={lr}", "train.log_every=25", "log.tensorboard=false",
             "train.precision=fp32"]
-    cfg = load_config(os.path.join(ROOT, "configs", preset), sets)
+    cfg = checked_config(os.path.join(ROOT, "configs", preset), sets)
     ctx = distributed.init(cfg, 0, 1, 0)
     trainer = build_trainer(cfg, ctx)
     start = time.perf_counter()

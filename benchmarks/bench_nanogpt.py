@@ -122,10 +122,10 @@ def compare_models(nano: str, steps: int, profile: bool) -> None:
     import torch
     sys.path[:0] = [ROOT, nano]
     from model import GPT, GPTConfig  # nanoGPT's
-    from wiring import load_config
+    from wiring import checked_config
     from tasks import lm_models
     torch.manual_seed(0)
-    cfg = load_config(os.path.join(ROOT, "configs", "shakespeare_char.yml"))
+    cfg = checked_config(os.path.join(ROOT, "configs", "shakespeare_char.yml"))
     models = {"ours (HF GPT2LMHeadModel)": lm_models.build_causal_lm(cfg, 66, 65)}
     cfg.model.arch = "llama"
     models["ours, model.arch llama (HF LlamaForCausalLM)"] = lm_models.build_causal_lm(cfg, 66, 65)

@@ -45,7 +45,7 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
     """One rank: every strategy of `sections` in turn, in one process group (a process start costs more than the
     measurement). fairscale's FSDP comes last: its CPU shim, once installed, stays."""
     import dataclasses
-    from wiring import config_from_dict
+    from wiring import checked_config_from_dict
     from core.distributed import DistContext
     from wiring import parallelize as apply
     from tests.rank_memory import state_bytes
@@ -61,8 +61,8 @@ def worker(rank: int, world: int, port: int, sections: list, model_name: str, qu
             from tests import fairscale_cpu
             fairscale_cpu.install()
             dist_section = {k: v for k, v in dist_section.items() if k != "fsdp_impl"}
-        cfg = config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
-                                "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
+        cfg = checked_config_from_dict({"output_dir": "/tmp/bench_sharded", "train": {"weight_decay": 0.01},
+                                        "dist": {**dist_section, "procs_per_node": world, "device": "cpu"}}, "bench")
         if fairscale_fsdp:
             cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fsdp_impl="fairscale"))
         torch.manual_seed(0)

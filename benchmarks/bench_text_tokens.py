@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from core import distributed  # noqa: E402
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
-from wiring import config_from_dict  # noqa: E402
+from wiring import checked_config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
@@ -71,7 +71,7 @@ def tokens(batch: dict) -> int:
 
 
 def bench(task_name: str, data_dir: str, out: str, args) -> dict:
-    cfg = config_from_dict({
+    cfg = checked_config_from_dict({
         "task": task_name, "output_dir": out,
         "data": {"data_dir": data_dir, "max_length": args.max_length},
         "model": {"name": "tiny", "dropout": 0.0},

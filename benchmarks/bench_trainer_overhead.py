@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from core import distributed  # noqa: E402
-from wiring import config_from_dict  # noqa: E402
+from wiring import checked_config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
@@ -62,7 +62,7 @@ def main():
         args.rounds, args.steps, args.batch, args.small = 1, 2, 8, True
     torch.set_num_threads(args.threads)
 
-    cfg = config_from_dict({"output_dir": "/tmp/bench_overhead", "train": {
+    cfg = checked_config_from_dict({"output_dir": "/tmp/bench_overhead", "train": {
         "batch_size": args.batch, "max_steps": 10**6, "lr": 1e-3, "schedule": "cosine", "warmup": 0.0},
         "dist": {"device": args.device}, "log": {"progress_bar": False, "tensorboard": False}})
     task = build_task(cfg)

@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from core import distributed  # noqa: E402
-from wiring import load_config  # noqa: E402
+from wiring import checked_config  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 from tasks.sst2 import read_tsv  # noqa: E402
@@ -196,7 +196,7 @@ def main():
     total = (args.rounds + 1) * args.steps
     out = tempfile.mkdtemp(prefix="bench_vs_hf_")
     precision = [f"train.precision={args.precision}"] if args.precision else []
-    cfg = load_config(os.path.join(ROOT, args.config), [
+    cfg = checked_config(os.path.join(ROOT, args.config), [
         f"output_dir={out}/ours", *job_settings(args.job, out), f"train.max_steps={total}", "train.eval_every=0",
         "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}",
         f"dist.device={args.device}", *precision, *args.set])

@@ -42,9 +42,8 @@ PLAIN = (bool, int, float, str, type(None))
 
 
 def hyperparameters(param_groups: list[dict]) -> dict:
-    """{name: value} of an optimizer's hyperparameters as meta.json records them (`optimizer`; compared on resume,
-    checkpoint_io.configured_hyperparameters): lr (the scheduler's) and the implementation switches left out;
-    weight_decay the largest of the groups' (biases and norms have none), the others the first group's."""
+    """The optimizer's hyperparameters as meta.json's `optimizer` records them, for resume to compare. Left out:
+    lr (the scheduler's) and the implementation switches; weight_decay is the largest group's, the rest the first's."""
     found = {}
     for group in param_groups:
         for key, value in group.items():
@@ -135,8 +134,8 @@ class PendingWrite:
 
 
 def _publish(tmp: str, final: str, meta: dict) -> None:
-    # Rank 0 makes durable what every rank wrote (all have finished: finish() waited for them), meta.json last,
-    # holding what each file holds so that a load can tell when one changed (checkpoint_io.verify).
+    # Rank 0 makes every rank's finished files durable; meta.json goes last, holding each file's size and hash so
+    # that a load can tell when one changed (checkpoint_io.verify).
     meta = {**meta, "files": checkpoint_hashes.record(tmp)}
     secret = checkpoint_signing.key(meta.get("config") or {})
     if secret:  # over meta.json's content, the files' hashes included (checkpoint_signing.py)
@@ -145,9 +144,8 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
         json.dump(meta, f, indent=2)
     old = None
     if os.path.lexists(final):
-        # The same step saved again (a stop right after a resume): the new files replace the old ones, so "saved"
-        # is always true of what is on disk. The old one is first renamed to a temporary name, which the next
-        # run's run_dir.clean_stale removes if we die before the rmtree below.
+        # The same step saved again (a stop right after a resume): the old folder is renamed aside first, so a
+        # crash before the rmtree below leaves a temporary name the next run's run_dir.clean_stale removes.
         old = os.path.join(os.path.dirname(final), f".tmp-step-{os.path.basename(final)[5:]}-replaced-"
                                                     f"{uuid.uuid4().hex[:8]}")
         os.rename(final, old)

@@ -1,6 +1,6 @@
 """The configuration schema: one dataclass per section of parameters.yml, a default and a docstring per field.
 
-`load_config` reads the YAML file and the `--set section.key=value` overrides, refuses unknown keys and wrong types
+`read_config` reads the YAML file and the `--set section.key=value` overrides, refuses unknown keys and wrong types
 and runs each section's check; then main.py runs wiring.check (each strategy, task and launcher checks the keys it
 reads; the schema imports none of them). A mistake is one line, a `ConfigError`: exit code 2, no traceback.
 """
@@ -563,7 +563,7 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dis
 
 
 # ---- loading: YAML -> dict -> overrides -> dataclasses -> checks ----------------------------------------------
-def load_config(path: Optional[str], overrides: list[str] = (), checks: Sequence[Callable] = ()) -> Config:
+def read_config(path: Optional[str], overrides: list[str] = (), checks: Sequence[Callable] = ()) -> Config:
     """Read `path` (None: all defaults), apply `section.key=value` overrides, build and validate the Config
     (`checks`: see validate)."""
     source = config_source(path, overrides)

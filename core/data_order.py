@@ -57,7 +57,7 @@ class LengthGroups:
     WINDOW = 50
 
     def __init__(self, order, lengths, global_batch: int, end: int, count: int, seed: int, epoch: int):
-        self.order, self.g, self.end = order, global_batch, end
+        self.order, self.global_batch, self.end = order, global_batch, end
         # lengths: anything indexable by an index array (a list becomes an array once; lazy shard readers pass
         # their own object, see tasks/token_shards.py)
         self.lengths = np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths
@@ -67,8 +67,8 @@ class LengthGroups:
     def __getitem__(self, k: int) -> np.ndarray:
         w, i = divmod(int(self.shuffle[k]), self.WINDOW)
         if self.window[0] != w:
-            a, b = w * self.WINDOW * self.g, min((w + 1) * self.WINDOW * self.g, self.end)
+            a, b = w * self.WINDOW * self.global_batch, min((w + 1) * self.WINDOW * self.global_batch, self.end)
             flat = self.order[a:b]
             flat = flat[np.argsort(-np.asarray(self.lengths[flat]), kind="stable")]
-            self.window = (w, np.split(flat, range(self.g, len(flat), self.g)))
+            self.window = (w, np.split(flat, range(self.global_batch, len(flat), self.global_batch)))
         return self.window[1][i]

@@ -116,7 +116,7 @@ def write_failed(ctx, failed: list[tuple], final: str, tmp: str) -> None:
 
 
 @contextlib.contextmanager
-def naming(path: str):
+def name_unnamed_errors(path: str):
     """Inside it, an OSError that names no file names `path`: a full disk is often noticed only as a buffer is
     flushed (a file's close, a writer thread), by an error without a file name."""
     try:

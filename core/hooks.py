@@ -21,7 +21,7 @@ class Hooks:
     def run_ends(self, trainer) -> None:
         """Rank 0, once the run is done: its closing lines."""
 
-    def at(self, step: int, phase: str) -> None:
+    def phase_starts(self, step: int, phase: str) -> None:
         """This rank starts `phase` ("train", "eval", "save", "done") of optimizer step `step`: what a watchdog
         reads to name a rank that hangs, and what a profiler counts."""
 

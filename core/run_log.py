@@ -111,7 +111,7 @@ def write_file(path: str, text: str) -> None:
     (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with disk_errors.naming(path), open(tmp, "w") as f:
+        with disk_errors.name_unnamed_errors(path), open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
     finally:
@@ -161,8 +161,8 @@ class LossWindow:
             self.tokens = (self.tokens or 0) + tokens
 
     def flush(self, step: Optional[int] = None) -> dict:
-        # One all-reduce for the sums, then one wait for the device (.tolist()) that reads the count too (it is
-        # global already). Every rank runs the same task, so all of them send tokens, or none.
+        # One all-reduce for the sums, then one wait for the device (the .tolist() below), which reads the already
+        # global count too. Every rank runs the same task, so all of them send tokens, or none.
         counted = [float(self.samples)] + ([float(self.tokens)] if self.tokens is not None else [])
         counted = torch.tensor(counted, device=self.ctx.device)
         sums = distributed.all_reduce_sum(self.ctx, torch.cat([self.loss.reshape(1), counted]))

@@ -67,17 +67,17 @@ class TensorBoard:
     def __init__(self, folder: str):
         from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
         self.folder = folder
-        with disk_errors.naming(folder):
+        with disk_errors.name_unnamed_errors(folder):
             self.writer = SummaryWriter(folder)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        with disk_errors.naming(self.folder):
+        with disk_errors.name_unnamed_errors(self.folder):
             self.writer.add_scalar(tag, value, step)
 
     # What trackers.Trackers calls on each of its trackers
     def config(self, values: dict) -> None:
         text = yaml.safe_dump(values, sort_keys=False)
-        with disk_errors.naming(self.folder):  # indented: TensorBoard's text tab shows it as a code block
+        with disk_errors.name_unnamed_errors(self.folder):  # indented: TensorBoard's text tab shows it as a code block
             self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
 
     def scalars(self, step: int, values: dict) -> None:
@@ -88,7 +88,7 @@ class TensorBoard:
         pass  # the curves are the record; the summary's values are the last points of train/ and dev/
 
     def close(self) -> None:
-        with disk_errors.naming(self.folder):
+        with disk_errors.name_unnamed_errors(self.folder):
             self.writer.close()
 
 

@@ -106,7 +106,7 @@ class Trackers:
             raise
         run_ids = {name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}
         if run_ids:
-            with disk_errors.naming(self.ids_path), open(self.ids_path, "w") as f:
+            with disk_errors.name_unnamed_errors(self.ids_path), open(self.ids_path, "w") as f:
                 json.dump(run_ids, f)
 
     def read_ids(self) -> dict:
@@ -170,7 +170,7 @@ class CSV:
                 kept = [r for r in csv.DictReader(f)
                         if r.get("step", "").isdigit() and int(r["step"]) <= step
                         and not r.get("tag", "").startswith("summary/")]
-        with disk_errors.naming(path):
+        with disk_errors.name_unnamed_errors(path):
             self.file = open(path, "w", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
             self.writer.writeheader()
@@ -182,7 +182,7 @@ class CSV:
 
     def scalars(self, step: int, values: dict) -> None:
         self.last_step = step
-        with disk_errors.naming(self.path):
+        with disk_errors.name_unnamed_errors(self.path):
             self.writer.writerows({"step": step, "tag": k, "value": repr(float(v))} for k, v in values.items())
             self.file.flush()  # a reader (the notebook) sees each line as it is logged
 
@@ -190,7 +190,7 @@ class CSV:
         self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
 
     def close(self) -> None:
-        with disk_errors.naming(self.path):
+        with disk_errors.name_unnamed_errors(self.path):
             self.file.close()
 
 

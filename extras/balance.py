@@ -131,7 +131,7 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 
 
 def choose_cpu_precision(trainer) -> None:
-    """train.precision auto on a CPU (measure): the measured choice (cpu_precision) becomes the
+    """train.precision auto on a CPU (time_auto_settings): the measured choice (cpu_precision) becomes the
     Trainer's precision, what its checkpoints and config.yml record. Collective."""
     trainer.set_precision(*cpu_precision(trainer))
 
@@ -179,7 +179,7 @@ def pick_cpu_precision(timings: list[dict], units: str) -> tuple[str, str]:
 
 
 def time_precisions(trainer, steps: int) -> dict[str, float]:
-    """train.precision auto on a CPU (measure): this rank's median seconds of one forward+backward
+    """train.precision auto on a CPU (time_auto_settings): this rank's median seconds of one forward+backward
     in fp32 and in bf16 autocast, `steps` of each, on the run's next training batches. Interleaved (fp32 then bf16,
     then bf16 then fp32, ...) so that whatever else slows the machine down meanwhile slows both alike. The
     optimizer step is left out: it updates fp32 parameters in either precision. Unnoticed by the run, as

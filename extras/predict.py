@@ -18,7 +18,7 @@ import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
 from core.errors import CheckpointError, ConfigError, DataError
-from data_loader import eval_batches, make_loader
+from data_loader import eval_shard_batches, make_loader
 
 def predict(trainer) -> str:
     """Write output_dir/predictions.csv; returns its path."""
@@ -37,9 +37,9 @@ def predict(trainer) -> str:
     model.eval()
     top, ctx = [], trainer.ctx
     # Under ddp each rank predicts its contiguous piece; gathered in rank order, the pieces are the input order.
-    batches = eval_batches(len(dataset), ctx.rank, ctx.world_size, trainer.train_cfg.eval_batch_size)
+    batches = eval_shard_batches(len(dataset), ctx.rank, ctx.world_size, trainer.train_cfg.eval_batch_size)
     with torch.no_grad():
-        for batch in make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin, cfg.seed):
+        for batch in make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin_memory, cfg.seed):
             with trainer.autocast():
                 logits = task.predict_logits(model, trainer.to_device(batch))
             probs = torch.softmax(logits.float(), dim=-1)

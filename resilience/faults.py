@@ -34,7 +34,7 @@ class Progress:
         self.shared, self.slot = None, 0  # main.py's spawn: a shared array of steps, one slot per local rank
         self.codes = None  # main.py's spawn: a shared array of exit codes, set when a rank is done (finished())
 
-    def at(self, step: int, phase: str) -> None:
+    def phase_starts(self, step: int, phase: str) -> None:
         """`step`: the optimizer step being computed (or evaluated, or saved)."""
         self.step, self.phase = step, phase
         self.ticks += 1

@@ -30,12 +30,10 @@ class Strategy:
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
-        # model: what forward runs (ddp: replicated.ddp_wrap(raw_model)); raw_model: the module inside, what is saved.
+        # `model` runs the forward (under ddp, the DDP wrapper around raw_model); `raw_model` is what is saved.
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
-        # How the data is shared out: this rank reads share `data_rank` of `data_shares` of each global batch, and
-        # its samples count toward the global count. The gradient all-reduce averages over `grad_average_over` ranks
-        # (the Trainer multiplies the loss by it to undo the average). Under pipe, the ranks of one pipeline read
-        # the same batch: one share per pipeline.
+        # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce averages
+        # over `grad_average_over` ranks, which the Trainer's loss scale undoes. Replicated strategies: one per rank.
         self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
         self.is_replica_reporter = True
         # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)

@@ -40,8 +40,14 @@ class FSDPStrategy(Strategy):
     def __init__(self, model, raw_model, optimizer, ctx, scaler=None, mesh=None):
         super().__init__(model, raw_model, optimizer, ctx, scaler)
         self.mesh = mesh  # with dist.tp or dist.dp_replicate > 1: the device mesh (strategies/mesh.py)
-        if mesh is not None:
-            meshes.assign_data_shares(self, mesh)
+        self.save_groups = None  # train.async_save: DCP's own process groups, made at the first start_save
+        if mesh is not None:  # a tp group reads one share of the batch, reports once, draws the same dropout masks
+            dp, tp = mesh["dp"], mesh["tp"]
+            self.data_rank, self.data_shares, self.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
+            self.is_replica_reporter = tp.get_local_rank() == 0
+            self.seed_offset = ctx.rank - tp.get_local_rank()  # (inside the split matrices: tp.PerRankDropout)
+            self.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py times the group together
+            self.replica = "tp group" if tp.size() > 1 else "rank"
 
     def plan_lines(self) -> list[str]:
         return meshes.plan_lines(self.mesh) if self.mesh is not None else []
@@ -83,7 +89,7 @@ class FSDPStrategy(Strategy):
         """DCP's async_save: each rank's shards are copied to the host now, and written by DCP's threads (one per
         folder). Those threads run DCP's own collectives, so each goes over a process group of its own: not the
         training's, and not the other thread's (two threads on one group could pair different collectives)."""
-        if getattr(self, "save_groups", None) is None:
+        if self.save_groups is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
         model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
                                                                      options=self.state_options()))

@@ -50,21 +50,6 @@ def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def assign_data_shares(strategy, mesh: Mesh) -> None:
-    """What the Trainer reads from a Strategy to share out the data, for this mesh: the ranks of a tp group read
-    the same batch (one share of the global batch per dp index), one of them counts its samples and reports its
-    loss and evaluation results, and all of them draw the same dropout masks (their activations outside the split
-    matrices are the same tensors; inside, strategies/tp.PerRankDropout draws each rank's own)."""
-    dp, tp = mesh["dp"], mesh["tp"]
-    strategy.mesh = mesh
-    strategy.data_rank, strategy.data_shares, strategy.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
-    strategy.is_replica_reporter = tp.get_local_rank() == 0
-    strategy.seed_offset = strategy.ctx.rank - tp.get_local_rank()
-    strategy.forward_is_collective = True  # a forward pass is a collective (the tp all-reduces, fsdp's all-gathers)
-    strategy.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py: the group times itself together
-    strategy.replica = "tp group" if tp.size() > 1 else "rank"
-
-
 # What the start-up plan calls a coordinate along each dimension.
 LABELS = {"dp_replicate": "replica", "dp_shard": "shard", "tp": "tp", "pp": "stage", "dp": "pipeline"}
 

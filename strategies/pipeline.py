@@ -128,7 +128,7 @@ class PipeStrategy(Strategy):
 
     def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
                  optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
-                 replicated_order: list):
+                 replicated_order: list, layers_per_stage: list[int], stage_params: list[int]):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
         d = cfg.dist
@@ -147,6 +147,7 @@ class PipeStrategy(Strategy):
         self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied
+        self.layers_per_stage, self.stage_params = layers_per_stage, stage_params  # what the plan shows
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
         # Tensors that no layer holds (an unused head, say) are kept and saved by the first stage.
@@ -179,7 +180,7 @@ class PipeStrategy(Strategy):
         lines = [f"  pipe: {self.pipelines} pipeline(s) of {self.pp * d.tp} ranks, {self.n_stages} stages "
                  f"({per_rank} per rank), schedule {d.pp_schedule}, {d.pp_microbatches} micro-batches per batch, "
                  f"replicas synced by {d.pp_dp if self.pipelines > 1 else '-'}",
-                 f"  layers per stage {self.split} ({d.pp_split} split), parameters per stage "
+                 f"  layers per stage {self.layers_per_stage} ({d.pp_split} split), parameters per stage "
                  f"[{', '.join(f'{n / 1e6:.3g}M' for n in self.stage_params)}]: " + ", ".join(
                      f"stage {i} on {where(i)}" for i in range(self.n_stages)),
                  *meshes.plan_lines(self.mesh),
@@ -470,10 +471,8 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Stra
     # scheduler saved by rank 0 have the same number of groups.
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
-    strategy = PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
-                       tied, unowned, order)
-    strategy.split, strategy.stage_params = split, stage_params
-    return strategy
+    return PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
+                        tied, unowned, order, split, stage_params)
 
 
 def build_stages(model: nn.Module, cfg, ctx: DistContext, task, train_set, mesh: meshes.Mesh) -> tuple:

@@ -16,7 +16,7 @@ the LM head by vocabulary and keeps its logits a DTensor, so the cross-entropy r
 each rank holds logits for 1/tp of the vocabulary. Dropout on split data draws each rank's own masks (PerRankDropout).
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
-strategies/fsdp.py) or ddp (TPStrategy below: gradients averaged over "dp" after the step's last backward).
+strategies/fsdp.py) or ddp (DDPxTPStrategy below: gradients averaged over "dp" after the step's last backward).
 """
 from __future__ import annotations
 
@@ -154,10 +154,10 @@ class FSDPxTPStrategy(LossParallel, FSDPStrategy):
     """fsdp x tp: FSDP2 shards the split model over the mesh's dp dimension (strategies/fsdp.py)."""
 
 
-class TPStrategy(LossParallel, FSDPStrategy):
-    """ddp x tp. Gradients accumulate locally over a step's micro-batches; reduce_grads then averages them over
-    the dp dimension in one all-reduce of a flat buffer (DDP itself cannot hold DTensor parameters). Checkpoints:
-    FSDPStrategy's DCP folders, which any strategy and test mode read; train.compile: its blocks, one by one."""
+class DDPxTPStrategy(LossParallel, FSDPStrategy):
+    """ddp x tp. It shards nothing over dp: it subclasses FSDPStrategy for what DTensor parameters need (the mesh's
+    data shares, clipping, DCP checkpoints any strategy reads, per-block compile). reduce_grads averages the
+    gradients over dp in one all-reduce of a flat buffer, after the step's last backward (DDP cannot hold DTensors)."""
     replicas_wait_for_each_other = False  # nothing crosses dp before reduce_grads: each tp group can be timed alone
 
     def __init__(self, model: nn.Module, optimizer, ctx: DistContext, scaler, mesh: meshes.Mesh):
@@ -220,11 +220,11 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 # ---- tp first, then the data-parallel strategy over the mesh's dp dimension (wiring.STRATEGIES) ----------
 def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
-    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (TPStrategy)."""
+    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (DDPxTPStrategy)."""
     model = model.to(ctx.device)
     mesh = apply_tp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return TPStrategy(model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)  # ranks skip together
+    return DDPxTPStrategy(model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)  # ranks skip together
 
 
 def apply_tp_fsdp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:

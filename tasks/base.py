@@ -161,7 +161,7 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} has no example inputs for torch.export")
 
 
-class Layer(nn.Module):
+class PipelineLayer(nn.Module):
     """One link of a pipeline chain: `fn(*inputs)` using `modules` of the model (shared, not copied), so that a
     stage holding this layer holds exactly their parameters."""
 

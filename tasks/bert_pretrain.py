@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from core.errors import DataError
 from tasks import lm_models
-from tasks.base import Layer, Task
+from tasks.base import PipelineLayer, Task
 from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -366,7 +366,7 @@ class BertPretrainTask(Task):
 
         def head(hidden, attention_mask):
             return heads.predictions(hidden), heads.seq_relationship(bert.pooler(hidden))
-        return bert_pipeline_layers(bert, Layer(head, bert.pooler, heads))
+        return bert_pipeline_layers(bert, PipelineLayer(head, bert.pooler, heads))
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]

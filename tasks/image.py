@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.base import Layer, Task
+from tasks.base import PipelineLayer, Task
 from tasks.image_folder import BAD_IMAGE, image_files
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
@@ -112,8 +112,8 @@ class ImageTask(Task):
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def pipeline_layers(self, model: Net) -> list[nn.Module]:
-        return [Layer(model.features1, model.conv1), Layer(model.features2, model.conv2),
-                Layer(model.hidden, model.fc1), Layer(model.head, model.fc2)]
+        return [PipelineLayer(model.features1, model.conv1), PipelineLayer(model.features2, model.conv2),
+                PipelineLayer(model.hidden, model.fc1), PipelineLayer(model.head, model.fc2)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["images"],)

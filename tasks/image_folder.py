@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from core.config import is_set
 from core.errors import DataError
-from tasks.base import Layer, Task
+from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import load_report, plain_transformers_output
 from tasks.untrusted_folders import check_folder
@@ -413,8 +413,8 @@ class ImageFolderTask(Task):
             raise DataError(f"dist.strategy: pipe splits a ResNet into its stages; {type(model).__name__} is not one")
         r = model.resnet
         head = lambda x: model.classifier(r.pooler(x))  # noqa: E731
-        return [Layer(r.embedder, r.embedder), *[Layer(stage, stage) for stage in r.encoder.stages],
-                Layer(head, r.pooler, model.classifier)]
+        return [PipelineLayer(r.embedder, r.embedder), *[PipelineLayer(stage, stage) for stage in r.encoder.stages],
+                PipelineLayer(head, r.pooler, model.classifier)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["pixel_values"],)

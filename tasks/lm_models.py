@@ -19,7 +19,7 @@ from torch import nn
 
 from core.errors import ConfigError, DataError
 from strategies.tp import PerRankDropout
-from tasks.base import Layer
+from tasks.base import PipelineLayer
 from tasks.gpt2_tp import gpt2_plan
 from tasks.text_common import check_pretrained_dir, load_report
 
@@ -141,7 +141,7 @@ def pipeline_layers(model: nn.Module, seq_shards: int = 1) -> list[nn.Module]:
 
         def head(hidden):
             return model.lm_head(t.ln_f(hidden))
-        return [Layer(embed, t.wte, t.wpe, t.drop), *t.h, Layer(head, t.ln_f, model.lm_head)]
+        return [PipelineLayer(embed, t.wte, t.wpe, t.drop), *t.h, PipelineLayer(head, t.ln_f, model.lm_head)]
     return llama_pipeline_layers(model, seq_shards)
 
 
@@ -161,7 +161,7 @@ def llama_pipeline_layers(model: nn.Module, seq_shards: int = 1) -> list[nn.Modu
                                       past_key_values=None, position_ids=positions)
             return layer(hidden, attention_mask=mask, position_ids=positions,
                          position_embeddings=inner.rotary_emb(whole, positions))
-        return Layer(run, layer, inner.rotary_emb)
+        return PipelineLayer(run, layer, inner.rotary_emb)
 
     def embed(input_ids):
         return inner.embed_tokens(input_ids)
@@ -169,8 +169,9 @@ def llama_pipeline_layers(model: nn.Module, seq_shards: int = 1) -> list[nn.Modu
     def head(hidden):
         return model.lm_head(inner.norm(hidden))
     # the first block cuts the positions (tp_plan's sequence_plan), so it receives them all
-    return [Layer(embed, inner.embed_tokens), *[block(x, seq_shards if i else 1) for i, x in enumerate(inner.layers)],
-            Layer(head, inner.norm, model.lm_head)]
+    return [PipelineLayer(embed, inner.embed_tokens),
+            *[block(x, seq_shards if i else 1) for i, x in enumerate(inner.layers)],
+            PipelineLayer(head, inner.norm, model.lm_head)]
 
 
 def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:

@@ -1,7 +1,7 @@
 """LoRA (model.lora_rank > 0): low-rank adapters trained beside a frozen pretrained transformer, through Hugging Face's
 peft (`get_peft_model(model, LoraConfig(...))`). A classifier's new head trains whole (peft's modules_to_save).
 
-What changes for the rest of the trainer: the optimizer sees only the parameters that train (strategies/base.py
+What changes for the rest of the trainer: the optimizer sees only the parameters that train (core/optimizers.py
 param_groups keeps those with requires_grad); checkpoints hold only them (core/model_parts.state_to_save) plus, in
 meta.json, a reference to the frozen base (`lora_base`: model.pretrained_dir and the size and SHA-256 of its
 weight files), and a checkpoint is refused on another base in one line (core/checkpoint_io.check_lora_checkpoint); `mode: export` writes the

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
-from tasks.base import Layer, Task
+from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import read_texts
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
@@ -252,14 +252,14 @@ class SST2Task(Task):
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device)
                 last = (input_ids.eq(eos) * positions).argmax(1)
                 return model.classification_head(hidden[torch.arange(len(hidden), device=hidden.device), last])
-            return bart_pipeline_layers(model.model, Layer(bart_head, model.classification_head))
+            return bart_pipeline_layers(model.model, PipelineLayer(bart_head, model.classification_head))
         if not hasattr(model, "bert"):
             raise DataError(f"dist.strategy pipe: sst2 splits BART and BERT-style classifiers; "
                             f"{type(model).__name__} is not split yet (Task.pipeline_layers)")
 
         def head(hidden, attention_mask):
             return model.classifier(model.dropout(model.bert.pooler(hidden)))
-        return bert_pipeline_layers(model.bert, Layer(head, model.bert.pooler, model.dropout, model.classifier))
+        return bert_pipeline_layers(model.bert, PipelineLayer(head, model.bert.pooler, model.dropout, model.classifier))
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return batch["input_ids"], batch["attention_mask"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from core import checkpoint, disk_errors
 from core.errors import ConfigError, DataError
 from strategies.tp import PerRankDropout
-from tasks.base import Layer
+from tasks.base import PipelineLayer
 from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
@@ -74,7 +74,7 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
                 note(f"start over: moved the previous run's tokenizer aside to {aside}")
             if not saved():
                 made = load_tokenizer_folder(folder_from) if folder_from else train_tokenizer(texts(), kind)
-                with disk_errors.naming(folder + ".part"):  # (a full disk's error may name no file)
+                with disk_errors.name_unnamed_errors(folder + ".part"):  # (a full disk's error may name no file)
                     made.save_pretrained(folder + ".part")
                     with open(os.path.join(folder + ".part", MADE_AS), "w") as f:
                         json.dump(asked, f)
@@ -330,7 +330,7 @@ def check_pretrained_dir(path: str) -> str:
 
 def bert_pipeline_layers(bert, head) -> list:
     """A transformers BertModel (BERT, MiniLM, ...) as a pipeline chain (Task.pipeline_layers): embeddings, each
-    encoder layer, then `head`, a Layer taking (hidden states, attention mask). This is what BertModel.forward
+    encoder layer, then `head`, a PipelineLayer taking (hidden states, attention mask). This is what BertModel.forward
     does, link by link. The attention mask travels along with the hidden states, as 0/1 integers: a float
     tensor between stages would be taken for an activation that needs a gradient."""
 
@@ -346,13 +346,13 @@ def bert_pipeline_layers(bert, head) -> list:
                                                    embedding_output=whole, encoder_hidden_states=None,
                                                    past_key_values=None)
             return layer(hidden, mask, None), attention_mask  # positional, as BertEncoder calls it (the tp plan's layouts)
-        return Layer(run, layer)
-    return [Layer(embed, bert.embeddings), *[encoder_layer(x) for x in bert.encoder.layer], head]
+        return PipelineLayer(run, layer)
+    return [PipelineLayer(embed, bert.embeddings), *[encoder_layer(x) for x in bert.encoder.layer], head]
 
 
 def bart_pipeline_layers(bart, head) -> list:
     """A transformers BartModel (encoder-decoder) as a pipeline chain: encoder embeddings, each encoder layer,
-    decoder embeddings, each decoder layer, then `head`, a Layer taking (decoder hidden states, attention mask,
+    decoder embeddings, each decoder layer, then `head`, a PipelineLayer taking (decoder hidden states, attention mask,
     input ids). This is BartModel.forward link by link, with decoder inputs = input ids shifted right (what BART
     does when given none). Through the encoder the chain carries (hidden, mask, ids); through the decoder
     (hidden, encoder output, mask, ids), since every decoder layer attends to the encoder output (its gradient
@@ -376,7 +376,7 @@ def bart_pipeline_layers(bart, head) -> list:
         def run(hidden, attention_mask, input_ids):
             mask = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask)
             return layer(hidden, mask), attention_mask, input_ids
-        return Layer(run, layer)
+        return PipelineLayer(run, layer)
 
     def decoder_embed(encoded, attention_mask, input_ids):
         decoder_ids = shift_tokens_right(input_ids, config.pad_token_id, config.decoder_start_token_id)
@@ -391,11 +391,11 @@ def bart_pipeline_layers(bart, head) -> list:
                                               encoder_hidden_states=encoded)
             hidden = layer(hidden, causal, encoded, encoder_attention_mask=cross)
             return (hidden, attention_mask, input_ids) if last else (hidden, encoded, attention_mask, input_ids)
-        return Layer(run, layer)
+        return PipelineLayer(run, layer)
     n = len(decoder.layers)
-    return [Layer(encoder_embed, encoder.embed_tokens, encoder.embed_positions, encoder.layernorm_embedding),
+    return [PipelineLayer(encoder_embed, encoder.embed_tokens, encoder.embed_positions, encoder.layernorm_embedding),
             *[encoder_layer(x) for x in encoder.layers],
-            Layer(decoder_embed, decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding),
+            PipelineLayer(decoder_embed, decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding),
             *[decoder_layer(x, i == n - 1) for i, x in enumerate(decoder.layers)], head]
 
 

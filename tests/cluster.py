@@ -405,13 +405,13 @@ def spawn_reference(tmp_path_factory):
     Resume is bit-exact and the launchers only change who starts the processes, so a launched, interrupted and
     resumed run must land here within 1e-6."""
     from conftest import free_port, load_model_state
-    from wiring import load_config
+    from wiring import checked_config
     import main
     if "params" in _REFERENCE:  # test modules that import this fixture each get their own: compute it once
         return _REFERENCE["params"]
     out = tmp_path_factory.mktemp("spawn-reference")
-    cfg = load_config(os.path.join(ROOT, "parameters.yml"),  # parameters.yml, as the launched runs read it
-                      TRAIN_SETS + ["dist.procs_per_node=2", f"output_dir={out}", f"dist.master_port={free_port()}"])
+    cfg = checked_config(os.path.join(ROOT, "parameters.yml"),  # parameters.yml, as the launched runs read it
+                         TRAIN_SETS + ["dist.procs_per_node=2", f"output_dir={out}", f"dist.master_port={free_port()}"])
     assert main.run(cfg) == 0
     _REFERENCE["params"] = load_model_state(out, STEPS)
     return _REFERENCE["params"]

@@ -35,7 +35,7 @@ def free_port() -> int:
 def make_config(output_dir, **sections):
     """A Config for tests: `make_config(tmp, train={"max_steps": 5}, dist={"strategy": "ddp"})`.
     Defaults: no progress bar, no TensorBoard, a free port."""
-    from wiring import config_from_dict
+    from wiring import checked_config_from_dict
     raw = {"output_dir": str(output_dir), "log": {"progress_bar": False, "tensorboard": False}}
     for key, value in sections.items():
         if isinstance(value, dict):
@@ -43,7 +43,7 @@ def make_config(output_dir, **sections):
         else:
             raw[key] = value
     raw.setdefault("dist", {}).setdefault("master_port", free_port())
-    return config_from_dict(raw, "test")
+    return checked_config_from_dict(raw, "test")
 
 
 def logged(output_dir, key: str) -> list[float]:

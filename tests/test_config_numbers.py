@@ -7,7 +7,7 @@ import pytest
 
 import main
 from core.config import in_range
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 from conftest import ROOT
 
@@ -17,7 +17,7 @@ PARAMS = os.path.join(ROOT, "parameters.yml")
 def refused(tmp_path, *sets) -> str:
     """The one-line ConfigError of parameters.yml with `sets` (--set items), output_dir in tmp_path."""
     with pytest.raises(ConfigError) as e:
-        load_config(PARAMS, [f"output_dir={tmp_path}", *sets])
+        checked_config(PARAMS, [f"output_dir={tmp_path}", *sets])
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{PARAMS} + --set: "), message
     return message
@@ -73,9 +73,9 @@ def test_numbers_out_of_range_are_refused_naming_key_and_value(tmp_path, item, k
 
 
 def test_values_in_range_still_load(tmp_path):
-    cfg = load_config(PARAMS, [f"output_dir={tmp_path}", "seed=0", "train.lr=1e-3", "train.warmup=0.1",
-                               "train.time_limit=01:00:00", "dist.timeout_s=60", "dist.hang_timeout_s=0",
-                               "train.epochs=0.5", "model.dropout=0", "seed=4294967295"])
+    cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "seed=0", "train.lr=1e-3", "train.warmup=0.1",
+                                  "train.time_limit=01:00:00", "dist.timeout_s=60", "dist.hang_timeout_s=0",
+                                  "train.epochs=0.5", "model.dropout=0", "seed=4294967295"])
     assert cfg.seed == 2**32 - 1 and cfg.train.warmup == 0.1 and cfg.dist.hang_timeout_s == 0
 
 
@@ -120,9 +120,9 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     assert "is the root folder" in refused(tmp_path, f"output_dir={tmp_path / 'top'}")
     os.symlink("/etc", tmp_path / "conf")
     assert "inside a system folder" in refused(tmp_path, f"output_dir={tmp_path / 'conf' / 'runs'}")
-    assert load_config(PARAMS, [f"output_dir={home}/runs/digits"]).output_dir == f"{home}/runs/digits"
+    assert checked_config(PARAMS, [f"output_dir={home}/runs/digits"]).output_dir == f"{home}/runs/digits"
     for fine in ("/dev/shm/run", "/usr/src/app/runs/digits", "/var/tmp/run", "/tmp/run", "runs/digits"):
-        assert load_config(PARAMS, [f"output_dir={fine}"]).output_dir == fine
+        assert checked_config(PARAMS, [f"output_dir={fine}"]).output_dir == fine
 
 
 # ---- end to end: one line on stderr, exit code 2, nothing run --------------------------------------------------
@@ -168,6 +168,6 @@ def test_warmup_as_long_as_the_run_or_a_fraction_is_accepted(tmp_path):
     from wiring import build_task
     from wiring import build_trainer
     for warmup in (3, 0.5):
-        cfg = load_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
-                                   f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
+        cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
+                                      f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
         assert build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).total_steps == 3

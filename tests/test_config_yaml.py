@@ -8,7 +8,7 @@ import pytest
 
 from core import config_yaml
 import main
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 from conftest import ROOT
 
@@ -32,13 +32,13 @@ def loader(request, monkeypatch):
 
 
 def refused_quickly(path, overrides=(), seconds: float = 2.0, memory: bool = False) -> str:
-    """load_config's one-line ConfigError, raised within `seconds` (and with `memory`, allocating < 50 MB)."""
+    """checked_config's one-line ConfigError, raised within `seconds` (and with `memory`, allocating < 50 MB)."""
     if memory:  # (tracing slows Python down several times: only where memory is the point)
         tracemalloc.start()
     start = time.perf_counter()
     try:
         with pytest.raises(ConfigError) as e:
-            load_config(str(path) if path else None, list(overrides))
+            checked_config(str(path) if path else None, list(overrides))
         elapsed = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1] if memory else 0
     finally:
@@ -74,7 +74,7 @@ def test_billion_laughs_in_a_set_value_is_refused_at_once(loader):
 def test_aliases_within_the_budget_and_merge_keys_still_work(tmp_path, loader):
     path = write(tmp_path, "train:\n  lr: &lr 0.002\n  epochs: 3\n"
                            "model:\n  lora_targets: &t [query, value]\n  lora_alpha: *lr\n")
-    cfg = load_config(str(path), [f"output_dir={tmp_path / 'run'}"])
+    cfg = checked_config(str(path), [f"output_dir={tmp_path / 'run'}"])
     assert cfg.train.lr == cfg.model.lora_alpha == 0.002 and cfg.model.lora_targets == ["query", "value"]
     assert config_yaml.parse("base: &b {lr: 1, eps: 2}\ntrain:\n  <<: *b\n  lr: 3\n")["train"] == {"lr": 3, "eps": 2}
     assert config_yaml.parse(f"x: {laughs(levels=4, width=9)}")["x"][3][0][0][0][0] == "lol"  # 9**4 = 6,561 values
@@ -176,7 +176,7 @@ def test_wrong_type_message_cuts_the_value(tmp_path):
 
 
 def test_set_value_that_is_not_yaml_stays_a_string():
-    cfg = load_config(PARAMS, ["data.data_dir=a: b: c", "output_dir=runs/x"])
+    cfg = checked_config(PARAMS, ["data.data_dir=a: b: c", "output_dir=runs/x"])
     assert cfg.data.data_dir == "a: b: c"
 
 

@@ -23,7 +23,7 @@ from core import config, errors
 from resilience import faults
 from resilience import heartbeat
 import main
-from wiring import load_config
+from wiring import checked_config
 
 HOST = socket.gethostname()
 
@@ -108,7 +108,7 @@ def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
     # than `python tests/faulty_main.py`, and no fault to inject)
     ref = tmp_path / "ref"
     sets = args(ref)[1::2]
-    assert main.run(load_config(os.path.join(ROOT, "parameters.yml"), sets)) == 0
+    assert main.run(checked_config(os.path.join(ROOT, "parameters.yml"), sets)) == 0
     assert max_diff(load_model_state(out, 40), load_model_state(ref, 40)) < 1e-6
 
 
@@ -291,12 +291,12 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
 def test_time_limit_and_signal_config():
     assert config.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
     assert config.parse_duration("05:00") == 300 and config.parse_duration(90) == 90
-    from wiring import config_from_dict
+    from wiring import checked_config_from_dict
     from core.errors import ConfigError
     with pytest.raises(ConfigError, match="train.time_limit"):
-        config_from_dict({"train": {"time_limit": "3 hours"}})
+        checked_config_from_dict({"train": {"time_limit": "3 hours"}})
     with pytest.raises(ConfigError, match="train.stop_signal"):
-        config_from_dict({"train": {"stop_signal": "SIGKILL"}})
+        checked_config_from_dict({"train": {"stop_signal": "SIGKILL"}})
 
 
 # ==============================================================================================================

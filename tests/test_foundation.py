@@ -22,7 +22,7 @@ from core import checkpoint
 
 from core import checkpoint_meta
 import main
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError, DataError
 
 
@@ -63,20 +63,20 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "p.yml"
     bad.write_text("train:\n  lr: 0.1\n   epochs: 3\n")
     with pytest.raises(ConfigError, match=r"p.yml: line \d+"):
-        load_config(str(bad))
+        checked_config(str(bad))
     with pytest.raises(ConfigError, match="missing.yml: file not found"):
-        load_config(str(tmp_path / "missing.yml"))
+        checked_config(str(tmp_path / "missing.yml"))
     with pytest.raises(ConfigError, match="a folder, not a YAML file"):  # --params configs
-        load_config(str(tmp_path))
+        checked_config(str(tmp_path))
     (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")  # --params given a checkpoint file
     with pytest.raises(ConfigError, match="model.pt: not valid YAML"):
-        load_config(str(tmp_path / "model.pt"))
+        checked_config(str(tmp_path / "model.pt"))
 
 
 def test_overrides_are_typed():
-    cfg = load_config(os.path.join(ROOT, "parameters.yml"),
-                      ["train.lr=3e-4", "dist.procs_per_node=[2, 1]", "dist.nodes=2", "dist.strategy=ddp",
-                       "dist.master_addr=10.1.2.3", "seed=7", "train.resume=false"])
+    cfg = checked_config(os.path.join(ROOT, "parameters.yml"),
+                         ["train.lr=3e-4", "dist.procs_per_node=[2, 1]", "dist.nodes=2", "dist.strategy=ddp",
+                          "dist.master_addr=10.1.2.3", "seed=7", "train.resume=false"])
     assert cfg.train.lr == 3e-4 and cfg.dist.procs_per_node == [2, 1] and cfg.seed == 7
     assert cfg.train.resume is False
 
@@ -94,7 +94,7 @@ def test_parameters_yml_documents_every_field():
     for line in text.splitlines():
         if re.match(r"^\s*\w+:\s*\S", line):  # a key with a value: must carry a comment
             assert "#" in line, f"no comment on: {line}"
-    load_config(os.path.join(ROOT, "parameters.yml"))  # and it validates
+    checked_config(os.path.join(ROOT, "parameters.yml"))  # and it validates
     from extras import cli_help
     assert "parameters.yml lists every field with its default" in cli_help.epilog()  # --help says so
 

@@ -21,7 +21,7 @@ from conftest import ROOT, free_port, make_config
 from resilience import launcher
 from core import run_log, run_record
 import trainer as trainer_module
-from wiring import load_config
+from wiring import checked_config
 from extras.balance import resolve_precision
 
 
@@ -67,7 +67,7 @@ def test_presets_use_auto_precision():
         with open(os.path.join(configs, name)) as f:
             precision = (yaml.safe_load(f).get("train") or {}).get("precision", "fp32")
         assert precision in ("auto", "fp32"), f"configs/{name}: precision {precision}"
-    assert load_config(os.path.join(configs, "sst2_minilm.yml")).train.precision == "auto"  # and it validates
+    assert checked_config(os.path.join(configs, "sst2_minilm.yml")).train.precision == "auto"  # and it validates
 
 
 # ---------------------------------------------------------------------------------------------------------------

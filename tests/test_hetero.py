@@ -12,7 +12,7 @@ from core import checkpoint
 
 from core import checkpoint_meta
 import main
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler
 
@@ -90,7 +90,7 @@ DDP2 = ["dist.strategy=ddp", "dist.procs_per_node=2"]
 ])
 def test_config_errors_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        checked_config(None, overrides)
     assert f"`{key}`" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -225,7 +225,7 @@ def test_auto_refuses_strategies_whose_forward_waits_for_all_ranks():
     """Sharded strategies run every forward in lockstep: there is no per-rank speed to measure."""
     from types import SimpleNamespace
     from extras import balance
-    cfg = load_config(None, DDP2 + ["train.batch_size=auto", "train.global_batch_size=64"])
+    cfg = checked_config(None, DDP2 + ["train.batch_size=auto", "train.global_batch_size=64"])
     trainer = SimpleNamespace(cfg=cfg, train_cfg=cfg.train, ctx=SimpleNamespace(world_size=2, rank=0),
                               strategy=SimpleNamespace(replicas_wait_for_each_other=True))
     with pytest.raises(ConfigError, match="`train.batch_size` is auto, which needs a replicated strategy"):

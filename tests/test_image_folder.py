@@ -218,12 +218,12 @@ def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strate
 
 @pytest.mark.slow
 def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
-    from wiring import load_config
-    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "resnet50_imagefolder.yml"),
-                      [f"data.data_dir={folder}", f"output_dir={tmp_path}", "data.image_size=64",
-                       "data.resize_size=72", "train.batch_size=4", "train.max_steps=2", "train.epochs=0",
-                       "train.eval_every=0", "train.eval_batches=1", "train.precision=fp32", "log.progress_bar=false",
-                       "log.report_to=[]"])
+    from wiring import checked_config
+    preset = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "resnet50_imagefolder.yml")
+    cfg = checked_config(preset, [f"data.data_dir={folder}", f"output_dir={tmp_path}", "data.image_size=64",
+                                  "data.resize_size=72", "train.batch_size=4", "train.max_steps=2", "train.epochs=0",
+                                  "train.eval_every=0", "train.eval_batches=1", "train.precision=fp32",
+                                  "log.progress_bar=false", "log.report_to=[]"])
     assert cfg.model.arch == "resnet50" and cfg.train.optimizer == "SGD"
     assert main.run(cfg) == 0
     state = load_model_state(tmp_path, 2)

@@ -13,7 +13,7 @@ import torch
 
 import main
 from conftest import ROOT, free_port
-from wiring import load_config
+from wiring import checked_config
 
 CLASSES = {"billing": ["invoice", "refund", "charged", "payment", "price"],
            "bug report": ["crash", "error", "broken", "freezes", "fails"],
@@ -57,7 +57,7 @@ def test_csv_text_trains_tests_and_exports_for_pipeline_under_ddp(tmp_path):
     from wiring import build_task
     rows = write_tickets(tmp_path / "tickets")
     out = tmp_path / "run"
-    cfg = load_config(os.path.join(ROOT, "configs", "csv_text.yml"), [
+    cfg = checked_config(os.path.join(ROOT, "configs", "csv_text.yml"), [
         f"data.data_dir={tmp_path / 'tickets'}", "data.text_column=ticket", "data.label_column=team",
         f"output_dir={out}", "dist.strategy=ddp", "dist.procs_per_node=2", f"dist.master_port={free_port()}",
         "train.max_steps=40", "log.progress_bar=false", "log.tensorboard=false"])

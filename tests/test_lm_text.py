@@ -11,7 +11,7 @@ import yaml
 
 import main
 from conftest import ROOT, load_model_state, make_config, max_diff, run_ranks
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError, DataError
 from tasks import lm_data
 from wiring import build_task
@@ -230,7 +230,7 @@ def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     preset = os.path.join(ROOT, "configs", "shakespeare_char.yml")
     overrides = [f"data.data_dir={data}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4", "train.warmup=2",
                  "train.eval_every=2", "log.progress_bar=false", "log.tensorboard=false"]
-    cfg = load_config(preset, overrides)
+    cfg = checked_config(preset, overrides)
     assert main.run(cfg) == 0
     log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert re.search(r"step 4 dev: .*\bloss=", log)

@@ -20,7 +20,7 @@ from cluster import (NODE_ADDRS, ROOT, STEPS, TRAIN_ARGS, checkpoint_steps, clea
 from conftest import free_port, load_model_state, max_diff
 
 import main
-from wiring import load_config
+from wiring import checked_config
 
 PORT = 29500  # node 0's own namespace: nothing else listens there
 
@@ -75,7 +75,7 @@ def test_two_nodes_over_a_network_equal_one_process_on_the_combined_batch(two_no
     assert "tnode1" in read(out / "logs" / "rank1.log") and "tnode1" in read(out / "logs" / "rank2.log")
     assert "tnode0" in read(out / "logs" / "rank0.log")
 
-    one = load_config(os.path.join(ROOT, "parameters.yml"), [  # as the nodes read it, in one process
+    one = checked_config(os.path.join(ROOT, "parameters.yml"), [  # as the nodes read it, in one process
         f"output_dir={tmp_path / 'one'}", "model.dropout=0", "train.eval_every=0", "train.max_steps=6",
         "train.batch_size=24", "log.progress_bar=false", "log.tensorboard=false"])
     assert main.run(one) == 0

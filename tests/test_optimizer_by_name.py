@@ -12,7 +12,7 @@ from torch import nn
 
 import trainer as trainer_module
 from conftest import ROOT, make_config, slow
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 from core import optimizers
 from core.optimizers import optimizer_recipe
@@ -21,7 +21,7 @@ PARAMS = os.path.join(ROOT, "parameters.yml")
 
 
 def config(tmp_path, *sets):
-    return load_config(PARAMS, [f"output_dir={tmp_path}", *sets])
+    return checked_config(PARAMS, [f"output_dir={tmp_path}", *sets])
 
 
 def build_trainer(cfg):

@@ -13,7 +13,7 @@ import torch
 import trainer as trainer_module
 from extras import testmode
 from conftest import ROOT, logged, make_config, spawn
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -46,7 +46,7 @@ def test_betas_and_eps_reach_the_optimizer(tmp_path):
 def test_default_betas_and_eps_are_torchs(tmp_path):
     # The defaults must leave existing runs unchanged: the same values AdamW uses when given none.
     defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-    cfg = load_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}"])
+    cfg = checked_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}"])
     assert tuple(cfg.train.betas) == defaults["betas"] and cfg.train.eps == defaults["eps"]
 
 
@@ -61,7 +61,7 @@ def test_default_betas_and_eps_are_torchs(tmp_path):
 ])
 def test_bad_recipe_values_are_one_line_errors(tmp_path, sets, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}", *sets])
+        checked_config(os.path.join(ROOT, "parameters.yml"), [f"output_dir={tmp_path}", *sets])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def watched(body: str) -> subprocess.CompletedProcess:
     """A process that runs `body` inside resource_errors.reports_a_kill (no torch: a second)."""
     code = ("import os, signal\nfrom resilience import faults, resource_errors\n"
             "with resource_errors.reports_a_kill('/runs/x'):\n"
-            "    faults.progress.at(7, 'train')\n" + "".join(f"    {line}\n" for line in body.splitlines()))
+            "    faults.progress.phase_starts(7, 'train')\n" + "".join(f"    {line}\n" for line in body.splitlines()))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -139,11 +139,11 @@ def watched(body: str) -> subprocess.CompletedProcess:
 def test_one_rank_of_a_multi_node_run_killed_by_sigkill_says_so(tmp_path):
     # A node that runs one rank of several runs it in its own process, with no launcher above it: the watcher names
     # that rank and its log. (The worker stands in for the Trainer: no torch, no peers.)
-    code = ("import os, signal, sys\nimport main\nfrom resilience import faults\nfrom wiring import load_config\n"
-            f"cfg = load_config(None, ['dist.strategy=ddp', 'dist.nodes=2', 'dist.procs_per_node=[2,1]', "
+    code = ("import os, signal, sys\nimport main\nfrom resilience import faults\nfrom wiring import checked_config\n"
+            f"cfg = checked_config(None, ['dist.strategy=ddp', 'dist.nodes=2', 'dist.procs_per_node=[2,1]', "
             f"'dist.node_rank=1', 'dist.master_addr=127.0.0.1', 'output_dir={tmp_path}'])\n"
             "def worker(cfg, place):\n"
-            "    faults.progress.at(5, 'train')\n"
+            "    faults.progress.phase_starts(5, 'train')\n"
             "    assert place.rank == 2\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n"
             "main.start(cfg, None, worker)\n")

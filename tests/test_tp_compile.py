@@ -12,8 +12,8 @@ from conftest import free_port, spawn
 
 def _compiled_masks(rank, port, cache, queue):
     """One training forward of a tiny GPT-2 (attention dropout 0.5, 2 heads per rank) split over tp 2, its blocks
-    compiled as TPStrategy.compile does, with and without PerRankDropout in the plan; rank 0 reports, per layer, whether
-    the two ranks' attention probabilities were zeroed at the same places."""
+    compiled as DDPxTPStrategy.compile does, with and without PerRankDropout in the plan; rank 0 reports, per layer,
+    whether the two ranks' attention probabilities were zeroed at the same places."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_CACHE_DIR=cache)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)

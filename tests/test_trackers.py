@@ -18,7 +18,7 @@ from conftest import ROOT, make_config, save_tiny_minilm
 
 import main
 from core import trackers
-from wiring import load_config
+from wiring import checked_config
 from core.errors import ConfigError
 
 TRAIN = {"max_steps": 4, "epochs": 0, "eval_every": 2, "save_every": 2, "log_every": 2}
@@ -50,7 +50,7 @@ def logged_lines(out) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_it():
     def names(*overrides):
-        return trackers.names(load_config(None, list(overrides)))
+        return trackers.names(checked_config(None, list(overrides)))
     assert names() == ["tensorboard"]
     assert names("log.report_to=[csv]") == ["csv"]
     assert names("log.report_to=[csv]", "log.tensorboard=true") == ["tensorboard", "csv"]
@@ -66,7 +66,7 @@ def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_i
 ])
 def test_a_wrong_report_to_is_one_line(overrides, content):
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        checked_config(None, overrides)
     assert "\n" not in str(e.value) and all(c in str(e.value) for c in content), str(e.value)
 
 
@@ -87,7 +87,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_in_one_line(tmp_path, cap
     assert not os.path.exists(tmp_path / "logs")  # refused before anything started
     # Another store than sqlite needs no SQL packages.
     if module == "sqlalchemy":
-        cfg = load_config(None, [f"log.report_to=[{tracker}]", "log.mlflow_tracking_uri=http://localhost:5000"])
+        cfg = checked_config(None, [f"log.report_to=[{tracker}]", "log.mlflow_tracking_uri=http://localhost:5000"])
         assert trackers.names(cfg) == ["mlflow"]
 
 

@@ -198,7 +198,7 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
-    from wiring import config_from_dict
+    from wiring import checked_config_from_dict
     from core.distributed import DistContext
     from wiring import parallelize as apply
     from tests.rank_memory import state_bytes
@@ -218,9 +218,9 @@ def _tp_rank(rank: int, world: int, port: int, size: tuple, queue) -> None:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
              "mlm_labels": labels, "nsp_labels": torch.tensor([0, 1, 0, 1])}
     for name, strategy, tp in TP_LAYOUTS:
-        cfg = config_from_dict({"task": "bert_pretrain", "output_dir": "unused", "model": {"name": "tiny"},
-                                "log": {"progress_bar": False, "tensorboard": False},
-                                "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
+        cfg = checked_config_from_dict({"task": "bert_pretrain", "output_dir": "unused", "model": {"name": "tiny"},
+                                        "log": {"progress_bar": False, "tensorboard": False},
+                                        "dist": {"strategy": strategy, "tp": tp, "procs_per_node": world}}, "tp")
         task = build_task(cfg)
         strategy = apply(bert_model(*size), cfg, ctx, task, None)
         with CommDebugMode() as forward:
