@@ -239,7 +239,7 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def set_epoch(self, epoch: int) -> None:  # the Trainer calls it before each epoch's loader starts its workers
+    def set_epoch(self, epoch: int) -> None:  # Task.start_epoch: the Trainer's copy, and each worker's
         self.epoch = epoch
 
     def __getitem__(self, i: int) -> dict:

@@ -188,6 +188,29 @@ def test_resume_is_bit_exact_crops_included(tmp_path, folder):
     assert not torch.equal(a["classifier.1.weight"], load_model_state(tmp_path / "full", 4)["classifier.1.weight"])
 
 
+def test_persistent_workers_decode_the_batches_one_process_decodes_epoch_after_epoch(tmp_path, folder):
+    """Two loader workers kept through three epochs (the same processes throughout) give the batches of no workers,
+    bit for bit: each worker starts every epoch on its own copy of the dataset, so the crops follow the epoch."""
+    import multiprocessing
+    from core import distributed
+    import wiring
+    streams, per_epoch = {}, 4  # 48 training images in batches of 12
+    for workers in (0, 2):
+        cfg = tiny(tmp_path / f"w{workers}", folder, data={"num_workers": workers})
+        stream = wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).micro_batches()
+        streams[workers], pids = [], []
+        for _ in range(3 * per_epoch):
+            streams[workers].append(next(stream))
+            pids.append({p.pid for p in multiprocessing.active_children()})
+        stream.close()  # the stream's end ends its workers
+        if workers:
+            assert len(pids[0]) >= 2 and all(p == pids[0] for p in pids)  # no worker started again per epoch
+            assert not pids[0] & {p.pid for p in multiprocessing.active_children()}
+    for a, b in zip(streams[0], streams[2]):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["labels"], b["labels"])
+    assert not torch.equal(streams[0][0]["pixel_values"], streams[0][per_epoch]["pixel_values"])
+
+
 @pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("dp"), slow("ddp [8, 4]")])
 def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
     dist = {"strategy": strategy.split()[0], "procs_per_node": 1 if strategy == "dp" else 2}
