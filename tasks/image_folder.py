@@ -309,6 +309,12 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     return model
 
 
+def uses_channels_last(cfg) -> bool:
+    """model.channels_last: auto is on for GPUs (cuDNN's NHWC convolutions, with tensor cores), off on a CPU, where
+    ResNet-50's training step was measured no faster in it (docs/image_folder.md)."""
+    return cfg.dist.on_gpu() if cfg.model.channels_last == "auto" else cfg.model.channels_last
+
+
 # ---- the task ------------------------------------------------------------------------------------------------------
 class ImageFolderTask(Task):
     hf_pipeline = "image-classification"
@@ -317,6 +323,7 @@ class ImageFolderTask(Task):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.classes, self.files, self.counts, self.ignored, self.skipped = None, {}, {}, {}, set()
+        self.channels_last = uses_channels_last(cfg)
 
     def data_name(self) -> str:
         return self.cfg.data.data_dir
@@ -351,6 +358,8 @@ class ImageFolderTask(Task):
             model = resnet(m.arch or "resnet50", m.width, self.classes)
         if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.channels_last:  # the same values in NHWC order: a checkpoint's state_dict loads either way
+            model = model.to(memory_format=torch.channels_last)
         return model
 
     def collate(self, samples: list) -> dict:
@@ -389,7 +398,10 @@ class ImageFolderTask(Task):
         return None
 
     def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(pixel_values=batch["pixel_values"]).logits
+        pixels = batch["pixel_values"]
+        if self.channels_last:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return model(pixel_values=pixels).logits
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.loss_from_output(self.logits(model, batch), batch["labels"])

@@ -94,6 +94,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
+    with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not image"):
+        make_config(tmp_path, model={"channels_last": True})
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
@@ -251,6 +253,29 @@ def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
     assert main.run(cfg) == 0
     state = load_model_state(tmp_path, 2)
     assert state["classifier.1.weight"].shape == (3, 2048)
+
+
+def test_channels_last_trains_as_contiguous_and_its_checkpoint_and_export_load_anywhere(tmp_path, folder):
+    """model.channels_last: true keeps the weights in NHWC memory; 4 steps end where contiguous ones end (to float
+    rounding), its checkpoint loads into a contiguous model, and its export loads as a plain transformers folder."""
+    from transformers import ResNetForImageClassification
+    train = {"max_steps": 4, "eval_every": 0, "save_every": 0}
+    states = {}
+    for layout in (True, False):
+        cfg = tiny(tmp_path / str(layout), folder, train=train, model={**TINY["model"], "channels_last": layout})
+        assert main.run(cfg) == 0
+        states[layout] = load_model_state(tmp_path / str(layout), 4)
+    nhwc = [k for k, v in states[True].items() if v.dim() == 4 and not v.is_contiguous()]
+    assert nhwc and all(states[True][k].is_contiguous(memory_format=torch.channels_last) for k in nhwc)
+    assert all(torch.allclose(states[True][k].float(), states[False][k].float(), atol=1e-4) for k in states[True])
+    plain = task_for(tmp_path, folder)  # auto: off on this CPU
+    assert not plain.channels_last
+    model = plain.build_model()
+    model.load_state_dict(states[True])
+    assert all(v.is_contiguous() for v in model.state_dict().values())
+    assert main.run(tiny(tmp_path / "True", folder, mode="export", model={**TINY["model"], "channels_last": True})) == 0
+    exported = ResNetForImageClassification.from_pretrained(tmp_path / "True" / "export").state_dict()
+    assert all(torch.equal(exported[k], states[True][k]) for k in states[True])
 
 
 # ---- export and predict ----------------------------------------------------------------------------------------------
