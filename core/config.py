@@ -172,8 +172,8 @@ class ModelConfig:
     sync_batchnorm: bool = False
     """image_folder, ddp on GPUs: BatchNorm's statistics over all ranks' samples, not each rank's (SyncBatchNorm)."""
     channels_last: Union[bool, Literal["auto"]] = "auto"
-    """image_folder: the model's weights and images in channels-last memory (NHWC). auto: on a GPU, off on a CPU,
-    where it was measured not to pay for ResNet-50 (docs/image_folder.md). Same results, checkpoints and exports."""
+    """image_folder: the model's weights and images in channels-last memory (NHWC). auto: on a GPU; on a CPU for
+    data.image_size >= 224, where it was measured to pay (docs/image_folder.md). Same results and checkpoints."""
 
     def check(self, fail) -> None:
         in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)

@@ -309,10 +309,15 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     return model
 
 
+CHANNELS_LAST_CPU_SIZE = 224  # on a CPU, NHWC was measured to pay at 224 px (ResNet-18, -50), not at 32 px
+
+
 def uses_channels_last(cfg) -> bool:
-    """model.channels_last: auto is on for GPUs (cuDNN's NHWC convolutions, with tensor cores), off on a CPU, where
-    ResNet-50's training step was measured no faster in it (docs/image_folder.md)."""
-    return cfg.dist.on_gpu() if cfg.model.channels_last == "auto" else cfg.model.channels_last
+    """model.channels_last: auto is on for GPUs (cuDNN's NHWC convolutions), and on a CPU for images of 224 px or
+    more, where a ResNet's training step was measured faster in it (docs/image_folder.md), not for small ones."""
+    if cfg.model.channels_last != "auto":
+        return cfg.model.channels_last
+    return cfg.dist.on_gpu() or cfg.data.image_size >= CHANNELS_LAST_CPU_SIZE
 
 
 # ---- the task ------------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
-    with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not image"):
+    with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not im"):
         make_config(tmp_path, model={"channels_last": True})
 
 
@@ -268,8 +268,8 @@ def test_channels_last_trains_as_contiguous_and_its_checkpoint_and_export_load_a
     nhwc = [k for k, v in states[True].items() if v.dim() == 4 and not v.is_contiguous()]
     assert nhwc and all(states[True][k].is_contiguous(memory_format=torch.channels_last) for k in nhwc)
     assert all(torch.allclose(states[True][k].float(), states[False][k].float(), atol=1e-4) for k in states[True])
-    plain = task_for(tmp_path, folder)  # auto: off on this CPU
-    assert not plain.channels_last
+    plain = task_for(tmp_path, folder)  # auto: off on a CPU for 16 px images (on from 224 px)
+    assert not plain.channels_last and task_for(tmp_path, folder, image_size=224, resize_size=256).channels_last
     model = plain.build_model()
     model.load_state_dict(states[True])
     assert all(v.is_contiguous() for v in model.state_dict().values())
