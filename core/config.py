@@ -173,7 +173,8 @@ class ModelConfig:
     """image_folder, ddp on GPUs: BatchNorm's statistics over all ranks' samples, not each rank's (SyncBatchNorm)."""
     channels_last: Union[bool, Literal["auto"]] = "auto"
     """image_folder: the model's weights and images in channels-last memory (NHWC). auto: on a GPU; on a CPU for
-    data.image_size >= 224, where it was measured to pay (docs/image_folder.md). Same results and checkpoints."""
+    data.image_size >= 224, where it was measured to pay (docs/image_folder.md); off under fsdp and pipe, which
+    refuse it. Same results and checkpoints."""
 
     def check(self, fail) -> None:
         in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)

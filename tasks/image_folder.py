@@ -55,6 +55,9 @@ def check_config(cfg, fail) -> None:
                                  "its ResNet); remove it")
     if m.sync_batchnorm and cfg.dist.strategy != "ddp":
         fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
+    if m.channels_last is True and cfg.dist.strategy in ("fsdp", "pipe"):  # (auto: off there)
+        fail("model.channels_last", f"is not for dist.strategy: {cfg.dist.strategy} (fsdp takes contiguous parameters "
+                                    "only, pipe sends contiguous activations only); remove it")
     if m.sync_batchnorm and not cfg.dist.on_gpu():
         fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
 
@@ -314,9 +317,11 @@ CHANNELS_LAST_CPU_SIZE = 224  # on a CPU, NHWC was measured to pay at 224 px (Re
 
 def uses_channels_last(cfg) -> bool:
     """model.channels_last: auto is on for GPUs (cuDNN's NHWC convolutions), and on a CPU for images of 224 px or
-    more, where a ResNet's training step was measured faster in it (docs/image_folder.md), not for small ones."""
+    more, where a ResNet's training step was measured faster in it (docs/image_folder.md); off under fsdp and pipe."""
     if cfg.model.channels_last != "auto":
         return cfg.model.channels_last
+    if cfg.dist.strategy in ("fsdp", "pipe"):  # they refuse NHWC tensors (check_config)
+        return False
     return cfg.dist.on_gpu() or cfg.data.image_size >= CHANNELS_LAST_CPU_SIZE
 
 
