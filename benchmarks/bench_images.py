@@ -4,7 +4,7 @@ the loader's decode + augment images/s (per worker) at 0, 1, 2 and auto workers:
 Last, whether model.channels_last pays for this model and size (interleaved pairs of one training step).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_images.py                      # ResNet-50, 224, batch 32
-    python benchmarks/bench_images.py --tiny --steps 4 --images 64                 # proves it runs (seconds)
+    python benchmarks/bench_images.py --tiny                                       # proves it runs (seconds)
     python benchmarks/bench_images.py --data_dir path/to/folder --device cuda      # your folder, a GPU
 
 The folder (without --data_dir): --images JPEGs cut at random from scikit-learn's two sample photos (640x427) into
@@ -12,7 +12,7 @@ The folder (without --data_dir): --images JPEGs cut at random from scikit-learn'
 the same model built by tasks/image_folder.py from the same seed, the same decoding and crops (its ImageFiles
 dataset) and the same number of loader workers. The hand-written loop and HF's Trainer read the very batches ours
 reads (the full ones of our epoch order; HF's sampler set to sequential over a dataset in that order), with plain
-SGD (ours: the preset's lr schedule, which costs nothing measurable). HF's Trainer takes the transformers model as it
+SGD at a constant lr (ours: the preset's SGD, its lr schedule and weight decay on matrices only). HF's Trainer takes the transformers model as it
 is (ResNetForImageClassification returns the loss when given labels). Each side's first 2 steps are a warm-up, not
 timed. Take the figures on a quiet machine: on a shared one, the other jobs' load is in them (benchmarks/RESULTS.md
 says where they were taken).
@@ -255,6 +255,7 @@ def main_() -> None:
                   f"{'keeps up with' if rate >= b else 'slower than'} the hand-written loop's {b:.1f} images/s")
         if args.layout_pairs:
             channels_last_speedup(args, os.path.join(tmp, "layout"))
+
 
 if __name__ == "__main__":
     main_()
