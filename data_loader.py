@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from core import data_order
 
@@ -122,6 +122,51 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
         num_workers = auto_workers()
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
+
+
+class EpochIndices:
+    """The batch_sampler of a training stream's one DataLoader: the current epoch's index lists (`batches`, set
+    before each epoch), each index sent as (epoch, index), so workers kept from the last epoch know the new one."""
+
+    def __init__(self):
+        self.epoch, self.batches = 0, []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        epoch = self.epoch
+        for batch in self.batches:
+            yield [(epoch, i) for i in batch]
+
+
+class EpochItems(Dataset):
+    """`dataset` read by (epoch, index). A worker's copy of it missed the main process's start_epoch (it was made
+    when the worker started, epochs ago): a worker starts each new epoch on its copy itself."""
+
+    def __init__(self, dataset: Dataset, start_epoch: Callable):
+        self.dataset, self.start_epoch, self.epoch = dataset, start_epoch, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple):
+        epoch, i = key
+        if epoch != self.epoch and get_worker_info() is not None:  # (in the main process the Trainer did it)
+            self.start_epoch(self.dataset, epoch)
+        self.epoch = epoch
+        return self.dataset[i]
+
+
+def training_loader(dataset: Dataset, indices: EpochIndices, collate: Callable, num_workers, pin_memory: bool,
+                    seed: int, start_epoch: Callable) -> DataLoader:
+    """One DataLoader for every epoch of a training stream: its workers start once and are kept between epochs
+    (persistent_workers), each epoch's batches being whatever `indices` holds when it is iterated."""
+    if num_workers == "auto":
+        num_workers = auto_workers()
+    return DataLoader(EpochItems(dataset, start_epoch), batch_sampler=indices, collate_fn=collate,
+                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def auto_workers() -> int:

@@ -23,7 +23,8 @@ from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
-from data_loader import GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional
+from data_loader import (EpochIndices, GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional,
+                         training_loader)
 from core.model_parts import lora_base_entry
 from strategies.base import Strategy
 from tasks.base import Task
@@ -425,12 +426,14 @@ class Trainer:
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
-        state = self.state
+        state, indices = self.state, EpochIndices()
+        # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
+        loader = training_loader(self.datasets["train"], indices, self.task.collate, self.cfg.data.num_workers,
+                                 self.pin_memory, self.cfg.seed, self.task.start_epoch)
         while True:
-            batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
+            indices.epoch = state.epoch  # its batches, made as consumed:
+            indices.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
             self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
-            loader = make_loader(self.datasets["train"], batches, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin_memory, self.cfg.seed + state.epoch)
             for batch in loader:
                 state.batch_in_epoch += 1
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)

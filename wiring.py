@@ -56,6 +56,8 @@ def check_model_shape(cfg: Config, fail) -> None:
         return image_folder.check_config(cfg, fail)
     if cfg.model.sync_batchnorm:
         fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
+    if cfg.model.channels_last != "auto":
+        fail("model.channels_last", f"is for task image_folder's convolutions, not {cfg.task}; remove it")
     if cfg.model.arch in image_folder.RESNETS:
         fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; "
                            + ("gpt2_lm takes gpt2 or llama" if cfg.task == "gpt2_lm" else f"remove it for {cfg.task}"))
@@ -68,7 +70,7 @@ READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (pretrained.check_config, ["model.pretrained_dir"]),
     (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
     (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
-                         "model.tie_embeddings", "model.sync_batchnorm"]),
+                         "model.tie_embeddings", "model.sync_batchnorm", "model.channels_last"]),
     (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
                                       "data.image_std", "data.skip_bad_images"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),

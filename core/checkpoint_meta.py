@@ -160,7 +160,7 @@ def _plain(value) -> bool:
 # What changes a run's result, compared when a checkpoint is resumed (besides the global batch, which resume.py
 # compares): settings that only change speed or memory are left out.
 RESULT_SETTINGS = ("task", "seed", "model", "data")
-NOT_RESULT = {"model.activation_checkpointing", "data.num_workers", "data.download"}
+NOT_RESULT = {"model.activation_checkpointing", "model.channels_last", "data.num_workers", "data.download"}
 
 
 def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS) -> list[str]:

@@ -72,7 +72,8 @@ class DataConfig:
     download: bool = True
     """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
     num_workers: Union[int, Literal["auto"]] = 0
-    """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8."""
+    """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8.
+    Training's workers start once and are kept from epoch to epoch (persistent); evaluation's end with it."""
     dev_fraction: float = 0.15
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128
@@ -170,6 +171,10 @@ class ModelConfig:
 
     sync_batchnorm: bool = False
     """image_folder, ddp on GPUs: BatchNorm's statistics over all ranks' samples, not each rank's (SyncBatchNorm)."""
+    channels_last: Union[bool, Literal["auto"]] = "auto"
+    """image_folder: the model's weights and images in channels-last memory (NHWC). auto: on a GPU; on a CPU for
+    data.image_size >= 224, where it was measured to pay (docs/image_folder.md); off under fsdp and pipe, which
+    refuse it. Same results and checkpoints."""
 
     def check(self, fail) -> None:
         in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)

@@ -42,7 +42,7 @@ class Task:
 
     def start_epoch(self, dataset: Dataset, epoch: int) -> None:
         """Before each training epoch: a dataset that draws its samples per epoch (lm_data.RandomWindows) has a
-        set_epoch, called here; others need nothing."""
+        set_epoch, called here; others need nothing. Called in the main process and in each loader worker."""
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
 

@@ -55,6 +55,9 @@ def check_config(cfg, fail) -> None:
                                  "its ResNet); remove it")
     if m.sync_batchnorm and cfg.dist.strategy != "ddp":
         fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
+    if m.channels_last is True and cfg.dist.strategy in ("fsdp", "pipe"):  # (auto: off there)
+        fail("model.channels_last", f"is not for dist.strategy: {cfg.dist.strategy} (fsdp takes contiguous parameters "
+                                    "only, pipe sends contiguous activations only); remove it")
     if m.sync_batchnorm and not cfg.dist.on_gpu():
         fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
 
@@ -239,7 +242,7 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def set_epoch(self, epoch: int) -> None:  # the Trainer calls it before each epoch's loader starts its workers
+    def set_epoch(self, epoch: int) -> None:  # Task.start_epoch: the Trainer's copy, and each worker's
         self.epoch = epoch
 
     def __getitem__(self, i: int) -> dict:
@@ -309,6 +312,19 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     return model
 
 
+CHANNELS_LAST_CPU_SIZE = 224  # on a CPU, NHWC was measured to pay at 224 px (ResNet-18, -50), not at 32 px
+
+
+def uses_channels_last(cfg) -> bool:
+    """model.channels_last: auto is on for GPUs (cuDNN's NHWC convolutions), and on a CPU for images of 224 px or
+    more, where a ResNet's training step was measured faster in it (docs/image_folder.md); off under fsdp and pipe."""
+    if cfg.model.channels_last != "auto":
+        return cfg.model.channels_last
+    if cfg.dist.strategy in ("fsdp", "pipe"):  # they refuse NHWC tensors (check_config)
+        return False
+    return cfg.dist.on_gpu() or cfg.data.image_size >= CHANNELS_LAST_CPU_SIZE
+
+
 # ---- the task ------------------------------------------------------------------------------------------------------
 class ImageFolderTask(Task):
     hf_pipeline = "image-classification"
@@ -317,6 +333,7 @@ class ImageFolderTask(Task):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.classes, self.files, self.counts, self.ignored, self.skipped = None, {}, {}, {}, set()
+        self.channels_last = uses_channels_last(cfg)
 
     def data_name(self) -> str:
         return self.cfg.data.data_dir
@@ -351,6 +368,8 @@ class ImageFolderTask(Task):
             model = resnet(m.arch or "resnet50", m.width, self.classes)
         if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.channels_last:  # the same values in NHWC order: a checkpoint's state_dict loads either way
+            model = model.to(memory_format=torch.channels_last)
         return model
 
     def collate(self, samples: list) -> dict:
@@ -389,7 +408,10 @@ class ImageFolderTask(Task):
         return None
 
     def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(pixel_values=batch["pixel_values"]).logits
+        pixels = batch["pixel_values"]
+        if self.channels_last:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return model(pixel_values=pixels).logits
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.loss_from_output(self.logits(model, batch), batch["labels"])

@@ -21,7 +21,8 @@ RESULT_LINE = {
     "bench_checkpoint_hash.py": r"save with / without the record: [\d.]+x",
     "bench_compile.py": r"speed compiled/eager [\d.]+x",
     "bench_data_scale.py": r"\| shards \| 0 MB \| [\d,]+ \| [\d.]+ s",
-    "bench_images.py": r"ours / hand-written: [\d.]+",
+    "bench_images.py": r"ours / hand-written: [\d.]+; HF's Trainer / hand-written: [\d.]+; ours / HF's: [\d.]+\n"
+                       r"[\s\S]*loader, num_workers=auto \(\d+\): [\d.]+ images/s",
     "bench_hetero.py": r"gain of auto [\d.]+x \(ideal split: [\d.]+x\)",
     "bench_lora.py": r"\| LoRA r=8 \(query, value\) \+ head \| .* \| [\d.]+ \|",
     "bench_mesh.py": r"\ntp 2 +[\d, ]+ +\d+ +[\d.]+ +[\d.]+x",

@@ -90,10 +90,14 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         make_config(tmp_path, model={"arch": "resnet18"})  # the digits CNN
     with pytest.raises(ConfigError, match="`data.resize_size` must be in"):
         tiny(tmp_path, tmp_path, data={"resize_size": 8})
+    with pytest.raises(ConfigError, match="`model.channels_last` is not for dist.strategy: fsdp .fsdp takes cont"):
+        tiny(tmp_path, tmp_path, model={**TINY["model"], "channels_last": True}, dist={"strategy": "fsdp"})
     with pytest.raises(ConfigError, match="`model.sync_batchnorm` needs GPUs"):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
+    with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not im"):
+        make_config(tmp_path, model={"channels_last": True})
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
@@ -188,6 +192,29 @@ def test_resume_is_bit_exact_crops_included(tmp_path, folder):
     assert not torch.equal(a["classifier.1.weight"], load_model_state(tmp_path / "full", 4)["classifier.1.weight"])
 
 
+def test_persistent_workers_decode_the_batches_one_process_decodes_epoch_after_epoch(tmp_path, folder):
+    """Two loader workers kept through three epochs (the same processes throughout) give the batches of no workers,
+    bit for bit: each worker starts every epoch on its own copy of the dataset, so the crops follow the epoch."""
+    import multiprocessing
+    from core import distributed
+    import wiring
+    streams, per_epoch = {}, 4  # 48 training images in batches of 12
+    for workers in (0, 2):
+        cfg = tiny(tmp_path / f"w{workers}", folder, data={"num_workers": workers})
+        stream = wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).micro_batches()
+        streams[workers], pids, before = [], [], {p.pid for p in multiprocessing.active_children()}
+        for _ in range(3 * per_epoch):
+            streams[workers].append(next(stream))
+            pids.append({p.pid for p in multiprocessing.active_children()} - before)  # this stream's workers
+        stream.close()  # the stream's end ends its workers
+        if workers:
+            assert len(pids[0]) == 2 and all(p == pids[0] for p in pids)  # no worker started again per epoch
+            assert not pids[0] & {p.pid for p in multiprocessing.active_children()}
+    for a, b in zip(streams[0], streams[2]):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["labels"], b["labels"])
+    assert not torch.equal(streams[0][0]["pixel_values"], streams[0][per_epoch]["pixel_values"])
+
+
 @pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("dp"), slow("ddp [8, 4]")])
 def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
     dist = {"strategy": strategy.split()[0], "procs_per_node": 1 if strategy == "dp" else 2}
@@ -228,6 +255,29 @@ def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
     assert main.run(cfg) == 0
     state = load_model_state(tmp_path, 2)
     assert state["classifier.1.weight"].shape == (3, 2048)
+
+
+def test_channels_last_trains_as_contiguous_and_its_checkpoint_and_export_load_anywhere(tmp_path, folder):
+    """model.channels_last: true keeps the weights in NHWC memory; 4 steps end where contiguous ones end (to float
+    rounding, 1e-5), its checkpoint loads into a contiguous model, and its export loads as a transformers folder."""
+    from transformers import ResNetForImageClassification
+    train = {"max_steps": 4, "eval_every": 0, "save_every": 0}
+    states = {}
+    for layout in (True, False):
+        cfg = tiny(tmp_path / str(layout), folder, train=train, model={**TINY["model"], "channels_last": layout})
+        assert main.run(cfg) == 0
+        states[layout] = load_model_state(tmp_path / str(layout), 4)
+    nhwc = [k for k, v in states[True].items() if v.dim() == 4 and not v.is_contiguous()]
+    assert nhwc and all(states[True][k].is_contiguous(memory_format=torch.channels_last) for k in nhwc)
+    assert all(torch.allclose(states[True][k].float(), states[False][k].float(), atol=1e-5) for k in states[True])
+    plain = task_for(tmp_path, folder)  # auto: off on a CPU for 16 px images (on from 224 px)
+    assert not plain.channels_last and task_for(tmp_path, folder, image_size=224, resize_size=256).channels_last
+    model = plain.build_model()
+    model.load_state_dict(states[True])
+    assert all(v.is_contiguous() for v in model.state_dict().values())
+    assert main.run(tiny(tmp_path / "True", folder, mode="export", model={**TINY["model"], "channels_last": True})) == 0
+    exported = ResNetForImageClassification.from_pretrained(tmp_path / "True" / "export").state_dict()
+    assert all(torch.equal(exported[k], states[True][k]) for k in states[True])
 
 
 # ---- export and predict ----------------------------------------------------------------------------------------------
