@@ -211,7 +211,9 @@ def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task
     if cfg.train.precision == "auto":
         cfg, note = balance.auto_precision(cfg, ctx)
     datasets = task.build_datasets()
-    seed_everything(cfg.seed)  # the same seed on every rank: every replica (or shard) starts from the same parameters
+    # The same seed on every rank: every replica (or shard) starts from the same parameters (DDP also broadcasts
+    # rank 0's as it wraps the model; fsdp and pipe cut each rank's own copy, so there the seed is what agrees).
+    seed_everything(cfg.seed)
     model, plan_notes = build_model(cfg, task)
     strategy = parallelize(model, cfg, ctx, task, datasets["train"])
     if cfg.train.compile and cfg.mode == "train":
