@@ -148,9 +148,9 @@ class Trainer:
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
         n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
-        local = torch.tensor([float(n), self.hooks.stop_vote()])
-        counts = distributed.all_reduce_sum(ctx, self.to_device({"n": local})["n"])  # on a GPU the host does not wait
-        count = counts[0]
+        local = torch.tensor([float(n), self.hooks.stop_vote()])  # this rank's [count, stop vote]
+        local = local.pin_memory() if self.pin_memory else local  # (a GPU: the copy is queued, the host does not wait)
+        count, votes = distributed.all_reduce_sum(ctx, local.to(ctx.device, non_blocking=self.pin_memory))
         # DDP/FSDP average the gradients over grad_average_over replicas; multiplying by it undoes that.
         scale = strategy.grad_average_over / count
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
@@ -161,7 +161,7 @@ class Trainer:
         grad_norm = strategy.clip_grad_norm(self.train_cfg.clip_grad_norm or math.inf)  # global: equal on every rank
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
-        norm, votes = torch.stack([grad_norm.float().reshape(()), counts[1]]).tolist()
+        norm, votes = torch.stack([grad_norm.float().reshape(()), votes]).tolist()
         if strategy.scaler:
             strategy.scaler.step(strategy.optimizer)  # skips the step by itself if fp16 gradients overflowed
             strategy.scaler.update()
