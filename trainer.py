@@ -280,10 +280,13 @@ class Trainer:
         """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
         training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
         rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
-        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them."""
+        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them,
+        or train.limit_eval_batches' subset (drawn alike) where that is set."""
         size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
         if (not size or size >= n or split != "dev" or self.cfg.mode != "train"
                 or self.state.step >= self.total_steps):
+            size = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
+        if not size or size >= n:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
 

@@ -242,6 +242,9 @@ class TrainConfig:
     eval_batches: int = 0
     """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
     the last one and test mode read the whole split. 0: always the whole split."""
+    limit_eval_batches: int = 0
+    """Every evaluation, the last one and test mode's too, reads at most this many eval batches of the fixed, seeded
+    subset (Lightning's limit_val_batches); the dev run sets 1. 0: no limit."""
     save_every: int = 200
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
@@ -297,7 +300,7 @@ class TrainConfig:
         for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "keep_best", "log_every", "max_bad_steps", "balance_steps"):
             in_range(fail, f"train.{key}", getattr(self, key), at_least=1)
         for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
-                    "epochs", "eval_batches"):
+                    "epochs", "eval_batches", "limit_eval_batches"):
             in_range(fail, f"train.{key}", getattr(self, key), at_least=0)
         if self.global_batch_size is not None:
             in_range(fail, "train.global_batch_size", self.global_batch_size, at_least=1)

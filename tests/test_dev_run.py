@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from conftest import ROOT
+from core.config import load_config
 from extras import dev_run
+from image_folders import digit_folder
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -19,6 +21,7 @@ def test_a_dev_run_passes_every_stage_and_writes_nothing_to_output_dir(tmp_path)
                           "--set", f"output_dir={real}", "--set", "log.tensorboard=false"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "shrunk: 1 batch per evaluation, batch 32 -> 2, eval batch 256 -> 2" in out.stdout
     for stage in ("train", "resume", "test", "export"):
         assert re.search(rf"^  {stage} .*: ok in [\d.]+ s$", out.stdout, re.M), out.stdout
     assert "dev run passed" in out.stdout
@@ -42,3 +45,50 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
     kept = re.search(r"every stage's output is in (\S+)", out.err).group(1)
     assert os.path.isfile(os.path.join(kept, "resume.log"))
     assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.parametrize("preset, strategy, expected", [
+    ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
+                                                  "train.balance_steps=1"]),
+    ("configs/gpt2_lm.yml", "ddp", ["train.batch_size=2", "train.eval_batch_size=2", "data.max_length=64"]),
+    ("configs/gpt2_lm.yml", "pipe", ["train.batch_size=4", "train.eval_batch_size=4"]),  # 1 per micro-batch
+    ("configs/shakespeare_char.yml", "none", ["train.batch_size=2"]),
+])
+def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):
+    """The batch per rank (under pipe: one sample per micro-batch), the evaluation batch and how many it reads,
+    the LM window and precision auto's timed passes shrink; model, strategy and data stay the preset's."""
+    overrides, said = dev_run.shrunk(load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}"]))
+    assert overrides[0] == "train.limit_eval_batches=1" and set(expected) <= set(overrides)
+    assert len(said) == len(overrides) and not any(o.startswith(("model.", "dist.")) for o in overrides)
+    if "shakespeare" in preset:  # a 64-token window already, precision fp32: nothing else to shrink
+        assert not any(o.startswith(("data.", "train.balance")) for o in overrides)
+    load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}"] + overrides)  # the stages' config is valid
+
+
+@pytest.mark.slow
+def test_the_dev_run_of_resnet50_passes_on_a_small_image_folder_with_its_batch_shrunk(tmp_path):
+    """A GPU-sized preset (ResNet-50 at 224x224, SGD, precision auto) as it is, on 30 made images."""
+    images = digit_folder(tmp_path / "images", train=8, val=2)
+    real = tmp_path / "real"
+    out = subprocess.run([sys.executable, "main.py", "--params", "configs/resnet50_imagefolder.yml", "--dev-run",
+                          "--set", f"output_dir={real}", "--set", f"data.data_dir={images}",
+                          "--set", "log.tensorboard=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "shrunk: 1 batch per evaluation, batch 32 -> 2, eval batch 256 -> 2, timed passes 5 -> 1" in out.stdout
+    assert re.search(r"^  export .*: ok in", out.stdout, re.M) and not real.exists()
+
+
+@pytest.mark.slow
+def test_a_dev_run_under_ddp_with_two_processes_passes_and_writes_nothing_to_output_dir(tmp_path):
+    real = tmp_path / "real"
+    out = subprocess.run([sys.executable, "main.py", "--params", "parameters.yml", "--dev-run",
+                          "--set", f"output_dir={real}", "--set", "log.tensorboard=false",
+                          "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for stage in ("train", "resume", "test", "export"):
+        assert re.search(rf"^  {stage} .*: ok in [\d.]+ s$", out.stdout, re.M), out.stdout
+    assert not real.exists()
+    temporary = re.search(r" in (\S+) \(nothing is written", out.stdout).group(1)
+    assert not os.path.exists(temporary)
