@@ -84,7 +84,7 @@ class Trainer:
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
-        self.ema = WeightAverage(strategy.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = WeightAverage(strategy.averaged_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay else None
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -352,7 +352,16 @@ class Trainer:
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
                 "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes,
-                "ema": self.ema.state_dict() if self.ema else None}
+                "ema": self.ema_state() if self.ema else None}
+
+    def ema_state(self) -> dict:
+        """The whole average (a collective under fsdp and pipe); under pipe each stage's part, put together."""
+        if not self.strategy.pipelined:
+            return self.ema.state_dict()
+        whole = {}
+        for part in distributed.gather_objects(self.ctx, self.ema.state_dict()):
+            whole.update(part)
+        return whole
 
     def load_state_dict(self, saved: dict) -> None:
         """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
@@ -368,7 +377,7 @@ class Trainer:
         if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here
             self.log.warning("resumed from a checkpoint without a weight average (ema.pt): it starts from its weights")
         if self.ema is not None and saved.get("ema") is not None:
-            self.ema.load_state_dict(saved["ema"])
+            self.ema.load_state_dict(saved["ema"], holds_all=not self.strategy.pipelined)
 
     def apply_lr(self) -> None:
         """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""

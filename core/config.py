@@ -545,9 +545,9 @@ class Config:
 
     def check(self, fail) -> None:
         in_range(fail, "seed", self.seed, at_least=0, at_most=2**32 - 1)  # numpy's seeds
-        if self.train.ema_decay and self.dist.strategy == "pipe":
-            fail("train.ema_decay", "is not supported under dist.strategy pipe yet (each stage would average its "
-                                    "own layers); use ddp or fsdp, or train.ema_decay: 0")
+        if self.train.ema_decay and self.dist.strategy == "pipe" and self.dist.tp > 1:
+            fail("train.ema_decay", "is not supported under dist.strategy pipe with dist.tp > 1 yet (untested); use "
+                                    "pipe alone, ddp or fsdp, or train.ema_decay: 0")
         if self.signing_key_file is not None and not os.path.isfile(self.signing_key_file):
             fail("signing_key_file", f"{config_yaml.shown(self.signing_key_file)}: no such file (the secret that "
                                      "signs checkpoints; null: unsigned)")
