@@ -6,8 +6,8 @@ found in seconds rather than at the first evaluation, save or resume of a real r
 Each stage is `python main.py` with the same params file and --set values, plus a few overrides: two training steps
 with an evaluation after the first (one batch), a save, a resume from it, test mode, export where the task exports.
 The overrides lift what a real run rightly refuses in a 2-step trial (a warm-up longer than the run, say), and shrink
-what only costs time (shrunk): 2 samples per rank, one batch per evaluation, LM windows of 64 tokens, one timed pass
-for precision or batch auto; the model, the strategy and every stage's code stay the job's, so a GPU-sized preset's
+what only costs time (shrunk): 2 samples per rank, one batch per evaluation, LM windows of 64 tokens, at most 2
+micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto; the model, the strategy and every stage's code stay the job's, so a GPU-sized preset's
 dev run also ends in under a minute on a CPU. Every stage runs under the configured strategy; output_dir is a
 temporary folder, removed when all passed, kept to read when one failed. Nothing is written to the real output_dir.
 """
@@ -36,9 +36,10 @@ LM_WINDOW = 64  # tokens per language-model window
 
 
 def shrunk(cfg) -> tuple[list[str], list[str]]:
-    """The overrides that make each step and evaluation cheap without changing what code runs, and how the plan
-    line says them: the batch per rank (under pipe: one sample per micro-batch, which each pipeline batch must
-    divide into), the evaluation batch, one batch per evaluation (the last and test mode's too), the LM window."""
+    """The overrides that make each step and evaluation cheap without changing the model or the strategy, and how
+    the plan line says them: the batch per rank (under pipe: one sample per micro-batch, which each pipeline batch
+    must divide into), the evaluation batch, one batch per evaluation (the last and test mode's too), the
+    accumulation, precision auto's timing on a CPU, the LM window."""
     train, overrides, said = cfg.train, ["train.limit_eval_batches=1"], ["1 batch per evaluation"]
     per_rank = cfg.dist.pp_microbatches if cfg.dist.strategy == "pipe" else SAMPLES
     size = train.batch_size
@@ -52,7 +53,13 @@ def shrunk(cfg) -> tuple[list[str], list[str]]:
     if train.eval_batch_size > per_rank:
         overrides.append(f"train.eval_batch_size={per_rank}")
         said.append(f"eval batch {train.eval_batch_size} -> {per_rank}")
-    if (train.precision == "auto" or size == "auto") and train.balance_steps > 1:  # CPU: timed passes per stage
+    if train.grad_accum_steps > 2:  # 2 still syncs on the last micro-batch only
+        overrides.append("train.grad_accum_steps=2")
+        said.append(f"accumulation {train.grad_accum_steps} -> 2")
+    if train.precision == "auto" and not cfg.dist.on_gpu():  # a CPU times both precisions, minutes for GPT-2
+        overrides.append("train.precision=fp32")
+        said.append("precision auto -> fp32 (not timed on a CPU)")
+    if size == "auto" and train.balance_steps > 1:  # timed passes per stage
         overrides.append("train.balance_steps=1")
         said.append(f"timed passes {train.balance_steps} -> 1")
     if cfg.task == "gpt2_lm" and cfg.data.max_length > LM_WINDOW:
