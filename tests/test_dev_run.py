@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from core.config import load_config
 from extras import dev_run
 from image_folders import digit_folder
@@ -87,7 +87,8 @@ def test_a_dev_run_under_ddp_with_two_processes_passes_and_writes_nothing_to_out
     real = tmp_path / "real"
     out = subprocess.run([sys.executable, "main.py", "--params", "parameters.yml", "--dev-run",
                           "--set", f"output_dir={real}", "--set", "log.tensorboard=false",
-                          "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2"],
+                          "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2",
+                          "--set", f"dist.master_port={free_port()}"],  # (29500 may be another run's)
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     for stage in ("train", "resume", "test", "export"):
