@@ -2,6 +2,7 @@
 fails is named with its error, and the real output_dir is never written."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -45,6 +46,7 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
     kept = re.search(r"every stage's output is in (\S+)", out.err).group(1)
     assert os.path.isfile(os.path.join(kept, "resume.log"))
     assert not (tmp_path / "real").exists()
+    shutil.rmtree(kept)  # kept for a user to read; a test leaves nothing in the temporary folder
 
 
 @pytest.mark.parametrize("preset, strategy, expected", [
