@@ -1,5 +1,6 @@
 """The dev run (--dev-run, train.dev_run): every stage of a job for a step or two, in a temporary folder; a stage that
 fails is named with its error, and the real output_dir is never written."""
+import json
 import os
 import re
 import shutil
@@ -8,10 +9,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, free_port
+import main
+from conftest import ROOT, free_port, make_config
 from core.config import load_config
 from extras import dev_run
 from image_folders import digit_folder
+from test_text_tasks import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -98,3 +101,15 @@ def test_a_dev_run_under_ddp_with_two_processes_passes_and_writes_nothing_to_out
     assert not real.exists()
     temporary = re.search(r" in (\S+) \(nothing is written", out.stdout).group(1)
     assert not os.path.exists(temporary)
+
+
+def test_limit_eval_batches_holds_the_last_evaluation_and_test_mode_to_that_many_batches(tmp_path):
+    cfg = make_config(tmp_path, train={"max_steps": 2, "epochs": 0, "eval_every": 1, "eval_batch_size": 8,
+                                       "limit_eval_batches": 2})
+    train(cfg, 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert re.search(r"step 2 dev: .*samples=16 \(on 16 of 225 samples", log), log  # the last one too
+    test = make_config(tmp_path, mode="test", train={"eval_batch_size": 8, "limit_eval_batches": 2},
+                       test={"splits": ["dev"]})
+    assert main.run(test) == 0
+    assert json.load(open(tmp_path / "dev_results.json"))["metrics"]["samples"] == 16
