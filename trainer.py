@@ -283,9 +283,11 @@ class Trainer:
         the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them,
         or train.limit_eval_batches' subset (drawn alike) where that is set."""
         size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
-        if (not size or size >= n or split != "dev" or self.cfg.mode != "train"
-                or self.state.step >= self.total_steps):
-            size = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
+        if split != "dev" or self.cfg.mode != "train" or self.state.step >= self.total_steps:
+            size = 0
+        limit = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
+        if limit and (not size or limit < size):
+            size = limit
         if not size or size >= n:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())

@@ -7,9 +7,10 @@ Each stage is `python main.py` with the same params file and --set values, plus 
 with an evaluation after the first (one batch), a save, a resume from it, test mode, export where the task exports.
 The overrides lift what a real run rightly refuses in a 2-step trial (a warm-up longer than the run, say), and shrink
 what only costs time (shrunk): 2 samples per rank, one batch per evaluation, LM windows of 64 tokens, at most 2
-micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto; the model, the strategy and every stage's code stay the job's, so a GPU-sized preset's
-dev run also ends in under a minute on a CPU. Every stage runs under the configured strategy; output_dir is a
-temporary folder, removed when all passed, kept to read when one failed. Nothing is written to the real output_dir.
+micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto; the model,
+the strategy and every stage's code stay the job's, so a GPU-sized preset's dev run also ends in under a minute on a
+CPU. Every stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept
+to read when one failed. Nothing is written to the real output_dir.
 """
 from __future__ import annotations
 

@@ -105,10 +105,11 @@ def test_a_dev_run_under_ddp_with_two_processes_passes_and_writes_nothing_to_out
 
 def test_limit_eval_batches_holds_the_last_evaluation_and_test_mode_to_that_many_batches(tmp_path):
     cfg = make_config(tmp_path, train={"max_steps": 2, "epochs": 0, "eval_every": 1, "eval_batch_size": 8,
-                                       "limit_eval_batches": 2})
+                                       "eval_batches": 4, "limit_eval_batches": 2})
     train(cfg, 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
-    assert re.search(r"step 2 dev: .*samples=16 \(on 16 of 225 samples", log), log  # the last one too
+    for step in (1, 2):  # below eval_batches' 4 batches during training, and the last one too
+        assert re.search(rf"step {step} dev: .*samples=16 \(on 16 of 225 samples", log), log
     test = make_config(tmp_path, mode="test", train={"eval_batch_size": 8, "limit_eval_batches": 2},
                        test={"splits": ["dev"]})
     assert main.run(test) == 0
