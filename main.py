@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         return 2
     if args.dev_run or cfg.train.dev_run:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
-                           exports=bool(wiring.TASKS[cfg.task].export_formats))
+                           exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg))
     return run(cfg)
 
 

@@ -85,7 +85,7 @@ class Trainer:
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
-        self.ema = WeightAverage(strategy.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = WeightAverage(strategy.averaged_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay else None
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -278,10 +278,15 @@ class Trainer:
         """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
         training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
         rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
-        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them."""
+        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them,
+        or train.limit_eval_batches' subset (drawn alike) where that is set."""
         size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
-        if (not size or size >= n or split != "dev" or self.cfg.mode != "train"
-                or self.state.step >= self.total_steps):
+        if split != "dev" or self.cfg.mode != "train" or self.state.step >= self.total_steps:
+            size = 0
+        limit = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
+        if limit and (not size or limit < size):
+            size = limit
+        if not size or size >= n:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
 
@@ -347,7 +352,16 @@ class Trainer:
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
                 "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes,
-                "ema": self.ema.state_dict() if self.ema else None}
+                "ema": self.ema_state() if self.ema else None}
+
+    def ema_state(self) -> dict:
+        """The whole average (a collective under fsdp and pipe); under pipe each stage's part, put together."""
+        if not self.strategy.pipelined:
+            return self.ema.state_dict()
+        whole = {}
+        for part in distributed.gather_objects(self.ctx, self.ema.state_dict()):
+            whole.update(part)
+        return whole
 
     def load_state_dict(self, saved: dict) -> None:
         """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
@@ -363,7 +377,7 @@ class Trainer:
         if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here
             self.log.warning("resumed from a checkpoint without a weight average (ema.pt): it starts from its weights")
         if self.ema is not None and saved.get("ema") is not None:
-            self.ema.load_state_dict(saved["ema"])
+            self.ema.load_state_dict(saved["ema"], holds_all=not self.strategy.pipelined)
 
     def apply_lr(self) -> None:
         """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""

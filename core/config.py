@@ -247,6 +247,9 @@ class TrainConfig:
     eval_batches: int = 0
     """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
     the last one and test mode read the whole split. 0: always the whole split."""
+    limit_eval_batches: int = 0
+    """Every evaluation, the last one and test mode's too, reads at most this many eval batches of the fixed, seeded
+    subset (Lightning's limit_val_batches); the dev run sets 1. 0: no limit."""
     save_every: int = 200
     """Write a checkpoint every N optimizer steps (and always at the end, and whenever dev improves). 0: end only."""
     keep_last: int = 2
@@ -302,7 +305,7 @@ class TrainConfig:
         for key in ("eval_batch_size", "grad_accum_steps", "keep_last", "keep_best", "log_every", "max_bad_steps", "balance_steps"):
             in_range(fail, f"train.{key}", getattr(self, key), at_least=1)
         for key in ("max_steps", "eval_every", "save_every", "patience", "weight_decay", "clip_grad_norm", "warmup",
-                    "epochs", "eval_batches"):
+                    "epochs", "eval_batches", "limit_eval_batches"):
             in_range(fail, f"train.{key}", getattr(self, key), at_least=0)
         if self.global_batch_size is not None:
             in_range(fail, "train.global_batch_size", self.global_batch_size, at_least=1)
@@ -547,9 +550,9 @@ class Config:
 
     def check(self, fail) -> None:
         in_range(fail, "seed", self.seed, at_least=0, at_most=2**32 - 1)  # numpy's seeds
-        if self.train.ema_decay and self.dist.strategy == "pipe":
-            fail("train.ema_decay", "is not supported under dist.strategy pipe yet (each stage would average its "
-                                    "own layers); use ddp or fsdp, or train.ema_decay: 0")
+        if self.train.ema_decay and self.dist.strategy == "pipe" and self.dist.tp > 1:
+            fail("train.ema_decay", "is not supported under dist.strategy pipe with dist.tp > 1 yet (untested); use "
+                                    "pipe alone, ddp or fsdp, or train.ema_decay: 0")
         if self.signing_key_file is not None and not os.path.isfile(self.signing_key_file):
             fail("signing_key_file", f"{config_yaml.shown(self.signing_key_file)}: no such file (the secret that "
                                      "signs checkpoints; null: unsigned)")

@@ -2,9 +2,10 @@
 EMAWeightAveraging), updated after each applied optimizer step: ema = decay * ema + (1 - decay) * weights.
 
 Each rank averages the parameters it holds, in their own form: the whole model under none/dp/ddp/oss, its shards
-under fsdp (DTensors: the average of a shard is the shard of the average). A checkpoint holds the average as a
-plain, whole state dict (ema.pt, by the names model.pt uses), so it loads under another strategy or world size as
-the weights do; test mode, export and predict read it with test.weights: ema.
+under fsdp (DTensors: the average of a shard is the shard of the average), its stages' layers under pipe. A
+checkpoint holds the average as a plain, whole state dict (ema.pt, by the names model.pt uses; under pipe the
+stages' parts put together), so it loads under another strategy or world size as the weights do; test mode, export
+and predict read it with test.weights: ema.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from core.errors import CheckpointError
 
 
 class WeightAverage:
-    def __init__(self, model: nn.Module, decay: float):
+    def __init__(self, params: dict[str, nn.Parameter], decay: float):
+        """`params`: the trainable parameters this rank averages, by the names the checkpoint's model uses."""
         self.decay = decay
-        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.params = params
         self.average = {name: p.detach().clone() for name, p in self.params.items()}
 
     @torch.no_grad()
@@ -45,10 +47,11 @@ class WeightAverage:
         """The whole average on the CPU, on every rank (a collective under fsdp: every rank calls it)."""
         return {name: whole(a).cpu() for name, a in self.average.items()}
 
-    def load_state_dict(self, saved: dict) -> None:
-        """The saved average (ema.pt, checked for this model): each rank takes its part of it."""
-        if set(saved) != set(self.average):
-            odd = sorted(set(self.average) ^ set(saved))
+    def load_state_dict(self, saved: dict, holds_all: bool = True) -> None:
+        """The saved average (ema.pt, checked for this model): each rank takes its part of it. `holds_all` false
+        (pipe): this rank averages some of the model's parameters, and takes those."""
+        if set(saved) != set(self.average) if holds_all else not set(self.average) <= set(saved):
+            odd = sorted((set(self.average) ^ set(saved)) if holds_all else set(self.average) - set(saved))
             raise CheckpointError(f"ema.pt does not fit this model's trainable parameters ({odd[0]}, ...): resume "
                                   "without train.ema_decay, or start over")
         with torch.no_grad():

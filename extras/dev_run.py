@@ -5,9 +5,12 @@ found in seconds rather than at the first evaluation, save or resume of a real r
 
 Each stage is `python main.py` with the same params file and --set values, plus a few overrides: two training steps
 with an evaluation after the first (one batch), a save, a resume from it, test mode, export where the task exports.
-The overrides lift what a real run rightly refuses in a 2-step trial (a warm-up longer than the run, say). Every
-stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept to read
-when one failed. Nothing is written to the real output_dir.
+The overrides lift what a real run rightly refuses in a 2-step trial (a warm-up longer than the run, say), and shrink
+what only costs time (shrunk): 2 samples per rank, one batch per evaluation, LM windows of 64 tokens, at most 2
+micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto; the model,
+the strategy and every stage's code stay the job's, so a GPU-sized preset's dev run also ends in under a minute on a
+CPU. Every stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept
+to read when one failed. Nothing is written to the real output_dir.
 """
 from __future__ import annotations
 
@@ -29,13 +32,51 @@ STAGES = [  # name, what it checks, its own overrides
     ("export", "the best checkpoint", ["mode=export"]),
 ]
 TAIL_LINES = 15  # of a failed stage's output
+SAMPLES = 2  # per rank and step (under pipe: one per micro-batch), and per evaluation batch
+LM_WINDOW = 64  # tokens per language-model window
 
 
-def run(main_py: str, params: str, overrides: list[str], output_dir: str, exports: bool) -> int:
-    """Run the stages one after another; 0 when all passed, else the failing stage's exit code."""
+def shrunk(cfg) -> tuple[list[str], list[str]]:
+    """The overrides that make each step and evaluation cheap without changing the model or the strategy, and how
+    the plan line says them: the batch per rank (under pipe: one sample per micro-batch, which each pipeline batch
+    must divide into), the evaluation batch, one batch per evaluation (the last and test mode's too), the
+    accumulation, precision auto's timing on a CPU, the LM window."""
+    train, overrides, said = cfg.train, ["train.limit_eval_batches=1"], ["1 batch per evaluation"]
+    per_rank = cfg.dist.pp_microbatches if cfg.dist.strategy == "pipe" else SAMPLES
+    size = train.batch_size
+    if isinstance(size, list) and max(size) > per_rank:
+        overrides.append(f"train.batch_size=[{','.join(str(min(b, per_rank)) for b in size)}]")
+        said.append(f"batch {size} -> [{','.join(str(min(b, per_rank)) for b in size)}]")
+    elif isinstance(size, int) and size > per_rank:
+        overrides.append(f"train.batch_size={per_rank}")
+        said.append(f"batch {size} -> {per_rank}")
+    # batch_size auto is kept: its global batch is split by speed over ranks the dev run does not count
+    if train.eval_batch_size > per_rank:
+        overrides.append(f"train.eval_batch_size={per_rank}")
+        said.append(f"eval batch {train.eval_batch_size} -> {per_rank}")
+    if train.grad_accum_steps > 2:  # 2 still syncs on the last micro-batch only
+        overrides.append("train.grad_accum_steps=2")
+        said.append(f"accumulation {train.grad_accum_steps} -> 2")
+    if train.precision == "auto" and not cfg.dist.on_gpu():  # a CPU times both precisions, minutes for GPT-2
+        overrides.append("train.precision=fp32")
+        said.append("precision auto -> fp32 (not timed on a CPU)")
+    if size == "auto" and train.balance_steps > 1:  # timed passes per stage
+        overrides.append("train.balance_steps=1")
+        said.append(f"timed passes {train.balance_steps} -> 1")
+    if cfg.task == "gpt2_lm" and cfg.data.max_length > LM_WINDOW:
+        overrides.append(f"data.max_length={LM_WINDOW}")
+        said.append(f"window {cfg.data.max_length} -> {LM_WINDOW} tokens")
+    return overrides, said
+
+
+def run(main_py: str, params: str, overrides: list[str], output_dir: str, exports: bool,
+        smaller: tuple[list[str], list[str]] = ([], [])) -> int:
+    """Run the stages one after another; 0 when all passed, else the failing stage's exit code. `smaller`: shrunk's
+    overrides and their words, after the user's --set values."""
     folder = tempfile.mkdtemp(prefix="dev-run-")
-    print(f"dev run of {params} under its configured strategy, in {folder} (nothing is written to {output_dir})",
-          flush=True)
+    print(f"dev run of {params} under its configured strategy, in {folder} (nothing is written to {output_dir})"
+          + (f"; shrunk: {', '.join(smaller[1])}" if smaller[1] else ""), flush=True)
+    overrides = overrides + smaller[0]
     began = time.perf_counter()
     for name, what, own in STAGES:
         if name == "export" and not exports:

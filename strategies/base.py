@@ -46,6 +46,10 @@ class Strategy:
         when a forward is a collective (sharded parameters, tp) or goes through a pipeline."""
         return not (self.forward_is_collective or self.pipelined)
 
+    def averaged_parameters(self) -> dict[str, nn.Parameter]:
+        """train.ema_decay: the trainable parameters this rank averages, by the names model.pt uses."""
+        return {name: p for name, p in self.raw_model.named_parameters() if p.requires_grad}
+
     @property
     def eval_model(self) -> nn.Module:
         """What evaluation runs: the plain module, or the wrapper when a forward pass is a collective."""

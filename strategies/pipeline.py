@@ -320,6 +320,11 @@ class PipeStrategy(Strategy):
     def optimizer_state(self) -> dict:
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
+    def averaged_parameters(self) -> dict[str, nn.Parameter]:
+        """train.ema_decay: this rank's stages' trainable parameters, by whole-model names (each stage its own)."""
+        mine = {id(p) for m in self.stages.values() for p in m.parameters()}
+        return {name: p for name, p in self.full_model.named_parameters() if id(p) in mine and p.requires_grad}
+
     def save(self, directory: str) -> None:
         # state_in_dcp_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
         dcp.save(state_in_dcp_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))

@@ -9,18 +9,23 @@
                            communicator can)
     FAULT=abort:RANK:0     rank RANK, done, aborts (SIGABRT) closing its process group (as gloo's C++ can:
                            "terminate called without an active exception")
+    FAULT=killprune:0:N    rank 0 is SIGKILLed halfway through deleting the Nth checkpoint it prunes (meta.json
+                           and one file gone, the rest still there)
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
 """
 import errno
 import os
+import shutil
+import signal
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core import distributed  # noqa: E402
+from core import checkpoint, distributed  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
@@ -74,6 +79,18 @@ if FAULT:
         return original_shutdown(ctx)
 
     distributed.shutdown = shutdown
+
+    if kind == "killprune":
+        pruned = []
+
+        def rmtree(path, ignore_errors=False):
+            pruned.append(path)
+            if len(pruned) == int(fault_step):
+                os.remove(os.path.join(path, sorted(os.listdir(path))[0]))  # meta.json already went first
+                os.kill(os.getpid(), signal.SIGKILL)
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+
+        checkpoint.shutil = types.SimpleNamespace(rmtree=rmtree)  # only core/checkpoint.py's deletes
 
 if __name__ == "__main__":
     from resilience import faults

@@ -1,14 +1,20 @@
 """The dev run (--dev-run, train.dev_run): every stage of a job for a step or two, in a temporary folder; a stage that
 fails is named with its error, and the real output_dir is never written."""
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+import main
+from conftest import ROOT, free_port, make_config
+from core.config import load_config
 from extras import dev_run
+from image_folders import digit_folder
+from test_text_tasks import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -19,6 +25,7 @@ def test_a_dev_run_passes_every_stage_and_writes_nothing_to_output_dir(tmp_path)
                           "--set", f"output_dir={real}", "--set", "log.tensorboard=false"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "shrunk: 1 batch per evaluation, batch 32 -> 2, eval batch 256 -> 2" in out.stdout
     for stage in ("train", "resume", "test", "export"):
         assert re.search(rf"^  {stage} .*: ok in [\d.]+ s$", out.stdout, re.M), out.stdout
     assert "dev run passed" in out.stdout
@@ -42,3 +49,68 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
     kept = re.search(r"every stage's output is in (\S+)", out.err).group(1)
     assert os.path.isfile(os.path.join(kept, "resume.log"))
     assert not (tmp_path / "real").exists()
+    shutil.rmtree(kept)  # kept for a user to read; a test leaves nothing in the temporary folder
+
+
+@pytest.mark.parametrize("preset, strategy, expected", [
+    ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
+                                                  "train.precision=fp32"]),  # (on a CPU: auto is timed there)
+    ("configs/gpt2_lm.yml", "ddp", ["train.batch_size=2", "train.eval_batch_size=2", "data.max_length=64",
+                                    "train.grad_accum_steps=2"]),
+    ("configs/gpt2_lm.yml", "pipe", ["train.batch_size=4", "train.eval_batch_size=4"]),  # 1 per micro-batch
+    ("configs/shakespeare_char.yml", "none", ["train.batch_size=2"]),
+])
+def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):
+    """The batch per rank (under pipe: one sample per micro-batch), the evaluation batch and how many it reads,
+    the LM window and precision auto's timed passes shrink; model, strategy and data stay the preset's."""
+    cfg = load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"])
+    overrides, said = dev_run.shrunk(cfg)
+    assert overrides[0] == "train.limit_eval_batches=1" and set(expected) <= set(overrides)
+    assert len(said) == len(overrides) and not any(o.startswith(("model.", "dist.")) for o in overrides)
+    if "shakespeare" in preset:  # a 64-token window already, precision fp32: nothing else to shrink
+        assert not any(o.startswith(("data.", "train.precision", "train.grad")) for o in overrides)
+    load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"] + overrides)  # the stages' config is valid
+
+
+@pytest.mark.slow
+def test_the_dev_run_of_resnet50_passes_on_a_small_image_folder_with_its_batch_shrunk(tmp_path):
+    """A GPU-sized preset (ResNet-50 at 224x224, SGD, precision auto) as it is, on 30 made images."""
+    images = digit_folder(tmp_path / "images", train=8, val=2)
+    real = tmp_path / "real"
+    out = subprocess.run([sys.executable, "main.py", "--params", "configs/resnet50_imagefolder.yml", "--dev-run",
+                          "--set", f"output_dir={real}", "--set", f"data.data_dir={images}",
+                          "--set", "log.tensorboard=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("shrunk: 1 batch per evaluation, batch 32 -> 2, eval batch 256 -> 2, precision auto -> fp32 (not timed "
+            "on a CPU)") in out.stdout
+    assert re.search(r"^  export .*: ok in", out.stdout, re.M) and not real.exists()
+
+
+@pytest.mark.slow
+def test_a_dev_run_under_ddp_with_two_processes_passes_and_writes_nothing_to_output_dir(tmp_path):
+    real = tmp_path / "real"
+    out = subprocess.run([sys.executable, "main.py", "--params", "parameters.yml", "--dev-run",
+                          "--set", f"output_dir={real}", "--set", "log.tensorboard=false",
+                          "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2",
+                          "--set", f"dist.master_port={free_port()}"],  # (29500 may be another run's)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for stage in ("train", "resume", "test", "export"):
+        assert re.search(rf"^  {stage} .*: ok in [\d.]+ s$", out.stdout, re.M), out.stdout
+    assert not real.exists()
+    temporary = re.search(r" in (\S+) \(nothing is written", out.stdout).group(1)
+    assert not os.path.exists(temporary)
+
+
+def test_limit_eval_batches_holds_the_last_evaluation_and_test_mode_to_that_many_batches(tmp_path):
+    cfg = make_config(tmp_path, train={"max_steps": 2, "epochs": 0, "eval_every": 1, "eval_batch_size": 8,
+                                       "eval_batches": 4, "limit_eval_batches": 2})
+    train(cfg, 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    for step in (1, 2):  # below eval_batches' 4 batches during training, and the last one too
+        assert re.search(rf"step {step} dev: .*samples=16 \(on 16 of 225 samples", log), log
+    test = make_config(tmp_path, mode="test", train={"eval_batch_size": 8, "limit_eval_batches": 2},
+                       test={"splits": ["dev"]})
+    assert main.run(test) == 0
+    assert json.load(open(tmp_path / "dev_results.json"))["metrics"]["samples"] == 16

@@ -1,5 +1,5 @@
 """train.ema_decay (issue 41): an exponential moving average of the trainable weights, updated after each optimizer
-step under every strategy but pipe, saved as a whole state dict (ema.pt, hashed like every file), exact across a
+step under every strategy (under pipe each stage its own layers), saved as a whole state dict (ema.pt, hashed like every file), exact across a
 resume and read back after the weights reshard; evaluated beside the weights (or alone: train.eval_ema); test mode
 reads it with test.weights: ema."""
 import dataclasses
@@ -98,3 +98,33 @@ def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
     run(cfg, 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
     assert re.search(r"step 4 dev_ema: ", log) and not re.search(r"step 4 dev: ", log)
+
+
+@pytest.mark.slow
+def test_under_pipe_each_stage_averages_its_own_layers_as_one_process_does_and_resumes_exactly(tmp_path):
+    """2 stages in 2 processes against one process, SGD (as tests/test_pipeline.py: the update follows the
+    gradient, so only the order of sums differs); ema.pt is the stages' parts put together."""
+    def config(out, **dist):
+        cfg = ema_config(out, 6, **dist)
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=32, optimizer="sgd", lr=0.05,
+                                                                  eval_every=3))
+    one, pipe = tmp_path / "one", tmp_path / "pipe"
+    run(config(one), 1)
+    cfg = config(pipe, strategy="pipe", procs_per_node=2)
+    run(cfg, 2)
+    averaged, reference = ema_at(str(pipe), 6), ema_at(str(one), 6)
+    assert set(averaged) == set(reference) and len(averaged) > 2
+    for name in reference:
+        assert torch.allclose(averaged[name], reference[name], atol=1e-5), name
+        assert not torch.allclose(averaged[name], load_model_state(str(one), 6)[name]), name  # not the weights
+    last_ema = re.findall(r"step 6 dev_ema: loss=(\S+)", open(pipe / "logs" / "rank0.log").read())[-1]
+    test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(
+        cfg.test, splits=["dev"], weights="ema", checkpoint=str(pipe / "checkpoints" / "step-6")))
+    assert main.run(test) == 0  # one process reads the stages' average put together
+    assert json.load(open(pipe / "dev_results.json"))["metrics"]["loss"] == pytest.approx(float(last_ema), rel=1e-3)
+    for step in (4, 5, 6):
+        shutil.rmtree(pipe / "checkpoints" / f"step-{step}")
+    run(cfg, 2)
+    assert "resumed from" in open(pipe / "logs" / "rank0.log").read()
+    for name, value in averaged.items():
+        assert torch.equal(value, ema_at(str(pipe), 6)[name]), name  # bit-exact across the resume

@@ -42,3 +42,37 @@ def test_a_crafted_ranking_in_meta_json_is_one_line(tmp_path, ranked):
         f.write(json.dumps(meta).replace("Infinity", "1e999"))
     with pytest.raises(Unloadable, match=r"state\.best_k.*not a list of \[value, loss, step\]"):
         checkpoint_meta.read(path)
+
+
+def ranked_best(log: str, k: int, up_to: int) -> list[int]:
+    """The k best steps by the log's dev accuracy up to step `up_to` (a tie to the lower dev loss, then the earlier)."""
+    dev = {int(step): (float(acc), float(loss)) for step, loss, acc in
+           re.findall(r"step (\d+) dev: loss=(\S+) accuracy=(\S+)", log) if int(step) <= up_to}
+    return sorted(dev, key=lambda s: (-dev[s][0], dev[s][1], s))[:k]
+
+
+@pytest.mark.slow
+def test_a_kill_halfway_through_pruning_leaves_the_k_best_and_the_last_and_a_resume_goes_on(tmp_path):
+    """Rank 0 is SIGKILLed while deleting the 3rd checkpoint it prunes (meta.json and one file gone): the 2 best and
+    the latest stay complete, the half-deleted one is not taken for a checkpoint, and a resume from the latest
+    finishes with the 2 best of all steps and the last."""
+    from test_faults import finish, start
+    kept_k = ["--set", "train.eval_every=1", "--set", "train.save_every=1", "--set", "train.keep_last=1",
+              "--set", "train.keep_best=2", "--set", "train.lr=3e-3"]
+    code, _, err = finish(start(tmp_path, *kept_k, fault="killprune:0:3", procs=1, steps=10), timeout=300)
+    assert code != 0 and "SIGKILL" in err, err
+    complete = [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))]
+    last = complete[-1]
+    assert last < 10
+    on_disk = os.listdir(tmp_path / "checkpoints")
+    assert len(on_disk) > len(complete)  # the half-deleted one is there, but not complete
+    best2 = ranked_best(open(tmp_path / "logs" / "rank0.log").read(), 2, last)
+    assert set(best2) | {last} <= set(complete)
+
+    code, _, err = finish(start(tmp_path, *kept_k, procs=1, steps=10), timeout=300)
+    assert code == 0, err
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step-{last}'} " in log
+    complete = [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))]
+    assert sorted(complete) == sorted(set(ranked_best(log, 2, 10)) | {10})
+    assert len(os.listdir(tmp_path / "checkpoints")) == len(complete)  # the half-deleted one removed too
