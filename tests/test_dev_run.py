@@ -3,6 +3,7 @@ fails is named with its error, and the real output_dir is never written."""
 import json
 import os
 import re
+import socket
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 import main
 from conftest import ROOT, free_port, make_config
-from core.config import load_config
+from core.config import read_config
 from extras import dev_run
 from image_folders import digit_folder
 from test_text_tasks import train
@@ -63,13 +64,28 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
 def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):
     """The batch per rank (under pipe: one sample per micro-batch), the evaluation batch and how many it reads,
     the LM window and precision auto's timed passes shrink; model, strategy and data stay the preset's."""
-    cfg = load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"])
+    cfg = read_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"])
     overrides, said = dev_run.shrunk(cfg)
     assert overrides[0] == "train.limit_eval_batches=1" and set(expected) <= set(overrides)
-    assert len(said) == len(overrides) and not any(o.startswith(("model.", "dist.")) for o in overrides)
+    overrides = [o for o in overrides if not o.startswith("dist.master_port=")]  # (29500 may be another run's)
+    assert len(said) >= len(overrides) and not any(o.startswith(("model.", "dist.")) for o in overrides)
     if "shakespeare" in preset:  # a 64-token window already, precision fp32: nothing else to shrink
         assert not any(o.startswith(("data.", "train.precision", "train.grad")) for o in overrides)
-    load_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"] + overrides)  # the stages' config is valid
+    stages = [f"dist.strategy={strategy}", "dist.device=cpu"] + overrides
+    read_config(os.path.join(ROOT, preset), stages)  # the stages' config is valid
+
+
+def test_a_dev_run_takes_a_free_port_when_another_program_holds_the_configured_one():
+    """One node over tcp: the stages would all fail with "address already in use"; the dev run moves, and says so."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = read_config(os.path.join(ROOT, "parameters.yml"), [f"dist.master_port={port}"])
+        overrides, said = dev_run.shrunk(cfg)
+    moved = [o for o in overrides if o.startswith("dist.master_port=")]
+    assert len(moved) == 1 and moved[0] != f"dist.master_port={port}", overrides
+    assert any(f"port {port} (in use) -> " in s for s in said), said
 
 
 @pytest.mark.slow
