@@ -45,7 +45,7 @@ def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
 
 def run_rank(rank: int, args, port: int, out: str) -> None:
     import torch
-    from core import distributed
+    from core import distributed, process_end
     from conftest import make_config
     from data_loader import split_proportional
     from wiring import build_task
@@ -104,6 +104,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
             print(f"CPU seconds per wall second, {name}: " + ", ".join(
                 f"rank {r} {c[name] / wall:.2f}" for r, c in enumerate(cpu)))
     distributed.shutdown(ctx)
+    process_end.end_process(0)  # as main.py's ranks end: the interpreter's teardown can hang or abort on gloo's threads
 
 
 def main() -> None:

@@ -79,6 +79,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
+from core import process_end  # noqa: E402
+
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
 
@@ -290,6 +292,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
             json.dump(everything, f)
     dist.barrier()
     dist.destroy_process_group()
+    process_end.end_process(0)  # as main.py's ranks end: the interpreter's teardown can hang or abort on gloo's threads
 
 
 # ---- analysis (parent process) -----------------------------------------------------------------------------------

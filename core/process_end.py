@@ -4,9 +4,10 @@ run that was done, and it takes ~1 s (benchmarks/RESULTS.md, "A rank aborting af
 main.py's process as its ranks end").
 
 Python's atexit handlers do not run when a process ends this way (the atexit module has no public call that runs
-them), so what a part of this project needs done at exit it registers here with `at_end`: the W&B tracker its
-teardown and its temporary folders, for example. The same list also runs at an ordinary interpreter exit (a test
-that called main.main() in its own process), through atexit, so a handler runs once either way.
+them), so what a part of this project needs done at exit it registers here with `at_end`: the temporary folders
+W&B makes as it is imported, for example (its service the tracker stops as it closes). The same list also runs at
+an ordinary interpreter exit (a test that called main.main() in its own process), through atexit, so a handler runs
+once either way.
 """
 from __future__ import annotations
 

@@ -212,8 +212,7 @@ class WandB:
             raise UserError(f"log.report_to: wandb could not start a run: {line} (run `wandb login`, or set "
                             "WANDB_MODE=offline)") from None
         self.run_id = self.run.id
-        if wandb.teardown not in process_end.HANDLERS:
-            process_end.at_end(wandb.teardown)  # stops W&B's service (its own atexit handler would; see process_end)
+        self.wandb = wandb
 
     def config(self, values: dict) -> None:
         self.run.config.update(values, allow_val_change=True)  # a resumed run may change some
@@ -227,6 +226,7 @@ class WandB:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # W&B's service stops here, not in its atexit handler, which end_process does not run
 
 
 class MLflow:

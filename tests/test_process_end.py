@@ -67,7 +67,7 @@ def test_no_product_file_reaches_into_atexit_or_registers_with_it_but_process_en
 def test_a_wandb_run_leaves_nothing_in_the_temporary_folder(tmp_path, procs):
     """W&B makes two folders in the temporary folder as it is imported and one for its service, and removes them in
     atexit handlers, which a process ending through end_process skips: the tracker imports it with a folder of
-    ours and puts W&B's teardown on the project's list. Counted in a private TMPDIR, one process and two ranks."""
+    ours, and stops W&B's service as it closes. Counted in a private TMPDIR, one process and two ranks."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     tmp, out = tmp_path / "tmp", tmp_path / "out"
