@@ -67,8 +67,9 @@ def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):
     cfg = read_config(os.path.join(ROOT, preset), [f"dist.strategy={strategy}", "dist.device=cpu"])
     overrides, said = dev_run.shrunk(cfg)
     assert overrides[0] == "train.limit_eval_batches=1" and set(expected) <= set(overrides)
+    assert len(said) == len(overrides)
     overrides = [o for o in overrides if not o.startswith("dist.master_port=")]  # (29500 may be another run's)
-    assert len(said) >= len(overrides) and not any(o.startswith(("model.", "dist.")) for o in overrides)
+    assert not any(o.startswith(("model.", "dist.")) for o in overrides)
     if "shakespeare" in preset:  # a 64-token window already, precision fp32: nothing else to shrink
         assert not any(o.startswith(("data.", "train.precision", "train.grad")) for o in overrides)
     stages = [f"dist.strategy={strategy}", "dist.device=cpu"] + overrides
