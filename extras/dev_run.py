@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from resilience import launcher
+
 # The overrides every stage takes: a 2-step run that evaluates, saves and can be resumed, with no early stop.
 RUN = ["train.dev_run=false", "train.epochs=0", "train.max_steps=3", "train.warmup=0", "train.eval_every=1",
        "train.eval_batches=1", "train.save_every=1", "train.patience=0", "train.time_limit=null", "train.profile_steps=null",
@@ -68,21 +70,11 @@ def shrunk(cfg) -> tuple[list[str], list[str]]:
         overrides.append(f"data.max_length={LM_WINDOW}")
         said.append(f"window {cfg.data.max_length} -> {LM_WINDOW} tokens")
     d = cfg.dist
-    if d.nodes == 1 and d.init_method == "tcp" and port_taken(d.master_port):  # another run holds it: not our error
+    if d.nodes == 1 and d.init_method == "tcp" and launcher.port_in_use("127.0.0.1", d.master_port):  # another run holds it: not our error
         port = free_port()
         overrides.append(f"dist.master_port={port}")
         said.append(f"port {d.master_port} (in use) -> {port}")
     return overrides, said
-
-
-def port_taken(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is no conflict
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def free_port() -> int:

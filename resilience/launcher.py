@@ -57,17 +57,20 @@ def check_port_free(cfg: Config) -> None:
     """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
     port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
     d = cfg.dist
-    if d.node_rank != 0 or d.init_method != "tcp":
-        return
+    if d.node_rank == 0 and d.init_method == "tcp" and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
+        raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
+                        f"free one, e.g. --set dist.master_port={d.master_port + 1}")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Another program holds host:port here. (EADDRNOTAVAIL: host names another machine; nothing to check.)"""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
         try:
-            s.bind((d.master_addr or "127.0.0.1", d.master_port))
+            s.bind((host, port))
         except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another "
-                                f"run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}") from None
-            # EADDRNOTAVAIL: master_addr names another machine; nothing to check from here
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 class Supervisor:
