@@ -52,10 +52,10 @@ class GlobalBatchSampler:
         full, tail = divmod(self.n - start_sample, self.global_batch)
         return full + (tail >= len(self.batch_sizes) and not self.drop_last)
 
-    def epoch_batches(self, epoch: int, start: int = 0, start_sample: Optional[int] = None) -> "EpochBatches":
-        """This rank's index lists of `epoch` from batch `start` on (or from position `start_sample` of the epoch's
-        order), made one at a time as they are iterated."""
-        return EpochBatches(self, epoch, start, start_sample)
+    def epoch_batches(self, epoch: int, start_sample: int = 0) -> "EpochBatches":
+        """This rank's index lists of `epoch` from position `start_sample` of the epoch's order on (where a resumed
+        epoch continues), made one at a time as they are iterated."""
+        return EpochBatches(self, epoch, start_sample)
 
     def rank_slice(self, global_batch: np.ndarray) -> np.ndarray:
         sizes = self.batch_sizes if len(global_batch) == self.global_batch else \
@@ -65,45 +65,42 @@ class GlobalBatchSampler:
 
 
 class EpochBatches:
-    """One rank's batches of one epoch from batch `start` on: a sized iterable of index lists, which DataLoader
-    takes as its batch_sampler. The epoch order (a seeded permutation) is cut into global batches of sum(batch
-    sizes) samples; a tail smaller than the number of ranks (or than a global batch, with drop_last) cannot give
-    every rank a sample and is dropped. Sharded datasets and group_by_length: data_order.py."""
+    """One rank's batches of one epoch from position `start_sample` of its order on: a sized iterable of index lists,
+    which DataLoader takes as its batch_sampler. The epoch order (a seeded permutation) is cut into global batches of
+    sum(batch sizes) samples from that position; a tail smaller than the number of ranks (or than a global batch,
+    with drop_last) cannot give every rank a sample and is dropped. Sharded datasets and group_by_length:
+    data_order.py."""
 
-    def __init__(self, sampler: GlobalBatchSampler, epoch: int, start: int, start_sample: Optional[int] = None):
-        self.sampler, self.start, self.offset = sampler, start, 0
+    def __init__(self, sampler: GlobalBatchSampler, epoch: int, start_sample: int = 0):
+        self.sampler, self.start_sample = sampler, start_sample
         rng = np.random.default_rng([sampler.seed, epoch])
         if sampler.shard_sizes:
             self.order = data_order.ShardOrder(rng, sampler.shard_sizes)
         else:
             self.order = rng.permutation(sampler.n)
-        self.count = sampler.batches_per_epoch()
         g = sampler.global_batch
-        if start_sample is not None and start_sample % g == 0:
-            self.start = start_sample // g
-        elif start_sample is not None:
-            # A position that is not a whole number of global batches: resumed with another global batch. The rest
-            # of the epoch is cut into global batches from there, so no sample is skipped or seen twice.
-            if sampler.lengths is not None:
+        self.count = sampler.batches_per_epoch(start_sample)  # global batches from start_sample on
+        self.end = min(start_sample + self.count * g, sampler.n)  # epoch positions the batches cover
+        self.groups = None
+        if sampler.lengths is not None:
+            # Length groups are made per window of global batches counted from the epoch's start: a resumed epoch
+            # must continue at a whole number of them (a position reached with another global batch is not).
+            if start_sample % g and self.count:
                 raise ValueError("data.group_by_length: a run cannot resume mid-epoch with another global batch "
                                  "(its batches are made per window of global batches); resume with the global "
                                  f"batch it was saved with, which had reached sample {start_sample}")
-            self.offset, self.start = start_sample, 0
-            self.count = sampler.batches_per_epoch(start_sample)
-        self.end = min(self.offset + self.count * g, sampler.n)  # epoch positions the batches cover
-        self.groups = None
-        if sampler.lengths is not None:
-            self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, self.end, self.count,
+            whole = sampler.batches_per_epoch()
+            self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, min(whole * g, sampler.n), whole,
                                                   sampler.seed, epoch)
 
     def __len__(self) -> int:
-        return max(0, self.count - self.start)
+        return self.count
 
     def __iter__(self):
-        g = self.sampler.global_batch
-        for k in range(self.start, self.count):
-            batch = self.groups[k] if self.groups is not None else \
-                self.order[self.offset + k * g:min(self.offset + (k + 1) * g, self.end)]
+        g, first = self.sampler.global_batch, self.start_sample // self.sampler.global_batch
+        for k in range(self.count):
+            batch = self.groups[first + k] if self.groups is not None else \
+                self.order[self.start_sample + k * g:min(self.start_sample + (k + 1) * g, self.end)]
             yield self.sampler.rank_slice(batch).tolist()
 
 

@@ -90,13 +90,13 @@ def run(cfg: Config) -> int:
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
         with hold_output_dir(cfg.output_dir) if cfg.mode in ("train", "lr_find") and first else \
                 contextlib.nullcontext():
-            return start(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
+            return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def start(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace"], int]) -> int:
+def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace"], int]) -> int:
     """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
     if env is not None:
         return worker(cfg, RankPlace(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
@@ -106,8 +106,8 @@ def start(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace
     places = [RankPlace(first_rank + i, i, world, here) for i in range(here)]
     if world > 1:
         launcher.check_port_free(cfg)
-    if here > 1:
-        return launcher.Supervisor(cfg, places, worker).run()
+    if here > 1:  # one process per rank, each running launcher.rank_main, then worker(cfg, its place)
+        return launcher.Supervisor(cfg, places, worker).supervise()
     # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
     # that it was killed.
     with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):

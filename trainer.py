@@ -89,7 +89,8 @@ class Trainer:
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
-        if self.hooks.resume(self):  # first: it replaces self.state; True: the run it resumed is complete
+        # First, resume (resilience/resume.py picks a checkpoint and calls load_state_dict): True if that run was done.
+        if self.hooks.resume(self):
             return {}
         self.hooks.before_first_step(self)  # precision auto on a CPU, batch_size auto: timed here
         train_cfg, state = self.train_cfg, self.state
@@ -158,7 +159,8 @@ class Trainer:
         loss_total = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
         if strategy.scaler:
             strategy.scaler.unscale_(strategy.optimizer)  # clip and measure the true gradients, not the scaled ones
-        grad_norm = strategy.clip_grad_norm(self.train_cfg.clip_grad_norm or math.inf)  # global: equal on every rank
+        # Global, so equal on every rank; train.clip_grad_norm 0 (inf here): measured, not clipped.
+        grad_norm = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
         norm, votes = torch.stack([grad_norm.float().reshape(()), votes]).tolist()

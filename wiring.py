@@ -236,10 +236,10 @@ def run_export(cfg: Config) -> int:
 TRAINERS: list = []
 
 
-def worker(cfg: Config, launch) -> int:
-    """One rank (`launch`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
+def worker(cfg: Config, place) -> int:
+    """One rank (`place`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
     code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
-    rank = launch.rank
+    rank = place.rank
     faults.progress.rank = rank
     threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
     faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
@@ -250,17 +250,17 @@ def worker(cfg: Config, launch) -> int:
     ctx = watchdog = None
     try:
         log = report.log = setup_logging(cfg.output_dir, rank)
-        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {launch.local_rank} of "
-                 f"{launch.local_procs}, {launch.world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
+                 f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
         faults.stop_request.log = log
-        ctx = distributed.init(cfg, rank, launch.world, launch.local_rank, launch.rendezvous)
-        ctx.cpu_threads = distributed.share_cores(ctx, launch.local_procs)  # the plan prints what it chose
+        ctx = distributed.init(cfg, rank, place.world, place.local_rank, place.rendezvous)  # the process group
+        ctx.cpu_threads = distributed.share_cores(ctx, place.local_procs)  # the plan prints what it chose
         watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
         if cfg.mode == "lr_find":  # it sweeps with the run's own Trainer, as a fresh training run starts (no resume)
             trainer = build_trainer(dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train,
                                                                                                   resume=False)), ctx)
         else:
-            trainer = build_trainer(cfg, ctx)
+            trainer = build_trainer(cfg, ctx)  # the datasets, the model made parallel, the Trainer
         TRAINERS.append(trainer)
         if cfg.mode == "lr_find":
             lr_find.sweep(trainer)

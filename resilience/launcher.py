@@ -74,7 +74,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    """Start this node's ranks and watch them until all have exited; run() returns the run's exit code.
+    """Start this node's ranks and watch them until all have exited; supervise() returns the run's exit code.
 
     A rank's last word comes from its report file, else from its signal or exit code and step; identical lines are
     printed once. A failed rank takes the others down within GRACE_S seconds, and the ranks die with this process
@@ -82,16 +82,16 @@ class Supervisor:
     finished with, so that a stuck process group cannot turn a finished run into a failure.
     """
 
-    def __init__(self, cfg: Config, launches: list, worker: Callable) -> None:
-        self.cfg, self.worker = cfg, worker  # worker(cfg, launch): one rank (wiring.worker)
-        self.launches = launches  # one main.RankPlace per rank of this node
+    def __init__(self, cfg: Config, places: list, worker: Callable) -> None:
+        self.cfg, self.worker = cfg, worker  # worker(cfg, place): one rank (wiring.worker)
+        self.places = places  # one main.RankPlace per rank of this node
         self.signums = [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)]
         self.exit_grace = min(EXIT_GRACE_S, cfg.dist.hang_timeout_s) or EXIT_GRACE_S
         self.mpc = mp.get_context("spawn")
         # Shared with the ranks, so that they stay readable after a rank died:
-        self.steps = self.mpc.Array("q", len(launches), lock=False)  # each rank's current step
-        self.finished = self.mpc.Array("i", [-1] * len(launches), lock=False)  # its exit code once done (pre-teardown)
-        self.procs = []  # one process per rank, in the order of launches
+        self.steps = self.mpc.Array("q", len(places), lock=False)  # each rank's current step
+        self.finished = self.mpc.Array("i", [-1] * len(places), lock=False)  # its exit code once done (pre-teardown)
+        self.procs = []  # one process per rank, in the order of places
         self.report_dir = None  # a temporary folder for the ranks' last words, removed by close()
         self.previous_handlers = {}  # signal -> our caller's handler, put back by close()
         self.exit_order = []  # the processes in the order they exited: the first one that failed is the cause
@@ -101,28 +101,28 @@ class Supervisor:
         self.said_again = 1  # how many of them have had their line: the first needs none
         self.kill_at = None  # once a rank failed: when the ranks still running are killed
 
-    def run(self) -> int:
+    def supervise(self) -> int:
         self.previous_handlers = {n: signal.signal(n, self.forward) for n in self.signums}
         try:
-            self.start()
+            self.spawn_ranks()
             self.watch()
             self.warn_about_teardowns()
             return self.summarize()
         finally:
             self.close()
 
-    def start(self) -> None:
+    def spawn_ranks(self) -> None:
         """Start every rank. They start with the stop signals blocked (the mask is inherited) and unblock them once
         their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits."""
-        self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in run's try: removed whatever happens)
-        self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{launch.rank}",
-                                           args=(self.cfg, launch, self.worker, self.report_dir, self.steps,
+        self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in supervise's try: removed whatever happens)
+        self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{place.rank}",
+                                           args=(self.cfg, place, self.worker, self.report_dir, self.steps,
                                                  self.finished,
                                                  os.getpid()))
-                          for launch in self.launches)
+                          for place in self.places)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
         try:
-            with environment(rank_environment(self.cfg, len(self.launches))):  # spawn: each rank starts with it
+            with environment(rank_environment(self.cfg, len(self.places))):  # spawn: each rank starts with it
                 for p in self.procs:
                     p.start()
         finally:
@@ -200,7 +200,7 @@ class Supervisor:
                                                      f"exit code {p.exitcode}") + "; counted as done"
             else:
                 continue
-            print(f"warning: rank {self.launches[i].rank} on {HOST} (pid {p.pid}) was done (exit code {code}) but "
+            print(f"warning: rank {self.places[i].rank} on {HOST} (pid {p.pid}) was done (exit code {code}) but "
                   f"{what}", file=sys.stderr, flush=True)
 
     def summarize(self) -> int:
@@ -211,7 +211,7 @@ class Supervisor:
         said = set()
         for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
             p = self.procs[i]
-            rank = self.launches[i].rank
+            rank = self.places[i].rank
             if i in reports:
                 code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
             elif self.exit_code(p) and self.exit_code(p) < 0:
@@ -239,15 +239,15 @@ class Supervisor:
     def read_reports(self) -> dict:
         """Rank index -> the report its rank left (faults.report), for those that left one."""
         reports = {}
-        for i, launch in enumerate(self.launches):
-            path = os.path.join(self.report_dir, f"rank{launch.rank}.json")
+        for i, place in enumerate(self.places):
+            path = os.path.join(self.report_dir, f"rank{place.rank}.json")
             if os.path.exists(path):
                 with open(path) as f:
                     reports[i] = json.load(f)
         return reports
 
     def close(self) -> None:
-        """However run() ends (a failure to start, an exception, a signal): no rank left running, no folder left."""
+        """However supervise() ends (a failure to start, an exception, a signal): no rank left running, no folder left."""
         for p in self.procs:
             if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
                 p.kill()
@@ -269,19 +269,19 @@ def set_parent_death_signal(parent_pid: int) -> None:
         os._exit(EXIT_CRASH)
 
 
-def rank_main(cfg: Config, launch, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
+def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
     """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
-    (`worker(cfg, launch)`: wiring.worker)."""
+    (`worker(cfg, place)`: wiring.worker)."""
     set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
     faults.no_stdin()  # (multiprocessing gives Python's stdin /dev/null; file descriptor 0 too)
     faults.progress.shared = steps
-    faults.progress.slot = launch.local_rank
+    faults.progress.slot = place.local_rank
     faults.progress.codes = finished
-    faults.report.sink = functools.partial(leave_report, report_dir, launch.rank)
+    faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
     if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    process_end.end_process(worker(cfg, launch))
+    process_end.end_process(worker(cfg, place))
 
 
 def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:

@@ -93,12 +93,12 @@ class Strategy:
         Under ddp/oss that is the DDP wrapper, so TorchDynamo splits the graph at DDP's gradient buckets."""
         self.model.compile()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (no-op for max_norm = inf) and return the norm before clipping. Under ddp
-        every rank holds the averaged gradients, so the norm of its own is the global one (fsdp/zero: their own)."""
-        if math.isinf(max_norm):  # the Trainer wants the norm every step (NaN check): skip clipping's extra pass
+    def grad_norm(self, clip_to: float) -> torch.Tensor:
+        """The global gradient norm, measured every step; the gradients are also clipped to `clip_to` unless it is
+        inf. Under ddp every rank holds the averaged gradients, so its own norm is the global one (fsdp: its own)."""
+        if math.isinf(clip_to):  # measuring alone: no clipping's extra pass over the gradients
             return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip_to)
 
     # ---- checkpoints: files written into a checkpoint directory -----------------------------------------
     def save(self, directory: str) -> None:

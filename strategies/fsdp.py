@@ -69,10 +69,10 @@ class FSDPStrategy(Strategy):
         for unit in model_blocks(self.model) or [self.model]:  # no blocks (the CNN): the root's forward
             unit.forward = torch.compile(unit.forward)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def grad_norm(self, clip_to: float) -> torch.Tensor:
         if self.mesh is not None:  # parameters on several meshes (tp-split, whole ones sharded over dp only)
-            return clip_mixed(list(self.model.parameters()), max_norm, self.ctx)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            return clip_mixed(list(self.model.parameters()), clip_to, self.ctx)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_to)
         # On DTensor gradients the norm is a DTensor whose local value covers this shard only; full_tensor()
         # reduces it to the global norm (clipping itself already used the global one).
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -148,8 +148,8 @@ class FairscaleFSDPStrategy(Strategy):
     checkpoint_format = "sharded-fairscale"
     resumes_from = ("sharded-fairscale",)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return self.model.clip_grad_norm_(max_norm)  # the global norm over all shards
+    def grad_norm(self, clip_to: float) -> torch.Tensor:
+        return self.model.clip_grad_norm_(clip_to)  # the global norm over all shards
 
     def save(self, directory: str) -> None:
         full = self.model.state_dict()  # collective: every rank takes part in the gather

@@ -250,13 +250,13 @@ class PipeStrategy(Strategy):
             if param.grad is not None:  # (pp_dp fsdp: each copy is sharded alike over its replicas)
                 dist.all_reduce(local(param.grad), group=group)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def grad_norm(self, clip_to: float) -> torch.Tensor:
         """The global norm over all stages: each piece of a gradient counted once among the ranks of its stage,
         which hold it whole (ddp replicas, a tp group) or in pieces (tp-split, fsdp-sharded): strategies/fsdp.py's
         clip_mixed. A tied parameter counts on its first stage only (both copies are clipped)."""
         self.sync_tied_grads()  # here: once per optimizer step, after all accumulation batches
         second = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
-        return clip_mixed(list(self.raw_model.parameters()), max_norm, self.ctx,
+        return clip_mixed(list(self.raw_model.parameters()), clip_to, self.ctx,
                           holders=self.ctx.world_size // self.pp, uncounted=second)
 
     @torch.no_grad()

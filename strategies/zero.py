@@ -20,10 +20,10 @@ class OSSStrategy(ReplicatedStrategy):
     only the parameters it owns, then broadcasts them, so parameters stay whole and replicated. The model is
     DDP or fairscale's ShardedDataParallel: both have the no_sync() that Strategy.no_sync uses."""
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def grad_norm(self, clip_to: float) -> torch.Tensor:
         if isinstance(self.optimizer, OSS):  # grads may exist only on their owner: norm over shards, all-reduced
-            return self.optimizer.clip_grad_norm(max_norm)
-        return super().clip_grad_norm(max_norm)  # ZeroRedundancyOptimizer: DDP grads are whole on every rank
+            return self.optimizer.clip_grad_norm(clip_to)
+        return super().grad_norm(clip_to)  # ZeroRedundancyOptimizer: DDP grads are whole on every rank
 
     def save(self, directory: str) -> None:
         # Gather the optimizer shards on rank 0: optimizer.pt is then an ordinary state dict indexed over all

@@ -40,8 +40,8 @@ def launch_nodes(output_dir, node_sets: list[list[str]], common: list[str]) -> l
 # ---------------------------------------------------------------------------------------------------------------
 # The sampler: every sample once per epoch, shares proportional to the batch sizes
 # ---------------------------------------------------------------------------------------------------------------
-def rank_batches(n, sizes, epoch=0, start=0):
-    return [list(GlobalBatchSampler(n, sizes, r, seed=3).epoch_batches(epoch, start)) for r in range(len(sizes))]
+def rank_batches(n, sizes, epoch=0):
+    return [list(GlobalBatchSampler(n, sizes, r, seed=3).epoch_batches(epoch)) for r in range(len(sizes))]
 
 
 @pytest.mark.parametrize("n, sizes", [(96, [6, 2]), (103, [6, 2]), (1272, [24, 8]), (52, [4, 2, 1])])
@@ -68,7 +68,7 @@ def test_sampler_splits_the_tail_in_proportion_and_drops_a_tail_smaller_than_the
 def test_sampler_resume_continues_the_same_epoch():
     for r in range(2):
         s = GlobalBatchSampler(103, [6, 2], r, seed=3)
-        assert list(s.epoch_batches(1, start=5)) == list(s.epoch_batches(1))[5:]
+        assert list(s.epoch_batches(1, start_sample=5 * 8)) == list(s.epoch_batches(1))[5:]
         assert list(s.epoch_batches(1)) != list(s.epoch_batches(2))  # and each epoch has its own order
 
 

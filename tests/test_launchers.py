@@ -115,7 +115,7 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_down(tmp_path, monkeypa
     monkeypatch.setattr(mpctx.SpawnProcess, "start", start)
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2}, train={"max_steps": 2})
     with pytest.raises(OSError, match="Too many open files"):
-        launcher.Supervisor(cfg, [main.RankPlace(rank, rank, 2, 2) for rank in range(2)], wiring.worker).run()
+        launcher.Supervisor(cfg, [main.RankPlace(rank, rank, 2, 2) for rank in range(2)], wiring.worker).supervise()
     assert len(started) == 1
     assert gone(started[0], psutil), f"rank 0 (pid {started[0]}) is still running"
 

@@ -146,7 +146,7 @@ def test_one_rank_of_a_multi_node_run_killed_by_sigkill_says_so(tmp_path):
             "    faults.progress.phase_starts(5, 'train')\n"
             "    assert place.rank == 2\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "main.start(cfg, None, worker)\n")
+            "main.start_ranks(cfg, None, worker)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     lines = r.stderr.strip().splitlines()
