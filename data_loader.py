@@ -34,7 +34,9 @@ def split_proportional(total: int, weights: Sequence[float], minimum: int = 0) -
 
 
 class GlobalBatchSampler:
-    """Yields the index lists of one rank for one epoch, from a given batch position (for mid-epoch resume).
+    """Yields the index lists of one rank for one epoch, from a given position (for mid-epoch resume). E.g. two
+    ranks of 32: each global batch is 64 positions of the epoch's order, rank 0 takes the first 32, rank 1 the next
+    32 (rank_slice); an epoch's shorter last batch is split in the same proportion (split_proportional).
     Batches are made as they are consumed (epoch_batches), so a sampler over a dataset larger than memory (with
     shard_sizes) holds a few shards' worth of indices, not an epoch's."""
 
@@ -50,7 +52,8 @@ class GlobalBatchSampler:
     def batches_per_epoch(self, start_sample: int = 0) -> int:
         """Global batches of the epoch from position `start_sample` on (which tail counts: EpochBatches)."""
         full, tail = divmod(self.n - start_sample, self.global_batch)
-        return full + (tail >= len(self.batch_sizes) and not self.drop_last)
+        tail_is_a_batch = tail >= len(self.batch_sizes) and not self.drop_last  # every rank gets a sample of it
+        return full + int(tail_is_a_batch)
 
     def epoch_batches(self, epoch: int, start_sample: int = 0) -> "EpochBatches":
         """This rank's index lists of `epoch` from position `start_sample` of the epoch's order on (where a resumed
@@ -121,7 +124,7 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
-class EpochIndices:
+class CurrentEpochBatches:
     """The batch_sampler of a training stream's one DataLoader: the current epoch's index lists (`batches`, set
     before each epoch), each index sent as (epoch, index), so workers kept from the last epoch know the new one."""
 
@@ -155,13 +158,13 @@ class EpochItems(Dataset):
         return self.dataset[i]
 
 
-def training_loader(dataset: Dataset, indices: EpochIndices, collate: Callable, num_workers, pin_memory: bool,
+def training_loader(dataset: Dataset, current: CurrentEpochBatches, collate: Callable, num_workers, pin_memory: bool,
                     seed: int, start_epoch: Callable) -> DataLoader:
     """One DataLoader for every epoch of a training stream: its workers start once and are kept between epochs
-    (persistent_workers), each epoch's batches being whatever `indices` holds when it is iterated."""
+    (persistent_workers), each epoch's batches being whatever `current` holds when it is iterated."""
     if num_workers == "auto":
         num_workers = auto_workers()
-    return DataLoader(EpochItems(dataset, start_epoch), batch_sampler=indices, collate_fn=collate,
+    return DataLoader(EpochItems(dataset, start_epoch), batch_sampler=current, collate_fn=collate,
                       num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
                       generator=torch.Generator().manual_seed(seed))
 

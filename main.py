@@ -6,7 +6,8 @@ The composition root's first half, the parent process: checks the config (a mist
 torch loads), holds output_dir, then starts this node's ranks (resilience/launcher.py) or is the one rank torchrun or
 srun started. What a rank runs, and the tables: wiring.py, imported once the schema passed. Each rank is a
 process running launcher.rank_main -> wiring.worker: distributed.init (the process group), build_trainer (the
-model wrapped by its strategy: DDP in strategies/replicated.py), then Trainer.train().
+model wrapped by its strategy: DDP in strategies/replicated.py), then Trainer.train(). The launcher only starts and
+watches the processes. One training step, file by file: docs/tutorial/02_ddp.md, "Following one step through the files".
 """
 from __future__ import annotations
 

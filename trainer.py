@@ -23,7 +23,7 @@ from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
-from data_loader import (EpochIndices, GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional,
+from data_loader import (CurrentEpochBatches, GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional,
                          training_loader)
 from core.model_parts import lora_base_entry
 from strategies.base import Strategy
@@ -104,19 +104,20 @@ class Trainer:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
-            loss_sum, count, grad_norm, stop_asked = self.train_step(batches)
+            rank_loss_sum, global_count, grad_norm, any_stop = self.train_step(batches)
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
                 reports = self.strategy.is_replica_reporter  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
-                window.add(loss_sum, count, samples=samples, tokens=run_log.batch_tokens(self.task, batches, reports))
+                tokens = run_log.batch_tokens(self.task, batches, reports)
+                window.add(rank_loss_sum, global_count, samples=samples, tokens=tokens)
             else:
                 self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
             if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
-            if stop_asked and not last:  # a signal or the time limit, on any rank: all ranks stop here
+            if any_stop and not last:  # a signal or the time limit, on any rank: all ranks stop here
                 self.stop(bar)
 
             improved = stop = False
@@ -144,26 +145,30 @@ class Trainer:
 
     def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
-        summed loss, the global count, the global gradient norm, and whether any rank asked to stop."""
+        summed loss, the global count (samples, or tokens), the global gradient norm, whether any rank asked to stop."""
         strategy, ctx = self.strategy, self.ctx
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0  # one rank per replica
-        local = torch.tensor([float(n), self.hooks.stop_vote()])  # this rank's [count, stop vote]
-        local = local.pin_memory() if self.pin_memory else local  # (a GPU: the copy is queued, the host does not wait)
-        count, votes = distributed.all_reduce_sum(ctx, local.to(ctx.device, non_blocking=self.pin_memory))
-        # DDP/FSDP average the gradients over grad_average_over replicas; multiplying by it undoes that.
-        scale = strategy.grad_average_over / count
+        # One rank per replica counts its batch (under ddp, every rank; a tp group's ranks share one batch).
+        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0
+        count_and_vote = torch.tensor([float(n), self.hooks.stop_vote()])  # this rank's
+        if self.pin_memory:  # (a GPU: the copy is queued, the host does not wait)
+            count_and_vote = count_and_vote.pin_memory()
+        count_and_vote = count_and_vote.to(ctx.device, non_blocking=self.pin_memory)
+        global_count, stop_votes = distributed.all_reduce_sum(ctx, count_and_vote)
+        # DDP/FSDP divide the summed gradients by grad_average_over (the world size under ddp); times it, over the
+        # global count, the summed losses give the mean over the global batch, whatever each rank's share.
+        scale = strategy.grad_average_over / global_count
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
         # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
-        loss_total = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
+        rank_loss_sum = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
         if strategy.scaler:
             strategy.scaler.unscale_(strategy.optimizer)  # clip and measure the true gradients, not the scaled ones
         # Global, so equal on every rank; train.clip_grad_norm 0 (inf here): measured, not clipped.
         grad_norm = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
-        norm, votes = torch.stack([grad_norm.float().reshape(()), votes]).tolist()
+        norm, stop_count = torch.stack([grad_norm.float().reshape(()), stop_votes]).tolist()
         if strategy.scaler:
             strategy.scaler.step(strategy.optimizer)  # skips the step by itself if fp16 gradients overflowed
             strategy.scaler.update()
@@ -174,7 +179,7 @@ class Trainer:
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
-        return loss_total, count, norm, votes > 0
+        return rank_loss_sum, global_count, norm, stop_count > 0
 
     def skipped_step(self, norm: float) -> None:
         """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and
@@ -442,13 +447,14 @@ class Trainer:
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
         The state is updated as batches are handed out, so a checkpoint records the exact position."""
-        state, indices = self.state, EpochIndices()
+        state, current = self.state, CurrentEpochBatches()
         # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
-        loader = training_loader(self.datasets["train"], indices, self.task.collate, self.cfg.data.num_workers,
+        loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,
                                  self.pin_memory, self.cfg.seed, self.task.start_epoch)
         while True:
-            indices.epoch = state.epoch  # its batches, made as consumed:
-            indices.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
+            # This epoch's batches (made as consumed), which the loader's next `for` reads from `current`:
+            current.epoch = state.epoch
+            current.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
             self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             for batch in loader:
                 state.batch_in_epoch += 1

@@ -157,6 +157,7 @@ def build_model(cfg: Config, task: Task) -> tuple[nn.Module, list[str]]:
 def parallelize(model: nn.Module, cfg: Config, ctx: distributed.DistContext, task: Task, train_set) -> Strategy:
     """dist.strategy's apply_<name>() on the model (on the CPU: each strategy places it, wraps it and makes its
     optimizer), and this rank's simulated slowdown (dist.simulate_slowdown)."""
+    # "ddp" -> STRATEGIES["ddp"] (replicated.apply_ddp); with dist.tp > 1, "ddp+tp" -> tp.apply_tp_ddp
     key = cfg.dist.strategy + ("+tp" if cfg.dist.tp > 1 and cfg.dist.strategy in ("ddp", "fsdp") else "")
     strategy = STRATEGIES[key](model, cfg, ctx, task, train_set)
     factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0

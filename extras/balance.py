@@ -23,7 +23,7 @@ import torch
 
 from core import distributed
 from core.config import world_size
-from core.distributed import synchronize, time_forward_backward
+from core.rank_timing import synchronize, time_forward_backward
 from core.errors import ConfigError
 from data_loader import GlobalBatchSampler, split_proportional
 

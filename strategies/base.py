@@ -32,8 +32,8 @@ class Strategy:
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
         # `model` runs the forward (under ddp, the DDP wrapper around raw_model); `raw_model` is what is saved.
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
-        # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce averages
-        # over `grad_average_over` ranks, which the Trainer's loss scale undoes. Replicated strategies: one per rank.
+        # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce divides by
+        # `grad_average_over`, which the Trainer's loss scale multiplies back. Under ddp: rank, world size, world size.
         self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
         self.is_replica_reporter = True
         # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)

@@ -34,7 +34,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
-from core.distributed import DistContext, synchronize, time_forward_backward
+from core.distributed import DistContext
+from core.rank_timing import synchronize, time_forward_backward
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from strategies import mesh as meshes
@@ -283,7 +284,7 @@ class PipeStrategy(Strategy):
         The stages' inputs travel once, as in eval_batch; then every rank times its stages alone, `steps` times
         after an untimed pass, without the schedule: a replica's gradient all-reduce would make every pipeline
         wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were
-        (core/distributed.time_forward_backward)."""
+        (core/rank_timing.time_forward_backward)."""
         inputs = {}
         with torch.no_grad():
             carry = task.pipeline_inputs(batch)

@@ -1,0 +1,55 @@
+"""Timing a rank's work, for what batch_size auto (extras/balance.py) and pipe's stage split (strategies/pipeline.py)
+measure: forward+backward timed on each rank without the run noticing, and every rank kept busy until all have
+measured (ranks that share a CPU would otherwise look faster than they are in training)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from core.distributed import DistContext
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock measures it (CPU work is done when the call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward_backward(strategy, ctx: DistContext, forward_backward: Callable[[int], float], steps: int) -> float:
+    """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
+    allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
+    random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""
+    buffers = [b.detach().clone() for b in strategy.raw_model.buffers()]
+    with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
+        forward_backward(0)
+        seconds = sum(forward_backward(i) for i in range(1, steps + 1))
+        busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), strategy.replica_group)
+    strategy.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for b, saved in zip(strategy.raw_model.buffers(), buffers):
+            b.copy_(saved)
+    return seconds
+
+
+def busy_until_all_measured(ctx: DistContext, work: Callable[[], object], group=None) -> None:
+    """Repeat `work` (untimed) until every rank has its numbers. Where ranks share a CPU (a laptop, the tests), a
+    rank that stopped early would hand its share to the others and make them look faster than they are in
+    training, where all ranks compute at once. `group`: ranks whose `work` is one collective (a tp group); they
+    decide together, each round, whether to go on, so that none of them starts a round the others skip."""
+    if not ctx.distributed:
+        return
+    done = dist.all_reduce(torch.ones((), device=ctx.device), async_op=True)
+    while not all_true(done.is_completed(), group, ctx.device):
+        work()
+    done.wait()
+
+
+def all_true(flag: bool, group, device: torch.device) -> bool:
+    """`flag` on every rank of `group` (one all-reduce over it), or this rank's flag where group is None."""
+    if group is None:
+        return flag
+    both = torch.tensor(float(flag), device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return bool(both.item())
