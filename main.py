@@ -74,7 +74,7 @@ def main(argv=None) -> int:
 def run(cfg: Config) -> int:
     """Start this node's processes and wait for them. Returns the exit code (core/errors.py's EXIT_*)."""
     import wiring  # (as in main(): what a rank runs; the tests call run() with a config checked by wiring)
-    env = launcher_env()
+    env = launcher_env()  # torchrun's or srun's rank; None: a plain `python main.py`, which starts its ranks
     # test runs in one process, whatever trained the checkpoint; predict too, unless it shares the inputs under ddp
     if cfg.mode == "test" or (cfg.mode == "predict" and cfg.dist.strategy != "ddp"):
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,

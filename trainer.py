@@ -81,7 +81,7 @@ class Trainer:
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
-        self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (skipped_step)
+        self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (count_skipped_update)
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
@@ -108,12 +108,12 @@ class Trainer:
             state.step += 1
             if math.isfinite(grad_norm):
                 self.bad_steps = 0
-                reports = self.strategy.is_replica_reporter  # one rank per replica counts its samples and tokens
+                reports = self.strategy.counts_its_batch  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
                 tokens = run_log.batch_tokens(self.task, batches, reports)
                 window.add(rank_loss_sum, global_count, samples=samples, tokens=tokens)
             else:
-                self.skipped_step(grad_norm)  # its update was not applied; too many in a row end the run
+                self.count_skipped_update(grad_norm)  # its update was not applied; too many in a row end the run
             last = state.step == self.total_steps
             if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
@@ -150,7 +150,7 @@ class Trainer:
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
         # One rank per replica counts its batch (under ddp, every rank; a tp group's ranks share one batch).
-        n = sum(self.task.count(b) for b in batches) if strategy.is_replica_reporter else 0
+        n = sum(self.task.count(b) for b in batches) if strategy.counts_its_batch else 0
         count_and_vote = torch.tensor([float(n), self.hooks.stop_vote()])  # this rank's
         if self.pin_memory:  # (a GPU: the copy is queued, the host does not wait)
             count_and_vote = count_and_vote.pin_memory()
@@ -169,19 +169,20 @@ class Trainer:
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
         norm, stop_count = torch.stack([grad_norm.float().reshape(()), stop_votes]).tolist()
-        if strategy.scaler:
-            strategy.scaler.step(strategy.optimizer)  # skips the step by itself if fp16 gradients overflowed
+        update = math.isfinite(norm)  # NaN/Inf: no update; the step still counts, the schedule moves on
+        if strategy.scaler:  # fp16: the scaler skips the update itself when the gradients overflowed (norm inf)
+            strategy.scaler.step(strategy.optimizer)
             strategy.scaler.update()
-        elif math.isfinite(norm):
+        elif update:
             strategy.optimizer.step()
-        if self.ema is not None and math.isfinite(norm):  # (an fp16 overflow's step was skipped: its norm is inf)
+        if self.ema is not None and update:
             self.ema.update()
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
         return rank_loss_sum, global_count, norm, stop_count > 0
 
-    def skipped_step(self, norm: float) -> None:
+    def count_skipped_update(self, norm: float) -> None:
         """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and
         the schedule moved on). Several in a row mean training has diverged: stop, keeping the checkpoints written
         before (every rank sees the same global norm, so all stop at the same step)."""
@@ -445,8 +446,8 @@ class Trainer:
 
     # ---- Data ----------------------------------------------------------------------------------------------------
     def micro_batches(self) -> Iterator[dict]:
-        """Endless stream of this rank's training batches, epoch after epoch, starting where the state says.
-        The state is updated as batches are handed out, so a checkpoint records the exact position."""
+        """Endless stream of this rank's training batches, epoch after epoch, starting where the state says (which
+        samples: data_loader.GlobalBatchSampler). The state moves as batches are handed out: a checkpoint's position."""
         state, current = self.state, CurrentEpochBatches()
         # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
         loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,

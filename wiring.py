@@ -1,6 +1,7 @@
 """One rank, put together: the composition root's second half, imported by main.py once the config's schema has
 passed, and by the ranks it starts. The tables (tasks, strategies, which file checks which config keys), and
 `worker()`: the process group, then the Trainer with its strategy (strategies/) and its hooks (resilience/, extras/).
+To follow a rank, read on: worker(), then build_trainer() and parallelize(); the config's checks come last.
 """
 from __future__ import annotations
 
@@ -50,91 +51,63 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
 }
 
 
-def check_model_shape(cfg: Config, fail) -> None:
-    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
-    if cfg.task == "image_folder":
-        return image_folder.check_config(cfg, fail)
-    if cfg.model.sync_batchnorm:
-        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
-    if cfg.model.channels_last != "auto":
-        fail("model.channels_last", f"is for task image_folder's convolutions, not {cfg.task}; remove it")
-    if cfg.model.arch in image_folder.RESNETS:
-        fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; "
-                           + ("gpt2_lm takes gpt2 or llama" if cfg.task == "gpt2_lm" else f"remove it for {cfg.task}"))
-    lm_models.check_config(cfg, fail)
+# ---- one rank -------------------------------------------------------------------------------------------------------
+# Each rank's Trainer is kept until the process ends: freed earlier, DDP's gloo group can hang in its destructor.
+TRAINERS: list = []
 
 
-# Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
-# them is set (not at its default).
-READER_CHECKS: list[tuple[Callable, list[str]]] = [
-    (pretrained.check_config, ["model.pretrained_dir"]),
-    (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
-    (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
-                         "model.tie_embeddings", "model.sync_batchnorm", "model.channels_last"]),
-    (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
-                                      "data.image_std", "data.skip_bad_images"]),
-    (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
-    (profiling.check_config, ["train.profile_steps"]),
-    (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
-    (trackers.check_config, ["log.report_to", "log.mlflow_tracking_uri"]),
-    (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
-    (zero.check_config, ["dist.shard_grads"]),
-    (balance.check_config, ["dist.simulate_slowdown"]),
-    (launcher.check_config, ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr",
-                             "dist.master_port", "dist.init_method"]),
-]
-
-
-# ---- the config: what the schema (core/config.py) leaves to the files that read the keys --------------------------
-def check_task(cfg: Config, fail) -> None:
-    if cfg.task not in TASKS:
-        close = closest(cfg.task, list(TASKS))
-        fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
-             + (f"; did you mean {close!r}?" if close else ""))
-    if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
-        fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
-                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
-
-
-def check_reader_keys(cfg: Config, fail) -> None:
-    for check, keys in READER_CHECKS:
-        if any(is_set(cfg, key) for key in keys):
-            check(cfg, fail)
-
-
-def check_batch_split(cfg: Config, fail) -> None:
-    """train.batch_size as a list, or auto: one share per rank, or per tp group or pipeline (their own checks)."""
-    train_cfg, dist_cfg, world = cfg.train, cfg.dist, world_size(cfg)
-    readers, who = world, "ranks"
-    if dist_cfg.tp > 1:
-        readers, who = tp.check_config(cfg, world, fail), "tp groups (world size / dist.tp)"
-    if dist_cfg.strategy == "pipe":
-        readers, who = pipeline.check_config(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
-    if isinstance(train_cfg.batch_size, list) and len(train_cfg.batch_size) != readers:
-        fail("train.batch_size", f"lists {len(train_cfg.batch_size)} sizes but there are {readers} {who}")
-    if train_cfg.batch_size == "auto" and train_cfg.global_batch_size < readers:
-        fail("train.global_batch_size",
-             f"must be >= the number of {who} ({readers}), got {train_cfg.global_batch_size}")
-
-
-CHECKS = (check_task, check_reader_keys, check_batch_split)
-
-
-def check(cfg: Config, source: str) -> None:
-    """The checks beyond the schema's (main.py has run those already, before torch loaded)."""
-    fail = fail_naming(source)
-    for one in CHECKS:
-        one(cfg, fail)
-
-
-def checked_config(path: Optional[str], overrides: list[str] = ()) -> Config:
-    """core/config.read_config, then every check here (generate.py's and the tests' way in)."""
-    return config.read_config(path, overrides, CHECKS)
-
-
-def checked_config_from_dict(raw: dict, source: str = "<dict>") -> Config:
-    """core/config.config_from_dict, then every check here."""
-    return config.config_from_dict(raw, source, CHECKS)
+def worker(cfg: Config, place) -> int:
+    """One rank (`place`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
+    code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
+    rank = place.rank
+    faults.progress.rank = rank
+    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
+    faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
+    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if cfg.mode == "train":
+        faults.stop_request.install(cfg.train.stop_signal, config.parse_duration(cfg.train.time_limit))
+    ctx = watchdog = None
+    try:
+        log = report.log = setup_logging(cfg.output_dir, rank)
+        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
+                 f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        faults.stop_request.log = log
+        ctx = distributed.init(cfg, rank, place.world, place.local_rank, place.rendezvous)  # the process group
+        ctx.cpu_threads = distributed.share_cores(ctx, place.local_procs)  # the plan prints what it chose
+        watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
+        if cfg.mode == "lr_find":  # it sweeps with the run's own Trainer, as a fresh training run starts (no resume)
+            trainer = build_trainer(dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train,
+                                                                                                  resume=False)), ctx)
+        else:
+            trainer = build_trainer(cfg, ctx)  # the datasets, the model made parallel, the Trainer
+        TRAINERS.append(trainer)
+        if cfg.mode == "lr_find":
+            lr_find.sweep(trainer)
+        elif cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
+            predict.predict(trainer)
+        else:
+            testmode.test(trainer) if cfg.mode == "test" else trainer.train()
+        faults.progress.phase_starts(faults.progress.step, "done")
+        distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
+        code = EXIT_OK
+    except UserError as e:
+        code = faults.user_error(f"error: {e}", watchdog)
+    except (Stopped, Diverged) as e:  # every rank raised it at the same step
+        code = report(e.exit_code, str(e))
+    except KeyboardInterrupt:  # test mode, or before the handlers were installed
+        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
+    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
+        line = resource_errors.failure_line(e, cfg.output_dir)
+        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
+    if watchdog is not None:
+        watchdog.stop()
+    faults.progress.finished(code)
+    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
+    # tearing down could wait on them (the launcher ends this process instead).
+    if ctx is not None and (code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or ctx.world_size == 1):
+        distributed.shutdown(ctx)
+    return code
 
 
 # ---- the Trainer and its parts ------------------------------------------------------------------------------------
@@ -230,62 +203,88 @@ def run_export(cfg: Config) -> int:
     return export.main(cfg, build_task(cfg))
 
 
-# ---- one rank -------------------------------------------------------------------------------------------------------
-# A rank's Trainer lives until its process ends (process_end.end_process, or the interpreter's exit): freed on
-# return, DDP's reducer drops the last reference to its gloo group, whose destructor joins gloo's thread while holding
-# the GIL that thread can be waiting for (a rank hung after its run was done, seen under torchrun with py-spy).
-TRAINERS: list = []
+# ---- the config: what the schema (core/config.py) leaves to the files that read the keys --------------------------
+def check_model_shape(cfg: Config, fail) -> None:
+    """model.arch, model.width, ...: each task family reads them its own way (image_folder: a ResNet)."""
+    if cfg.task == "image_folder":
+        return image_folder.check_config(cfg, fail)
+    if cfg.model.sync_batchnorm:
+        fail("model.sync_batchnorm", f"is for task image_folder's BatchNorm, not {cfg.task}; remove it")
+    if cfg.model.channels_last != "auto":
+        fail("model.channels_last", f"is for task image_folder's convolutions, not {cfg.task}; remove it")
+    if cfg.model.arch in image_folder.RESNETS:
+        fail("model.arch", f"is {cfg.model.arch}, a ResNet of task image_folder; "
+                           + ("gpt2_lm takes gpt2 or llama" if cfg.task == "gpt2_lm" else f"remove it for {cfg.task}"))
+    lm_models.check_config(cfg, fail)
 
 
-def worker(cfg: Config, place) -> int:
-    """One rank (`place`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
-    code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
-    rank = place.rank
-    faults.progress.rank = rank
-    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
-    faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
-    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if cfg.mode == "train":
-        faults.stop_request.install(cfg.train.stop_signal, config.parse_duration(cfg.train.time_limit))
-    ctx = watchdog = None
-    try:
-        log = report.log = setup_logging(cfg.output_dir, rank)
-        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
-                 f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
-        faults.stop_request.log = log
-        ctx = distributed.init(cfg, rank, place.world, place.local_rank, place.rendezvous)  # the process group
-        ctx.cpu_threads = distributed.share_cores(ctx, place.local_procs)  # the plan prints what it chose
-        watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
-        if cfg.mode == "lr_find":  # it sweeps with the run's own Trainer, as a fresh training run starts (no resume)
-            trainer = build_trainer(dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train,
-                                                                                                  resume=False)), ctx)
-        else:
-            trainer = build_trainer(cfg, ctx)  # the datasets, the model made parallel, the Trainer
-        TRAINERS.append(trainer)
-        if cfg.mode == "lr_find":
-            lr_find.sweep(trainer)
-        elif cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
-            predict.predict(trainer)
-        else:
-            testmode.test(trainer) if cfg.mode == "test" else trainer.train()
-        faults.progress.phase_starts(faults.progress.step, "done")
-        distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
-        code = EXIT_OK
-    except UserError as e:
-        code = faults.user_error(f"error: {e}", watchdog)
-    except (Stopped, Diverged) as e:  # every rank raised it at the same step
-        code = report(e.exit_code, str(e))
-    except KeyboardInterrupt:  # test mode, or before the handlers were installed
-        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
-    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
-        line = resource_errors.failure_line(e, cfg.output_dir)
-        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
-    if watchdog is not None:
-        watchdog.stop()
-    faults.progress.finished(code)
-    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
-    # tearing down could wait on them (the launcher ends this process instead).
-    if ctx is not None and (code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or ctx.world_size == 1):
-        distributed.shutdown(ctx)
-    return code
+# Keys that only some runs read, each checked by the file that reads it (its check_config(cfg, fail)) when one of
+# them is set (not at its default).
+READER_CHECKS: list[tuple[Callable, list[str]]] = [
+    (pretrained.check_config, ["model.pretrained_dir"]),
+    (lora.check_config, ["model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_targets"]),
+    (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
+                         "model.tie_embeddings", "model.sync_batchnorm", "model.channels_last"]),
+    (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
+                                      "data.image_std", "data.skip_bad_images"]),
+    (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),
+    (profiling.check_config, ["train.profile_steps"]),
+    (optimizers.check_config, ["train.optimizer", "train.optimizer_args"]),
+    (trackers.check_config, ["log.report_to", "log.mlflow_tracking_uri"]),
+    (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
+    (zero.check_config, ["dist.shard_grads"]),
+    (balance.check_config, ["dist.simulate_slowdown"]),
+    (launcher.check_config, ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr",
+                             "dist.master_port", "dist.init_method"]),
+]
+
+
+def check_task(cfg: Config, fail) -> None:
+    if cfg.task not in TASKS:
+        close = closest(cfg.task, list(TASKS))
+        fail("task", f"is {cfg.task!r}, not a known task ({', '.join(TASKS)})"
+             + (f"; did you mean {close!r}?" if close else ""))
+    if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
+        fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
+                              "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
+
+
+def check_reader_keys(cfg: Config, fail) -> None:
+    for check, keys in READER_CHECKS:
+        if any(is_set(cfg, key) for key in keys):
+            check(cfg, fail)
+
+
+def check_batch_split(cfg: Config, fail) -> None:
+    """train.batch_size as a list, or auto: one share per rank, or per tp group or pipeline (their own checks)."""
+    train_cfg, dist_cfg, world = cfg.train, cfg.dist, world_size(cfg)
+    readers, who = world, "ranks"
+    if dist_cfg.tp > 1:
+        readers, who = tp.check_config(cfg, world, fail), "tp groups (world size / dist.tp)"
+    if dist_cfg.strategy == "pipe":
+        readers, who = pipeline.check_config(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
+    if isinstance(train_cfg.batch_size, list) and len(train_cfg.batch_size) != readers:
+        fail("train.batch_size", f"lists {len(train_cfg.batch_size)} sizes but there are {readers} {who}")
+    if train_cfg.batch_size == "auto" and train_cfg.global_batch_size < readers:
+        fail("train.global_batch_size",
+             f"must be >= the number of {who} ({readers}), got {train_cfg.global_batch_size}")
+
+
+CHECKS = (check_task, check_reader_keys, check_batch_split)
+
+
+def check(cfg: Config, source: str) -> None:
+    """The checks beyond the schema's (main.py has run those already, before torch loaded)."""
+    fail = fail_naming(source)
+    for one in CHECKS:
+        one(cfg, fail)
+
+
+def checked_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """core/config.read_config, then every check here (generate.py's and the tests' way in)."""
+    return config.read_config(path, overrides, CHECKS)
+
+
+def checked_config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    """core/config.config_from_dict, then every check here."""
+    return config.config_from_dict(raw, source, CHECKS)

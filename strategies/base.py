@@ -35,7 +35,9 @@ class Strategy:
         # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce divides by
         # `grad_average_over`, which the Trainer's loss scale multiplies back. Under ddp: rank, world size, world size.
         self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
-        self.is_replica_reporter = True
+        # True: this rank's batch counts in the global count, its loss and results are reported; one rank per
+        # replica (under ddp every rank; a tp group's first rank; a pipeline's first stage).
+        self.counts_its_batch = True
         # Dropout's random stream: its own per rank, except that ranks computing the same activations (a tp group)
         # must draw the same masks.
         self.seed_offset = ctx.rank
@@ -77,7 +79,7 @@ class Strategy:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
         self.reduce_grads()
-        return total if self.is_replica_reporter else torch.zeros_like(total)
+        return total if self.counts_its_batch else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
         """Called after a step's last backward. DDP and FSDP reduce gradients during backward: nothing to do."""
@@ -86,7 +88,7 @@ class Strategy:
         """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""
         with autocast():
             out = task.eval_batch(self.eval_model, batch)
-        return out if self.is_replica_reporter else {}
+        return out if self.counts_its_batch else {}
 
     def compile(self) -> None:
         """train.compile: torch.compile the model in place (Module.compile: same module, same state-dict keys).

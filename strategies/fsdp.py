@@ -44,7 +44,7 @@ class FSDPStrategy(Strategy):
         if mesh is not None:  # a tp group reads one share of the batch, reports once, draws the same dropout masks
             dp, tp = mesh["dp"], mesh["tp"]
             self.data_rank, self.data_shares, self.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
-            self.is_replica_reporter = tp.get_local_rank() == 0
+            self.counts_its_batch = tp.get_local_rank() == 0
             self.seed_offset = ctx.rank - tp.get_local_rank()  # (inside the split matrices: tp.PerRankDropout)
             self.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py times the group together
             self.replica = "tp group" if tp.size() > 1 else "rank"

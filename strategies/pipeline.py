@@ -144,7 +144,7 @@ class PipeStrategy(Strategy):
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_shares, self.grad_average_over = self.pipeline, self.pipelines, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
-        self.is_replica_reporter = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
+        self.counts_its_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
         self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
         self.tied = tied

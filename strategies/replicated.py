@@ -39,8 +39,9 @@ def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None)
 
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
-    backward. The Trainer scales the loss so that average is the mean over the global batch. (With dist.tp > 1:
-    strategies/tp.py's apply_tp_ddp.)"""
+    backward. The Trainer scales the loss so that average is the mean over the global batch. The step itself is
+    the base class's (strategies/base.py: Strategy.forward_backward). With dist.tp > 1: strategies/tp.py's
+    apply_tp_ddp."""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return ReplicatedStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
