@@ -124,6 +124,7 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
+# ---- Carrying each epoch's batches to a training loader whose workers are kept (which samples: above) -------------
 class CurrentEpochBatches:
     """The batch_sampler of a training stream's one DataLoader: the current epoch's index lists (`batches`, set
     before each epoch), each index sent as (epoch, index), so workers kept from the last epoch know the new one."""

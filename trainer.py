@@ -158,18 +158,19 @@ class Trainer:
         global_count, stop_votes = distributed.all_reduce_sum(ctx, count_and_vote)
         # DDP/FSDP divide the summed gradients by grad_average_over (the world size under ddp); times it, over the
         # global count, the summed losses give the mean over the global batch, whatever each rank's share.
-        scale = strategy.grad_average_over / global_count
+        loss_weight = strategy.grad_average_over / global_count
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
         # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
-        rank_loss_sum = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], scale, self.autocast)
+        rank_loss_sum = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], loss_weight,
+                                                 self.autocast)
         if strategy.scaler:
             strategy.scaler.unscale_(strategy.optimizer)  # clip and measure the true gradients, not the scaled ones
         # Global, so equal on every rank; train.clip_grad_norm 0 (inf here): measured, not clipped.
-        grad_norm = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
+        norm_on_device = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
-        norm, stop_count = torch.stack([grad_norm.float().reshape(()), stop_votes]).tolist()
-        update = math.isfinite(norm)  # NaN/Inf: no update; the step still counts, the schedule moves on
+        grad_norm, stop_count = torch.stack([norm_on_device.float().reshape(()), stop_votes]).tolist()
+        update = math.isfinite(grad_norm)  # NaN/Inf: no update; the step still counts, the schedule moves on
         if strategy.scaler:  # fp16: the scaler skips the update itself when the gradients overflowed (norm inf)
             strategy.scaler.step(strategy.optimizer)
             strategy.scaler.update()
@@ -180,7 +181,7 @@ class Trainer:
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
-        return rank_loss_sum, global_count, norm, stop_count > 0
+        return rank_loss_sum, global_count, grad_norm, stop_count > 0
 
     def count_skipped_update(self, norm: float) -> None:
         """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and
@@ -447,7 +448,8 @@ class Trainer:
     # ---- Data ----------------------------------------------------------------------------------------------------
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says (which
-        samples: data_loader.GlobalBatchSampler). The state moves as batches are handed out: a checkpoint's position."""
+        samples: data_loader.GlobalBatchSampler; CurrentEpochBatches and EpochItems only carry them to the loader's
+        workers). The state moves as batches are handed out, so a checkpoint records the exact position."""
         state, current = self.state, CurrentEpochBatches()
         # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
         loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,

@@ -33,7 +33,7 @@ class Strategy:
         # `model` runs the forward (under ddp, the DDP wrapper around raw_model); `raw_model` is what is saved.
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
         # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce divides by
-        # `grad_average_over`, which the Trainer's loss scale multiplies back. Under ddp: rank, world size, world size.
+        # `grad_average_over`, which the Trainer's loss weight multiplies back. Under ddp: rank, world size, world size.
         self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
         # True: this rank's batch counts in the global count, its loss and results are reported; one rank per
         # replica (under ddp every rank; a tp group's first rank; a pipeline's first stage).
@@ -65,9 +65,9 @@ class Strategy:
         """Accumulation micro-batches keep their gradients local: DDP's no_sync() (replicated.ddp_wrap), else none."""
         return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
 
-    def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:
+    def forward_backward(self, task, batches: list[dict], loss_weight, autocast) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step (on the device), each loss multiplied by
-        `scale`; gradients are synced on the last one only. Returns the summed loss of the batches, or 0 where
+        `loss_weight`; gradients are synced on the last one only. Returns the summed loss of the batches, or 0 where
         this rank's batch does not count (another rank of its tp group reports the same loss)."""
         total = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(batches):
@@ -75,7 +75,7 @@ class Strategy:
             with sync:
                 with autocast():
                     loss_sum = task.loss_sum(self.model, batch)
-                loss = loss_sum.float() * scale
+                loss = loss_sum.float() * loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
         self.reduce_grads()

@@ -155,7 +155,7 @@ class PipeStrategy(Strategy):
         mine = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
         self.names = [k for k, v in full_model.state_dict(keep_vars=True).items()
                       if id(v) in mine or (k in unowned and self.stage_rank == 0)]
-        self.scale = 1.0
+        self.loss_weight = 1.0
         self.first_shapes: Optional[dict] = None
         pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
         # Imported here, not at the top: it loads TorchDynamo, 0.7-1 s in every rank of every run, pipe or not.
@@ -190,13 +190,13 @@ class PipeStrategy(Strategy):
         return lines
 
     def loss_fn(self, output, target):
-        loss = self.task.loss_from_output(output, target).float() * self.scale
+        loss = self.task.loss_from_output(output, target).float() * self.loss_weight
         return self.scaler.scale(loss) if self.scaler else loss
 
-    def forward_backward(self, task, batches: list[dict], scale, autocast) -> torch.Tensor:
+    def forward_backward(self, task, batches: list[dict], loss_weight, autocast) -> torch.Tensor:
         """Each batch through the schedule (forward and backward of all its micro-batches); dist.simulate_slowdown
         is applied per stage inside it. Returns the pipeline's summed loss on its last stage (0 elsewhere)."""
-        total = sum((self.step(task, batch, scale, autocast) for batch in batches),
+        total = sum((self.step(task, batch, loss_weight, autocast) for batch in batches),
                     torch.zeros((), device=self.ctx.device))
         self.reduce_grads()
         return total if self.reports else torch.zeros_like(total)
@@ -211,10 +211,11 @@ class PipeStrategy(Strategy):
         if self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
-    def step(self, task, batch: dict, scale: float, autocast) -> torch.Tensor:
+    def step(self, task, batch: dict, loss_weight: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
         the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
-        self.task, self.scale = TaskWithPlainLosses(task), scale  # (dist.loss_parallel: plain losses of DTensor logits)
+        # (dist.loss_parallel: the task's plain losses of DTensor logits)
+        self.task, self.loss_weight = TaskWithPlainLosses(task), loss_weight
         self.check_shapes(batch)
         if self.scaler:  # fp16: only the last stage scales a loss, but every rank's scaler unscales its gradients
             self.scaler.scale(torch.zeros((), device=self.ctx.device))  # (this sets up its scale, equal everywhere)
@@ -228,7 +229,7 @@ class PipeStrategy(Strategy):
         total = torch.stack([x.detach().float() for x in losses]).sum()
         if self.scaler:
             total = total / self.scaler.get_scale()
-        return total / scale
+        return total / loss_weight
 
     def check_shapes(self, batch: dict) -> None:
         """A stage learns the shapes it receives on the first step and cannot take others later (the failure
