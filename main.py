@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import os
-import socket
 import sys
-import time
 from typing import Callable, Optional
 
 from core import process_end
@@ -29,6 +26,7 @@ from extras import dev_run
 from extras.cli_help import epilog
 from resilience import elastic, faults, launcher
 from resilience.resource_errors import reports_a_kill
+from resilience.run_dir_lock import check_output_dir, hold_output_dir
 
 
 class Parser(argparse.ArgumentParser):
@@ -89,8 +87,8 @@ def run(cfg: Config) -> int:
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
-        with hold_output_dir(cfg.output_dir) if cfg.mode in ("train", "lr_find") and first else \
-                contextlib.nullcontext():
+        holds_the_lock = cfg.mode in ("train", "lr_find") and first  # one run per output_dir
+        with hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext():
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -123,48 +121,6 @@ class RankPlace:
     world: int                        # ranks in all, every node
     local_procs: int                  # ranks on this node: they share its cores (see worker's thread count)
     rendezvous: Optional[str] = None  # where ranks meet: env:// under torchrun; None: from cfg.dist
-
-
-def check_output_dir(path: str) -> None:
-    """A mistake here would otherwise surface as a traceback from every rank, or at the first save."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"output_dir {path!r} is a file, not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"output_dir {path!r} is not a writable directory ({e.strerror})") from None
-    # checkpoints/ too, if there: a read-only one would otherwise be found at the first save, hours later
-    for folder in (path, os.path.join(path, "checkpoints")):
-        if os.path.isdir(folder):
-            try:
-                probe = os.path.join(folder, f".write-test-{os.getpid()}")
-                with open(probe, "w"):
-                    pass
-                os.remove(probe)
-            except OSError as e:
-                name = "output_dir" if folder == path else "checkpoint folder"
-                raise UserError(f"{name} {folder!r} is not a writable directory ({e.strerror}): make it writable "
-                                f"for this run, or choose another output_dir") from None
-
-
-def hold_output_dir(path: str):
-    """One run per output_dir: an exclusive lock on output_dir/.lock for as long as this process lives (the
-    kernel drops it when the process ends, however it ends, so a lock is never stale). A second run is refused
-    in one line naming the holder; two runs in one folder would resume, save and prune each other's steps."""
-    f = open(os.path.join(path, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise UserError(f"output_dir {path!r} is in use by another run ({holder}); wait for it to end, or use "
-                        "another output_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ def test_the_summary_offers_no_export_to_a_task_that_has_none(tmp_path, capsys, 
 
 
 def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, main; lock = main.hold_output_dir(sys.argv[1]);"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from resilience import run_dir_lock;"
+                               " lock = run_dir_lock.hold_output_dir(sys.argv[1]);"
                                " print('held', flush=True); time.sleep(60)", str(tmp_path)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:
