@@ -70,7 +70,8 @@ def shrunk(cfg) -> tuple[list[str], list[str]]:
         overrides.append(f"data.max_length={LM_WINDOW}")
         said.append(f"window {cfg.data.max_length} -> {LM_WINDOW} tokens")
     d = cfg.dist
-    if d.nodes == 1 and d.init_method == "tcp" and launcher.port_in_use("127.0.0.1", d.master_port):  # another run holds it: not our error
+    # Another run holding the port is not the edit's error: the dev run moves to a free one.
+    if d.nodes == 1 and d.init_method == "tcp" and launcher.port_in_use("127.0.0.1", d.master_port):
         port = free_port()
         overrides.append(f"dist.master_port={port}")
         said.append(f"port {d.master_port} (in use) -> {port}")

@@ -247,7 +247,8 @@ class Supervisor:
         return reports
 
     def close(self) -> None:
-        """However supervise() ends (a failure to start, an exception, a signal): no rank left running, no folder left."""
+        """However supervise() ends (a failure to start, an exception, a signal): no rank left running, no folder
+        left."""
         for p in self.procs:
             if p.pid is not None and p.exitcode is None:  # pid None: never started (p.start() itself failed)
                 p.kill()
