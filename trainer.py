@@ -104,9 +104,9 @@ class Trainer:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
-            rank_loss_sum, global_count, grad_norm, any_stop = self.train_step(batches)
+            rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
-            if math.isfinite(grad_norm):
+            if updated:
                 self.bad_steps = 0
                 reports = self.strategy.counts_its_batch  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
@@ -143,9 +143,10 @@ class Trainer:
             self.hooks.run_ends(self)  # the closing lines
         return metrics
 
-    def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+    def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool, bool]:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
-        summed loss, the global count (samples, or tokens), the global gradient norm, whether any rank asked to stop."""
+        summed loss, the global count (samples, or tokens), the global gradient norm, whether the update was applied
+        (the norm was finite), whether any rank asked to stop."""
         strategy, ctx = self.strategy, self.ctx
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
@@ -181,7 +182,7 @@ class Trainer:
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
-        return rank_loss_sum, global_count, grad_norm, stop_count > 0
+        return rank_loss_sum, global_count, grad_norm, update, stop_count > 0
 
     def count_skipped_update(self, norm: float) -> None:
         """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and

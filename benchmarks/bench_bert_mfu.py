@@ -180,7 +180,7 @@ def main():
         for _ in range(args.steps):
             batch = next(stream)
             widths.setdefault(name, []).append(batch["input_ids"].shape[1])
-            loss_sum, count, _, _ = trainer.train_step([batch])
+            loss_sum, count, _, _, _ = trainer.train_step([batch])
             window.add(loss_sum, count, len(batch["input_ids"]))
         losses[name] = window.flush()["loss"]  # .item(): waits for the device, inside the block
 

@@ -111,7 +111,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
         for _ in range(args.steps):
             batch = next(stream)
             counted["trainer"] += tokens(batch)
-            loss_sum, count, _, _ = trainer.train_step([batch])
+            loss_sum, count, _, _, _ = trainer.train_step([batch])
             window.add(loss_sum, count, len(batch["input_ids"]))
         window.flush()
 

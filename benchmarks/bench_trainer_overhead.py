@@ -93,7 +93,7 @@ def main():
     def trainer_block():
         for _ in range(args.steps):
             batch = next(stream)
-            loss_sum, count, _, _ = trainer.train_step([batch])
+            loss_sum, count, _, _, _ = trainer.train_step([batch])
             window.add(loss_sum, count, len(batch["labels"]))
         window.flush()
 

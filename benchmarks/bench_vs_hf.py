@@ -217,7 +217,7 @@ def main():
         for _ in range(steps):
             batch = next(stream)
             tokens["ours"][-1] += batch["input_ids"].numel()
-            loss_sum, count, _, _ = ours.train_step([batch])
+            loss_sum, count, _, _, _ = ours.train_step([batch])
             window.add(loss_sum, count, len(batch["labels"]))
         window.flush()  # waits for the device, as a log line does
 

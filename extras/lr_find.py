@@ -37,7 +37,7 @@ def sweep(trainer) -> dict:
         for group, factor in zip(optimizer.param_groups, factors):
             group["lr"] = lr * factor
         batches = [next(stream) for _ in range(trainer.train_cfg.grad_accum_steps)]
-        loss_sum, count, _, stop_asked = trainer.train_step(batches)
+        loss_sum, count, _, _, stop_asked = trainer.train_step(batches)
         total = distributed.all_reduce_sum(ctx, loss_sum.detach().float().reshape(1)).item()  # every rank's loss
         loss = total / count.item()
         average = SMOOTHING * average + (1 - SMOOTHING) * loss

@@ -319,14 +319,14 @@ def test_nan_step_leaves_parameters_and_optimizer_state_unchanged(tmp_path, prec
     opt = copy.deepcopy(tr.strategy.optimizer.state_dict())
     loss_sum = tr.task.loss_sum
     tr.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
-    _, _, norm, _ = tr.train_step([next(stream)])
-    assert norm != norm  # nan
+    _, _, norm, updated, _ = tr.train_step([next(stream)])
+    assert norm != norm and not updated  # nan
     assert max_diff(tr.strategy.raw_model.state_dict(), params) == 0
     after = tr.strategy.optimizer.state_dict()["state"]
     assert all(torch.equal(after[k][n], opt["state"][k][n]) for k in after for n in after[k])
     tr.task.loss_sum = loss_sum
-    _, _, norm, _ = tr.train_step([next(stream)])  # and training goes on
-    assert norm == norm and max_diff(tr.strategy.raw_model.state_dict(), params) > 0
+    _, _, norm, updated, _ = tr.train_step([next(stream)])  # and training goes on
+    assert norm == norm and updated and max_diff(tr.strategy.raw_model.state_dict(), params) > 0
 
 
 def test_diverged_run_stops_with_exit_4_keeping_good_checkpoints(tmp_path, capsys):

@@ -179,7 +179,7 @@ def _overflow_worker(rank, port, data, out, strategy, queue):
             if rank == 1:
                 local(split.grad).view(-1)[0] = math.inf
         strategy.reduce_grads = overflow
-        _, _, norm, _ = tr.train_step([next(stream)])
+        _, _, norm, _, _ = tr.train_step([next(stream)])
         unchanged = all(torch.equal(local(v), before[k]) for k, v in strategy.raw_model.state_dict().items())
         queue.put((rank, norm, unchanged, strategy.scaler.get_scale() / scale))
     finally:
