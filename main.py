@@ -2,12 +2,13 @@
 
     python main.py --params parameters.yml [--set section.key=value ...]
 
-The composition root's first half, the parent process: checks the config (a mistake: one line, exit code 2, before
-torch loads), holds output_dir, then starts this node's ranks (resilience/launcher.py) or is the one rank torchrun or
-srun started. What a rank runs, and the tables: wiring.py, imported once the schema passed. Each rank is a
-process running launcher.rank_main -> wiring.worker: distributed.init (the process group), build_trainer (the
-model wrapped by its strategy: DDP in strategies/replicated.py), then Trainer.train(). The launcher only starts and
-watches the processes. One training step, file by file: docs/tutorial/02_ddp.md, "Following one step through the files".
+The composition root's first half: this process. In the order a run goes (the path of one training step, file by
+file, is docs/tutorial/02_ddp.md, "Following one step through the files"):
+1. main(): read and check the config; a mistake is one line and exit code 2, before torch loads.
+2. run(): hold output_dir, then start_ranks(): under torchrun or srun this process is one rank; otherwise it starts
+   this node's ranks (resilience/launcher.py), each a process running wiring.worker.
+3. wiring.worker, in each rank: the process group, build_trainer (the model wrapped by its strategy: DDP in
+   strategies/replicated.py), then Trainer.train() (trainer.py).
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
-Read `train()` first: it is the whole loop. Everything else is a helper it calls; what a run prints as it trains
-(log lines, progress bars) is written by core/run_log.py. The Trainer is handed its parts, built by the composition
-root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it, its optimizer and
-loss scaler) and the hooks (which also record the run's plan, trackers and summary). The model's own forward and loss
-are the task's (tasks/)."""
+Read `train()` first: it is the whole loop. A training step is `train_step()` and the Data section after it (where
+its batches come from); evaluation, checkpoints and the state follow, reached every eval_every / save_every steps.
+What a run prints as it trains (log lines, progress bars) is written by core/run_log.py. The Trainer is handed its
+parts, built by the composition root (wiring.build_trainer): the task's datasets, the strategy (the model as
+dist.strategy wraps it, its optimizer and loss scaler) and the hooks (which also record the run's plan, trackers and
+summary). The model's own forward and loss are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
@@ -216,6 +217,68 @@ class Trainer:
         self.close()
         raise Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
+
+    # ---- Data ----------------------------------------------------------------------------------------------------
+    def micro_batches(self) -> Iterator[dict]:
+        """Endless stream of this rank's training batches, epoch after epoch, starting where the state says (which
+        samples: data_loader.GlobalBatchSampler; CurrentEpochBatches and EpochItems only carry them to the loader's
+        workers). The state moves as batches are handed out, so a checkpoint records the exact position."""
+        state, current = self.state, CurrentEpochBatches()
+        # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
+        loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,
+                                 self.pin_memory, self.cfg.seed, self.task.start_epoch)
+        while True:
+            # This epoch's batches (made as consumed), which the loader's next `for` reads from `current`:
+            current.epoch = state.epoch
+            current.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
+            self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
+            for batch in loader:
+                state.batch_in_epoch += 1
+                state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
+                yield batch
+            state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
+
+    def to_device(self, batch: dict) -> dict:
+        """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
+        if self.pin_memory:
+            batch = {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
+        return {k: v.to(self.ctx.device, non_blocking=self.pin_memory) for k, v in batch.items()}
+
+    def per_rank_batch_sizes(self) -> list[int]:
+        b = self.train_cfg.batch_size
+        if b == "auto":  # an equal split until the ranks are timed (extras/balance.py)
+            unit = self.strategy.batch_multiple  # pipe: whole sets of micro-batches
+            return [n * unit for n in split_proportional(self.train_cfg.global_batch_size // unit,
+                                                         [1] * self.strategy.data_shares, minimum=1)]
+        return list(b) if isinstance(b, list) else [b] * self.strategy.data_shares  # pipe: one size per pipeline
+
+    def make_sampler(self) -> GlobalBatchSampler:
+        """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
+        train_set = self.datasets["train"]
+        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.strategy.data_rank, self.cfg.seed,
+                                  shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
+                                  drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
+
+    def count_total_steps(self) -> tuple[int, str]:
+        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first, and which one it is, for
+        the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
+        train_cfg, sampler = self.train_cfg, self.sampler
+        if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
+            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
+                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
+        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
+        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
+        limits = [(n, f"{key}={value:g}") for n, key, value in (
+            (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
+                  if n is not None]
+        total, first = min(limits)
+        others = [what for n, what in limits if what != first]
+        verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
+        note = first + (f" {verb} {others[0]}" if others else "")
+        if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
+            raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
+                              f"steps: {note}); lower it, or give a fraction of the run (< 1)")
+        return total, note
 
     # ---- Evaluation ----------------------------------------------------------------------------------------------
     def evaluate_dev(self) -> dict:
@@ -445,68 +508,6 @@ class Trainer:
         if distributed.all_reduce_sum(self.ctx, bad).item() > 0:
             raise Diverged(f"training diverged: parameters are not finite at step {self.state.step}; not "
                                   f"saving them; last checkpoint: {checkpoint.latest(self.cfg.output_dir) or 'none'}")
-
-    # ---- Data ----------------------------------------------------------------------------------------------------
-    def micro_batches(self) -> Iterator[dict]:
-        """Endless stream of this rank's training batches, epoch after epoch, starting where the state says (which
-        samples: data_loader.GlobalBatchSampler; CurrentEpochBatches and EpochItems only carry them to the loader's
-        workers). The state moves as batches are handed out, so a checkpoint records the exact position."""
-        state, current = self.state, CurrentEpochBatches()
-        # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
-        loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin_memory, self.cfg.seed, self.task.start_epoch)
-        while True:
-            # This epoch's batches (made as consumed), which the loader's next `for` reads from `current`:
-            current.epoch = state.epoch
-            current.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
-            self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
-            for batch in loader:
-                state.batch_in_epoch += 1
-                state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
-                yield batch
-            state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
-
-    def to_device(self, batch: dict) -> dict:
-        """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
-        if self.pin_memory:
-            batch = {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
-        return {k: v.to(self.ctx.device, non_blocking=self.pin_memory) for k, v in batch.items()}
-
-    def per_rank_batch_sizes(self) -> list[int]:
-        b = self.train_cfg.batch_size
-        if b == "auto":  # an equal split until the ranks are timed (extras/balance.py)
-            unit = self.strategy.batch_multiple  # pipe: whole sets of micro-batches
-            return [n * unit for n in split_proportional(self.train_cfg.global_batch_size // unit,
-                                                         [1] * self.strategy.data_shares, minimum=1)]
-        return list(b) if isinstance(b, list) else [b] * self.strategy.data_shares  # pipe: one size per pipeline
-
-    def make_sampler(self) -> GlobalBatchSampler:
-        """This rank's training batches for the current per-rank batch sizes (see data_loader.py)."""
-        train_set = self.datasets["train"]
-        return GlobalBatchSampler(len(train_set), self.batch_sizes, self.strategy.data_rank, self.cfg.seed,
-                                  shard_sizes=self.task.shard_sizes(train_set), lengths=self.lengths,
-                                  drop_last=self.strategy.drop_last)  # pipe: a smaller last batch cannot go through
-
-    def count_total_steps(self) -> tuple[int, str]:
-        """The run's optimizer steps: train.epochs or train.max_steps, whichever ends first, and which one it is, for
-        the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
-        train_cfg, sampler = self.train_cfg, self.sampler
-        if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
-            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
-                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
-        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
-        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
-        limits = [(n, f"{key}={value:g}") for n, key, value in (
-            (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
-                  if n is not None]
-        total, first = min(limits)
-        others = [what for n, what in limits if what != first]
-        verb = "ends together with" if len(limits) == 2 and limits[0][0] == limits[1][0] else "ends before"
-        note = first + (f" {verb} {others[0]}" if others else "")
-        if train_cfg.warmup >= 1 and train_cfg.warmup > total and self.cfg.mode == "train":
-            raise ConfigError(f"`train.warmup` is {train_cfg.warmup:g} steps, longer than the run ({total} optimizer "
-                              f"steps: {note}); lower it, or give a fraction of the run (< 1)")
-        return total, note
 
     # ---- What the run shows (the lines, bars and traces themselves: run_log.py) ----------------------------------
     def progress_bar(self, **kwargs):

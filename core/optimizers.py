@@ -20,6 +20,64 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from core.distributed import DistContext
 from core.errors import ConfigError
 
+
+# ---- The recipe the strategies share --------------------------------------------------------------------------
+def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
+                     fused_ok: bool = True) -> tuple[list[dict], type, dict]:
+    """(param groups, optimizer class, kwargs): train.optimizer by name (below). Weight decay
+    applies to matrices only, not biases and norms. fused_ok=False: the caller's wrapper cannot run the fused
+    kernel (train.optimizer_impl auto: foreach)."""
+    groups = param_groups(model, train_cfg.weight_decay, keep_empty)
+    params = [p for g in groups for p in g["params"]]
+    # -----> another optimizer: train.optimizer names any torch.optim class (train.optimizer_args: its own
+    # keywords); a hand-written one is listed in OPTIMIZERS (below) and must accept (param groups, lr=...,
+    # its optimizer_args) and weight_decay, betas, eps, fused, foreach only if it implements them.
+    cls = resolve(train_cfg.optimizer)
+    # torch 2.13 has DTensor rules for the fused Adam/AdamW kernels only (not aten._fused_sgd_): FSDP2's sharded
+    # parameters take foreach with the others (fused AdamW: tested under fsdp).
+    if cls not in (torch.optim.Adam, torch.optim.AdamW) and any(isinstance(p, DTensor) for p in params):
+        fused_ok = False
+    if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
+        # tp: split matrices are DTensors, the rest plain tensors; a foreach or fused kernel takes one kind at a
+        # time, and it runs per parameter group.
+        groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
+                  for g in groups for dt in (True, False)]
+        groups = [g for g in groups if g["params"] or keep_empty]
+    kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok, cls)
+    return groups, cls, {**arguments(cls, train_cfg), **kernel}
+
+
+def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
+    """Weight decay for matrices, none for biases and norms. The order of the parameters here is the order of
+    the optimizer's state in a replicated checkpoint (optimizer.pt indexes parameters 0, 1, ... in it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"] or keep_empty]
+
+
+def optimizer_kernel(impl: str, params: list, fused_ok: bool = True, cls: type = torch.optim.AdamW) -> dict:
+    """The optimizer's implementation switch (train.optimizer_impl) as the keyword arguments `cls` takes of fused
+    and foreach. auto: fused where the device and the class have the kernel (PyTorch's own CPU default runs one
+    small op per tensor, slower), else foreach where the class has it."""
+    takes = keywords(cls)
+    device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
+                    for p in params)
+    if impl == "fused" and not (device_ok and fused_ok and "fused" in takes):
+        where = (f"{cls.__name__}" if "fused" not in takes else
+                 "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}")
+        raise ConfigError(f"train.optimizer_impl: fused is not supported by {where}; use auto or foreach")
+    if impl == "auto":
+        impl = "fused" if device_ok and fused_ok and "fused" in takes else "foreach"
+    return {k: v for k, v in {"fused": impl == "fused", "foreach": impl == "foreach"}.items() if k in takes}
+
+
+def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
+    """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
+    return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None
+
+
+# ---- train.optimizer by name: what it may name, and the check of its keywords ---------------------------------------
 # -----> a hand-written optimizer: list it here by name (train.optimizer: MyOpt). It must be a
 # torch.optim.Optimizer subclass whose __init__ takes the parameter groups first, then `lr` and the keywords of
 # train.optimizer_args (and `weight_decay`, `betas`, `eps`, `fused`, `foreach` if it implements them).
@@ -160,59 +218,3 @@ def check_config(cfg, fail) -> None:
         cls([torch.nn.Parameter(torch.zeros(2, 2))], **arguments(cls, t))
     except (ValueError, TypeError, RuntimeError) as e:
         fail("train.optimizer_args", f"{name} refuses them: {str(e).strip().splitlines()[0][:120]}")
-
-
-# ---- The recipe the strategies share --------------------------------------------------------------------------
-def optimizer_recipe(model: nn.Module, train_cfg, keep_empty: bool = False,
-                     fused_ok: bool = True) -> tuple[list[dict], type, dict]:
-    """(param groups, optimizer class, kwargs): train.optimizer by name (above). Weight decay
-    applies to matrices only, not biases and norms. fused_ok=False: the caller's wrapper cannot run the fused
-    kernel (train.optimizer_impl auto: foreach)."""
-    groups = param_groups(model, train_cfg.weight_decay, keep_empty)
-    params = [p for g in groups for p in g["params"]]
-    # -----> another optimizer: train.optimizer names any torch.optim class (train.optimizer_args: its own
-    # keywords); a hand-written one is listed in OPTIMIZERS (above) and must accept (param groups, lr=...,
-    # its optimizer_args) and weight_decay, betas, eps, fused, foreach only if it implements them.
-    cls = resolve(train_cfg.optimizer)
-    # torch 2.13 has DTensor rules for the fused Adam/AdamW kernels only (not aten._fused_sgd_): FSDP2's sharded
-    # parameters take foreach with the others (fused AdamW: tested under fsdp).
-    if cls not in (torch.optim.Adam, torch.optim.AdamW) and any(isinstance(p, DTensor) for p in params):
-        fused_ok = False
-    if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
-        # tp: split matrices are DTensors, the rest plain tensors; a foreach or fused kernel takes one kind at a
-        # time, and it runs per parameter group.
-        groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == dt]}
-                  for g in groups for dt in (True, False)]
-        groups = [g for g in groups if g["params"] or keep_empty]
-    kernel = optimizer_kernel(train_cfg.optimizer_impl, params, fused_ok, cls)
-    return groups, cls, {**arguments(cls, train_cfg), **kernel}
-
-
-def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
-    """Weight decay for matrices, none for biases and norms. The order of the parameters here is the order of
-    the optimizer's state in a replicated checkpoint (optimizer.pt indexes parameters 0, 1, ... in it)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"] or keep_empty]
-
-
-def optimizer_kernel(impl: str, params: list, fused_ok: bool = True, cls: type = torch.optim.AdamW) -> dict:
-    """The optimizer's implementation switch (train.optimizer_impl) as the keyword arguments `cls` takes of fused
-    and foreach. auto: fused where the device and the class have the kernel (PyTorch's own CPU default runs one
-    small op per tensor, slower), else foreach where the class has it."""
-    takes = keywords(cls)
-    device_ok = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
-                    for p in params)
-    if impl == "fused" and not (device_ok and fused_ok and "fused" in takes):
-        where = (f"{cls.__name__}" if "fused" not in takes else
-                 "this strategy's optimizer wrapper" if device_ok else f"device {params[0].device.type}")
-        raise ConfigError(f"train.optimizer_impl: fused is not supported by {where}; use auto or foreach")
-    if impl == "auto":
-        impl = "fused" if device_ok and fused_ok and "fused" in takes else "foreach"
-    return {k: v for k, v in {"fused": impl == "fused", "foreach": impl == "foreach"}.items() if k in takes}
-
-
-def make_scaler(cfg, ctx: DistContext) -> Optional[torch.amp.GradScaler]:
-    """Dynamic loss scaling, needed for fp16 only (bf16 has fp32's range)."""
-    return torch.amp.GradScaler(ctx.device.type) if cfg.train.precision == "fp16" else None

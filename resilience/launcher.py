@@ -1,6 +1,9 @@
 """Our own launcher: one process per device on this node, watched (main.py uses it unless torchrun or srun
 started the ranks). Unlike torch.multiprocessing.spawn, it names the rank that failed and how, passes signals on so
 that the ranks stop together after saving, and takes the others down when one fails.
+
+To follow a training step, read rank_main() only: each rank is a process that runs `worker(cfg, place)` (wiring.py).
+The Supervisor below matters when a rank fails, a signal comes or the run ends.
 """
 from __future__ import annotations
 
@@ -30,49 +33,43 @@ GRACE_S = 2.0  # after a rank fails, how long the others get to report before th
 EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang_timeout_s) to tear down and exit
 
 
-def check_config(cfg: Config, fail) -> None:
-    """The nodes, their processes and where they meet, when set (config.validate asks, before the world size)."""
-    d = cfg.dist
-    if d.nodes < 1:
-        fail("dist.nodes", f"must be >= 1, got {d.nodes}")
-    if not 0 <= d.node_rank < d.nodes:
-        fail("dist.node_rank", f"must be in [0, nodes-1] = [0, {d.nodes - 1}], got {d.node_rank}")
-    if not 0 < d.master_port < 65536:
-        fail("dist.master_port", f"must be a TCP port (1-65535), got {d.master_port}")
-    procs = d.procs_per_node
-    if isinstance(procs, list):
-        if len(procs) != d.nodes:
-            fail("dist.procs_per_node", f"lists {len(procs)} nodes but dist.nodes is {d.nodes}")
-        if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in procs):
-            fail("dist.procs_per_node", f"must hold positive integers, got {procs}")
-    elif procs is not None and procs < 1:
-        fail("dist.procs_per_node", f"must be >= 1, got {procs}")
-    if d.init_method != "tcp" and not d.init_method.startswith("file://"):
-        fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {d.init_method!r}")
-    if d.nodes > 1 and d.init_method == "tcp" and not d.master_addr:
-        fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
+# ---- What each rank's process runs -----------------------------------------------------------------------------------
+def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
+    """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
+    (`worker(cfg, place)`: wiring.worker)."""
+    set_parent_death_signal(parent_pid)
+    os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
+    faults.no_stdin()  # (multiprocessing gives Python's stdin /dev/null; file descriptor 0 too)
+    faults.progress.shared = steps
+    faults.progress.slot = place.local_rank
+    faults.progress.codes = finished
+    faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
+    if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
+    process_end.end_process(worker(cfg, place))
 
 
-def check_port_free(cfg: Config) -> None:
-    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
-    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
-    d = cfg.dist
-    if d.node_rank == 0 and d.init_method == "tcp" and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
-        raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
-                        f"free one, e.g. --set dist.master_port={d.master_port + 1}")
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
+    train on as orphans. (No-op elsewhere.)"""
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(EXIT_CRASH)
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Another program holds host:port here. (EADDRNOTAVAIL: host names another machine; nothing to check.)"""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
+def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:
+    """A rank's last word (faults.report), into the file the Supervisor reads (written aside, then renamed)."""
+    tmp = os.path.join(report_dir, f".rank{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "code": code, "line": line, "detail": detail, "time": time.time()}, f)
+    os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
 
 
+# ---- The Supervisor: starts the ranks, then watches them (a step never passes through it) ----------------------------
 class Supervisor:
     """Start this node's ranks and watch them until all have exited; supervise() returns the run's exit code.
 
@@ -258,41 +255,6 @@ class Supervisor:
             signal.signal(n, signal.SIG_IGN if faults.ignore_late_signals else handler)
 
 
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies, even by kill -9, so workers never
-    train on as orphans. (No-op elsewhere.)"""
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(EXIT_CRASH)
-
-
-def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
-    """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
-    (`worker(cfg, place)`: wiring.worker)."""
-    set_parent_death_signal(parent_pid)
-    os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
-    faults.no_stdin()  # (multiprocessing gives Python's stdin /dev/null; file descriptor 0 too)
-    faults.progress.shared = steps
-    faults.progress.slot = place.local_rank
-    faults.progress.codes = finished
-    faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
-    if cfg.mode != "train":  # (train mode unblocks the stop signals once its handlers are in: StopRequest.install)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
-    process_end.end_process(worker(cfg, place))
-
-
-def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:
-    """A rank's last word (faults.report), into the file the Supervisor reads (written aside, then renamed)."""
-    tmp = os.path.join(report_dir, f".rank{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump({"rank": rank, "code": code, "line": line, "detail": detail, "time": time.time()}, f)
-    os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
-
-
 def rank_environment(cfg: Config, nprocs: int) -> dict:
     """OMP_WAIT_POLICY=PASSIVE for CPU ranks sharing a host: idle OpenMP threads spin on the cores the other ranks
     need (benchmarks/RESULTS.md, "OpenMP waiting"). OpenMP reads it as torch loads, so a rank starts with it."""
@@ -315,3 +277,47 @@ def environment(extra: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ---- The config's dist.* launch keys, and the port, checked before anything starts -----------------------------------
+def check_config(cfg: Config, fail) -> None:
+    """The nodes, their processes and where they meet, when set (config.validate asks, before the world size)."""
+    d = cfg.dist
+    if d.nodes < 1:
+        fail("dist.nodes", f"must be >= 1, got {d.nodes}")
+    if not 0 <= d.node_rank < d.nodes:
+        fail("dist.node_rank", f"must be in [0, nodes-1] = [0, {d.nodes - 1}], got {d.node_rank}")
+    if not 0 < d.master_port < 65536:
+        fail("dist.master_port", f"must be a TCP port (1-65535), got {d.master_port}")
+    procs = d.procs_per_node
+    if isinstance(procs, list):
+        if len(procs) != d.nodes:
+            fail("dist.procs_per_node", f"lists {len(procs)} nodes but dist.nodes is {d.nodes}")
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in procs):
+            fail("dist.procs_per_node", f"must hold positive integers, got {procs}")
+    elif procs is not None and procs < 1:
+        fail("dist.procs_per_node", f"must be >= 1, got {procs}")
+    if d.init_method != "tcp" and not d.init_method.startswith("file://"):
+        fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {d.init_method!r}")
+    if d.nodes > 1 and d.init_method == "tcp" and not d.master_addr:
+        fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
+
+
+def check_port_free(cfg: Config) -> None:
+    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
+    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
+    d = cfg.dist
+    if d.node_rank == 0 and d.init_method == "tcp" and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
+        raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
+                        f"free one, e.g. --set dist.master_port={d.master_port + 1}")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Another program holds host:port here. (EADDRNOTAVAIL: host names another machine; nothing to check.)"""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
