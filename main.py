@@ -96,24 +96,6 @@ def run(cfg: Config) -> int:
         return 2
 
 
-def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, "RankPlace"], int]) -> int:
-    """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
-    if env is not None:
-        return worker(cfg, RankPlace(env["rank"], env["local_rank"], env["world_size"], env["local_world_size"],
-                                     env["rendezvous"]))
-    procs = procs_per_node_list(cfg)
-    here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
-    places = [RankPlace(first_rank + i, i, world, here) for i in range(here)]
-    if world > 1:
-        launcher.check_port_free(cfg)
-    if here > 1:  # one process per rank, each running launcher.rank_main, then worker(cfg, its place)
-        return launcher.Supervisor(cfg, places, worker).supervise()
-    # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
-    # that it was killed.
-    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):
-        return worker(cfg, places[0])
-
-
 @dataclasses.dataclass
 class RankPlace:
     """Where one process sits among the ranks: what wiring.worker() needs besides the config."""
@@ -122,6 +104,24 @@ class RankPlace:
     world: int                        # ranks in all, every node
     local_procs: int                  # ranks on this node: they share its cores (see worker's thread count)
     rendezvous: Optional[str] = None  # where ranks meet: env:// under torchrun; None: from cfg.dist
+
+
+def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, RankPlace], int]) -> int:
+    """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
+    if env is not None:
+        return worker(cfg, RankPlace(rank=env["rank"], local_rank=env["local_rank"], world=env["world_size"],
+                                     local_procs=env["local_world_size"], rendezvous=env["rendezvous"]))
+    procs = procs_per_node_list(cfg)
+    here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
+    places = [RankPlace(rank=first_rank + i, local_rank=i, world=world, local_procs=here) for i in range(here)]
+    if world > 1:
+        launcher.check_port_free(cfg)
+    if here > 1:  # one process per rank, each running launcher.rank_main, then worker(cfg, its place)
+        return launcher.Supervisor(cfg, places, worker).supervise()
+    # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
+    # that it was killed.
+    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):
+        return worker(cfg, places[0])
 
 
 if __name__ == "__main__":

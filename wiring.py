@@ -1,7 +1,7 @@
 """One rank, put together: the composition root's second half, imported by main.py once the config's schema has
 passed, and by the ranks it starts. The tables (tasks, strategies, which file checks which config keys), and
 `worker()`: the process group, then the Trainer with its strategy (strategies/) and its hooks (resilience/, extras/).
-To follow a rank, read on: worker(), then build_trainer() and parallelize(); the config's checks come last.
+To follow a rank, read on: worker(), then build_trainer() and the parts it builds; the config's checks come last.
 """
 from __future__ import annotations
 
@@ -111,6 +111,26 @@ def worker(cfg: Config, place) -> int:
 
 
 # ---- the Trainer and its parts ------------------------------------------------------------------------------------
+def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
+    """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
+    wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this
+    device computes fast in), before anything reads it."""
+    task, asked, note = task or build_task(cfg), cfg.train.precision, None
+    if cfg.train.precision == "auto":
+        cfg, note = balance.auto_precision(cfg, ctx)
+    datasets = task.build_datasets()
+    # The same seed on every rank: every replica (or shard) starts from the same parameters (DDP also broadcasts
+    # rank 0's as it wraps the model; fsdp and pipe cut each rank's own copy, so there the seed is what agrees).
+    seed_everything(cfg.seed)
+    model, plan_notes = build_model(cfg, task)
+    strategy = parallelize(model, cfg, ctx, task, datasets["train"])
+    if cfg.train.compile and cfg.mode == "train":
+        strategy.compile()  # the first steps (and each new input shape) pay the compilation
+    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.seed_offset).
+    seed_everything(cfg.seed + strategy.seed_offset)
+    return Trainer(cfg, task, datasets, strategy, RunHooks(asked, plan_notes), precision_note=note)
+
+
 def build_task(cfg: Config) -> Task:
     return TASKS[cfg.task](cfg)
 
@@ -175,26 +195,6 @@ class RunHooks(Hooks):
 
     def stop_reason(self) -> Optional[str]:
         return faults.stop_request.reason
-
-
-def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
-    """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
-    wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this
-    device computes fast in), before anything reads it."""
-    task, asked, note = task or build_task(cfg), cfg.train.precision, None
-    if cfg.train.precision == "auto":
-        cfg, note = balance.auto_precision(cfg, ctx)
-    datasets = task.build_datasets()
-    # The same seed on every rank: every replica (or shard) starts from the same parameters (DDP also broadcasts
-    # rank 0's as it wraps the model; fsdp and pipe cut each rank's own copy, so there the seed is what agrees).
-    seed_everything(cfg.seed)
-    model, plan_notes = build_model(cfg, task)
-    strategy = parallelize(model, cfg, ctx, task, datasets["train"])
-    if cfg.train.compile and cfg.mode == "train":
-        strategy.compile()  # the first steps (and each new input shape) pay the compilation
-    # Then each rank draws its own dropout masks; the ranks of a tp group share one stream (Strategy.seed_offset).
-    seed_everything(cfg.seed + strategy.seed_offset)
-    return Trainer(cfg, task, datasets, strategy, RunHooks(asked, plan_notes), precision_note=note)
 
 
 def run_export(cfg: Config) -> int:

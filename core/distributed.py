@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from core.errors import ConfigError
+
 
 @dataclass
 class DistContext:
@@ -48,10 +50,16 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[str] = None) -> DistContext:
     """Join the process group (strategies that need one) and return this process's context."""
     d = cfg.dist
-    device = pick_device(d.device, local_rank)
     if d.strategy in ("none", "dp"):
-        return DistContext(0, 1, 0, device, None)
-    backend = d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        return DistContext(0, 1, 0, pick_device(d.device, local_rank), None)
+    device_type = pick_device_type(d.device)
+    backend = d.backend if d.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU, and it says so only after the ranks have met, as a traceback.
+        gpus = torch.cuda.device_count()
+        raise ConfigError(f"dist.procs_per_node: this node runs more ranks than it has GPUs ({gpus}), and NCCL needs "
+                          f"one GPU per rank; set dist.procs_per_node to at most {gpus}, or dist.backend=gloo")
+    device = pick_device(d.device, local_rank)
     if rendezvous is None:
         if d.init_method.startswith("file://"):
             rendezvous = d.init_method

@@ -78,11 +78,12 @@ class Strategy:
                 loss = loss_sum.float() * loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
-        self.reduce_grads()
+        self.reduce_grads()  # DDP and FSDP: nothing (their hooks reduced during backward); tp and pipe average here
         return total if self.counts_its_batch else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
-        """Called after a step's last backward. DDP and FSDP reduce gradients during backward: nothing to do."""
+        """Called after a step's last backward, for strategies that average gradients themselves (tp, pipe). DDP and
+        FSDP reduce gradients during backward: nothing to do."""
 
     def eval_batch(self, task, batch: dict, autocast) -> dict:
         """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""

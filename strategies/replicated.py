@@ -25,7 +25,8 @@ class ReplicatedStrategy(Strategy):
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return ReplicatedStrategy(model, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedStrategy(model=model, raw_model=model, optimizer=cls(groups, **kwargs), ctx=ctx,
+                              scaler=make_scaler(cfg, ctx))
 
 
 def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
@@ -34,7 +35,8 @@ def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None)
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 and ctx.device.type == "cuda" else model
-    return ReplicatedStrategy(wrapped, model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    return ReplicatedStrategy(model=wrapped, raw_model=model, optimizer=cls(groups, **kwargs), ctx=ctx,
+                              scaler=make_scaler(cfg, ctx))
 
 
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
@@ -44,7 +46,9 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
     apply_tp_ddp."""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
-    return ReplicatedStrategy(ddp_wrap(model, ctx), model, cls(groups, **kwargs), ctx, make_scaler(cfg, ctx))
+    # `model` runs the forward (here the DDP wrapper); `raw_model` is the module itself, which is saved
+    return ReplicatedStrategy(model=ddp_wrap(model, ctx), raw_model=model, optimizer=cls(groups, **kwargs), ctx=ctx,
+                              scaler=make_scaler(cfg, ctx))  # a loss scaler for fp16 only
 
 
 def ddp_wrap(model: nn.Module, ctx: DistContext, group=None) -> nn.Module:

@@ -1,10 +1,12 @@
 """main.py runs unchanged under torchrun and under SLURM's srun (simulated by its environment variables), and
 dp in one process."""
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from cluster import STEPS, TRAIN_SETS, spawn_reference  # noqa: F401 (fixture)
 from conftest import ROOT, free_port, load_model_state, make_config, max_diff
@@ -67,6 +69,28 @@ def test_dp_runs_in_one_process(tmp_path):
         runs[strategy] = load_model_state(tmp_path / strategy, 5)
     assert max_diff(runs["dp"], runs["none"]) == 0.0
     assert checkpoint_meta.read(checkpoint.latest(str(tmp_path / "dp")))["strategy"] == "dp"
+
+
+def test_more_ranks_than_gpus_under_nccl_is_one_line_before_the_ranks_meet(tmp_path, monkeypatch):
+    """Two ranks on a one-GPU node: NCCL would refuse the second GPU-sharing rank only after the rendezvous, as a
+    traceback. The rank that has no GPU of its own says so, naming the key, before it touches the device or the group."""
+    from core import distributed
+    from core.errors import ConfigError
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    touched = []
+    monkeypatch.setattr(torch.cuda, "set_device", touched.append)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: touched.append("group"))
+    with pytest.raises(ConfigError) as e:
+        distributed.init(cfg, rank=1, world_size=2, local_rank=1)
+    assert "dist.procs_per_node" in str(e.value) and "(1)" in str(e.value) and "gloo" in str(e.value)
+    assert touched == []
+    # with gloo, two ranks may share the GPU: no refusal (set_device and the group are reached)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    gloo = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, backend="gloo"))
+    ctx = distributed.init(gloo, rank=1, world_size=2, local_rank=1)
+    assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, "group"])
 
 
 def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatch):
