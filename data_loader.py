@@ -1,8 +1,9 @@
 """How samples reach the ranks.
 
-Training: every epoch is a seeded permutation cut into *global* batches of sum(per-rank batch sizes) samples, and
-rank r takes its slice: N ranks see exactly what one process sees with the combined batch, ranks may have different
-batch sizes, and a position counted in samples of the epoch's order is all resume needs, whatever the global batch.
+Training (in place of torch's DistributedSampler): every epoch is a seeded permutation cut into *global* batches of
+sum(per-rank batch sizes) samples, and rank r takes its slice: N ranks see exactly what one process sees with the
+combined batch, ranks may have different batch sizes, and a position counted in samples of the epoch's order is all
+resume needs, whatever the global batch.
 Evaluation: one contiguous piece of the split per rank, no padding, no duplicates: every sample counts once.
 """
 from __future__ import annotations

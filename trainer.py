@@ -104,7 +104,7 @@ class Trainer:
         while state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
-            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]
+            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]  # this rank's micro-batches
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
@@ -234,6 +234,7 @@ class Trainer:
             self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
             for batch in loader:
                 state.batch_in_epoch += 1
+                # a position in the epoch's order, which all ranks share: it moves by the global batch
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
                 yield batch
             state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
