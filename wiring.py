@@ -115,7 +115,8 @@ def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task
     """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
     wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this
     device computes fast in), before anything reads it."""
-    task, asked, note = task or build_task(cfg), cfg.train.precision, None
+    task = task or build_task(cfg)
+    asked, note = cfg.train.precision, None  # what the config asked for, and what auto chose (the plan says both)
     if cfg.train.precision == "auto":
         cfg, note = balance.auto_precision(cfg, ctx)
     datasets = task.build_datasets()

@@ -23,10 +23,12 @@ class Hooks:
 
     def phase_starts(self, step: int, phase: str) -> None:
         """This rank starts `phase` ("train", "eval", "save", "done") of optimizer step `step`: what a watchdog
-        reads to name a rank that hangs, and what a profiler counts."""
+        reads to name a rank that hangs, and what a profiler counts (wiring.RunHooks: faults.progress, the profiler).
+        Nothing here changes a step's numbers."""
 
     def stop_vote(self) -> float:
-        """1.0 when this rank asks every rank to stop after this step (a signal, the time limit), else 0.0."""
+        """1.0 when this rank asks every rank to stop after this step (a signal, the time limit), else 0.0. What runs:
+        wiring.RunHooks asks resilience/faults.py's StopRequest, whose signal handler sets it."""
         return 0.0
 
     def stop_reason(self) -> Optional[str]:

@@ -98,7 +98,8 @@ class Strategy:
 
     def grad_norm(self, clip_to: float) -> torch.Tensor:
         """The global gradient norm, measured every step; the gradients are also clipped to `clip_to` unless it is
-        inf. Under ddp every rank holds the averaged gradients, so its own norm is the global one (fsdp: its own)."""
+        inf. Under ddp every rank holds the averaged gradients, so its own norm is the global one (fsdp, oss and pipe
+        override this: there each rank holds a part)."""
         if math.isinf(clip_to):  # measuring alone: no clipping's extra pass over the gradients
             return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip_to)
