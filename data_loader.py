@@ -35,7 +35,8 @@ def split_proportional(total: int, weights: Sequence[float], minimum: int = 0) -
 
 
 class GlobalBatchSampler:
-    """Yields the index lists of one rank for one epoch, from a given position (for mid-epoch resume). E.g. two
+    """Makes the index lists of one rank for one epoch, from a given position (for mid-epoch resume): epoch_batches()
+    returns them as an EpochBatches, which yields them. E.g. two
     ranks of 32: each global batch is 64 positions of the epoch's order, rank 0 takes the first 32, rank 1 the next
     32 (rank_slice); an epoch's shorter last batch is split in the same proportion (split_proportional).
     Batches are made as they are consumed (epoch_batches), so a sampler over a dataset larger than memory (with

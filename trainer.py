@@ -72,6 +72,7 @@ class Trainer:
         self.batch_sizes = self.per_rank_batch_sizes()
         self.sampler = self.make_sampler()
         self.total_steps, self.length_note = self.count_total_steps()
+        # LambdaLR applies factor(0) as it is built: step 1 runs at train.lr * factor(0) (a warm-up's first step)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
