@@ -128,8 +128,9 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
 
 # ---- Carrying each epoch's batches to a training loader whose workers are kept (which samples: above) -------------
 class CurrentEpochBatches:
-    """The batch_sampler of a training stream's one DataLoader: the current epoch's index lists (`batches`, set
-    before each epoch), each index sent as (epoch, index), so workers kept from the last epoch know the new one."""
+    """The batch_sampler of a training stream's one DataLoader. `batches` is set before each epoch (an EpochBatches:
+    which samples is decided there); this only sends each index as (epoch, index), so workers kept from the last
+    epoch know the new one. The DataLoader iterates it again at each `for`."""
 
     def __init__(self):
         self.epoch, self.batches = 0, []

@@ -8,8 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io
 from core.distributed import DistContext
-from strategies.async_save import start_save
 from core.optimizers import make_scaler, optimizer_recipe
+from strategies.async_save import start_save
 from strategies.base import Strategy
 
 
