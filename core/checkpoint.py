@@ -133,15 +133,27 @@ class PendingWrite:
         return self.final
 
 
+def finite_json(value):
+    """`value` with every NaN or infinite float replaced by None, so that it is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def _publish(tmp: str, final: str, meta: dict) -> None:
     # Rank 0 makes every rank's finished files durable; meta.json goes last, holding each file's size and hash so
     # that a load can tell when one changed (checkpoint_io.verify).
-    meta = {**meta, "files": checkpoint_hashes.record(tmp)}
+    # A NaN dev loss (a diverged evaluation) is written as null: the reader takes strict JSON only (checkpoint_meta).
+    meta = {**finite_json(meta), "files": checkpoint_hashes.record(tmp)}
     secret = checkpoint_signing.key(meta.get("config") or {})
     if secret:  # over meta.json's content, the files' hashes included (checkpoint_signing.py)
         meta["signature"] = checkpoint_signing.signature(meta, secret)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+        json.dump(meta, f, indent=2, allow_nan=False)
     old = None
     if os.path.lexists(final):
         # The same step saved again (a stop right after a resume): the old folder is renamed aside first, so a

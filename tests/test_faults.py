@@ -310,6 +310,20 @@ def make_trainer(tmp_path, **train):
     return build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
 
 
+def test_a_nan_dev_metric_is_saved_as_null_and_the_checkpoint_loads(tmp_path):
+    """An evaluation that diverged (dev loss NaN) still saves a checkpoint its own reader accepts: meta.json is
+    strict JSON, the NaN written as null (the reader refuses NaN, which JSON does not allow)."""
+    from core import checkpoint, checkpoint_meta
+    tr = make_trainer(tmp_path)
+    tr.state.step = 1
+    tr.save_checkpoint({"loss": float("nan"), "accuracy": 0.5, "f1": float("inf")})
+    tr.finish_save()
+    meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
+    assert meta["metrics"] == {"loss": None, "accuracy": 0.5, "f1": None}
+    assert checkpoint_meta.best_recorded(str(tmp_path)) == checkpoint.latest(str(tmp_path))
+    tr.close()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_nan_step_leaves_parameters_and_optimizer_state_unchanged(tmp_path, precision):
     tr = make_trainer(tmp_path, precision=precision)
