@@ -3,10 +3,12 @@ measure: forward+backward timed on each rank without the run noticing, and every
 measured (ranks that share a CPU would otherwise look faster than they are in training)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from core.distributed import DistContext
 
@@ -21,16 +23,24 @@ def time_forward_backward(strategy, ctx: DistContext, forward_backward: Callable
     """The seconds of `steps` calls forward_backward(1..steps), after an untimed forward_backward(0) (it pays for
     allocations and lazy initialisation); then busy until every rank has measured. The run does not notice: the
     random state is forked, gradients are dropped, buffers (batch-norm statistics, say) are put back."""
-    buffers = [b.detach().clone() for b in strategy.raw_model.buffers()]
-    with torch.random.fork_rng(devices=[ctx.device.index or 0] if ctx.device.type == "cuda" else []):
+    with left_as_it_was(strategy.raw_model, ctx.device):
         forward_backward(0)
         seconds = sum(forward_backward(i) for i in range(1, steps + 1))
         busy_until_all_measured(ctx, lambda: forward_backward(steps + 1), strategy.replica_group)
     strategy.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for b, saved in zip(strategy.raw_model.buffers(), buffers):
-            b.copy_(saved)
     return seconds
+
+
+@contextlib.contextmanager
+def left_as_it_was(model: nn.Module, device: torch.device):
+    """Forward passes inside that train nothing: the random state is forked (dropout draws), and the buffers
+    (batch-norm statistics, say) are put back."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        yield
+    with torch.no_grad():
+        for b, saved in zip(model.buffers(), buffers):
+            b.copy_(saved)
 
 
 def busy_until_all_measured(ctx: DistContext, work: Callable[[], object], group=None) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
 from core.distributed import DistContext
-from core.rank_timing import synchronize, time_forward_backward
+from core.rank_timing import left_as_it_was, synchronize, time_forward_backward
 from core.errors import CheckpointError, DataError
 from data_loader import split_proportional
 from strategies import mesh as meshes
@@ -101,8 +101,18 @@ class Stage(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.slowdown = slowdown  # dist.simulate_slowdown of this rank
+        self.shapes_pass_next = False  # set before the schedule's first step (PipeStrategy.step)
 
     def forward(self, *carry):
+        if self.shapes_pass_next:
+            # torch's schedule first runs each stage once to learn the shapes passed between stages (past the first
+            # stage, on uninitialised memory); in eval mode it adds nothing to BatchNorm's statistics, draws nothing.
+            self.shapes_pass_next, training = False, self.training
+            self.eval()
+            try:
+                return self.forward(*carry)
+            finally:
+                self.train(training)
         start = time.perf_counter()
         for layer in self.layers:
             carry = layer(*carry)
@@ -156,7 +166,7 @@ class PipeStrategy(Strategy):
         self.names = [k for k, v in full_model.state_dict(keep_vars=True).items()
                       if id(v) in mine or (k in unowned and self.stage_rank == 0)]
         self.loss_weight = 1.0
-        self.first_shapes: Optional[dict] = None
+        self.first_shapes: Optional[dict] = None  # the first step's batch (check_shapes)
         pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
         # Imported here, not at the top: it loads TorchDynamo, 0.7-1 s in every rank of every run, pipe or not.
         from torch.distributed import pipelining
@@ -216,6 +226,9 @@ class PipeStrategy(Strategy):
         the summed loss of this pipeline's batch on its last stage (0 on the other ranks)."""
         # (dist.loss_parallel: the task's plain losses of DTensor logits)
         self.task, self.loss_weight = TaskWithPlainLosses(task), loss_weight
+        if self.first_shapes is None:  # the first step: the schedule learns the stages' shapes first (Stage.forward)
+            for stage in self.stages.values():
+                stage.shapes_pass_next = True
         self.check_shapes(batch)
         if self.scaler:  # fp16: only the last stage scales a loss, but every rank's scaler unscales its gradients
             self.scaler.scale(torch.zeros((), device=self.ctx.device))  # (this sets up its scale, equal everywhere)
@@ -411,7 +424,7 @@ def auto_split(layers: list[nn.Module], example: tuple, n_stages: int, cfg, ctx:
     that the slowest stage is as fast as it can be (contiguous stages, minimising the maximum)."""
     factor = cfg.dist.simulate_slowdown[ctx.rank] if cfg.dist.simulate_slowdown else 1.0
     times = [math.inf] * len(layers)
-    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):  # dropout draws
+    with left_as_it_was(nn.ModuleList(layers), ctx.device):  # timing trains nothing: no BatchNorm statistics
         measure(layers, example, times, factor, ctx.device)
     per_stage = ctx.world_size // n_stages  # a stage's ranks are neighbours: its replicas and their tp groups
     every = [None] * ctx.world_size

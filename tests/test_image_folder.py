@@ -243,6 +243,36 @@ def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strate
         assert [float(r[2]) for r in alone] == pytest.approx([float(r[2]) for r in rows], abs=1e-5)
 
 
+@pytest.mark.parametrize("split", ["even", slow("auto")])
+def test_pipe_batchnorm_statistics_are_those_of_its_micro_batches(tmp_path, folder, split):
+    """Under pipe, each stage's BatchNorm running statistics after one step are those of one process fed the step's
+    four micro-batches in order: torch's schedule runs every stage once before its first step to learn the shapes
+    passed between stages (past the first stage on uninitialised memory), and pp_split auto times every layer; neither
+    may leave a trace in them (the garbage made dev losses NaN or different run to run)."""
+    from core import distributed
+    from test_sharded import params
+    import wiring
+    train = {"max_steps": 1, "eval_every": 0, "save_every": 1}
+    assert main.run(tiny(tmp_path / "pipe", folder, train=train,
+                         dist={"strategy": "pipe", "procs_per_node": 2, "pp_split": split})) == 0
+    piped = params(tmp_path / "pipe", 1)
+    cfg = tiny(tmp_path / "one", folder, train=train)
+    trainer = wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    batch = next(trainer.micro_batches())  # the same 12 images as the pipeline's first batch
+    model, task = trainer.strategy.raw_model, trainer.task
+    with torch.no_grad():
+        for chunk in batch["pixel_values"].tensor_split(4):  # how the schedule cuts a batch (pp_microbatches 4)
+            carry = (chunk,)
+            for layer in task.pipeline_layers(model):
+                out = layer(*carry)
+                carry = out if isinstance(out, tuple) else (out,)
+    stats = {k: v for k, v in model.state_dict().items() if "running_" in k or "num_batches" in k}
+    assert len(stats) > 20 and stats.keys() <= piped.keys()
+    for k, v in stats.items():
+        assert torch.allclose(piped[k].float(), v.float(), rtol=1e-4, atol=1e-5), \
+            f"{k}: {piped[k].flatten()[:4]} vs {v.flatten()[:4]}"
+
+
 @pytest.mark.slow
 def test_the_resnet50_preset_trains_a_few_steps(tmp_path, folder):
     from wiring import checked_config
