@@ -126,11 +126,28 @@ def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, n
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
-# ---- Carrying each epoch's batches to a training loader whose workers are kept (which samples: above) -------------
+# ---- The training stream's one loader, whose workers are kept from epoch to epoch (which samples: above) ---------
+class TrainingLoader:
+    """One DataLoader for every epoch of a training stream: its workers (data.num_workers) start once and are kept
+    (persistent_workers). `epoch(e, batches)` is the loader to iterate over epoch e's index lists (an EpochBatches)."""
+
+    def __init__(self, dataset: Dataset, collate: Callable, num_workers, pin_memory: bool, seed: int,
+                 start_epoch: Callable):
+        if num_workers == "auto":
+            num_workers = auto_workers()
+        self.current = CurrentEpochBatches()
+        self.loader = DataLoader(EpochItems(dataset, start_epoch), batch_sampler=self.current, collate_fn=collate,
+                                 num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                 generator=torch.Generator().manual_seed(seed))
+
+    def epoch(self, epoch: int, batches: EpochBatches) -> DataLoader:
+        self.current.epoch, self.current.batches = epoch, batches  # what the loader's next `for` reads
+        return self.loader
+
+
 class CurrentEpochBatches:
-    """The batch_sampler of a training stream's one DataLoader. `batches` is set before each epoch (an EpochBatches:
-    which samples is decided there); this only sends each index as (epoch, index), so workers kept from the last
-    epoch know the new one. The DataLoader iterates it again at each `for`."""
+    """The batch_sampler of a TrainingLoader: the current epoch's EpochBatches, each index sent as (epoch, index) so
+    that workers kept from the last epoch know the new one."""
 
     def __init__(self):
         self.epoch, self.batches = 0, []
@@ -160,17 +177,6 @@ class EpochItems(Dataset):
             self.start_epoch(self.dataset, epoch)
         self.epoch = epoch
         return self.dataset[i]
-
-
-def training_loader(dataset: Dataset, current: CurrentEpochBatches, collate: Callable, num_workers, pin_memory: bool,
-                    seed: int, start_epoch: Callable) -> DataLoader:
-    """One DataLoader for every epoch of a training stream: its workers start once and are kept between epochs
-    (persistent_workers), each epoch's batches being whatever `current` holds when it is iterated."""
-    if num_workers == "auto":
-        num_workers = auto_workers()
-    return DataLoader(EpochItems(dataset, start_epoch), batch_sampler=current, collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                      generator=torch.Generator().manual_seed(seed))
 
 
 def auto_workers() -> int:

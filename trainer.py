@@ -24,8 +24,7 @@ from core.ema import WeightAverage
 from core.errors import ConfigError, Diverged, Stopped
 from core.hooks import Hooks
 from core.run_log import EvalProgress, LossWindow, setup_logging
-from data_loader import (CurrentEpochBatches, GlobalBatchSampler, eval_shard_batches, make_loader, split_proportional,
-                         training_loader)
+from data_loader import GlobalBatchSampler, TrainingLoader, eval_shard_batches, make_loader, split_proportional
 from core.model_parts import lora_base_entry
 from strategies.base import Strategy
 from tasks.base import Task
@@ -222,18 +221,16 @@ class Trainer:
     # ---- Data ----------------------------------------------------------------------------------------------------
     def micro_batches(self) -> Iterator[dict]:
         """Endless stream of this rank's training batches, epoch after epoch, starting where the state says (which
-        samples: data_loader.GlobalBatchSampler; CurrentEpochBatches and EpochItems only carry them to the loader's
-        workers). The state moves as batches are handed out, so a checkpoint records the exact position."""
-        state, current = self.state, CurrentEpochBatches()
-        # one loader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
-        loader = training_loader(self.datasets["train"], current, self.task.collate, self.cfg.data.num_workers,
-                                 self.pin_memory, self.cfg.seed, self.task.start_epoch)
+        samples: data_loader.GlobalBatchSampler). The state moves as batches are handed out, so a checkpoint records
+        the exact position."""
+        state, train_set = self.state, self.datasets["train"]
+        # one DataLoader for the stream: its workers (data.num_workers) start once, serve every epoch, end with it
+        loader = TrainingLoader(train_set, self.task.collate, self.cfg.data.num_workers, self.pin_memory,
+                                self.cfg.seed, self.task.start_epoch)
         while True:
-            # This epoch's batches (made as consumed), which the loader's next `for` reads from `current`:
-            current.epoch = state.epoch
-            current.batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)
-            self.task.start_epoch(self.datasets["train"], state.epoch)  # e.g. random LM windows drawn per epoch
-            for batch in loader:
+            self.task.start_epoch(train_set, state.epoch)  # e.g. random LM windows drawn per epoch
+            batches = self.sampler.epoch_batches(state.epoch, start_sample=state.sample_in_epoch)  # made as consumed
+            for batch in loader.epoch(state.epoch, batches):
                 state.batch_in_epoch += 1
                 # a position in the epoch's order, which all ranks share: it moves by the global batch
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
