@@ -5,9 +5,6 @@ To follow a rank, read on: worker(), then build_trainer() and the parts it build
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-import threading
 from typing import Callable, Optional
 
 from torch import nn
@@ -15,12 +12,10 @@ from torch import nn
 from core import config, distributed, optimizers, run_record, trackers
 from core.config import Config, fail_naming, is_set, world_size
 from core.config_mistakes import closest
-from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.hooks import Hooks
-from core.run_log import setup_logging
 from extras import balance, export, lr_find, predict, profiling, testmode
-from resilience import faults, heartbeat, launcher, resource_errors, resume
-from resilience.faults import HOST, report
+from resilience import faults, launcher, resume
+from resilience.rank_run import RankRun
 from strategies import activation_checkpointing, fsdp, pipeline, replicated, tp, zero
 from strategies.base import Strategy
 from tasks import bert_pretrain, csv_text, gpt2_lm, image, image_folder, lm_data, lm_models, lora, pretrained, sst2
@@ -57,57 +52,23 @@ TRAINERS: list = []
 
 
 def worker(cfg: Config, place) -> int:
-    """One rank (`place`: main.RankPlace): join the group, build task and Trainer, train or test. Returns the exit
-    code; whatever goes wrong is reported once (faults.report), naming this rank, its host and the step."""
-    rank = place.rank
-    faults.progress.rank = rank
-    threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
-    faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
-    # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if cfg.mode == "train":
-        faults.stop_request.install(cfg.train.stop_signal, config.parse_duration(cfg.train.time_limit))
-    ctx = watchdog = None
-    try:
-        log = report.log = setup_logging(cfg.output_dir, rank)
-        log.info(f"rank {rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
-                 f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
-        faults.stop_request.log = log
-        ctx = distributed.init(cfg, rank, place.world, place.local_rank, place.rendezvous)  # the process group
-        ctx.cpu_threads = distributed.share_cores(ctx, place.local_procs)  # the plan prints what it chose
-        watchdog = heartbeat.start_watchdog(cfg, ctx)  # several ranks only
-        if cfg.mode == "lr_find":  # it sweeps with the run's own Trainer, as a fresh training run starts (no resume)
-            trainer = build_trainer(dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train,
-                                                                                                  resume=False)), ctx)
-        else:
-            trainer = build_trainer(cfg, ctx)  # the datasets, the model made parallel, the Trainer
+    """One rank (`place`: main.RankPlace): join the process group, build the Trainer, train (or test, predict,
+    sweep the lr). Returns the exit code: RankRun reports whatever ends the rank once, naming it, its host and step."""
+    with RankRun(cfg, place) as rank:
+        ctx = rank.join()  # the process group (core/distributed.py)
+        # the datasets, the model made parallel, the Trainer (lr_find: as a fresh training run's)
+        trainer = build_trainer(lr_find.as_training(cfg) if cfg.mode == "lr_find" else cfg, ctx)
         TRAINERS.append(trainer)
         if cfg.mode == "lr_find":
             lr_find.sweep(trainer)
         elif cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
             predict.predict(trainer)
+        elif cfg.mode == "test":
+            testmode.test(trainer)
         else:
-            testmode.test(trainer) if cfg.mode == "test" else trainer.train()
-        faults.progress.phase_starts(faults.progress.step, "done")
-        distributed.barrier(ctx)  # all ranks finish before any closes its connections (else gloo can abort at exit)
-        code = EXIT_OK
-    except UserError as e:
-        code = faults.user_error(f"error: {e}", watchdog)
-    except (Stopped, Diverged) as e:  # every rank raised it at the same step
-        code = report(e.exit_code, str(e))
-    except KeyboardInterrupt:  # test mode, or before the handlers were installed
-        code = report(130, f"rank {rank} on {HOST}: interrupted {faults.progress.where()}")
-    except BaseException as e:  # a crash: never lost, never silent; a full disk or read-only folder is one line
-        line = resource_errors.failure_line(e, cfg.output_dir)
-        code = faults.user_error(f"error: {line}", watchdog) if line else faults.crash_report(e, watchdog)
-    if watchdog is not None:
-        watchdog.stop()
-    faults.progress.finished(code)
-    # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
-    # tearing down could wait on them (the launcher ends this process instead).
-    if ctx is not None and (code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or ctx.world_size == 1):
-        distributed.shutdown(ctx)
-    return code
+            trainer.train()
+        rank.finished()
+    return rank.code
 
 
 # ---- the Trainer and its parts ------------------------------------------------------------------------------------

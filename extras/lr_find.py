@@ -11,6 +11,7 @@ the plot. Nothing is saved but the two files: the weights are spoiled by the hig
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 from typing import Optional
@@ -22,6 +23,11 @@ from core import distributed
 SMOOTHING = 0.98  # the exponential average of the losses (debiased): a single batch's loss is noisy
 DIVERGED = 4.0  # stop once the smoothed loss is this many times its lowest
 SKIP_FIRST, SKIP_LAST = 10, 1  # the suggestion ignores the flat start and the divergence at the end (Lightning's)
+
+
+def as_training(cfg):
+    """The config the sweep's Trainer is built from: the run's own, as a fresh training run starts (no resume)."""
+    return dataclasses.replace(cfg, mode="train", train=dataclasses.replace(cfg.train, resume=False))
 
 
 def sweep(trainer) -> dict:

@@ -1,0 +1,78 @@
+"""One rank's run, from its start to its exit code (wiring.worker runs inside it): what a rank sets up before it
+joins the process group, and whatever ends it (the end of the run, a stop, a user mistake, a crash) reported once,
+naming the rank, its host and the step, then the group torn down where that cannot hang. Rules: docs/faults.md."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+from core import config, distributed
+from core.config import Config
+from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
+from core.run_log import setup_logging
+from resilience import faults, heartbeat, resource_errors
+from resilience.faults import HOST, report
+
+
+class RankRun:
+    """`with RankRun(cfg, place) as rank:` the rank's work, which calls rank.join() for its process group and
+    rank.finished() at its end; then `rank.code` is the exit code, whatever ended the block (it is reported, so the
+    block's exception goes no further)."""
+
+    def __init__(self, cfg: Config, place):
+        self.cfg, self.place = cfg, place  # place: main.RankPlace
+        self.ctx: Optional[distributed.DistContext] = None
+        self.watchdog: Optional[heartbeat.Watchdog] = None
+        self.code: Optional[int] = None
+
+    def __enter__(self) -> "RankRun":
+        faults.progress.rank = self.place.rank
+        threading.excepthook = resource_errors.thread_exception  # a writer thread's full disk: one line, from main
+        faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
+        # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if self.cfg.mode == "train":
+            faults.stop_request.install(self.cfg.train.stop_signal, config.parse_duration(self.cfg.train.time_limit))
+        return self
+
+    def join(self) -> distributed.DistContext:
+        """This rank's log file, the process group, this rank's share of the CPU threads, and (several ranks) the
+        heartbeat watchdog."""
+        cfg, place = self.cfg, self.place
+        log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
+        log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
+                 f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        self.ctx = distributed.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous)
+        self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
+        self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
+        return self.ctx
+
+    def finished(self) -> None:
+        """The rank's work is done: wait for all ranks before any closes its connections (else gloo can abort at
+        exit)."""
+        faults.progress.phase_starts(faults.progress.step, "done")
+        distributed.barrier(self.ctx)
+
+    def __exit__(self, kind, e: Optional[BaseException], traceback) -> bool:
+        self.code = EXIT_OK if e is None else self.reported(e)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        faults.progress.finished(self.code)
+        # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
+        # tearing down could wait on them (the launcher ends this process instead).
+        if self.ctx is not None and (self.code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or self.ctx.world_size == 1):
+            distributed.shutdown(self.ctx)
+        return True  # reported: the exit code carries it
+
+    def reported(self, e: BaseException) -> int:
+        """Report what ended the rank, once; returns the exit code."""
+        if isinstance(e, UserError):
+            return faults.user_error(f"error: {e}", self.watchdog)
+        if isinstance(e, (Stopped, Diverged)):  # every rank raised it at the same step
+            return report(e.exit_code, str(e))
+        if isinstance(e, KeyboardInterrupt):  # test mode, or before the handlers were installed
+            return report(130, f"rank {self.place.rank} on {HOST}: interrupted {faults.progress.where()}")
+        # A crash: never lost, never silent; a full disk or read-only folder is one line.
+        line = resource_errors.failure_line(e, self.cfg.output_dir)
+        return faults.user_error(f"error: {line}", self.watchdog) if line else faults.crash_report(e, self.watchdog)
