@@ -30,33 +30,8 @@ from resilience.resource_errors import reports_a_kill
 from resilience.run_dir_lock import check_output_dir, hold_output_dir
 
 
-class Parser(argparse.ArgumentParser):
-    def format_help(self) -> str:  # the modes, presets and examples of this clone
-        self.epilog = epilog()
-        return super().format_help()
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(description="Train, test or export a model as described by a parameters file\n"
-                           "(default: parameters.yml, a CNN on scikit-learn's digits, one process).",
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params", default="parameters.yml", help="YAML config (default: parameters.yml)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one field, e.g. --set dist.strategy=ddp (repeatable)")
-    p.add_argument("--dev-run", action="store_true",
-                   help="after an edit: every stage (train, evaluate, save, resume, test, export) for a step or two, "
-                        "in a temporary folder (train.dev_run)")
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    keys = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in args.set}
-    if keys.get("train.max_steps", "0") != "0" and "train.epochs" not in keys:
-        # A length typed on the command line is the length wanted; the file's epochs must not end the run first.
-        args.set.append("train.epochs=0")
-        print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
-              f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
@@ -122,6 +97,33 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     # that it was killed.
     with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):
         return worker(cfg, places[0])
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    def format_help(self) -> str:  # the modes, presets and examples of this clone
+        self.epilog = epilog()
+        return super().format_help()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(description="Train, test or export a model as described by a parameters file\n"
+                           "(default: parameters.yml, a CNN on scikit-learn's digits, one process).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", default="parameters.yml", help="YAML config (default: parameters.yml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one field, e.g. --set dist.strategy=ddp (repeatable)")
+    p.add_argument("--dev-run", action="store_true",
+                   help="after an edit: every stage (train, evaluate, save, resume, test, export) for a step or two, "
+                        "in a temporary folder (train.dev_run)")
+    args = p.parse_args(argv)
+    keys = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in args.set}
+    if keys.get("train.max_steps", "0") != "0" and "train.epochs" not in keys:
+        # A length typed on the command line is the length wanted; the file's epochs must not end the run first.
+        args.set.append("train.epochs=0")
+        print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
+              f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
+    return args
 
 
 if __name__ == "__main__":
