@@ -135,6 +135,7 @@ class TrainingLoader:
                  start_epoch: Callable):
         if num_workers == "auto":
             num_workers = auto_workers()
+        # (its own object: were the loader to hold this one, the cycle would keep the workers until a gc.collect)
         self.current = CurrentEpochBatches()
         self.loader = DataLoader(EpochItems(dataset, start_epoch), batch_sampler=self.current, collate_fn=collate,
                                  num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,

@@ -93,8 +93,9 @@ def shutdown(ctx: DistContext) -> None:
 
 # ---- small collectives; all of them are no-ops in a single process ---------------------------------------------
 def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over all ranks, in place (every rank gets the sum); one process: as it is."""
     if ctx.distributed:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 

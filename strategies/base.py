@@ -71,14 +71,14 @@ class Strategy:
         this rank's batch does not count (another rank of its tp group reports the same loss)."""
         total = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(batches):
-            sync = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
-            with sync:
+            last = i == len(batches) - 1  # its backward syncs the gradients; the others' stay local (no_sync)
+            with contextlib.nullcontext() if last else self.no_sync():
                 with autocast():
                     loss_sum = task.loss_sum(self.model, batch)
                 loss = loss_sum.float() * loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
-        self.reduce_grads()  # DDP and FSDP: nothing (their hooks reduced during backward); tp and pipe average here
+        self.reduce_grads()  # DDP's and FSDP's hooks averaged the gradients during backward; tp and pipe do it here
         return total if self.counts_its_batch else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
@@ -98,8 +98,8 @@ class Strategy:
 
     def grad_norm(self, clip_to: float) -> torch.Tensor:
         """The global gradient norm, measured every step; the gradients are also clipped to `clip_to` unless it is
-        inf. Under ddp every rank holds the averaged gradients, so its own norm is the global one (fsdp, oss and pipe
-        override this: there each rank holds a part)."""
+        inf. Under ddp every rank holds the averaged gradients (in raw_model's parameters, which DDP wraps and does
+        not copy), so its own norm is the global one (fsdp, oss and pipe override this: each rank holds a part)."""
         if math.isinf(clip_to):  # measuring alone: no clipping's extra pass over the gradients
             return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip_to)
