@@ -300,6 +300,7 @@ class Trainer:
         # Replicated strategies evaluate the plain module; sharded ones must go through the wrapper, and then
         # every rank runs the same number of forward passes (extra ones on a dummy batch, results dropped).
         model = strategy.eval_model
+        strategy.share_buffers()  # BatchNorm's statistics: rank 0's on every rank, as saved
         was_training = model.training
         model.eval()
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.

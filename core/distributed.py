@@ -108,6 +108,15 @@ def gather_objects(ctx: DistContext, obj: Any) -> list:
     return out
 
 
+def broadcast_tensors(ctx: DistContext, tensors: list, group=None) -> None:
+    """Every rank of `group` (default: all ranks) takes its first rank's values of `tensors`, in place."""
+    if not ctx.distributed:
+        return
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
 def broadcast_object(ctx: DistContext, obj: Any) -> Any:
     """Rank 0's `obj` on every rank."""
     if not ctx.distributed:

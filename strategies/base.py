@@ -9,7 +9,9 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from core import distributed
 from core.distributed import DistContext
 from core.model_parts import state_to_save
 
@@ -84,6 +86,12 @@ class Strategy:
     def reduce_grads(self) -> None:
         """Called after a step's last backward, for strategies that average gradients themselves (tp, pipe). DDP and
         FSDP reduce gradients during backward: nothing to do."""
+
+    def share_buffers(self) -> None:
+        """Before an evaluation: every rank takes rank 0's buffers (BatchNorm's running statistics, which each rank
+        updates from its own batches), so all ranks evaluate the model rank 0 saves. DDP does so before each training
+        forward; FSDP never does. (A DTensor buffer is placed by its mesh, and left alone.)"""
+        distributed.broadcast_tensors(self.ctx, [b for b in self.raw_model.buffers() if not isinstance(b, DTensor)])
 
     def eval_batch(self, task, batch: dict, autocast) -> dict:
         """One evaluation batch's results (task.eval_batch); {} where another rank reports the same results."""

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from core import checkpoint_io
+from core import checkpoint_io, distributed
 from core.checkpoint_dcp import dcp_load
 from core.distributed import DistContext
 from core.rank_timing import left_as_it_was, synchronize, time_forward_backward
@@ -273,6 +273,13 @@ class PipeStrategy(Strategy):
         second = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
         return clip_mixed(list(self.raw_model.parameters()), clip_to, self.ctx,
                           holders=self.ctx.world_size // self.pp, uncounted=second)
+
+    def share_buffers(self) -> None:
+        """A stage's replicas (one per pipeline) take the first pipeline's buffers; the ranks of a tp group hold the
+        same pieces of them."""
+        if self.pipelines > 1:
+            buffers = [local(b) for stage in self.stages.values() for b in stage.buffers()]
+            distributed.broadcast_tensors(self.ctx, buffers, group=self.mesh["dp"].get_group())
 
     @torch.no_grad()
     def eval_batch(self, task, batch: dict, autocast) -> dict:

@@ -215,9 +215,11 @@ def test_persistent_workers_decode_the_batches_one_process_decodes_epoch_after_e
     assert not torch.equal(streams[0][0]["pixel_values"], streams[0][per_epoch]["pixel_values"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("dp"), slow("ddp [8, 4]")])
+@pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("pipe x2"), slow("dp"),
+                                      slow("ddp [8, 4]")])
 def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
-    dist = {"strategy": strategy.split()[0], "procs_per_node": 1 if strategy == "dp" else 2}
+    # pipe x2: two pipelines of two stages (4 ranks), whose replicas of a stage share the first one's statistics
+    dist = {"strategy": strategy.split()[0], "procs_per_node": {"dp": 1, "pipe x2": 4}.get(strategy, 2)}
     train = {"max_steps": 12, "eval_every": 6, "save_every": 6, **({"batch_size": [8, 4]} if "[" in strategy else {})}
     assert main.run(tiny(tmp_path, folder, train=train, dist=dist)) == 0
     best = checkpoint_meta.best_recorded(str(tmp_path))
@@ -226,7 +228,9 @@ def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strate
     import json
     results = json.load(open(tmp_path / "dev_results.json"))
     assert results["checkpoint"] == os.path.abspath(best) and results["metrics"]["samples"] == 12
-    assert results["metrics"]["accuracy"] == pytest.approx(dev["accuracy"])  # one process scores what ddp did
+    # one process scores what ddp did: every rank evaluated with the BatchNorm statistics rank 0 saved
+    assert results["metrics"]["accuracy"] == pytest.approx(dev["accuracy"])
+    assert results["metrics"]["loss"] == pytest.approx(dev["loss"], rel=1e-5)
     assert json.load(open(tmp_path / "test_results.json"))["metrics"]["samples"] == 12
     # predict from this strategy's checkpoint (ddp: on both ranks, else in one process): each test image once, in
     # order, as one process predicts them
