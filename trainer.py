@@ -394,6 +394,7 @@ class Trainer:
         self.hooks.phase_starts(self.state.step, "save")
         self.finish_save()  # one save in flight at most (train.async_save)
         self.check_finite_parameters()
+        self.strategy.share_buffers()  # every rank holds the BatchNorm statistics saved: a resumed run goes on alike
         own = self.state_dict()
         rng = distributed.gather_objects(self.ctx, own["rng"])  # every rank's stream, so each resumes its own
 

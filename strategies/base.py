@@ -88,9 +88,9 @@ class Strategy:
         FSDP reduce gradients during backward: nothing to do."""
 
     def share_buffers(self) -> None:
-        """Before an evaluation: every rank takes rank 0's buffers (BatchNorm's running statistics, which each rank
-        updates from its own batches), so all ranks evaluate the model rank 0 saves. DDP does so before each training
-        forward; FSDP never does. (A DTensor buffer is placed by its mesh, and left alone.)"""
+        """Before an evaluation or a save: every rank takes rank 0's buffers (BatchNorm's running statistics, which
+        each rank updates from its own batches), so all ranks evaluate and go on from the model saved. DDP does so
+        before each training forward; FSDP never does. (A DTensor buffer is placed by its mesh, and left alone.)"""
         distributed.broadcast_tensors(self.ctx, [b for b in self.raw_model.buffers() if not isinstance(b, DTensor)])
 
     def eval_batch(self, task, batch: dict, autocast) -> dict:

@@ -215,6 +215,23 @@ def test_persistent_workers_decode_the_batches_one_process_decodes_epoch_after_e
     assert not torch.equal(streams[0][0]["pixel_values"], streams[0][per_epoch]["pixel_values"])
 
 
+@pytest.mark.slow
+def test_fsdp_resume_ends_where_the_run_ends_batchnorm_statistics_included(tmp_path, folder):
+    """fsdp never syncs buffers: each rank's BatchNorm statistics follow its own batches. A save gives every rank rank
+    0's (the checkpoint's), so a run resumed from step 4 ends at step 8 where the uninterrupted one does."""
+    from test_sharded import params
+    train = {"eval_every": 0, "save_every": 4}
+    dist = {"strategy": "fsdp", "procs_per_node": 2}
+    assert main.run(tiny(tmp_path / "full", folder, train=train, dist=dist)) == 0
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "full/checkpoints/step-4", tmp_path / "resumed/checkpoints/step-4")
+    assert main.run(tiny(tmp_path / "resumed", folder, train=train, dist=dist)) == 0
+    a, b = params(tmp_path / "full", 8), params(tmp_path / "resumed", 8)
+    assert any("running_mean" in k for k in a)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=1e-6), k
+
+
 @pytest.mark.parametrize("strategy", ["ddp", slow("oss"), slow("fsdp"), slow("pipe"), slow("pipe x2"), slow("dp"),
                                       slow("ddp [8, 4]")])
 def test_strategies_train_and_test_mode_scores_the_best(tmp_path, folder, strategy):
