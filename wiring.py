@@ -55,7 +55,7 @@ def worker(cfg: Config, place) -> int:
     """One rank (`place`: main.RankPlace): join the process group, build the Trainer, train (or test, predict,
     sweep the lr). Returns the exit code: RankRun reports whatever ends the rank once, naming it, its host and step."""
     with RankRun(cfg, place) as rank:
-        ctx = rank.join()  # this rank's log file and process group (resilience/rank_run.py)
+        ctx = rank.join_group()  # the process group (core/distributed.init), this rank's log file (rank_run.py)
         # the datasets, the model made parallel, the Trainer (lr_find: as a fresh training run's)
         trainer = build_trainer(lr_find.as_training(cfg) if cfg.mode == "lr_find" else cfg, ctx)
         TRAINERS.append(trainer)

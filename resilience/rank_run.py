@@ -16,7 +16,7 @@ from resilience.faults import HOST, report
 
 
 class RankRun:
-    """`with RankRun(cfg, place) as rank:` the rank's work, which calls rank.join() for its process group and
+    """`with RankRun(cfg, place) as rank:` the rank's work, which calls rank.join_group() for its process group and
     rank.finished() at its end; then `rank.code` is the exit code, whatever ended the block (it is reported, so the
     block's exception goes no further)."""
 
@@ -36,7 +36,7 @@ class RankRun:
             faults.stop_request.install(self.cfg.train.stop_signal, config.parse_duration(self.cfg.train.time_limit))
         return self
 
-    def join(self) -> distributed.DistContext:
+    def join_group(self) -> distributed.DistContext:
         """This rank's log file, the process group, this rank's share of the CPU threads, and (several ranks) the
         heartbeat watchdog."""
         cfg, place = self.cfg, self.place
