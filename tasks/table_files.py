@@ -260,21 +260,20 @@ TEXT_FILES = (".csv", ".tsv", ".txt")
 
 
 def read_texts(path: str, text_column: str) -> list[str]:
-    """The texts of a CSV/TSV file (its `text_column`, or its only column) or a text file (one per line)."""
+    """The texts of a CSV/TSV file (its `text_column`, or its only column) or a text file (one per line; blank lines
+    skipped), decoded and parsed as csv_rows reads a split (a byte-order mark dropped; TSV unquoted), so that a text
+    predicted is the text training would have read from the same line."""
     if not os.path.isfile(path) or not path.lower().endswith(TEXT_FILES):
         raise DataError(f"predict.input: {path} is not a {'/'.join(e[1:] for e in TEXT_FILES)} file of texts")
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            if path.lower().endswith(".txt"):
-                return [line.rstrip("\r\n") for line in f if line.strip()]
-            table = list(csv.reader(f, delimiter="\t" if path.lower().endswith(".tsv") else ","))
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"predict.input: {path} cannot be read ({str(e).splitlines()[0][:80]})") from None
-    except csv.Error as e:
-        raise DataError(f"predict.input: {path}: not a valid CSV/TSV file ({e})") from None
-    if not table:
+    text = read_utf8(path)  # a bad byte: a DataError naming the file and line
+    if path.lower().endswith(".txt"):
+        return [line for line in text.split("\n") if line.strip()]
+    tsv = path.lower().endswith(".tsv")
+    quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
+    records = list(csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv))
+    if not records:
         raise DataError(f"predict.input: {path} is empty")
-    header = table[0]
+    header = records[0][1]
     if text_column in header:
         column = header.index(text_column)
     elif len(header) == 1:
@@ -282,7 +281,7 @@ def read_texts(path: str, text_column: str) -> list[str]:
     else:
         raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column) among "
                         f"{', '.join(header)[:80]}")
-    for number, row in enumerate(table[1:], 2):
+    for line, row in records[1:]:
         if len(row) <= column:
-            raise DataError(f"predict.input: {path}: line {number} has no {header[column]!r} value")
-    return [row[column] for row in table[1:]]
+            raise DataError(f"predict.input: {path}:{line} has no {header[column]!r} value")
+    return [row[column] for _, row in records[1:]]

@@ -272,3 +272,20 @@ def test_runs_on_json_lines_and_parquet_train_alike(tmp_path):
         assert (out / "checkpoints" / "step-4").is_dir()
     assert len(losses["jsonl"]) == 4 and losses["jsonl"] == losses["parquet"]
     assert losses["jsonl"][-1] < losses["jsonl"][0]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_predict_reads_a_file_as_training_reads_it(tmp_path, fmt):
+    """mode: predict's texts (read_texts) are the texts a split of the same file gives, byte-order mark and quotes
+    included: a TSV is not quoted, and Excel's "CSV UTF-8" starts with a BOM."""
+    from tasks.table_files import csv_rows, read_texts
+    rows = [("sentence", "sentiment"), ("A fine film", "pos"), ("", "neg"), ('"a great" film', "pos")]
+    path = tmp_path / f"train.{fmt}"
+    with open(path, "w", newline="", encoding="utf-8-sig") as f:  # CRLF line ends, as Excel writes them
+        csv.writer(f, **({"delimiter": "\t", "quoting": csv.QUOTE_NONE, "escapechar": None, "quotechar": None}
+                         if fmt == "tsv" else {})).writerows(rows)
+    trained = [text for text, _, _ in csv_rows(str(path), ("sentence", "sentiment"), tsv=fmt == "tsv")]
+    assert trained == [text for text, _ in rows[1:]]
+    assert read_texts(str(path), "sentence") == trained
+    (tmp_path / "texts.txt").write_bytes(b"\xef\xbb\xbffirst\r\n\r\nsecond\r\n")
+    assert read_texts(str(tmp_path / "texts.txt"), "text") == ["first", "second"]
