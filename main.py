@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.length_note:  # said once the config holds: a mistake is one line
+        print(args.length_note)
     if args.dev_run or cfg.train.dev_run:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
                            exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg))
@@ -118,11 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "in a temporary folder (train.dev_run)")
     args = p.parse_args(argv)
     keys = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in args.set}
+    args.length_note = None
     if keys.get("train.max_steps", "0") != "0" and "train.epochs" not in keys:
         # A length typed on the command line is the length wanted; the file's epochs must not end the run first.
         args.set.append("train.epochs=0")
-        print(f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run lasts "
-              f"{keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep an epoch limit)")
+        args.length_note = (f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run "
+                            f"lasts {keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep "
+                            "an epoch limit)")
     return args
 
 

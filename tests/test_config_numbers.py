@@ -132,14 +132,15 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     (["dist.timeout_s=0"], "`dist.timeout_s` must be in (0, 31536000], got 0"),  # was 84 lines of c10d errors
     (["seed=-1"], "`seed` must be in [0, 4294967295], got -1"),
     (["output_dir=/"], "`output_dir` is the root folder ('/')"),
+    (["train.max_steps=-1"], "`train.max_steps` must be >= 0, got -1"),  # was a note on its length first
 ])
 def test_main_says_a_bad_number_in_one_line_and_exits_2(tmp_path, capsys, sets, words):
     args = ["--params", PARAMS, "--set", f"output_dir={tmp_path / 'run'}"]
     for item in sets:
         args += ["--set", item]
     assert main.main(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1 and not out, (out, err)
     assert not os.path.exists(tmp_path / "run")
 
 
