@@ -120,9 +120,9 @@ def main(argv=None) -> int:
         if args.export and (args.checkpoint or args.set):
             raise UserError("--export takes the model from the folder: --checkpoint and --set go with --params")
         settings = {"--max-new-tokens": args.max_new_tokens, "--temperature": args.temperature, "--top-k": args.top_k}
-        negative = [name for name, value in settings.items() if value < 0]
-        if negative:  # (torch would fail deep inside sampling, with a traceback)
-            raise UserError(f"{', '.join(negative)}: must be >= 0")
+        wrong = [name for name, value in settings.items() if not 0 <= value < float("inf")]  # NaN too
+        if wrong:  # (torch would fail deep inside sampling, with a traceback)
+            raise UserError(f"{', '.join(wrong)}: must be a finite number >= 0")
         model, tokenizer = load_export(args.export) if args.export else load_checkpoint(args)
         prompt = encode_prompt(tokenizer, args.prompt)
     except UserError as e:

@@ -320,7 +320,10 @@ def test_generate_without_checkpoint_is_a_clear_error(data, tmp_path, capsys):
 def test_generate_refuses_negative_sampling_settings(capsys):
     import generate
     assert generate.main(["--export", "unused", "--temperature", "-1", "--top-k", "-5"]) == 2
-    assert capsys.readouterr().err == "error: --temperature, --top-k: must be >= 0\n"
+    assert capsys.readouterr().err == "error: --temperature, --top-k: must be a finite number >= 0\n"
+    for temperature in ("nan", "inf"):  # were a traceback from torch.multinomial
+        assert generate.main(["--export", "unused", "--temperature", temperature]) == 2
+        assert capsys.readouterr().err == "error: --temperature: must be a finite number >= 0\n"
 
 
 def test_gpt2_bad_json_names_file_and_line(tmp_path):
