@@ -3,7 +3,7 @@
     python main.py --params parameters.yml [--set section.key=value ...]
 
 The composition root's first half (where the parts are built and connected): this process. In the order a run goes
-(trainer.py's docstring maps one training step, file by file):
+(the path of one training step, file by file, is docs/tutorial/02_ddp.md, "Following one step through the files"):
 1. main(): read and check the config; a mistake is one line and exit code 2, before torch loads.
 2. run(): hold output_dir, then start_ranks(): under torchrun or srun this process is one rank; otherwise it starts
    this node's ranks (resilience/launcher.py), each a process running wiring.worker.

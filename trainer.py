@@ -1,20 +1,11 @@
-"""The Trainer: train / eval / checkpoint, for any Task under any strategy. It is handed its parts, built by the
-composition root (wiring.build_trainer): the task's datasets, the strategy (the model as dist.strategy wraps it,
-its optimizer and loss scaler) and the hooks (what resilience/ and extras/ add: resume, the plan, stop signals).
+"""The Trainer: train / eval / checkpoint, for any Task under any strategy.
 
-One training step, in the order it runs (under ddp every rank runs this same code on its own samples):
-1. train(), the whole loop: takes train.grad_accum_steps micro-batches from micro_batches(), calls train_step().
-   Which samples: data_loader.GlobalBatchSampler cuts each epoch's seeded permutation into global batches and
-   rank_slice gives each rank its slice of each (every rank draws the same permutation: no message is sent).
-2. train_step(): all-reduces this rank's sample count (with its stop vote), so every rank holds the global count;
-   loss_weight = strategy.grad_average_over (what DDP divides by: the world size) / the global count.
-3. strategy.forward_backward (strategies/base.py), per micro-batch: the task's loss_sum (its forward and loss,
-   summed over the batch) times loss_weight, then backward. Under ddp the model is wrapped in DDP
-   (strategies/replicated.py), whose backward all-reduces the gradients; all but the last micro-batch: no_sync().
-4. Back in train_step(): the global gradient norm (clipped if train.clip_grad_norm is set), optimizer.step() if
-   the norm is finite, zero_grad, the scheduler's step.
-Evaluation and checkpoints follow in this file, every eval_every / save_every steps; what a run prints is
-core/run_log.py's. docs/tutorial/02_ddp.md follows one step with the numbers of `dist.procs_per_node=2`."""
+Read `train()` first: it is the whole loop. A training step is `train_step()` and the Data section after it (where
+its batches come from); evaluation, checkpoints and the state follow, reached every eval_every / save_every steps.
+What a run prints as it trains (log lines, progress bars) is written by core/run_log.py. The Trainer is handed its
+parts, built by the composition root (wiring.build_trainer): the task's datasets, the strategy (the model as
+dist.strategy wraps it, its optimizer and loss scaler) and the hooks (which also record the run's plan, trackers and
+summary). The model's own forward and loss are the task's (tasks/)."""
 from __future__ import annotations
 
 import contextlib
