@@ -141,7 +141,10 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
         pool = [(p, index[c]) for c in names for p in found["train"][c]]
         order = np.random.default_rng(0).permutation(len(pool))
         n_dev = int(round(len(pool) * dev_fraction))
-        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])] or None
+        if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
+            raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
+                            "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
+        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])]
         splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
     else:
         splits["train"] = [(p, index[c]) for c in names for p in found["train"][c]]
@@ -150,6 +153,9 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
             splits.setdefault(split, None)
             continue
         found[split], ignored[split] = scan_classes(folders[split])
+        if not found[split]:
+            raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
+                            f"*.jpg, its classes those of {train_dir})")
         for c in found[split]:
             if c not in index:
                 raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "

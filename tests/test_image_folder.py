@@ -64,9 +64,11 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
     assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
 
 
-@pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train"])
+@pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
+                                  "no dev split"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
+    dev_fraction = 0.15
     if case == "empty class":
         os.makedirs(os.path.join(root, "train", "three"))
         open(os.path.join(root, "train", "three", "readme.txt"), "w").write("x")
@@ -75,11 +77,20 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
         shutil.rmtree(os.path.join(root, "train"))
         os.makedirs(os.path.join(root, "train"))
         expected = f"{root}/train: no class folders"
-    else:
+    elif case == "val class not in train":
         shutil.copytree(os.path.join(root, "val", "one"), os.path.join(root, "val", "seven"))
         expected = f"{root}/val/seven: class 'seven' is not in {root}/train (its classes: one, two, zero)"
+    elif case == "val without classes":  # its images not in class folders: no dev split (the run failed at its end)
+        for c in ("one", "two", "zero"):
+            for f in os.listdir(os.path.join(root, "val", c)):
+                os.rename(os.path.join(root, "val", c, f), os.path.join(root, "val", f"{c}-{f}"))
+            os.rmdir(os.path.join(root, "val", c))
+        expected = f"{root}/val: no class folders (expected val/<class>/*.jpg, its classes those of {root}/train)"
+    else:  # the class folders alone, a data.dev_fraction of 12 images that rounds to none
+        root, dev_fraction = os.path.join(root, "train"), 0.02
+        expected = f"{root}: no dev split: data.dev_fraction 0.02 of its 12 images is none; raise data.dev_fraction"
     with pytest.raises(DataError) as e:
-        task_for(tmp_path, root).build_datasets()
+        task_for(tmp_path, root, dev_fraction=dev_fraction).build_datasets()
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
 
 
@@ -113,7 +124,9 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
-    task = task_for(tmp_path, root, image_size=24, resize_size=32, dev_fraction=0.0)
+    os.makedirs(root / "val" / "a")
+    photo.save(root / "val" / "a" / "dev.png")
+    task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
     assert len(sets["train"]) == 6
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
