@@ -378,6 +378,17 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
     assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new)})) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and err[0].startswith(f"error: {broken}: not a readable image ("), err
+    # data.skip_bad_images: the unreadable inputs (one of zero bytes, first) have no row; every other row is as before
+    (new / "0.png").write_bytes(b"")
+    skip = {"skip_bad_images": True}
+    assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(new), "top_k": 2})) == 0
+    assert read_csv(tmp_path / "predictions.csv") == table
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert f"skipped 0.png of {new}: not a readable image" in log and "skipped zero/broken.png of" in log
+    os.makedirs(tmp_path / "bad")
+    shutil.move(new / "0.png", tmp_path / "bad" / "0.png")
+    assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(tmp_path / "bad")})) == 2
+    assert f"error: predict.input: none of the 1 inputs of {tmp_path / 'bad'} could be read" in capsys.readouterr().err
 
 
 def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
