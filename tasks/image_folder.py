@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, ImageOps
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -219,10 +219,13 @@ def to_tensor(image: Image.Image, mean: torch.Tensor, std: torch.Tensor) -> torc
 
 
 def open_rgb(path: str) -> Image.Image:
-    """The image at `path`, fully decoded, as RGB (grayscale, palette, RGBA, CMYK converted); OSError and the like
-    when it is truncated or not an image."""
+    """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
+    grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
     with Image.open(path) as image:
         image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # a phone's photo as it is shown (and as pipeline() reads it)
+        if image.mode.startswith("I;16"):  # 16 bits (microscopy, X-rays): the range onto 8 bits; convert clips at 255
+            return Image.fromarray((np.asarray(image) / 257).round().astype(np.uint8), "L").convert("RGB")
         if image.mode == "RGB":
             return image.copy()
         if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white

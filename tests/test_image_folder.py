@@ -113,7 +113,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
 def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
-    """Grayscale, palette, RGBA, CMYK and scikit-learn's JPEG photos decode to [3, S, S] normalised tensors."""
+    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, EXIF-rotated and scikit-learn's JPEG photos decode to
+    [3, S, S] normalised tensors."""
     from sklearn.datasets import load_sample_images
     root = tmp_path / "d"
     os.makedirs(root / "train" / "a")
@@ -124,11 +125,15 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
+    Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: shown turned 90 degrees clockwise, as a phone writes a portrait photo
+    photo.transpose(Image.ROTATE_90).save(root / "train" / "a" / "phone.jpg", quality=90, exif=exif)
     os.makedirs(root / "val" / "a")
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 6
+    assert len(sets["train"]) == 8
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
@@ -136,6 +141,8 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     assert torch.allclose(items["cmyk.tif"], items["bitmap.BMP"], atol=0.1)
     gray = items["gray.png"]
     assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
+    assert torch.equal(items["gray16.png"], gray)  # 16 bits: the same levels, not clipped to white
+    assert torch.allclose(items["phone.jpg"], items["bitmap.BMP"], atol=0.15)  # upright, as pipeline() reads it
     # The center crop of a 256-style resize, as computed by hand from the photo.
     small = photo.resize((int(32 * 640 / 427), 32), Image.BILINEAR)
     left = (small.width - 24) // 2
