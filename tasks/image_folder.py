@@ -448,6 +448,7 @@ class ImageFolderTask(Task):
                 PipelineLayer(head, r.pooler, model.classifier)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
+        self.refuse_bad_image(batch)  # (pipe evaluates through here, not eval_batch)
         return (batch["pixel_values"],)
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:

@@ -176,8 +176,8 @@ def test_crop_box_follows_torchvisions_bounds():
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
-def truncate_one(root) -> str:
-    folder = os.path.join(root, "train", "two")
+def truncate_one(root, split="train") -> str:
+    folder = os.path.join(root, split, "two")
     path = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".png"))[0])
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
@@ -196,6 +196,18 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
                                                                  "skip_bad_images": True})) == 0
     log = open(tmp_path / "b" / "logs" / "rank0.log").read()
     assert f"skipped {bad}: not a readable image (data.skip_bad_images; 1 skipped so far" in log
+
+
+@pytest.mark.slow
+def test_a_truncated_dev_image_under_pipe_is_one_line(tmp_path, capsys):
+    """pipe evaluates through the task's pipeline_inputs, not eval_batch: the batch that met the file is refused
+    there too (it was a KeyError traceback)."""
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    bad = truncate_one(root, "val")
+    train = {"max_steps": 2, "eval_every": 2, "save_every": 0, "batch_size": 8}
+    assert main.run(tiny(tmp_path / "a", root, train=train, dist={"strategy": "pipe", "procs_per_node": 2})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{bad}: not a readable image (" in err[0], err
 
 
 def test_resume_is_bit_exact_crops_included(tmp_path, folder):
