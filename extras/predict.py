@@ -41,11 +41,8 @@ def predict(trainer) -> str:
     loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin_memory, cfg.seed)
     with torch.no_grad():
         for positions, batch in zip(batches, loader):
-            # data.skip_bad_images: the collate left out the inputs it names; each row keeps its input's position
+            # data.skip_bad_images: the collate left out the inputs it names (the task logs them); no row for them
             skipped = set(batch["skipped"].tolist()) if "skipped" in batch else set()
-            for i in sorted(skipped):
-                log.warning(f"skipped {names[i]} of {cfg.predict.input}: not a readable image (data.skip_bad_images;"
-                            " no row in predictions.csv)")
             with trainer.autocast():
                 logits = task.predict_logits(model, trainer.to_device(batch))
             probs = torch.softmax(logits.float(), dim=-1)

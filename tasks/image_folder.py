@@ -384,7 +384,8 @@ class ImageFolderTask(Task):
     def collate(self, samples: list) -> dict:
         """Decoded samples into a batch. A file that failed to decode: the batch carries `bad_image` (its index),
         which count()/eval_batch turn into one line naming it in the main process (a worker's exception would
-        arrive there wrapped in a traceback); with data.skip_bad_images it is left out and `skipped` says which."""
+        arrive there wrapped in a traceback); with data.skip_bad_images it is left out, and `skipped` says which
+        indices of split `skipped_split`."""
         bad = [s["bad"] for s in samples if "bad" in s]
         good = [s for s in samples if "bad" not in s]
         if bad and not self.cfg.data.skip_bad_images:
@@ -394,6 +395,7 @@ class ImageFolderTask(Task):
                  "labels": torch.stack([s["labels"] for s in good]) if good else torch.zeros(0, dtype=torch.long)}
         if bad:
             batch["skipped"] = torch.tensor([i for _, i in bad])
+            batch["skipped_split"] = torch.tensor(bad[0][0])  # (a batch holds one split)
         return batch
 
     def refuse_bad_image(self, batch: dict) -> None:
@@ -402,15 +404,20 @@ class ImageFolderTask(Task):
             split, index = batch["bad_image"].tolist()
             raise DataError(bad_image_line(self.files[SPLITS[split]][index][0]))
 
+    def note_skipped(self, batch: dict) -> None:
+        """data.skip_bad_images: each file a batch left out said once, with the count so far (any split)."""
+        if "skipped" not in batch:
+            return
+        split = SPLITS[int(batch["skipped_split"])]
+        for i in batch["skipped"].tolist():
+            if (split, i) not in self.skipped:
+                self.skipped.add((split, i))
+                rank_log().warning(f"skipped {self.files[split][i][0]}: not a readable image (data.skip_bad_images; "
+                                   f"{len(self.skipped)} skipped so far on this rank)")
+
     def count(self, batch: dict) -> int:
         self.refuse_bad_image(batch)
-        if "skipped" in batch:  # data.skip_bad_images: each file said once, with the count so far
-            new = [i for i in batch["skipped"].tolist() if i not in self.skipped]
-            self.skipped.update(new)
-            for i in new:
-                rank_log().warning(
-                    f"skipped {self.files['train'][i][0]}: not a readable image (data.skip_bad_images; "
-                    f"{len(self.skipped)} skipped so far on this rank)")
+        self.note_skipped(batch)
         return len(batch["labels"])
 
     def tokens(self, batch: dict) -> Optional[int]:
@@ -433,6 +440,7 @@ class ImageFolderTask(Task):
         return self.eval_from_output(self.logits(model, batch), batch)
 
     def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        self.note_skipped(batch)  # (every strategy's evaluation comes here, pipe's last stage too)
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def metrics(self, totals: dict) -> dict:
@@ -459,6 +467,7 @@ class ImageFolderTask(Task):
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.refuse_bad_image(batch)
+        self.note_skipped(batch)
         return self.logits(model, batch)
 
     # mode: export: the transformers model, its classes from the folders, and an image processor of the same

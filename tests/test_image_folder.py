@@ -196,6 +196,12 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
                                                                  "skip_bad_images": True})) == 0
     log = open(tmp_path / "b" / "logs" / "rank0.log").read()
     assert f"skipped {bad}: not a readable image (data.skip_bad_images; 1 skipped so far" in log
+    bad_dev = truncate_one(root, "val")  # evaluation names what it skips too
+    assert main.run(tiny(tmp_path / "c", root, train=train, data={"num_workers": workers,
+                                                                 "skip_bad_images": True})) == 0
+    log = open(tmp_path / "c" / "logs" / "rank0.log").read()
+    assert f"skipped {bad_dev}: not a readable image (data.skip_bad_images; 2 skipped so far" in log
+    assert "dev: loss=" in log and "samples=5" in log  # the 6 dev images but the one skipped
 
 
 @pytest.mark.slow
@@ -403,7 +409,7 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
     assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(new), "top_k": 2})) == 0
     assert read_csv(tmp_path / "predictions.csv") == table
     log = open(tmp_path / "logs" / "rank0.log").read()
-    assert f"skipped 0.png of {new}: not a readable image" in log and "skipped zero/broken.png of" in log
+    assert f"skipped {new / '0.png'}: not a readable image" in log and f"skipped {broken}: not a readable" in log
     os.makedirs(tmp_path / "bad")
     shutil.move(new / "0.png", tmp_path / "bad" / "0.png")
     assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(tmp_path / "bad")})) == 2
