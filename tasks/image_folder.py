@@ -97,6 +97,26 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     return None
 
 
+def walk_images(folder: str) -> tuple[list[str], int]:
+    """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
+    followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
+    files, others, seen = [], 0, {os.path.realpath(folder)}
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(root, d))
+            if not d.startswith(".") and real not in seen:  # each real folder once: a link back up is not followed
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
+        for f in sorted(names):
+            if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
+                others += 1
+            else:
+                files.append(os.path.join(root, f))
+    return files, others
+
+
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
     """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
     left out), and how many other files were ignored (hidden ones, other extensions)."""
@@ -106,14 +126,8 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
             ignored += not os.path.isdir(path)
             continue
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for f in sorted(names):
-                if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
-                    ignored += 1
-                else:
-                    files.append(os.path.join(root, f))
+        files, others = walk_images(path)
+        ignored += others
         if not files:
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
@@ -168,12 +182,7 @@ def image_files(path: str) -> list[str]:
     """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
     if not os.path.isdir(path):
         raise DataError(f"predict.input: {path} is not a folder of images")
-    found = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, f) for f in sorted(names)
-                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
-    return found
+    return walk_images(path)[0]
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------

@@ -58,9 +58,14 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
         open(os.path.join(root, "train", "one", name), "w").write("x")
     os.makedirs(os.path.join(root, "train", "one", ".cache"))
     open(os.path.join(root, "train", "one", ".cache", "a.png"), "w").write("x")  # a hidden folder: not read
+    shutil.copytree(os.path.join(root, "val", "one"), tmp_path / "elsewhere")  # 2 more, through a symlinked folder
+    os.symlink(tmp_path / "elsewhere", os.path.join(root, "train", "one", "linked"))
+    os.symlink(os.path.join(root, "train", "one"), os.path.join(root, "train", "one", "again"))  # a loop: once
     task = task_for(tmp_path, root)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 18
+    assert len(sets["train"]) == 20
+    assert os.path.join(root, "train", "one", "linked", sorted(os.listdir(tmp_path / "elsewhere"))[0]) in {
+        p for p, _ in sets["train"].files}
     assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
 
 
