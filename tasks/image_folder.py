@@ -142,6 +142,10 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                         "<class>/ folders alone)")
     folders = {split: split_folder(data_dir, split) for split in SPLIT_FOLDERS}
     whole = folders["train"] is None
+    if whole and folders["dev"]:  # (its images would be neither trained on nor evaluated)
+        raise DataError(f"{folders['dev']}: a dev folder without train/ beside it; put the training class folders in "
+                        f"{os.path.join(data_dir, 'train')}/, or remove it (the class folders alone: a "
+                        "data.dev_fraction of them is the dev split)")
     train_dir = data_dir if whole else folders["train"]
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
     found, ignored = {}, {}
