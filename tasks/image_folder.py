@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFile, ImageOps
+from PIL import Image, ImageFile
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -231,12 +231,22 @@ def to_tensor(image: Image.Image, mean: torch.Tensor, std: torch.Tensor) -> torc
     return (pixels.permute(2, 0, 1).float() / 255 - mean[:, None, None]) / std[:, None, None]
 
 
+# EXIF Orientation 2..8 -> the turn that shows the image upright, as ImageOps.exif_transpose turns it (which also
+# rewrites the EXIF, and fails on a corrupt tag there)
+EXIF_ORIENTATION = 0x0112
+EXIF_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+
+
 def open_rgb(path: str) -> Image.Image:
     """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
     grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
     with Image.open(path) as image:
         image.load()
-        ImageOps.exif_transpose(image, in_place=True)  # a phone's photo as it is shown (and as pipeline() reads it)
+        orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as it is shown (and pipeline() reads it)
+        if isinstance(orientation, int) and orientation in EXIF_TURNS:
+            image = image.transpose(EXIF_TURNS[orientation])
         if image.mode.startswith("I;16"):  # 16 bits (microscopy, X-rays): the range onto 8 bits; convert clips at 255
             return Image.fromarray((np.asarray(image) / 257).round().astype(np.uint8), "L").convert("RGB")
         if image.mode == "RGB":

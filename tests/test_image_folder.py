@@ -2,6 +2,7 @@
 scikit-learn's sample photos; the hostile folders; the seeded crops; runs under none and ddp, resume, test mode."""
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -136,9 +137,12 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
     Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
-    exif = Image.Exif()
-    exif[0x0112] = 6  # Orientation: shown turned 90 degrees clockwise, as a phone writes a portrait photo
-    photo.transpose(Image.ROTATE_90).save(root / "train" / "a" / "phone.jpg", quality=90, exif=exif)
+    # EXIF Orientation 6 (shown turned 90 degrees clockwise: a phone's portrait photo), and a tag Pillow cannot write
+    # back (ResolutionUnit as text, which ImageOps.exif_transpose fails on): read upright all the same
+    ifd = (struct.pack("<H", 2) + struct.pack("<HHI4s", 0x0112, 3, 1, b"\x06\0\0\0")
+           + struct.pack("<HHI4s", 0x0128, 2, 4, b"abc\0") + struct.pack("<I", 0))
+    photo.transpose(Image.ROTATE_90).save(root / "train" / "a" / "phone.jpg", quality=90,
+                                          exif=b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd)
     os.makedirs(root / "val" / "a")
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
