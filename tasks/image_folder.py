@@ -341,7 +341,25 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     if had != len(classes):
         log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
             "replaces it")
+    check_image_size(model, folder, cfg.data.image_size)
     return model
+
+
+def check_image_size(model: nn.Module, folder: str, size: int) -> None:
+    """One blank image of data.image_size through the model (in eval mode: BatchNorm's statistics untouched; no
+    gradients): a model made for one size (ViT's position embeddings) refuses another here, not at the first step."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(pixel_values=torch.zeros(1, 3, size, size))
+    except (ValueError, RuntimeError) as e:
+        why = str(e).splitlines()[0][:100].rstrip(".")
+        made_for = getattr(model.config, "image_size", None)
+        hint = f"; it was made for {made_for}x{made_for}: set data.image_size to that" if made_for else ""
+        raise DataError(f"model.pretrained_dir: {folder} does not take {size}x{size} images (data.image_size): "
+                        f"{why}{hint}") from None
+    finally:
+        model.train(was_training)
 
 
 CHANNELS_LAST_CPU_SIZE = 224  # on a CPU, NHWC was measured to pay at 224 px (ResNet-18, -50), not at 32 px

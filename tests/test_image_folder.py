@@ -489,6 +489,22 @@ def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind)
     assert state[head].shape[0] == 3
 
 
+def test_a_pretrained_folder_made_for_another_image_size_is_one_line(tmp_path, folder):
+    """A ViT takes the image size its position embeddings were made for: another data.image_size is refused as the
+    model is built (it was a ValueError traceback at the first step)."""
+    from transformers import ViTConfig, ViTForImageClassification
+    ViTForImageClassification(ViTConfig(image_size=32, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "vit")
+    model = {"pretrained_dir": str(tmp_path / "vit"), "dropout": 0.0}
+    with pytest.raises(DataError) as e:
+        ImageFolderTask(tiny(tmp_path, folder, model=model)).build_model()
+    assert str(e.value) == (f"model.pretrained_dir: {tmp_path / 'vit'} does not take 16x16 images (data.image_size): "
+                            "Input image size (16*16) doesn't match model (32*32); it was made for 32x32: set "
+                            "data.image_size to that")
+    task = ImageFolderTask(tiny(tmp_path, folder, model=model, data={"image_size": 32, "resize_size": 36}))
+    assert task.build_model().classifier.out_features == 3
+
+
 @pytest.mark.slow
 def test_ddp_equals_one_process_for_a_model_without_batchnorm(tmp_path, folder):
     """The crops are drawn per sample, not per rank: a ViT (LayerNorm, no BatchNorm) trained by 2 ddp ranks of 6
