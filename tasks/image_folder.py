@@ -82,6 +82,9 @@ def check_data_config(cfg, fail) -> None:
             fail(f"data.{key}", f"must list 3 numbers (R, G, B), got {v}")
     if not all(x > 0 for x in d.image_std):
         fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
+    if d.skip_bad_images and cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find"):
+        fail("data.skip_bad_images", "is not for dist.strategy: pipe in training (a skipped image shrinks its batch; "
+                                     "pipeline stages take one shape every step); remove or replace the unreadable files")
 
 
 # ---- the folder: splits, classes, files ---------------------------------------------------------------------------

@@ -118,6 +118,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
+    with pytest.raises(ConfigError, match="`data.skip_bad_images` is not for dist.strategy: pipe in training .a skip"):
+        tiny(tmp_path, tmp_path, data={"skip_bad_images": True}, dist={"strategy": "pipe", "procs_per_node": 2})
     with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not im"):
         make_config(tmp_path, model={"channels_last": True})
 
