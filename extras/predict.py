@@ -4,9 +4,9 @@
 
 predict.input is a folder of images (image tasks) or a CSV/TSV/text file of texts (text classifiers: the task's
 `predict_inputs` reads it). The checkpoint (predict.checkpoint, else the run's best) is verified and loaded as test
-mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets one row per input, in input order: the
-input, then predict.top_k label names with their probabilities. Under dist.strategy ddp the ranks share the inputs;
-a checkpoint of any other strategy is read in one process (main.py).
+mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets one row per input, in input order (an
+image data.skip_bad_images skips: none): the input, then predict.top_k label names with their probabilities. Under
+dist.strategy ddp the ranks share the inputs; a checkpoint of any other strategy is read in one process (main.py).
 """
 from __future__ import annotations
 
@@ -38,24 +38,30 @@ def predict(trainer) -> str:
     top, ctx = [], trainer.ctx
     # Under ddp each rank predicts its contiguous piece; gathered in rank order, the pieces are the input order.
     batches = eval_shard_batches(len(dataset), ctx.rank, ctx.world_size, trainer.train_cfg.eval_batch_size)
+    loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin_memory, cfg.seed)
     with torch.no_grad():
-        for batch in make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin_memory, cfg.seed):
+        for positions, batch in zip(batches, loader):
+            # data.skip_bad_images: the collate left out the inputs it names (the task logs them); no row for them
+            skipped = set(batch["skipped"].tolist()) if "skipped" in batch else set()
             with trainer.autocast():
                 logits = task.predict_logits(model, trainer.to_device(batch))
             probs = torch.softmax(logits.float(), dim=-1)
             values, indices = probs.topk(min(cfg.predict.top_k, probs.shape[-1]), dim=-1)
-            top.extend(zip(indices.tolist(), values.tolist()))
+            top.extend(zip([i for i in positions if i not in skipped], indices.tolist(), values.tolist()))
     top = [row for part in distributed.gather_objects(ctx, top) for row in part]
+    if not top:
+        raise DataError(f"predict.input: none of the {len(names)} inputs of {cfg.predict.input} could be read "
+                        "(data.skip_bad_images skipped them all)")
     where = os.path.join(cfg.output_dir, "predictions.csv")
     if ctx.is_main:
         classes = task.label_names() or [str(i) for i in range(model_classes(top))]  # known by number: the number
-        run_log.write_file(where, rows(names, top, classes, len(top[0][0])))
-        log.info(f"wrote {where} ({len(names)} rows)")
+        run_log.write_file(where, rows(names, top, classes, len(top[0][1])))
+        log.info(f"wrote {where} ({len(top)} rows)")
     return where
 
 
 def model_classes(top: list) -> int:
-    return max(max(indices) for indices, _ in top) + 1
+    return max(max(indices) for _, indices, _ in top) + 1
 
 
 def rows(names: list, top: list, classes: list, k: int) -> str:
@@ -63,6 +69,6 @@ def rows(names: list, top: list, classes: list, k: int) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["input"] + [f"{what}{'' if i == 1 else f'_{i}'}" for i in range(1, k + 1)
                                  for what in ("label", "probability")])
-    for name, (indices, values) in zip(names, top):
-        writer.writerow([name] + [x for c, p in zip(indices, values) for x in (classes[c], f"{p:.6f}")])
+    for position, indices, values in top:
+        writer.writerow([names[position]] + [x for c, p in zip(indices, values) for x in (classes[c], f"{p:.6f}")])
     return out.getvalue()

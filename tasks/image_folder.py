@@ -82,6 +82,9 @@ def check_data_config(cfg, fail) -> None:
             fail(f"data.{key}", f"must list 3 numbers (R, G, B), got {v}")
     if not all(x > 0 for x in d.image_std):
         fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
+    if d.skip_bad_images and cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find"):
+        fail("data.skip_bad_images", "is not for dist.strategy: pipe in training (a skipped image shrinks its batch; "
+                                     "pipeline stages take one shape every step); remove or replace the unreadable files")
 
 
 # ---- the folder: splits, classes, files ---------------------------------------------------------------------------
@@ -97,6 +100,26 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     return None
 
 
+def walk_images(folder: str) -> tuple[list[str], int]:
+    """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
+    followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
+    files, others, seen = [], 0, {os.path.realpath(folder)}
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(root, d))
+            if not d.startswith(".") and real not in seen:  # each real folder once: a link back up is not followed
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
+        for f in sorted(names):
+            if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
+                others += 1
+            else:
+                files.append(os.path.join(root, f))
+    return files, others
+
+
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
     """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
     left out), and how many other files were ignored (hidden ones, other extensions)."""
@@ -106,14 +129,8 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
             ignored += not os.path.isdir(path)
             continue
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for f in sorted(names):
-                if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
-                    ignored += 1
-                else:
-                    files.append(os.path.join(root, f))
+        files, others = walk_images(path)
+        ignored += others
         if not files:
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
@@ -128,6 +145,10 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                         "<class>/ folders alone)")
     folders = {split: split_folder(data_dir, split) for split in SPLIT_FOLDERS}
     whole = folders["train"] is None
+    if whole and folders["dev"]:  # (its images would be neither trained on nor evaluated)
+        raise DataError(f"{folders['dev']}: a dev folder without train/ beside it; put the training class folders in "
+                        f"{os.path.join(data_dir, 'train')}/, or remove it (the class folders alone: a "
+                        "data.dev_fraction of them is the dev split)")
     train_dir = data_dir if whole else folders["train"]
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
     found, ignored = {}, {}
@@ -141,7 +162,10 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
         pool = [(p, index[c]) for c in names for p in found["train"][c]]
         order = np.random.default_rng(0).permutation(len(pool))
         n_dev = int(round(len(pool) * dev_fraction))
-        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])] or None
+        if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
+            raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
+                            "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
+        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])]
         splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
     else:
         splits["train"] = [(p, index[c]) for c in names for p in found["train"][c]]
@@ -150,6 +174,9 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
             splits.setdefault(split, None)
             continue
         found[split], ignored[split] = scan_classes(folders[split])
+        if not found[split]:
+            raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
+                            f"*.jpg, its classes those of {train_dir})")
         for c in found[split]:
             if c not in index:
                 raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
@@ -162,12 +189,7 @@ def image_files(path: str) -> list[str]:
     """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
     if not os.path.isdir(path):
         raise DataError(f"predict.input: {path} is not a folder of images")
-    found = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, f) for f in sorted(names)
-                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
-    return found
+    return walk_images(path)[0]
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------
@@ -212,11 +234,24 @@ def to_tensor(image: Image.Image, mean: torch.Tensor, std: torch.Tensor) -> torc
     return (pixels.permute(2, 0, 1).float() / 255 - mean[:, None, None]) / std[:, None, None]
 
 
+# EXIF Orientation 2..8 -> the turn that shows the image upright, as ImageOps.exif_transpose turns it (which also
+# rewrites the EXIF, and fails on a corrupt tag there)
+EXIF_ORIENTATION = 0x0112
+EXIF_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+
+
 def open_rgb(path: str) -> Image.Image:
-    """The image at `path`, fully decoded, as RGB (grayscale, palette, RGBA, CMYK converted); OSError and the like
-    when it is truncated or not an image."""
+    """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
+    grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
     with Image.open(path) as image:
         image.load()
+        orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as it is shown (and pipeline() reads it)
+        if isinstance(orientation, int) and orientation in EXIF_TURNS:
+            image = image.transpose(EXIF_TURNS[orientation])
+        if image.mode.startswith("I;16"):  # 16 bits (microscopy, X-rays): the range onto 8 bits; convert clips at 255
+            return Image.fromarray((np.asarray(image) / 257).round().astype(np.uint8), "L").convert("RGB")
         if image.mode == "RGB":
             return image.copy()
         if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
@@ -309,7 +344,25 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     if had != len(classes):
         log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
             "replaces it")
+    check_image_size(model, folder, cfg.data.image_size)
     return model
+
+
+def check_image_size(model: nn.Module, folder: str, size: int) -> None:
+    """One blank image of data.image_size through the model (in eval mode: BatchNorm's statistics untouched; no
+    gradients): a model made for one size (ViT's position embeddings) refuses another here, not at the first step."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(pixel_values=torch.zeros(1, 3, size, size))
+    except (ValueError, RuntimeError) as e:
+        why = str(e).splitlines()[0][:100].rstrip(".")
+        made_for = getattr(model.config, "image_size", None)
+        hint = f"; it was made for {made_for}x{made_for}: set data.image_size to that" if made_for else ""
+        raise DataError(f"model.pretrained_dir: {folder} does not take {size}x{size} images (data.image_size): "
+                        f"{why}{hint}") from None
+    finally:
+        model.train(was_training)
 
 
 CHANNELS_LAST_CPU_SIZE = 224  # on a CPU, NHWC was measured to pay at 224 px (ResNet-18, -50), not at 32 px
@@ -375,7 +428,8 @@ class ImageFolderTask(Task):
     def collate(self, samples: list) -> dict:
         """Decoded samples into a batch. A file that failed to decode: the batch carries `bad_image` (its index),
         which count()/eval_batch turn into one line naming it in the main process (a worker's exception would
-        arrive there wrapped in a traceback); with data.skip_bad_images it is left out and `skipped` says which."""
+        arrive there wrapped in a traceback); with data.skip_bad_images it is left out, and `skipped` says which
+        indices of split `skipped_split`."""
         bad = [s["bad"] for s in samples if "bad" in s]
         good = [s for s in samples if "bad" not in s]
         if bad and not self.cfg.data.skip_bad_images:
@@ -385,6 +439,7 @@ class ImageFolderTask(Task):
                  "labels": torch.stack([s["labels"] for s in good]) if good else torch.zeros(0, dtype=torch.long)}
         if bad:
             batch["skipped"] = torch.tensor([i for _, i in bad])
+            batch["skipped_split"] = torch.tensor(bad[0][0])  # (a batch holds one split)
         return batch
 
     def refuse_bad_image(self, batch: dict) -> None:
@@ -393,15 +448,20 @@ class ImageFolderTask(Task):
             split, index = batch["bad_image"].tolist()
             raise DataError(bad_image_line(self.files[SPLITS[split]][index][0]))
 
+    def note_skipped(self, batch: dict) -> None:
+        """data.skip_bad_images: each file a batch left out said once, with the count so far (any split)."""
+        if "skipped" not in batch:
+            return
+        split = SPLITS[int(batch["skipped_split"])]
+        for i in batch["skipped"].tolist():
+            if (split, i) not in self.skipped:
+                self.skipped.add((split, i))
+                rank_log().warning(f"skipped {self.files[split][i][0]}: not a readable image (data.skip_bad_images; "
+                                   f"{len(self.skipped)} skipped so far on this rank)")
+
     def count(self, batch: dict) -> int:
         self.refuse_bad_image(batch)
-        if "skipped" in batch:  # data.skip_bad_images: each file said once, with the count so far
-            new = [i for i in batch["skipped"].tolist() if i not in self.skipped]
-            self.skipped.update(new)
-            for i in new:
-                rank_log().warning(
-                    f"skipped {self.files['train'][i][0]}: not a readable image (data.skip_bad_images; "
-                    f"{len(self.skipped)} skipped so far on this rank)")
+        self.note_skipped(batch)
         return len(batch["labels"])
 
     def tokens(self, batch: dict) -> Optional[int]:
@@ -424,6 +484,7 @@ class ImageFolderTask(Task):
         return self.eval_from_output(self.logits(model, batch), batch)
 
     def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
+        self.note_skipped(batch)  # (every strategy's evaluation comes here, pipe's last stage too)
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def metrics(self, totals: dict) -> dict:
@@ -439,6 +500,7 @@ class ImageFolderTask(Task):
                 PipelineLayer(head, r.pooler, model.classifier)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
+        self.refuse_bad_image(batch)  # (pipe evaluates through here, not eval_batch)
         return (batch["pixel_values"],)
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
@@ -449,6 +511,7 @@ class ImageFolderTask(Task):
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.refuse_bad_image(batch)
+        self.note_skipped(batch)
         return self.logits(model, batch)
 
     # mode: export: the transformers model, its classes from the folders, and an image processor of the same

@@ -2,6 +2,7 @@
 scikit-learn's sample photos; the hostile folders; the seeded crops; runs under none and ddp, resume, test mode."""
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -58,15 +59,22 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
         open(os.path.join(root, "train", "one", name), "w").write("x")
     os.makedirs(os.path.join(root, "train", "one", ".cache"))
     open(os.path.join(root, "train", "one", ".cache", "a.png"), "w").write("x")  # a hidden folder: not read
+    shutil.copytree(os.path.join(root, "val", "one"), tmp_path / "elsewhere")  # 2 more, through a symlinked folder
+    os.symlink(tmp_path / "elsewhere", os.path.join(root, "train", "one", "linked"))
+    os.symlink(os.path.join(root, "train", "one"), os.path.join(root, "train", "one", "again"))  # a loop: once
     task = task_for(tmp_path, root)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 18
+    assert len(sets["train"]) == 20
+    assert os.path.join(root, "train", "one", "linked", sorted(os.listdir(tmp_path / "elsewhere"))[0]) in {
+        p for p, _ in sets["train"].files}
     assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
 
 
-@pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train"])
+@pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
+                                  "no dev split", "val without train"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
+    dev_fraction = 0.15
     if case == "empty class":
         os.makedirs(os.path.join(root, "train", "three"))
         open(os.path.join(root, "train", "three", "readme.txt"), "w").write("x")
@@ -75,11 +83,25 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
         shutil.rmtree(os.path.join(root, "train"))
         os.makedirs(os.path.join(root, "train"))
         expected = f"{root}/train: no class folders"
-    else:
+    elif case == "val class not in train":
         shutil.copytree(os.path.join(root, "val", "one"), os.path.join(root, "val", "seven"))
         expected = f"{root}/val/seven: class 'seven' is not in {root}/train (its classes: one, two, zero)"
+    elif case == "val without classes":  # its images not in class folders: no dev split (the run failed at its end)
+        for c in ("one", "two", "zero"):
+            for f in os.listdir(os.path.join(root, "val", c)):
+                os.rename(os.path.join(root, "val", c, f), os.path.join(root, "val", f"{c}-{f}"))
+            os.rmdir(os.path.join(root, "val", c))
+        expected = f"{root}/val: no class folders (expected val/<class>/*.jpg, its classes those of {root}/train)"
+    elif case == "val without train":  # the class folders beside val/: val/ was ignored, silently
+        for c in ("one", "two", "zero"):
+            os.rename(os.path.join(root, "train", c), os.path.join(root, c))
+        os.rmdir(os.path.join(root, "train"))
+        expected = f"{root}/val: a dev folder without train/ beside it; put the training class folders in {root}/train/"
+    else:  # the class folders alone, a data.dev_fraction of 12 images that rounds to none
+        root, dev_fraction = os.path.join(root, "train"), 0.02
+        expected = f"{root}: no dev split: data.dev_fraction 0.02 of its 12 images is none; raise data.dev_fraction"
     with pytest.raises(DataError) as e:
-        task_for(tmp_path, root).build_datasets()
+        task_for(tmp_path, root, dev_fraction=dev_fraction).build_datasets()
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
 
 
@@ -96,13 +118,16 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "sync_batchnorm": True}, dist={"strategy": "ddp"})
     with pytest.raises(ConfigError, match="`data.skip_bad_images` is for task image_folder, not image"):
         make_config(tmp_path, data={"skip_bad_images": True})
+    with pytest.raises(ConfigError, match="`data.skip_bad_images` is not for dist.strategy: pipe in training .a skip"):
+        tiny(tmp_path, tmp_path, data={"skip_bad_images": True}, dist={"strategy": "pipe", "procs_per_node": 2})
     with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not im"):
         make_config(tmp_path, model={"channels_last": True})
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
 def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
-    """Grayscale, palette, RGBA, CMYK and scikit-learn's JPEG photos decode to [3, S, S] normalised tensors."""
+    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, EXIF-rotated and scikit-learn's JPEG photos decode to
+    [3, S, S] normalised tensors."""
     from sklearn.datasets import load_sample_images
     root = tmp_path / "d"
     os.makedirs(root / "train" / "a")
@@ -113,9 +138,18 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
-    task = task_for(tmp_path, root, image_size=24, resize_size=32, dev_fraction=0.0)
+    Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
+    # EXIF Orientation 6 (shown turned 90 degrees clockwise: a phone's portrait photo), and a tag Pillow cannot write
+    # back (ResolutionUnit as text, which ImageOps.exif_transpose fails on): read upright all the same
+    ifd = (struct.pack("<H", 2) + struct.pack("<HHI4s", 0x0112, 3, 1, b"\x06\0\0\0")
+           + struct.pack("<HHI4s", 0x0128, 2, 4, b"abc\0") + struct.pack("<I", 0))
+    photo.transpose(Image.ROTATE_90).save(root / "train" / "a" / "phone.jpg", quality=90,
+                                          exif=b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd)
+    os.makedirs(root / "val" / "a")
+    photo.save(root / "val" / "a" / "dev.png")
+    task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 6
+    assert len(sets["train"]) == 8
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
@@ -123,6 +157,8 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     assert torch.allclose(items["cmyk.tif"], items["bitmap.BMP"], atol=0.1)
     gray = items["gray.png"]
     assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
+    assert torch.equal(items["gray16.png"], gray)  # 16 bits: the same levels, not clipped to white
+    assert torch.allclose(items["phone.jpg"], items["bitmap.BMP"], atol=0.15)  # upright, as pipeline() reads it
     # The center crop of a 256-style resize, as computed by hand from the photo.
     small = photo.resize((int(32 * 640 / 427), 32), Image.BILINEAR)
     left = (small.width - 24) // 2
@@ -156,8 +192,8 @@ def test_crop_box_follows_torchvisions_bounds():
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
-def truncate_one(root) -> str:
-    folder = os.path.join(root, "train", "two")
+def truncate_one(root, split="train") -> str:
+    folder = os.path.join(root, split, "two")
     path = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".png"))[0])
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
@@ -167,7 +203,7 @@ def truncate_one(root) -> str:
 @pytest.mark.parametrize("workers", [1, slow(0)])
 def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, workers):
     root = digit_folder(tmp_path / "d", train=6, val=2)
-    bad = truncate_one(root)
+    bad, bad_dev = truncate_one(root), truncate_one(root, "val")
     train = {"max_steps": 2, "eval_every": 0, "save_every": 0, "batch_size": 18}
     assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": workers})) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -176,6 +212,21 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
                                                                  "skip_bad_images": True})) == 0
     log = open(tmp_path / "b" / "logs" / "rank0.log").read()
     assert f"skipped {bad}: not a readable image (data.skip_bad_images; 1 skipped so far" in log
+    # evaluation names what it skips too
+    assert f"skipped {bad_dev}: not a readable image (data.skip_bad_images; 2 skipped so far" in log
+    assert "dev: loss=" in log and "samples=5" in log  # the 6 dev images but the one skipped
+
+
+@pytest.mark.slow
+def test_a_truncated_dev_image_under_pipe_is_one_line(tmp_path, capsys):
+    """pipe evaluates through the task's pipeline_inputs, not eval_batch: the batch that met the file is refused
+    there too (it was a KeyError traceback)."""
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    bad = truncate_one(root, "val")
+    train = {"max_steps": 2, "eval_every": 2, "save_every": 0, "batch_size": 8}
+    assert main.run(tiny(tmp_path / "a", root, train=train, dist={"strategy": "pipe", "procs_per_node": 2})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{bad}: not a readable image (" in err[0], err
 
 
 def test_resume_is_bit_exact_crops_included(tmp_path, folder):
@@ -365,6 +416,17 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
     assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(new)})) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and err[0].startswith(f"error: {broken}: not a readable image ("), err
+    # data.skip_bad_images: the unreadable inputs (one of zero bytes, first) have no row; every other row is as before
+    (new / "0.png").write_bytes(b"")
+    skip = {"skip_bad_images": True}
+    assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(new), "top_k": 2})) == 0
+    assert read_csv(tmp_path / "predictions.csv") == table
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert f"skipped {new / '0.png'}: not a readable image" in log and f"skipped {broken}: not a readable" in log
+    os.makedirs(tmp_path / "bad")
+    shutil.move(new / "0.png", tmp_path / "bad" / "0.png")
+    assert main.run(tiny(tmp_path, folder, mode="predict", data=skip, predict={"input": str(tmp_path / "bad")})) == 2
+    assert f"error: predict.input: none of the 1 inputs of {tmp_path / 'bad'} could be read" in capsys.readouterr().err
 
 
 def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
@@ -424,6 +486,22 @@ def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind)
     state = load_model_state(tmp_path / "run", 2)
     head = "classifier.1.weight" if kind == "resnet" else "classifier.weight"
     assert state[head].shape[0] == 3
+
+
+def test_a_pretrained_folder_made_for_another_image_size_is_one_line(tmp_path, folder):
+    """A ViT takes the image size its position embeddings were made for: another data.image_size is refused as the
+    model is built (it was a ValueError traceback at the first step)."""
+    from transformers import ViTConfig, ViTForImageClassification
+    ViTForImageClassification(ViTConfig(image_size=32, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "vit")
+    model = {"pretrained_dir": str(tmp_path / "vit"), "dropout": 0.0}
+    with pytest.raises(DataError) as e:
+        ImageFolderTask(tiny(tmp_path, folder, model=model)).build_model()
+    assert str(e.value) == (f"model.pretrained_dir: {tmp_path / 'vit'} does not take 16x16 images (data.image_size): "
+                            "Input image size (16*16) doesn't match model (32*32); it was made for 32x32: set "
+                            "data.image_size to that")
+    task = ImageFolderTask(tiny(tmp_path, folder, model=model, data={"image_size": 32, "resize_size": 36}))
+    assert task.build_model().classifier.out_features == 3
 
 
 @pytest.mark.slow
