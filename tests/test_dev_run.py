@@ -53,6 +53,24 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
     shutil.rmtree(kept)  # kept for a user to read; a test leaves nothing in the temporary folder
 
 
+def test_every_stage_resumes_tests_and_exports_the_dev_runs_own_checkpoints_whatever_the_config_says(tmp_path,
+                                                                                                   monkeypatch):
+    """A real run's train.resume: false (or a path), start_over and test.checkpoint would make the resume stage
+    fail on a good edit, or test and export the real run's checkpoint instead of the dev run's."""
+    stages = []
+
+    def stage(main_py, params, overrides, log_path):
+        stages.append(dict(item.split("=", 1) for item in overrides))  # the last --set of a key wins
+        return 0, 0.0, ["resumed from step-2"]
+    monkeypatch.setattr(dev_run, "stage", stage)
+    real = tmp_path / "real"
+    user = ["train.resume=false", "train.start_over=true", f"test.checkpoint={real}/checkpoints/step-9"]
+    assert dev_run.run("main.py", os.path.join(ROOT, "parameters.yml"), user, str(real), exports=True) == 0
+    assert [s["mode"] for s in stages] == ["train", "train", "test", "export"]
+    for s in stages:
+        assert (s["train.resume"], s["train.start_over"], s["test.checkpoint"]) == ("auto", "false", "null")
+
+
 @pytest.mark.parametrize("preset, strategy, expected", [
     ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
                                                   "train.precision=fp32"]),  # (on a CPU: auto is timed there)
