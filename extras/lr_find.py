@@ -61,9 +61,12 @@ def sweep(trainer) -> dict:
 def suggest(lrs: list[float], smoothed: list[float]) -> Optional[float]:
     """The lr where the smoothed loss falls fastest against log lr, the flat start and the divergence left out."""
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
-    if len(finite) < SKIP_FIRST + SKIP_LAST + 2:
+    # The divergence begins at the lowest smoothed loss: after a spike the average decays back steeply too, but
+    # that is the spike fading from it, not the model learning faster.
+    lowest = finite.index(min(finite, key=lambda i: smoothed[i])) if finite else 0
+    window = finite[SKIP_FIRST:min(len(finite) - SKIP_LAST, lowest + 1)]
+    if len(window) < 2:
         return None
-    window = finite[SKIP_FIRST:len(finite) - SKIP_LAST]
     slopes = np.gradient(np.array([smoothed[i] for i in window]), np.log(np.array([lrs[i] for i in window])))
     return lrs[window[int(np.argmin(slopes))]]
 
@@ -79,7 +82,7 @@ def write(output_dir: str, result: dict, log) -> None:
     picture = plot(output_dir, result)
     lr, n = result["suggestion"], len(result["lrs"])
     said = f"suggested lr {lr:.3g} (the steepest fall of the loss)" if lr else \
-        f"no suggestion: only {n} steps before the loss diverged (lower lr_find.min, or more lr_find.steps)"
+        f"no suggestion: the loss fell for too few steps before it diverged (lower lr_find.min, or more lr_find.steps)"
     log.info(f"lr_find: {said}; {n} steps from {result['lrs'][0]:.3g} to {result['lrs'][-1]:.3g}: {path}"
              + (f", {picture}" if picture else ""))
 

@@ -6,6 +6,7 @@ import math
 
 import main
 from conftest import make_config
+from extras import lr_find
 
 
 def sweep(tmp_path, **dist) -> list[dict]:
@@ -31,7 +32,7 @@ def test_lr_find_sweeps_stops_at_divergence_and_writes_its_files(tmp_path, caplo
     line = [l for l in log.splitlines() if "lr_find: suggested lr" in l]
     assert len(line) == 1, log
     suggested = float(line[0].split("suggested lr ")[1].split()[0])
-    assert lrs[10] <= suggested <= lrs[-2]
+    assert lrs[10] <= suggested <= lrs[smoothed.index(min(smoothed))]  # on the fall, before the divergence
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
@@ -41,3 +42,17 @@ def test_lr_find_under_ddp_records_the_global_loss(tmp_path):
     n = min(len(one), len(two), 60)  # the flat start and the fall: equal to float rounding on the same batches
     for a, b in zip(one[:n], two[:n]):
         assert math.isclose(float(a["loss"]), float(b["loss"]), rel_tol=1e-4), (a, b)
+
+
+def test_the_suggestion_is_on_the_fall_not_where_a_spike_fades_from_the_smoothed_loss():
+    """A spike the smoothed loss stays below 4x its lowest (the sweep goes on): afterwards the average decays
+    steeply towards the ruined model's loss, which is no fall of the loss to suggest."""
+    losses = [2.3] * 20 + [2.3 - 0.05 * i for i in range(30)] + [80.0] + [3.0] * 30
+    lrs = [1e-6 * 1.2 ** i for i in range(len(losses))]
+    average, smoothed = 0.0, []
+    for i, loss in enumerate(losses):
+        average = lr_find.SMOOTHING * average + (1 - lr_find.SMOOTHING) * loss
+        smoothed.append(average / (1 - lr_find.SMOOTHING ** (i + 1)))
+    assert max(smoothed) < lr_find.DIVERGED * min(smoothed)
+    assert lrs[20] <= lr_find.suggest(lrs, smoothed) <= lrs[50]
+    assert lr_find.suggest(lrs[:12], smoothed[:12]) is None  # the flat start alone
