@@ -76,8 +76,10 @@ class Trainer:
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
         self.best_metric = self.train_cfg.best_metric or task.best_metric_default
+        # best_metric ema_loss (train.ema_decay: the average's metrics beside the weights') is a loss all the same
+        averaged = self.best_metric.removeprefix("ema_") if cfg.train.ema_decay else self.best_metric
         self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
-            "min" if self.best_metric in task.lower_is_better else "max")
+            "min" if averaged in task.lower_is_better else "max")
         self.pin_memory = self.ctx.device.type == "cuda"  # pinned batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts

@@ -100,6 +100,16 @@ def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
     assert re.search(r"step 4 dev_ema: ", log) and not re.search(r"step 4 dev: ", log)
 
 
+def test_best_metric_ema_loss_picks_the_lowest_loss_of_the_average(tmp_path):
+    cfg = ema_config(tmp_path, 8)
+    run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, best_metric="ema_loss", keep_last=1)), 1)
+    losses = {int(step): float(loss) for step, loss in
+              re.findall(r"step (\d+) dev_ema: loss=(\S+)", open(tmp_path / "logs" / "rank0.log").read())}
+    assert sorted(losses) == [4, 8] and losses[4] != losses[8]
+    meta = json.load(open(tmp_path / "checkpoints" / "step-8" / "meta.json"))
+    assert meta["state"]["best_step"] == min(losses, key=losses.get)
+
+
 @pytest.mark.slow
 def test_under_pipe_each_stage_averages_its_own_layers_as_one_process_does_and_resumes_exactly(tmp_path):
     """2 stages in 2 processes against one process, SGD (as tests/test_pipeline.py: the update follows the
