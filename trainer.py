@@ -447,6 +447,8 @@ class Trainer:
         if self.strategy.scaler and saved["scaler"]:
             self.strategy.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
+        keep = self.train_cfg.keep_best  # resumed with a lower train.keep_best: the ranking's surplus is pruned
+        self.state.best_k = self.state.best_k[:keep] if keep > 1 else []
         self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
