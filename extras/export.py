@@ -267,11 +267,27 @@ class TextLogits(nn.Module):
         return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+class ImageLogits(nn.Module):
+    """A Hugging Face image classifier as a graph of plain tensors: pixel_values -> logits."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, pixel_values):
+        return self.hf(pixel_values=pixel_values).logits
+
+
 def write_onnx(folder: str, task, model) -> str:
     """model.onnx (the classifier, any batch size and, for text, any length), labels.json (its label names, or
-    LABEL_n where the data has none) and, for text, the tokenizer that makes its inputs."""
+    LABEL_n where the data has none) and what makes its inputs: for text the tokenizer, for a Hugging Face image
+    classifier (image_folder) the image processor."""
     text = task.hf_pipeline == "text-classification"
-    if text:
+    hf_images = task.hf_pipeline == "image-classification"
+    if hf_images:
+        net, example, inputs = ImageLogits(task.hf_model(model)), task.example_inputs(), ["pixel_values"]
+        shapes = ({0: torch.export.Dim("batch")},)
+    elif text:
         net = TextLogits(task.hf_model(lora.merged(model)))
         tokenizer = task.hf_tokenizer()
         example = tuple(tokenizer(["an example", "another example to export"], padding=True,
@@ -309,6 +325,12 @@ def write_onnx(folder: str, task, model) -> str:
                 '\nlogits = session.run(["logits"], {"input_ids": enc["input_ids"], '
                 '"attention_mask": enc["attention_mask"]})[0]')
         head = "from transformers import AutoTokenizer\n"
+    elif hf_images:
+        task.hf_image_processor().save_pretrained(folder)  # the resize, crop and normalisation test mode applies
+        feed = ('pixel_values = AutoImageProcessor.from_pretrained(FOLDER)(images, return_tensors="np")'
+                '["pixel_values"]  # images: PIL images\n'
+                'logits = session.run(["logits"], {"pixel_values": pixel_values})[0]')
+        head = "from transformers import AutoImageProcessor\n"
     else:
         feed = (f'logits = session.run(["logits"], {{"images": images}})[0]\n'
                 f'# images: {task.export_config(model)["input"]}, as a float32 numpy array')
