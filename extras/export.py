@@ -76,7 +76,8 @@ def run(cfg: Config, task: Task) -> str:
     model.eval()
     meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
-    print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
+    what = f"the weight average (ema.pt) of {source}" if cfg.test.weights == "ema" else source
+    print(f"exported {what} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest
 
 
@@ -345,6 +346,11 @@ def readme(task, source: str, meta: dict, usage: list[str]) -> str:
     step = meta.get("step")
     metrics = meta.get("metrics") or {}
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    # test.weights ema: the plain dev metrics are the trained weights' (unless train.eval_ema: then no ema_ ones)
+    beside = "; its dev metrics are the ema_ ones" if any(k.startswith("ema_") for k in metrics) else ""
+    average = (f"The weights are the checkpoint's moving average of the trained weights (ema.pt, test.weights: ema)"
+               f"{beside}.\n\n" if task.cfg.test.weights == "ema" else "")
     return (f"# Export of task `{task.cfg.task}`\n\nFrom checkpoint `{os.path.abspath(source)}`"
             + (f" (step {step})" if step is not None else "") + (f"; dev: {shown}" if shown else "") + ".\n\n"
+            + average
             + "\n".join(usage) + "\nFOLDER is this folder's path.\n")

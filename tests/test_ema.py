@@ -82,7 +82,9 @@ def test_test_mode_reads_the_average_with_test_weights_ema(tmp_path, capsys):
                                                                            checkpoint=str(tmp_path / "checkpoints" /
                                                                                           "step-8")))
     assert main.run(test) == 0
-    got = json.load(open(tmp_path / "dev_results.json"))["metrics"]
+    results = json.load(open(tmp_path / "dev_results.json"))
+    assert results["weights"] == "ema"  # (results of the trained weights say "trained")
+    got = results["metrics"]
     assert got["loss"] == pytest.approx(float(last_ema["loss"]), rel=1e-3)
     assert got["accuracy"] == pytest.approx(float(last_ema["accuracy"]), abs=1e-3)
     plain = make_config(tmp_path / "plain", train={"max_steps": 2, "epochs": 0})

@@ -88,6 +88,8 @@ def test_an_image_folder_resnet_as_onnx_gives_the_checkpoints_logits_and_its_ave
         scope = readme_snippet(folder, images=pictures)
         np.testing.assert_allclose(scope["logits"], expected, atol=1e-4)
         assert list(scope["names"].values()) == ["one", "two", "zero"]
+        readme = open(folder / "README.md").read()
+        assert ("moving average of the trained weights (ema.pt" in readme) == (weights == "ema"), readme
         answers[weights] = expected
     assert not np.allclose(answers["trained"], answers["ema"], atol=1e-4)  # the average is another model
 
