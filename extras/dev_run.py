@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from core.launch_env import launcher_env
 from resilience import launcher
 
 # The overrides every stage takes: a 2-step run that evaluates, saves and can be resumed, with no early stop; it
@@ -90,6 +91,13 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
         smaller: tuple[list[str], list[str]] = ([], [])) -> int:
     """Run the stages one after another; 0 when all passed, else the failing stage's exit code. `smaller`: shrunk's
     overrides and their words, after the user's --set values."""
+    env = launcher_env()
+    if env is not None:  # each rank would run its own dev run, whose stages would join the other ranks' as ranks
+        launched_by = "srun" if env["launcher"] == "slurm" else env["launcher"]
+        if env["rank"] == 0:
+            print(f"error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
+                  f"{params} --dev-run` on its own, not under {launched_by}", file=sys.stderr, flush=True)
+        return 2
     folder = tempfile.mkdtemp(prefix="dev-run-")
     print(f"dev run of {params} under its configured strategy, in {folder} (nothing is written to {output_dir})"
           + (f"; shrunk: {', '.join(smaller[1])}" if smaller[1] else ""), flush=True)

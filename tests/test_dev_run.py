@@ -71,6 +71,19 @@ def test_every_stage_resumes_tests_and_exports_the_dev_runs_own_checkpoints_what
         assert (s["train.resume"], s["train.start_over"], s["test.checkpoint"]) == ("auto", "false", "null")
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, capsys):
+    """Each rank would run a dev run of its own, whose stages, seeing torchrun's variables, joined the other
+    ranks' as ranks of one group (in other temporary folders) and failed with gloo's traceback."""
+    monkeypatch.setattr(dev_run.tempfile, "mkdtemp", lambda **kw: pytest.fail("a dev run started"))
+    for name, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    assert dev_run.run("main.py", "parameters.yml", [], "runs/digits", exports=True) == 2
+    said = ["error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
+            "parameters.yml --dev-run` on its own, not under torchrun"]
+    assert capsys.readouterr().err.splitlines() == ([] if rank else said)
+
+
 @pytest.mark.parametrize("preset, strategy, expected", [
     ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
                                                   "train.precision=fp32"]),  # (on a CPU: auto is timed there)
