@@ -107,9 +107,14 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
         if name == "export" and not exports:
             print(f"  {name:<7} skipped: this task does not export", flush=True)
             continue
-        code, seconds, log = stage(main_py, params, overrides + RUN + own
-                                   + [f"output_dir={folder}/run", f"export.dir={folder}/export"],
-                                   os.path.join(folder, f"{name}.log"))
+        try:
+            code, seconds, log = stage(main_py, params, overrides + RUN + own
+                                       + [f"output_dir={folder}/run", f"export.dir={folder}/export"],
+                                       os.path.join(folder, f"{name}.log"))
+        except KeyboardInterrupt:  # Ctrl-C reached the stage too, which ends itself (subprocess.run waits for it)
+            print(f"dev run interrupted (Ctrl-C) in stage {name!r}; the output so far is in {folder}",
+                  file=sys.stderr, flush=True)
+            return 130
         if code == 0 and name == "resume" and not any("resumed from" in line for line in log):
             code, log = 1, log + ["dev run: the resume stage trained, but did not resume from the saved step 2"]
         if code != 0:

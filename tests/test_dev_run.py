@@ -71,6 +71,22 @@ def test_every_stage_resumes_tests_and_exports_the_dev_runs_own_checkpoints_what
         assert (s["train.resume"], s["train.start_over"], s["test.checkpoint"]) == ("auto", "false", "null")
 
 
+def test_ctrl_c_during_a_dev_run_is_one_line_naming_the_stage_and_its_folder(tmp_path, monkeypatch, capsys):
+    """It was KeyboardInterrupt's traceback from inside subprocess.run, and the temporary folder left unnamed."""
+    def stage(main_py, params, overrides, log_path):
+        if os.path.basename(log_path) == "resume.log":
+            raise KeyboardInterrupt
+        return 0, 0.0, []
+    monkeypatch.setattr(dev_run, "stage", stage)
+    assert dev_run.run("main.py", "parameters.yml", [], str(tmp_path / "real"), exports=True) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("dev run interrupted (Ctrl-C) in stage 'resume'; the output so far "
+                                               "is in "), err
+    kept = err[0].rsplit(" ", 1)[-1]
+    assert os.path.isdir(kept)
+    shutil.rmtree(kept)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, capsys):
     """Each rank would run a dev run of its own, whose stages, seeing torchrun's variables, joined the other
