@@ -6,7 +6,8 @@ The run's own Trainer takes `lr_find.steps` optimizer steps on the training batc
 exponentially from `lr_find.min` to `lr_find.max`, and stops once the loss diverges. Each step's loss is the global
 one (summed over every rank, as the training line's), so it runs under any strategy. The suggestion is where the
 smoothed loss falls fastest (the steepest descent against log lr), which is a starting point, not an answer: read
-the plot. Nothing is saved but the two files: the weights are spoiled by the high rates, on purpose.
+the plot. Nothing is saved but the two files: the weights are spoiled by the high rates, on purpose. A stop signal
+(Ctrl-C) or train.time_limit ends the sweep after its step, the files written (exit code 3).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from core import distributed
+from core.errors import Stopped
 
 SMOOTHING = 0.98  # the exponential average of the losses (debiased): a single batch's loss is noisy
 DIVERGED = 4.0  # stop once the smoothed loss is this many times its lowest
@@ -55,6 +57,9 @@ def sweep(trainer) -> dict:
     result = {"lrs": lrs, "losses": losses, "smoothed": smoothed, "suggestion": suggest(lrs, smoothed)}
     if ctx.is_main:
         write(trainer.cfg.output_dir, result, trainer.log)
+    if stop_asked:  # a signal or the time limit, on any rank: exit code 3, as a training run's stop
+        reason = next((r for r in distributed.gather_objects(ctx, trainer.hooks.stop_reason()) if r), "a signal")
+        raise Stopped(f"lr_find stopped by {reason} after {len(lrs)} of {cfg.steps} steps; lr_find.csv holds them")
     return result
 
 

@@ -3,6 +3,8 @@ loss diverges; lr_find.csv and lr_find.png in output_dir, the suggestion in one 
 losses are the global ones, equal to one process's on the same global batches."""
 import csv
 import math
+import os
+import signal
 
 import main
 from conftest import make_config
@@ -56,3 +58,22 @@ def test_the_suggestion_is_on_the_fall_not_where_a_spike_fades_from_the_smoothed
     assert max(smoothed) < lr_find.DIVERGED * min(smoothed)
     assert lrs[20] <= lr_find.suggest(lrs, smoothed) <= lrs[50]
     assert lr_find.suggest(lrs[:12], smoothed[:12]) is None  # the flat start alone
+
+
+def test_ctrl_c_ends_the_sweep_at_its_step_with_its_files_written(tmp_path, monkeypatch):
+    """It was a KeyboardInterrupt anywhere ("interrupted before training (setup)", exit 130), the sweep lost."""
+    from resilience import faults
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    vote, calls = faults.stop_request.vote, []
+
+    def ctrl_c_at_step_20():
+        calls.append(1)
+        if len(calls) == 20:
+            os.kill(os.getpid(), signal.SIGINT)
+        return vote()
+    monkeypatch.setattr(faults.stop_request, "vote", ctrl_c_at_step_20)
+    cfg = make_config(tmp_path, mode="lr_find", lr_find={"min": 1e-6, "max": 1e-3, "steps": 100})
+    assert main.run(cfg) == 3
+    with open(tmp_path / "lr_find.csv") as f:
+        assert len(list(csv.DictReader(f))) == 20
+    assert "lr_find stopped by SIGINT after 20 of 100 steps" in open(tmp_path / "logs" / "rank0.log").read()
