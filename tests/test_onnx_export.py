@@ -61,6 +61,7 @@ def test_a_text_classifier_as_onnx_gives_the_checkpoints_logits_with_its_label_n
     assert list(scope["names"].values()) == task.label_names() and len(scope["names"]) == 2
 
 
+@pytest.mark.slow
 def test_an_image_folder_resnet_as_onnx_gives_the_checkpoints_logits_and_its_average_with_test_weights_ema(tmp_path):
     """image_folder's transformers ResNet, with its image processor beside it; test.weights: ema exports ema.pt."""
     import dataclasses
