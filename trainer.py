@@ -75,9 +75,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
-        self.best_metric = self.train_cfg.best_metric or task.best_metric_default
-        self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
-            "min" if self.best_metric in task.lower_is_better else "max")
+        self.best_metric, self.best_mode = best_by(self.train_cfg.best_metric, self.train_cfg.best_mode, task)
         self.pin_memory = self.ctx.device.type == "cuda"  # pinned batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
@@ -445,6 +443,8 @@ class Trainer:
         if self.strategy.scaler and saved["scaler"]:
             self.strategy.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
+        keep = self.train_cfg.keep_best  # resumed with a lower train.keep_best: the ranking's surplus is pruned
+        self.state.best_k = self.state.best_k[:keep] if keep > 1 else []
         self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
@@ -528,6 +528,13 @@ class Trainer:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()
             self.trackers = None
+
+
+def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:
+    """train.best_metric and train.best_mode as a run applies them: the task's metric by default, auto resolved
+    (ema_loss, train.ema_decay's average's loss beside the weights', is a loss all the same)."""
+    metric = metric or task.best_metric_default
+    return metric, mode if mode != "auto" else ("min" if metric.removeprefix("ema_") in task.lower_is_better else "max")
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).

@@ -9,6 +9,7 @@ next run starts (run_dir.py). Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies/base.Strategy.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
+    ema.pt                   train.ema_decay: the weights' moving average, a whole state dict (core/ema.py)
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),
                              and the size and sha256 of every other file (`files`), checked before loading
                              (checkpoint_io.verify)

@@ -22,12 +22,15 @@ import sys
 import tempfile
 import time
 
+from core.launch_env import launcher_env
 from resilience import launcher
 
-# The overrides every stage takes: a 2-step run that evaluates, saves and can be resumed, with no early stop.
+# The overrides every stage takes: a 2-step run that evaluates, saves and can be resumed, with no early stop; it
+# resumes, tests and exports its own checkpoints (not a train.resume or test.checkpoint path of the real run's).
 RUN = ["train.dev_run=false", "train.epochs=0", "train.max_steps=3", "train.warmup=0", "train.eval_every=1",
        "train.eval_batches=1", "train.save_every=1", "train.patience=0", "train.time_limit=null", "train.profile_steps=null",
-       "train.log_every=1", "log.progress_bar=false"]
+       "train.log_every=1", "log.progress_bar=false", "train.resume=auto", "train.start_over=false",
+       "test.checkpoint=null"]
 STAGES = [  # name, what it checks, its own overrides
     ("train", "2 steps, an evaluation of one batch, a save", ["mode=train", "train.max_steps=2"]),
     ("resume", "from step 2 to step 3", ["mode=train"]),
@@ -88,6 +91,13 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
         smaller: tuple[list[str], list[str]] = ([], [])) -> int:
     """Run the stages one after another; 0 when all passed, else the failing stage's exit code. `smaller`: shrunk's
     overrides and their words, after the user's --set values."""
+    env = launcher_env()
+    if env is not None:  # each rank would run its own dev run, whose stages would join the other ranks' as ranks
+        launched_by = "srun" if env["launcher"] == "slurm" else env["launcher"]
+        if env["rank"] == 0:
+            print(f"error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
+                  f"{params} --dev-run` on its own, not under {launched_by}", file=sys.stderr, flush=True)
+        return 2
     folder = tempfile.mkdtemp(prefix="dev-run-")
     print(f"dev run of {params} under its configured strategy, in {folder} (nothing is written to {output_dir})"
           + (f"; shrunk: {', '.join(smaller[1])}" if smaller[1] else ""), flush=True)
@@ -97,9 +107,14 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
         if name == "export" and not exports:
             print(f"  {name:<7} skipped: this task does not export", flush=True)
             continue
-        code, seconds, log = stage(main_py, params, overrides + RUN + own
-                                   + [f"output_dir={folder}/run", f"export.dir={folder}/export"],
-                                   os.path.join(folder, f"{name}.log"))
+        try:
+            code, seconds, log = stage(main_py, params, overrides + RUN + own
+                                       + [f"output_dir={folder}/run", f"export.dir={folder}/export"],
+                                       os.path.join(folder, f"{name}.log"))
+        except KeyboardInterrupt:  # Ctrl-C reached the stage too, which ends itself (subprocess.run waits for it)
+            print(f"dev run interrupted (Ctrl-C) in stage {name!r}; the output so far is in {folder}",
+                  file=sys.stderr, flush=True)
+            return 130
         if code == 0 and name == "resume" and not any("resumed from" in line for line in log):
             code, log = 1, log + ["dev run: the resume stage trained, but did not resume from the saved step 2"]
         if code != 0:

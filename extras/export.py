@@ -76,7 +76,8 @@ def run(cfg: Config, task: Task) -> str:
     model.eval()
     meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
-    print(f"exported {source} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
+    what = f"the weight average (ema.pt) of {source}" if cfg.test.weights == "ema" else source
+    print(f"exported {what} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest
 
 
@@ -267,11 +268,27 @@ class TextLogits(nn.Module):
         return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+class ImageLogits(nn.Module):
+    """A Hugging Face image classifier as a graph of plain tensors: pixel_values -> logits."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, pixel_values):
+        return self.hf(pixel_values=pixel_values).logits
+
+
 def write_onnx(folder: str, task, model) -> str:
     """model.onnx (the classifier, any batch size and, for text, any length), labels.json (its label names, or
-    LABEL_n where the data has none) and, for text, the tokenizer that makes its inputs."""
+    LABEL_n where the data has none) and what makes its inputs: for text the tokenizer, for a Hugging Face image
+    classifier (image_folder) the image processor."""
     text = task.hf_pipeline == "text-classification"
-    if text:
+    hf_images = task.hf_pipeline == "image-classification"
+    if hf_images:
+        net, example, inputs = ImageLogits(task.hf_model(model)), task.example_inputs(), ["pixel_values"]
+        shapes = ({0: torch.export.Dim("batch")},)
+    elif text:
         net = TextLogits(task.hf_model(lora.merged(model)))
         tokenizer = task.hf_tokenizer()
         example = tuple(tokenizer(["an example", "another example to export"], padding=True,
@@ -309,6 +326,12 @@ def write_onnx(folder: str, task, model) -> str:
                 '\nlogits = session.run(["logits"], {"input_ids": enc["input_ids"], '
                 '"attention_mask": enc["attention_mask"]})[0]')
         head = "from transformers import AutoTokenizer\n"
+    elif hf_images:
+        task.hf_image_processor().save_pretrained(folder)  # the resize, crop and normalisation test mode applies
+        feed = ('pixel_values = AutoImageProcessor.from_pretrained(FOLDER)(images, return_tensors="np")'
+                '["pixel_values"]  # images: PIL images\n'
+                'logits = session.run(["logits"], {"pixel_values": pixel_values})[0]')
+        head = "from transformers import AutoImageProcessor\n"
     else:
         feed = (f'logits = session.run(["logits"], {{"images": images}})[0]\n'
                 f'# images: {task.export_config(model)["input"]}, as a float32 numpy array')
@@ -323,6 +346,11 @@ def readme(task, source: str, meta: dict, usage: list[str]) -> str:
     step = meta.get("step")
     metrics = meta.get("metrics") or {}
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    # test.weights ema: the plain dev metrics are the trained weights' (unless train.eval_ema: then no ema_ ones)
+    beside = "; its dev metrics are the ema_ ones" if any(k.startswith("ema_") for k in metrics) else ""
+    average = (f"The weights are the checkpoint's moving average of the trained weights (ema.pt, test.weights: ema)"
+               f"{beside}.\n\n" if task.cfg.test.weights == "ema" else "")
     return (f"# Export of task `{task.cfg.task}`\n\nFrom checkpoint `{os.path.abspath(source)}`"
             + (f" (step {step})" if step is not None else "") + (f"; dev: {shown}" if shown else "") + ".\n\n"
+            + average
             + "\n".join(usage) + "\nFOLDER is this folder's path.\n")

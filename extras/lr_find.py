@@ -6,7 +6,8 @@ The run's own Trainer takes `lr_find.steps` optimizer steps on the training batc
 exponentially from `lr_find.min` to `lr_find.max`, and stops once the loss diverges. Each step's loss is the global
 one (summed over every rank, as the training line's), so it runs under any strategy. The suggestion is where the
 smoothed loss falls fastest (the steepest descent against log lr), which is a starting point, not an answer: read
-the plot. Nothing is saved but the two files: the weights are spoiled by the high rates, on purpose.
+the plot. Nothing is saved but the two files: the weights are spoiled by the high rates, on purpose. A stop signal
+(Ctrl-C) or train.time_limit ends the sweep after its step, the files written (exit code 3).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from core import distributed
+from core.errors import Stopped
 
 SMOOTHING = 0.98  # the exponential average of the losses (debiased): a single batch's loss is noisy
 DIVERGED = 4.0  # stop once the smoothed loss is this many times its lowest
@@ -55,15 +57,21 @@ def sweep(trainer) -> dict:
     result = {"lrs": lrs, "losses": losses, "smoothed": smoothed, "suggestion": suggest(lrs, smoothed)}
     if ctx.is_main:
         write(trainer.cfg.output_dir, result, trainer.log)
+    if stop_asked:  # a signal or the time limit, on any rank: exit code 3, as a training run's stop
+        reason = next((r for r in distributed.gather_objects(ctx, trainer.hooks.stop_reason()) if r), "a signal")
+        raise Stopped(f"lr_find stopped by {reason} after {len(lrs)} of {cfg.steps} steps; lr_find.csv holds them")
     return result
 
 
 def suggest(lrs: list[float], smoothed: list[float]) -> Optional[float]:
     """The lr where the smoothed loss falls fastest against log lr, the flat start and the divergence left out."""
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
-    if len(finite) < SKIP_FIRST + SKIP_LAST + 2:
+    # The divergence begins at the lowest smoothed loss: after a spike the average decays back steeply too, but
+    # that is the spike fading from it, not the model learning faster.
+    lowest = finite.index(min(finite, key=lambda i: smoothed[i])) if finite else 0
+    window = finite[SKIP_FIRST:min(len(finite) - SKIP_LAST, lowest + 1)]
+    if len(window) < 2:
         return None
-    window = finite[SKIP_FIRST:len(finite) - SKIP_LAST]
     slopes = np.gradient(np.array([smoothed[i] for i in window]), np.log(np.array([lrs[i] for i in window])))
     return lrs[window[int(np.argmin(slopes))]]
 
@@ -79,7 +87,7 @@ def write(output_dir: str, result: dict, log) -> None:
     picture = plot(output_dir, result)
     lr, n = result["suggestion"], len(result["lrs"])
     said = f"suggested lr {lr:.3g} (the steepest fall of the loss)" if lr else \
-        f"no suggestion: only {n} steps before the loss diverged (lower lr_find.min, or more lr_find.steps)"
+        f"no suggestion: the loss fell for too few steps (lower lr_find.min, or more lr_find.steps)"
     log.info(f"lr_find: {said}; {n} steps from {result['lrs'][0]:.3g} to {result['lrs'][-1]:.3g}: {path}"
              + (f", {picture}" if picture else ""))
 

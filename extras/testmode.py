@@ -17,7 +17,8 @@ def test(trainer) -> dict:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
     checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning)
     trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
-    log.info(f"testing {path}")
+    average = cfg.test.weights == "ema"  # (its results must not pass for the trained weights')
+    log.info(f"testing {path}" + (" with its weight average (ema.pt: test.weights ema)" if average else ""))
     results = {}
     for split in cfg.test.splits:
         if trainer.datasets.get(split) is None:
@@ -26,7 +27,7 @@ def test(trainer) -> dict:
         results[split] = trainer.evaluate(split)
         if trainer.ctx.is_main:
             where = os.path.join(cfg.output_dir, f"{split}_results.json")
-            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "split": split,
-                                                  "metrics": results[split]}, indent=2))
+            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "weights": cfg.test.weights,
+                                                  "split": split, "metrics": results[split]}, indent=2))
             log.info(f"wrote {where}")
     return results

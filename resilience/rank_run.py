@@ -32,7 +32,7 @@ class RankRun:
         faults.no_stdin()  # no prompt can wait on, or be answered from, the terminal
         # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        if self.cfg.mode == "train":
+        if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
             faults.stop_request.install(self.cfg.train.stop_signal, config.parse_duration(self.cfg.train.time_limit))
         return self
 

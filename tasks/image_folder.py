@@ -381,7 +381,7 @@ def uses_channels_last(cfg) -> bool:
 # ---- the task ------------------------------------------------------------------------------------------------------
 class ImageFolderTask(Task):
     hf_pipeline = "image-classification"
-    export_formats = ("hf",)
+    export_formats = ("hf", "onnx")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -527,6 +527,9 @@ class ImageFolderTask(Task):
 
     def hf_tokenizer(self):
         return None
+
+    def example_inputs(self) -> tuple:
+        return (torch.zeros(2, 3, self.cfg.data.image_size, self.cfg.data.image_size),)
 
     def hf_image_processor(self):
         from transformers import BitImageProcessorPil

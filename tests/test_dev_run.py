@@ -53,6 +53,53 @@ def test_a_dev_run_names_the_stage_that_fails_and_keeps_its_files(tmp_path, caps
     shutil.rmtree(kept)  # kept for a user to read; a test leaves nothing in the temporary folder
 
 
+def test_every_stage_resumes_tests_and_exports_the_dev_runs_own_checkpoints_whatever_the_config_says(tmp_path,
+                                                                                                   monkeypatch):
+    """A real run's train.resume: false (or a path), start_over and test.checkpoint would make the resume stage
+    fail on a good edit, or test and export the real run's checkpoint instead of the dev run's."""
+    stages = []
+
+    def stage(main_py, params, overrides, log_path):
+        stages.append(dict(item.split("=", 1) for item in overrides))  # the last --set of a key wins
+        return 0, 0.0, ["resumed from step-2"]
+    monkeypatch.setattr(dev_run, "stage", stage)
+    real = tmp_path / "real"
+    user = ["train.resume=false", "train.start_over=true", f"test.checkpoint={real}/checkpoints/step-9"]
+    assert dev_run.run("main.py", os.path.join(ROOT, "parameters.yml"), user, str(real), exports=True) == 0
+    assert [s["mode"] for s in stages] == ["train", "train", "test", "export"]
+    for s in stages:
+        assert (s["train.resume"], s["train.start_over"], s["test.checkpoint"]) == ("auto", "false", "null")
+
+
+def test_ctrl_c_during_a_dev_run_is_one_line_naming_the_stage_and_its_folder(tmp_path, monkeypatch, capsys):
+    """It was KeyboardInterrupt's traceback from inside subprocess.run, and the temporary folder left unnamed."""
+    def stage(main_py, params, overrides, log_path):
+        if os.path.basename(log_path) == "resume.log":
+            raise KeyboardInterrupt
+        return 0, 0.0, []
+    monkeypatch.setattr(dev_run, "stage", stage)
+    assert dev_run.run("main.py", "parameters.yml", [], str(tmp_path / "real"), exports=True) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("dev run interrupted (Ctrl-C) in stage 'resume'; the output so far "
+                                               "is in "), err
+    kept = err[0].rsplit(" ", 1)[-1]
+    assert os.path.isdir(kept)
+    shutil.rmtree(kept)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, capsys):
+    """Each rank would run a dev run of its own, whose stages, seeing torchrun's variables, joined the other
+    ranks' as ranks of one group (in other temporary folders) and failed with gloo's traceback."""
+    monkeypatch.setattr(dev_run.tempfile, "mkdtemp", lambda **kw: pytest.fail("a dev run started"))
+    for name, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    assert dev_run.run("main.py", "parameters.yml", [], "runs/digits", exports=True) == 2
+    said = ["error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
+            "parameters.yml --dev-run` on its own, not under torchrun"]
+    assert capsys.readouterr().err.splitlines() == ([] if rank else said)
+
+
 @pytest.mark.parametrize("preset, strategy, expected", [
     ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
                                                   "train.precision=fp32"]),  # (on a CPU: auto is timed there)

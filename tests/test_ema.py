@@ -82,7 +82,9 @@ def test_test_mode_reads_the_average_with_test_weights_ema(tmp_path, capsys):
                                                                            checkpoint=str(tmp_path / "checkpoints" /
                                                                                           "step-8")))
     assert main.run(test) == 0
-    got = json.load(open(tmp_path / "dev_results.json"))["metrics"]
+    results = json.load(open(tmp_path / "dev_results.json"))
+    assert results["weights"] == "ema"  # (results of the trained weights say "trained")
+    got = results["metrics"]
     assert got["loss"] == pytest.approx(float(last_ema["loss"]), rel=1e-3)
     assert got["accuracy"] == pytest.approx(float(last_ema["accuracy"]), abs=1e-3)
     plain = make_config(tmp_path / "plain", train={"max_steps": 2, "epochs": 0})
@@ -98,6 +100,16 @@ def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
     run(cfg, 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
     assert re.search(r"step 4 dev_ema: ", log) and not re.search(r"step 4 dev: ", log)
+
+
+def test_best_metric_ema_loss_picks_the_lowest_loss_of_the_average(tmp_path):
+    cfg = ema_config(tmp_path, 8)
+    run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, best_metric="ema_loss", keep_last=1)), 1)
+    losses = {int(step): float(loss) for step, loss in
+              re.findall(r"step (\d+) dev_ema: loss=(\S+)", open(tmp_path / "logs" / "rank0.log").read())}
+    assert sorted(losses) == [4, 8] and losses[4] != losses[8]
+    meta = json.load(open(tmp_path / "checkpoints" / "step-8" / "meta.json"))
+    assert meta["state"]["best_step"] == min(losses, key=losses.get)
 
 
 @pytest.mark.slow

@@ -31,6 +31,16 @@ def test_the_k_best_checkpoints_and_the_last_are_kept_across_a_resume(tmp_path):
     assert checkpoint_meta.best_recorded(str(tmp_path)).endswith(f"step-{best3[0]}")  # test mode's best
 
 
+def test_a_resume_with_a_lower_keep_best_prunes_what_the_ranking_no_longer_keeps(tmp_path):
+    run = {"epochs": 0, "eval_every": 1, "save_every": 1, "keep_last": 1, "log_every": 1, "lr": 3e-3}
+    cfg = make_config(tmp_path, train={**run, "max_steps": 10, "keep_best": 1})
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=5, keep_best=3)), 1)
+    assert len(checkpoint.complete_checkpoints(str(tmp_path))) == 3  # the 3 best of 5 (the last among them)
+    train(cfg, 1)
+    best = ranked_best(open(tmp_path / "logs" / "rank0.log").read(), 1, 10)
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == sorted(set(best) | {10})
+
+
 @pytest.mark.parametrize("ranked", ["x", [[0.9, 0.1]], [[float("inf"), 0.1, 1]], [[0.9, 0.1, 99]]])
 def test_a_crafted_ranking_in_meta_json_is_one_line(tmp_path, ranked):
     from conftest import write_checkpoint

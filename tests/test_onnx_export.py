@@ -61,6 +61,40 @@ def test_a_text_classifier_as_onnx_gives_the_checkpoints_logits_with_its_label_n
     assert list(scope["names"].values()) == task.label_names() and len(scope["names"]) == 2
 
 
+@pytest.mark.slow
+def test_an_image_folder_resnet_as_onnx_gives_the_checkpoints_logits_and_its_average_with_test_weights_ema(tmp_path):
+    """image_folder's transformers ResNet, with its image processor beside it; test.weights: ema exports ema.pt."""
+    import dataclasses
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from image_folders import digit_folder
+    from test_image_folder import tiny
+    images = digit_folder(tmp_path / "images", train=8, val=4)
+    cfg = tiny(tmp_path / "run", images, train={"max_steps": 3, "eval_every": 0, "save_every": 0, "ema_decay": 0.5})
+    assert main.run(cfg) == 0
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(images, "val")) for f in fs)[:7]
+    pictures = [Image.open(f) for f in files]  # grayscale PNGs and RGB JPEGs of several sizes
+    answers = {}
+    for weights in ("trained", "ema"):
+        folder = tmp_path / weights
+        cfg = dataclasses.replace(cfg, test=dataclasses.replace(cfg.test, weights=weights))
+        assert export(cfg, format="onnx", dir=str(folder)) == 0
+        pixels = AutoImageProcessor.from_pretrained(folder)(pictures, return_tensors="pt")["pixel_values"]
+        task, model = checkpoint_model(cfg)
+        with torch.no_grad():
+            expected = model(pixel_values=pixels).logits.numpy()
+        for n in (7, 1):  # any batch size
+            np.testing.assert_allclose(onnx_logits(folder, {"pixel_values": pixels[:n].numpy()}), expected[:n],
+                                       atol=1e-4)
+        scope = readme_snippet(folder, images=pictures)
+        np.testing.assert_allclose(scope["logits"], expected, atol=1e-4)
+        assert list(scope["names"].values()) == ["one", "two", "zero"]
+        readme = open(folder / "README.md").read()
+        assert ("moving average of the trained weights (ema.pt" in readme) == (weights == "ema"), readme
+        answers[weights] = expected
+    assert not np.allclose(answers["trained"], answers["ema"], atol=1e-4)  # the average is another model
+
+
 def test_onnx_without_its_packages_is_one_line_naming_the_pip_command(cnn_run, tmp_path, monkeypatch, capsys):
     import importlib.util
     find_spec = importlib.util.find_spec
