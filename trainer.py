@@ -42,6 +42,7 @@ class TrainState:
     best_loss: Optional[float] = None  # the best checkpoint's dev loss: breaks ties of best_value
     evals_without_improvement: int = 0
     best_k: list = field(default_factory=list)  # train.keep_best: [value, dev loss, step] of the k best, best first
+    eval_due: bool = False  # a stop saved this step before its evaluation (Trainer.stop): a resume evaluates it first
 
 
 def finite_or_none(x):
@@ -98,10 +99,16 @@ class Trainer:
         if self.ctx.is_main:  # config.yml, the plan, and the trackers the run reports to
             self.trackers = self.hooks.run_starts(self)
         stream = self.micro_batches()
-        metrics, saved_at, evaluated_at = {}, None, None
+        metrics, saved_at, evaluated_at, stop = {}, None, None, False
+        if state.eval_due:  # the evaluation a stop left out, as the uninterrupted run made it (improved, patience)
+            state.eval_due, metrics, evaluated_at = False, self.evaluate_dev(), state.step
+            improved, stop = self.track_best(metrics)
+            if improved or stop:
+                self.save_checkpoint(metrics)
+                saved_at = state.step
         window = LossWindow(self.ctx, state.step)
         bar = self.progress_bar()
-        while state.step < self.total_steps:
+        while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]  # this rank's micro-batches
@@ -129,10 +136,9 @@ class Trainer:
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
-            if stop:
-                self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
-                              f"in {train_cfg.patience} evaluations")
-                break
+        if stop:
+            self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
+                          f"in {train_cfg.patience} evaluations")
         if bar is not None:
             bar.close()
         self.hooks.phase_starts(state.step, "done")
@@ -205,13 +211,15 @@ class Trainer:
 
     def stop(self, bar) -> None:
         """Every rank asked (or was told) to stop after this step: save, and leave with Stopped. (Called before this
-        step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
+        step's evaluation and save, so the checkpoint has no dev metrics, and is always new; an evaluation due at
+        this step is made by the resumed run first: eval_due.)"""
         reasons = [r for r in distributed.gather_objects(self.ctx, self.hooks.stop_reason()) if r]
         reason = reasons[0] if reasons else "a signal"
         if reason == "time limit":
             reason = f"the time limit (train.time_limit={self.train_cfg.time_limit})"
         if bar is not None:
             bar.close()
+        self.state.eval_due = bool(self.train_cfg.eval_every) and self.state.step % self.train_cfg.eval_every == 0
         self.save_checkpoint({})
         self.finish_save()
         self.close()

@@ -62,7 +62,7 @@ def already_complete(trainer) -> bool:
     """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
     s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
-    done = s.step > 0 and (s.step >= trainer.total_steps or stopped_early)
+    done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
     if done:
         why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
                f"this run ends at step {trainer.total_steps} ({trainer.length_note})")

@@ -23,6 +23,7 @@ from core import config, errors
 from resilience import faults
 from resilience import heartbeat
 import main
+import trainer
 from wiring import checked_config
 
 HOST = socket.gethostname()
@@ -286,6 +287,32 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
             "ends before epochs=") in out
     assert "another output_dir or --set train.start_over=true" in out
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+
+
+def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, monkeypatch):
+    """A stop saves before its step's evaluation (it must be quick); the resumed run makes that evaluation first,
+    so patience counts it: early stopping ends at the uninterrupted run's step, on its parameters."""
+    train = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
+    assert main.run(make_config(tmp_path / "full", train=train)) == 0  # dev flat: stops early at step 15
+    cfg = make_config(tmp_path / "stopped", train=train)
+    train_step = trainer.Trainer.train_step
+
+    def stop_in_step_10(self, batches):  # as a SIGTERM during step 10 does
+        if self.state.step + 1 == 10:
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        return train_step(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_10)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == 0
+    assert "step 10 dev: loss=" in open(tmp_path / "stopped" / "logs" / "rank0.log").read()
+    from core import checkpoint, checkpoint_meta
+    full, resumed = (checkpoint_meta.read(checkpoint.latest(str(tmp_path / run))) for run in ("full", "stopped"))
+    assert full["step"] == resumed["step"] == 15 and full["state"] == resumed["state"]
+    a, b = load_model_state(tmp_path / "full", 15), load_model_state(tmp_path / "stopped", 15)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_time_limit_and_signal_config():
