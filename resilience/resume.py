@@ -19,6 +19,8 @@ def resume_run(trainer) -> bool:
     True: that run was complete, nothing is left to do. Collective."""
     claim_output_dir(trainer)
     which = False if trainer.train_cfg.start_over else trainer.train_cfg.resume
+    if which not in (False, "auto"):
+        which = explicit_or_newer(trainer, which)
     if which == "auto" and not broadcast_object(trainer.ctx, checkpoint.latest(trainer.cfg.output_dir)):
         which = False  # nothing to resume: a fresh run
     return bool(which) and resume(trainer, which)
@@ -33,6 +35,36 @@ def claim_output_dir(trainer) -> None:
     refusal = broadcast_object(trainer.ctx, refusal)
     if refusal:
         raise CheckpointError(refusal)
+
+
+def explicit_or_newer(trainer, path: str) -> str:
+    """train.resume: PATH, started again. Once this run went on from PATH and saved (a stop, then the same command
+    again): "auto", its newest checkpoint. Refused: a later checkpoint that it did not write, which resume, test
+    mode and pruning would take for its own. Collective."""
+    which, refusal = path, None
+    found = checkpoint.complete_checkpoints(trainer.cfg.output_dir) if trainer.ctx.is_main else []
+    if found and not same_path(found[-1][1], path):
+        last_step, last = found[-1]
+        try:
+            saved = (checkpoint_meta.read(last).get("config") or {}).get("train") or {}
+        except Unloadable:
+            saved = {}
+        step = checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        if same_path(saved.get("resume"), path):
+            which = "auto"
+            trainer.log.info(f"train.resume: this run went on from {path} before: resuming its newest checkpoint")
+        elif step and int(step.group(1)) < last_step:
+            refusal = (f"train.resume: {path} is older than {last}, which was not written from it (resume, test "
+                       "mode and pruning would take it for this run's): resume it into another output_dir, or move "
+                       "the later checkpoints aside")
+    which, refusal = broadcast_object(trainer.ctx, (which, refusal))
+    if refusal:
+        raise CheckpointError(refusal)
+    return which
+
+
+def same_path(a, b) -> bool:
+    return isinstance(a, str) and isinstance(b, str) and os.path.abspath(a) == os.path.abspath(b)
 
 
 def resume(trainer, which: str) -> bool:

@@ -315,6 +315,37 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_same_command_goes_on_after_a_stop_under_an_explicit_resume_path(tmp_path, monkeypatch, capsys):
+    """train.resume: PATH, stopped, then the same command: it goes on from its own newest checkpoint (it used to
+    start from PATH again). Going back to PATH beside later checkpoints it did not write is refused (pruning used
+    to delete the step it had just saved, keeping the later ones)."""
+    train = {"max_steps": 12, "eval_every": 0, "save_every": 4, "keep_last": 5}
+    assert main.run(make_config(tmp_path / "full", train=train)) == 0
+    start = str(tmp_path / "full" / "checkpoints" / "step-4")
+    cfg = make_config(tmp_path / "branch", train={**train, "resume": start, "keep_last": 1})
+    train_step = trainer.Trainer.train_step
+
+    def stop_in_step_6(self, batches):  # as a SIGTERM during step 6 does
+        if self.state.step + 1 == 6:
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        return train_step(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_6)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == 0
+    assert f"resumed from {tmp_path}/branch/checkpoints/step-6 at step 6" in capsys.readouterr().out
+    a, b = load_model_state(tmp_path / "full", 12), load_model_state(tmp_path / "branch", 12)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert main.run(make_config(tmp_path / "full", train={**train, "resume": start, "keep_last": 1})) == 2
+    assert capsys.readouterr().err == (f"error: train.resume: {start} is older than {tmp_path}/full/checkpoints/"
+                                       "step-12, which was not written from it (resume, test mode and pruning would "
+                                       "take it for this run's): resume it into another output_dir, or move the "
+                                       "later checkpoints aside\n")
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step-12", "step-4", "step-8"]
+
+
 def test_time_limit_and_signal_config():
     assert config.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
     assert config.parse_duration("05:00") == 300 and config.parse_duration(90) == 90
