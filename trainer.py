@@ -76,9 +76,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.strategy.optimizer, lr_factor_function(
             self.total_steps, self.train_cfg.warmup, self.train_cfg.schedule, self.train_cfg.min_lr_ratio))
         self.state = TrainState()
-        self.best_metric = self.train_cfg.best_metric or task.best_metric_default
-        self.best_mode = self.train_cfg.best_mode if self.train_cfg.best_mode != "auto" else (
-            "min" if self.best_metric in task.lower_is_better else "max")
+        self.best_metric, self.best_mode = best_by(self.train_cfg.best_metric, self.train_cfg.best_mode, task)
         self.pin_memory = self.ctx.device.type == "cuda"  # pinned batches: copies to the GPU are queued, not waited for
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
@@ -536,6 +534,12 @@ class Trainer:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()
             self.trackers = None
+
+
+def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:
+    """train.best_metric and train.best_mode as a run applies them: the task's metric by default, auto resolved."""
+    metric = metric or task.best_metric_default
+    return metric, mode if mode != "auto" else ("min" if metric in task.lower_is_better else "max")
 
 
 # -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).

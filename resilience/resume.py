@@ -11,7 +11,7 @@ from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
-from trainer import TrainState
+from trainer import TrainState, best_by
 
 
 def resume_run(trainer) -> bool:
@@ -86,6 +86,7 @@ def resume(trainer, which: str) -> bool:
         trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
+        best_changes(trainer, saved["train"])
         length_from_position(trainer)
     return already_complete(trainer)
 
@@ -224,6 +225,18 @@ def schedule_changes(trainer, saved: dict) -> None:
     trainer.set_base_lr(t.lr)
     trainer.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
                         f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
+
+
+def best_changes(trainer, saved: dict) -> None:
+    """Resumed with another train.best_metric or best_mode: the best so far was ranked another way, and comparing
+    this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again here."""
+    was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
+    if "best_metric" not in saved or was == (trainer.best_metric, trainer.best_mode):
+        return
+    s = trainer.state
+    s.best_value, s.best_step, s.best_loss, s.evals_without_improvement, s.best_k = None, None, None, 0, []
+    trainer.log.warning(f"resuming with train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} "
+                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step {s.step} on")
 
 
 def length_from_position(trainer) -> None:

@@ -447,6 +447,22 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
 
 
+def test_resuming_with_another_best_metric_ranks_anew_and_says_so(tmp_path, capsys):
+    """The best accuracy so far used to be compared with dev losses (`best dev loss=0.09778`), and patience stopped
+    a run whose loss improved at every evaluation."""
+    train = {"max_steps": 10, "eval_every": 5, "save_every": 0}
+    assert main.run(make_config(tmp_path, train=train)) == 0
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, train={**train, "max_steps": 20, "best_metric": "loss", "patience": 1})) == 0
+    out = capsys.readouterr().out
+    assert ("resuming with train.best_metric accuracy (max) -> loss (min): the best checkpoint and train.patience "
+            "count from step 10 on") in out
+    from core import checkpoint, checkpoint_meta
+    meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
+    assert meta["step"] == 20 and meta["state"]["best_step"] == 20  # the loss went down: no early stop
+    assert meta["state"]["best_value"] == meta["metrics"]["loss"]
+
+
 class DictStore(dict):
     """The two store calls Watchdog._check makes, over a dict of key -> str."""
     def check(self, keys):
