@@ -187,9 +187,9 @@ def load(trainer, path: str) -> dict:
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")
-    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
+    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (the global batch: check_same_run)
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
-                            f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
+                            f"{meta.get('batch_sizes')}: random draws such as dropout's differ from here on")
     return (meta.get("config") or {}).get("train") or {}
 
 

@@ -6,6 +6,7 @@ them: a separate process group, signals sent from outside, stdout/stderr and exi
 import copy
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -461,6 +462,21 @@ def test_resuming_with_another_best_metric_ranks_anew_and_says_so(tmp_path, caps
     meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
     assert meta["step"] == 20 and meta["state"]["best_step"] == 20  # the loss went down: no early stop
     assert meta["state"]["best_value"] == meta["metrics"]["loss"]
+
+
+def test_resuming_with_other_per_rank_batches_takes_the_same_samples_and_says_what_differs(tmp_path, capsys):
+    """The same global batch cut otherwise (here one micro-batch of 32 as two of 16): each step takes the same
+    samples, so the run ends where the uninterrupted one does; the warning used to say the data order changed."""
+    train, model = {"max_steps": 8, "eval_every": 0, "save_every": 4, "keep_last": 5}, {"dropout": 0}
+    assert main.run(make_config(tmp_path / "full", train=train, model=model)) == 0
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
+    capsys.readouterr()
+    resumed = make_config(tmp_path / "resumed", train={**train, "batch_size": 16, "grad_accum_steps": 2}, model=model)
+    assert main.run(resumed) == 0
+    assert ("resuming with per-rank batches [16] instead of [32]: random draws such as dropout's differ from here "
+            "on") in capsys.readouterr().out
+    assert max_diff(load_model_state(tmp_path / "full", 8), load_model_state(tmp_path / "resumed", 8)) < 1e-6
 
 
 class DictStore(dict):
