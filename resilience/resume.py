@@ -86,6 +86,7 @@ def resume(trainer, which: str) -> bool:
         trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
+        training_changes(trainer, saved["train"])
         best_changes(trainer, saved["train"])
         length_from_position(trainer)
     return already_complete(trainer)
@@ -225,6 +226,18 @@ def schedule_changes(trainer, saved: dict) -> None:
     trainer.set_base_lr(t.lr)
     trainer.log.warning(f"resuming with {', '.join(changed)}: the learning-rate schedule changes from step "
                         f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
+
+
+def training_changes(trainer, saved: dict) -> None:
+    """Other train settings that change the run from here on (the optimizer's own: load): said in one line.
+    train.precision auto is not compared: the saved run recorded what auto chose, this one chooses again."""
+    t = trainer.train_cfg
+    keys = ("clip_grad_norm", "ema_decay", "patience") + (("precision",) if trainer.precision_note == t.precision
+                                                          else ())
+    changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in keys if k in saved and saved[k] != getattr(t, k)]
+    if changed:
+        trainer.log.warning(f"resuming with {', '.join(changed)}: the run differs from the saved one's from step "
+                            f"{trainer.state.step} on")
 
 
 def best_changes(trainer, saved: dict) -> None:

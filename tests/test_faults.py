@@ -439,11 +439,13 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
     assert main.run(make_config(tmp_path, train={"max_steps": 4, "eval_every": 0, "schedule": "constant"})) == 0
     capsys.readouterr()
     cfg = make_config(tmp_path, train={"max_steps": 8, "eval_every": 0, "schedule": "constant", "lr": 5e-4,
-                                       "log_every": 1})
+                                       "log_every": 1, "clip_grad_norm": 1.0, "precision": "bf16"})
     assert main.run(cfg) == 0
     out = capsys.readouterr().out
     assert ("resuming with train.lr 0.001 -> 0.0005, train.max_steps 4 -> 8: the learning-rate schedule changes "
             "from step 4 on (now 8 steps in all: max_steps=8 ends before epochs=20)") in out
+    assert ("resuming with train.clip_grad_norm 0.0 -> 1.0, train.precision fp32 -> bf16: the run differs from the "
+            "saved one's from step 4 on") in out  # (they used to change it silently)
     import conftest
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
 
