@@ -11,6 +11,7 @@ import pytest
 from conftest import make_config, slow
 
 from core import checkpoint
+from core.errors import ConfigError
 
 from core import checkpoint_meta
 from core import checkpoint_io
@@ -40,7 +41,7 @@ def test_a_new_global_batch_continues_the_epoch_from_the_same_sample(first, then
 
 def test_group_by_length_refuses_another_global_batch_mid_epoch():
     sampler = GlobalBatchSampler(100, [8, 8], 0, seed=0, lengths=list(range(100)))
-    with pytest.raises(ValueError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
+    with pytest.raises(ConfigError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
         sampler.epoch_batches(0, start_sample=24)
 
 
