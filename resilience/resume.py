@@ -98,11 +98,12 @@ def already_complete(trainer) -> bool:
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
     if done:
-        why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
-               f"this run ends at step {trainer.total_steps} ({trainer.length_note})")
+        why, longer = (f"it stopped early (train.patience={t.patience})", "raise train.patience (0: never stop early)") \
+            if stopped_early else (f"this run ends at step {trainer.total_steps} ({trainer.length_note})",
+                                   "raise train.max_steps or train.epochs")
         trainer.log.info(f"already complete at step {s.step} ({checkpoint.latest(trainer.cfg.output_dir)}): {why}; "
-                         "nothing to do. To train longer raise train.max_steps or train.epochs; for a new run use "
-                         "another output_dir or --set train.start_over=true")
+                         f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
+                         "train.start_over=true")
     return done
 
 

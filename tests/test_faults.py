@@ -347,6 +347,19 @@ def test_the_same_command_goes_on_after_a_stop_under_an_explicit_resume_path(tmp
     assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step-12", "step-4", "step-8"]
 
 
+def test_a_run_that_stopped_early_says_to_raise_patience_and_goes_on_when_it_is(tmp_path, capsys):
+    """Run again after early stopping, it said to raise train.max_steps, which changes nothing."""
+    train = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
+    assert main.run(make_config(tmp_path, train=train)) == 0  # dev flat: stops early at step 15
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, train={**train, "max_steps": 200})) == 0
+    out = capsys.readouterr().out
+    assert (f"already complete at step 15 ({tmp_path}/checkpoints/step-15): it stopped early (train.patience=2); "
+            "nothing to do. To train longer raise train.patience (0: never stop early); for a new run") in out
+    assert main.run(make_config(tmp_path, train={**train, "patience": 3})) == 0
+    assert "early stopping at step 20: no improvement of accuracy in 3 evaluations" in capsys.readouterr().out
+
+
 def test_time_limit_and_signal_config():
     assert config.parse_duration("1-02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
     assert config.parse_duration("05:00") == 300 and config.parse_duration(90) == 90
