@@ -271,8 +271,8 @@ class Trainer:
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
             raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
                               f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
-        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
-        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
+        from_epochs = ceil_div(micro_batches_in(train_cfg.epochs, sampler.batches_per_epoch()),
+                               train_cfg.grad_accum_steps) if train_cfg.epochs else None
         limits = [(n, f"{key}={value:g}") for n, key, value in (
             (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
                   if n is not None]
@@ -534,6 +534,16 @@ class Trainer:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()
             self.trackers = None
+
+
+def micro_batches_in(epochs: float, per_epoch: int) -> int:
+    """The micro-batches of `epochs` epochs, a started one counted whole: 1.1 x 40 is 44 (float says
+    44.00000000000001, whose ceil is 45). The run's length and resume's recount (resume.py) both use it."""
+    return math.ceil(round(epochs * per_epoch, 6))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:

@@ -2,7 +2,6 @@
 this run, restored into the Trainer. The Trainer calls it first thing in train() (its resume hook: wiring.RunHooks)."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict
 from typing import Callable, Optional
@@ -11,7 +10,7 @@ from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
-from trainer import TrainState, best_by
+from trainer import TrainState, best_by, ceil_div, micro_batches_in
 
 
 def resume_run(trainer) -> bool:
@@ -263,7 +262,7 @@ def length_from_position(trainer) -> None:
     per_epoch = sampler.batches_per_epoch()
     left = len(sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
     done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
-    total = s.step + max(0, math.ceil((math.ceil(t.epochs * per_epoch) - done) / t.grad_accum_steps))
+    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
     if t.max_steps:
         total = min(total, t.max_steps)
     if total == trainer.total_steps:
