@@ -88,11 +88,12 @@ def resume(trainer, which: str) -> bool:
         training_changes(trainer, saved["train"])
         best_changes(trainer, saved["train"])
         length_from_position(trainer)
-    return already_complete(trainer)
+    return already_complete(trainer, path)
 
 
-def already_complete(trainer) -> bool:
-    """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
+def already_complete(trainer, path: Optional[str]) -> bool:
+    """Run again after the end (or after early stopping) of the run `path` continues: say so instead of pretending
+    to train and save."""
     s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
@@ -100,7 +101,7 @@ def already_complete(trainer) -> bool:
         why, longer = (f"it stopped early (train.patience={t.patience})", "raise train.patience (0: never stop early)") \
             if stopped_early else (f"this run ends at step {trainer.total_steps} ({trainer.length_note})",
                                    "raise train.max_steps or train.epochs")
-        trainer.log.info(f"already complete at step {s.step} ({checkpoint.latest(trainer.cfg.output_dir)}): {why}; "
+        trainer.log.info(f"already complete at step {s.step} ({path}): {why}; "
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")
     return done

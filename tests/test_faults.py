@@ -288,6 +288,10 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
             "ends before epochs=") in out
     assert "another output_dir or --set train.start_over=true" in out
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    cfg = make_config(tmp_path / "elsewhere", train={"max_steps": 3, "eval_every": 0,
+                                                     "resume": str(tmp_path / "checkpoints" / "step-3")})
+    assert main.run(cfg) == 0  # the checkpoint it goes on from, not this output_dir's latest (none: it said None)
+    assert f"already complete at step 3 ({tmp_path}/checkpoints/step-3): this run" in capsys.readouterr().out
 
 
 def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, monkeypatch):
