@@ -93,8 +93,8 @@ class EpochBatches:
             # must continue at a whole number of them (a position reached with another global batch is not).
             if start_sample % g and self.count:
                 raise ConfigError("data.group_by_length: a run cannot resume mid-epoch with another global batch "
-                                 "(its batches are made per window of global batches); resume with the global "
-                                 f"batch it was saved with, which had reached sample {start_sample}")
+                                  "(its batches are made per window of global batches); resume with the global "
+                                  f"batch it was saved with, which had reached sample {start_sample}")
             whole = sampler.batches_per_epoch()
             self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, min(whole * g, sampler.n), whole,
                                                   sampler.seed, epoch)
