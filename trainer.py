@@ -43,6 +43,7 @@ class TrainState:
     evals_without_improvement: int = 0
     best_k: list = field(default_factory=list)  # train.keep_best: [value, dev loss, step] of the k best, best first
     eval_due: bool = False  # a stop saved this step before its evaluation (Trainer.stop): a resume evaluates it first
+    bad_steps: int = 0  # the last steps' non-finite gradient norms in a row (count_skipped_update)
 
 
 def finite_or_none(x):
@@ -81,7 +82,6 @@ class Trainer:
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
-        self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (count_skipped_update)
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
@@ -113,7 +113,7 @@ class Trainer:
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
-                self.bad_steps = 0
+                state.bad_steps = 0
                 reports = self.strategy.counts_its_batch  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
                 tokens = run_log.batch_tokens(self.task, batches, reports)
@@ -195,16 +195,16 @@ class Trainer:
         before (every rank sees the same global norm, so all stop at the same step)."""
         if self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
             return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
-        self.bad_steps += 1
-        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.bad_steps} in a "
-                         f"row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
-        if self.bad_steps >= self.train_cfg.max_bad_steps:
+        self.state.bad_steps += 1
+        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.state.bad_steps} in "
+                         f"a row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
+        if self.state.bad_steps >= self.train_cfg.max_bad_steps:
             self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
             distributed.barrier(self.ctx)
             raise Diverged(
-                f"training diverged: {self.bad_steps} steps in a row up to step {self.state.step} had a non-finite "
-                f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
+                f"training diverged: {self.state.bad_steps} steps in a row up to step {self.state.step} had a "
+                f"non-finite gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
                 f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
 
     def stop(self, bar) -> None:

@@ -18,7 +18,7 @@ META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
 META_MAX_BYTES = 16 << 20  # a real one is a few KB (it holds the config)
 META_MAX_DEPTH = 32  # a real one nests 4 deep; deeper JSON makes json.load and any recursive reader overflow
 MAX_COUNT = 2 ** 53  # steps, epochs, batches: far beyond any run, and exact as a float
-STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_improvement")  # TrainState's counters
+STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_improvement", "bad_steps")  # counters
 
 
 def read(path: str) -> dict:

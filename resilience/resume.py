@@ -98,9 +98,11 @@ def already_complete(trainer, path: Optional[str]) -> bool:
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
     if done:
-        why, longer = (f"it stopped early (train.patience={t.patience})", "raise train.patience (0: never stop early)") \
-            if stopped_early else (f"this run ends at step {trainer.total_steps} ({trainer.length_note})",
-                                   "raise train.max_steps or train.epochs")
+        why, longer = (f"this run ends at step {trainer.total_steps} ({trainer.length_note})",
+                       "raise train.max_steps or train.epochs")
+        if stopped_early:
+            why = f"it stopped early (train.patience={t.patience})"
+            longer = "raise train.patience (0: never stop early)"
         trainer.log.info(f"already complete at step {s.step} ({path}): {why}; "
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")

@@ -441,6 +441,31 @@ def test_nan_is_never_best(tmp_path):
     assert tr.state.best_value == 0.5
 
 
+def test_a_stop_amid_non_finite_steps_resumes_their_count(tmp_path, monkeypatch):
+    """Steps 3-6 are NaN, max_bad_steps 3: the run diverges at step 5. Stopped after step 4, the resumed run used to
+    count again from 0, get past the bad steps and train on to the end."""
+    cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, "max_bad_steps": 3})
+    train_step = trainer.Trainer.train_step
+
+    def nan_in_steps_3_to_6(self, batches):
+        step, loss_sum = self.state.step + 1, self.task.loss_sum
+        if step == 4:  # as a SIGTERM during step 4 does (the resumed run starts at step 5)
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        if 3 <= step <= 6:
+            self.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
+        try:
+            return train_step(self, batches)
+        finally:
+            self.task.loss_sum = loss_sum
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", nan_in_steps_3_to_6)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == errors.EXIT_DIVERGED
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert "training diverged: 3 steps in a row up to step 5 had a non-finite gradient norm" in log
+
+
 @pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
     out = tmp_path / "run"
