@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from core import data_order
+from core.errors import ConfigError
 
 
 def split_proportional(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
@@ -91,9 +92,9 @@ class EpochBatches:
             # Length groups are made per window of global batches counted from the epoch's start: a resumed epoch
             # must continue at a whole number of them (a position reached with another global batch is not).
             if start_sample % g and self.count:
-                raise ValueError("data.group_by_length: a run cannot resume mid-epoch with another global batch "
-                                 "(its batches are made per window of global batches); resume with the global "
-                                 f"batch it was saved with, which had reached sample {start_sample}")
+                raise ConfigError("data.group_by_length: a run cannot resume mid-epoch with another global batch "
+                                  "(its batches are made per window of global batches); resume with the global "
+                                  f"batch it was saved with, which had reached sample {start_sample}")
             whole = sampler.batches_per_epoch()
             self.groups = data_order.LengthGroups(self.order, sampler.lengths, g, min(whole * g, sampler.n), whole,
                                                   sampler.seed, epoch)

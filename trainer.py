@@ -42,6 +42,8 @@ class TrainState:
     best_loss: Optional[float] = None  # the best checkpoint's dev loss: breaks ties of best_value
     evals_without_improvement: int = 0
     best_k: list = field(default_factory=list)  # train.keep_best: [value, dev loss, step] of the k best, best first
+    eval_due: bool = False  # a stop saved this step before its evaluation (Trainer.stop): a resume evaluates it first
+    bad_steps: int = 0  # the last steps' non-finite gradient norms in a row (count_skipped_update)
 
 
 def finite_or_none(x):
@@ -80,7 +82,6 @@ class Trainer:
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
-        self.bad_steps = 0  # consecutive steps with a non-finite gradient norm (count_skipped_update)
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
@@ -96,17 +97,23 @@ class Trainer:
         if self.ctx.is_main:  # config.yml, the plan, and the trackers the run reports to
             self.trackers = self.hooks.run_starts(self)
         stream = self.micro_batches()
-        metrics, saved_at, evaluated_at = {}, None, None
+        metrics, saved_at, evaluated_at, stop = {}, None, None, False
+        if state.eval_due:  # the evaluation a stop left out, as the uninterrupted run made it (improved, patience)
+            state.eval_due, metrics, evaluated_at = False, self.evaluate_dev(), state.step
+            improved, stop = self.track_best(metrics)
+            if improved or stop:
+                self.save_checkpoint(metrics)
+                saved_at = state.step
         window = LossWindow(self.ctx, state.step)
         bar = self.progress_bar()
-        while state.step < self.total_steps:
+        while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]  # this rank's micro-batches
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
-                self.bad_steps = 0
+                state.bad_steps = 0
                 reports = self.strategy.counts_its_batch  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
                 tokens = run_log.batch_tokens(self.task, batches, reports)
@@ -127,10 +134,9 @@ class Trainer:
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
-            if stop:
-                self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
-                              f"in {train_cfg.patience} evaluations")
-                break
+        if stop:
+            self.log.info(f"early stopping at step {state.step}: no improvement of {self.best_metric} "
+                          f"in {train_cfg.patience} evaluations")
         if bar is not None:
             bar.close()
         self.hooks.phase_starts(state.step, "done")
@@ -189,27 +195,29 @@ class Trainer:
         before (every rank sees the same global norm, so all stop at the same step)."""
         if self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
             return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
-        self.bad_steps += 1
-        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.bad_steps} in a "
-                         f"row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
-        if self.bad_steps >= self.train_cfg.max_bad_steps:
+        self.state.bad_steps += 1
+        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.state.bad_steps} in "
+                         f"a row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
+        if self.state.bad_steps >= self.train_cfg.max_bad_steps:
             self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
             distributed.barrier(self.ctx)
             raise Diverged(
-                f"training diverged: {self.bad_steps} steps in a row up to step {self.state.step} had a non-finite "
-                f"gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
+                f"training diverged: {self.state.bad_steps} steps in a row up to step {self.state.step} had a "
+                f"non-finite gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
                 f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
 
     def stop(self, bar) -> None:
         """Every rank asked (or was told) to stop after this step: save, and leave with Stopped. (Called before this
-        step's evaluation and save, so the checkpoint has no dev metrics, and is always new.)"""
+        step's evaluation and save, so the checkpoint has no dev metrics, and is always new; an evaluation due at
+        this step is made by the resumed run first: eval_due.)"""
         reasons = [r for r in distributed.gather_objects(self.ctx, self.hooks.stop_reason()) if r]
         reason = reasons[0] if reasons else "a signal"
         if reason == "time limit":
             reason = f"the time limit (train.time_limit={self.train_cfg.time_limit})"
         if bar is not None:
             bar.close()
+        self.state.eval_due = bool(self.train_cfg.eval_every) and self.state.step % self.train_cfg.eval_every == 0
         self.save_checkpoint({})
         self.finish_save()
         self.close()
@@ -263,8 +271,8 @@ class Trainer:
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
             raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
                               f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
-        per_epoch = sampler.batches_per_epoch() / train_cfg.grad_accum_steps
-        from_epochs = math.ceil(train_cfg.epochs * per_epoch) if train_cfg.epochs else None
+        from_epochs = ceil_div(micro_batches_in(train_cfg.epochs, sampler.batches_per_epoch()),
+                               train_cfg.grad_accum_steps) if train_cfg.epochs else None
         limits = [(n, f"{key}={value:g}") for n, key, value in (
             (from_epochs, "epochs", train_cfg.epochs), (train_cfg.max_steps or None, "max_steps", train_cfg.max_steps))
                   if n is not None]
@@ -528,6 +536,16 @@ class Trainer:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()
             self.trackers = None
+
+
+def micro_batches_in(epochs: float, per_epoch: int) -> int:
+    """The micro-batches of `epochs` epochs, a started one counted whole: 1.1 x 40 is 44 (float says
+    44.00000000000001, whose ceil is 45). The run's length and resume's recount (resume.py) both use it."""
+    return math.ceil(round(epochs * per_epoch, 6))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:

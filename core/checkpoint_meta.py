@@ -18,7 +18,7 @@ META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
 META_MAX_BYTES = 16 << 20  # a real one is a few KB (it holds the config)
 META_MAX_DEPTH = 32  # a real one nests 4 deep; deeper JSON makes json.load and any recursive reader overflow
 MAX_COUNT = 2 ** 53  # steps, epochs, batches: far beyond any run, and exact as a float
-STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_improvement")  # TrainState's counters
+STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_improvement", "bad_steps")  # counters
 
 
 def read(path: str) -> dict:
@@ -121,6 +121,8 @@ def _meta_problem(meta: dict, name: str) -> str:
     for key in STATE_COUNTS:
         if key in state and not _count(state[key]):
             return f"`state.{key}` is {_shown(state[key])}, not a count from 0 to {MAX_COUNT}"
+    if not isinstance(state.get("eval_due", False), bool):  # (a string would be true)
+        return f"`state.eval_due` is {_shown(state['eval_due'])}, not true or false"
     best_step = state.get("best_step")
     if best_step is not None and not (_count(best_step) and best_step <= step):
         return f"`state.best_step` is {_shown(best_step)}, not a step of this run (0 to {step})"

@@ -268,7 +268,8 @@ class TrainConfig:
     at the next save or at the end. pipe and oss write as usual."""
     resume: Union[str, bool] = "auto"
     """`auto`: continue from the latest complete checkpoint in output_dir if there is one. A path: from that
-    checkpoint. false: start fresh (refused where output_dir holds another run's checkpoints; see start_over)."""
+    checkpoint, then (the same command after a stop) from this run's newest. false: start fresh (refused where
+    output_dir holds another run's checkpoints; see start_over)."""
     start_over: bool = False
     """Start a new run in an output_dir that holds another: the old run is moved aside into
     output_dir/replaced-<date>-<time>/ (nothing deleted). Give it on the command line, once."""

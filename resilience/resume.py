@@ -2,7 +2,6 @@
 this run, restored into the Trainer. The Trainer calls it first thing in train() (its resume hook: wiring.RunHooks)."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict
 from typing import Callable, Optional
@@ -11,7 +10,7 @@ from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
-from trainer import TrainState
+from trainer import TrainState, best_by, ceil_div, micro_batches_in
 
 
 def resume_run(trainer) -> bool:
@@ -19,6 +18,8 @@ def resume_run(trainer) -> bool:
     True: that run was complete, nothing is left to do. Collective."""
     claim_output_dir(trainer)
     which = False if trainer.train_cfg.start_over else trainer.train_cfg.resume
+    if which not in (False, "auto"):
+        which = explicit_or_newer(trainer, which)
     if which == "auto" and not broadcast_object(trainer.ctx, checkpoint.latest(trainer.cfg.output_dir)):
         which = False  # nothing to resume: a fresh run
     return bool(which) and resume(trainer, which)
@@ -33,6 +34,36 @@ def claim_output_dir(trainer) -> None:
     refusal = broadcast_object(trainer.ctx, refusal)
     if refusal:
         raise CheckpointError(refusal)
+
+
+def explicit_or_newer(trainer, path: str) -> str:
+    """train.resume: PATH, started again. Once this run went on from PATH and saved (a stop, then the same command
+    again): "auto", its newest checkpoint. Refused: a later checkpoint that it did not write, which resume, test
+    mode and pruning would take for its own. Collective."""
+    which, refusal = path, None
+    found = checkpoint.complete_checkpoints(trainer.cfg.output_dir) if trainer.ctx.is_main else []
+    if found and not same_path(found[-1][1], path):
+        last_step, last = found[-1]
+        try:
+            saved = (checkpoint_meta.read(last).get("config") or {}).get("train") or {}
+        except Unloadable:
+            saved = {}
+        step = checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        if same_path(saved.get("resume"), path):
+            which = "auto"
+            trainer.log.info(f"train.resume: this run went on from {path} before: resuming its newest checkpoint")
+        elif step and int(step.group(1)) < last_step:
+            refusal = (f"train.resume: {path} is older than {last}, which was not written from it (resume, test "
+                       "mode and pruning would take it for this run's): resume it into another output_dir, or move "
+                       "the later checkpoints aside")
+    which, refusal = broadcast_object(trainer.ctx, (which, refusal))
+    if refusal:
+        raise CheckpointError(refusal)
+    return which
+
+
+def same_path(a, b) -> bool:
+    return isinstance(a, str) and isinstance(b, str) and os.path.abspath(a) == os.path.abspath(b)
 
 
 def resume(trainer, which: str) -> bool:
@@ -54,21 +85,27 @@ def resume(trainer, which: str) -> bool:
         trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
+        training_changes(trainer, saved["train"])
+        best_changes(trainer, saved["train"])
         length_from_position(trainer)
-    return already_complete(trainer)
+    return already_complete(trainer, path)
 
 
-def already_complete(trainer) -> bool:
-    """Run again after the end (or after early stopping): say so instead of pretending to train and save."""
+def already_complete(trainer, path: Optional[str]) -> bool:
+    """Run again after the end (or after early stopping) of the run `path` continues: say so instead of pretending
+    to train and save."""
     s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
-    done = s.step > 0 and (s.step >= trainer.total_steps or stopped_early)
+    done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
     if done:
-        why = (f"it stopped early (train.patience={t.patience})" if stopped_early else
-               f"this run ends at step {trainer.total_steps} ({trainer.length_note})")
-        trainer.log.info(f"already complete at step {s.step} ({checkpoint.latest(trainer.cfg.output_dir)}): {why}; "
-                         "nothing to do. To train longer raise train.max_steps or train.epochs; for a new run use "
-                         "another output_dir or --set train.start_over=true")
+        why, longer = (f"this run ends at step {trainer.total_steps} ({trainer.length_note})",
+                       "raise train.max_steps or train.epochs")
+        if stopped_early:
+            why = f"it stopped early (train.patience={t.patience})"
+            longer = "raise train.patience (0: never stop early)"
+        trainer.log.info(f"already complete at step {s.step} ({path}): {why}; "
+                         f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
+                         "train.start_over=true")
     return done
 
 
@@ -154,9 +191,9 @@ def load(trainer, path: str) -> dict:
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")
-    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:
+    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (the global batch: check_same_run)
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
-                            f"{meta.get('batch_sizes')}: the data order of the current epoch changes")
+                            f"{meta.get('batch_sizes')}: random draws such as dropout's differ from here on")
     return (meta.get("config") or {}).get("train") or {}
 
 
@@ -194,6 +231,30 @@ def schedule_changes(trainer, saved: dict) -> None:
                         f"{trainer.state.step} on (now {trainer.total_steps} steps in all: {trainer.length_note})")
 
 
+def training_changes(trainer, saved: dict) -> None:
+    """Other train settings that change the run from here on (the optimizer's own: load): said in one line.
+    train.precision auto is not compared: the saved run recorded what auto chose, this one chooses again."""
+    t = trainer.train_cfg
+    keys = ("clip_grad_norm", "ema_decay", "patience") + (("precision",) if trainer.precision_note == t.precision
+                                                          else ())
+    changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in keys if k in saved and saved[k] != getattr(t, k)]
+    if changed:
+        trainer.log.warning(f"resuming with {', '.join(changed)}: the run differs from the saved one's from step "
+                            f"{trainer.state.step} on")
+
+
+def best_changes(trainer, saved: dict) -> None:
+    """Resumed with another train.best_metric or best_mode: the best so far was ranked another way, and comparing
+    this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again here."""
+    was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
+    if "best_metric" not in saved or was == (trainer.best_metric, trainer.best_mode):
+        return
+    s = trainer.state
+    s.best_value, s.best_step, s.best_loss, s.evals_without_improvement, s.best_k = None, None, None, 0, []
+    trainer.log.warning(f"resuming with train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} "
+                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step {s.step} on")
+
+
 def length_from_position(trainer) -> None:
     """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
     where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
@@ -204,7 +265,7 @@ def length_from_position(trainer) -> None:
     per_epoch = sampler.batches_per_epoch()
     left = len(sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
     done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
-    total = s.step + max(0, math.ceil((math.ceil(t.epochs * per_epoch) - done) / t.grad_accum_steps))
+    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
     if t.max_steps:
         total = min(total, t.max_steps)
     if total == trainer.total_steps:

@@ -7,10 +7,12 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import make_config, slow
 
 from core import checkpoint
+from core.errors import ConfigError
 
 from core import checkpoint_meta
 from core import checkpoint_io
@@ -40,7 +42,7 @@ def test_a_new_global_batch_continues_the_epoch_from_the_same_sample(first, then
 
 def test_group_by_length_refuses_another_global_batch_mid_epoch():
     sampler = GlobalBatchSampler(100, [8, 8], 0, seed=0, lengths=list(range(100)))
-    with pytest.raises(ValueError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
+    with pytest.raises(ConfigError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
         sampler.epoch_batches(0, start_sample=24)
 
 
@@ -89,6 +91,21 @@ def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     assert checkpoint.latest(str(out)).endswith("step-32")
     end = checkpoint_meta.read(ckpt(out, 32))["state"]
     assert (end["epoch"], end["sample_in_epoch"]) == (0, 1272)  # the whole epoch consumed, once
+
+
+def test_an_epoch_based_length_is_counted_alike_at_the_start_and_at_a_resume(tmp_path, capsys):
+    """1.05 epochs of 40 batches are 42, 14 steps of 3: the run counted 1.05 x (40 / 3) = 14.000000000000002, so
+    15 steps, and a plain resume (nothing changed) recounted 14 and ended elsewhere."""
+    train = {"epochs": 1.05, "grad_accum_steps": 3, "save_every": 5, "optimizer": "adamw", "schedule": "cosine"}
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert run(full, {"strategy": "none"}, 32, **train) == 0
+    assert checkpoint.latest(str(full)).endswith("step-14")
+    resumed_copy(full, resumed, 5)
+    capsys.readouterr()
+    assert run(resumed, {"strategy": "none"}, 32, **train) == 0
+    assert "the run's length is" not in capsys.readouterr().out
+    x, y = checkpoint_io.model_state_dict(ckpt(full, 14)), checkpoint_io.model_state_dict(ckpt(resumed, 14))
+    assert all(torch.equal(x[k], y[k]) for k in x)
 
 
 @pytest.mark.parametrize("layout", [slow({"strategy": "fsdp", "procs_per_node": 2})])

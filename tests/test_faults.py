@@ -6,6 +6,7 @@ them: a separate process group, signals sent from outside, stdout/stderr and exi
 import copy
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from core import config, errors
 from resilience import faults
 from resilience import heartbeat
 import main
+import trainer
 from wiring import checked_config
 
 HOST = socket.gethostname()
@@ -286,6 +288,80 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
             "ends before epochs=") in out
     assert "another output_dir or --set train.start_over=true" in out
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    cfg = make_config(tmp_path / "elsewhere", train={"max_steps": 3, "eval_every": 0,
+                                                     "resume": str(tmp_path / "checkpoints" / "step-3")})
+    assert main.run(cfg) == 0  # the checkpoint it goes on from, not this output_dir's latest (none: it said None)
+    assert f"already complete at step 3 ({tmp_path}/checkpoints/step-3): this run" in capsys.readouterr().out
+
+
+def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, monkeypatch):
+    """A stop saves before its step's evaluation (it must be quick); the resumed run makes that evaluation first,
+    so patience counts it: early stopping ends at the uninterrupted run's step, on its parameters."""
+    train = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
+    assert main.run(make_config(tmp_path / "full", train=train)) == 0  # dev flat: stops early at step 15
+    cfg = make_config(tmp_path / "stopped", train=train)
+    train_step = trainer.Trainer.train_step
+
+    def stop_in_step_10(self, batches):  # as a SIGTERM during step 10 does
+        if self.state.step + 1 == 10:
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        return train_step(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_10)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == 0
+    assert "step 10 dev: loss=" in open(tmp_path / "stopped" / "logs" / "rank0.log").read()
+    from core import checkpoint, checkpoint_meta
+    full, resumed = (checkpoint_meta.read(checkpoint.latest(str(tmp_path / run))) for run in ("full", "stopped"))
+    assert full["step"] == resumed["step"] == 15 and full["state"] == resumed["state"]
+    a, b = load_model_state(tmp_path / "full", 15), load_model_state(tmp_path / "stopped", 15)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_same_command_goes_on_after_a_stop_under_an_explicit_resume_path(tmp_path, monkeypatch, capsys):
+    """train.resume: PATH, stopped, then the same command: it goes on from its own newest checkpoint (it used to
+    start from PATH again). Going back to PATH beside later checkpoints it did not write is refused (pruning used
+    to delete the step it had just saved, keeping the later ones)."""
+    train = {"max_steps": 12, "eval_every": 0, "save_every": 4, "keep_last": 5}
+    assert main.run(make_config(tmp_path / "full", train=train)) == 0
+    start = str(tmp_path / "full" / "checkpoints" / "step-4")
+    cfg = make_config(tmp_path / "branch", train={**train, "resume": start, "keep_last": 1})
+    train_step = trainer.Trainer.train_step
+
+    def stop_in_step_6(self, batches):  # as a SIGTERM during step 6 does
+        if self.state.step + 1 == 6:
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        return train_step(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_6)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == 0
+    assert f"resumed from {tmp_path}/branch/checkpoints/step-6 at step 6" in capsys.readouterr().out
+    a, b = load_model_state(tmp_path / "full", 12), load_model_state(tmp_path / "branch", 12)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert main.run(make_config(tmp_path / "full", train={**train, "resume": start, "keep_last": 1})) == 2
+    assert capsys.readouterr().err == (f"error: train.resume: {start} is older than {tmp_path}/full/checkpoints/"
+                                       "step-12, which was not written from it (resume, test mode and pruning would "
+                                       "take it for this run's): resume it into another output_dir, or move the "
+                                       "later checkpoints aside\n")
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step-12", "step-4", "step-8"]
+
+
+def test_a_run_that_stopped_early_says_to_raise_patience_and_goes_on_when_it_is(tmp_path, capsys):
+    """Run again after early stopping, it said to raise train.max_steps, which changes nothing."""
+    train = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
+    assert main.run(make_config(tmp_path, train=train)) == 0  # dev flat: stops early at step 15
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, train={**train, "max_steps": 200})) == 0
+    out = capsys.readouterr().out
+    assert (f"already complete at step 15 ({tmp_path}/checkpoints/step-15): it stopped early (train.patience=2); "
+            "nothing to do. To train longer raise train.patience (0: never stop early); for a new run") in out
+    assert main.run(make_config(tmp_path, train={**train, "patience": 3})) == 0
+    assert "early stopping at step 20: no improvement of accuracy in 3 evaluations" in capsys.readouterr().out
 
 
 def test_time_limit_and_signal_config():
@@ -365,6 +441,31 @@ def test_nan_is_never_best(tmp_path):
     assert tr.state.best_value == 0.5
 
 
+def test_a_stop_amid_non_finite_steps_resumes_their_count(tmp_path, monkeypatch):
+    """Steps 3-6 are NaN, max_bad_steps 3: the run diverges at step 5. Stopped after step 4, the resumed run used to
+    count again from 0, get past the bad steps and train on to the end."""
+    cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, "max_bad_steps": 3})
+    train_step = trainer.Trainer.train_step
+
+    def nan_in_steps_3_to_6(self, batches):
+        step, loss_sum = self.state.step + 1, self.task.loss_sum
+        if step == 4:  # as a SIGTERM during step 4 does (the resumed run starts at step 5)
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        if 3 <= step <= 6:
+            self.task.loss_sum = lambda model, batch: loss_sum(model, batch) * float("nan")
+        try:
+            return train_step(self, batches)
+        finally:
+            self.task.loss_sum = loss_sum
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", nan_in_steps_3_to_6)
+    assert main.run(cfg) == errors.EXIT_STOPPED
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert main.run(cfg) == errors.EXIT_DIVERGED
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert "training diverged: 3 steps in a row up to step 5 had a non-finite gradient norm" in log
+
+
 @pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
     out = tmp_path / "run"
@@ -380,13 +481,46 @@ def test_resuming_with_another_lr_or_length_warns_and_uses_the_new_lr(tmp_path, 
     assert main.run(make_config(tmp_path, train={"max_steps": 4, "eval_every": 0, "schedule": "constant"})) == 0
     capsys.readouterr()
     cfg = make_config(tmp_path, train={"max_steps": 8, "eval_every": 0, "schedule": "constant", "lr": 5e-4,
-                                       "log_every": 1})
+                                       "log_every": 1, "clip_grad_norm": 1.0, "precision": "bf16"})
     assert main.run(cfg) == 0
     out = capsys.readouterr().out
     assert ("resuming with train.lr 0.001 -> 0.0005, train.max_steps 4 -> 8: the learning-rate schedule changes "
             "from step 4 on (now 8 steps in all: max_steps=8 ends before epochs=20)") in out
+    assert ("resuming with train.clip_grad_norm 0.0 -> 1.0, train.precision fp32 -> bf16: the run differs from the "
+            "saved one's from step 4 on") in out  # (they used to change it silently)
     import conftest
     assert conftest.logged(tmp_path, "lr")[-4:] == [5e-4] * 4
+
+
+def test_resuming_with_another_best_metric_ranks_anew_and_says_so(tmp_path, capsys):
+    """The best accuracy so far used to be compared with dev losses (`best dev loss=0.09778`), and patience stopped
+    a run whose loss improved at every evaluation."""
+    train = {"max_steps": 10, "eval_every": 5, "save_every": 0}
+    assert main.run(make_config(tmp_path, train=train)) == 0
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, train={**train, "max_steps": 20, "best_metric": "loss", "patience": 1})) == 0
+    out = capsys.readouterr().out
+    assert ("resuming with train.best_metric accuracy (max) -> loss (min): the best checkpoint and train.patience "
+            "count from step 10 on") in out
+    from core import checkpoint, checkpoint_meta
+    meta = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))
+    assert meta["step"] == 20 and meta["state"]["best_step"] == 20  # the loss went down: no early stop
+    assert meta["state"]["best_value"] == meta["metrics"]["loss"]
+
+
+def test_resuming_with_other_per_rank_batches_takes_the_same_samples_and_says_what_differs(tmp_path, capsys):
+    """The same global batch cut otherwise (here one micro-batch of 32 as two of 16): each step takes the same
+    samples, so the run ends where the uninterrupted one does; the warning used to say the data order changed."""
+    train, model = {"max_steps": 8, "eval_every": 0, "save_every": 4, "keep_last": 5}, {"dropout": 0}
+    assert main.run(make_config(tmp_path / "full", train=train, model=model)) == 0
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
+    capsys.readouterr()
+    resumed = make_config(tmp_path / "resumed", train={**train, "batch_size": 16, "grad_accum_steps": 2}, model=model)
+    assert main.run(resumed) == 0
+    assert ("resuming with per-rank batches [16] instead of [32]: random draws such as dropout's differ from here "
+            "on") in capsys.readouterr().out
+    assert max_diff(load_model_state(tmp_path / "full", 8), load_model_state(tmp_path / "resumed", 8)) < 1e-6
 
 
 class DictStore(dict):
