@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from core import checkpoint_hashes, checkpoint_signing, disk_errors
 from core.distributed import DistContext, broadcast_object, gather_objects
-from core.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
+REPLACED_DIR = re.compile(r"^\.tmp-(step-\d+)-replaced-")  # a published step-N moved aside as it is saved again
 
 
 NOT_HYPERPARAMETERS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
@@ -155,29 +155,35 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
         meta["signature"] = checkpoint_signing.signature(meta, secret)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2, allow_nan=False)
-    old = None
-    if os.path.lexists(final):
-        # The same step saved again (a stop right after a resume): the old folder is renamed aside first, so a
-        # crash before the rmtree below leaves a temporary name the next run's run_dir.clean_stale removes.
-        old = os.path.join(os.path.dirname(final), f".tmp-step-{os.path.basename(final)[5:]}-replaced-"
-                                                    f"{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    durable_rename(tmp, final)
-    if old is not None:
-        os.unlink(old) if os.path.islink(old) else shutil.rmtree(old)
+    if not os.path.lexists(final):
+        durable_rename(tmp, final)
+        return
+    # The same step saved again (a stop right after a resume). The new folder is on disk before the old one moves
+    # aside, so a crash between the two renames leaves REPLACED_DIR, which run_dir.clean_stale puts back.
+    make_durable(tmp)
+    old = os.path.join(os.path.dirname(final), f".tmp-{os.path.basename(final)}-replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    fsync(os.path.dirname(os.path.abspath(final)))
+    os.unlink(old) if os.path.islink(old) else shutil.rmtree(old)
 
 
 def durable_rename(tmp: str, final: str) -> None:
     """Rename the finished folder `tmp` to `final` so that a power loss never leaves `final` with truncated or
-    empty files: the OS may write the rename to disk before the data. So every file, then every directory (the
-    names of the files in it) is fsynced first, and the parent after (the rename itself). Also used by export.py."""
-    for folder, _, files in os.walk(tmp):
-        for name in files:
-            fsync(os.path.join(folder, name))
-    for folder, _, _ in os.walk(tmp, topdown=False):
-        fsync(folder)
+    empty files: the OS may write the rename to disk before the data. So the folder is made durable first, and the
+    parent fsynced after (the rename itself). Also used by export.py."""
+    make_durable(tmp)
     os.rename(tmp, final)
     fsync(os.path.dirname(os.path.abspath(final)))
+
+
+def make_durable(folder: str) -> None:
+    """fsync every file in `folder`, then every directory (the names of the files in it)."""
+    for path, _, files in os.walk(folder):
+        for name in files:
+            fsync(os.path.join(path, name))
+    for path, _, _ in os.walk(folder, topdown=False):
+        fsync(path)
 
 
 def fsync(path: str) -> None:

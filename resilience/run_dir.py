@@ -21,6 +21,8 @@ from core import checkpoint, trackers
 def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
     """Rank 0, before any rank resumes or saves: clean up, move an old run aside (train.start_over), or return
     the line refusing a fresh start beside another run (None: output_dir is this run's)."""
+    for path in restore_replaced(output_dir):
+        log.warning(f"restored {path}: a save of the same step was interrupted between its two renames")
     for path in clean_stale(output_dir):
         log.info(f"removed {path}: left by an interrupted save or prune")
     if train_cfg.start_over:
@@ -32,6 +34,21 @@ def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
                 "train.resume is false: one folder holds one run; resume it (train.resume=auto), use another "
                 "output_dir, or start over with --set train.start_over=true (moves the old run aside)")
     return None
+
+
+def restore_replaced(output_dir: str) -> list[str]:
+    """A complete step-N moved aside (checkpoint.REPLACED_DIR) with no step-N in its place: the process died between
+    the two renames of a step saved again. Put it back (the new copy, a `.tmp-step-N-*`, then goes with the stale)."""
+    base, restored = checkpoint.root(output_dir), []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        m = checkpoint.REPLACED_DIR.match(name)
+        final = os.path.join(base, m.group(1)) if m else None
+        if m and checkpoint.real_dir(os.path.join(base, name)) and not os.path.lexists(final) and \
+                os.path.isfile(os.path.join(base, name, "meta.json")):
+            os.rename(os.path.join(base, name), final)
+            checkpoint.fsync(base)
+            restored.append(final)
+    return restored
 
 
 def clean_stale(output_dir: str) -> list[str]:

@@ -123,6 +123,42 @@ def test_write_fsyncs_every_file_and_directory_before_the_rename(tmp_path, monke
     assert checkpoint.is_complete(final) and checkpoint_meta.read(final)["step"] == 7
 
 
+def test_a_step_saved_again_survives_a_kill_between_its_two_renames(tmp_path, monkeypatch):
+    """A stop right after a resume saves the same step again: the old step-7 moves aside, the new one takes its
+    name. Killed between the two renames, the next run puts the old one back; the new one is on disk before."""
+    def write(value):
+        return write_checkpoint(str(tmp_path), 7, SINGLE, lambda d: torch.save({"w": torch.full((3,), value)},
+                                                                               os.path.join(d, "model.pt")),
+                                {"step": 7, "state": {}})
+    final = write(1.0)
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+
+    def rename(a, b):
+        events.append(("rename", str(a)))
+        if len([e for e in events if e[0] == "rename"]) == 2:
+            raise SystemExit("killed")  # the new folder is not yet step-7
+        real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SystemExit):
+        write(2.0)
+    monkeypatch.undo()
+    first_rename = next(i for i, (kind, _) in enumerate(events) if kind == "rename")
+    assert events[first_rename][1] == final  # the old one moved aside...
+    new = events[first_rename + 1][1]
+    synced_before = {path for kind, path in events[:first_rename] if kind == "fsync"}
+    assert {os.path.join(new, "model.pt"), os.path.join(new, "meta.json"), new} <= synced_before  # ...once the new is
+    assert not os.path.exists(final) and checkpoint.complete_checkpoints(str(tmp_path)) == []
+    assert run_dir.restore_replaced(str(tmp_path)) == [final]
+    assert run_dir.clean_stale(str(tmp_path)) == [new]
+    assert os.listdir(tmp_path / "checkpoints") == ["step-7"] and checkpoint.is_complete(final)
+    assert torch.load(os.path.join(final, "model.pt"))["w"].tolist() == [1.0] * 3
+    write(3.0)  # and a save that is not interrupted replaces it
+    assert os.listdir(tmp_path / "checkpoints") == ["step-7"]
+    assert torch.load(os.path.join(final, "model.pt"))["w"].tolist() == [3.0] * 3
+
+
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         write_checkpoint(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),
