@@ -11,6 +11,7 @@ next run starts (run_dir.py). Files:
     state.pt                 scheduler, grad scaler, RNG states of every rank
     ema.pt                   train.ema_decay: the weights' moving average, a whole state dict (core/ema.py)
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),
+                             a classifier's class names (`label_names`, checked at every load: checkpoint_io),
                              and the size and sha256 of every other file (`files`), checked before loading
                              (checkpoint_io.verify)
 

@@ -143,11 +143,12 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, export, generate.py;
-    its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded after a
-    `note`; default: a line on stderr)."""
+def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None) -> None:
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, predict, export,
+    generate.py; its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded
+    after a `note`; default: a line on stderr). `label_names`: a classifier's classes now (check_label_names)."""
     verify(path, note=note, cfg=cfg)
+    check_label_names(path, label_names)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
     if cfg is not None and cfg.test.weights == "ema":  # the average train.ema_decay kept, over the weights
@@ -155,6 +156,24 @@ def load_model(model: torch.nn.Module, path: str, cfg=None, note=None) -> None:
             raise CheckpointError(f"test.weights is ema, but {path} holds no weight average (ema.pt): it was "
                                   "written without train.ema_decay")
         ema.load_into(model, load_file(path, "ema.pt"), path)
+
+
+def check_label_names(path: str, names: Optional[list]) -> None:
+    """A classifier's outputs mean the classes it was trained on (meta.json `label_names`): data whose classes were
+    renamed, added or reordered since would put every answer under another name, silently. Refused in one line."""
+    if not names or not os.path.isfile(os.path.join(path, "meta.json")):  # not a classifier; unverified, allowed
+        return
+    saved, now = read_meta(path).get("label_names"), [str(n) for n in names]
+    if saved is None or saved == now:  # (None: written before the names were recorded)
+        return
+    if not isinstance(saved, list) or not all(isinstance(n, str) for n in saved):
+        raise Unloadable(f"{path}/meta.json: unreadable (`label_names` is not a list of names)")
+    i = next(i for i in range(max(len(saved), len(now))) if i >= min(len(saved), len(now)) or saved[i] != now[i])
+    was, named = (repr(side[i]) if i < len(side) else "nothing" for side in (saved, now))
+    listed = ", ".join(saved)
+    raise CheckpointError(f"{path}: trained on {len(saved)} classes, the data now names {len(now)}: output {i} was "
+                          f"{was}, the data names {named}; give the data the classes it was trained on "
+                          f"({listed if len(listed) <= 80 else listed[:77] + '...'}), or train again")
 
 
 def load_state(model: torch.nn.Module, state: dict, path: str) -> None:

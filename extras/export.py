@@ -72,7 +72,7 @@ def run(cfg: Config, task: Task) -> str:
                               "or set test.checkpoint)")
     task.prepare_inference()
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
-    checkpoint_io.load_model(model, source, cfg)  # the loading of test mode and generate.py
+    checkpoint_io.load_model(model, source, cfg, label_names=task.label_names())  # the loading of test mode
     model.eval()
     meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))

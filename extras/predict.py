@@ -27,7 +27,8 @@ def predict(trainer) -> str:
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
     model = trainer.strategy.raw_model
-    checkpoint_io.load_model(model, path, cfg, note=log.warning)  # sizes and sha256 checked first, as test mode
+    # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
+    checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names())
     if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
         raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
     names, dataset = task.predict_inputs(cfg.predict.input)

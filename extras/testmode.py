@@ -15,7 +15,8 @@ def test(trainer) -> dict:
     path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-    checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning)
+    checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,
+                             label_names=trainer.task.label_names())
     trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
     average = cfg.test.weights == "ema"  # (its results must not pass for the trained weights')
     log.info(f"testing {path}" + (" with its weight average (ema.pt: test.weights ema)" if average else ""))

@@ -450,6 +450,17 @@ def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, c
                                 predict={"input": str(tmp_path / "bad.csv")})) == 2
     assert f"error: predict.input: {tmp_path / 'bad.csv'} has no column 'text' (data.text_column) among id, " \
            "sentence" in capsys.readouterr().err
+    # Relabelled data (pos -> good, which sorts first) would answer under swapped names: predict, test mode, export
+    # and a resume refuse it in one line.
+    (tmp_path / "all.csv").write_text("text,label\n" + "".join(f"{t},{'good' if y == 'pos' else y}\n" for t, y in rows))
+    capsys.readouterr()
+    for mode in ("predict", "test", "export", "train"):
+        assert main.run(make_config(tmp_path / "run", **{**run, "train": {**run["train"], "max_steps": 40}},
+                                    mode=mode, predict={"input": str(tmp_path / "new.txt")})) == 2, mode
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "step-30: trained on 2 classes, the data now names " \
+            "2: output 0 was 'neg', the data names 'good'; give the data the classes it was trained on (neg, pos)" \
+            in err[0], (mode, err)
 
 
 def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
