@@ -82,6 +82,7 @@ class Trainer:
         self.autocast = autocast_for(self.ctx.device.type, self.train_cfg.precision)
         self.trackers = None  # rank 0's trackers.Trackers (log.report_to), from hooks.run_starts
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
+        self.resumed_precision = None  # what a resumed run trained in: precision auto keeps it (extras/balance.py)
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
@@ -428,12 +429,12 @@ class Trainer:
     # ---- The Trainer's state, both ways, and what resume and balancing may change -------------------------------
     def state_dict(self) -> dict:
         """What a checkpoint holds besides the model and optimizer (the strategy's files: Strategy.save/load): the
-        scheduler, the loss scaler, this rank's random streams, the progress (data position, best), batch sizes and
-        the weights' average (whole: a collective under fsdp)."""
+        scheduler, the loss scaler, this rank's random streams, the progress (data position, best), batch sizes, the
+        precision (the config's, which meta.json records) and the weights' average (whole: a collective under fsdp)."""
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
                 "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes,
-                "ema": self.ema_state() if self.ema else None}
+                "precision": self.train_cfg.precision, "ema": self.ema_state() if self.ema else None}
 
     def ema_state(self) -> dict:
         """The whole average (a collective under fsdp and pipe); under pipe each stage's part, put together."""
@@ -455,6 +456,7 @@ class Trainer:
         keep = self.train_cfg.keep_best  # resumed with a lower train.keep_best: the ranking's surplus is pruned
         self.state.best_k = self.state.best_k[:keep] if keep > 1 else []
         self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
+        self.resumed_precision = saved.get("precision")  # and precision auto this one
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
         if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here

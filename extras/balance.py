@@ -148,6 +148,9 @@ def cpu_precision(trainer) -> tuple[str, str]:
         return "fp32", (f"auto -> fp32 (CPU with {units[0]}, not measured under {trainer.cfg.dist.strategy}: its "
                         "precision is fixed when it wraps the model, or a forward waits for other ranks; set "
                         "train.precision: bf16 to try it)")
+    if trainer.resumed_precision in ("fp32", "bf16"):  # measured again, a close call could flip it mid-run
+        return trainer.resumed_precision, (f"auto -> {trainer.resumed_precision} (CPU with {units[0]}: the resumed "
+                                           "run's, measured when it started)")
     timings = distributed.gather_objects(trainer.ctx, time_precisions(trainer, trainer.train_cfg.balance_steps))
     return pick_cpu_precision(timings, units[0])
 

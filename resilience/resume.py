@@ -188,7 +188,8 @@ def load(trainer, path: str) -> dict:
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
-                             "batch_sizes": meta.get("batch_sizes"), "ema": ema})
+                             "batch_sizes": meta.get("batch_sizes"), "ema": ema,
+                             "precision": ((meta.get("config") or {}).get("train") or {}).get("precision")})
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")

@@ -80,6 +80,16 @@ def test_without_bf16_units_auto_is_fp32_without_measuring(tmp_path, monkeypatch
             in run_record.plan(t))
 
 
+def test_a_resumed_run_keeps_the_precision_it_trained_in_without_measuring(tmp_path, monkeypatch):
+    """Measured again at a resume, a close call could flip a run between fp32 and bf16 halfway: it keeps its own."""
+    inject(monkeypatch, timings={"fp32": 0.7, "bf16": 0.4})
+    train(make_config(tmp_path, train={**TRAIN, "precision": "auto", "save_every": 3}))
+    inject(monkeypatch, timings=None)  # a measurement now fails the test
+    t = train(make_config(tmp_path, train={**TRAIN, "precision": "auto", "max_steps": 9, "save_every": 3}))
+    assert t.state.step == 9 and t.train_cfg.precision == "bf16" and autocast_dtype(t) == torch.bfloat16
+    assert "precision auto -> bf16 (CPU with AMX: the resumed run's, measured when it started)" in run_record.plan(t)
+
+
 @pytest.mark.parametrize("explicit", ["fp32", "bf16"])
 def test_explicit_precision_is_kept_and_nothing_is_measured(tmp_path, monkeypatch, explicit):
     inject(monkeypatch, timings=None)  # bf16 units present: only the explicit setting stops the measurement
