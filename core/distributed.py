@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from core.errors import ConfigError
+from core.errors import ConfigError, UserError, first_line
 
 
 @dataclass
@@ -47,8 +49,10 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[str] = None) -> DistContext:
-    """Join the process group (strategies that need one) and return this process's context."""
+def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[str] = None,
+         waiting: Callable[[float, str], None] = lambda seconds, where: None) -> DistContext:
+    """Join the process group (strategies that need one) and return this process's context. While the ranks meet,
+    `waiting(seconds so far, where)` is called every half second (it may raise: a stop signal, resilience/)."""
     d = cfg.dist
     if d.strategy in ("none", "dp"):
         return DistContext(0, 1, 0, pick_device(d.device, local_rank), None)
@@ -65,9 +69,38 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
             rendezvous = d.init_method
         else:
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=d.timeout_s))
+    try:
+        while_waiting(lambda: dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
+                                                      timeout=datetime.timedelta(seconds=d.timeout_s)),
+                      lambda seconds: waiting(seconds, rendezvous), device)
+    except (dist.DistStoreError, dist.DistNetworkError) as e:  # a node not started, or another address or port
+        fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same dist.master_addr and "
+               "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
+        raise UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
+                        f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s") from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
+
+
+def while_waiting(join: Callable[[], None], waiting: Callable[[float], None], device: torch.device) -> None:
+    """join() in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the wait for
+    the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later."""
+    failed: list = []
+
+    def run():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # (the current GPU is the thread's own)
+            join()
+        except BaseException as e:
+            failed.append(e)
+    thread, start = threading.Thread(target=run, name="join-process-group", daemon=True), time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        if thread.is_alive():
+            waiting(time.monotonic() - start)
+    if failed:
+        raise failed[0]
 
 
 def share_cores(ctx: DistContext, local_procs: int) -> str:

@@ -14,6 +14,7 @@ from core.run_log import setup_logging
 from resilience import faults, heartbeat, resource_errors
 from resilience.faults import HOST, report
 
+WAIT_SAID_AFTER_S = 10  # a wait for the other ranks this long is said: a node not started yet, or mistyped
 
 class RankRun:
     """`with RankRun(cfg, place) as rank:` the rank's work, which calls rank.join_group() for its process group and
@@ -25,6 +26,7 @@ class RankRun:
         self.ctx: Optional[distributed.DistContext] = None
         self.watchdog: Optional[heartbeat.Watchdog] = None
         self.code: Optional[int] = None
+        self.wait_said = False  # the line saying this rank waits for the others (waiting)
 
     def __enter__(self) -> "RankRun":
         faults.progress.rank = self.place.rank
@@ -43,10 +45,22 @@ class RankRun:
         log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
-        self.ctx = distributed.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous)
+        self.ctx = distributed.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx
+
+    def waiting(self, seconds: float, where: str) -> None:
+        """Called every half second while this rank waits for the others to join: a stop signal ends the wait (and
+        the run) at once, and a long wait is said once, on the console too."""
+        reason = faults.stop_request.reason
+        if reason is not None:
+            raise Stopped(f"stopped by {reason} while rank {self.place.rank} on {HOST} waited {seconds:.0f} s for the "
+                          f"other ranks at {where}: nothing was trained")
+        if seconds >= WAIT_SAID_AFTER_S and not self.wait_said:
+            self.wait_said = True
+            report.log.info(f"rank {self.place.rank} on {HOST}: waiting for the other ranks at {where} (up to "
+                            f"dist.timeout_s={self.cfg.dist.timeout_s} s; {self.place.world} ranks in all)")
 
     def finished(self) -> None:
         """The rank's work is done: wait for all ranks before any closes its connections (else gloo can abort at

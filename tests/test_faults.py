@@ -138,6 +138,46 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
+def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path):
+    """The wait for the other ranks runs beside this thread (distributed.while_waiting): `waiting` is called during it
+    and may leave at once (a stop signal), and ranks that never meet are a UserError naming where and the fix."""
+    from core import distributed
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3})
+    seen = []
+
+    def waiting(seconds, where):
+        seen.append(where)
+        if seconds > 1:
+            raise errors.Stopped("left")
+    start = time.monotonic()
+    with pytest.raises(errors.Stopped):  # rank 0 of 2, alone: it would wait dist.timeout_s
+        distributed.init(cfg, 0, 2, 0, waiting=waiting)
+    assert time.monotonic() - start < 2.5 and seen[0] == f"tcp://127.0.0.1:{cfg.dist.master_port}"
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
+                                      "node_rank": 1, "master_addr": "127.0.0.1"})  # (another free port)
+    with pytest.raises(errors.UserError, match=rf"^rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:"
+                                               rf"{cfg.dist.master_port} within dist.timeout_s=3 \(Dist\w+Error: "
+                                               r".*\); start all 2 nodes \(dist.node_rank 0 to 1\) with the same "
+                                               r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
+        distributed.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_node_0_waits_for_node_1_stops_at_once(tmp_path):
+    """Node 1 never comes: node 0 says it waits, and Ctrl-C ends it at once (was: after dist.timeout_s, a traceback)."""
+    out = tmp_path / "run"
+    proc = start(out, "--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", procs=1)
+    wait_for_log(out, 0, r"waiting for the other ranks at tcp://127.0.0.1:\d+ \(up to dist.timeout_s=1800 s; 2 ranks")
+    signalled = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    code, stdout, stderr = finish(proc)
+    assert code == errors.EXIT_STOPPED and time.monotonic() - signalled < 10, stderr
+    assert re.search(rf"^stopped by SIGINT while rank 0 on {HOST} waited \d+ s for the other ranks at "
+                     r"tcp://127.0.0.1:\d+: nothing was trained$", stdout + stderr, re.M), stdout + stderr
+    assert "Traceback" not in stderr
+
+
 # ==============================================================================================================
 # A crashing, dying, freezing or hanging rank: reported once by rank, host and step; the run ends fast
 # ==============================================================================================================
