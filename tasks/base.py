@@ -27,6 +27,8 @@ class Task:
     """False: train.compile is refused on a CPU (torch 2.13's inductor computes wrong gradients for the model)."""
     generates_text = False
     """True: generate.py samples from this task's checkpoints (the run's closing lines say how)."""
+    has_lengths = False
+    """True: lengths() gives each sample's length, which data.group_by_length batches by (refused elsewhere)."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole Config: tasks read cfg.data and cfg.model
@@ -130,7 +132,7 @@ class Task:
         return self.cfg.data.data_dir
 
     def lengths(self, dataset: Dataset) -> Optional[list[int]]:
-        """Per-sample lengths for `data.group_by_length` (None: the task has no notion of length)."""
+        """Per-sample lengths for `data.group_by_length` (a task that has them says so: has_lengths)."""
         return None
 
     # ---- mode: export (export.py) and generate.py: the trained model outside the training loop ----------------

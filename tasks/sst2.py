@@ -101,6 +101,7 @@ def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
 class SST2Task(Task):
     num_labels = 2  # shards of another label set (scripts/prepare_text.py --labels ...) say how many they have
     names = ("negative", "positive")  # SST-2's TSV: GLUE's 0 and 1; shards: their --labels, or None (numbers only)
+    has_lengths = True  # token sequences, padded per batch: data.group_by_length pads less
 
     def label_names(self):
         return list(self.names) if self.names else None

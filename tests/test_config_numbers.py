@@ -133,6 +133,7 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     (["seed=-1"], "`seed` must be in [0, 4294967295], got -1"),
     (["output_dir=/"], "`output_dir` is the root folder ('/')"),
     (["train.max_steps=-1"], "`train.max_steps` must be >= 0, got -1"),  # was a note on its length first
+    (["data.group_by_length=true"], "`data.group_by_length` is set, but task image has no sample lengths"),  # ignored
 ])
 def test_main_says_a_bad_number_in_one_line_and_exits_2(tmp_path, capsys, sets, words):
     args = ["--params", PARAMS, "--set", f"output_dir={tmp_path / 'run'}"]
