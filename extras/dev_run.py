@@ -7,7 +7,8 @@ Each stage is `python main.py` with the same params file and --set values, plus 
 with an evaluation after the first (one batch), a save, a resume from it, test mode, export where the task exports.
 The overrides lift what a real run rightly refuses in a 2-step trial (a warm-up longer than the run, say), and shrink
 what only costs time (shrunk): 2 samples per rank, one batch per evaluation, LM windows of 64 tokens, at most 2
-micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto; the model,
+micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one timed pass for batch auto, no W&B or
+MLflow run (as Lightning's fast_dev_run: a trial is not reported to a team's tracker); the model,
 the strategy and every stage's code stay the job's, so a GPU-sized preset's dev run also ends in under a minute on a
 CPU. Every stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept
 to read when one failed. Nothing is written to the real output_dir.
@@ -72,6 +73,11 @@ def shrunk(cfg) -> tuple[list[str], list[str]]:
     if cfg.task == "gpt2_lm" and cfg.data.max_length > LM_WINDOW:
         overrides.append(f"data.max_length={LM_WINDOW}")
         said.append(f"window {cfg.data.max_length} -> {LM_WINDOW} tokens")
+    shared = [name for name in cfg.log.report_to if name in ("wandb", "mlflow")]
+    if shared:  # as Lightning's fast_dev_run: a trial makes no run in the team's W&B project or MLflow server
+        kept = [name for name in cfg.log.report_to if name not in shared]
+        overrides.append(f"log.report_to=[{', '.join(kept)}]")
+        said.append(f"no {' or '.join(shared)} run")
     d = cfg.dist
     # Another run holding the port is not the edit's error: the dev run moves to a free one.
     if d.nodes == 1 and d.init_method == "tcp" and launcher.port_in_use("127.0.0.1", d.master_port):

@@ -123,6 +123,16 @@ def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):
     read_config(os.path.join(ROOT, preset), stages)  # the stages' config is valid
 
 
+def test_a_dev_run_reports_to_no_shared_tracker():
+    """W&B and MLflow are left out (a trial makes no run in a team's project); TensorBoard and the CSV stay."""
+    cfg = read_config(os.path.join(ROOT, "parameters.yml"), ["log.report_to=[tensorboard, wandb, csv, mlflow]"])
+    overrides, said = dev_run.shrunk(cfg)
+    assert "log.report_to=[tensorboard, csv]" in overrides and "no wandb or mlflow run" in said
+    kept = [o for o in overrides if o.startswith("log.report_to=")]
+    assert read_config(os.path.join(ROOT, "parameters.yml"), kept).log.report_to == ["tensorboard", "csv"]
+    assert not any(o.startswith("log.") for o in dev_run.shrunk(read_config(os.path.join(ROOT, "parameters.yml")))[0])
+
+
 def test_a_dev_run_takes_a_free_port_when_another_program_holds_the_configured_one():
     """One node over tcp: the stages would all fail with "address already in use"; the dev run moves, and says so."""
     with socket.socket() as held:
