@@ -156,6 +156,8 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
     names = sorted(found["train"])
     if not names:
         raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
+    if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
+        raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
     index = {n: i for i, n in enumerate(names)}
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed

@@ -80,6 +80,9 @@ def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None
     if min_count < 1:
         raise ConfigError(f"data.min_class_count: must be >= 1, got {min_count}")
     counts = Counter(labels)
+    if len(counts) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
+        raise DataError(f"{find_split(data_dir, 'train')}: one class ({labels[0][:40]!r}) in every row; a classifier "
+                        "needs two or more")
     if len(labels) < 10 * len(counts):  # a tiny file: every class is rare
         return
     name, n = min(counts.items(), key=lambda item: (item[1], item[0]))

@@ -42,6 +42,8 @@ def test_check_classes_rules():
     with pytest.raises(DataError, match="class 'b' appears 2 times among 32 rows"):
         check_classes(Data, ["a"] * 30 + ["b"] * 2)
     assert check_classes(Data, ["a", "b", "c"]) == "3 classes: a 1, b 1, c 1"  # a tiny file: every class is rare
+    with pytest.raises(DataError, match=r"one class \('a'\) in every row; a classifier needs two or more"):
+        check_classes(Data, ["a"] * 30)  # (its loss would be 0 from the first step)
     many = check_classes(Data, [f"class-{i}" for i in range(40) for _ in range(10)])
     assert many.startswith("40 classes: class-0 10, ") and many.endswith(", ...") and len(many) < 100
 

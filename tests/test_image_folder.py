@@ -71,7 +71,7 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
-                                  "no dev split", "val without train"])
+                                  "no dev split", "val without train", "one class"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
     dev_fraction = 0.15
@@ -97,6 +97,11 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
             os.rename(os.path.join(root, "train", c), os.path.join(root, c))
         os.rmdir(os.path.join(root, "train"))
         expected = f"{root}/val: a dev folder without train/ beside it; put the training class folders in {root}/train/"
+    elif case == "one class":  # its loss is 0 from the first step
+        for c in ("one", "two"):
+            shutil.rmtree(os.path.join(root, "train", c))
+            shutil.rmtree(os.path.join(root, "val", c))
+        expected = f"{root}/train: one class folder ('zero'); a classifier needs two or more"
     else:  # the class folders alone, a data.dev_fraction of 12 images that rounds to none
         root, dev_fraction = os.path.join(root, "train"), 0.02
         expected = f"{root}: no dev split: data.dev_fraction 0.02 of its 12 images is none; raise data.dev_fraction"
