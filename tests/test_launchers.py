@@ -90,7 +90,8 @@ def test_more_ranks_than_gpus_under_nccl_is_one_line_before_the_ranks_meet(tmp_p
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     gloo = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, backend="gloo"))
     ctx = distributed.init(gloo, rank=1, world_size=2, local_rank=1)
-    assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, "group"])
+    # (set again by the thread that joins the group: the current GPU is each thread's own)
+    assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, torch.device("cuda", 0), "group"])
 
 
 def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatch):
