@@ -334,23 +334,30 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     assert f"already complete at step 3 ({tmp_path}/checkpoints/step-3): this run" in capsys.readouterr().out
 
 
+def run_stopped_in_step(monkeypatch, cfg, step: int) -> int:
+    """main.run(cfg) with a stop request arriving during `step`, as a SIGTERM then does; its exit code."""
+    train_step = trainer.Trainer.train_step
+
+    def stop_in_step(self, batches):
+        if self.state.step + 1 == step:
+            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+        return train_step(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step)
+    try:
+        return main.run(cfg)
+    finally:
+        monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+        monkeypatch.setattr(faults.stop_request, "reason", None)
+
+
 def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, monkeypatch):
     """A stop saves before its step's evaluation (it must be quick); the resumed run makes that evaluation first,
     so patience counts it: early stopping ends at the uninterrupted run's step, on its parameters."""
     train = {"max_steps": 100, "eval_every": 5, "save_every": 0, "patience": 2, "lr": 1e-12, "schedule": "constant"}
     assert main.run(make_config(tmp_path / "full", train=train)) == 0  # dev flat: stops early at step 15
     cfg = make_config(tmp_path / "stopped", train=train)
-    train_step = trainer.Trainer.train_step
-
-    def stop_in_step_10(self, batches):  # as a SIGTERM during step 10 does
-        if self.state.step + 1 == 10:
-            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
-        return train_step(self, batches)
-
-    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_10)
-    assert main.run(cfg) == errors.EXIT_STOPPED
-    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
-    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert run_stopped_in_step(monkeypatch, cfg, 10) == errors.EXIT_STOPPED
     assert main.run(cfg) == 0
     assert "step 10 dev: loss=" in open(tmp_path / "stopped" / "logs" / "rank0.log").read()
     from core import checkpoint, checkpoint_meta
@@ -368,17 +375,7 @@ def test_the_same_command_goes_on_after_a_stop_under_an_explicit_resume_path(tmp
     assert main.run(make_config(tmp_path / "full", train=train)) == 0
     start = str(tmp_path / "full" / "checkpoints" / "step-4")
     cfg = make_config(tmp_path / "branch", train={**train, "resume": start, "keep_last": 1})
-    train_step = trainer.Trainer.train_step
-
-    def stop_in_step_6(self, batches):  # as a SIGTERM during step 6 does
-        if self.state.step + 1 == 6:
-            monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
-        return train_step(self, batches)
-
-    monkeypatch.setattr(trainer.Trainer, "train_step", stop_in_step_6)
-    assert main.run(cfg) == errors.EXIT_STOPPED
-    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
-    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert run_stopped_in_step(monkeypatch, cfg, 6) == errors.EXIT_STOPPED
     assert main.run(cfg) == 0
     assert f"resumed from {tmp_path}/branch/checkpoints/step-6 at step 6" in capsys.readouterr().out
     a, b = load_model_state(tmp_path / "full", 12), load_model_state(tmp_path / "branch", 12)
