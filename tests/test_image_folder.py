@@ -150,11 +150,13 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
            + struct.pack("<HHI4s", 0x0128, 2, 4, b"abc\0") + struct.pack("<I", 0))
     photo.transpose(Image.ROTATE_90).save(root / "train" / "a" / "phone.jpg", quality=90,
                                           exif=b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd)
+    os.makedirs(root / "train" / "b")  # (a classifier needs two classes)
+    photo.save(root / "train" / "b" / "other.png")
     os.makedirs(root / "val" / "a")
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 8
+    assert len(sets["train"]) == 9
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
