@@ -496,6 +496,12 @@ class Trainer:
         self.train_cfg, self.precision_note = self.cfg.train, note
         self.autocast = autocast_for(self.ctx.device.type, precision)
 
+    def rank_anew(self) -> None:
+        """Resumed with another best_metric or best_mode (resume.best_changes): the best so far, patience's count and
+        train.keep_best's ranking start again from this step."""
+        s = self.state
+        s.best_value, s.best_step, s.best_loss, s.evals_without_improvement, s.best_k = None, None, None, 0, []
+
     def set_step(self, step: int) -> None:
         """test mode: the step of the checkpoint evaluated, which its log lines name."""
         self.state.step = step

@@ -166,7 +166,8 @@ def load(trainer, path: str) -> dict:
         reads = f"{', '.join(others)} or {last}" if others else last
         raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
                               f"cannot resume under {trainer.cfg.dist.strategy} (it reads {reads})")
-    was = (meta.get("config") or {}).get("train", {}).get("optimizer", t.optimizer)
+    saved_train = (meta.get("config") or {}).get("train") or {}  # the train section it was saved with
+    was = saved_train.get("optimizer", t.optimizer)
     if str(was).lower() != t.optimizer.lower():  # (any case: adamw is AdamW) its state would fail at step()
         raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {t.optimizer}; resume "
                               f"with {was}, or start over with train.start_over: true")
@@ -189,14 +190,14 @@ def load(trainer, path: str) -> dict:
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
                              "batch_sizes": meta.get("batch_sizes"), "ema": ema,
-                             "precision": ((meta.get("config") or {}).get("train") or {}).get("precision")})
+                             "precision": saved_train.get("precision")})
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (the global batch: check_same_run)
         trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
                             f"{meta.get('batch_sizes')}: random draws such as dropout's differ from here on")
-    return (meta.get("config") or {}).get("train") or {}
+    return saved_train
 
 
 def check_same_run(trainer, path: str, meta: dict) -> None:
@@ -251,10 +252,10 @@ def best_changes(trainer, saved: dict) -> None:
     was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
     if "best_metric" not in saved or was == (trainer.best_metric, trainer.best_mode):
         return
-    s = trainer.state
-    s.best_value, s.best_step, s.best_loss, s.evals_without_improvement, s.best_k = None, None, None, 0, []
+    trainer.rank_anew()
     trainer.log.warning(f"resuming with train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} "
-                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step {s.step} on")
+                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step "
+                        f"{trainer.state.step} on")
 
 
 def length_from_position(trainer) -> None:
