@@ -86,7 +86,7 @@ class Trainer:
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
-        self.ema = WeightAverage(strategy.averaged_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = WeightAverage(strategy.averaged_entries(), cfg.train.ema_decay) if cfg.train.ema_decay else None
 
     # ---- The loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -462,7 +462,10 @@ class Trainer:
         if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here
             self.log.warning("resumed from a checkpoint without a weight average (ema.pt): it starts from its weights")
         if self.ema is not None and saved.get("ema") is not None:
-            self.ema.load_state_dict(saved["ema"], holds_all=not self.strategy.pipelined)
+            new = self.ema.load_state_dict(saved["ema"], holds_all=not self.strategy.pipelined)
+            if new:  # ema.pt of an older version: its average of the running statistics starts here
+                self.log.warning(f"ema.pt averages no buffers ({new[0]}, ...: written before they were averaged): "
+                                 "their average starts from the loaded values")
 
     def apply_lr(self) -> None:
         """Every parameter group's lr as the schedule gives it at this step (after its state or length changed)."""

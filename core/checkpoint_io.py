@@ -143,19 +143,43 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None) -> None:
+def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None) -> str:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, predict, export,
     generate.py; its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded
-    after a `note`; default: a line on stderr). `label_names`: a classifier's classes now (check_label_names)."""
+    after a `note`; default: a line on stderr). `label_names`: a classifier's classes now (check_label_names).
+    Returns which weights it read: trained, or ema (test.weights, weights_to_read)."""
     verify(path, note=note, cfg=cfg)
     check_label_names(path, label_names)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
-    if cfg is not None and cfg.test.weights == "ema":  # the average train.ema_decay kept, over the weights
+    weights = weights_to_read(path, cfg)
+    if weights == "ema":  # the average train.ema_decay kept, over the weights
         if not os.path.isfile(os.path.join(path, "ema.pt")):
             raise CheckpointError(f"test.weights is ema, but {path} holds no weight average (ema.pt): it was "
                                   "written without train.ema_decay")
         ema.load_into(model, load_file(path, "ema.pt"), path)
+    return weights
+
+
+def weights_to_read(path: str, cfg) -> str:
+    """test.weights for this checkpoint. auto: the weights whose dev scores picked the best, i.e. the average
+    where its run picked by it (train.eval_ema, or a best_metric of the average such as ema_loss), as Lightning's
+    weight averaging hands on the average; else the trained weights."""
+    asked = cfg.test.weights if cfg is not None else "trained"
+    if asked != "auto":
+        return asked
+    if not os.path.isfile(os.path.join(path, "ema.pt")) or not os.path.isfile(os.path.join(path, "meta.json")):
+        return "trained"
+    saved = read_meta(path).get("config")
+    train = saved.get("train") if isinstance(saved, dict) else None
+    train = train if isinstance(train, dict) else {}
+    picked_by_average = train.get("eval_ema") is True or str(train.get("best_metric")).startswith("ema_")
+    return "ema" if picked_by_average else "trained"
+
+
+def why_average(cfg) -> str:
+    """Why the weight average was read: asked for, or test.weights auto after a run that picked its best by it."""
+    return "test.weights ema" if cfg.test.weights == "ema" else "test.weights auto: the run picked its best by it"
 
 
 def check_label_names(path: str, names: Optional[list]) -> None:

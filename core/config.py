@@ -457,9 +457,10 @@ class TestConfig:
     """Checkpoint to evaluate in `mode: test`. None: the best checkpoint of output_dir."""
     splits: list = field(default_factory=lambda: ["dev", "test"])
     """Splits to evaluate; each writes `<split>_results.json` into output_dir."""
-    weights: Literal["trained", "ema"] = "trained"
+    weights: Literal["auto", "trained", "ema"] = "auto"
     """Which weights test mode, export and predict read from the checkpoint: the trained ones, or their moving
-    average (ema.pt, written with train.ema_decay)."""
+    average (ema.pt, written with train.ema_decay). auto: the ones that picked the best, i.e. the average where the
+    run picked by it (train.eval_ema, or best_metric ema_loss, ...), else the trained ones."""
 
     def check(self, fail) -> None:
         for split in self.splits:

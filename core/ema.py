@@ -1,5 +1,6 @@
-"""train.ema_decay: an exponential moving average of the trainable parameters (timm's ModelEmaV2, Lightning's
-EMAWeightAveraging), updated after each applied optimizer step: ema = decay * ema + (1 - decay) * weights.
+"""train.ema_decay: an exponential moving average of the trainable parameters and the float buffers saved with them
+(BatchNorm's running statistics), as timm's ModelEmaV2 and Lightning's EMAWeightAveraging keep it, updated after each
+applied optimizer step: ema = decay * ema + (1 - decay) * weights.
 
 Each rank averages the parameters it holds, in their own form: the whole model under none/dp/ddp/oss, its shards
 under fsdp (DTensors: the average of a shard is the shard of the average), its stages' layers under pipe. A
@@ -18,8 +19,8 @@ from core.errors import CheckpointError
 
 
 class WeightAverage:
-    def __init__(self, params: dict[str, nn.Parameter], decay: float):
-        """`params`: the trainable parameters this rank averages, by the names the checkpoint's model uses."""
+    def __init__(self, params: dict[str, torch.Tensor], decay: float):
+        """`params`: the tensors this rank averages (model_parts.averaged_entries), by the checkpoint model's names."""
         self.decay = decay
         self.params = params
         self.average = {name: p.detach().clone() for name, p in self.params.items()}
@@ -47,16 +48,21 @@ class WeightAverage:
         """The whole average on the CPU, on every rank (a collective under fsdp: every rank calls it)."""
         return {name: whole(a).cpu() for name, a in self.average.items()}
 
-    def load_state_dict(self, saved: dict, holds_all: bool = True) -> None:
+    def load_state_dict(self, saved: dict, holds_all: bool = True) -> list[str]:
         """The saved average (ema.pt, checked for this model): each rank takes its part of it. `holds_all` false
-        (pipe): this rank averages some of the model's parameters, and takes those."""
-        if set(saved) != set(self.average) if holds_all else not set(self.average) <= set(saved):
-            odd = sorted((set(self.average) ^ set(saved)) if holds_all else set(self.average) - set(saved))
+        (pipe): this rank averages some of the model's entries, and takes those. Returns the buffers an older ema.pt
+        did not average: their average starts from their loaded values."""
+        buffers = {name for name, p in self.params.items() if not isinstance(p, nn.Parameter)}
+        new = sorted(buffers - set(saved))
+        mine = set(self.average) - set(new)
+        if set(saved) != mine if holds_all else not mine <= set(saved):
+            odd = sorted((mine ^ set(saved)) if holds_all else mine - set(saved))
             raise CheckpointError(f"ema.pt does not fit this model's trainable parameters ({odd[0]}, ...): resume "
                                   "without train.ema_decay, or start over")
         with torch.no_grad():
             for name, a in self.average.items():
-                a.copy_(part_of(saved[name], a))
+                a.copy_(part_of(saved[name], a) if name in saved else self.params[name].detach())
+        return new
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -71,8 +77,9 @@ def part_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def load_into(model: nn.Module, ema: dict, path: str) -> None:
-    """test.weights: ema: the average into a plain model (test mode, export, predict)."""
-    own = dict(model.named_parameters())
+    """test.weights: ema: the average into a plain model (test mode, export, predict); an older ema.pt without the
+    buffers leaves the model's own (model.pt's)."""
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     unknown = [name for name in ema if name not in own]
     if unknown:
         raise CheckpointError(f"{path}/ema.pt does not fit this model ({unknown[0]} is not one of its parameters)")

@@ -33,6 +33,16 @@ def state_to_save(model: torch.nn.Module) -> dict:
     return state
 
 
+def averaged_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """train.ema_decay: what the weight average follows, by the names model.pt uses: the trainable parameters and
+    the floating-point buffers saved beside them (BatchNorm's running statistics, which timm and Lightning average
+    too: the averaged weights are then evaluated with statistics of their own; an integer count is left live)."""
+    saved = set() if trains_part(model) else set(model.state_dict())  # (LoRA saves no buffer)
+    entries = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    entries.update({name: b for name, b in model.named_buffers() if name in saved and b.is_floating_point()})
+    return entries
+
+
 def lora_base_entry(model: torch.nn.Module) -> dict:
     """meta.json's reference to the frozen base the checkpoint's adapters were trained on ({} without LoRA)."""
     return {"lora_base": model.lora_base} if trains_part(model) else {}

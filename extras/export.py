@@ -72,11 +72,11 @@ def run(cfg: Config, task: Task) -> str:
                               "or set test.checkpoint)")
     task.prepare_inference()
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
-    checkpoint_io.load_model(model, source, cfg, label_names=task.label_names())  # the loading of test mode
+    weights = checkpoint_io.load_model(model, source, cfg, label_names=task.label_names())  # as test mode loads
     model.eval()
     meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
-    write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta))
-    what = f"the weight average (ema.pt) of {source}" if cfg.test.weights == "ema" else source
+    write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta, weights))
+    what = f"the weight average (ema.pt) of {source}" if weights == "ema" else source
     print(f"exported {what} ({', '.join(FORMATS[f] for f in formats)}) to {dest}", flush=True)
     return dest
 
@@ -166,12 +166,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-def write(folder: str, task, model, formats: tuple, source: str, meta: dict) -> None:
+def write(folder: str, task, model, formats: tuple, source: str, meta: dict, weights: str) -> None:
     writers = {"hf": write_hf, "state_dict": write_state_dict, "torch_export": write_torch_export,
                "onnx": write_onnx}
     usage = [writers[fmt](folder, task, model) for fmt in formats]
     with open(os.path.join(folder, "README.md"), "w") as f:
-        f.write(readme(task, source, meta, usage))
+        f.write(readme(task, source, meta, usage, weights))
 
 
 def write_labels(config_json: str, names: list[str]) -> None:
@@ -342,14 +342,14 @@ def write_onnx(folder: str, task, model) -> str:
             + '\nnames = json.load(open(FOLDER + "/labels.json"))["id2label"]\n```\n')
 
 
-def readme(task, source: str, meta: dict, usage: list[str]) -> str:
+def readme(task, source: str, meta: dict, usage: list[str], weights: str) -> str:
     step = meta.get("step")
     metrics = meta.get("metrics") or {}
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     # test.weights ema: the plain dev metrics are the trained weights' (unless train.eval_ema: then no ema_ ones)
     beside = "; its dev metrics are the ema_ ones" if any(k.startswith("ema_") for k in metrics) else ""
-    average = (f"The weights are the checkpoint's moving average of the trained weights (ema.pt, test.weights: ema)"
-               f"{beside}.\n\n" if task.cfg.test.weights == "ema" else "")
+    average = (f"The weights are the checkpoint's moving average of the trained weights (ema.pt, "
+               f"{checkpoint_io.why_average(task.cfg)}){beside}.\n\n" if weights == "ema" else "")
     return (f"# Export of task `{task.cfg.task}`\n\nFrom checkpoint `{os.path.abspath(source)}`"
             + (f" (step {step})" if step is not None else "") + (f"; dev: {shown}" if shown else "") + ".\n\n"
             + average

@@ -28,13 +28,14 @@ def predict(trainer) -> str:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
     model = trainer.strategy.raw_model
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
-    checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names())
+    weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names())
     if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
         raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
     names, dataset = task.predict_inputs(cfg.predict.input)
     if not names:
         raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")
-    log.info(f"predicting {len(names)} inputs of {cfg.predict.input} with {path}")
+    average = f" (its weight average, ema.pt: {checkpoint_io.why_average(cfg)})" if weights == "ema" else ""
+    log.info(f"predicting {len(names)} inputs of {cfg.predict.input} with {path}{average}")
     model.eval()
     top, ctx = [], trainer.ctx
     # Under ddp each rank predicts its contiguous piece; gathered in rank order, the pieces are the input order.

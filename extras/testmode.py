@@ -15,11 +15,12 @@ def test(trainer) -> dict:
     path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-    checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,
-                             label_names=trainer.task.label_names())
+    weights = checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,
+                                       label_names=trainer.task.label_names())
     trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
-    average = cfg.test.weights == "ema"  # (its results must not pass for the trained weights')
-    log.info(f"testing {path}" + (" with its weight average (ema.pt: test.weights ema)" if average else ""))
+    # (the results of the average must not pass for the trained weights')
+    log.info(f"testing {path}" + (f" with its weight average (ema.pt: {checkpoint_io.why_average(cfg)})"
+                                  if weights == "ema" else ""))
     results = {}
     for split in cfg.test.splits:
         if trainer.datasets.get(split) is None:
@@ -28,7 +29,8 @@ def test(trainer) -> dict:
         results[split] = trainer.evaluate(split)
         if trainer.ctx.is_main:
             where = os.path.join(cfg.output_dir, f"{split}_results.json")
-            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "weights": cfg.test.weights,
+            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "weights": weights,
                                                   "split": split, "metrics": results[split]}, indent=2))
             log.info(f"wrote {where}")
     return results
+

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from core import distributed
 from core.distributed import DistContext
-from core.model_parts import state_to_save
+from core.model_parts import averaged_entries, state_to_save
 
 
 class Strategy:
@@ -50,9 +50,9 @@ class Strategy:
         when a forward is a collective (sharded parameters, tp) or goes through a pipeline."""
         return not (self.forward_is_collective or self.pipelined)
 
-    def averaged_parameters(self) -> dict[str, nn.Parameter]:
-        """train.ema_decay: the trainable parameters this rank averages, by the names model.pt uses."""
-        return {name: p for name, p in self.raw_model.named_parameters() if p.requires_grad}
+    def averaged_entries(self) -> dict[str, torch.Tensor]:
+        """train.ema_decay: the trainable parameters (and saved float buffers) this rank averages, by model.pt's names."""
+        return averaged_entries(self.raw_model)
 
     @property
     def eval_model(self) -> nn.Module:

@@ -37,6 +37,7 @@ from core.checkpoint_dcp import dcp_load
 from core.distributed import DistContext
 from core.rank_timing import left_as_it_was, synchronize, time_forward_backward
 from core.errors import CheckpointError, DataError
+from core.model_parts import averaged_entries
 from data_loader import split_proportional
 from strategies import mesh as meshes
 from core.optimizers import optimizer_recipe
@@ -342,10 +343,10 @@ class PipeStrategy(Strategy):
     def optimizer_state(self) -> dict:
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
-    def averaged_parameters(self) -> dict[str, nn.Parameter]:
-        """train.ema_decay: this rank's stages' trainable parameters, by whole-model names (each stage its own)."""
-        mine = {id(p) for m in self.stages.values() for p in m.parameters()}
-        return {name: p for name, p in self.full_model.named_parameters() if id(p) in mine and p.requires_grad}
+    def averaged_entries(self) -> dict[str, torch.Tensor]:
+        """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names."""
+        mine = {id(t) for m in self.stages.values() for t in [*m.parameters(), *m.buffers()]}
+        return {name: t for name, t in averaged_entries(self.full_model).items() if id(t) in mine}
 
     def save(self, directory: str) -> None:
         # state_in_dcp_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.

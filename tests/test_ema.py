@@ -84,6 +84,9 @@ def test_test_mode_reads_the_average_with_test_weights_ema(tmp_path, capsys):
     assert main.run(test) == 0
     results = json.load(open(tmp_path / "dev_results.json"))
     assert results["weights"] == "ema"  # (results of the trained weights say "trained")
+    default = dataclasses.replace(test, test=dataclasses.replace(test.test, weights="auto"))
+    assert main.run(default) == 0  # auto: the trained weights picked the best (train.eval_ema false)
+    assert json.load(open(tmp_path / "dev_results.json"))["weights"] == "trained"
     got = results["metrics"]
     assert got["loss"] == pytest.approx(float(last_ema["loss"]), rel=1e-3)
     assert got["accuracy"] == pytest.approx(float(last_ema["accuracy"]), abs=1e-3)
@@ -100,6 +103,16 @@ def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
     run(cfg, 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
     assert re.search(r"step 4 dev_ema: ", log) and not re.search(r"step 4 dev: ", log)
+    # test.weights auto (the default): the weights that picked the best, here the average; asked, the trained ones
+    last_ema = float(re.findall(r"step 4 dev_ema: loss=(\S+)", log)[-1])
+    for asked, read in (("auto", "ema"), ("trained", "trained")):
+        test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(cfg.test, splits=["dev"], weights=asked))
+        assert main.run(test) == 0
+        results = json.load(open(tmp_path / "dev_results.json"))
+        assert results["weights"] == read
+        assert (results["metrics"]["loss"] == pytest.approx(last_ema, rel=1e-3)) == (read == "ema")
+    assert "with its weight average (ema.pt: test.weights auto: the run picked its best by it)" in \
+        open(tmp_path / "logs" / "rank0.log").read()
 
 
 def test_best_metric_ema_loss_picks_the_lowest_loss_of_the_average(tmp_path):
@@ -140,3 +153,39 @@ def test_under_pipe_each_stage_averages_its_own_layers_as_one_process_does_and_r
     assert "resumed from" in open(pipe / "logs" / "rank0.log").read()
     for name, value in averaged.items():
         assert torch.equal(value, ema_at(str(pipe), 6)[name]), name  # bit-exact across the resume
+
+
+def test_batchnorm_statistics_are_averaged_with_the_weights_and_an_older_average_still_resumes(tmp_path, capsys):
+    """A ResNet's running statistics follow the recurrence too (as timm and Lightning average them), so the average is
+    evaluated with statistics of its own; its integer count is not averaged. An ema.pt written before (parameters
+    alone) resumes: the buffers' average starts from the loaded values, said in one line."""
+    from image_folders import digit_folder
+    from test_checkpoint_faults import rehash
+    from test_image_folder import tiny
+    folder = digit_folder(tmp_path / "digits", train=8, val=4)
+    cfg = tiny(tmp_path / "run", folder, train={"max_steps": 4, "save_every": 1, "eval_every": 2, "ema_decay": DECAY,
+                                                 "batch_size": 8})
+    assert main.run(cfg) == 0
+    out = str(tmp_path / "run")
+    averaged = ema_at(out, 4)
+    buffers = [k for k in averaged if k.endswith(("running_mean", "running_var"))]
+    assert buffers and not any(k.endswith("num_batches_tracked") for k in averaged)
+    check_recurrence(out, 1, 4)  # every entry, buffers included
+    assert not all(torch.equal(averaged[k], load_model_state(out, 4)[k]) for k in buffers)
+    dev_ema = re.findall(r"step 4 dev_ema: loss=(\S+)", open(tmp_path / "run" / "logs" / "rank0.log").read())[-1]
+    test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(cfg.test, splits=["dev"], weights="ema"))
+    assert main.run(test) == 0  # the average with its own statistics: the score training logged
+    assert json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]["loss"] == pytest.approx(
+        float(dev_ema), rel=1e-3)
+
+    step3 = os.path.join(out, "checkpoints", "step-3")  # as an older version wrote it: parameters alone
+    torch.save({k: v for k, v in ema_at(out, 3).items() if k not in buffers}, os.path.join(step3, "ema.pt"))
+    rehash(step3)
+    shutil.rmtree(os.path.join(out, "checkpoints", "step-4"))
+    capsys.readouterr()
+    assert main.run(cfg) == 0
+    log = open(tmp_path / "run" / "logs" / "rank0.log").read()
+    assert re.search(r"ema\.pt averages no buffers \(\S*running_mean, \.\.\.", log)
+    resumed, weights3 = ema_at(out, 4), load_model_state(out, 3)
+    for k in buffers:  # started from step 3's statistics, one step of the recurrence after
+        assert torch.allclose(resumed[k], DECAY * weights3[k] + (1 - DECAY) * load_model_state(out, 4)[k], atol=1e-6)

@@ -181,12 +181,14 @@ def test_transformers_output_has_no_bars_and_no_colour_codes_in_a_file():
     plain_transformers_output()
     assert not hf_logging.is_progress_bar_enabled()
     handler = logging.getLogger("transformers").handlers[0]
-    saved = handler.setStream(io.StringIO())
+    saved, verbosity = handler.setStream(io.StringIO()), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # (an earlier test's export may have quietened transformers)
     try:
         hf_logging.get_logger("transformers.modeling_utils").warning("\x1b[1mBertModel LOAD REPORT\x1b[0m x=%d", 3)
         written = handler.stream.getvalue()
     finally:
         handler.setStream(saved)
+        hf_logging.set_verbosity(verbosity)
     assert written.endswith("BertModel LOAD REPORT x=3\n") and "\x1b" not in written, repr(written)
 
 
