@@ -87,7 +87,7 @@ def write(output_dir: str, result: dict, log) -> None:
     picture = plot(output_dir, result)
     lr, n = result["suggestion"], len(result["lrs"])
     said = f"suggested lr {lr:.3g} (the steepest fall of the loss)" if lr else \
-        f"no suggestion: the loss fell for too few steps (lower lr_find.min, or more lr_find.steps)"
+        "no suggestion: the loss fell for too few steps (lower lr_find.min, or more lr_find.steps)"
     log.info(f"lr_find: {said}; {n} steps from {result['lrs'][0]:.3g} to {result['lrs'][-1]:.3g}: {path}"
              + (f", {picture}" if picture else ""))
 

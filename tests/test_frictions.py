@@ -20,7 +20,6 @@ from conftest import ROOT, free_port, make_config
 
 from resilience import launcher
 from core import run_log, run_record
-import trainer as trainer_module
 from wiring import checked_config
 from extras.balance import resolve_precision
 
