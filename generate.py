@@ -88,7 +88,7 @@ def load_checkpoint(args):
     cfg = checked_config(args.params, args.set)
     if cfg.task != "gpt2_lm":
         raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
-    path = args.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
+    path = args.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, named_by="--checkpoint")
     if path is None:
         raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")
     task = build_task(cfg)

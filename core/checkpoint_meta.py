@@ -7,7 +7,8 @@ import json
 import math
 import os
 import re
-from typing import Optional
+import sys
+from typing import Callable, Optional
 
 from core import checkpoint
 from core.checkpoint import STEP_DIR
@@ -67,11 +68,20 @@ def read_loaded(path: str, allow_unverified: bool) -> dict:
         return {}
 
 
-def best_recorded(output_dir: str) -> Optional[str]:
-    """The checkpoint the latest one records as best on dev (else the latest): what test, export and generate
-    read when test.checkpoint is not set."""
+def best_recorded(output_dir: str, note: Optional[Callable[[str], None]] = None,
+                  named_by: str = "test.checkpoint") -> Optional[str]:
+    """The checkpoint the latest one records as best on dev (else the latest): what test, export, predict and
+    generate read when no checkpoint is named. A best that is gone (deleted, or left incomplete) is said in one
+    `note` (default: a line on stderr) before the latest stands in for it; `named_by`: how to name another."""
     last = checkpoint.latest(output_dir)
-    return checkpoint.best(output_dir, read(last)["state"].get("best_step") if last else None)
+    best_step = read(last)["state"].get("best_step") if last else None
+    path = checkpoint.best(output_dir, best_step)
+    if best_step is not None and path != os.path.join(checkpoint.root(output_dir), f"step-{best_step}"):
+        (note or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True)))(
+            f"the best checkpoint, step-{best_step} (as {os.path.basename(last)} records it), is gone from "
+            f"{checkpoint.root(output_dir)}: reading the latest, {os.path.basename(last)}, instead (to read another: "
+            f"{named_by})")
+    return path
 
 
 def _no_constant(name: str):

@@ -23,7 +23,7 @@ from data_loader import eval_shard_batches, make_loader
 def predict(trainer) -> str:
     """Write output_dir/predictions.csv; returns its path."""
     cfg, log, task = trainer.cfg, trainer.log, trainer.task
-    path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir)
+    path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, log.warning, "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
     model = trainer.strategy.raw_model

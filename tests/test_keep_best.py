@@ -86,3 +86,24 @@ def test_a_kill_halfway_through_pruning_leaves_the_k_best_and_the_last_and_a_res
     complete = [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))]
     assert sorted(complete) == sorted(set(ranked_best(log, 2, 10)) | {10})
     assert len(os.listdir(tmp_path / "checkpoints")) == len(complete)  # the half-deleted one removed too
+
+
+def test_a_best_checkpoint_that_is_gone_is_said_before_the_latest_stands_in(tmp_path, capsys):
+    """Deleted by hand (or left incomplete): test mode, export and predict would read the latest in its place, and
+    their results would pass for the best's. One line says so, naming both; the results name what was read."""
+    import shutil
+    import main
+    cfg = make_config(tmp_path, train={"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "keep_last": 3,
+                                       "lr": 3e-3, "best_metric": "loss", "best_mode": "max"})  # the best: an early one
+    train(cfg, 1)
+    best = checkpoint_meta.best_recorded(str(tmp_path))
+    assert not best.endswith("step-6"), "the test needs a best that is not the latest"
+    shutil.rmtree(best)
+    capsys.readouterr()
+    test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(cfg.test, splits=["dev"]))
+    assert main.run(test) == 0
+    step = os.path.basename(best)
+    said = [line for line in open(tmp_path / "logs" / "rank0.log") if "is gone" in line]
+    assert len(said) == 1 and f"best checkpoint, {step}" in said[0] and "the latest, step-6" in said[0]
+    assert "test.checkpoint" in said[0]
+    assert json.load(open(tmp_path / "dev_results.json"))["checkpoint"].endswith("step-6")
