@@ -56,17 +56,17 @@ def worker(cfg: Config, place) -> int:
     sweep the lr). Returns the exit code: RankRun reports whatever ends the rank once, naming it, its host and step."""
     with RankRun(cfg, place) as rank:
         ctx = rank.join_group()  # the process group (core/distributed.init), this rank's log file (rank_run.py)
-        # the datasets, the model made parallel, the Trainer (lr_find: as a fresh training run's)
-        trainer = build_trainer(lr_find.as_training(cfg) if cfg.mode == "lr_find" else cfg, ctx)
-        TRAINERS.append(trainer)
-        if cfg.mode == "lr_find":
-            lr_find.sweep(trainer)
-        elif cfg.mode == "predict":  # a classifier's labels for new inputs: output_dir/predictions.csv
-            predict.predict(trainer)
-        elif cfg.mode == "test":
-            testmode.test(trainer)
-        else:
-            trainer.train()
+        if cfg.mode == "predict":  # a classifier's labels for new inputs (predictions.csv): a plain model, no Trainer
+            predict.predict(balance.auto_precision(cfg, ctx)[0], ctx, build_task(cfg))
+        else:  # the datasets, the model made parallel, the Trainer (lr_find: as a fresh training run's)
+            trainer = build_trainer(lr_find.as_training(cfg) if cfg.mode == "lr_find" else cfg, ctx)
+            TRAINERS.append(trainer)
+            if cfg.mode == "lr_find":
+                lr_find.sweep(trainer)
+            elif cfg.mode == "test":
+                testmode.test(trainer)
+            else:
+                trainer.train()
         rank.finished()
     return rank.code
 

@@ -185,19 +185,28 @@ def why_average(cfg) -> str:
 def check_label_names(path: str, names: Optional[list]) -> None:
     """A classifier's outputs mean the classes it was trained on (meta.json `label_names`): data whose classes were
     renamed, added or reordered since would put every answer under another name, silently. Refused in one line."""
-    if not names or not os.path.isfile(os.path.join(path, "meta.json")):  # not a classifier; unverified, allowed
+    if not names:  # not a classifier
         return
-    saved, now = read_meta(path).get("label_names"), [str(n) for n in names]
-    if saved is None or saved == now:  # (None: written before the names were recorded)
+    saved, now = recorded_label_names(path), [str(n) for n in names]
+    if saved is None or saved == now:  # (None: written before the names were recorded, or unverified and allowed)
         return
-    if not isinstance(saved, list) or not all(isinstance(n, str) for n in saved):
-        raise Unloadable(f"{path}/meta.json: unreadable (`label_names` is not a list of names)")
     i = next(i for i in range(max(len(saved), len(now))) if i >= min(len(saved), len(now)) or saved[i] != now[i])
     was, named = (repr(side[i]) if i < len(side) else "nothing" for side in (saved, now))
     listed = ", ".join(saved)
     raise CheckpointError(f"{path}: trained on {len(saved)} classes, the data now names {len(now)}: output {i} was "
                           f"{was}, the data names {named}; give the data the classes it was trained on "
                           f"({listed if len(listed) <= 80 else listed[:77] + '...'}), or train again")
+
+
+def recorded_label_names(path: str) -> Optional[list[str]]:
+    """A classifier's class names as its checkpoint records them (meta.json `label_names`, in output order); None
+    where none are (not a classifier, classes known by number, written before they were recorded, no meta.json)."""
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        return None
+    saved = read_meta(path).get("label_names")
+    if saved is not None and (not isinstance(saved, list) or not all(isinstance(n, str) for n in saved)):
+        raise Unloadable(f"{path}/meta.json: unreadable (`label_names` is not a list of names)")
+    return saved
 
 
 def load_state(model: torch.nn.Module, state: dict, path: str) -> None:

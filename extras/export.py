@@ -70,7 +70,7 @@ def run(cfg: Config, task: Task) -> str:
     if source is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to export (train first, "
                               "or set test.checkpoint)")
-    task.prepare_inference()
+    task.prepare_inference(checkpoint_io.recorded_label_names(source))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     weights = checkpoint_io.load_model(model, source, cfg, label_names=task.label_names())  # as test mode loads
     model.eval()

@@ -17,36 +17,45 @@ import os
 import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
+from core.distributed import DistContext
 from core.errors import CheckpointError, ConfigError, DataError
 from data_loader import eval_shard_batches, make_loader
+from tasks import lora
+from tasks.base import Task
+from trainer import autocast_for
 
-def predict(trainer) -> str:
-    """Write output_dir/predictions.csv; returns its path."""
-    cfg, log, task = trainer.cfg, trainer.log, trainer.task
+
+def predict(cfg, ctx: DistContext, task: Task) -> str:
+    """Write output_dir/predictions.csv; returns its path. A plain model on this rank's device, no Trainer: what
+    the model needs comes from the checkpoint (an image classifier's classes: meta.json), so the training data
+    need not be there (task.prepare_inference)."""
+    log = run_log.setup_logging(cfg.output_dir, ctx.rank)
+    if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
+        raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, log.warning, "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
-    model = trainer.strategy.raw_model
+    task.prepare_inference(checkpoint_io.recorded_label_names(path))
+    model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
     weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names())
-    if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
-        raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
     names, dataset = task.predict_inputs(cfg.predict.input)
     if not names:
         raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")
     average = f" (its weight average, ema.pt: {checkpoint_io.why_average(cfg)})" if weights == "ema" else ""
     log.info(f"predicting {len(names)} inputs of {cfg.predict.input} with {path}{average}")
-    model.eval()
-    top, ctx = [], trainer.ctx
+    model.to(ctx.device).eval()
+    autocast = autocast_for(ctx.device.type, cfg.train.precision)
+    top = []
     # Under ddp each rank predicts its contiguous piece; gathered in rank order, the pieces are the input order.
-    batches = eval_shard_batches(len(dataset), ctx.rank, ctx.world_size, trainer.train_cfg.eval_batch_size)
-    loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, trainer.pin_memory, cfg.seed)
+    batches = eval_shard_batches(len(dataset), ctx.rank, ctx.world_size, cfg.train.eval_batch_size)
+    loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, False, cfg.seed)
     with torch.no_grad():
         for positions, batch in zip(batches, loader):
             # data.skip_bad_images: the collate left out the inputs it names (the task logs them); no row for them
             skipped = set(batch["skipped"].tolist()) if "skipped" in batch else set()
-            with trainer.autocast():
-                logits = task.predict_logits(model, trainer.to_device(batch))
+            with autocast():
+                logits = task.predict_logits(model, {k: v.to(ctx.device) for k, v in batch.items()})
             probs = torch.softmax(logits.float(), dim=-1)
             values, indices = probs.topk(min(cfg.predict.top_k, probs.shape[-1]), dim=-1)
             top.extend(zip([i for i in positions if i not in skipped], indices.tolist(), values.tolist()))

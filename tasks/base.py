@@ -139,9 +139,10 @@ class Task:
     export_formats: tuple = ()
     """What `mode: export` can write for this task (export.format); `auto` writes all of them."""
 
-    def prepare_inference(self) -> None:
-        """Set up what build_model needs, without preparing training: by default the datasets (the image task
-        sizes its network from them); text tasks load the tokenizer the training run used instead."""
+    def prepare_inference(self, label_names: Optional[list[str]]) -> None:
+        """Set up what build_model needs for export and predict, without preparing training: by default the
+        datasets (csv_text's vocabulary comes from them); text tasks load the tokenizer the training run used, and
+        image_folder takes `label_names`, the classes the checkpoint records (None: an older one), for the folders'."""
         self.build_datasets()
 
     # -----> what an `hf` export saves: the transformers model (save_pretrained) inside the task's model, its

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import glob
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -387,7 +387,7 @@ class BertPretrainTask(Task):
     export_formats = ("hf",)
     hf_pipeline = "fill-mask"
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         pass  # build_model needs nothing from the data
 
     def hf_model(self, model: nn.Module):

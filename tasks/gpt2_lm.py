@@ -19,6 +19,7 @@ one id per character; `byte` one per byte; or a tokenizer folder. Saved to <outp
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,7 @@ class GPT2LMTask(Task):
     export_formats = ("hf",)
     hf_pipeline = "text-generation"
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         self.load_tokenizer()
 
     def hf_model(self, model: nn.Module):

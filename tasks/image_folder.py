@@ -51,7 +51,7 @@ def check_config(cfg, fail) -> None:
         fail("model.width", f"must be >= 1 (the ResNet's first channels; null: 64), got {m.width}")
     for key in ("layers", "heads", "bias", "tie_embeddings"):
         if getattr(m, key) is not None:
-            fail(f"model.{key}", f"is for the transformer tasks, not image_folder (model.arch and model.width shape "
+            fail(f"model.{key}", "is for the transformer tasks, not image_folder (model.arch and model.width shape "
                                  "its ResNet); remove it")
     if m.sync_batchnorm and cfg.dist.strategy != "ddp":
         fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
@@ -516,10 +516,13 @@ class ImageFolderTask(Task):
         self.note_skipped(batch)
         return self.logits(model, batch)
 
-    # mode: export: the transformers model, its classes from the folders, and an image processor of the same
-    # evaluation preprocessing (Pillow only).
-    def prepare_inference(self) -> None:
-        self.build_datasets()
+    # mode: export: the transformers model, its classes as the checkpoint records them, and an image processor of the
+    # same evaluation preprocessing (Pillow only).
+    def prepare_inference(self, label_names: Optional[list[str]]) -> None:
+        if label_names is None:  # a checkpoint written before meta.json recorded them: the folders' classes
+            self.build_datasets()
+        else:  # the training folders need not be there
+            self.classes = list(label_names)
 
     def label_names(self) -> Optional[list[str]]:
         return self.classes

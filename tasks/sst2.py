@@ -17,6 +17,7 @@ labels.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -269,7 +270,7 @@ class SST2Task(Task):
     export_formats = ("hf", "onnx")
     hf_pipeline = "text-classification"
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         if token_shards.is_prepared(self.cfg.data.data_dir):
             self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
             return

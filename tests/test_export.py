@@ -53,7 +53,7 @@ def checkpoint_model(cfg):
     from core import checkpoint_io
     from wiring import build_task
     task = build_task(cfg)
-    task.prepare_inference()
+    task.prepare_inference(None)
     model = task.build_model()
     checkpoint_io.load_model(model, checkpoint_meta.best_recorded(cfg.output_dir), cfg)
     return task, model.eval()

@@ -436,6 +436,39 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
     assert f"error: predict.input: none of the 1 inputs of {tmp_path / 'bad'} could be read" in capsys.readouterr().err
 
 
+def test_predict_and_export_read_the_classes_from_the_checkpoint_not_the_training_folder(tmp_path, capsys):
+    """A run copied to another machine without its images: meta.json's class names size the model and name the
+    answers, so predict answers as it did beside the folder, and the export names the same classes. A checkpoint
+    written before the names were recorded still takes them from the folder."""
+    import json
+    data = digit_folder(tmp_path / "d", train=8, val=4)
+    run = {"train": {"max_steps": 4, "eval_every": 0, "save_every": 0}}
+    assert main.run(tiny(tmp_path / "run", data, **run)) == 0
+    new = tmp_path / "new"
+    shutil.copytree(os.path.join(data, "val"), new)
+    predict = {"input": str(new), "top_k": 2}
+    assert main.run(tiny(tmp_path / "run", data, **run, mode="predict", predict=predict)) == 0
+    beside = read_csv(tmp_path / "run" / "predictions.csv")
+    assert len(beside) == 13 and {row[1] for row in beside[1:]} <= {"one", "two", "zero"}
+    shutil.move(data, tmp_path / "elsewhere")
+    os.remove(tmp_path / "run" / "predictions.csv")
+    assert main.run(tiny(tmp_path / "run", data, **run, mode="predict", predict=predict)) == 0
+    assert read_csv(tmp_path / "run" / "predictions.csv") == beside
+    assert main.run(tiny(tmp_path / "run", data, **run, mode="export")) == 0
+    labels = json.load(open(tmp_path / "run" / "export" / "config.json"))["id2label"]
+    assert labels == {"0": "one", "1": "two", "2": "zero"}
+    meta_path = checkpoint_meta.best_recorded(str(tmp_path / "run")) + "/meta.json"
+    meta = json.load(open(meta_path))
+    del meta["label_names"]  # as an older version wrote it
+    json.dump(meta, open(meta_path, "w"))
+    capsys.readouterr()
+    assert main.run(tiny(tmp_path / "run", data, **run, mode="predict", predict=predict)) == 2
+    assert f"error: data.data_dir: {data} is not a folder" in capsys.readouterr().err
+    shutil.move(tmp_path / "elsewhere", data)
+    assert main.run(tiny(tmp_path / "run", data, **run, mode="predict", predict=predict)) == 0
+    assert read_csv(tmp_path / "run" / "predictions.csv") == beside
+
+
 def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, capsys):
     """csv_text on a single CSV (its dev split a data.dev_fraction of it), then predict on a text file."""
     rows = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")

@@ -80,7 +80,7 @@ def test_csv_text_trains_tests_and_exports_for_pipeline_under_ddp(tmp_path):
                                                                          exported[:3].argmax(-1)]
 
     task = build_task(cfg)  # the checkpoint's model on the same texts, batched as the task batches them
-    task.prepare_inference()
+    task.prepare_inference(None)
     model = task.build_model()
     checkpoint_io.load_model(model, checkpoint_meta.best_recorded(str(out)), cfg)
     dev = task.build_datasets()["dev"]
