@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from core.errors import DataError
 from tasks.base import PipelineLayer, Task
-from tasks.image_folder import BAD_IMAGE, image_files
+from tasks.image_folder import BAD_IMAGE, image_files, open_rgb
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
 
@@ -149,10 +149,11 @@ class ImageTask(Task):
 
 
 def gray_square(path: str, size: int) -> np.ndarray:
-    """An image file as the CNN's input: grayscale, resized to size x size, pixels in 0..1."""
+    """An image file as the CNN's input: read as image_folder reads it (upright by its EXIF, 16 bits onto 8,
+    transparency onto white), then grayscale, resized to size x size, pixels in 0..1."""
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("L").resize((size, size), Image.BILINEAR), dtype=np.float32) / 255
+        gray = open_rgb(path).convert("L")
+        return np.asarray(gray.resize((size, size), Image.BILINEAR), dtype=np.float32) / 255
     except BAD_IMAGE as e:
         raise DataError(f"predict.input: {path}: not a readable image ({str(e).splitlines()[0][:80]})") from None
 

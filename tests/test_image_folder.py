@@ -518,6 +518,25 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
 
 
+def test_the_digits_cnn_reads_a_photo_upright_and_16_bits_as_image_folder_does():
+    """A phone's photo turned by its EXIF tag, and a 16-bit scan, give the CNN the pixels of the plain 8-bit file
+    (read before as sideways, and as a white square)."""
+    from tasks.image import gray_square
+    import tempfile
+    pixels = np.zeros((12, 8), np.uint8)
+    pixels[2:5, 1:7] = 200  # a bar near the top: upright or not tells
+    with tempfile.TemporaryDirectory() as d:
+        Image.fromarray(pixels, "L").save(os.path.join(d, "plain.png"))
+        turned = Image.fromarray(pixels, "L").transpose(Image.Transpose.ROTATE_90)  # stored turned, tagged "turn back"
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        turned.save(os.path.join(d, "phone.jpg"), exif=exif, quality=100)
+        Image.fromarray(pixels.astype(np.uint16) * 257).save(os.path.join(d, "scan16.png"))
+        plain, phone, scan = (gray_square(os.path.join(d, f), 16) for f in ("plain.png", "phone.jpg", "scan16.png"))
+    assert np.array_equal(scan, plain) and plain.max() > 0.7
+    assert np.abs(phone - plain).max() < 0.1  # (JPEG's rounding)
+
+
 @pytest.mark.parametrize("kind", ["resnet", slow("vit")])
 def test_a_pretrained_folder_gets_a_head_for_the_classes(tmp_path, folder, kind):
     """Any AutoModelForImageClassification folder: its 5-class head replaced by one for the folder's 3, said once."""
