@@ -441,8 +441,9 @@ class Trainer:
         if not self.strategy.pipelined:
             return self.ema.state_dict()
         whole = {}
-        for part in distributed.gather_objects(self.ctx, self.ema.state_dict()):
-            whole.update(part)
+        for part in distributed.gather_objects(self.ctx, self.ema.state_dict()):  # in rank order
+            # A stage's first replica's: its BatchNorm statistics are the ones evaluation used (share_buffers)
+            whole.update({name: a for name, a in part.items() if name not in whole})
         return whole
 
     def load_state_dict(self, saved: dict) -> None:

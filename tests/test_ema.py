@@ -189,3 +189,21 @@ def test_batchnorm_statistics_are_averaged_with_the_weights_and_an_older_average
     resumed, weights3 = ema_at(out, 4), load_model_state(out, 3)
     for k in buffers:  # started from step 3's statistics, one step of the recurrence after
         assert torch.allclose(resumed[k], DECAY * weights3[k] + (1 - DECAY) * load_model_state(out, 4)[k], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_under_pipe_replicas_ema_pt_holds_the_first_pipelines_statistics_that_evaluation_used(tmp_path):
+    """2 pipelines of one stage: each replica's average of BatchNorm's statistics follows its own batches; evaluation
+    uses the first pipeline's (as share_buffers does), so ema.pt must hold those, not the last pipeline's."""
+    from image_folders import digit_folder
+    from test_image_folder import tiny
+    folder = digit_folder(tmp_path / "digits", train=8, val=4)
+    cfg = tiny(tmp_path / "run", folder, train={"max_steps": 2, "save_every": 2, "eval_every": 2, "ema_decay": DECAY,
+                                                 "batch_size": 8}, dist={"strategy": "pipe", "pp_stages": 1,
+                                                                         "procs_per_node": 2})
+    assert main.run(cfg) == 0
+    dev_ema = re.findall(r"step 2 dev_ema: loss=(\S+)", open(tmp_path / "run" / "logs" / "rank0.log").read())[-1]
+    test = dataclasses.replace(cfg, mode="test", test=dataclasses.replace(cfg.test, splits=["dev"], weights="ema"))
+    assert main.run(test) == 0
+    assert json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]["loss"] == pytest.approx(
+        float(dev_ema), rel=1e-3)
