@@ -140,7 +140,7 @@ class PipeStrategy(Strategy):
 
     def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
                  optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
-                 replicated_order: list, layers_per_stage: list[int], stage_params: list[int]):
+                 replicated_order: list, layers_per_stage: list[int], stage_params: list[int], aliases: dict):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
         d = cfg.dist
@@ -161,6 +161,9 @@ class PipeStrategy(Strategy):
         self.tied = tied
         self.layers_per_stage, self.stage_params = layers_per_stage, stage_params  # what the plan shows
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
+        # A tied weight's other names -> its first (GPT-2's lm_head.weight -> transformer.wte.weight): under pp_dp
+        # fsdp each stage's copy is its own object, which the average still names as one process does.
+        self.aliases = aliases
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
         # Tensors that no layer holds (an unused head, say) are kept and saved by the first stage.
         mine = {id(t) for m in stages.values() for t in [*m.parameters(), *m.buffers()]}
@@ -346,7 +349,8 @@ class PipeStrategy(Strategy):
     def averaged_entries(self) -> dict[str, torch.Tensor]:
         """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names."""
         mine = {id(t) for m in self.stages.values() for t in [*m.parameters(), *m.buffers()]}
-        return {name: t for name, t in averaged_entries(self.full_model).items() if id(t) in mine}
+        return {self.aliases.get(name, name): t for name, t in averaged_entries(self.full_model).items()
+                if id(t) in mine}
 
     def save(self, directory: str) -> None:
         # state_in_dcp_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
@@ -493,6 +497,7 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Stra
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
     # (taken before freeing: the groups depend on the tensors' shapes).
     order = checkpoint_io.replicated_order(model)
+    aliases = {n: names[0] for names in checkpoint_io.parameter_names(model).values() for n in names[1:]}
     stages, shared, unowned, split, stage_params = build_stages(model, cfg, ctx, task, train_set, mesh)
     wrapped = wrap_for_replicas(stages, cfg, ctx, mesh)
     # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
@@ -500,7 +505,7 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Stra
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
     return PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
-                        tied, unowned, order, split, stage_params)
+                        tied, unowned, order, split, stage_params, aliases)
 
 
 def build_stages(model: nn.Module, cfg, ctx: DistContext, task, train_set, mesh: meshes.Mesh) -> tuple:

@@ -207,3 +207,24 @@ def test_under_pipe_replicas_ema_pt_holds_the_first_pipelines_statistics_that_ev
     assert main.run(test) == 0
     assert json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]["loss"] == pytest.approx(
         float(dev_ema), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_under_pipe_fsdp_replicas_the_tied_embeddings_copies_are_averaged_by_one_name(tmp_path):
+    """GPT-2's head is its token embedding: under pp_dp fsdp each end stage's copy is its own object, yet ema.pt
+    names it once, as one process does (lm_head.weight was refused by test mode and a resume in one process)."""
+    import random
+    from test_pipeline import lm_run
+    from test_text_tasks import sample
+    text = sample.write_gpt2(str(tmp_path / "text"), random.Random(0))
+    out = tmp_path / "run"
+    assert lm_run(out, text, {"strategy": "pipe", "pp_dp": "fsdp", "procs_per_node": 4}, "gpt2", batch_size=4,
+                  max_steps=2, ema_decay=DECAY) == 0
+    averaged = ema_at(str(out), 2)
+    assert "transformer.wte.weight" in averaged and "lm_head.weight" not in averaged
+    dev_ema = re.findall(r"step 2 dev_ema: loss=(\S+)", open(out / "logs" / "rank0.log").read())[-1]
+    test = make_config(out, mode="test", task="gpt2_lm", data={"data_dir": text, "max_length": 16},
+                       model={"name": "tiny", "layers": 2, "heads": 4, "width": 32, "arch": "gpt2"},
+                       test={"splits": ["dev"], "weights": "ema"})
+    assert main.run(test) == 0  # the average with its head tied, as the pipeline evaluated it
+    assert json.load(open(out / "dev_results.json"))["metrics"]["loss"] == pytest.approx(float(dev_ema), rel=1e-3)
