@@ -352,6 +352,12 @@ class PipeStrategy(Strategy):
         return {self.aliases.get(name, name): t for name, t in averaged_entries(self.full_model).items()
                 if id(t) in mine}
 
+    def parameter_names(self) -> dict[int, list[str]]:
+        """id(parameter) -> its names in the whole model (checkpoint_io.parameter_names), a tied weight's copy's
+        first name included: under pp_dp fsdp the copy is its own object, named by its own layer alone."""
+        return {i: names + [self.aliases[n] for n in names if n in self.aliases]
+                for i, names in checkpoint_io.parameter_names(self.full_model).items()}
+
     def save(self, directory: str) -> None:
         # state_in_dcp_boxes: tp's strided splits (GPT-2's q|k|v) as boxes DCP can write.
         dcp.save(state_in_dcp_boxes(self.model_state()), checkpoint_id=os.path.join(directory, "model_dcp"))
@@ -370,14 +376,14 @@ class PipeStrategy(Strategy):
         swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
         # in place: parameters
         dcp_load(state_in_dcp_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))
-        optim_sd = self.optimizer_state()
-        dcp_load({"state": state_in_dcp_boxes(optim_sd["state"], swaps)}, os.path.join(directory, "optimizer_dcp"))
+        # A tied weight's copy reads the state saved under its first name, which every layout writes.
+        state = {self.aliases.get(k, k): v for k, v in self.optimizer_state()["state"].items()}
+        dcp_load({"state": state_in_dcp_boxes(state, swaps)}, os.path.join(directory, "optimizer_dcp"))
         for original, boxed in swaps:
             original.copy_(boxed)
         # By name into this run's groups (torch's set_optimizer_state_dict drops the hyperparameters of an empty
         # group that is not the last, as tp's split of the groups makes: KeyError 'weight_decay' at the next step).
-        checkpoint_io.load_optimizer_by_name(self.optimizer, optim_sd["state"],
-                                             checkpoint_io.parameter_names(self.full_model), directory)
+        checkpoint_io.load_optimizer_by_name(self.optimizer, state, self.parameter_names(), directory)
 
     def load_replicated(self, directory: str) -> None:
         """A replicated checkpoint: each rank reads the whole model.pt and optimizer.pt and keeps its stages'
@@ -395,7 +401,7 @@ class PipeStrategy(Strategy):
                                        f"from checkpoint, the shape in current model is {tuple(t.shape)}")
                 t.copy_(checkpoint_io.shard_like(value, t))  # pp_dp fsdp: this replica's shard of it
         by_name = checkpoint_io.optimizer_state_by_name(directory, self.replicated_order)
-        names = checkpoint_io.parameter_names(self.full_model)
+        names = self.parameter_names()
         held = {n for p in self.raw_model.parameters() for n in names[id(p)]}
         checkpoint_io.load_optimizer_by_name(self.optimizer, {n: v for n, v in by_name.items() if n in held}, names,
                                              directory)

@@ -393,6 +393,25 @@ def test_pipe_fsdp_replicas_sum_the_tied_embeddings_copies(lm_ref, tmp_path, lay
     assert_same_lm_run(tmp_path, one)
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["none", "fsdp"])
+def test_pipe_fsdp_replicas_resume_the_tied_embeddings_copies_momentum(lm_ref, tmp_path, source):
+    """GPT-2 under pp_dp fsdp from a step-2 checkpoint of one process (model.pt, optimizer.pt) or of fsdp (DCP):
+    the last stage's copy of the tied embedding (its own object, named lm_head.weight there) reads the momentum
+    saved under transformer.wte.weight, and the run ends where one process does."""
+    import shutil
+    text, one = lm_ref("gpt2")
+    if source == "fsdp":
+        assert lm_run(tmp_path, text, {"strategy": "fsdp", "procs_per_node": 2}, "gpt2", batch_size=4) == 0
+        shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    else:
+        shutil.copytree(one / "checkpoints" / "step-2", tmp_path / "checkpoints" / "step-2")
+    assert lm_run(tmp_path, text, {"strategy": "pipe", "pp_dp": "fsdp", "procs_per_node": 4}, "gpt2",
+                  batch_size=4) == 0
+    assert "resumed from" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same_lm_run(tmp_path, one)
+
 @pytest.mark.slow
 def test_pipe_times_tp_batch_size_auto_gives_the_pipeline_with_a_slowed_rank_less(lm_ref, tmp_path):
     """1 stage x 2 pipelines x tp 2, rank 2 (in pipeline 1's tp group) simulated 6x slower: each tp group times its
