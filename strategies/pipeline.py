@@ -162,7 +162,7 @@ class PipeStrategy(Strategy):
         self.layers_per_stage, self.stage_params = layers_per_stage, stage_params  # what the plan shows
         self.replicated_order = replicated_order  # parameter names in a replicated optimizer.pt's order
         # A tied weight's other names -> its first (GPT-2's lm_head.weight -> transformer.wte.weight): under pp_dp
-        # fsdp each stage's copy is its own object, which the average still names as one process does.
+        # fsdp each stage's copy is its own object; the average and optimizer state name it as one process does.
         self.aliases = aliases
         # Whole-model names of this rank's tensors: checkpoints use them, so any layout (or one process) reads them.
         # Tensors that no layer holds (an unused head, say) are kept and saved by the first stage.
