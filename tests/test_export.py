@@ -2,6 +2,7 @@
 as a safetensors state dict and a torch.export program (the CNN), loaded back by the ecosystem's own loaders and
 compared with the checkpoint's model. Tiny models, a few training steps each, all in this process.
 """
+import dataclasses
 import json
 import os
 import re
@@ -115,6 +116,7 @@ def test_gpt2_export_loads_as_causal_lm_with_our_logits_and_generates(data, tmp_
     import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
     cfg = task_config("gpt2_lm", data, tmp_path, max_steps=8)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, ema_decay=0.5))  # an ema.pt beside (unread)
     train(cfg, 1)
     assert export(cfg) == 0
     folder = str(tmp_path / "export")
@@ -134,6 +136,8 @@ def test_gpt2_export_loads_as_causal_lm_with_our_logits_and_generates(data, tmp_
     from_checkpoint = capsys.readouterr().out
     assert generate.main(["--export", folder, *args]) == 0
     assert capsys.readouterr().out == from_checkpoint and from_checkpoint.strip().startswith("the cat")
+    assert generate.main(["--params", str(params), "--set", "test.weights=ema", *args]) == 0
+    assert "sampling from the weight average of" in capsys.readouterr().err  # said, as test mode says it
     assert generate.main(["--export", str(tmp_path), *args]) == 2  # not an export folder
     assert generate.main(["--export", folder, "--params", str(params), *args]) == 2  # one or the other
     (tmp_path / "classifier").mkdir()
