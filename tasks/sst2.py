@@ -286,9 +286,11 @@ class SST2Task(Task):
         return tok
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
-        """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were."""
+        """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were: stripped, as read_tsv and
+        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own)."""
         texts = read_texts(path, self.cfg.data.text_column)
-        return texts, TokenizedSentences(texts, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        stripped = [t.strip() for t in texts]
+        return texts, TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.logits(model, batch)

@@ -140,6 +140,24 @@ def test_sst2_predicts_a_tsv_of_sentences_with_the_saved_tokenizer(data, tmp_pat
     assert os.path.getmtime(tmp_path / "tokenizer" / "tokenizer.json") == made  # the training run's tokenizer
 
 
+def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
+    """SST-2's own dev.tsv as predict.input (`sentence \t1`): the sentence is tokenized stripped, as training
+    read it; the trained BPE would make the space before the tab a token of its own."""
+    from wiring import build_task
+    task = build_task(task_config("sst2", data, tmp_path))
+    train_set = task.build_datasets()["train"]  # trains and saves the tokenizer
+    with open(os.path.join(data["sst2"], "train.tsv")) as f:
+        lines = f.read().splitlines()[1:4]
+    (tmp_path / "new.tsv").write_text("sentence\tlabel\n" + "".join(f"{line.split(chr(9))[0]} \t0\n" for line in lines))
+    cfg = task_config("sst2", data, tmp_path)
+    cfg.mode, cfg.data.text_column = "predict", "sentence"
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    names, dataset = task.predict_inputs(str(tmp_path / "new.tsv"))
+    assert [dataset[i]["input_ids"] for i in range(3)] == [train_set[i]["input_ids"] for i in range(3)]
+    assert names[0].endswith(" ")  # predictions.csv names the input as the file holds it
+
+
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
     from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))
