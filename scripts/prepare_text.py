@@ -28,9 +28,9 @@ Documents and examples. lm: every JSON array item, JSON line (a string, or an ob
 the end-of-text token follows each one, as gpt2_lm's in-memory path joins texts. classification: TSV lines
 `text<TAB>label` (a first line `sentence<TAB>label` or `text<TAB>label` is a header), CSV with a header row naming
 --text-field and --label-field, or JSON objects with those fields; text is stripped, and tokenized with
-truncation at --max-length as sst2 does. Labels are integers >= 0, or names listed in --labels a,b,c (numbered
-0, 1, 2 in that order). --dev-fraction F holds out the training documents whose text hashes below F (the same
-text always lands in the same split, so duplicates never straddle train and dev).
+truncation at --max-length as sst2 does. Labels are integers >= 0 (none in dev or test above training's), or names
+listed in --labels a,b,c (numbered 0, 1, 2 in that order). --dev-fraction F holds out the training documents whose
+text hashes below F (the same text always lands in the same split, so duplicates never straddle train and dev).
 """
 from __future__ import annotations
 
@@ -527,10 +527,26 @@ def write_manifest(args, plan: dict, markers: dict) -> dict:
     if args.task == "classification":
         top = max((m["splits"][s]["max_label"] for m in markers.values() for s in m["splits"]), default=-1)
         names = opts["labels"].split(",") if opts["labels"] else None
+        if names is None:
+            check_label_range(args.output, markers)
         manifest.update(max_length=opts["max_length"], special_suffix=special_suffix(tokenizer),
                         num_labels=len(names) if names else top + 1, label_names=names)
     write_json(os.path.join(args.output, ts.MANIFEST), manifest)
     return manifest
+
+
+def check_label_range(output: str, markers: dict) -> None:
+    """Labels known by number: a dev or test label above every training label would silently add a class the
+    model never learns (a stray `2` among 0s and 1s), as csv_text refuses one; --labels names a class set outright."""
+    tops = {}
+    for marker in markers.values():
+        for split, shard in marker["splits"].items():
+            tops[split] = max(tops.get(split, -1), shard["max_label"])
+    for split in ("dev", "test"):
+        if split in tops and tops[split] > tops.get("train", -1):
+            raise DataError(f"{output}: the {split} inputs have label {tops[split]}, but the training inputs' labels "
+                            f"go up to {tops.get('train', -1)}; fix that label, or name every class with --labels "
+                            "a,b,... (then a class training lacks is allowed)")
 
 
 def main(argv=None) -> int:

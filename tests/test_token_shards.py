@@ -268,6 +268,15 @@ def test_classification_label_names_and_errors(tmp_path):
         prepare_text.run(prepare_text.parse_args(["--task", "classification", "--train", str(data), "--output",
                                                   str(tmp_path / "bad_out2"), "--tokenizer", MINILM,
                                                   "--workers", "1"]))
+    # labels by number: a dev label training never has would silently make a class more (csv_text refuses it too)
+    (tmp_path / "train.tsv").write_text("good film\t0\nbad film\t1\n")
+    (tmp_path / "dev.tsv").write_text("meh film\t2\n")
+    split = ["--train", tmp_path / "train.tsv", "--dev", tmp_path / "dev.tsv", "--tokenizer", MINILM]
+    with pytest.raises(DataError, match="the dev inputs have label 2, but the training inputs' labels go up to 1"):
+        prepare_text.run(prepare_text.parse_args(["--task", "classification", *map(str, split), "--output",
+                                                  str(tmp_path / "bad_out3"), "--workers", "1"]))
+    prepare("--task", "classification", *split, "--labels", "0,1,2", "--output", tmp_path / "named")
+    assert json.load(open(tmp_path / "named" / "manifest.json"))["num_labels"] == 3
 
 
 def test_csv_chunks_cut_between_records_only(tmp_path):
