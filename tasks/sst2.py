@@ -275,6 +275,10 @@ class SST2Task(Task):
             self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
             return
         self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
+        if label_names:  # the checkpoint's classes (shards' --labels too, the shards gone since)
+            self.names, self.num_labels = tuple(label_names), max(2, len(label_names))
+        elif not os.path.isfile(os.path.join(self.cfg.data.data_dir, "train.tsv")):
+            self.names = None  # none recorded and no SST-2 TSV: shards' classes known by number, not GLUE's names
 
     def hf_model(self, model: nn.Module):
         return model  # its labels are named by export.write_hf (label_names)
