@@ -94,6 +94,12 @@ def parse_args(argv):
         p.error("--dev-fraction must be in [0, 1)")
     if args.dev and args.dev_fraction:
         p.error("--dev and --dev-fraction exclude each other")
+    for name in ("max_length", "chunk_mb", "tokenizer_sample_mb"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    names = args.labels.split(",") if args.labels else []
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        p.error(f"--labels {args.labels}: the label names, comma-separated, each once and none empty")
     if not args.tokenizer and not args.train_tokenizer:
         args.train_tokenizer = "gpt2" if args.task == "lm" else "bpe"
     args.workers = max(1, args.workers)
@@ -235,8 +241,11 @@ def json_texts(path: str) -> list[str]:
 
 
 def csv_header(path: str) -> list[str]:
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        header = next(csv.reader(f), None)
+    with open(path, "rb") as f:  # the header row's bytes only (a quoted name may hold a line break)
+        head = f.readline()
+        while head.count(b'"') % 2 and (more := f.readline()):
+            head += more
+    header = next(csv.reader(io.StringIO(read_text(path, 0, len(head)), newline="")), None)  # bad bytes: one line
     if not header:
         raise DataError(f"{path}: empty; a CSV file needs a header row naming its columns")
     return header
