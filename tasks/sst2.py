@@ -179,7 +179,7 @@ class SST2Task(Task):
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
         table. Checked once the model's config is known, still before training; otherwise the embedding lookup
         fails mid-run with an index error naming no file."""
-        positions = getattr(config, "max_position_embeddings", None)
+        positions = self.positions = getattr(config, "max_position_embeddings", None)  # predict_inputs checks too
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id and the longest example
             raise DataError(problem)
@@ -294,7 +294,14 @@ class SST2Task(Task):
         scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own)."""
         texts = read_texts(path, self.cfg.data.text_column)
         stripped = [t.strip() for t in texts]
-        return texts, TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        length, index = longest_or_largest(dataset.ids, len)
+        positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
+        if positions and length > positions:  # training never fed one this long, and the model cannot take it
+            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}...) is {length} "
+                            f"tokens, more than the model's {positions} positions; set data.max_length to at most "
+                            f"{positions}")
+        return texts, dataset
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.logits(model, batch)

@@ -158,6 +158,23 @@ def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
     assert names[0].endswith(" ")  # predictions.csv names the input as the file holds it
 
 
+def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tmp_path):
+    """data.max_length above a pretrained model's 512 positions passes training on short sentences; a long input to
+    predict then failed inside BERT's embeddings with a traceback naming no input."""
+    from conftest import save_tiny_minilm
+    from wiring import build_task
+    (tmp_path / "new.txt").write_text("fine\n" + "good " * 600 + "\n")
+    cfg = make_config(tmp_path / "run", task="sst2", mode="predict", predict={"input": str(tmp_path / "new.txt")},
+                      data={"data_dir": data["sst2"], "max_length": 1000},
+                      model={"name": "minilm", "pretrained_dir": save_tiny_minilm(tmp_path / "bert")})
+    task = build_task(cfg)
+    task.prepare_inference(["negative", "positive"])
+    task.build_model()
+    with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'new.txt'}: input 2 ('good good good "
+                                                  "good good good '...) is 602 tokens, more than the model's 512")):
+        task.predict_inputs(str(tmp_path / "new.txt"))
+
+
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
     from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))
