@@ -285,8 +285,12 @@ class SST2Task(Task):
 
     def hf_tokenizer(self):
         # Sentences were cut at data.max_length in training: pipeline(..., truncation=True) then cuts them there too.
+        # Sentences were stripped too (a byte-level BPE reads a trailing space as a token): the pipeline strips them.
+        from tokenizers import normalizers
         tok = self.tokenizer
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
+        backend = tok.backend_tokenizer
+        backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
         return tok
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:

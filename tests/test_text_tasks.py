@@ -142,7 +142,7 @@ def test_sst2_predicts_a_tsv_of_sentences_with_the_saved_tokenizer(data, tmp_pat
 
 def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
     """SST-2's own dev.tsv as predict.input (`sentence \t1`): the sentence is tokenized stripped, as training
-    read it; the trained BPE would make the space before the tab a token of its own."""
+    read it, by predict and by an export's pipeline; the trained BPE would make the space before the tab a token."""
     from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))
     train_set = task.build_datasets()["train"]  # trains and saves the tokenizer
@@ -156,6 +156,9 @@ def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
     names, dataset = task.predict_inputs(str(tmp_path / "new.tsv"))
     assert [dataset[i]["input_ids"] for i in range(3)] == [train_set[i]["input_ids"] for i in range(3)]
     assert names[0].endswith(" ")  # predictions.csv names the input as the file holds it
+    from transformers import AutoTokenizer
+    task.hf_tokenizer().save_pretrained(tmp_path / "export")  # what an hf export holds: pipeline() strips them too
+    assert AutoTokenizer.from_pretrained(tmp_path / "export")(names[0])["input_ids"] == train_set[0]["input_ids"]
 
 
 def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tmp_path):
