@@ -16,6 +16,7 @@ labels.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -287,7 +288,7 @@ class SST2Task(Task):
         # Sentences were cut at data.max_length in training: pipeline(..., truncation=True) then cuts them there too.
         # Sentences were stripped too (a byte-level BPE reads a trailing space as a token): the pipeline strips them.
         from tokenizers import normalizers
-        tok = self.tokenizer
+        tok = copy.deepcopy(self.tokenizer)  # a copy per export format: the Strip goes on once
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
         backend = tok.backend_tokenizer
         backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
