@@ -101,7 +101,9 @@ def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
             raise DataError(f"{path}: unreadable (not a JSON list of words); train.start_over=true makes a new run")
         return words
     words = make()
-    if cfg.mode == "train":
+    # a fresh run's own, or a start over's; never under checkpoints that read the saved one (mode lr_find trains too)
+    fresh = cfg.train.start_over or not os.path.isfile(path) or not checkpoint.latest(cfg.output_dir)
+    if cfg.mode == "train" and fresh:
         def save():
             if os.path.isfile(path) and cfg.train.start_over:  # the previous run's goes aside with its checkpoints
                 os.rename(path, aside := f"{path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")

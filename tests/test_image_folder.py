@@ -505,7 +505,8 @@ def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, c
 
 def test_csv_text_answers_with_its_own_vocabulary_after_the_training_file_changes(tmp_path):
     """A word renamed in train.csv after training shifts the ids of the words after it (the vocabulary is sorted):
-    predict and test mode read the run's saved vocabulary, so the checkpoint answers as it did, not scrambled."""
+    predict and test mode read the run's saved vocabulary, so the checkpoint answers as it did, not scrambled (nor
+    does mode lr_find, a fresh start on the edited file, replace the saved one)."""
     import json
     rows = [(f"great fine day {i}", "pos") for i in range(20)] + [(f"awful bad day {i}", "neg") for i in range(20)]
     (tmp_path / "data").mkdir()
@@ -520,6 +521,8 @@ def test_csv_text_answers_with_its_own_vocabulary_after_the_training_file_change
                                                                              for t, y in rows))
         if not answers:
             assert main.run(make_config(tmp_path / "run", **run)) == 0
+        else:  # an lr_find sweep on the edited file starts fresh: it leaves the run's vocabulary as it is
+            assert main.run(make_config(tmp_path / "run", **run, mode="lr_find", lr_find={"steps": 5})) == 0
         for mode in ("predict", "test"):
             assert main.run(make_config(tmp_path / "run", **run, mode=mode)) == 0
         answers.append((read_csv(tmp_path / "run" / "predictions.csv"),
