@@ -526,6 +526,10 @@ def write_manifest(args, plan: dict, markers: dict) -> dict:
             s["max_token_id"] = max(s["max_token_id"], shard["max_token_id"])
             s["max_length"] = max(s["max_length"], shard["max_length"])
             s["shards"].append({k: shard[k] for k in ("name", "documents", "tokens", "max_token_id")})
+    for split in ("train", "dev", "test"):  # (an empty --dev would read later as "no dev split: give --dev")
+        paths = [e["path"] for e in plan["inputs"] if e["split"] == split]
+        if paths and split not in splits:
+            raise DataError(f"--{split} {' '.join(paths)[:200]}: no documents in {'it' if len(paths) == 1 else 'them'}")
     opts = plan["options"]
     manifest = {"format": ts.FORMAT, "version": ts.VERSION, "task": args.task, "tokenizer": "tokenizer",
                 "tokenizer_source": opts["tokenizer"] or f"trained ({opts['train_tokenizer']})",

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -276,6 +277,11 @@ def test_classification_label_names_and_errors(tmp_path):
         prepare_text.run(prepare_text.parse_args(["--task", "classification", *map(str, split), "--output",
                                                   str(tmp_path / "bad_out3"), "--workers", "1"]))
     prepare("--task", "classification", *split, "--labels", "0,1,2", "--output", tmp_path / "named")
+    (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")  # read later as "no dev split: give --dev"
+    with pytest.raises(DataError, match=re.escape(f"--dev {tmp_path / 'empty.tsv'}: no documents in it")):
+        prepare_text.run(prepare_text.parse_args(["--task", "classification", *map(str, split[:2]), "--dev",
+                                                  str(tmp_path / "empty.tsv"), "--tokenizer", MINILM, "--output",
+                                                  str(tmp_path / "bad_out4"), "--workers", "1"]))
     assert json.load(open(tmp_path / "named" / "manifest.json"))["num_labels"] == 3
 
 
