@@ -28,9 +28,9 @@ Documents and examples. lm: every JSON array item, JSON line (a string, or an ob
 the end-of-text token follows each one, as gpt2_lm's in-memory path joins texts. classification: TSV lines
 `text<TAB>label` (a first line `sentence<TAB>label` or `text<TAB>label` is a header), CSV with a header row naming
 --text-field and --label-field, or JSON objects with those fields; text is stripped, and tokenized with
-truncation at --max-length as sst2 does. Labels are integers >= 0, or names listed in --labels a,b,c (numbered
-0, 1, 2 in that order). --dev-fraction F holds out the training documents whose text hashes below F (the same
-text always lands in the same split, so duplicates never straddle train and dev).
+truncation at --max-length as sst2 does. Labels are integers >= 0 (none in dev or test above training's), or names
+listed in --labels a,b,c (numbered 0, 1, 2 in that order). --dev-fraction F holds out the training documents whose
+text hashes below F (the same text always lands in the same split, so duplicates never straddle train and dev).
 """
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def parse_args(argv):
         p.error("--dev-fraction must be in [0, 1)")
     if args.dev and args.dev_fraction:
         p.error("--dev and --dev-fraction exclude each other")
+    for name in ("max_length", "chunk_mb", "tokenizer_sample_mb"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    names = args.labels.split(",") if args.labels else []
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        p.error(f"--labels {args.labels}: the label names, comma-separated, each once and none empty")
     if not args.tokenizer and not args.train_tokenizer:
         args.train_tokenizer = "gpt2" if args.task == "lm" else "bpe"
     args.workers = max(1, args.workers)
@@ -235,8 +241,11 @@ def json_texts(path: str) -> list[str]:
 
 
 def csv_header(path: str) -> list[str]:
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        header = next(csv.reader(f), None)
+    with open(path, "rb") as f:  # the header row's bytes only (a quoted name may hold a line break)
+        head = f.readline()
+        while head.count(b'"') % 2 and (more := f.readline()):
+            head += more
+    header = next(csv.reader(io.StringIO(read_text(path, 0, len(head)), newline="")), None)  # bad bytes: one line
     if not header:
         raise DataError(f"{path}: empty; a CSV file needs a header row naming its columns")
     return header
@@ -517,6 +526,10 @@ def write_manifest(args, plan: dict, markers: dict) -> dict:
             s["max_token_id"] = max(s["max_token_id"], shard["max_token_id"])
             s["max_length"] = max(s["max_length"], shard["max_length"])
             s["shards"].append({k: shard[k] for k in ("name", "documents", "tokens", "max_token_id")})
+    for split in ("train", "dev", "test"):  # (an empty --dev would read later as "no dev split: give --dev")
+        paths = [e["path"] for e in plan["inputs"] if e["split"] == split]
+        if paths and split not in splits:
+            raise DataError(f"--{split} {' '.join(paths)[:200]}: no documents in {'it' if len(paths) == 1 else 'them'}")
     opts = plan["options"]
     manifest = {"format": ts.FORMAT, "version": ts.VERSION, "task": args.task, "tokenizer": "tokenizer",
                 "tokenizer_source": opts["tokenizer"] or f"trained ({opts['train_tokenizer']})",
@@ -527,10 +540,26 @@ def write_manifest(args, plan: dict, markers: dict) -> dict:
     if args.task == "classification":
         top = max((m["splits"][s]["max_label"] for m in markers.values() for s in m["splits"]), default=-1)
         names = opts["labels"].split(",") if opts["labels"] else None
+        if names is None:
+            check_label_range(args.output, markers)
         manifest.update(max_length=opts["max_length"], special_suffix=special_suffix(tokenizer),
                         num_labels=len(names) if names else top + 1, label_names=names)
     write_json(os.path.join(args.output, ts.MANIFEST), manifest)
     return manifest
+
+
+def check_label_range(output: str, markers: dict) -> None:
+    """Labels known by number: a dev or test label above every training label would silently add a class the
+    model never learns (a stray `2` among 0s and 1s), as csv_text refuses one; --labels names a class set outright."""
+    tops = {}
+    for marker in markers.values():
+        for split, shard in marker["splits"].items():
+            tops[split] = max(tops.get(split, -1), shard["max_label"])
+    for split in ("dev", "test"):
+        if split in tops and tops[split] > tops.get("train", -1):
+            raise DataError(f"{output}: the {split} inputs have label {tops[split]}, but the training inputs' labels "
+                            f"go up to {tops.get('train', -1)}; fix that label, or name every class with --labels "
+                            "a,b,... (then a class training lacks is allowed)")
 
 
 def main(argv=None) -> int:

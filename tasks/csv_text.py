@@ -10,6 +10,7 @@ from tasks.bag_of_words_hf import BagOfWordsExport
 from tasks.base import Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import check_classes, read_split, train_dev_test
+from tasks.text_common import saved_words
 
 
 def words(text):  # -----> tokenization: lower-cased words here (a Hugging Face tokenizer fits too)
@@ -26,7 +27,7 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
         self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
-        self.vocab = {w: i for i, w in enumerate(sorted({w for t in texts for w in words(t)}), 2)}
+        self.vocab = {w: i for i, w in enumerate(saved_words(self.cfg, lambda: sorted(set(words(" ".join(texts))))), 2)}
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
 
     def classes_note(self):  # the plan: the training classes with their counts (check_classes)

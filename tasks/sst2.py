@@ -16,6 +16,7 @@ labels.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -179,7 +180,7 @@ class SST2Task(Task):
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
         table. Checked once the model's config is known, still before training; otherwise the embedding lookup
         fails mid-run with an index error naming no file."""
-        positions = getattr(config, "max_position_embeddings", None)
+        positions = self.positions = getattr(config, "max_position_embeddings", None)  # predict_inputs checks too
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id and the longest example
             raise DataError(problem)
@@ -275,20 +276,37 @@ class SST2Task(Task):
             self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
             return
         self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
+        if label_names:  # the checkpoint's classes (shards' --labels too, the shards gone since)
+            self.names, self.num_labels = tuple(label_names), max(2, len(label_names))
+        elif not os.path.isfile(os.path.join(self.cfg.data.data_dir, "train.tsv")):
+            self.names = None  # none recorded and no SST-2 TSV: shards' classes known by number, not GLUE's names
 
     def hf_model(self, model: nn.Module):
         return model  # its labels are named by export.write_hf (label_names)
 
     def hf_tokenizer(self):
         # Sentences were cut at data.max_length in training: pipeline(..., truncation=True) then cuts them there too.
-        tok = self.tokenizer
+        # Sentences were stripped too (a byte-level BPE reads a trailing space as a token): the pipeline strips them.
+        from tokenizers import normalizers
+        tok = copy.deepcopy(self.tokenizer)  # a copy per export format: the Strip goes on once
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
+        backend = tok.backend_tokenizer
+        backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
         return tok
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
-        """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were."""
+        """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were: stripped, as read_tsv and
+        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own)."""
         texts = read_texts(path, self.cfg.data.text_column)
-        return texts, TokenizedSentences(texts, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        stripped = [t.strip() for t in texts]
+        dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        length, index = longest_or_largest(dataset.ids, len)
+        positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
+        if positions and length > positions:  # training never fed one this long, and the model cannot take it
+            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}...) is {length} "
+                            f"tokens, more than the model's {positions} positions; set data.max_length to at most "
+                            f"{positions}")
+        return texts, dataset
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.logits(model, batch)

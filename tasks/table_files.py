@@ -284,7 +284,9 @@ def read_texts(path: str, text_column: str) -> list[str]:
     else:
         raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column) among "
                         f"{', '.join(header)[:80]}")
-    for line, row in records[1:]:
-        if len(row) <= column:
-            raise DataError(f"predict.input: {path}:{line} has no {header[column]!r} value")
+    for line, row in records[1:]:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
+        if len(row) != len(header):
+            raise DataError(f"predict.input: {path}:{line}: {len(row)} field{'s' * (len(row) != 1)} but the header "
+                            f"has {len(header)} ({','.join(header)[:60]}); " +
+                            ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
     return [row[column] for _, row in records[1:]]

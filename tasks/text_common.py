@@ -86,6 +86,40 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
+def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
+    """A word-level vocabulary (csv_text's), in id order, kept beside the checkpoints as the tokenizer is: where the
+    weights come from a checkpoint (test, predict, export, a resume) the saved one, so that a training file edited
+    since cannot give its words other ids under them; else `make()`'s, saved (a run saved before this file: made)."""
+    path = os.path.join(cfg.output_dir, VOCABULARY)
+
+    def save():  # rank 0 decides and writes, the other ranks wait: every rank then reads the same file
+        # a fresh run's own, or a start over's; never under checkpoints that read the saved one (lr_find trains too)
+        if os.path.isfile(path) and not cfg.train.start_over and checkpoint.latest(cfg.output_dir):
+            return
+        if os.path.isfile(path) and cfg.train.start_over:  # the previous run's goes aside with its checkpoints
+            os.rename(path, aside := f"{path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            note(f"start over: moved the previous run's vocabulary aside to {aside}")
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with disk_errors.name_unnamed_errors(path + ".part"), open(path + ".part", "w") as f:
+            json.dump(make(), f)
+        os.replace(path + ".part", path)
+    if cfg.mode == "train":
+        main_first(save)
+    if not (weights_from_checkpoint(cfg) and os.path.isfile(path)):
+        return make()
+    with open(path, "rb") as f:
+        try:
+            words = json.loads(f.read().decode("utf-8"))
+        except ValueError:
+            words = None
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise DataError(f"{path}: unreadable (not a JSON list of words); train.start_over=true makes a new run")
+    return words
+
+
+VOCABULARY = "vocabulary.json"  # in output_dir: saved_words's
+
+
 MADE_AS = "made_as.json"  # in the tokenizer folder: {"kind": gpt2 | bpe | char | byte | folder, "folder": PATH}
 
 

@@ -503,6 +503,33 @@ def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, c
             in err[0], (mode, err)
 
 
+def test_csv_text_answers_with_its_own_vocabulary_after_the_training_file_changes(tmp_path):
+    """A word renamed in train.csv after training shifts the ids of the words after it (the vocabulary is sorted):
+    predict and test mode read the run's saved vocabulary, so the checkpoint answers as it did, not scrambled (nor
+    does mode lr_find, a fresh start on the edited file, replace the saved one)."""
+    import json
+    rows = [(f"great fine day {i}", "pos") for i in range(20)] + [(f"awful bad day {i}", "neg") for i in range(20)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dev.csv").write_text("text,label\na great day,pos\nan awful day,neg\n")
+    (tmp_path / "new.txt").write_text("a fine great day\nsuch a bad awful day\n")
+    run = dict(task="csv_text", data={"data_dir": str(tmp_path / "data")}, model={"hidden": 8, "dropout": 0.0},
+               train={"max_steps": 10, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8, "lr": 0.05},
+               predict={"input": str(tmp_path / "new.txt"), "top_k": 2})
+    answers = []
+    for word in ("awful", "zzawful"):  # trained with the first, then the file edited
+        (tmp_path / "data" / "train.csv").write_text("text,label\n" + "".join(f"{t.replace('awful', word)},{y}\n"
+                                                                             for t, y in rows))
+        if not answers:
+            assert main.run(make_config(tmp_path / "run", **run)) == 0
+        else:  # an lr_find sweep on the edited file starts fresh: it leaves the run's vocabulary as it is
+            assert main.run(make_config(tmp_path / "run", **run, mode="lr_find", lr_find={"steps": 5})) == 0
+        for mode in ("predict", "test"):
+            assert main.run(make_config(tmp_path / "run", **run, mode=mode)) == 0
+        answers.append((read_csv(tmp_path / "run" / "predictions.csv"),
+                        json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]))
+    assert answers[1] == answers[0] and answers[0][0][1][1] == "pos" and answers[0][0][2][1] == "neg", answers
+
+
 def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
     from tasks.image import load_digits_split
     assert main.run(make_config(tmp_path, train={"max_steps": 60, "epochs": 0, "eval_every": 0, "lr": 1e-2})) == 0

@@ -146,6 +146,13 @@ def test_sst2_on_prepared_shards_exports_their_label_names(tmp_path):
     pipe = pipeline("text-classification", model=str(tmp_path / "run" / "export"), device="cpu")
     assert pipe.model.config.id2label == dict(enumerate(names))
     assert {r["label"] for r in pipe([t for t, _ in rows["dev"]][:8], truncation=True)} <= set(names)
+    # the shards gone (the run copied elsewhere): predict takes the classes from the checkpoint, as the export does
+    os.rename(tmp_path / "shards", tmp_path / "elsewhere")
+    (tmp_path / "new.txt").write_text("".join(t + "\n" for t, _ in rows["dev"][:8]))
+    assert main.run(dataclasses.replace(cfg, mode="predict", predict=dataclasses.replace(
+        cfg.predict, input=str(tmp_path / "new.txt"), top_k=3))) == 0
+    table = list(csv.reader(open(tmp_path / "run" / "predictions.csv", newline="")))
+    assert len(table) == 9 and all(sorted(row[1::2]) == sorted(names) for row in table[1:]), table
 
 
 def test_sst2_shards_without_label_names_export_label_n_and_a_count_mismatch_is_one_line(tmp_path, capsys,
@@ -173,6 +180,11 @@ def test_sst2_shards_without_label_names_export_label_n_and_a_count_mismatch_is_
     def labels(folder):
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False).id2label
     assert labels(tmp_path / "run" / "export") == {0: "LABEL_0", 1: "LABEL_1"}
+    os.rename(tmp_path / "shards", tmp_path / "elsewhere")  # the run copied without its shards: still by number
+    assert main.run(dataclasses.replace(cfg, mode="export", export=dataclasses.replace(
+        cfg.export, dir=str(tmp_path / "export-1")))) == 0
+    assert labels(tmp_path / "export-1") == {0: "LABEL_0", 1: "LABEL_1"}
+    os.rename(tmp_path / "elsewhere", tmp_path / "shards")
     capsys.readouterr()
     monkeypatch.setattr(SST2Task, "label_names", lambda self: ["a", "b", "c"])
     assert main.run(dataclasses.replace(cfg, mode="export", export=dataclasses.replace(

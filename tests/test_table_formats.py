@@ -289,3 +289,8 @@ def test_predict_reads_a_file_as_training_reads_it(tmp_path, fmt):
     assert read_texts(str(path), "sentence") == trained
     (tmp_path / "texts.txt").write_bytes(b"\xef\xbb\xbffirst\r\n\r\nsecond\r\n")
     assert read_texts(str(tmp_path / "texts.txt"), "text") == ["first", "second"]
+    # an unquoted comma (a tab in a TSV) in a text: refused as training refuses it, not predicted on its first piece
+    sep = "\t" if fmt == "tsv" else ","
+    (tmp_path / f"new.{fmt}").write_text(f"text\nfine\ngreat{sep} really great film\n")
+    with pytest.raises(DataError, match=re.escape(f"new.{fmt}:3: 2 fields but the header has 1 (text); ")):
+        read_texts(str(tmp_path / f"new.{fmt}"), "text")

@@ -140,6 +140,44 @@ def test_sst2_predicts_a_tsv_of_sentences_with_the_saved_tokenizer(data, tmp_pat
     assert os.path.getmtime(tmp_path / "tokenizer" / "tokenizer.json") == made  # the training run's tokenizer
 
 
+def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
+    """SST-2's own dev.tsv as predict.input (`sentence \t1`): the sentence is tokenized stripped, as training
+    read it, by predict and by an export's pipeline; the trained BPE would make the space before the tab a token."""
+    from wiring import build_task
+    task = build_task(task_config("sst2", data, tmp_path))
+    train_set = task.build_datasets()["train"]  # trains and saves the tokenizer
+    with open(os.path.join(data["sst2"], "train.tsv")) as f:
+        lines = f.read().splitlines()[1:4]
+    (tmp_path / "new.tsv").write_text("sentence\tlabel\n" + "".join(f"{line.split(chr(9))[0]} \t0\n" for line in lines))
+    cfg = task_config("sst2", data, tmp_path)
+    cfg.mode, cfg.data.text_column = "predict", "sentence"
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    names, dataset = task.predict_inputs(str(tmp_path / "new.tsv"))
+    assert [dataset[i]["input_ids"] for i in range(3)] == [train_set[i]["input_ids"] for i in range(3)]
+    assert names[0].endswith(" ")  # predictions.csv names the input as the file holds it
+    from transformers import AutoTokenizer
+    task.hf_tokenizer().save_pretrained(tmp_path / "export")  # what an hf export holds: pipeline() strips them too
+    assert AutoTokenizer.from_pretrained(tmp_path / "export")(names[0])["input_ids"] == train_set[0]["input_ids"]
+
+
+def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tmp_path):
+    """data.max_length above a pretrained model's 512 positions passes training on short sentences; a long input to
+    predict then failed inside BERT's embeddings with a traceback naming no input."""
+    from conftest import save_tiny_minilm
+    from wiring import build_task
+    (tmp_path / "new.txt").write_text("fine\n" + "good " * 600 + "\n")
+    cfg = make_config(tmp_path / "run", task="sst2", mode="predict", predict={"input": str(tmp_path / "new.txt")},
+                      data={"data_dir": data["sst2"], "max_length": 1000},
+                      model={"name": "minilm", "pretrained_dir": save_tiny_minilm(tmp_path / "bert")})
+    task = build_task(cfg)
+    task.prepare_inference(["negative", "positive"])
+    task.build_model()
+    with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'new.txt'}: input 2 ('good good good "
+                                                  "good good good '...) is 602 tokens, more than the model's 512")):
+        task.predict_inputs(str(tmp_path / "new.txt"))
+
+
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
     from wiring import build_task
     task = build_task(task_config("sst2", data, tmp_path))

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -268,6 +269,42 @@ def test_classification_label_names_and_errors(tmp_path):
         prepare_text.run(prepare_text.parse_args(["--task", "classification", "--train", str(data), "--output",
                                                   str(tmp_path / "bad_out2"), "--tokenizer", MINILM,
                                                   "--workers", "1"]))
+    # labels by number: a dev label training never has would silently make a class more (csv_text refuses it too)
+    (tmp_path / "train.tsv").write_text("good film\t0\nbad film\t1\n")
+    (tmp_path / "dev.tsv").write_text("meh film\t2\n")
+    split = ["--train", tmp_path / "train.tsv", "--dev", tmp_path / "dev.tsv", "--tokenizer", MINILM]
+    with pytest.raises(DataError, match="the dev inputs have label 2, but the training inputs' labels go up to 1"):
+        prepare_text.run(prepare_text.parse_args(["--task", "classification", *map(str, split), "--output",
+                                                  str(tmp_path / "bad_out3"), "--workers", "1"]))
+    prepare("--task", "classification", *split, "--labels", "0,1,2", "--output", tmp_path / "named")
+    (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")  # read later as "no dev split: give --dev"
+    with pytest.raises(DataError, match=re.escape(f"--dev {tmp_path / 'empty.tsv'}: no documents in it")):
+        prepare_text.run(prepare_text.parse_args(["--task", "classification", *map(str, split[:2]), "--dev",
+                                                  str(tmp_path / "empty.tsv"), "--tokenizer", MINILM, "--output",
+                                                  str(tmp_path / "bad_out4"), "--workers", "1"]))
+    assert json.load(open(tmp_path / "named" / "manifest.json"))["num_labels"] == 3
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--max-length", "-5"], "--max-length must be > 0, got -5"), (["--chunk-mb", "0"], "--chunk-mb must be > 0"),
+    (["--labels", "neg,,pos"], "--labels neg,,pos: the label names, comma-separated, each once and none empty"),
+    (["--labels", "neg,neg"], "--labels neg,neg: the label names")])
+def test_prepare_text_refuses_bad_options_in_one_line(tmp_path, capsys, option, message):
+    """Each used to run on: a negative --max-length to a traceback inside the tokenizer, 0 to unlimited examples,
+    --chunk-mb 0 to one shard per line, a name twice to a class never answered."""
+    with pytest.raises(SystemExit) as stop:
+        prepare_text.parse_args(["--task", "classification", "--train", "t.tsv", "--output", "o", *option])
+    assert stop.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_csv_byte_that_is_not_utf8_near_the_header_is_one_line(tmp_path, capsys):
+    """csv_header decoded the file's first 8 KB: a bad byte there was a UnicodeDecodeError traceback."""
+    bad = tmp_path / "train.csv"
+    bad.write_bytes(b"text,label\ngood film,0\nbad \xff film,1\n")
+    assert prepare_text.main(["--task", "classification", "--train", str(bad), "--dev-fraction", "0.5", "--output",
+                              str(tmp_path / "out"), "--tokenizer", MINILM, "--workers", "1"]) == 2
+    assert capsys.readouterr().err == f"error: {bad}:3: not valid UTF-8 (byte 0xff at column 5); the file must be " \
+        "saved as UTF-8\n"
 
 
 def test_csv_chunks_cut_between_records_only(tmp_path):
