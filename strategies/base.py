@@ -51,7 +51,7 @@ class Strategy:
         return not (self.forward_is_collective or self.pipelined)
 
     def averaged_entries(self) -> dict[str, torch.Tensor]:
-        """train.ema_decay: the trainable parameters (and saved float buffers) this rank averages, by model.pt's names."""
+        """train.ema_decay: the parameters (and saved float buffers) this rank averages, by model.pt's names."""
         return averaged_entries(self.raw_model)
 
     @property
