@@ -85,14 +85,15 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 class Trackers:
     """The trackers of log.report_to, built on rank 0 as training starts at `step` (> 0: resumed). `tensorboard`:
-    what builds TensorBoard's writer from its folder (run_record.TensorBoard). Each call goes to every tracker."""
+    what builds TensorBoard's writer from its folder and the first step it writes (run_record.TensorBoard). Each
+    call goes to every tracker."""
 
-    def __init__(self, cfg, step: int, tensorboard: Callable[[str], object],
+    def __init__(self, cfg, step: int, tensorboard: Callable[[str, int], object],
                  warn: Callable[[str], None] = lambda line: print(f"warning: {line}", file=sys.stderr, flush=True)):
         out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
         ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
-        builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard")),
+        builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard"), step + 1),
                     "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
                     "wandb": lambda: WandB(cfg, ids.get("wandb")),
                     "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}

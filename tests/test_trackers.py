@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -122,6 +123,21 @@ def test_csv_holds_the_logged_values_and_a_resume_continues_it(tmp_path, capsys)
     aside = [n for n in os.listdir(tmp_path) if n.startswith("replaced-")]
     assert len(aside) == 1 and csv_rows(tmp_path / aside[0]) == again
     assert [s for s, t, _ in csv_rows(tmp_path) if t == "train/loss"] == [2]
+
+def test_tensorboard_shows_each_step_once_after_a_resume_before_the_last_checkpoint(tmp_path):
+    """A crash after step 4 was logged but before its checkpoint: the resumed run (from step 2) logs steps 3 and 4
+    again. TensorBoard's own reader shows each step once, with the resumed run's value, as metrics.csv holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert run(tmp_path, ["tensorboard", "csv"]) == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    assert run(tmp_path, ["tensorboard", "csv"]) == 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in ("train/loss", "train/samples_per_s", "dev/loss"):
+        shown = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert shown == [(s, pytest.approx(v)) for s, t, v in csv_rows(tmp_path) if t == tag], (tag, shown)
+        assert [s for s, _ in shown] == [2, 4]
+
 
 
 @pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
