@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from typing import Callable, Optional
@@ -238,7 +239,10 @@ class MLflow:
     def __init__(self, cfg, run_id: Optional[str]):
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
-        self.client, self.step = MlflowClient(mlflow_uri(cfg)), 0
+        uri = mlflow_uri(cfg)
+        if uri.startswith(("http://", "https://")):
+            server_answers(uri)
+        self.client, self.step = MlflowClient(uri), 0
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
@@ -272,3 +276,17 @@ class MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def server_answers(uri: str) -> None:
+    """Raise ConnectionError if no server answers at `uri` (a typo, a server not started): MLflow's client retries
+    that for about 4 minutes, saying nothing. Any answer will do, an error status or a TLS refusal too."""
+    import requests  # MLflow's HTTP client, installed with it (and its proxy settings)
+    try:
+        requests.head(uri, timeout=(10, 120), allow_redirects=False).close()
+    except requests.exceptions.SSLError:
+        pass  # a server answered; MLflow's own TLS settings decide
+    except requests.ConnectionError as e:  # (its message: urllib3's retry report; the socket's reason is inside)
+        reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(e))
+        raise ConnectionError(f"no server answers at {uri} ({reason.group(1) if reason else type(e).__name__})") \
+            from None

@@ -12,10 +12,11 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT, make_config, save_tiny_minilm
+from conftest import ROOT, free_port, make_config, save_tiny_minilm
 
 import main
 from core import trackers
@@ -369,11 +370,19 @@ def test_two_ranks_report_once(tmp_path, tiny_bert):
 # ---------------------------------------------------------------------------------------------------------------
 # A tracker that cannot start is one line before training; one that fails later is dropped (issue 40, item 6)
 # ---------------------------------------------------------------------------------------------------------------
-def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")  # MLflow 3 refuses file stores
+@pytest.mark.parametrize("store, cause", [
+    ("file://{tmp}/mlruns", "MlflowException: "),  # MLflow 3 refuses file stores
+    # no server there (a typo): said at once, not after MLflow's 4 minutes of silent retries
+    ("http://127.0.0.1:{port}", "ConnectionError: no server answers at http://127.0.0.1:{port} (Connection refused)")])
+def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, monkeypatch, store, cause):
+    port = free_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.format(tmp=tmp_path, port=port))
+    start = time.monotonic()
     assert run(tmp_path / "run", ["mlflow"]) == 2
+    assert time.monotonic() - start < 60
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: log.report_to: mlflow could not start (MlflowException: "), err
+    said = f"error: log.report_to: mlflow could not start ({cause.format(port=port)}"
+    assert len(err) == 1 and err[0].startswith(said), err
     assert "set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a store MLflow accepts" in err[0]
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
