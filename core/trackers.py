@@ -106,7 +106,8 @@ class Trackers:
         except BaseException:
             self.close()
             raise
-        run_ids = {name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}
+        # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
+        run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
             with disk_errors.name_unnamed_errors(self.ids_path), open(self.ids_path, "w") as f:
                 json.dump(run_ids, f)

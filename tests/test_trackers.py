@@ -387,6 +387,30 @@ def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, mo
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+def test_a_resume_without_a_tracker_keeps_its_run_id_for_the_next_resume(tmp_path, monkeypatch):
+    continued = []
+
+    def tracked(name):
+        class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
+            def __init__(self, cfg, run_id):
+                continued.append((name, run_id))
+                self.run_id = run_id or f"{name}-1"
+                super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
+        return Tracked
+    monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
+    monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+
+    def start(step, report_to):
+        cfg = make_config(tmp_path, log={"report_to": report_to, "tensorboard": None})
+        trackers.Trackers(cfg, step, tensorboard=None).close()
+    start(0, ["wandb", "mlflow"])
+    start(4, ["wandb"])  # resumed once without MLflow (on a node that cannot reach its server, say)
+    start(8, ["wandb", "mlflow"])
+    assert continued[-2:] == [("wandb", "wandb-1"), ("mlflow", "mlflow-1")]  # the same MLflow run again
+    start(0, ["mlflow"])  # a fresh start opens a new one
+    assert continued[-1] == ("mlflow", None)
+
+
 def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, monkeypatch):
     real, calls = trackers.CSV.scalars, []
 
