@@ -110,7 +110,7 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     if "csv" in tracked:
         lines.append(f"  metrics      {shlex.quote(os.path.join(out, trackers.CSV_FILE))}")
     if "mlflow" in tracked:
-        lines.append(f"  mlflow       mlflow ui --backend-store-uri {trackers.mlflow_uri(cfg)}")
+        lines.append(f"  mlflow       mlflow ui --backend-store-uri {shlex.quote(trackers.mlflow_uri(cfg))}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")
     if task.export_formats:
         lines.append(f"  export       python main.py --params {params} --set mode=export")
