@@ -53,6 +53,12 @@ def check_config(cfg, fail) -> None:
             fail("log.report_to", f"lists {str(name)[:40]!r}, not a tracker ({', '.join(NAMES)})")
     if uri is not None and not uri.strip():
         fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
+    # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
+    where = os.path.abspath(cfg.output_dir)
+    if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
+            and re.search(r"\?|%[0-9A-Fa-f]{2}", where)):
+        fail("output_dir", f"{where[:80]!r} holds a `?` or a %XX escape, which MLflow's default store "
+                           "sqlite:///<output_dir>/mlflow.db reads as another file: set log.mlflow_tracking_uri")
     for name in names(cfg):
         need = dict(PACKAGES.get(name, {}))
         if name == "mlflow" and mlflow_uri(cfg).startswith("sqlite:"):

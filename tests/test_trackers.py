@@ -72,6 +72,18 @@ def test_a_wrong_report_to_is_one_line(overrides, content):
     assert "\n" not in str(e.value) and all(c in str(e.value) for c in content), str(e.value)
 
 
+def test_an_output_dir_that_mlflows_default_store_would_misread_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("runs?a", "runs%41"):  # sqlite:///.../runs?a/mlflow.db opens .../runs; runs%41: .../runsA
+        with pytest.raises(ConfigError) as e:
+            checked_config(None, [f"output_dir={tmp_path / name}", "log.report_to=[mlflow]"])
+        assert "`output_dir`" in str(e.value) and "set log.mlflow_tracking_uri" in str(e.value), str(e.value)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert checked_config(None, [f"output_dir={tmp_path / 'runs?a'}", "log.report_to=[mlflow]",
+                                 f"log.mlflow_tracking_uri={store}"]).log.mlflow_tracking_uri == store
+    assert checked_config(None, [f"output_dir={tmp_path / '100%'}", "log.report_to=[mlflow]"])  # read as it is
+
+
 @pytest.mark.parametrize("tracker, module, pip", [
     ("wandb", "wandb", "pip install wandb==0.31.0"),
     ("mlflow", "mlflow", "pip install mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
