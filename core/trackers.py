@@ -179,12 +179,15 @@ class CSV:
                 kept = [r for r in csv.DictReader(f)
                         if r.get("step", "").isdigit() and int(r["step"]) <= step
                         and not r.get("tag", "").startswith("summary/")]
+        # written beside it, then renamed: a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
-            self.file = open(path, "w", newline="")
+            with open(path + ".tmp", "w", newline="") as f:
+                writer = csv.DictWriter(f, self.FIELDS)
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(path + ".tmp", path)
+            self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
-            self.writer.writeheader()
-            self.writer.writerows(kept)
-            self.file.flush()
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config

@@ -153,6 +153,24 @@ def test_tensorboard_shows_each_step_once_after_a_resume_before_the_last_checkpo
 
 
 
+def test_a_resume_that_fails_to_rewrite_metrics_csv_leaves_its_rows(tmp_path, monkeypatch):
+    import errno
+    path = str(tmp_path / "metrics.csv")
+    first = trackers.CSV(path, 0)
+    for step in (1, 2, 3):
+        first.scalars(step, {"train/loss": 1.0 / step})
+    first.close()
+    before = open(path).read()
+
+    def full_disk(self, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(csv.DictWriter, "writerows", full_disk)
+    with pytest.raises(OSError) as e:
+        trackers.CSV(path, 2)  # a resume from step 2 keeps steps 1 and 2
+    assert e.value.errno == errno.ENOSPC and e.value.filename == path  # named, for disk_errors' one line
+    assert open(path).read() == before  # the history is whole, not cut at the full disk
+
+
 @pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
 def test_the_notebook_reads_metrics_csv(tmp_path, monkeypatch):
     """notebooks/inspect_run.ipynb, executed on a run with csv (tests/test_tutorial.py runs it on one without)."""
