@@ -57,7 +57,9 @@ def sample(model, ids, max_new_tokens: int, temperature: float, top_k: int, cont
             if top_k:
                 kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+            # the likeliest at 0 before dividing, in float64: a tiny temperature gives -inf (never inf - inf = NaN)
+            scaled = (logits - logits.max(-1, keepdim=True).values).double() / temperature
+            nxt = torch.multinomial(torch.softmax(scaled, -1), 1)
         ids = torch.cat([ids, nxt], dim=1)
     return ids
 

@@ -619,7 +619,9 @@ def apply_override(raw: dict, item: str) -> None:
             raise ConfigError(f"--set {shown}: `{parts[0]}` is a section; set one of its keys: {parts[0]}.KEY=VALUE")
         raw[parts[0]] = parsed
     else:
-        section = raw.setdefault(parts[0], {})
+        if raw.get(parts[0]) is None:  # `train:` with all its keys commented out: empty, as config_from_dict reads it
+            raw[parts[0]] = {}
+        section = raw[parts[0]]
         if not isinstance(section, dict):
             raise ConfigError(f"--set {shown}: `{parts[0]}` is not a section")
         section[parts[1]] = parsed

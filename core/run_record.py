@@ -62,13 +62,15 @@ def plan(tr, notes: list[str] = ()) -> str:
 
 class TensorBoard:
     """TensorBoard's writer (SummaryWriter) into `folder`, whose errors name the folder: its writer thread meets
-    a full disk with an error that names no file, raised again by the next call here."""
+    a full disk with an error that names no file, raised again by the next call here. `first_step`: the first step
+    this run writes; TensorBoard hides the points of earlier event files from it on (as metrics.csv drops them)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter  # lazy: a heavy import, for runs that ask for it only
         self.folder = folder
+        # purge_step: a resumed run writes the steps after its checkpoint again, in an event file of its own
         with disk_errors.name_unnamed_errors(folder):
-            self.writer = SummaryWriter(folder)
+            self.writer = SummaryWriter(folder, purge_step=first_step)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         with disk_errors.name_unnamed_errors(self.folder):
@@ -108,7 +110,7 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     if "csv" in tracked:
         lines.append(f"  metrics      {shlex.quote(os.path.join(out, trackers.CSV_FILE))}")
     if "mlflow" in tracked:
-        lines.append(f"  mlflow       mlflow ui --backend-store-uri {trackers.mlflow_uri(cfg)}")
+        lines.append(f"  mlflow       mlflow ui --backend-store-uri {shlex.quote(trackers.mlflow_uri(cfg))}")
     lines.append(f"  test         python main.py --params {params} --set mode=test")
     if task.export_formats:
         lines.append(f"  export       python main.py --params {params} --set mode=export")

@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from typing import Callable, Optional
@@ -52,6 +53,12 @@ def check_config(cfg, fail) -> None:
             fail("log.report_to", f"lists {str(name)[:40]!r}, not a tracker ({', '.join(NAMES)})")
     if uri is not None and not uri.strip():
         fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
+    # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
+    where = os.path.abspath(cfg.output_dir)
+    if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
+            and re.search(r"\?|%[0-9A-Fa-f]{2}", where)):
+        fail("output_dir", f"{where[:80]!r} holds a `?` or a %XX escape, which MLflow's default store "
+                           "sqlite:///<output_dir>/mlflow.db reads as another file: set log.mlflow_tracking_uri")
     for name in names(cfg):
         need = dict(PACKAGES.get(name, {}))
         if name == "mlflow" and mlflow_uri(cfg).startswith("sqlite:"):
@@ -85,14 +92,15 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 class Trackers:
     """The trackers of log.report_to, built on rank 0 as training starts at `step` (> 0: resumed). `tensorboard`:
-    what builds TensorBoard's writer from its folder (run_record.TensorBoard). Each call goes to every tracker."""
+    what builds TensorBoard's writer from its folder and the first step it writes (run_record.TensorBoard). Each
+    call goes to every tracker."""
 
-    def __init__(self, cfg, step: int, tensorboard: Callable[[str], object],
+    def __init__(self, cfg, step: int, tensorboard: Callable[[str, int], object],
                  warn: Callable[[str], None] = lambda line: print(f"warning: {line}", file=sys.stderr, flush=True)):
         out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
         ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
-        builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard")),
+        builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard"), step + 1),
                     "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
                     "wandb": lambda: WandB(cfg, ids.get("wandb")),
                     "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
@@ -104,7 +112,8 @@ class Trackers:
         except BaseException:
             self.close()
             raise
-        run_ids = {name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}
+        # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
+        run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
             with disk_errors.name_unnamed_errors(self.ids_path), open(self.ids_path, "w") as f:
                 json.dump(run_ids, f)
@@ -170,12 +179,15 @@ class CSV:
                 kept = [r for r in csv.DictReader(f)
                         if r.get("step", "").isdigit() and int(r["step"]) <= step
                         and not r.get("tag", "").startswith("summary/")]
+        # written beside it, then renamed: a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
-            self.file = open(path, "w", newline="")
+            with open(path + ".tmp", "w", newline="") as f:
+                writer = csv.DictWriter(f, self.FIELDS)
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(path + ".tmp", path)
+            self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
-            self.writer.writeheader()
-            self.writer.writerows(kept)
-            self.file.flush()
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config
@@ -237,7 +249,10 @@ class MLflow:
     def __init__(self, cfg, run_id: Optional[str]):
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
-        self.client, self.step = MlflowClient(mlflow_uri(cfg)), 0
+        uri = mlflow_uri(cfg)
+        if uri.startswith(("http://", "https://")):
+            server_answers(uri)
+        self.client, self.step = MlflowClient(uri), 0
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
@@ -271,3 +286,17 @@ class MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def server_answers(uri: str) -> None:
+    """Raise ConnectionError if no server answers at `uri` (a typo, a server not started): MLflow's client retries
+    that for about 4 minutes, saying nothing. Any answer will do, an error status or a TLS refusal too."""
+    import requests  # MLflow's HTTP client, installed with it (and its proxy settings)
+    try:
+        requests.head(uri, timeout=(10, 120), allow_redirects=False).close()
+    except requests.exceptions.SSLError:
+        pass  # a server answered; MLflow's own TLS settings decide
+    except requests.ConnectionError as e:  # (its message: urllib3's retry report; the socket's reason is inside)
+        reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(e))
+        raise ConnectionError(f"no server answers at {uri} ({reason.group(1) if reason else type(e).__name__})") \
+            from None

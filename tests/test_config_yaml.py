@@ -143,6 +143,12 @@ def test_duplicate_key_in_a_set_value_is_refused():
     assert message.startswith("--set train={lr: 1, lr: 2}: key `lr` is given twice, at lines 1 and 1"), message
 
 
+def test_a_set_key_goes_into_a_section_the_file_leaves_empty(tmp_path):
+    path = write(tmp_path, "train:\n  # lr: 0.1\nlog:\n")  # every key commented out: the defaults, and --set's
+    cfg = checked_config(str(path), ["train.max_steps=3", "log.progress_bar=false"])
+    assert cfg.train.max_steps == 3 and cfg.log.progress_bar is False and cfg.train.lr == 1e-3
+
+
 # ---- what is not YAML ------------------------------------------------------------------------------------------
 def test_nul_byte_binary_and_syntax_errors_are_one_line(tmp_path, loader):
     nul = tmp_path / "nul.yml"

@@ -5,6 +5,7 @@ import os
 import shlex
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,6 +30,16 @@ def test_the_summarys_commands_survive_spaces_non_ascii_and_newlines(tmp_path, c
         assert argv[:3] == ["python", "main.py", "--params"] and argv[3] == f"{out}/config.yml"
         assert main.main(argv[2:]) == 0
         assert os.path.exists(out / wrote)
+
+
+def test_the_summarys_mlflow_command_survives_spaces(tmp_path):
+    from core import run_record
+    out = tmp_path / "my runs/dígits one"
+    cfg = make_config(out, log={"report_to": ["mlflow"], "tensorboard": None})
+    state = SimpleNamespace(step=2, best_step=2, best_value=0.5)
+    summary = run_record.summary(cfg, state, "accuracy", SimpleNamespace(export_formats=(), generates_text=False))
+    [mlflow] = [line for line in summary.splitlines() if line.startswith("  mlflow ")]
+    assert shlex.split(mlflow) == ["mlflow", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{out}/mlflow.db"]
 
 
 def test_a_nul_byte_in_the_yaml_is_one_line_naming_file_and_line(tmp_path):

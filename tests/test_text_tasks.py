@@ -448,6 +448,9 @@ def test_generate_kv_cache_matches_rerunning_the_window():
         cached = sample(model, prompt, 20, temperature=0, top_k=0, context=16)
     assert cached.tolist() == reference.tolist()
     assert len(set(reference[0, 5:].tolist())) > 1  # not a degenerate constant output
+    # A tiny temperature (which --temperature accepts) samples the likeliest token: no NaN from inf - inf.
+    for temperature in (1e-45, 1e-320):
+        assert sample(model, prompt, 20, temperature, top_k=5, context=16).tolist() == reference.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------

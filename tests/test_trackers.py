@@ -8,13 +8,15 @@ import glob
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT, make_config, save_tiny_minilm
+from conftest import ROOT, free_port, make_config, save_tiny_minilm
 
 import main
 from core import trackers
@@ -70,6 +72,18 @@ def test_a_wrong_report_to_is_one_line(overrides, content):
     assert "\n" not in str(e.value) and all(c in str(e.value) for c in content), str(e.value)
 
 
+def test_an_output_dir_that_mlflows_default_store_would_misread_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("runs?a", "runs%41"):  # sqlite:///.../runs?a/mlflow.db opens .../runs; runs%41: .../runsA
+        with pytest.raises(ConfigError) as e:
+            checked_config(None, [f"output_dir={tmp_path / name}", "log.report_to=[mlflow]"])
+        assert "`output_dir`" in str(e.value) and "set log.mlflow_tracking_uri" in str(e.value), str(e.value)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert checked_config(None, [f"output_dir={tmp_path / 'runs?a'}", "log.report_to=[mlflow]",
+                                 f"log.mlflow_tracking_uri={store}"]).log.mlflow_tracking_uri == store
+    assert checked_config(None, [f"output_dir={tmp_path / '100%'}", "log.report_to=[mlflow]"])  # read as it is
+
+
 @pytest.mark.parametrize("tracker, module, pip", [
     ("wandb", "wandb", "pip install wandb==0.31.0"),
     ("mlflow", "mlflow", "pip install mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
@@ -122,6 +136,39 @@ def test_csv_holds_the_logged_values_and_a_resume_continues_it(tmp_path, capsys)
     aside = [n for n in os.listdir(tmp_path) if n.startswith("replaced-")]
     assert len(aside) == 1 and csv_rows(tmp_path / aside[0]) == again
     assert [s for s, t, _ in csv_rows(tmp_path) if t == "train/loss"] == [2]
+
+def test_tensorboard_shows_each_step_once_after_a_resume_before_the_last_checkpoint(tmp_path):
+    """A crash after step 4 was logged but before its checkpoint: the resumed run (from step 2) logs steps 3 and 4
+    again. TensorBoard's own reader shows each step once, with the resumed run's value, as metrics.csv holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert run(tmp_path, ["tensorboard", "csv"]) == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    assert run(tmp_path, ["tensorboard", "csv"]) == 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in ("train/loss", "train/samples_per_s", "dev/loss"):
+        shown = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert shown == [(s, pytest.approx(v)) for s, t, v in csv_rows(tmp_path) if t == tag], (tag, shown)
+        assert [s for s, _ in shown] == [2, 4]
+
+
+
+def test_a_resume_that_fails_to_rewrite_metrics_csv_leaves_its_rows(tmp_path, monkeypatch):
+    import errno
+    path = str(tmp_path / "metrics.csv")
+    first = trackers.CSV(path, 0)
+    for step in (1, 2, 3):
+        first.scalars(step, {"train/loss": 1.0 / step})
+    first.close()
+    before = open(path).read()
+
+    def full_disk(self, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(csv.DictWriter, "writerows", full_disk)
+    with pytest.raises(OSError) as e:
+        trackers.CSV(path, 2)  # a resume from step 2 keeps steps 1 and 2
+    assert e.value.errno == errno.ENOSPC and e.value.filename == path  # named, for disk_errors' one line
+    assert open(path).read() == before  # the history is whole, not cut at the full disk
 
 
 @pytest.mark.slow  # 10 s (25 s on busy cores): a run, and a Jupyter kernel
@@ -353,13 +400,45 @@ def test_two_ranks_report_once(tmp_path, tiny_bert):
 # ---------------------------------------------------------------------------------------------------------------
 # A tracker that cannot start is one line before training; one that fails later is dropped (issue 40, item 6)
 # ---------------------------------------------------------------------------------------------------------------
-def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")  # MLflow 3 refuses file stores
+@pytest.mark.parametrize("store, cause", [
+    ("file://{tmp}/mlruns", "MlflowException: "),  # MLflow 3 refuses file stores
+    # no server there (a typo): said at once, not after MLflow's 4 minutes of silent retries
+    ("http://127.0.0.1:{port}", "ConnectionError: no server answers at http://127.0.0.1:{port} (Connection refused)")])
+def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, monkeypatch, store, cause):
+    port = free_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.format(tmp=tmp_path, port=port))
+    start = time.monotonic()
     assert run(tmp_path / "run", ["mlflow"]) == 2
+    assert time.monotonic() - start < 60
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: log.report_to: mlflow could not start (MlflowException: "), err
+    said = f"error: log.report_to: mlflow could not start ({cause.format(port=port)}"
+    assert len(err) == 1 and err[0].startswith(said), err
     assert "set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a store MLflow accepts" in err[0]
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_a_resume_without_a_tracker_keeps_its_run_id_for_the_next_resume(tmp_path, monkeypatch):
+    continued = []
+
+    def tracked(name):
+        class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
+            def __init__(self, cfg, run_id):
+                continued.append((name, run_id))
+                self.run_id = run_id or f"{name}-1"
+                super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
+        return Tracked
+    monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
+    monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+
+    def start(step, report_to):
+        cfg = make_config(tmp_path, log={"report_to": report_to, "tensorboard": None})
+        trackers.Trackers(cfg, step, tensorboard=None).close()
+    start(0, ["wandb", "mlflow"])
+    start(4, ["wandb"])  # resumed once without MLflow (on a node that cannot reach its server, say)
+    start(8, ["wandb", "mlflow"])
+    assert continued[-2:] == [("wandb", "wandb-1"), ("mlflow", "mlflow-1")]  # the same MLflow run again
+    start(0, ["mlflow"])  # a fresh start opens a new one
+    assert continued[-1] == ("mlflow", None)
 
 
 def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, monkeypatch):

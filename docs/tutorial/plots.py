@@ -27,7 +27,8 @@ sys.path.insert(0, ROOT)  # checkpoint.py and checkpoint_io.py, for compare
 
 def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
     """{tag: (steps, values)} of a run's TensorBoard event files (train/loss, train/samples_per_s, dev/accuracy,
-    ...). A resumed run repeats the steps after its checkpoint in a second event file: the last value wins."""
+    ...). A resumed run repeats the steps after its checkpoint in a second event file, which hides the first
+    file's points from there on (purge_step): TensorBoard, like this, shows each step once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     folder = os.path.join(run, "tensorboard")
     if not os.path.isdir(folder):
