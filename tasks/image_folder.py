@@ -62,6 +62,16 @@ def check_config(cfg, fail) -> None:
         fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
 
 
+def check_compile(cfg, fail) -> None:
+    """train.compile for image_folder (wiring.READER_CHECKS asks when it is set)."""
+    if cfg.task == "image_folder" and cfg.dist.strategy == "fsdp" and not cfg.dist.on_gpu():
+        # fsdp compiles each block on its own: the ResNet's blocks share one forward with different strides, and
+        # torch 2.13's inductor fails at the recompile this forces on a CPU (InductorError at step 1)
+        fail("train.compile", "under dist.strategy fsdp is refused for image_folder on a CPU: torch 2.13's inductor "
+                              "fails on the ResNet's blocks compiled one by one; compile under ddp or none, or "
+                              "train fsdp in eager")
+
+
 def check_data_config(cfg, fail) -> None:
     """The preprocessing keys of data.* (wiring.READER_CHECKS asks when one is set)."""
     d = cfg.data

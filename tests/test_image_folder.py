@@ -127,6 +127,9 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
         tiny(tmp_path, tmp_path, data={"skip_bad_images": True}, dist={"strategy": "pipe", "procs_per_node": 2})
     with pytest.raises(ConfigError, match="`model.channels_last` is for task image_folder's convolutions, not im"):
         make_config(tmp_path, model={"channels_last": True})
+    with pytest.raises(ConfigError, match="`train.compile` under dist.strategy fsdp is refused for image_folder on a CPU"):
+        tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "fsdp", "procs_per_node": 2})
+    tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "ddp", "procs_per_node": 2})  # (works)
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
