@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from core import checkpoint_hashes, checkpoint_signing, ema
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint import hyperparameters
-from core.checkpoint_meta import differences, read as read_meta
+from core.checkpoint_meta import differences, read as read_meta, saved_train
 from core.distributed import DistContext, broadcast_object
 from core.errors import CheckpointError, Unloadable, first_line
 from core.model_parts import trained_names, trains_part
@@ -170,9 +170,7 @@ def weights_to_read(path: str, cfg) -> str:
         return asked
     if not os.path.isfile(os.path.join(path, "ema.pt")) or not os.path.isfile(os.path.join(path, "meta.json")):
         return "trained"
-    saved = read_meta(path).get("config")
-    train = saved.get("train") if isinstance(saved, dict) else None
-    train = train if isinstance(train, dict) else {}
+    train = saved_train(read_meta(path))
     picked_by_average = train.get("eval_ema") is True or str(train.get("best_metric")).startswith("ema_")
     return "ema" if picked_by_average else "trained"
 

@@ -68,6 +68,12 @@ def read_loaded(path: str, allow_unverified: bool) -> dict:
         return {}
 
 
+def saved_train(meta: dict) -> dict:
+    """The train section a checkpoint was saved with (meta.json's `config`, checked by read() to be an object);
+    {} for one written without it."""
+    return (meta.get("config") or {}).get("train") or {}
+
+
 def best_recorded(output_dir: str, note: Optional[Callable[[str], None]] = None,
                   named_by: str = "test.checkpoint") -> Optional[str]:
     """The checkpoint the latest one records as best on dev (else the latest): what test, export, predict and

@@ -45,7 +45,7 @@ def explicit_or_newer(trainer, path: str) -> str:
     if found and not same_path(found[-1][1], path):
         last_step, last = found[-1]
         try:
-            saved = (checkpoint_meta.read(last).get("config") or {}).get("train") or {}
+            saved = checkpoint_meta.saved_train(checkpoint_meta.read(last))
         except Unloadable:
             saved = {}
         step = checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
@@ -166,7 +166,7 @@ def load(trainer, path: str) -> dict:
         reads = f"{', '.join(others)} or {last}" if others else last
         raise CheckpointError(f"{path}: written by strategy {meta.get('strategy')} in format {saved}, "
                               f"cannot resume under {trainer.cfg.dist.strategy} (it reads {reads})")
-    saved_train = (meta.get("config") or {}).get("train") or {}  # the train section it was saved with
+    saved_train = checkpoint_meta.saved_train(meta)
     was = saved_train.get("optimizer", t.optimizer)
     if str(was).lower() != t.optimizer.lower():  # (any case: adamw is AdamW) its state would fail at step()
         raise CheckpointError(f"{path}: holds {was} optimizer state, but train.optimizer is {t.optimizer}; resume "

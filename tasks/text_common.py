@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -91,6 +92,7 @@ def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
     weights come from a checkpoint (test, predict, export, a resume) the saved one, so that a training file edited
     since cannot give its words other ids under them; else `make()`'s, saved (a run saved before this file: made)."""
     path = os.path.join(cfg.output_dir, VOCABULARY)
+    made = functools.cache(make)  # (a fresh run writes the words it returns: made once)
 
     def save():  # rank 0 decides and writes, the other ranks wait: every rank then reads the same file
         # a fresh run's own, or a start over's; never under checkpoints that read the saved one (lr_find trains too)
@@ -101,12 +103,12 @@ def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
             note(f"start over: moved the previous run's vocabulary aside to {aside}")
         os.makedirs(cfg.output_dir, exist_ok=True)
         with disk_errors.name_unnamed_errors(path + ".part"), open(path + ".part", "w") as f:
-            json.dump(make(), f)
+            json.dump(made(), f)
         os.replace(path + ".part", path)
     if cfg.mode == "train":
         main_first(save)
     if not (weights_from_checkpoint(cfg) and os.path.isfile(path)):
-        return make()
+        return made()
     with open(path, "rb") as f:
         try:
             words = json.loads(f.read().decode("utf-8"))
