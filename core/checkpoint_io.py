@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +20,7 @@ from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint import hyperparameters
 from core.checkpoint_meta import differences, read as read_meta, saved_train
 from core.distributed import DistContext, broadcast_object
-from core.errors import CheckpointError, Unloadable, first_line
+from core.errors import CheckpointError, Unloadable, first_line, warn_on_stderr
 from core.model_parts import trained_names, trains_part
 from core.optimizers import param_groups
 
@@ -60,7 +59,7 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
     if kind == "problem" or (kind == "unverified" and not config.get("allow_unverified")):
         raise Unloadable(line if kind == "problem" else f"{line}; to load it anyway, set allow_unverified: true")
     if kind == "unverified" and main:
-        (note or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True)))(
+        (note or warn_on_stderr)(
             f"loading {path} unverified (allow_unverified: true): {line}")
 
 

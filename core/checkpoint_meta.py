@@ -7,12 +7,11 @@ import json
 import math
 import os
 import re
-import sys
 from typing import Callable, Optional
 
 from core import checkpoint
 from core.checkpoint import STEP_DIR
-from core.errors import Unloadable
+from core.errors import Unloadable, warn_on_stderr
 
 META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
 META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
@@ -83,7 +82,7 @@ def best_recorded(output_dir: str, note: Optional[Callable[[str], None]] = None,
     best_step = read(last)["state"].get("best_step") if last else None
     path = checkpoint.best(output_dir, best_step)
     if best_step is not None and path != os.path.join(checkpoint.root(output_dir), f"step-{best_step}"):
-        (note or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True)))(
+        (note or warn_on_stderr)(
             f"the best checkpoint, step-{best_step} (as {os.path.basename(last)} records it), is gone from "
             f"{checkpoint.root(output_dir)}: reading the latest, {os.path.basename(last)}, instead (to read another: "
             f"{named_by})")

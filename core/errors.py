@@ -2,6 +2,8 @@
 live apart from the config schema and the fault handling (resilience/faults.py reports them)."""
 from __future__ import annotations
 
+import sys
+
 EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 130: Ctrl-C in test mode)
 
 
@@ -41,3 +43,8 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     """`Type: first line of the message` (cut at `limit`): an exception in one line."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__
+
+
+def warn_on_stderr(text: str) -> None:
+    """A warning line on stderr, where no log is at hand: what a `note`/`warn` callback does by default."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)

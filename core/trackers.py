@@ -16,12 +16,11 @@ import importlib.util
 import json
 import os
 import re
-import sys
 import time
 from typing import Callable, Optional
 
 from core import disk_errors, process_end
-from core.errors import UserError, first_line
+from core.errors import UserError, first_line, warn_on_stderr
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 # What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
@@ -96,7 +95,7 @@ class Trackers:
     call goes to every tracker."""
 
     def __init__(self, cfg, step: int, tensorboard: Callable[[str, int], object],
-                 warn: Callable[[str], None] = lambda line: print(f"warning: {line}", file=sys.stderr, flush=True)):
+                 warn: Callable[[str], None] = warn_on_stderr):
         out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
         ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs

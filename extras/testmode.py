@@ -33,4 +33,3 @@ def test(trainer) -> dict:
                                                   "split": split, "metrics": results[split]}, indent=2))
             log.info(f"wrote {where}")
     return results
-
