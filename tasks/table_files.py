@@ -279,8 +279,10 @@ def read_texts(path: str, text_column: str) -> list[str]:
     header = records[0][1]
     if text_column in header:
         column = header.index(text_column)
-    elif len(header) == 1:
+    elif len(header) == 1:  # its one column: the first line is its header, whatever it says, as for a split
         column = 0
+        note(f"predict.input: {path}: its first line, {header[0][:60]!r}, is read as the header of its one column "
+             f"(data.text_column is {text_column!r}), not as a text; texts without a header: a .txt file, one a line")
     else:
         raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column) among "
                         f"{', '.join(header)[:80]}")

@@ -294,3 +294,16 @@ def test_predict_reads_a_file_as_training_reads_it(tmp_path, fmt):
     (tmp_path / f"new.{fmt}").write_text(f"text\nfine\ngreat{sep} really great film\n")
     with pytest.raises(DataError, match=re.escape(f"new.{fmt}:3: 2 fields but the header has 1 (text); ")):
         read_texts(str(tmp_path / f"new.{fmt}"), "text")
+
+
+def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header(tmp_path, capsys):
+    """A one-column CSV of texts without a header lost its first text in silence: the line is still the header (as a
+    split's is), and one line quotes it, so a user who meant it as a text sees it."""
+    from tasks.table_files import read_texts
+    (tmp_path / "new.csv").write_text("a fine film\nawful\n")
+    assert read_texts(str(tmp_path / "new.csv"), "text") == ["awful"]
+    said = capsys.readouterr().out
+    assert "new.csv" in said and "'a fine film'" in said and "header" in said and ".txt" in said
+    (tmp_path / "named.csv").write_text("text\na fine film\n")  # its header is data.text_column: nothing to say
+    assert read_texts(str(tmp_path / "named.csv"), "text") == ["a fine film"]
+    assert capsys.readouterr().out == ""
