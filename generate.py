@@ -96,7 +96,7 @@ def load_checkpoint(args):
     task = build_task(cfg)
     tokenizer = task.load_tokenizer()
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters over it
-    if checkpoint_io.load_model(model, path, cfg) == "ema":  # said, as test mode says it (stdout holds the text)
+    if checkpoint_io.load_model(model, path, cfg, vocabulary_sha256=task.vocabulary_sha256()) == "ema":  # said, as test mode says it (stdout holds the text)
         print(f"sampling from the weight average of {path} (ema.pt: {checkpoint_io.why_average(cfg)})",
               file=sys.stderr)
     return lora.merged(model), tokenizer

@@ -420,6 +420,7 @@ class Trainer:
                 "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
                 "optimizer": checkpoint.hyperparameters(self.strategy.optimizer.param_groups),
                 "label_names": self.task.label_names(),  # a classifier's outputs, by name (checkpoint_io)
+                "vocabulary_sha256": self.task.vocabulary_sha256(),  # its inputs' ids (checkpoint_io)
                 **lora_base_entry(self.strategy.raw_model)}  # LoRA: the frozen base the adapters need
         self.pending_save = checkpoint.start_write(self.cfg.output_dir, self.state.step, self.ctx, start_files, meta)
         self.best_step_to_keep = self.state.best_step

@@ -142,13 +142,16 @@ def _settings_changed(path: str, cfg) -> str:
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None) -> str:
+def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None,
+               vocabulary_sha256=None) -> str:
     """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, predict, export,
     generate.py; its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded
-    after a `note`; default: a line on stderr). `label_names`: a classifier's classes now (check_label_names).
-    Returns which weights it read: trained, or ema (test.weights, weights_to_read)."""
+    after a `note`; default: a line on stderr). `label_names`, `vocabulary_sha256`: a classifier's classes and the
+    task's vocabulary now (check_label_names, check_vocabulary). Returns which weights it read: trained, or ema
+    (test.weights, weights_to_read)."""
     verify(path, note=note, cfg=cfg)
     check_label_names(path, label_names)
+    check_vocabulary(path, vocabulary_sha256)
     with fits_model(path, cfg):
         load_state(model, model_state_dict(path), path)
     weights = weights_to_read(path, cfg)
@@ -193,6 +196,17 @@ def check_label_names(path: str, names: Optional[list]) -> None:
     raise CheckpointError(f"{path}: trained on {len(saved)} classes, the data now names {len(now)}: output {i} was "
                           f"{was}, the data names {named}; give the data the classes it was trained on "
                           f"({listed if len(listed) <= 80 else listed[:77] + '...'}), or train again")
+
+
+def check_vocabulary(path: str, sha256: Optional[str]) -> None:
+    """The vocabulary read now (output_dir's tokenizer, or csv_text's vocabulary.json) is the one the checkpoint was
+    trained with (meta.json `vocabulary_sha256`): another run's would read every input as other ids, silently."""
+    saved = read_meta(path).get("vocabulary_sha256") if os.path.isfile(os.path.join(path, "meta.json")) else None
+    if saved is None or sha256 is None or saved == sha256:  # (None: written before it was recorded, or none)
+        return
+    raise CheckpointError(f"{path}: trained with another vocabulary than the one output_dir holds (its tokenizer, or "
+                          f"csv_text's vocabulary.json): every input would be read as other ids; use the output_dir "
+                          f"it was trained in, or train again")
 
 
 def recorded_label_names(path: str) -> Optional[list[str]]:

@@ -14,7 +14,7 @@ from core.checkpoint import STEP_DIR
 from core.errors import Unloadable, warn_on_stderr
 
 META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
-META_OPTIONAL = {"config": dict}  # read with .get(), then looked into
+META_OPTIONAL = {"config": dict, "vocabulary_sha256": str}  # read with .get(), then looked into or compared
 META_MAX_BYTES = 16 << 20  # a real one is a few KB (it holds the config)
 META_MAX_DEPTH = 32  # a real one nests 4 deep; deeper JSON makes json.load and any recursive reader overflow
 MAX_COUNT = 2 ** 53  # steps, epochs, batches: far beyond any run, and exact as a float

@@ -683,7 +683,7 @@ def _match(value: Any, hint):
             return value
     elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    elif hint is float and isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string
+    elif hint is float and isinstance(value, str):  # (a config built in Python may hold "3e-4")
         try:
             return float(value)
         except ValueError:

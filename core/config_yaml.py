@@ -5,6 +5,7 @@ one-line ConfigError naming the file (or the --set item) and the line.
 from __future__ import annotations
 
 import os
+import re
 import reprlib
 from typing import Any, Optional
 
@@ -107,6 +108,11 @@ class PureLoader(_Caps, yaml.SafeLoader):
         super().fetch_flow_collection_start(token_class)
 
 
+# YAML 1.1 (PyYAML's) reads `1e-3` and `1.0e5` as strings: a float needs a dot and a signed exponent there. YAML 1.2
+# and JSON read them as numbers, as users mean them, in lists and mappings too (train.betas, optimizer_args).
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+PureLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+0123456789."))
+
 LOADER = PureLoader
 if getattr(yaml, "__with_libyaml__", False):
     class FastLoader(_Caps, yaml.composer.Composer, yaml.cyaml.CParser, yaml.constructor.SafeConstructor,
@@ -120,6 +126,7 @@ if getattr(yaml, "__with_libyaml__", False):
             yaml.resolver.Resolver.__init__(self)
             yaml.composer.Composer.__init__(self)
 
+    FastLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+0123456789."))
     LOADER = FastLoader
 
 

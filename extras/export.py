@@ -72,7 +72,8 @@ def run(cfg: Config, task: Task) -> str:
                               "or set test.checkpoint)")
     task.prepare_inference(checkpoint_io.recorded_label_names(source))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
-    weights = checkpoint_io.load_model(model, source, cfg, label_names=task.label_names())  # as test mode loads
+    weights = checkpoint_io.load_model(model, source, cfg, label_names=task.label_names(),  # as test mode loads
+                                       vocabulary_sha256=task.vocabulary_sha256())
     model.eval()
     meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta, weights))

@@ -38,7 +38,8 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     task.prepare_inference(checkpoint_io.recorded_label_names(path))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
-    weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names())
+    weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names(),
+                                       vocabulary_sha256=task.vocabulary_sha256())
     names, dataset = task.predict_inputs(cfg.predict.input)
     if not names:
         raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")

@@ -16,7 +16,8 @@ def test(trainer) -> dict:
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
     weights = checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,
-                                       label_names=trainer.task.label_names())
+                                       label_names=trainer.task.label_names(),
+                                       vocabulary_sha256=trainer.task.vocabulary_sha256())
     trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
     # (the results of the average must not pass for the trained weights')
     log.info(f"testing {path}" + (f" with its weight average (ema.pt: {checkpoint_io.why_average(cfg)})"

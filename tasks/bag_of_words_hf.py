@@ -18,12 +18,14 @@ never saw). A text without any word (csv_text reads it as one unknown word) has 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
 
 from core.errors import UserError
 from tasks.table_files import read_texts
+from tasks.text_common import VOCABULARY, read_words
 
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1
 
@@ -39,12 +41,24 @@ class BagOfWordsExport:
     def hf_tokenizer(self):
         return hf_tokenizer(self.vocab, self.cfg.data.max_length)
 
+    def prepare_inference(self, label_names):  # predict, export: the checkpoint's classes, the run's vocabulary
+        saved = os.path.join(self.cfg.output_dir, VOCABULARY)
+        if label_names is None or not os.path.isfile(saved):  # a run older than both records: the training file's
+            self.build_datasets()
+            return
+        self.classes, self.vocab = list(label_names), word_ids(read_words(saved))
+
     def predict_inputs(self, path):  # mode: predict: a CSV/TSV/text file of texts, encoded as training's were
         texts = read_texts(path, self.cfg.data.text_column)
         return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
 
     def predict_logits(self, model, batch):
         return model(batch["ids"])
+
+
+def word_ids(words: list[str]) -> dict[str, int]:
+    """csv_text's ids of its vocabulary's words: 2, 3, ... (0 pads, 1 is a word training never saw)."""
+    return {w: i for i, w in enumerate(words, 2)}
 
 
 def hf_classifier(model: nn.Module, names: list[str]):

@@ -9,6 +9,8 @@ optimizer step always follows the mean gradient over the global batch, whatever 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional
 
 import numpy as np
@@ -117,6 +119,14 @@ class Task:
         an `hf` export's config.json maps ids to them): the task's `classes` where it has them (csv_text); None:
         not a classifier, or classes known only by number."""
         return getattr(self, "classes", None)
+
+    def vocabulary_sha256(self) -> Optional[str]:
+        """The sha256 of what turns inputs into ids (the task's tokenizer's vocabulary, or csv_text's words), which
+        meta.json records and every load checks: another run's vocabulary reads each input as other ids, silently.
+        None: inputs need none (images)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        vocabulary = tokenizer.get_vocab() if tokenizer is not None else getattr(self, "vocab", None)
+        return hashlib.sha256(json.dumps(sorted(vocabulary.items())).encode()).hexdigest() if vocabulary else None
 
     def classes_note(self) -> Optional[str]:
         """What the run's plan says of a classifier's classes (`3 classes: neg, neu, pos`, cut to ~80 characters);

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from core.errors import DataError
-from tasks.bag_of_words_hf import BagOfWordsExport
+from tasks.bag_of_words_hf import BagOfWordsExport, word_ids
 from tasks.base import Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import check_classes, read_split, train_dev_test
@@ -27,7 +27,7 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
         self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
-        self.vocab = {w: i for i, w in enumerate(saved_words(self.cfg, lambda: sorted(set(words(" ".join(texts))))), 2)}
+        self.vocab = word_ids(saved_words(self.cfg, lambda: sorted(set(words(" ".join(texts))))))
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
 
     def classes_note(self):  # the plan: the training classes with their counts (check_classes)

@@ -109,6 +109,11 @@ def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
         main_first(save)
     if not (weights_from_checkpoint(cfg) and os.path.isfile(path)):
         return made()
+    return read_words(path)
+
+
+def read_words(path: str) -> list[str]:
+    """A vocabulary saved_words kept (a JSON list of words), checked."""
     with open(path, "rb") as f:
         try:
             words = json.loads(f.read().decode("utf-8"))

@@ -1,5 +1,6 @@
 """task: image_folder on real images: MNIST digits written out as PNG and JPEG folders (tests/image_folders.py) and
 scikit-learn's sample photos; the hostile folders; the seeded crops; runs under none and ddp, resume, test mode."""
+import json
 import os
 import shutil
 import struct
@@ -493,11 +494,14 @@ def test_csv_text_predicts_a_file_of_texts_after_training_on_one_csv(tmp_path, c
                                 predict={"input": str(tmp_path / "bad.csv")})) == 2
     assert f"error: predict.input: {tmp_path / 'bad.csv'} has no column 'text' (data.text_column) among id, " \
            "sentence" in capsys.readouterr().err
-    # Relabelled data (pos -> good, which sorts first) would answer under swapped names: predict, test mode, export
-    # and a resume refuse it in one line.
+    # Relabelled data (pos -> good, which sorts first) would answer under swapped names: test mode and a resume,
+    # which read it, refuse it in one line; predict and export read the checkpoint's names and do not read it.
     (tmp_path / "all.csv").write_text("text,label\n" + "".join(f"{t},{'good' if y == 'pos' else y}\n" for t, y in rows))
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict",
+                                predict={"input": str(tmp_path / "new.txt")})) == 0
+    assert read_csv(tmp_path / "run" / "predictions.csv") == table
     capsys.readouterr()
-    for mode in ("predict", "test", "export", "train"):
+    for mode in ("test", "train"):
         assert main.run(make_config(tmp_path / "run", **{**run, "train": {**run["train"], "max_steps": 40}},
                                     mode=mode, predict={"input": str(tmp_path / "new.txt")})) == 2, mode
         err = capsys.readouterr().err.strip().splitlines()
@@ -531,6 +535,41 @@ def test_csv_text_answers_with_its_own_vocabulary_after_the_training_file_change
         answers.append((read_csv(tmp_path / "run" / "predictions.csv"),
                         json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]))
     assert answers[1] == answers[0] and answers[0][0][1][1] == "pos" and answers[0][0][2][1] == "neg", answers
+
+
+def test_csv_text_predicts_and_exports_without_its_training_file_and_refuses_another_run_s_vocabulary(tmp_path,
+                                                                                                         capsys):
+    """predict and export take the classes from meta.json and the words from the run's vocabulary.json, so a run
+    copied without its data still labels texts; a checkpoint read beside another run's vocabulary (test.checkpoint,
+    predict.checkpoint) would read every word as another id: refused in one line, not answered at random."""
+    rows = [(f"great fine day {i}", "pos") for i in range(20)] + [(f"awful bad day {i}", "neg") for i in range(20)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    (tmp_path / "data" / "dev.csv").write_text("text,label\na great day,pos\nan awful day,neg\n")
+    (tmp_path / "new.txt").write_text("a fine great day\nsuch a bad awful day\n")
+    run = dict(task="csv_text", data={"data_dir": str(tmp_path / "data")}, model={"hidden": 8, "dropout": 0.0},
+               train={"max_steps": 10, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8, "lr": 0.05},
+               predict={"input": str(tmp_path / "new.txt")})
+    assert main.run(make_config(tmp_path / "run", **run)) == 0
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict")) == 0
+    answers = read_csv(tmp_path / "run" / "predictions.csv")
+    shutil.move(tmp_path / "data", tmp_path / "elsewhere")
+    assert main.run(make_config(tmp_path / "run", **run, mode="predict")) == 0
+    assert read_csv(tmp_path / "run" / "predictions.csv") == answers and answers[1][1] == "pos"
+    assert main.run(make_config(tmp_path / "run", **run, mode="export")) == 0
+    assert json.load(open(tmp_path / "run" / "export" / "config.json"))["id2label"] == {"0": "neg", "1": "pos"}
+    shutil.move(tmp_path / "elsewhere", tmp_path / "data")
+    # another run, on other words: its vocabulary gives "great" another id
+    (tmp_path / "data" / "train.csv").write_text("text,label\n" + "".join(f"{t.replace('fine', 'aaa')},{y}\n"
+                                                                         for t, y in rows))
+    assert main.run(make_config(tmp_path / "other", **run)) == 0
+    capsys.readouterr()
+    first = str(tmp_path / "run" / "checkpoints" / "step-10")
+    for mode, section in (("test", "test"), ("predict", "predict")):
+        assert main.run(make_config(tmp_path / "other", **{**run, section: {**run.get(section, {}),
+                                                                            "checkpoint": first}}, mode=mode)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and first in err[0] and "another vocabulary" in err[0] and "output_dir" in err[0], err
 
 
 def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):

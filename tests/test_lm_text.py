@@ -249,3 +249,28 @@ def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO: yes", "--max-new-tokens", "3"]) == 2
     assert capsys.readouterr().err == ("error: --prompt holds characters the tokenizer does not know: 'y' (each "
                                        "would be read as its unknown token); leave them out\n")
+
+
+def test_a_checkpoint_read_beside_another_run_s_tokenizer_is_refused(tmp_path, capsys):
+    """Two char-level runs on texts with other characters give the same character other ids: test mode and
+    generate.py, given the first run's checkpoint in the second's output_dir, refuse it in one line (they sampled
+    and scored through the wrong ids before)."""
+    import generate
+    for run, text in (("one", PLAY), ("two", PLAY.replace("O", "Q"))):
+        write(tmp_path / f"data-{run}" / "input.txt", text)
+        assert main.run(lm_cfg(tmp_path / run, tmp_path / f"data-{run}", tokenizer="char")) == 0
+    first = str(tmp_path / "one" / "checkpoints" / "step-2")
+    cfg = lm_cfg(tmp_path / "two", tmp_path / "data-two", tokenizer="char")
+    capsys.readouterr()
+    cfg.mode, cfg.test.checkpoint = "test", first
+    assert main.run(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and first in err[0] and "another vocabulary" in err[0], err
+    params = tmp_path / "params.yml"
+    params.write_text(yaml.safe_dump({**cfg.to_dict(), "mode": "train"}))
+    assert generate.main(["--params", str(params), "--checkpoint", first, "--prompt", "ROMEO", "--max-new-tokens",
+                          "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another vocabulary" in err[0], err
+    cfg.test.checkpoint = str(tmp_path / "two" / "checkpoints" / "step-2")  # its own: read
+    assert main.run(cfg) == 0
