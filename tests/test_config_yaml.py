@@ -213,3 +213,14 @@ def test_both_loaders_read_the_shipped_configs_as_safe_load_does(loader):
     for path in [PARAMS, *sorted(glob.glob(os.path.join(ROOT, "configs", "*.yml")))]:
         text = open(path).read()
         assert config_yaml.parse(text) == yaml.safe_load(text), path
+
+
+def test_numbers_with_an_exponent_are_numbers_inside_lists_and_mappings_too(tmp_path, loader):
+    """YAML 1.1 reads `1e-3` as a string (a float wants a dot and a signed exponent): a scalar field turned it back
+    into a number, but in train.betas it was refused as "must be two numbers" and in optimizer_args it reached the
+    optimizer as a string. Read as YAML 1.2 and JSON read it, with either loader; other strings stay strings."""
+    cfg = checked_config(str(write(tmp_path, "train:\n  betas: [0.9, 1e-3]\n  lr: 1.0e5\n")), ["train.eps=2E-8"])
+    assert cfg.train.betas == [0.9, 0.001] and cfg.train.lr == 1e5 and cfg.train.eps == 2e-8
+    cfg = checked_config(str(write(tmp_path, "train:\n  optimizer: SGD\n  optimizer_args: {momentum: 9e-1}\n")))
+    assert cfg.train.optimizer_args == {"momentum": 0.9}
+    assert config_yaml.parse("[1e3x, 1e, .5e-1, -2E+3, 1_0e2]") == ["1e3x", "1e", 0.05, -2000.0, 1000.0]
