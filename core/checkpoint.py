@@ -11,7 +11,8 @@ next run starts (run_dir.py). Files:
     state.pt                 scheduler, grad scaler, RNG states of every rank
     ema.pt                   train.ema_decay: the weights' moving average, a whole state dict (core/ema.py)
     meta.json                step, epoch and position inside it, metrics, best so far, config (human-readable),
-                             a classifier's class names (`label_names`, checked at every load: checkpoint_io),
+                             a classifier's class names (`label_names`) and a text task's vocabulary's sha256
+                             (`vocabulary_sha256`), both checked at every load (checkpoint_io),
                              and the size and sha256 of every other file (`files`), checked before loading
                              (checkpoint_io.verify)
 
