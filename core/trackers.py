@@ -242,7 +242,9 @@ class WandB:
 
 class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
-    continue, or None (or a run the store does not hold) for a new one."""
+    continue, or None (or a run the store does not hold) for a new one. A run resumed from a checkpoint older than
+    its last logged step logs those steps again: MLflow cannot delete points, so the steps it holds are not sent
+    twice (a resume is exact: the values are the ones it holds, unless the resumed run changed a setting)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
@@ -251,10 +253,12 @@ class MLflow:
         uri = mlflow_uri(cfg)
         if uri.startswith(("http://", "https://")):
             server_answers(uri)
-        self.client, self.step = MlflowClient(uri), 0
+        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, 0
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
+                self.logged_up_to = max((m.step for key in self.client.get_run(run_id).data.metrics
+                                         for m in self.client.get_metric_history(run_id, key)), default=0)
             except MlflowException:  # another store than the one it was made in
                 run_id = None
         if not run_id:
@@ -275,13 +279,17 @@ class MLflow:
             self.client.log_batch(self.run_id, params=params[i:i + self.BATCH])
 
     def scalars(self, step: int, values: dict) -> None:
-        from mlflow.entities import Metric
-        self.step, now = step, int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, step) for k, v in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        self.step = step
+        if step > self.logged_up_to:
+            self.log(step, values)
 
     def summary(self, values: dict) -> None:
-        self.scalars(self.step, {f"summary/{k}": v for k, v in values.items()})
+        self.log(self.step, {f"summary/{k}": v for k, v in values.items()})
+
+    def log(self, step: int, values: dict) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

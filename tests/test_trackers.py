@@ -153,6 +153,25 @@ def test_tensorboard_shows_each_step_once_after_a_resume_before_the_last_checkpo
 
 
 
+@pytest.mark.slow  # 8 s: two runs with MLflow's store
+def test_mlflow_holds_each_step_once_after_a_resume_before_the_last_checkpoint(tmp_path, monkeypatch):
+    """The same crash as above: MLflow cannot delete points, so the resumed run does not send steps 3 and 4 again
+    (it sent them twice before); the points it holds are the ones metrics.csv holds, and the summary is the new run's."""
+    import mlflow
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert run(tmp_path, ["mlflow", "csv"]) == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    assert run(tmp_path, ["mlflow", "csv"]) == 0
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = json.load(open(tmp_path / "trackers.json"))["mlflow"]
+    for tag in ("train/loss", "dev/loss"):
+        held = [(m.step, m.value) for m in client.get_metric_history(run_id, tag)]
+        assert sorted(held) == [(s, pytest.approx(v)) for s, t, v in csv_rows(tmp_path) if t == tag], (tag, held)
+        assert sorted(s for s, _ in held) == [2, 4]
+    assert client.get_run(run_id).data.metrics["summary/steps"] == 4
+
+
 def test_a_resume_that_fails_to_rewrite_metrics_csv_leaves_its_rows(tmp_path, monkeypatch):
     import errno
     path = str(tmp_path / "metrics.csv")
