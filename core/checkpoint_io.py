@@ -201,8 +201,10 @@ def check_label_names(path: str, names: Optional[list]) -> None:
 def check_vocabulary(path: str, sha256: Optional[str]) -> None:
     """The vocabulary read now (output_dir's tokenizer, or csv_text's vocabulary.json) is the one the checkpoint was
     trained with (meta.json `vocabulary_sha256`): another run's would read every input as other ids, silently."""
-    saved = read_meta(path).get("vocabulary_sha256") if os.path.isfile(os.path.join(path, "meta.json")) else None
-    if saved is None or sha256 is None or saved == sha256:  # (None: written before it was recorded, or none)
+    if sha256 is None or not os.path.isfile(os.path.join(path, "meta.json")):  # inputs without a vocabulary
+        return
+    saved = read_meta(path).get("vocabulary_sha256")
+    if saved is None or saved == sha256:  # (None: written before it was recorded)
         return
     raise CheckpointError(f"{path}: trained with another vocabulary than the one output_dir holds (its tokenizer, or "
                           f"csv_text's vocabulary.json): every input would be read as other ids; use the output_dir "
