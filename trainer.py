@@ -84,6 +84,7 @@ class Trainer:
         self.resumed_batch_sizes, self.balance_note = None, None  # batch_size auto (extras/balance.py)
         self.resumed_precision = None  # what a resumed run trained in: precision auto keeps it (extras/balance.py)
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
+        self.loss_window = LossWindow(self.ctx)  # the loss since the last training line (saved: a resume goes on)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
         self.ema = WeightAverage(strategy.averaged_entries(), cfg.train.ema_decay) if cfg.train.ema_decay else None
@@ -105,7 +106,8 @@ class Trainer:
             if improved or stop:
                 self.save_checkpoint(metrics)
                 saved_at = state.step
-        window = LossWindow(self.ctx, state.step)
+        window = self.loss_window
+        window.open_at(state.step)
         bar = self.progress_bar()
         while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
@@ -403,13 +405,14 @@ class Trainer:
         self.check_finite_parameters()
         self.strategy.share_buffers()  # every rank holds the BatchNorm statistics saved: a resumed run goes on alike
         own = self.state_dict()
-        rng = distributed.gather_objects(self.ctx, own["rng"])  # every rank's stream, so each resumes its own
+        # every rank's random streams and loss window, so that each resumes its own
+        ranks = distributed.gather_objects(self.ctx, (own["rng"], own["loss_window"]))
 
         def start_files(directory: str):  # the model and optimizer: the strategy's files (Strategy.save)
             wait = self.strategy.start_save(directory) if self.train_cfg.async_save else self.strategy.save(directory)
             if self.ctx.is_main:
-                torch.save({"scheduler": own["scheduler"], "scaler": own["scaler"], "rng": rng},
-                           os.path.join(directory, "state.pt"))
+                torch.save({"scheduler": own["scheduler"], "scaler": own["scaler"], "rng": [r for r, _ in ranks],
+                            "loss_window": [w for _, w in ranks]}, os.path.join(directory, "state.pt"))
                 if own["ema"] is not None:
                     torch.save(own["ema"], os.path.join(directory, "ema.pt"))
             return wait or (lambda: None)
@@ -430,11 +433,13 @@ class Trainer:
     # ---- The Trainer's state, both ways, and what resume and balancing may change -------------------------------
     def state_dict(self) -> dict:
         """What a checkpoint holds besides the model and optimizer (the strategy's files: Strategy.save/load): the
-        scheduler, the loss scaler, this rank's random streams, the progress (data position, best), batch sizes, the
-        precision (the config's, which meta.json records) and the weights' average (whole: a collective under fsdp)."""
+        scheduler, the loss scaler, this rank's random streams and loss window, the progress (data position, best),
+        batch sizes, the precision (the config's, which meta.json records) and the weights' average (whole: a
+        collective under fsdp)."""
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler else None,
-                "rng": rng_state(), "state": asdict(self.state), "batch_sizes": self.batch_sizes,
+                "rng": rng_state(), "loss_window": self.loss_window.state_dict(),
+                "state": asdict(self.state), "batch_sizes": self.batch_sizes,
                 "precision": self.train_cfg.precision, "ema": self.ema_state() if self.ema else None}
 
     def ema_state(self) -> dict:
@@ -448,8 +453,9 @@ class Trainer:
         return whole
 
     def load_state_dict(self, saved: dict) -> None:
-        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
-        checkpoint came from another world size, so this rank keeps its fresh streams."""
+        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` and
+        `loss_window` None: the checkpoint came from another world size (or, the window, an older version), so this
+        rank keeps its fresh ones."""
         self.scheduler.load_state_dict(per_group(saved["scheduler"], len(self.strategy.optimizer.param_groups)))
         self.apply_lr()  # the same value, except under pipe (its optimizer files keep no param_groups)
         if self.strategy.scaler and saved["scaler"]:
@@ -461,6 +467,8 @@ class Trainer:
         self.resumed_precision = saved.get("precision")  # and precision auto this one
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
+        if saved.get("loss_window") is not None:
+            self.loss_window.load_state_dict(saved["loss_window"])
         if self.ema is not None and saved.get("ema") is None:  # ema_decay set at a resume: the average starts here
             self.log.warning("resumed from a checkpoint without a weight average (ema.pt): it starts from its weights")
         if self.ema is not None and saved.get("ema") is not None:

@@ -152,6 +152,19 @@ class LossWindow:
         self.count = torch.zeros((), device=self.ctx.device)
         self.samples, self.tokens, self.start = 0, None, time.perf_counter()
 
+    def open_at(self, step: int) -> None:
+        """Training (re)starts at `step`: throughput counts from now; the loss keeps what a checkpoint gave back."""
+        self.step, self.samples, self.tokens, self.start = step, 0, None, time.perf_counter()
+
+    # A checkpoint keeps the loss of the steps since the last training line (this rank's): a stop between two lines
+    # would otherwise make the resumed run's next line average fewer steps than the uninterrupted run's.
+    def state_dict(self) -> dict:
+        return {"loss": self.loss.item(), "count": self.count.item()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.loss.fill_(saved["loss"])
+        self.count.fill_(saved["count"])
+
     def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int, tokens: Optional[int] = None):
         """tokens: this rank's input tokens (Task.tokens); None for a task without tokens (no tokens_per_s)."""
         self.loss += loss_sum

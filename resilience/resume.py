@@ -190,6 +190,8 @@ def load(trainer, path: str) -> dict:
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
+                             "loss_window": extra["loss_window"][trainer.ctx.rank]
+                             if same_world and "loss_window" in extra else None,  # (an older state.pt: none)
                              "batch_sizes": meta.get("batch_sizes"), "ema": ema,
                              "precision": saved_train.get("precision")})
     if changed:

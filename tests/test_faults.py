@@ -367,6 +367,24 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_stop_between_two_training_lines_leaves_the_next_line_as_the_uninterrupted_run_s(tmp_path, monkeypatch):
+    """Stopped after step 7 with a line every 5 steps: the resumed run's step-10 line averaged steps 8-10 alone (and
+    differed from the uninterrupted run's, which averages 6-10). The checkpoint keeps the window's loss now: every
+    line and value the trackers hold are the uninterrupted run's, bit for bit."""
+    import csv
+    train = {"max_steps": 10, "epochs": 0, "eval_every": 5, "save_every": 5, "log_every": 5}
+    log = {"report_to": ["csv"], "tensorboard": None}
+    assert main.run(make_config(tmp_path / "full", train=train, log=log)) == 0
+    cfg = make_config(tmp_path / "stopped", train=train, log=log)
+    assert run_stopped_in_step(monkeypatch, cfg, 7) == errors.EXIT_STOPPED
+    assert main.run(cfg) == 0
+
+    def losses(run):
+        with open(tmp_path / run / "metrics.csv", newline="") as f:
+            return [(r["step"], r["value"]) for r in csv.DictReader(f) if r["tag"] in ("train/loss", "dev/loss")]
+    assert losses("stopped") == losses("full") and len(losses("full")) == 4
+
+
 def test_the_same_command_goes_on_after_a_stop_under_an_explicit_resume_path(tmp_path, monkeypatch, capsys):
     """train.resume: PATH, stopped, then the same command: it goes on from its own newest checkpoint (it used to
     start from PATH again). Going back to PATH beside later checkpoints it did not write is refused (pruning used
