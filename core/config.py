@@ -498,7 +498,8 @@ class LRFindConfig:
 @dataclass
 class PredictConfig:
     input: Optional[str] = None
-    """`mode: predict`: a folder of images (image tasks), or a CSV/TSV/text file of texts (text classifiers)."""
+    """`mode: predict`: a folder of images (image tasks), or a file of texts (text classifiers: a split's
+    formats, or .txt)."""
     top_k: int = 1
     """How many of the most likely classes predictions.csv lists per input, each with its probability."""
     checkpoint: Optional[str] = None
@@ -730,7 +731,8 @@ def check_across_sections(cfg: Config, fail) -> None:
             os.path.join(cfg.output_dir, "checkpoints")):
         fail("test.checkpoint", f"is not set and {cfg.output_dir}/checkpoints does not exist: nothing to test")
     if cfg.mode == "predict" and cfg.predict.input is None:
-        fail("predict.input", "is not set: a folder of images or a CSV/TSV/text file of texts to predict")
+        fail("predict.input", "is not set: a folder of images or a file of texts (CSV/TSV/JSONL/parquet/.txt) "
+                              "to predict")
 
 
 def is_set(cfg: Config, key: str) -> bool:

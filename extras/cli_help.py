@@ -16,7 +16,7 @@ def epilog() -> str:
         "  export   write that checkpoint for use outside this project (export.format; export.dir, by default",
         "           <output_dir>/export)",
         "  lr_find  a learning-rate range test: output_dir/lr_find.csv and lr_find.png, a suggested lr",
-        "  predict  label new inputs (predict.input: a folder of images, or a CSV/TSV/text file of texts) with",
+        "  predict  label new inputs (predict.input: a folder of images, or a file of texts) with",
         "           that checkpoint, in one process; writes <output_dir>/predictions.csv",
         "",
         "presets (--params configs/NAME.yml; each file's first lines say what it needs):",

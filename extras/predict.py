@@ -2,11 +2,12 @@
 
     python main.py --params runs/images/config.yml --set mode=predict --set predict.input=new_photos/
 
-predict.input is a folder of images (image tasks) or a CSV/TSV/text file of texts (text classifiers: the task's
-`predict_inputs` reads it). The checkpoint (predict.checkpoint, else the run's best) is verified and loaded as test
-mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets one row per input, in input order (an
-image data.skip_bad_images skips: none): the input, then predict.top_k label names with their probabilities. Under
-dist.strategy ddp the ranks share the inputs; a checkpoint of any other strategy is read in one process (main.py).
+predict.input is a folder of images (image tasks) or a file of texts (text classifiers, in a split's formats or
+.txt: the task's `predict_inputs` reads it). The checkpoint (predict.checkpoint, else the run's best) is verified
+and loaded as test mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets one row per input, in
+input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label names with their
+probabilities. Under dist.strategy ddp the ranks share the inputs; a checkpoint of any other strategy is read in
+one process (main.py).
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class BagOfWordsExport:
             return
         self.classes, self.vocab = list(label_names), word_ids(read_words(saved))
 
-    def predict_inputs(self, path):  # mode: predict: a CSV/TSV/text file of texts, encoded as training's were
+    def predict_inputs(self, path):  # mode: predict: a file of texts (read_texts), encoded as training's were
         texts = read_texts(path, self.cfg.data.text_column)
         return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
 

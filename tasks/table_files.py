@@ -259,19 +259,33 @@ READERS = {".csv": csv_rows, ".tsv": tsv_rows, ".jsonl": jsonl_rows, ".json": js
 
 
 # ---- mode: predict's texts (extras/predict.py): no labels --------------------------------------------------------
-TEXT_FILES = (".csv", ".tsv", ".txt")
+TEXT_FILES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".parquet")
 
 
 def read_texts(path: str, text_column: str) -> list[str]:
-    """The texts of a CSV/TSV file (its `text_column`, or its only column) or a text file (one per line; blank lines
-    skipped), decoded and parsed as csv_rows reads a split (a byte-order mark dropped; TSV unquoted), so that a text
-    predicted is the text training would have read from the same line."""
-    if not os.path.isfile(path) or not path.lower().endswith(TEXT_FILES):
-        raise DataError(f"predict.input: {path} is not a {'/'.join(e[1:] for e in TEXT_FILES)} file of texts")
+    """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
+    save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
+    byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there."""
+    folder = os.path.isfile(os.path.join(path, "state.json"))
+    if not folder and not (os.path.isfile(path) and path.lower().endswith(TEXT_FILES)):
+        raise DataError(f"predict.input: {path} is not a file of texts ({', '.join(TEXT_FILES)}) nor a datasets "
+                        "save_to_disk folder")
+    ext = os.path.splitext(path.lower())[1]
+    if ext in (".csv", ".tsv"):
+        return csv_texts(path, text_column, tsv=ext == ".tsv")
+    if ext == ".txt":
+        return [line for line in read_utf8(path).split("\n") if line.strip()]  # a bad byte: DataError, file:line
+    texts = []  # JSON lines, parquet, a save_to_disk folder: the split's reader, the text column read as both
+    for text, _, where in (folder_rows if folder else READERS[ext])(path, (text_column, text_column)):
+        text = utf8(text, f"{path}{where}", text_column) if isinstance(text, bytes) else text
+        if not isinstance(text, str):
+            raise DataError(f"predict.input: {path}{where}: {text_column} is {shown(text)}; every row needs a text")
+        texts.append(text)
+    return texts
+
+
+def csv_texts(path: str, text_column: str, tsv: bool) -> list[str]:
     text = read_utf8(path)  # a bad byte: a DataError naming the file and line
-    if path.lower().endswith(".txt"):
-        return [line for line in text.split("\n") if line.strip()]
-    tsv = path.lower().endswith(".tsv")
     quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
     records = list(csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv))
     if not records:

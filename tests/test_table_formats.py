@@ -307,3 +307,17 @@ def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header
     (tmp_path / "named.csv").write_text("text\na fine film\n")  # its header is data.text_column: nothing to say
     assert read_texts(str(tmp_path / "named.csv"), "text") == ["a fine film"]
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_predict_reads_every_format_a_split_is_read_in(tmp_path, fmt):
+    """predict.input in any training format (it took .csv, .tsv and .txt only): the texts of its data.text_column, as
+    the split reader gives them; a file without that column is one line naming the columns it has."""
+    from tasks.table_files import read_texts
+    write(tmp_path / "data", fmt, "new", ROWS["train"])
+    path = str(tmp_path / "data" / ("new" if fmt == "save_to_disk" else f"new.{fmt}"))
+    assert read_texts(path, "sentence") == [text for text, _ in ROWS["train"]]
+    with pytest.raises(DataError, match="no column 'text' .*sentence"):
+        read_texts(path, "text")
+    with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path} is not a file of texts (.csv, .tsv")):
+        read_texts(str(tmp_path), "text")
