@@ -291,12 +291,12 @@ class PipeStrategy(Strategy):
         its last batch may be smaller). The last stage computes the task's results; the other ranks return {}."""
         carry = task.pipeline_inputs(batch)
         for i in sorted(self.stages):
-            if i > 0:
+            if i > 0 and i - 1 not in self.stages:  # (one stage per pipeline, interleaved: all stages are here)
                 carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
             with autocast():
                 out = self.stages[i](*carry)
             carry = out if isinstance(out, tuple) else (out,)
-            if i < self.n_stages - 1:
+            if i < self.n_stages - 1 and i + 1 not in self.stages:
                 send_tensors(carry, self.rank_of(i + 1))
         if not (self.is_last and (self.reports or self.mesh.loss_parallel)):
             return {}
@@ -314,12 +314,12 @@ class PipeStrategy(Strategy):
         with torch.no_grad():
             carry = task.pipeline_inputs(batch)
             for i in sorted(self.stages):
-                if i > 0:
+                if i > 0 and i - 1 not in self.stages:
                     carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
                 inputs[i] = carry
                 out = self.stages[i](*carry)
                 carry = out if isinstance(out, tuple) else (out,)
-                if i < self.n_stages - 1:
+                if i < self.n_stages - 1 and i + 1 not in self.stages:
                     send_tensors(carry, self.rank_of(i + 1))
 
         def forward_backward(_) -> float:

@@ -65,6 +65,19 @@ def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, 
     assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
 
 
+@pytest.mark.slow
+def test_an_interleaved_schedule_of_one_stage_per_pipeline_evaluates_and_trains_like_one_process(one_process,
+                                                                                                 tmp_path):
+    """pp_stages 1 with an interleaved schedule: both stages of each of the 2 pipelines on one rank. Evaluation
+    (and batch_size auto's timing) passes the first stage's output to the second on the rank itself, which gloo
+    refused as a send to oneself ("Invalid destination rank"), at the first evaluation."""
+    assert train(tmp_path, 8, 2, {"pp_stages": 1, "pp_schedule": "interleaved_1f1b"}) == 0
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+    ours, ref = meta(tmp_path, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
+    assert ours["samples"] == ref["samples"] > 0
+    assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
+
+
 @pytest.mark.parametrize("pp_dp, batch", [slow("ddp", [4, 12]), ("fsdp", 8)])
 def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     # 4 ranks: stages on ranks {0,1} and {2,3}, pipelines {0,2} and {1,3}; uneven batches are weighted exactly.
