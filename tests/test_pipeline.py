@@ -407,6 +407,33 @@ def test_pipe_fsdp_replicas_sum_the_tied_embeddings_copies(lm_ref, tmp_path, lay
 
 
 
+@pytest.fixture(scope="module")
+def lm_ema_ref(lm_ref, tmp_path_factory):
+    """GPT-2 in one process with train.ema_decay: its weights and their average (ema.pt)."""
+    text, _ = lm_ref("gpt2")
+    out = tmp_path_factory.mktemp("gpt2-ema")
+    assert lm_run(out, text, {"strategy": "none"}, "gpt2", ema_decay=0.5) == 0
+    return text, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp_dp", ["ddp", "fsdp"])
+def test_tied_embeddings_copies_on_one_rank_train_and_average_like_one_process(lm_ema_ref, tmp_path, pp_dp):
+    """pp_stages 1, interleaved: GPT-2's embedding (stage 0) and head (stage 1) on one rank, 2 pipelines. Under
+    pp_dp fsdp each stage's copy of the tied weight is its own object: the copies' gradients must be added up on
+    the rank (they drifted apart, each taking half the gradient) and counted once in the clipping norm; under ddp,
+    two DDP-wrapped stages holding one parameter crashed in backward. Weights and average end where one process's
+    do, and both copies stay one weight."""
+    text, one = lm_ema_ref
+    assert lm_run(tmp_path, text, {"strategy": "pipe", "procs_per_node": 2, "pp_stages": 1, "pp_dp": pp_dp,
+                                   "pp_schedule": "interleaved_1f1b"}, "gpt2", batch_size=4, ema_decay=0.5) == 0
+    assert_same_lm_run(tmp_path, one)
+    ours = params(tmp_path, 4)
+    assert torch.equal(ours["lm_head.weight"], ours["transformer.wte.weight"])
+    ema = [torch.load(out / "checkpoints" / "step-4" / "ema.pt", weights_only=True) for out in (tmp_path, one)]
+    assert_close(ema[0], ema[1], TOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["none", "fsdp"])
 def test_pipe_fsdp_replicas_resume_the_tied_embeddings_copies_momentum(lm_ref, tmp_path, source):
