@@ -524,6 +524,7 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
     ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
     ({"tp": 2, "pp_stages": 4}, {}, "dist.pp_stages"),                # 4 ranks are not 4 stages x tp 2
+    ({"pp_schedule": "zero_bubble", "pp_dp": "fsdp"}, {}, "dist.pp_schedule"),  # ended 3e-3 off one process
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
     from core.errors import ConfigError
