@@ -360,10 +360,14 @@ class PipeStrategy(Strategy):
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
     def averaged_entries(self) -> dict[str, torch.Tensor]:
-        """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names."""
+        """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names (a list: the
+        copies of a tied weight that pp_dp fsdp made of one parameter in two stages of this rank, averaged as one)."""
         mine = {id(t) for m in self.stages.values() for t in [*m.parameters(), *m.buffers()]}
-        return {self.aliases.get(name, name): t for name, t in averaged_entries(self.full_model).items()
-                if id(t) in mine}
+        entries: dict[str, list] = {}
+        for name, t in averaged_entries(self.full_model).items():
+            if id(t) in mine:
+                entries.setdefault(self.aliases.get(name, name), []).append(t)
+        return {name: ts if len(ts) > 1 else ts[0] for name, ts in entries.items()}
 
     def parameter_names(self) -> dict[int, list[str]]:
         """id(parameter) -> its names in the whole model (checkpoint_io.parameter_names), a tied weight's copy's
