@@ -72,6 +72,8 @@ def test_an_interleaved_schedule_of_one_stage_per_pipeline_evaluates_and_trains_
     (and batch_size auto's timing) passes the first stage's output to the second on the rank itself, which gloo
     refused as a send to oneself ("Invalid destination rank"), at the first evaluation."""
     assert train(tmp_path, 8, 2, {"pp_stages": 1, "pp_schedule": "interleaved_1f1b"}) == 0
+    timed = tmp_path / "auto"  # batch_size auto times each rank's stages: its inputs pass through them first
+    assert train(timed, "auto", 2, {"pp_stages": 1, "pp_schedule": "interleaved_1f1b"}, global_batch_size=16) == 0
     assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
     ours, ref = meta(tmp_path, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
     assert ours["samples"] == ref["samples"] > 0
