@@ -222,8 +222,8 @@ class PipeStrategy(Strategy):
         return total if self.reports else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
-        """ddp x tp (DDP cannot hold DTensor parameters) and stages of one rank that share a parameter (DDP's
-        hooks would fire twice for it): the stage's replicas average their gradients here, over the "dp" dimension
+        """ddp x tp (DDP cannot hold DTensor parameters), stages of one rank that share a parameter (DDP's hooks
+        would fire twice for it) and zero_bubble (weight gradients after the backward DDP sees): the stage's replicas average their gradients here, over the "dp" dimension
         (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence parallelism, the norms'
         gradients are summed over the tp group."""
         if self.cfg.dist.tp > 1:
@@ -621,8 +621,9 @@ def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept:
 
 def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
     """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
-    DDP, or as it is (one pipeline; or ddp x tp, or stages of this rank sharing a tied weight, which
-    PipeStrategy.reduce_grads averages: DDP cannot hold DTensors, nor a parameter that another DDP holds)."""
+    DDP, or as it is (one pipeline; or ddp x tp, stages of this rank sharing a tied weight, or zero_bubble, which
+    PipeStrategy.reduce_grads averages: DDP cannot hold DTensors, nor a parameter that another DDP holds, nor
+    take weight gradients computed apart from the backward that reached the stage's input)."""
     d = cfg.dist
     if mesh["dp"].size() == 1:
         return dict(stages)
@@ -632,7 +633,7 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
             fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
         return dict(stages)
     held = [id(p) for s in stages.values() for p in s.parameters()]
-    if d.tp > 1 or len(held) > len(set(held)):
+    if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble":
         return dict(stages)
     return {i: ddp_wrap(s, ctx, mesh["dp"].get_group()) for i, s in stages.items()}
 
