@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         out = sample(model, torch.tensor([prompt]), args.max_new_tokens, args.temperature, args.top_k,
                      getattr(model.config, "n_positions", None) or model.config.max_position_embeddings)
-    print(tokenizer.decode(out[0].tolist()))
+    # No prompt: the ids it started from (<|endoftext|>, a start-of-text token) are no part of the text sampled.
+    print(tokenizer.decode(out[0, 0 if args.prompt else len(prompt):].tolist()))
     return 0
 
 

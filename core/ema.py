@@ -19,10 +19,12 @@ from core.errors import CheckpointError
 
 
 class WeightAverage:
-    def __init__(self, params: dict[str, torch.Tensor], decay: float):
-        """`params`: the tensors this rank averages (model_parts.averaged_entries), by the checkpoint model's names."""
+    def __init__(self, params: dict, decay: float):
+        """`params`: the tensors this rank averages (model_parts.averaged_entries), by the checkpoint model's names; a
+        list under a name: the copies of one tied weight on this rank (pipe), the first averaged, all swapped in."""
         self.decay = decay
-        self.params = params
+        self.copies = {name: p for name, p in params.items() if isinstance(p, list)}
+        self.params = {name: p[0] if isinstance(p, list) else p for name, p in params.items()}
         self.average = {name: p.detach().clone() for name, p in self.params.items()}
 
     @torch.no_grad()
@@ -36,13 +38,15 @@ class WeightAverage:
         with torch.no_grad():
             trained = {name: p.detach().clone() for name, p in self.params.items()}
             for name, p in self.params.items():
-                p.copy_(self.average[name])
+                for copy in self.copies.get(name, [p]):
+                    copy.copy_(self.average[name])
         try:
             yield
         finally:
             with torch.no_grad():
                 for name, p in self.params.items():
-                    p.copy_(trained[name])
+                    for copy in self.copies.get(name, [p]):
+                        copy.copy_(trained[name])
 
     def state_dict(self) -> dict:
         """The whole average on the CPU, on every rank (a collective under fsdp: every rank calls it)."""

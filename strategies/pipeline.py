@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io, distributed
 from core.checkpoint_dcp import dcp_load
@@ -72,6 +73,10 @@ def check_config(cfg, world: int, fail) -> int:
         fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
                                      f"got {d.pp_microbatches}")
     pipelines = world // (d.pp_stages * d.tp)
+    if d.pp_schedule == "zero_bubble" and d.pp_dp == "fsdp" and pipelines > 1:
+        # (its backward split in two under FSDP2 ended ~1e-3 away from one process, the CNN's and the LMs', silently)
+        fail("dist.pp_schedule", "zero_bubble with dist.pp_dp: fsdp over several pipelines does not train as one "
+                                 "process does; use interleaved_1f1b, or dist.pp_dp: ddp")
     if t.batch_size == "auto" and d.pp_dp == "fsdp" and pipelines > 1:
         fail("train.batch_size", "auto under pipe needs dist.pp_dp: ddp (fsdp replicas compute in lockstep, so "
                                  "no pipeline's own speed can be measured); give one size per pipeline")
@@ -155,6 +160,7 @@ class PipeStrategy(Strategy):
         # share of the global batch; the gradient all-reduce averages over the pipelines.
         self.data_rank, self.data_shares, self.grad_average_over = self.pipeline, self.pipelines, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
+        self.averages_by_hand = d.pp_dp == "ddp" and self.pipelines > 1 and not all(isinstance(w, DDP) for w in wrapped.values())
         self.counts_its_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
         self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
@@ -216,13 +222,13 @@ class PipeStrategy(Strategy):
         return total if self.reports else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
-        """ddp x tp: DDP cannot hold DTensor parameters, so the stage's replicas average their gradients here, over
-        the "dp" dimension (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence
-        parallelism, the norms' gradients are summed over the tp group."""
-        if self.cfg.dist.tp == 1:
-            return
-        sum_partial_grads(self.raw_model.parameters())
-        if self.cfg.dist.pp_dp == "ddp" and self.pipelines > 1:
+        """ddp x tp (DDP cannot hold DTensor parameters), stages of one rank that share a parameter (DDP's hooks
+        would fire twice for it) and zero_bubble (weight gradients after the backward DDP sees): the stage's replicas average their gradients here, over the "dp" dimension
+        (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence parallelism, the norms'
+        gradients are summed over the tp group."""
+        if self.cfg.dist.tp > 1:
+            sum_partial_grads(self.raw_model.parameters())
+        if self.averages_by_hand:
             average_grads(self.raw_model.parameters(), self.mesh["dp"])
 
     def step(self, task, batch: dict, loss_weight: float, autocast) -> torch.Tensor:
@@ -263,18 +269,25 @@ class PipeStrategy(Strategy):
                             f"divisible by dist.pp_microbatches")
 
     def sync_tied_grads(self) -> None:
-        """A parameter used by layers on two ranks (GPT-2's token embedding is also its output projection) has a
-        copy on each: add up their gradients so both copies take the same update, as the one tensor would."""
-        for param, group in self.tied:
-            if param.grad is not None:  # (pp_dp fsdp: each copy is sharded alike over its replicas)
-                dist.all_reduce(local(param.grad), group=group)
+        """A parameter used by layers of two stages (GPT-2's token embedding is also its output projection) has a
+        copy on each stage's rank (two on one rank when pp_dp fsdp shards its stages apart): add up their gradients
+        so all copies take the same update, as the one tensor would."""
+        for group, copies, _ in self.tied:
+            grads = [local(p.grad) for p in copies if p.grad is not None]  # (pp_dp fsdp: copies sharded alike)
+            if not grads or (group is None and len(grads) == 1):
+                continue
+            total = sum(grads[1:], grads[0].clone())
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in grads:
+                g.copy_(total)
 
     def grad_norm(self, clip_to: float) -> torch.Tensor:
         """The global norm over all stages: each piece of a gradient counted once among the ranks of its stage,
         which hold it whole (ddp replicas, a tp group) or in pieces (tp-split, fsdp-sharded): strategies/fsdp.py's
         clip_mixed. A tied parameter counts on its first stage only (both copies are clipped)."""
         self.sync_tied_grads()  # here: once per optimizer step, after all accumulation batches
-        second = {id(p) for p, _ in self.tied} if self.stage_rank != 0 else set()
+        second = {id(p) for _, copies, first in self.tied for p in (copies[1:] if first else copies)}
         return clip_mixed(list(self.raw_model.parameters()), clip_to, self.ctx,
                           holders=self.ctx.world_size // self.pp, uncounted=second)
 
@@ -291,12 +304,12 @@ class PipeStrategy(Strategy):
         its last batch may be smaller). The last stage computes the task's results; the other ranks return {}."""
         carry = task.pipeline_inputs(batch)
         for i in sorted(self.stages):
-            if i > 0:
+            if i > 0 and i - 1 not in self.stages:  # (one stage per pipeline, interleaved: all stages are here)
                 carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
             with autocast():
                 out = self.stages[i](*carry)
             carry = out if isinstance(out, tuple) else (out,)
-            if i < self.n_stages - 1:
+            if i < self.n_stages - 1 and i + 1 not in self.stages:
                 send_tensors(carry, self.rank_of(i + 1))
         if not (self.is_last and (self.reports or self.mesh.loss_parallel)):
             return {}
@@ -314,12 +327,12 @@ class PipeStrategy(Strategy):
         with torch.no_grad():
             carry = task.pipeline_inputs(batch)
             for i in sorted(self.stages):
-                if i > 0:
+                if i > 0 and i - 1 not in self.stages:
                     carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
                 inputs[i] = carry
                 out = self.stages[i](*carry)
                 carry = out if isinstance(out, tuple) else (out,)
-                if i < self.n_stages - 1:
+                if i < self.n_stages - 1 and i + 1 not in self.stages:
                     send_tensors(carry, self.rank_of(i + 1))
 
         def forward_backward(_) -> float:
@@ -347,10 +360,14 @@ class PipeStrategy(Strategy):
         return get_optimizer_state_dict(self.full_model, self.optimizer)
 
     def averaged_entries(self) -> dict[str, torch.Tensor]:
-        """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names."""
+        """train.ema_decay: what this rank's stages hold of the average's entries, by whole-model names (a list: the
+        copies of a tied weight that pp_dp fsdp made of one parameter in two stages of this rank, averaged as one)."""
         mine = {id(t) for m in self.stages.values() for t in [*m.parameters(), *m.buffers()]}
-        return {self.aliases.get(name, name): t for name, t in averaged_entries(self.full_model).items()
-                if id(t) in mine}
+        entries: dict[str, list] = {}
+        for name, t in averaged_entries(self.full_model).items():
+            if id(t) in mine:
+                entries.setdefault(self.aliases.get(name, name), []).append(t)
+        return {name: ts if len(ts) > 1 else ts[0] for name, ts in entries.items()}
 
     def parameter_names(self) -> dict[int, list[str]]:
         """id(parameter) -> its names in the whole model (checkpoint_io.parameter_names), a tied weight's copy's
@@ -509,7 +526,9 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Stra
     # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
     # scheduler saved by rank 0 have the same number of groups.
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
-    tied = [(stages[i].get_parameter(name), group) for group, i, name in shared]  # FSDP replaced the objects
+    # FSDP replaced the objects, one per stage (one object for all of a rank's stages without FSDP)
+    tied = [(group, list({id(p): p for p in (stages[i].get_parameter(name) for i, name in copies)}.values()), first)
+            for group, copies, first in shared]
     return PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
                         tied, unowned, order, split, stage_params, aliases)
 
@@ -560,26 +579,33 @@ def stage_sizes(layers: list[nn.Module], n_stages: int, cfg, ctx: DistContext, t
 
 
 def tied_groups(chunks: list[list[nn.Module]], stages: dict[int, nn.Module], mesh: meshes.Mesh) -> list:
-    """A parameter held by several stages of a pipeline (tied weights) gets a process group per pipeline and tp
-    index to add up its gradient copies. Every rank builds every group, in the same order (new_group's rule).
-    Returns this rank's tied parameters as (group, stage index, name inside that stage)."""
+    """A parameter held by several stages (tied weights) has a copy in each (one object on a rank until FSDP
+    shards each stage's apart): held on several stage ranks, it gets a process group per pipeline and tp index to add
+    up the copies' gradients. Every rank builds every group, in the same order (new_group's rule). Returns this
+    rank's tied parameters as (group or None: all its stages are on this rank, [(stage index, name inside that
+    stage) of each copy here, in stage order], whether its first stage is here)."""
     rank_at = mesh.root.mesh  # rank_at[stage, pipeline, tp index]
     pp, pipelines, tp = rank_at.shape
     stage_rank, pipeline, tp_index = (mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
-    holders: dict[int, set] = {}  # parameter id -> the stage ranks that hold it
+    holders: dict[int, list] = {}  # parameter id -> the stages that hold it, in order
     for i, chunk in enumerate(chunks):
         for layer in chunk:
             for p in layer.parameters():
-                holders.setdefault(id(p), set()).add(i % pp)
+                held = holders.setdefault(id(p), [])
+                held.extend([i] if i not in held else [])
     shared = []
-    for pid, ranks in holders.items():
+    for pid, held in holders.items():
+        ranks, group = sorted({i % pp for i in held}), None
+        if len(held) < 2:
+            continue
         if len(ranks) > 1:
             for j, t in ((j, t) for j in range(pipelines) for t in range(tp)):
-                group = dist.new_group([int(rank_at[r, j, t]) for r in sorted(ranks)])
-                if (j, t) == (pipeline, tp_index) and stage_rank in ranks:
-                    i, name = next((i, n) for i, st in stages.items() for n, q in st.named_parameters()
-                                   if id(q) == pid)
-                    shared.append((group, i, name))
+                new = dist.new_group([int(rank_at[r, j, t]) for r in ranks])
+                group = new if (j, t) == (pipeline, tp_index) else group
+        if stage_rank in ranks:
+            copies = [(i, next(n for n, q in stages[i].named_parameters() if id(q) == pid)) for i in held
+                      if i in stages]
+            shared.append((group, copies, held[0] in stages))
     return shared
 
 
@@ -595,8 +621,9 @@ def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept:
 
 def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
     """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
-    DDP, or as it is (one pipeline; or ddp x tp, which PipeStrategy.reduce_grads averages: DDP cannot hold
-    DTensors)."""
+    DDP, or as it is (one pipeline; or ddp x tp, stages of this rank sharing a tied weight, or zero_bubble, which
+    PipeStrategy.reduce_grads averages: DDP cannot hold DTensors, nor a parameter that another DDP holds, nor
+    take weight gradients computed apart from the backward that reached the stage's input)."""
     d = cfg.dist
     if mesh["dp"].size() == 1:
         return dict(stages)
@@ -605,7 +632,8 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
         for stage in stages.values():
             fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
         return dict(stages)
-    if d.tp > 1:
+    held = [id(p) for s in stages.values() for p in s.parameters()]
+    if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble":
         return dict(stages)
     return {i: ddp_wrap(s, ctx, mesh["dp"].get_group()) for i, s in stages.items()}
 

@@ -245,6 +245,12 @@ def test_shakespeare_char_preset_trains_and_generates(tmp_path, capsys):
     capsys.readouterr()
     assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO:", "--max-new-tokens", "30"]) == 0
     assert capsys.readouterr().out == sampled  # the export samples what the checkpoint does
+    # no prompt: the text starts from <|endoftext|>, which is not printed (it is no part of the text sampled)
+    assert generate.main(["--export", cfg.export.dir, "--prompt", "", "--max-new-tokens", "0"]) == 0
+    assert capsys.readouterr().out == "\n"
+    assert generate.main(["--export", cfg.export.dir, "--max-new-tokens", "20", "--temperature", "0"]) == 0
+    unprompted = capsys.readouterr().out
+    assert len(unprompted) == 21 and set(unprompted) <= set(PLAY) | {"\n"}, unprompted
     # a character the text never had would become <|endoftext|> unseen: refused in one line, naming it
     assert generate.main(["--export", cfg.export.dir, "--prompt", "ROMEO: yes", "--max-new-tokens", "3"]) == 2
     assert capsys.readouterr().err == ("error: --prompt holds characters the tokenizer does not know: 'y' (each "

@@ -65,6 +65,30 @@ def test_each_schedule_trains_like_one_process(one_process, pipe_run, tmp_path, 
     assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
 
 
+@pytest.mark.slow
+def test_an_interleaved_schedule_of_one_stage_per_pipeline_evaluates_and_trains_like_one_process(one_process,
+                                                                                                 tmp_path):
+    """pp_stages 1 with an interleaved schedule: both stages of each of the 2 pipelines on one rank. Evaluation
+    (and batch_size auto's timing) passes the first stage's output to the second on the rank itself, which gloo
+    refused as a send to oneself ("Invalid destination rank"), at the first evaluation."""
+    assert train(tmp_path, 8, 2, {"pp_stages": 1, "pp_schedule": "interleaved_1f1b"}) == 0
+    timed = tmp_path / "auto"  # batch_size auto times each rank's stages: its inputs pass through them first
+    assert train(timed, "auto", 2, {"pp_stages": 1, "pp_schedule": "interleaved_1f1b"}, global_batch_size=16) == 0
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+    ours, ref = meta(tmp_path, STEPS)["metrics"], meta(one_process, STEPS)["metrics"]
+    assert ours["samples"] == ref["samples"] > 0
+    assert ours["accuracy"] == ref["accuracy"] and abs(ours["loss"] - ref["loss"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_zero_bubble_over_two_pipelines_trains_like_one_process(one_process, tmp_path):
+    """2 stages x 2 pipelines, zero_bubble, pp_dp ddp: its backward comes in two parts (input gradients, then
+    weight gradients later), which DDP-wrapped stages crashed on at the first step (an internal assert of DDP's
+    reducer); the replicas average their gradients after the schedule instead, uneven batches weighted exactly."""
+    assert train(tmp_path, [4, 12], 4, {"pp_schedule": "zero_bubble"}) == 0
+    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+
+
 @pytest.mark.parametrize("pp_dp, batch", [slow("ddp", [4, 12]), ("fsdp", 8)])
 def test_two_stages_times_two_pipelines(one_process, tmp_path, pp_dp, batch):
     # 4 ranks: stages on ranks {0,1} and {2,3}, pipelines {0,2} and {1,3}; uneven batches are weighted exactly.
@@ -394,6 +418,35 @@ def test_pipe_fsdp_replicas_sum_the_tied_embeddings_copies(lm_ref, tmp_path, lay
 
 
 
+@pytest.fixture(scope="module")
+def lm_ema_ref(lm_ref, tmp_path_factory):
+    """GPT-2 in one process with train.ema_decay: its weights and their average (ema.pt)."""
+    text, _ = lm_ref("gpt2")
+    out = tmp_path_factory.mktemp("gpt2-ema")
+    assert lm_run(out, text, {"strategy": "none"}, "gpt2", ema_decay=0.5) == 0
+    return text, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp_dp", ["ddp", "fsdp"])
+def test_tied_embeddings_copies_on_one_rank_train_and_average_like_one_process(lm_ema_ref, tmp_path, pp_dp):
+    """pp_stages 1, interleaved: GPT-2's embedding (stage 0) and head (stage 1) on one rank, 2 pipelines. Under
+    pp_dp fsdp each stage's copy of the tied weight is its own object: the copies' gradients must be added up on
+    the rank (they drifted apart, each taking half the gradient) and counted once in the clipping norm; under ddp,
+    two DDP-wrapped stages holding one parameter crashed in backward. Weights and average end where one process's
+    do, and both copies stay one weight."""
+    text, one = lm_ema_ref
+    assert lm_run(tmp_path, text, {"strategy": "pipe", "procs_per_node": 2, "pp_stages": 1, "pp_dp": pp_dp,
+                                   "pp_schedule": "interleaved_1f1b"}, "gpt2", batch_size=4, ema_decay=0.5) == 0
+    assert_same_lm_run(tmp_path, one)
+    ours = params(tmp_path, 4)
+    assert torch.equal(ours["lm_head.weight"], ours["transformer.wte.weight"])
+    ema = [torch.load(out / "checkpoints" / "step-4" / "ema.pt", weights_only=True) for out in (tmp_path, one)]
+    assert_close(ema[0], ema[1], TOL)
+    ours, ref = meta(tmp_path, 4)["metrics"]["ema_loss"], meta(one, 4)["metrics"]["ema_loss"]
+    assert abs(ours - ref) <= 1e-5 * ref  # evaluated with the average in both copies (fsdp: in one, 3e-4 off)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["none", "fsdp"])
 def test_pipe_fsdp_replicas_resume_the_tied_embeddings_copies_momentum(lm_ref, tmp_path, source):
@@ -484,6 +537,7 @@ def test_a_shape_change_is_one_line_naming_the_cause():
     ({"pp_schedule": "interleaved_1f1b", "pp_microbatches": 3}, {"batch_size": 9}, "dist.pp_microbatches"),
     ({"pp_stages": 4, "pp_microbatches": 2}, {}, "dist.pp_microbatches"),  # 1f1b needs one per stage at least
     ({"tp": 2, "pp_stages": 4}, {}, "dist.pp_stages"),                # 4 ranks are not 4 stages x tp 2
+    ({"pp_schedule": "zero_bubble", "pp_dp": "fsdp"}, {}, "dist.pp_schedule"),  # ended 3e-3 off one process
 ])
 def test_pipe_config_mistakes_are_one_line(tmp_path, dist_section, train_section, key):
     from core.errors import ConfigError
