@@ -288,20 +288,15 @@ def kernel(tmp_path) -> str:
 @pytest.mark.slow
 def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
     import nbformat
-    from nbclient import NotebookClient
     base, _ = resumed_run
     run = base / "runs/tutorial/06-resume"
     monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    path = os.path.join(ROOT, "notebooks", "inspect_run.ipynb")
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
     nbformat.validate(nb)  # cell ids included: nbconvert warns without them
     [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
     assert first is next(cell for cell in nb.cells if cell.cell_type == "code")  # parameters come first
-    first.source = f"run = {str(run)!r}\nfigures = {str(tmp_path / 'figures')!r}"
-    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
-                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
-    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    printed = execute_notebook(run, tmp_path)
     for split in ("dev", "test"):  # the results files, as printed
         with open(run / f"{split}_results.json") as f:
             accuracy = json.load(f)["metrics"]["accuracy"]
@@ -314,3 +309,31 @@ def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
     assert float(re.search(r"train/loss: last (\S+)", printed).group(1)) == pytest.approx(loss, rel=1e-3)
     for name in ("curves.png", "dev.png"):
         assert (tmp_path / "figures" / name).stat().st_size > 0
+
+
+def execute_notebook(run, tmp_path) -> str:
+    """notebooks/inspect_run.ipynb run on `run` (every cell, as Jupyter's "Run all" does); what its cells printed."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
+    [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    first.source = f"run = {str(run)!r}\nfigures = {str(tmp_path / 'figures')!r}"
+    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
+                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+    return "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+
+
+@pytest.mark.slow
+def test_inspect_run_notebook_on_a_run_with_csv_and_no_tensorboard(tmp_path, monkeypatch):
+    """log.report_to: [csv] (the tiny presets write no TensorBoard files either): the notebook still runs to its
+    last cell, which reads metrics.csv, instead of stopping at the TensorBoard plots."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "main.py", "--set", f"output_dir={run}", "--set", "train.max_steps=4",
+                    "--set", "train.warmup=1", "--set", "train.log_every=2", "--set", "log.report_to=[csv]",
+                    "--set", "log.progress_bar=false", "--set", f"dist.master_port={free_port()}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    printed = execute_notebook(run, tmp_path)
+    assert "TensorBoard scalars: none" in printed
+    assert re.search(r"csv train/loss: last \S+ at step 4 \(2 rows\)", printed), printed
