@@ -74,6 +74,21 @@ def quoted_line(number: str, start: str) -> str:
     return line
 
 
+def quoted_output(number: str, first: str) -> list[str]:
+    """The lines of chapter `number`'s ```console block that starts with `first`, up to its `...` if any: output
+    the chapter shows as a run prints it."""
+    [chapter] = [c for c in CHAPTERS if c.startswith(number + "_")]
+    with open(os.path.join(TUTORIAL, chapter)) as f:
+        [block] = [b for b in re.findall(r"^```console\n(.*?)^```", f.read(), re.S | re.M) if b.startswith(first)]
+    return block.split("\n...")[0].splitlines()
+
+
+def as_printed(line: str) -> str:
+    """A line of a run's output without what differs between machines and runs: the timings and the core count."""
+    line = re.sub(r"\b(samples_per_s|ms_per_step)=\S+", r"\1=*", line)
+    return re.sub(r"^(  CPU threads per rank )\d+ \(\d+ cores", r"\1N (N cores", line)
+
+
 def last_checkpoint_metrics(run) -> dict:
     sys.path.insert(0, ROOT)
     from core import checkpoint
@@ -124,6 +139,11 @@ def test_the_chapters_make_their_figures_outside_the_tree_and_img_dir_regenerate
 @pytest.mark.slow
 def test_01_one_process(tmp_path):
     out = run_chapter("01", tmp_path, omp_wait_policy=None)
+    # the output the chapter shows is the run's, line for line from the plan on (the clone's path aside)
+    shown = [as_printed(line.replace("/path/to/your/clone/", "")) for line in quoted_output("01", "plan:")]
+    printed = [as_printed(line) for line in out.replace(f"{tmp_path}/", "").splitlines()]
+    start = printed.index("plan:")
+    assert printed[start:start + len(shown)] == shown
     assert (tmp_path / "runs/tutorial/img/01_curves.png").stat().st_size > 0
     # the plan's CPU line as quoted (its core count is the machine's; OMP_WAIT_POLICY is what one process gets)
     quoted = quoted_line("01", "  CPU threads per rank ").rsplit(", OMP_WAIT_POLICY ", 1)[1]
