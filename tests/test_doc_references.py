@@ -24,6 +24,8 @@ LEFT_FOR_THE_RESTRUCTURE = set()
 LR_FIND_KEYS = {"min", "max", "steps"}  # core/config.py's LRFindConfig
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+)")
 PY_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
+# A constant named with its file: "tasks/sst2.py BART_PRESETS" (a preset's comment), "`wiring.py`'s `TASKS`".
+PY_CONSTANT = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)(?: ([A-Z][A-Z0-9]*_[A-Z0-9_]+)\b|`'s `([A-Z][A-Z0-9_]+)`)")
 
 
 def product_files() -> list[str]:
@@ -175,6 +177,12 @@ def stale_references() -> list[str]:
                           or ("/" not in ref and ref in basenames))
                 if not exists:
                     stale.append(f"{path}:{line}: {ref} does not exist")
+            for ref, *names in PY_CONSTANT.findall(text):
+                owners = [f for f in files if f == os.path.normpath(os.path.join(here, ref)) or f == ref
+                          or ("/" not in ref and os.path.basename(f) == ref)]
+                name = "".join(names)
+                if owners and not any(name in modules.defined(f) for f in owners):
+                    stale.append(f"{path}:{line}: {ref} has no `{name}`")
             for ref in set(DOTTED.findall(text)) - EXTERNAL:
                 if (path, ref) in LEFT_FOR_THE_RESTRUCTURE:
                     continue
@@ -202,6 +210,9 @@ def test_the_checker_catches_a_stale_reference():
     assert "no attribute `measure_everything`" in modules.problem("Trainer.measure_everything")
     assert modules.problem("train.lr") is None and modules.problem("torch.optim") is None
     assert modules.problem("meta.json") is None
+    assert PY_CONSTANT.findall("sizes (tasks/sst2.py BART_PRESETS)") == [("tasks/sst2.py", "BART_PRESETS", "")]
+    assert PY_CONSTANT.findall("in `wiring.py`'s `TASKS` (a subclass)") == [("wiring.py", "", "TASKS")]
+    assert PY_CONSTANT.findall("benchmarks/fault_drill.py RESULTS.md, tests/test_tp.py GPT-2") == []
 
 
 def test_no_doc_prints_an_authors_machine_path():
