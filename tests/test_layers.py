@@ -199,6 +199,14 @@ def test_trainer_and_all_it_can_load_fit_in_an_afternoon():
     assert n["trainer closure lines"] <= MAX_TRAINER_CLOSURE
 
 
+def test_the_readme_says_the_size_of_the_trainers_closure():
+    """README's first lines give the lines of trainer.py and all it imports: within 5% of the count."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        said = int(re.search(r"trainer\.py` and all it\s+imports: about ([\d,]+) lines", f.read()).group(1).replace(",", ""))
+    counted = numbers()["trainer closure lines"]
+    assert abs(said - counted) <= 0.05 * counted, f"README.md says about {said} lines; they are {counted}"
+
+
 def trainer_fields_assigned(path: str) -> list:
     """(line, target) of every assignment in the file whose target goes through a name `trainer` (trainer.x = ...,
     trainer.state.step += ..., a, trainer.x = ...): the Trainer's fields, set from outside it."""
