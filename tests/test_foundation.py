@@ -99,6 +99,30 @@ def test_parameters_yml_documents_every_field():
     assert "parameters.yml lists every field with its default" in cli_help.epilog()  # --help says so
 
 
+def test_parameters_yml_values_are_the_defaults_or_say_the_default():
+    """--help: "parameters.yml lists every field with its default". Where the default job's value is not the
+    schema's (what a params file that leaves the key out gets), its comment says the schema's: `default: X`."""
+    from core.config import SECTIONS, Config
+    import dataclasses
+    comments, section = {}, None
+    with open(os.path.join(ROOT, "parameters.yml")) as f:
+        text = f.read()
+    for line in text.splitlines():
+        top = re.match(r"(\w+):", line)
+        section = top.group(1) if top else section
+        field = re.match(r"\s+(\w+):.*#(.*)", line)
+        if field:
+            comments[section, field.group(1)] = field.group(2)
+    raw, defaults = yaml.safe_load(text), Config()
+    unsaid = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            if raw[section][f.name] != default and f"default: {default}" not in comments[section, f.name]:
+                unsaid.append(f"{section}.{f.name}: {raw[section][f.name]!r}, the schema's default {default!r}")
+    assert not unsaid, "parameters.yml values that are not the defaults, unsaid:\n" + "\n".join(unsaid)
+
+
 def test_customization_points_are_marked():
     for path in ["trainer.py", "wiring.py", "core/optimizers.py", "tasks/base.py", "tasks/image.py"]:
         text = open(os.path.join(ROOT, path)).read()
