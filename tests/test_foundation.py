@@ -68,6 +68,8 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         checked_config(str(tmp_path / "missing.yml"))
     with pytest.raises(ConfigError, match="a folder, not a YAML file"):  # --params configs
         checked_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="/dev/null: not a regular file"):  # it exists: not "file not found"
+        checked_config("/dev/null")
     (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")  # --params given a checkpoint file
     with pytest.raises(ConfigError, match="model.pt: not valid YAML"):
         checked_config(str(tmp_path / "model.pt"))
