@@ -249,6 +249,13 @@ def test_every_config_key_the_docs_name_exists():
     assert not unknown, f"{len(unknown)} config keys that core/config.py lacks:\n" + "\n".join(unknown)
 
 
+def test_docs_config_md_has_a_row_for_every_section():
+    from core.config import SECTIONS
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        rows = set(re.findall(r"^\| `(\w+)` \|", f.read(), re.M))
+    assert rows == set(SECTIONS), f"docs/config.md's table lacks {set(SECTIONS) - rows}"
+
+
 def test_no_doc_prints_an_authors_machine_path():
     author = re.compile(r"(?<![\w.])/(?:work|Users|root|home/(?!me/|you/))[\w/.-]*")
     found = [f"{path}:{line}: {m.group(0)}" for path in documents() + ["benchmarks/RESULTS.md"]
