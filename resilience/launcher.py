@@ -303,6 +303,9 @@ def check_config(cfg: Config, fail) -> None:
         fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
 
 
+RENDEZVOUS_QUIET_S = 10  # a file:// rendezvous untouched this long is an ended run's (watchdogs beat every <= 1 s)
+
+
 def check_rendezvous(cfg: Config, world: int) -> None:
     """Where the ranks will meet, checked before this node's ranks start, instead of a timeout or a traceback from
     inside torch: node 0's port free (another program, often another run, may hold it); a file:// rendezvous's
@@ -318,6 +321,10 @@ def check_rendezvous(cfg: Config, world: int) -> None:
             raise UserError(f"dist.init_method {d.init_method}: the folder {folder} does not exist (create it, on a "
                             "file system every node sees)")
         if d.nodes == 1 and os.path.isfile(path):  # every rank starts below, from this process: none uses it yet
+            written = time.time() - os.path.getmtime(path)
+            if written < RENDEZVOUS_QUIET_S:  # a live run's watchdog writes into it every second
+                raise UserError(f"dist.init_method {d.init_method}: the file was written {written:.0f} s ago, by a "
+                                "run going on? Give this run a file of its own")
             os.remove(path)
             print(f"note: removed {path}, the rendezvous file an earlier run left (the ranks meet in a new one)",
                   flush=True)

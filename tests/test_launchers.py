@@ -4,6 +4,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -171,12 +172,18 @@ def test_a_file_rendezvous_works_again_and_a_missing_folder_is_one_line(tmp_path
     run = [sys.executable, "main.py", "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2",
            "--set", f"dist.init_method=file://{rendezvous}", "--set", f"output_dir={tmp_path / 'run'}",
            "--set", "train.warmup=1", "--set", "log.progress_bar=false"]
-    for steps in (2, 4):  # train, then resume with the same rendezvous file
+    for steps in (2, 4):  # train, then resume with the same rendezvous file (the first run's, 10 s later)
+        if rendezvous.exists():
+            os.utime(rendezvous, (time.time() - 11, time.time() - 11))
         r = subprocess.run(run + ["--set", f"train.max_steps={steps}"], cwd=ROOT, env=clean_env(),
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert f"done: {steps} steps" in r.stdout
     assert "resumed from" in r.stdout
+    os.utime(rendezvous)  # written just now: a run going on may be using it; this one is refused, it is not removed
+    r = subprocess.run(run + ["--set", "train.max_steps=6"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "s ago, by a run going on?" in r.stderr and rendezvous.exists(), r.stderr
     missing = f"file://{tmp_path}/no/such/folder/rendezvous"
     r = subprocess.run(run + ["--set", f"dist.init_method={missing}"], cwd=ROOT, env=clean_env(),
                        capture_output=True, text=True, timeout=60)
