@@ -4,10 +4,13 @@
 # One process per GPU; with a single GPU everything runs at world size 1 (NCCL cannot put two ranks on one GPU),
 # which still exercises mixed precision, loss scaling and the checkpoint formats, but not the sharding itself.
 set -uo pipefail  # no -e: a failing run is reported by run() and the others still go
-NGPU=$(nvidia-smi -L | wc -l)
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$NGPU" = 0 ]; then  # every run below is a CUDA path: without a GPU each would fail, one after the other
+  echo "error: benchmarks/gpu_sharded.sh runs the sharded strategies on CUDA, and torch sees no GPU here" >&2; exit 2
+fi
 OUT=${OUT:-/tmp/gpu_sharded}
 rm -rf "$OUT"
-COMMON="--params /dev/null --set log.progress_bar=false --set log.tensorboard=false --set dist.procs_per_node=$NGPU
+COMMON="--params parameters.yml --set log.progress_bar=false --set log.tensorboard=false --set dist.procs_per_node=$NGPU
         --set train.max_steps=200 --set train.eval_every=100 --set train.save_every=100 --set model.dropout=0"
 echo "GPUs: $NGPU"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, fairscale; print('torch', torch.__version__, 'fairscale', fairscale.__version__)"
@@ -22,7 +25,7 @@ run() {  # run NAME SETTINGS...: train, then evaluate its best checkpoint in tes
   else
     echo "FAILED: $name (tail of $OUT/$name/train.out)"; tail -15 "$OUT/$name/train.out"; return
   fi
-  python main.py --params /dev/null --set mode=test --set output_dir="$OUT/$name" > "$OUT/$name/test.out" 2>&1 \
+  python main.py --params "$OUT/$name/config.yml" --set mode=test > "$OUT/$name/test.out" 2>&1 \
     && grep -E "test:" "$OUT/$name/test.out" || { echo "FAILED: $name test mode"; tail -15 "$OUT/$name/test.out"; }
 }
 
@@ -47,7 +50,7 @@ python main.py $COMMON --set output_dir="$OUT/fsdp-fp16-resumed" --set dist.stra
 python - "$OUT" <<'PY'
 import sys; sys.path.insert(0, ".")
 import torch
-from checkpoint import model_state_dict
+from core.checkpoint_io import model_state_dict
 out = sys.argv[1]
 a = model_state_dict(f"{out}/fsdp-fp16/checkpoints/step-200")
 b = model_state_dict(f"{out}/fsdp-fp16-resumed/checkpoints/step-200")

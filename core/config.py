@@ -581,7 +581,9 @@ def read_config(path: Optional[str], overrides: list[str] = (), checks: Sequence
     raw: dict = {}
     if path is not None:
         if not os.path.isfile(path):
-            raise ConfigError(f"{path}: {'a folder, not a YAML file' if os.path.isdir(path) else 'file not found'}")
+            what = ("a folder, not a YAML file" if os.path.isdir(path) else "not a regular file (give a YAML file)"
+                    if os.path.exists(path) else "file not found")
+            raise ConfigError(f"{path}: {what}")
         try:  # capped in size, nesting and values (config_yaml.py): a wrong or hostile file is one line, at once
             raw = config_yaml.read_file(path) or {}
         except config_yaml.Refused as e:

@@ -303,11 +303,34 @@ def check_config(cfg: Config, fail) -> None:
         fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
 
 
-def check_port_free(cfg: Config) -> None:
-    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
-    port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""
+RENDEZVOUS_QUIET_S = 10  # a file:// rendezvous untouched this long is an ended run's (watchdogs beat every <= 1 s)
+
+
+def check_rendezvous(cfg: Config, world: int) -> None:
+    """Where the ranks will meet, checked before this node's ranks start, instead of a timeout or a traceback from
+    inside torch: node 0's port free (another program, often another run, may hold it); a file:// rendezvous's
+    folder there, and on one node no file left by an earlier run, which its ranks leave behind (they end without
+    the teardown in which torch removes it) and in which new ranks wait dist.timeout_s for peers long gone."""
     d = cfg.dist
-    if d.node_rank == 0 and d.init_method == "tcp" and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
+    if d.strategy in ("none", "dp"):  # one process, no process group
+        return
+    if d.init_method.startswith("file://"):
+        path = d.init_method[len("file://"):]
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise UserError(f"dist.init_method {d.init_method}: the folder {folder} does not exist (create it, on a "
+                            "file system every node sees)")
+        if d.nodes == 1 and os.path.isfile(path):  # every rank starts below, from this process: none uses it yet
+            written = time.time() - os.path.getmtime(path)
+            if written < RENDEZVOUS_QUIET_S:  # a live run's watchdog writes into it every second
+                raise UserError(f"dist.init_method {d.init_method}: the file was written {written:.0f} s ago, by a "
+                                "run going on? Give this run a file of its own")
+            os.remove(path)
+            print(f"note: removed {path}, the rendezvous file an earlier run left (the ranks meet in a new one)",
+                  flush=True)
+        return
+    if world > 1 and d.node_rank == 0 and d.init_method == "tcp" and \
+            port_in_use(d.master_addr or "127.0.0.1", d.master_port):
         raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
                         f"free one, e.g. --set dist.master_port={d.master_port + 1}")
 

@@ -74,3 +74,27 @@ def test_benchmark_runs_at_its_tiny_size(script, tmp_path):
         pytest.skip(f"{script}: {skipped.group(0)}")
     assert r.returncode == 0, f"{script} exited {r.returncode}:\n{out[-3000:]}"
     assert re.search(RESULT_LINE[script], r.stdout), f"{script} did not print its result line:\n{r.stdout[-3000:]}"
+
+
+@pytest.mark.slow
+def test_gpu_sharded_without_a_gpu_is_one_line_and_its_pieces_load(tmp_path):
+    """benchmarks/gpu_sharded.sh (docs/sharded.md) needs CUDA: on a machine without it, one line and exit 2 at once,
+    nothing run. What it runs there must still load here: its params file (read by the schema) and the imports of
+    its resume check (a module renamed since it was written once made that a traceback after all the runs)."""
+    path = os.path.join(ROOT, "benchmarks", "gpu_sharded.sh")
+    with open(path) as f:
+        script = f.read()
+    params = re.search(r"--params (\S+)", script).group(1)
+    from core.config import read_config
+    read_config(os.path.join(ROOT, params))
+    check = re.search(r"<<'PY'\n(.*?)^PY$", script, re.S | re.M).group(1)
+    imports = "\n".join(line for line in check.splitlines() if line.startswith(("import ", "from ")))
+    subprocess.run([sys.executable, "-c", imports], cwd=ROOT, check=True, capture_output=True)
+    import torch
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run(["bash", path], cwd=ROOT, env=clean_env(OUT=str(tmp_path / "out")), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and (r.stdout + r.stderr).strip().count("\n") == 0, r.stdout + r.stderr
+    assert (r.stdout + r.stderr).startswith("error: ") and "GPU" in r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@ comments and docstrings mention is a file of this clone and a name defined in it
 fails here instead of misleading the next reader. benchmarks/RESULTS.md is a dated log (old names stay true there)
 and is not read. And no doc prints an author's machine path, and README's tour names every product file."""
 import ast
+import dataclasses
 import glob
 import io
 import os
@@ -14,7 +15,8 @@ PRODUCT_DIRS = ("core", "strategies", "tasks", "resilience", "extras", "scripts"
 # Config sections read like modules (`export.dir`, `train.lr`): a dotted word starting with one is a config key.
 CONFIG_SECTIONS = {"data", "model", "train", "dist", "test", "export", "log", "predict", "lr_find"}
 FILE_SUFFIXES = {"json", "yml", "yaml", "pt", "pt2", "txt", "md", "csv", "tsv", "log", "html", "png", "bin", "hdf5",
-                 "sh", "ipynb", "gz", "distcp", "metadata", "conf", "db", "safetensors", "lock", "parquet", "npy"}
+                 "sh", "ipynb", "gz", "distcp", "metadata", "conf", "db", "safetensors", "lock", "parquet", "npy",
+                 "onnx", "jsonl"}
 # Other projects' files and the kernel's cgroup files, named where we compare with them or read them.
 EXTERNAL = {"train.py", "model.py", "config/train_shakespeare_char.py", "create_pretraining_data.py",
             "memory.events", "memory.oom_control"}
@@ -22,8 +24,11 @@ EXTERNAL = {"train.py", "model.py", "config/train_shakespeare_char.py", "create_
 # this once that has landed.
 LEFT_FOR_THE_RESTRUCTURE = set()
 LR_FIND_KEYS = {"min", "max", "steps"}  # core/config.py's LRFindConfig
+QUOTED_MISTAKES = {"train.lr_rate"}  # docs/config.md shows the error an unknown key gives
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+)")
 PY_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
+# A constant named with its file: "tasks/sst2.py BART_PRESETS" (a preset's comment), "`wiring.py`'s `TASKS`".
+PY_CONSTANT = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)(?: ([A-Z][A-Z0-9]*_[A-Z0-9_]+)\b|`'s `([A-Z][A-Z0-9_]+)`)")
 
 
 def product_files() -> list[str]:
@@ -175,6 +180,12 @@ def stale_references() -> list[str]:
                           or ("/" not in ref and ref in basenames))
                 if not exists:
                     stale.append(f"{path}:{line}: {ref} does not exist")
+            for ref, *names in PY_CONSTANT.findall(text):
+                owners = [f for f in files if f == os.path.normpath(os.path.join(here, ref)) or f == ref
+                          or ("/" not in ref and os.path.basename(f) == ref)]
+                name = "".join(names)
+                if owners and not any(name in modules.defined(f) for f in owners):
+                    stale.append(f"{path}:{line}: {ref} has no `{name}`")
             for ref in set(DOTTED.findall(text)) - EXTERNAL:
                 if (path, ref) in LEFT_FOR_THE_RESTRUCTURE:
                     continue
@@ -202,6 +213,47 @@ def test_the_checker_catches_a_stale_reference():
     assert "no attribute `measure_everything`" in modules.problem("Trainer.measure_everything")
     assert modules.problem("train.lr") is None and modules.problem("torch.optim") is None
     assert modules.problem("meta.json") is None
+    assert PY_CONSTANT.findall("sizes (tasks/sst2.py BART_PRESETS)") == [("tasks/sst2.py", "BART_PRESETS", "")]
+    assert PY_CONSTANT.findall("in `wiring.py`'s `TASKS` (a subclass)") == [("wiring.py", "", "TASKS")]
+    assert PY_CONSTANT.findall("benchmarks/fault_drill.py RESULTS.md, tests/test_tp.py GPT-2") == []
+
+
+def prose_outside_python_blocks(path: str) -> list[tuple[int, str]]:
+    """prose_of_text less the lines of ```python blocks (code, where `model.conv1` is an attribute, not a key)."""
+    out, in_python = [], False
+    for line, text in prose_of_text(path):
+        if text.startswith("```"):
+            in_python = text.startswith("```python")
+        elif not in_python:
+            out.append((line, text))
+    return out
+
+
+def unknown_config_keys() -> list[str]:
+    """`section.key` in the docs and parameters.yml's comments where the section has no such field."""
+    from core.config import SECTIONS
+    fields = {section: {f.name for f in dataclasses.fields(cls)} for section, cls in SECTIONS.items()}
+    unknown = []
+    for path in documents():
+        for line, text in prose_outside_python_blocks(path):
+            for ref in DOTTED.findall(text):
+                section, key, *rest = ref.split(".")
+                if section in fields and key not in fields[section] and (rest or [key])[-1] not in FILE_SUFFIXES | {"py"} \
+                        and ref not in QUOTED_MISTAKES and not key.endswith("_"):
+                    unknown.append(f"{path}:{line}: `{ref}`: no such key in `{section}`")
+    return unknown
+
+
+def test_every_config_key_the_docs_name_exists():
+    unknown = unknown_config_keys()
+    assert not unknown, f"{len(unknown)} config keys that core/config.py lacks:\n" + "\n".join(unknown)
+
+
+def test_docs_config_md_has_a_row_for_every_section():
+    from core.config import SECTIONS
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        rows = set(re.findall(r"^\| `(\w+)` \|", f.read(), re.M))
+    assert rows == set(SECTIONS), f"docs/config.md's table lacks {set(SECTIONS) - rows}"
 
 
 def test_no_doc_prints_an_authors_machine_path():

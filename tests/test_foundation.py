@@ -68,6 +68,8 @@ def test_yaml_errors_name_file_and_line(tmp_path):
         checked_config(str(tmp_path / "missing.yml"))
     with pytest.raises(ConfigError, match="a folder, not a YAML file"):  # --params configs
         checked_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="/dev/null: not a regular file"):  # it exists: not "file not found"
+        checked_config("/dev/null")
     (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")  # --params given a checkpoint file
     with pytest.raises(ConfigError, match="model.pt: not valid YAML"):
         checked_config(str(tmp_path / "model.pt"))
@@ -97,6 +99,30 @@ def test_parameters_yml_documents_every_field():
     checked_config(os.path.join(ROOT, "parameters.yml"))  # and it validates
     from extras import cli_help
     assert "parameters.yml lists every field with its default" in cli_help.epilog()  # --help says so
+
+
+def test_parameters_yml_values_are_the_defaults_or_say_the_default():
+    """--help: "parameters.yml lists every field with its default". Where the default job's value is not the
+    schema's (what a params file that leaves the key out gets), its comment says the schema's: `default: X`."""
+    from core.config import SECTIONS, Config
+    import dataclasses
+    comments, section = {}, None
+    with open(os.path.join(ROOT, "parameters.yml")) as f:
+        text = f.read()
+    for line in text.splitlines():
+        top = re.match(r"(\w+):", line)
+        section = top.group(1) if top else section
+        field = re.match(r"\s+(\w+):.*#(.*)", line)
+        if field:
+            comments[section, field.group(1)] = field.group(2)
+    raw, defaults = yaml.safe_load(text), Config()
+    unsaid = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            if raw[section][f.name] != default and f"default: {default}" not in comments[section, f.name]:
+                unsaid.append(f"{section}.{f.name}: {raw[section][f.name]!r}, the schema's default {default!r}")
+    assert not unsaid, "parameters.yml values that are not the defaults, unsaid:\n" + "\n".join(unsaid)
 
 
 def test_customization_points_are_marked():

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -159,3 +160,32 @@ def gone(pid, psutil, wait_s=10.0) -> bool:
     return False
 
 
+
+
+@pytest.mark.slow
+def test_a_file_rendezvous_works_again_and_a_missing_folder_is_one_line(tmp_path):
+    """dist.init_method: file://PATH (docs/running.md). The ranks' FileStore leaves PATH behind (they end without
+    the interpreter's teardown, where torch would remove it), and a second run on it, such as the resume that
+    `run the same command` promises, waited dist.timeout_s (30 min) for ranks that had met in the old file. A
+    folder that does not exist waited as long too, then blamed the timeout."""
+    rendezvous = tmp_path / "rendezvous"
+    run = [sys.executable, "main.py", "--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2",
+           "--set", f"dist.init_method=file://{rendezvous}", "--set", f"output_dir={tmp_path / 'run'}",
+           "--set", "train.warmup=1", "--set", "log.progress_bar=false"]
+    for steps in (2, 4):  # train, then resume with the same rendezvous file (the first run's, 10 s later)
+        if rendezvous.exists():
+            os.utime(rendezvous, (time.time() - 11, time.time() - 11))
+        r = subprocess.run(run + ["--set", f"train.max_steps={steps}"], cwd=ROOT, env=clean_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert f"done: {steps} steps" in r.stdout
+    assert "resumed from" in r.stdout
+    os.utime(rendezvous)  # written just now: a run going on may be using it; this one is refused, it is not removed
+    r = subprocess.run(run + ["--set", "train.max_steps=6"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "s ago, by a run going on?" in r.stderr and rendezvous.exists(), r.stderr
+    missing = f"file://{tmp_path}/no/such/folder/rendezvous"
+    r = subprocess.run(run + ["--set", f"dist.init_method={missing}"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
+    assert f"error: dist.init_method {missing}: the folder {tmp_path}/no/such/folder does not exist" in r.stderr

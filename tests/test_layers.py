@@ -199,6 +199,19 @@ def test_trainer_and_all_it_can_load_fit_in_an_afternoon():
     assert n["trainer closure lines"] <= MAX_TRAINER_CLOSURE
 
 
+def test_the_docs_say_the_sizes_counted_here():
+    """README's first lines and docs/files.md give the lines of trainer.py and all it imports, and docs/files.md
+    the whole template's: each within 5% of the count."""
+    n = numbers()
+    for path, pattern, counted in [
+            ("README.md", r"trainer\.py` and all it\s+imports: about ([\d,]+) lines", n["trainer closure lines"]),
+            ("docs/files.md", r"everything it imports is about ([\d,]+) lines", n["trainer closure lines"]),
+            ("docs/files.md", r"The whole template is about ([\d,]+) lines", n["product lines"])]:
+        with open(os.path.join(ROOT, path)) as f:
+            said = int(re.search(pattern, f.read()).group(1).replace(",", ""))
+        assert abs(said - counted) <= 0.05 * counted, f"{path} says about {said} lines; they are {counted}"
+
+
 def trainer_fields_assigned(path: str) -> list:
     """(line, target) of every assignment in the file whose target goes through a name `trainer` (trainer.x = ...,
     trainer.state.step += ..., a, trainer.x = ...): the Trainer's fields, set from outside it."""

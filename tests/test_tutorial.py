@@ -74,6 +74,21 @@ def quoted_line(number: str, start: str) -> str:
     return line
 
 
+def quoted_output(number: str, first: str) -> list[str]:
+    """The lines of chapter `number`'s ```console block that starts with `first`, up to its `...` if any: output
+    the chapter shows as a run prints it."""
+    [chapter] = [c for c in CHAPTERS if c.startswith(number + "_")]
+    with open(os.path.join(TUTORIAL, chapter)) as f:
+        [block] = [b for b in re.findall(r"^```console\n(.*?)^```", f.read(), re.S | re.M) if b.startswith(first)]
+    return block.split("\n...")[0].splitlines()
+
+
+def as_printed(line: str) -> str:
+    """A line of a run's output without what differs between machines and runs: the timings and the core count."""
+    line = re.sub(r"\b(samples_per_s|ms_per_step)=\S+", r"\1=*", line)
+    return re.sub(r"^(  CPU threads per rank )\d+ \(\d+ cores", r"\1N (N cores", line)
+
+
 def last_checkpoint_metrics(run) -> dict:
     sys.path.insert(0, ROOT)
     from core import checkpoint
@@ -124,6 +139,11 @@ def test_the_chapters_make_their_figures_outside_the_tree_and_img_dir_regenerate
 @pytest.mark.slow
 def test_01_one_process(tmp_path):
     out = run_chapter("01", tmp_path, omp_wait_policy=None)
+    # the output the chapter shows is the run's, line for line from the plan on (the clone's path aside)
+    shown = [as_printed(line.replace("/path/to/your/clone/", "")) for line in quoted_output("01", "plan:")]
+    printed = [as_printed(line) for line in out.replace(f"{tmp_path}/", "").splitlines()]
+    start = printed.index("plan:")
+    assert printed[start:start + len(shown)] == shown
     assert (tmp_path / "runs/tutorial/img/01_curves.png").stat().st_size > 0
     # the plan's CPU line as quoted (its core count is the machine's; OMP_WAIT_POLICY is what one process gets)
     quoted = quoted_line("01", "  CPU threads per rank ").rsplit(", OMP_WAIT_POLICY ", 1)[1]
@@ -147,7 +167,9 @@ def test_02_ddp_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_03_memory_matches_the_formulas(tmp_path):
-    run_chapter("03", tmp_path)
+    out = run_chapter("03", tmp_path)
+    for line in quoted_output("03", "none "):  # the chapter's table of bytes per rank, as plots.py printed it
+        assert line in out.splitlines(), line
     with open(tmp_path / "runs/tutorial/03-memory.json") as f:
         bench = json.load(f)
     n = bench["parameters"]
@@ -288,20 +310,15 @@ def kernel(tmp_path) -> str:
 @pytest.mark.slow
 def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
     import nbformat
-    from nbclient import NotebookClient
     base, _ = resumed_run
     run = base / "runs/tutorial/06-resume"
     monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    path = os.path.join(ROOT, "notebooks", "inspect_run.ipynb")
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
     nbformat.validate(nb)  # cell ids included: nbconvert warns without them
     [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
     assert first is next(cell for cell in nb.cells if cell.cell_type == "code")  # parameters come first
-    first.source = f"run = {str(run)!r}\nfigures = {str(tmp_path / 'figures')!r}"
-    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
-                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
-    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    printed = execute_notebook(run, tmp_path)
     for split in ("dev", "test"):  # the results files, as printed
         with open(run / f"{split}_results.json") as f:
             accuracy = json.load(f)["metrics"]["accuracy"]
@@ -314,3 +331,31 @@ def test_inspect_run_notebook(resumed_run, tmp_path, monkeypatch):
     assert float(re.search(r"train/loss: last (\S+)", printed).group(1)) == pytest.approx(loss, rel=1e-3)
     for name in ("curves.png", "dev.png"):
         assert (tmp_path / "figures" / name).stat().st_size > 0
+
+
+def execute_notebook(run, tmp_path) -> str:
+    """notebooks/inspect_run.ipynb run on `run` (every cell, as Jupyter's "Run all" does); what its cells printed."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
+    [first] = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    first.source = f"run = {str(run)!r}\nfigures = {str(tmp_path / 'figures')!r}"
+    NotebookClient(nb, kernel_name="tutorial-test", timeout=120,
+                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+    return "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+
+
+@pytest.mark.slow
+def test_inspect_run_notebook_on_a_run_with_csv_and_no_tensorboard(tmp_path, monkeypatch):
+    """log.report_to: [csv] (the tiny presets write no TensorBoard files either): the notebook still runs to its
+    last cell, which reads metrics.csv, instead of stopping at the TensorBoard plots."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "main.py", "--set", f"output_dir={run}", "--set", "train.max_steps=4",
+                    "--set", "train.warmup=1", "--set", "train.log_every=2", "--set", "log.report_to=[csv]",
+                    "--set", "log.progress_bar=false", "--set", f"dist.master_port={free_port()}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    printed = execute_notebook(run, tmp_path)
+    assert "TensorBoard scalars: none" in printed
+    assert re.search(r"csv train/loss: last \S+ at step 4 \(2 rows\)", printed), printed

@@ -32,7 +32,7 @@ def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     folder = os.path.join(run, "tensorboard")
     if not os.path.isdir(folder):
-        raise SystemExit(f"error: {folder}: no TensorBoard events (was log.tensorboard false?)")
+        raise SystemExit(f"error: {folder}: no TensorBoard events (log.report_to without tensorboard?)")
     acc = EventAccumulator(folder, size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
     out = {}
