@@ -105,11 +105,38 @@ def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "node0")  # (torchrun sets them with the ranks)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert launcher_env()["local_world_size"] == 4
     assert tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}) == 4
     assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}) == 1
     assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "2,3", "SLURM_NODEID": "1"}) == 3
     assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": "weird"}) == 1
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "MASTER_ADDR"),  # a shell that kept another job's ranks
+    ({"RANK": "abc", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='abc'"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "x", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS='x'"),
+])
+@pytest.mark.parametrize("strategy", ["none", "ddp"])
+def test_rank_variables_left_over_from_another_job_are_one_line(tmp_path, capsys, monkeypatch, env, named, strategy):
+    """RANK/WORLD_SIZE/LOCAL_RANK (or SLURM's) left in the shell by another job, with a plain `python main.py`:
+    one line naming the variables (was: `strategy is none but 2 processes are configured`, a ValueError
+    traceback from int(), or a crash report with torch's traceback for the missing MASTER_ADDR)."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main.main(["--set", f"output_dir={tmp_path}", "--set", f"dist.strategy={strategy}",
+                      "--set", "train.max_steps=1"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: ") and named in errors[0], captured.err
+    assert "another job" in errors[0] and "unset" in errors[0], errors[0]
 
 
 def test_torchrun_ranks_say_the_same_error_once(tmp_path):
