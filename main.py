@@ -92,7 +92,7 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     here, first_rank, world = procs[cfg.dist.node_rank], sum(procs[: cfg.dist.node_rank]), sum(procs)
     places = [RankPlace(rank=first_rank + i, local_rank=i, world=world, local_procs=here) for i in range(here)]
     if world > 1:
-        launcher.check_port_free(cfg)
+        launcher.check_rendezvous(cfg)
     if here > 1:  # one process per rank, each running launcher.rank_main, then worker(cfg, its place)
         return launcher.Supervisor(cfg, places, worker).supervise()
     # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say

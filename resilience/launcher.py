@@ -303,6 +303,25 @@ def check_config(cfg: Config, fail) -> None:
         fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
 
 
+def check_rendezvous(cfg: Config) -> None:
+    """Where the ranks meet over tcp, before any starts: master_addr names a machine, and node 0's port is free."""
+    check_master_addr(cfg)
+    check_port_free(cfg)
+
+
+def check_master_addr(cfg: Config) -> None:
+    """A master_addr that does not resolve (a typo): torch would retry it until dist.timeout_s, 30 minutes by
+    default, printing C++ warnings, then fail."""
+    d = cfg.dist
+    if d.init_method != "tcp" or not d.master_addr:
+        return
+    try:
+        socket.getaddrinfo(d.master_addr, d.master_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"dist.master_addr {d.master_addr!r} does not resolve to an address on {HOST} ({e.strerror}); "
+                        "set it to node 0's host name or IP address, as this machine can reach it") from None
+
+
 def check_port_free(cfg: Config) -> None:
     """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
     port, say so before starting, with the fix, instead of a timeout or a traceback from inside torch."""

@@ -307,6 +307,21 @@ def test_port_in_use_is_one_line_with_the_fix(tmp_path):
                               f"pick a free one, e.g. --set dist.master_port={port + 1}")
 
 
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(tmp_path, capsys, node_rank):
+    """A typo in dist.master_addr: torch would retry the name until dist.timeout_s (30 min by default), printing
+    C++ warnings and stack frames, then fail. Refused before any rank starts, naming the key."""
+    cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "nodes": 2, "node_rank": node_rank,
+                                              "procs_per_node": 1, "master_addr": "no-such-node.invalid"},
+                      train={"max_steps": 1})
+    started = time.monotonic()
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: dist.master_addr 'no-such-node.invalid' "), err
+    assert "does not resolve" in err and "node 0" in err, err
+
+
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cfg = make_config(tmp_path / "file", train={"max_steps": 1})
