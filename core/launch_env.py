@@ -36,6 +36,16 @@ def launcher_env() -> Optional[dict]:
     return found
 
 
+def first_on_node() -> bool:
+    """Whether this process says a mistake found before the ranks meet: not started by torchrun or srun, or the
+    first rank of its node (the others would repeat the same line, once per rank)."""
+    try:
+        env = launcher_env()
+    except UserError:  # the mistake is in the launcher's variables: every process says it
+        return True
+    return env is None or env["local_rank"] == 0
+
+
 def number(env, name: str, default: Optional[str] = None) -> int:
     """A launcher's variable as the whole number it always is."""
     value = env.get(name, default)

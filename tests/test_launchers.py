@@ -139,6 +139,28 @@ def test_rank_variables_left_over_from_another_job_are_one_line(tmp_path, capsys
     assert "another job" in errors[0] and "unset" in errors[0], errors[0]
 
 
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_config_mistake_under_torchrun_is_said_by_the_first_rank_of_each_node(capsys, monkeypatch, local_rank):
+    """torchrun --nproc_per_node=8 with strategy none: each of the 8 ranks printed the same config error (found
+    before the ranks meet, so not deduplicated through the store). Local rank 0 says it; the others say nothing
+    and wait a moment (main.QUIET_WAIT_S) so that torchrun, seeing them exit, does not kill rank 0 before it has."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(main, "QUIET_WAIT_S", 0.01)
+    assert main.main(["--set", "train.max_steps=1"]) == 2  # strategy none, 2 ranks
+    err = capsys.readouterr().err.strip().splitlines()
+    if local_rank == 0:
+        assert len(err) == 1 and "`dist.strategy` is none but 2 processes" in err[0], err
+    else:
+        assert err == []
+
+
 def test_torchrun_ranks_say_the_same_error_once(tmp_path):
     """Under torchrun each rank prints its own final word (no launcher of ours collects them); the same user
     error from both ranks still reaches the console once, deduplicated through the rendezvous store."""
