@@ -156,7 +156,8 @@ def test_a_config_mistake_under_torchrun_is_said_by_the_first_rank_of_each_node(
     assert main.main(["--set", "train.max_steps=1"]) == 2  # strategy none, 2 ranks
     err = capsys.readouterr().err.strip().splitlines()
     if local_rank == 0:
-        assert len(err) == 1 and "`dist.strategy` is none but 2 processes" in err[0], err
+        assert len(err) == 1 and "`dist.strategy` is none but torchrun started 2 processes" in err[0], err
+        assert "procs_per_node" not in err[0] and "--nproc_per_node=1" in err[0], err  # what torchrun was told
     else:
         assert err == []
 
