@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -74,12 +75,21 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
                                                       timeout=datetime.timedelta(seconds=d.timeout_s)),
                       lambda seconds: waiting(seconds, rendezvous), device)
         check_same_world(d, rank, world_size)
-    except (dist.DistStoreError, dist.DistNetworkError) as e:  # a node not started, or another address or port
-        fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same dist.master_addr and "
-               "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
-        raise UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
-                        f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s") from None
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
+        raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
+
+
+def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> UserError:
+    """The line for ranks that did not meet: a node not started, another address or port, or (at once, not after
+    the timeout) rank 0 that cannot host the rendezvous on a port in use (srun's ranks are not checked before)."""
+    if "EADDRINUSE" in str(e) and rendezvous.startswith("tcp://"):
+        return UserError(f"rank {rank}: dist.master_port {d.master_port} is already in use on {socket.gethostname()} "
+                         f"(another run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}")
+    fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same dist.master_addr and "
+           "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
+    return UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
+                     f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s")
 
 
 def check_same_world(d, rank: int, world_size: int) -> None:

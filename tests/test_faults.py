@@ -163,6 +163,23 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
+    """Under srun (or a port taken between main.py's check and the rendezvous) rank 0 cannot listen on
+    master_port: torch fails at once with EADDRINUSE, which was worded as ranks that `did not all meet within
+    dist.timeout_s`, with the fix `start every rank, or raise dist.timeout_s`."""
+    from core import distributed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 20, "master_port": port})
+        with pytest.raises(errors.UserError) as e:
+            distributed.init(cfg, 0, 2, 0)
+    assert str(e.value).startswith(f"rank 0: dist.master_port {port} is already in use on {HOST} (another run?); "
+                                   f"pick a free one, e.g. --set dist.master_port={port + 1}"), e.value
+    assert not dist.is_initialized()
+
+
 @pytest.mark.slow
 def test_nodes_started_with_different_procs_per_node_are_one_line_not_a_hang(tmp_path):
     """Node 0 counts 2 ranks ([1, 1]), node 1 counts 3 ([1, 2]): the rendezvous counts arrivals only, so all three
