@@ -304,9 +304,21 @@ def check_config(cfg: Config, fail) -> None:
 
 
 def check_rendezvous(cfg: Config) -> None:
-    """Where the ranks meet over tcp, before any starts: master_addr names a machine, and node 0's port is free."""
+    """Where the ranks meet, before any starts: master_addr names a machine and node 0's port is free (tcp), or the
+    rendezvous file's folder is here (file://)."""
     check_master_addr(cfg)
     check_port_free(cfg)
+    check_rendezvous_folder(cfg)
+
+
+def check_rendezvous_folder(cfg: Config) -> None:
+    """dist.init_method file:///path: its folder must be here (each rank would otherwise fail on its own, with a
+    line that blames the other ranks)."""
+    if cfg.dist.init_method.startswith("file://"):
+        folder = os.path.dirname(cfg.dist.init_method[len("file://"):])
+        if not os.path.isdir(folder):
+            raise UserError(f"dist.init_method: the folder {folder} does not exist on {HOST}; the ranks meet through "
+                            "a file there: create it, or mount the file system every node shares")
 
 
 def check_master_addr(cfg: Config) -> None:

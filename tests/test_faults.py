@@ -163,6 +163,18 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
+    """dist.init_method=file:///... in a folder that does not exist (a shared file system not mounted here, a
+    typo): each rank said `did not all meet ... (No such file or directory); start every rank`, a line per rank."""
+    where = tmp_path / "not-mounted" / "rendezvous"
+    cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "procs_per_node": 2, "init_method": f"file://{where}"},
+                      train={"max_steps": 1})
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: dist.init_method: the folder {where.parent} does not exist on {HOST}; the ranks meet "
+                   "through a file there: create it, or mount the file system every node shares"), err
+
+
 def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
     """Under srun (or a port taken between main.py's check and the rendezvous) rank 0 cannot listen on
     master_port: torch fails at once with EADDRINUSE, which was worded as ranks that `did not all meet within
