@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -117,6 +118,9 @@ class Supervisor:
                                                  self.finished,
                                                  os.getpid()))
                           for place in self.places)
+        # The first start would start multiprocessing's resource tracker, which unblocks SIGINT and SIGTERM here as
+        # it does: then the ranks would start with them open. Started first, it is left alone by the starts.
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
         try:
             with environment(rank_environment(self.cfg, len(self.places))):  # spawn: each rank starts with it

@@ -193,6 +193,22 @@ def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_launcher_while_its_ranks_start_is_a_stop_not_a_crash(tmp_path):
+    """The ranks start with the stop signals blocked until their handlers are in; starting the first rank also
+    starts multiprocessing's resource tracker, which unblocked SIGINT and SIGTERM in the launcher, so the ranks
+    started with them open: SIGTERM in their first seconds was `rank 0 died from SIGTERM at step 0`, exit 1."""
+    out = tmp_path / "run"
+    proc = start(out, steps=3000)
+    deadline = time.monotonic() + 30
+    while len([c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler signals the job's process
+    code, stdout, stderr = finish(proc)
+    assert code == errors.EXIT_STOPPED and "died from" not in stdout + stderr, stdout[-2000:] + stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_nodes_started_with_different_procs_per_node_are_one_line_not_a_hang(tmp_path):
     """Node 0 counts 2 ranks ([1, 1]), node 1 counts 3 ([1, 2]): the rendezvous counts arrivals only, so all three
     met, then waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks.
