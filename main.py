@@ -17,12 +17,13 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 from core import process_end
 from core.config import Config, config_source, procs_per_node_list, read_config
 from core.errors import UserError
-from core.launch_env import launcher_env
+from core.launch_env import first_on_node, launcher_env
 from extras import dev_run
 from extras.cli_help import epilog
 from resilience import elastic, faults, launcher
@@ -37,8 +38,7 @@ def main(argv=None) -> int:
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return mistake(e)
     if args.length_note:  # said once the config holds: a mistake is one line
         print(args.length_note)
     if args.dev_run or cfg.train.dev_run:
@@ -69,8 +69,20 @@ def run(cfg: Config) -> int:
         with hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext():
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
+        return mistake(e)
+
+
+QUIET_WAIT_S = 10.0  # how long a rank that leaves the line to its node's first rank waits before exiting
+
+
+def mistake(e: UserError) -> int:
+    """A user mistake found before the ranks meet: one line, said by the first rank of each node under torchrun or
+    srun; exit code 2. The others wait a moment: torchrun ends every rank once one exits, maybe before it is said."""
+    if first_on_node():
         print(f"error: {e}", file=sys.stderr)
-        return 2
+    else:
+        time.sleep(QUIET_WAIT_S)
+    return 2
 
 
 @dataclasses.dataclass

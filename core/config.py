@@ -720,11 +720,14 @@ def check_across_sections(cfg: Config, fail) -> None:
     # These checks span sections, or need the world size (which torchrun or SLURM may set, not only dist.*).
     t, d = cfg.train, cfg.dist
     world = world_size(cfg)
+    # under torchrun or srun, the count is theirs: procs_per_node is not read
+    launcher = (launcher_env() or {}).get("launcher")
+    started = f"{launcher} started {world} processes" if launcher else f"{world} processes are configured"
+    one = {None: "procs_per_node: 1", "torchrun": "torchrun --nproc_per_node=1", "slurm": "srun --ntasks=1"}[launcher]
     if d.strategy == "none" and world > 1:
-        fail("dist.strategy", f"is none but {world} processes are configured; use ddp (or procs_per_node: 1)")
+        fail("dist.strategy", f"is none but {started}; use ddp (or {one})")
     if d.strategy == "dp" and world > 1:
-        fail("dist.strategy", f"is dp, which runs in one process, but {world} processes are configured "
-                              "(set procs_per_node: 1, or use ddp)")
+        fail("dist.strategy", f"is dp, which runs in one process, but {started} (set {one}, or use ddp)")
     if world % (d.tp * d.dp_replicate):
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():

@@ -21,6 +21,7 @@ import socket
 import sys
 import tempfile
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -114,10 +115,13 @@ def write_atomically(dest: str, write_files) -> None:
     never replaced). The folder is removed however this ends (SIGKILL aside: the next export removes it), and a
     full disk or a read-only folder is one line (UserError)."""
     parent = os.path.dirname(os.path.abspath(dest))
-    os.makedirs(parent, exist_ok=True)
     prefix = f".{os.path.basename(os.path.normpath(dest))}.part-"
-    remove_stale(parent, prefix)
-    tmp = tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
+    try:  # a read-only or full output_dir fails here already, before any file is written
+        os.makedirs(parent, exist_ok=True)
+        remove_stale(parent, prefix)
+        tmp = tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
+    except OSError as e:
+        raise disk_error(e, dest, parent) or e from None
     try:
         write_files(tmp)
         umask = os.umask(0)
@@ -133,16 +137,22 @@ def write_atomically(dest: str, write_files) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, UserError):
             raise
-        if disk_errors.no_space(e, parent):  # safetensors and torch.export say so without an errno
-            raise UserError(f"{dest}: no space left on device writing the export (nothing was left behind): free "
-                            "some space, then run the same command again") from None
-        line = disk_errors.disk_problem(e, parent)
+        line = disk_error(e, dest, parent)
         if line:
-            raise UserError(line.split(", then run")[0] + ", then run the same command again") from None
+            raise line from None
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def disk_error(e: BaseException, dest: str, parent: str) -> Optional[UserError]:
+    """The one line for a full disk or a read-only folder met exporting to `dest`; None for any other error."""
+    if disk_errors.no_space(e, parent):  # safetensors and torch.export say so without an errno
+        return UserError(f"{dest}: no space left on device writing the export (nothing was left behind): free "
+                         "some space, then run the same command again")
+    line = disk_errors.disk_problem(e, parent)
+    return UserError(line.split(", then run")[0] + ", then run the same command again") if line else None
 
 
 def remove_stale(parent: str, prefix: str) -> None:

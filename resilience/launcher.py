@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -117,6 +118,9 @@ class Supervisor:
                                                  self.finished,
                                                  os.getpid()))
                           for place in self.places)
+        # The first start would start multiprocessing's resource tracker, which unblocks SIGINT and SIGTERM here as
+        # it does: then the ranks would start with them open. Started first, it is left alone by the starts.
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
         try:
             with environment(rank_environment(self.cfg, len(self.places))):  # spawn: each rank starts with it
@@ -308,29 +312,55 @@ RENDEZVOUS_QUIET_S = 10  # a file:// rendezvous untouched this long is an ended 
 
 def check_rendezvous(cfg: Config, world: int) -> None:
     """Where the ranks will meet, checked before this node's ranks start, instead of a timeout or a traceback from
-    inside torch: node 0's port free (another program, often another run, may hold it); a file:// rendezvous's
-    folder there, and on one node no file left by an earlier run, which its ranks leave behind (they end without
-    the teardown in which torch removes it) and in which new ranks wait dist.timeout_s for peers long gone."""
+    inside torch: master_addr names a machine and node 0's port is free (tcp); a file:// rendezvous's folder is
+    there, and on one node no file is left by an earlier run (check_rendezvous_file)."""
+    if cfg.dist.strategy in ("none", "dp"):  # one process, no process group
+        return
+    if cfg.dist.init_method.startswith("file://"):
+        check_rendezvous_file(cfg)
+    elif world > 1:
+        check_master_addr(cfg)
+        check_port_free(cfg)
+
+
+def check_rendezvous_file(cfg: Config) -> None:
+    """dist.init_method file:///path: its folder must be here (each rank would otherwise fail on its own, with a line
+    that blames the other ranks); on one node a file an earlier run left is removed: its ranks end without the
+    teardown in which torch removes it, and new ranks would wait dist.timeout_s in it for peers long gone."""
     d = cfg.dist
-    if d.strategy in ("none", "dp"):  # one process, no process group
+    path = d.init_method[len("file://"):]
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise UserError(f"dist.init_method {d.init_method}: the folder {folder} does not exist on {HOST}; the ranks "
+                        "meet through a file there: create it, or mount the file system every node shares")
+    if d.nodes == 1 and os.path.isfile(path):  # every rank starts below, from this process: none uses it yet
+        written = time.time() - os.path.getmtime(path)
+        if written < RENDEZVOUS_QUIET_S:  # a live run's watchdog writes into it every second
+            raise UserError(f"dist.init_method {d.init_method}: the file was written {written:.0f} s ago, by a "
+                            "run going on? Give this run a file of its own")
+        os.remove(path)
+        print(f"note: removed {path}, the rendezvous file an earlier run left (the ranks meet in a new one)",
+              flush=True)
+
+
+def check_master_addr(cfg: Config) -> None:
+    """A master_addr that does not resolve (a typo): torch would retry it until dist.timeout_s, 30 minutes by
+    default, printing C++ warnings, then fail."""
+    d = cfg.dist
+    if not d.master_addr:
         return
-    if d.init_method.startswith("file://"):
-        path = d.init_method[len("file://"):]
-        folder = os.path.dirname(path) or "."
-        if not os.path.isdir(folder):
-            raise UserError(f"dist.init_method {d.init_method}: the folder {folder} does not exist (create it, on a "
-                            "file system every node sees)")
-        if d.nodes == 1 and os.path.isfile(path):  # every rank starts below, from this process: none uses it yet
-            written = time.time() - os.path.getmtime(path)
-            if written < RENDEZVOUS_QUIET_S:  # a live run's watchdog writes into it every second
-                raise UserError(f"dist.init_method {d.init_method}: the file was written {written:.0f} s ago, by a "
-                                "run going on? Give this run a file of its own")
-            os.remove(path)
-            print(f"note: removed {path}, the rendezvous file an earlier run left (the ranks meet in a new one)",
-                  flush=True)
-        return
-    if world > 1 and d.node_rank == 0 and d.init_method == "tcp" and \
-            port_in_use(d.master_addr or "127.0.0.1", d.master_port):
+    try:
+        socket.getaddrinfo(d.master_addr, d.master_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"dist.master_addr {d.master_addr!r} does not resolve to an address on {HOST} ({e.strerror}); "
+                        "set it to node 0's host name or IP address, as this machine can reach it") from None
+
+
+def check_port_free(cfg: Config) -> None:
+    """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
+    port, say so before starting, with the fix."""
+    d = cfg.dist
+    if d.node_rank == 0 and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
         raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
                         f"free one, e.g. --set dist.master_port={d.master_port + 1}")
 

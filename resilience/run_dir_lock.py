@@ -3,6 +3,7 @@ later), held by one run at a time. Torch-free: main.py checks this before it loa
 the folder: run_dir.py."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -46,8 +47,14 @@ def hold_output_dir(path: str):
         f.close()
         raise UserError(f"output_dir {path!r} is in use by another run ({holder}); wait for it to end, or use "
                         "another output_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+    except OSError as e:  # a full disk: said now, not at the first save
+        with contextlib.suppress(OSError):  # (the unwritten line fails the close too; the file is closed)
+            f.close()
+        raise UserError(f"output_dir {path!r}: {e.strerror} (writing its .lock): free some space, then run the same "
+                        "command again") from None
     return f

@@ -214,6 +214,28 @@ def test_read_only_checkpoints_folder_is_refused_at_start(tmp_path, capsys):
         subprocess.run(["umount", str(folder)], check=True)
 
 
+def test_an_output_dir_on_a_full_disk_is_refused_at_start(tmp_path, capsys):
+    """A real full tmpfs (root only): the run's lock file could not be written (output_dir/.lock), a traceback
+    from run_dir_lock before anything started; now one line, nothing started."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with open(folder / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+        assert run(folder) == errors.EXIT_USER_ERROR
+        line = one_error(capsys)
+        assert line.startswith(f"error: output_dir {str(folder)!r}: No space left on device") and \
+            "free some space" in line, line
+        assert not (folder / "logs").exists()  # nothing started
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_one_rank_on_a_full_disk_stops_every_rank_with_one_line(tmp_path, rank):

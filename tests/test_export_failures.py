@@ -44,6 +44,23 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(cnn_run, smal
     assert os.listdir(small_disk) == []
 
 
+@pytest.mark.parametrize("where", ["export", "nested/export"])
+def test_an_export_into_a_read_only_folder_is_one_line(cnn_run, tmp_path, capsys, where):  # noqa: F811
+    """A real read-only mount (root only): the export's temporary folder cannot be made there; one line naming
+    the folder (was a traceback from tempfile.mkdtemp, or from os.makedirs when the parent is missing)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a read-only folder (chmod does not stop root)")
+    try:
+        assert export(cnn_run, dir=str(folder / where), format="state_dict") == 2
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    line = one_error(capsys)
+    assert line.startswith(f"error: {folder}: Read-only file system: make it writable") and "run the same" in line, line
+
+
 def interrupting(signum):
     """A format writer that receives `signum` half way (as Ctrl-C or a scheduler's SIGTERM would arrive)."""
     def write(folder, task, model):

@@ -163,6 +163,69 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
+    """dist.init_method=file:///... in a folder that does not exist (a shared file system not mounted here, a
+    typo): each rank said `did not all meet ... (No such file or directory); start every rank`, a line per rank."""
+    where = tmp_path / "not-mounted" / "rendezvous"
+    cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "procs_per_node": 2, "init_method": f"file://{where}"},
+                      train={"max_steps": 1})
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: dist.init_method") and \
+        f"the folder {where.parent} does not exist on {HOST}" in err and "mount the file system" in err, err
+
+
+def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
+    """Under srun (or a port taken between main.py's check and the rendezvous) rank 0 cannot listen on
+    master_port: torch fails at once with EADDRINUSE, which was worded as ranks that `did not all meet within
+    dist.timeout_s`, with the fix `start every rank, or raise dist.timeout_s`."""
+    from core import distributed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 20, "master_port": port})
+        with pytest.raises(errors.UserError) as e:
+            distributed.init(cfg, 0, 2, 0)
+    assert str(e.value).startswith(f"rank 0: dist.master_port {port} is already in use on {HOST} (another run?); "
+                                   f"pick a free one, e.g. --set dist.master_port={port + 1}"), e.value
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_while_its_ranks_start_is_a_stop_not_a_crash(tmp_path):
+    """The ranks start with the stop signals blocked until their handlers are in; starting the first rank also
+    starts multiprocessing's resource tracker, which unblocked SIGINT and SIGTERM in the launcher, so the ranks
+    started with them open: SIGTERM in their first seconds was `rank 0 died from SIGTERM at step 0`, exit 1."""
+    out = tmp_path / "run"
+    proc = start(out, steps=3000)
+    deadline = time.monotonic() + 30
+    while len([c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler signals the job's process
+    code, stdout, stderr = finish(proc)
+    assert code == errors.EXIT_STOPPED and "died from" not in stdout + stderr, stdout[-2000:] + stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_procs_per_node_are_one_line_not_a_hang(tmp_path):
+    """Node 0 counts 2 ranks ([1, 1]), node 1 counts 3 ([1, 2]): the rendezvous counts arrivals only, so all three
+    met, then waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks.
+    Each node now says, right after the ranks meet, that the nodes count the ranks differently."""
+    port = free_port()
+    common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}",
+              "--set", "dist.timeout_s=60")
+    node0 = start(tmp_path / "n0", *common, "--set", "dist.procs_per_node=[1,1]", "--set", "dist.node_rank=0")
+    node1 = start(tmp_path / "n1", *common, "--set", "dist.procs_per_node=[1,2]", "--set", "dist.node_rank=1")
+    for proc in (node0, node1):
+        code, _, stderr = finish(proc, timeout=45)
+        assert code == errors.EXIT_USER_ERROR and "Traceback" not in stderr, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1 and "dist.procs_per_node" in lines[0] and "[1, 1]" in lines[0] \
+            and "[1, 2]" in lines[0], stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_node_0_waits_for_node_1_stops_at_once(tmp_path):
     """Node 1 never comes: node 0 says it waits, and Ctrl-C ends it at once (was: after dist.timeout_s, a traceback)."""
@@ -305,6 +368,21 @@ def test_port_in_use_is_one_line_with_the_fix(tmp_path):
     assert code == errors.EXIT_USER_ERROR
     assert stderr.strip() == (f"error: dist.master_port {port} is already in use on this machine (another run?); "
                               f"pick a free one, e.g. --set dist.master_port={port + 1}")
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(tmp_path, capsys, node_rank):
+    """A typo in dist.master_addr: torch would retry the name until dist.timeout_s (30 min by default), printing
+    C++ warnings and stack frames, then fail. Refused before any rank starts, naming the key."""
+    cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "nodes": 2, "node_rank": node_rank,
+                                              "procs_per_node": 1, "master_addr": "no-such-node.invalid"},
+                      train={"max_steps": 1})
+    started = time.monotonic()
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: dist.master_addr 'no-such-node.invalid' "), err
+    assert "does not resolve" in err and "node 0" in err, err
 
 
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
