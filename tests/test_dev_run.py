@@ -92,7 +92,8 @@ def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, cap
     """Each rank would run a dev run of its own, whose stages, seeing torchrun's variables, joined the other
     ranks' as ranks of one group (in other temporary folders) and failed with gloo's traceback."""
     monkeypatch.setattr(dev_run.tempfile, "mkdtemp", lambda **kw: pytest.fail("a dev run started"))
-    for name, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}.items():
+    for name, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():  # as torchrun sets them
         monkeypatch.setenv(name, str(value))
     assert dev_run.run("main.py", "parameters.yml", [], "runs/digits", exports=True) == 2
     said = ["error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
