@@ -594,7 +594,22 @@ def read_config(path: Optional[str], overrides: list[str] = (), checks: Sequence
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:
         apply_override(raw, item)
+    expand_home(raw)
     return config_from_dict(raw, source, checks)
+
+
+# The paths a user may write as ~/...: YAML and --set keep the `~` a shell would have expanded, and a folder named
+# `~` would appear in the working directory (one `rm -rf ~` away from the home folder).
+PATH_KEYS = ("output_dir", "signing_key_file", "data.data_dir", "data.tokenizer", "model.pretrained_dir", "train.resume",
+             "test.checkpoint", "export.dir", "predict.input", "predict.checkpoint")
+
+
+def expand_home(raw: dict) -> None:
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and isinstance(holder.get(name), str) and holder[name].startswith("~"):
+            holder[name] = os.path.expanduser(holder[name])
 
 
 def config_source(path: Optional[str], overrides: Sequence[str] = ()) -> str:

@@ -173,3 +173,17 @@ def test_warmup_as_long_as_the_run_or_a_fraction_is_accepted(tmp_path):
         cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
                                       f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
         assert build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).total_steps == 3
+
+
+def test_a_path_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """`output_dir: ~/runs/x` made a folder named `~` in the working directory (YAML and --set keep the `~` a shell
+    would expand): every path key is expanded as a shell would."""
+    import yaml
+    from core.config import read_config
+    monkeypatch.setenv("HOME", str(tmp_path))
+    params = tmp_path / "p.yml"
+    params.write_text(yaml.safe_dump({"output_dir": "~/runs/x", "data": {"data_dir": "~/data"}}))
+    cfg = read_config(str(params), ["test.checkpoint=~/runs/x/checkpoints/step-1", "predict.input=~/new.csv"])
+    assert cfg.output_dir == f"{tmp_path}/runs/x" and cfg.data.data_dir == f"{tmp_path}/data"
+    assert cfg.test.checkpoint == f"{tmp_path}/runs/x/checkpoints/step-1" and cfg.predict.input == f"{tmp_path}/new.csv"
+    assert read_config(None, ["output_dir=runs/~x"]).output_dir == "runs/~x"  # a ~ inside a name stays
