@@ -600,8 +600,8 @@ def read_config(path: Optional[str], overrides: list[str] = (), checks: Sequence
 
 # The paths a user may write as ~/...: YAML and --set keep the `~` a shell would have expanded, and a folder named
 # `~` would appear in the working directory (one `rm -rf ~` away from the home folder).
-PATH_KEYS = ("output_dir", "signing_key_file", "data.data_dir", "data.tokenizer", "model.pretrained_dir", "train.resume",
-             "test.checkpoint", "export.dir", "predict.input", "predict.checkpoint")
+PATH_KEYS = ("output_dir", "signing_key_file", "data.data_dir", "data.tokenizer", "model.pretrained_dir",
+             "train.resume", "test.checkpoint", "export.dir", "predict.input", "predict.checkpoint")
 
 
 def expand_home(raw: dict) -> None:
