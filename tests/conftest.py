@@ -1,6 +1,8 @@
 """Shared test helpers. Tests run on CPU; multi-process ones use gloo on localhost with a free port."""
+import contextlib
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -141,3 +143,17 @@ def assert_test_mode_gives_the_logged_dev_loss(cfg) -> None:
     assert main.run(cfg) == 0
     result = json.load(open(os.path.join(cfg.output_dir, "dev_results.json")))
     assert abs(result["metrics"]["loss"] - checkpoint_meta.read(result["checkpoint"])["metrics"]["loss"]) < 1e-6
+
+
+@contextlib.contextmanager
+def tmpfs(folder, options: str):
+    """A real tmpfs mounted on `folder` with mount's `options` (`ro,size=64k`: read-only, which chmod cannot make a
+    folder for root; `size=64k`: a disk that fills), unmounted after; the test skips where it cannot mount (not root)."""
+    folder.mkdir(exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip(f"needs root to mount a tmpfs ({options})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

@@ -19,7 +19,7 @@ from core import errors
 from resilience import faults
 import main
 from core import run_log
-from conftest import ROOT, free_port, make_config
+from conftest import ROOT, free_port, make_config, tmpfs
 
 TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 2, "keep_last": 10, "log_every": 1}
 
@@ -199,30 +199,18 @@ def test_disk_problem_names_only_disk_errors(tmp_path):
 
 def test_read_only_checkpoints_folder_is_refused_at_start(tmp_path, capsys):
     """A real read-only mount (root only): refused before training, not at the first save hours later."""
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a read-only folder (chmod does not stop root)")
-    try:
+    with tmpfs(tmp_path / "checkpoints", "ro,size=64k") as folder:
         assert run(tmp_path) == errors.EXIT_USER_ERROR
         assert one_error(capsys) == (f"error: checkpoint folder {str(folder)!r} is not a writable directory "
                                      f"(Read-only file system): make it writable for this run, or choose another "
                                      f"output_dir")
         assert not (tmp_path / "logs").exists()  # nothing started
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_an_output_dir_on_a_full_disk_is_refused_at_start(tmp_path, capsys):
     """A real full tmpfs (root only): the run's lock file could not be written (output_dir/.lock), a traceback
     from run_dir_lock before anything started; now one line, nothing started."""
-    folder = tmp_path / "full"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with tmpfs(tmp_path / "full", "size=64k") as folder:
         with open(folder / "filler", "wb") as f:
             with pytest.raises(OSError):
                 f.write(b"x" * (1 << 20))
@@ -232,8 +220,6 @@ def test_an_output_dir_on_a_full_disk_is_refused_at_start(tmp_path, capsys):
         assert line.startswith(f"error: output_dir {str(folder)!r}: No space left on device") and \
             "free some space" in line, line
         assert not (folder / "logs").exists()  # nothing started
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from extras import export as exporter
-from conftest import make_config
+from conftest import make_config, tmpfs
 from test_export import cnn_run, export  # noqa: F401  (a module-scoped fixture: a CNN trained a few steps)
 
 
@@ -26,13 +26,8 @@ def one_error(capsys) -> str:
 @pytest.fixture
 def small_disk(tmp_path):
     """A 128 KiB tmpfs (root only): the digits CNN's export (215 KB of weights) does not fit."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    with tmpfs(tmp_path / "small", "size=128k") as folder:
+        yield folder
 
 
 @pytest.mark.parametrize("fmt", ["state_dict", "torch_export"])
@@ -48,15 +43,8 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(cnn_run, smal
 def test_an_export_into_a_read_only_folder_is_one_line(cnn_run, tmp_path, capsys, where):  # noqa: F811
     """A real read-only mount (root only): the export's temporary folder cannot be made there; one line naming
     the folder (was a traceback from tempfile.mkdtemp, or from os.makedirs when the parent is missing)."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a read-only folder (chmod does not stop root)")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as folder:
         assert export(cnn_run, dir=str(folder / where), format="state_dict") == 2
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
     line = one_error(capsys)
     assert line.startswith(f"error: {folder}: Read-only file system: make it writable") and "run the same" in line, line
 
