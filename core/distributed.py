@@ -74,7 +74,6 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
         while_waiting(lambda: dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                                                       timeout=datetime.timedelta(seconds=d.timeout_s)),
                       lambda seconds: waiting(seconds, rendezvous), device)
-        check_same_world(d, rank, world_size)
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
@@ -90,23 +89,6 @@ def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> Use
            "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
     return UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
                      f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s")
-
-
-def check_same_world(d, rank: int, world_size: int) -> None:
-    """Every rank counts the world from its own dist.nodes and dist.procs_per_node; nodes started with different
-    ones still meet (the rendezvous counts arrivals), then wait at the first collective until dist.timeout_s. Each
-    rank posts its count in the group's store before anything is sent; rank 0 reads every rank's, the others rank 0's
-    (a read per rank: thousands of ranks cost the store host little)."""
-    if not dist.is_initialized():
-        return
-    store = dist.distributed_c10d._get_default_store()
-    mine = f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"
-    store.set(f"trainer-world/{rank}", f"{world_size} {mine}")
-    for other in range(world_size) if rank == 0 else [0]:
-        count, _, theirs = store.get(f"trainer-world/{other}").decode().partition(" ")
-        if int(count) != world_size:  # (worded the same by every rank of a node: said once)
-            raise UserError(f"this node counts {world_size} ranks ({mine}) but rank {other}'s counts {count} "
-                            f"({theirs}): start every node with the same dist.nodes and dist.procs_per_node")
 
 
 def while_waiting(join: Callable[[], None], waiting: Callable[[float], None], device: torch.device) -> None:
