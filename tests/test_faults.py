@@ -171,8 +171,8 @@ def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_star
                       train={"max_steps": 1})
     assert main.run(cfg) == errors.EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: dist.init_method") and \
-        f"the folder {where.parent} does not exist on {HOST}" in err and "mount the file system" in err, err
+    assert err == (f"error: dist.init_method file://{where}: the folder {where.parent} does not exist on {HOST}; "
+                   "the ranks meet through a file there: create it, or mount the file system every node shares"), err
 
 
 def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
