@@ -55,7 +55,7 @@ def worker(cfg: Config, place) -> int:
     """One rank (`place`: main.RankPlace): join the process group, build the Trainer, train (or test, predict,
     sweep the lr). Returns the exit code: RankRun reports whatever ends the rank once, naming it, its host and step."""
     with RankRun(cfg, place) as rank:
-        ctx = rank.join_group()  # the process group (core/distributed.init), this rank's log file (rank_run.py)
+        ctx = rank.join_group()  # the process group (core/process_group.init), this rank's log file (rank_run.py)
         if cfg.mode == "predict":  # a classifier's labels for new inputs (predictions.csv): a plain model, no Trainer
             predict.predict(balance.auto_precision(cfg, ctx)[0], ctx, build_task(cfg))
         else:  # the datasets, the model made parallel, the Trainer (lr_find: as a fresh training run's)

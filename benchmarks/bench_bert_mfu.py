@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from core import distributed  # noqa: E402
+from core import process_group  # noqa: E402
 from wiring import checked_config_from_dict  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
@@ -155,7 +155,7 @@ def main():
         k = next((i + 1 for i, n in enumerate(itertools.accumulate(train_set.shard_sizes)) if n >= needed), len(files))
         train_set = InMemoryShards(files[:k])
     task.build_datasets = lambda: {"train": train_set, "dev": None, "test": None}  # one dataset for all sides
-    ctx = distributed.init(cfg, 0, 1, 0)
+    ctx = process_group.init(cfg, 0, 1, 0)
 
     def sync_clock() -> float:
         if cuda:

@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core import distributed  # noqa: E402
+from core import process_group  # noqa: E402
 from wiring import checked_config  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
 
@@ -74,7 +74,7 @@ def main():
                 return batch
             task.collate = fixed_width
         torch.manual_seed(0)  # the same new classification head on both sides
-        return build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
+        return build_trainer(cfg, process_group.init(cfg, 0, 1, 0), task)
 
     sides = {"eager": trainer(False), "compiled": trainer(True)}
     streams = {name: t.micro_batches() for name, t in sides.items()}

@@ -45,7 +45,7 @@ def timed_steps(trainer, stream, steps: int) -> tuple[int, float, float]:
 
 def run_rank(rank: int, args, port: int, out: str) -> None:
     import torch
-    from core import distributed, process_end
+    from core import distributed, process_end, process_group
     from conftest import make_config
     from data_loader import split_proportional
     from wiring import build_task
@@ -65,7 +65,7 @@ def run_rank(rank: int, args, port: int, out: str) -> None:
         "ideal": make_config(os.path.join(out, "ideal"), train={"batch_size": ideal_split}, **common),
     }
     load_start = os.getloadavg()[0]
-    ctx = distributed.init(configs["equal"], rank, 2, rank)
+    ctx = process_group.init(configs["equal"], rank, 2, rank)
     trainers = {name: build_trainer(cfg, ctx) for name, cfg in configs.items()}
     start = time.perf_counter()
     trainers["auto"].hooks.before_first_step(trainers["auto"])  # what train() does first: balance

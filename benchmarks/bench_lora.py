@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
     import torch
-    from core import distributed
+    from core import process_group
     from tests.rank_memory import state_bytes
     from wiring import checked_config
     from wiring import build_task
@@ -34,7 +34,7 @@ def run(preset: str, out: str, steps: int, data: str, lr: float) -> dict:
             f"train.save_every={steps}", f"train.lr={lr}", "train.log_every=25", "log.tensorboard=false",
             "train.precision=fp32"]
     cfg = checked_config(os.path.join(ROOT, "configs", preset), sets)
-    ctx = distributed.init(cfg, 0, 1, 0)
+    ctx = process_group.init(cfg, 0, 1, 0)
     trainer = build_trainer(cfg, ctx)
     start = time.perf_counter()
     trainer.train()

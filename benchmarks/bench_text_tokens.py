@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from core import distributed  # noqa: E402
+from core import process_group  # noqa: E402
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 from wiring import checked_config_from_dict  # noqa: E402
@@ -78,7 +78,7 @@ def bench(task_name: str, data_dir: str, out: str, args) -> dict:
         "train": {"batch_size": args.batch, "max_steps": 10**6, "epochs": 0, "lr": 1e-3, "warmup": 0,
                   "schedule": "constant", "best_metric": "accuracy" if task_name == "sst2" else "loss"},
         "log": {"progress_bar": False, "tensorboard": False}}, "bench")
-    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     task, dataset = trainer.task, trainer.datasets["train"]
     stream, window = trainer.micro_batches(), LossWindow(trainer.ctx)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core import distributed  # noqa: E402
+from core import process_group  # noqa: E402
 from wiring import checked_config_from_dict  # noqa: E402
 from data_loader import make_loader  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
@@ -69,7 +69,7 @@ def main():
     dataset, data_name = images(args.small)
     task.build_datasets = lambda: {"train": dataset, "dev": None, "test": None}  # same data for both sides
     task.image_size = dataset.images.shape[-1]
-    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
+    trainer = build_trainer(cfg, process_group.init(cfg, 0, 1, 0), task)
     stream, window = trainer.micro_batches(), LossWindow(trainer.ctx)
     device = trainer.ctx.device
     cuda = device.type == "cuda"

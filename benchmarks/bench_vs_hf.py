@@ -49,7 +49,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core import distributed  # noqa: E402
+from core import process_group  # noqa: E402
 from wiring import checked_config  # noqa: E402
 from core.run_log import LossWindow  # noqa: E402
 from wiring import build_task, build_trainer  # noqa: E402
@@ -201,7 +201,7 @@ def main():
         "train.save_every=0", "log.tensorboard=false", f"data.group_by_length={not args.no_group}",
         f"dist.device={args.device}", *precision, *args.set])
     task = build_task(cfg)
-    ours = build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
+    ours = build_trainer(cfg, process_group.init(cfg, 0, 1, 0), task)
     if args.defaults:
         ours.hooks.before_first_step(ours)  # what train() does first: auto measures on a CPU
     t, batch = ours.train_cfg, ours.train_cfg.batch_size  # (precision as resolved for this device)

@@ -7,7 +7,7 @@ import os
 import threading
 from typing import Optional
 
-from core import config, distributed
+from core import config, distributed, process_group
 from core.config import Config
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
 from core.run_log import setup_logging
@@ -45,7 +45,7 @@ class RankRun:
         log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
-        self.ctx = distributed.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
+        self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx

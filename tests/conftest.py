@@ -86,11 +86,11 @@ def spawn(fn, args, nprocs: int, join: bool = True):
 def _train_rank(local_rank, cfg, world, out_dir):
     """Spawned by run_ranks: one rank trains, then writes its own copy of the parameters."""
     import torch
-    from core import distributed
+    from core import distributed, process_group
     from wiring import build_task
     from wiring import build_trainer
     torch.set_num_threads(1)
-    ctx = distributed.init(cfg, local_rank, world, local_rank)
+    ctx = process_group.init(cfg, local_rank, world, local_rank)
     try:
         trainer = build_trainer(cfg, ctx)
         trainer.train()

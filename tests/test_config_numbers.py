@@ -166,13 +166,13 @@ def test_a_run_that_makes_no_sense_is_refused_at_start(tmp_path, capsys, sets, w
 
 
 def test_warmup_as_long_as_the_run_or_a_fraction_is_accepted(tmp_path):
-    from core import distributed
+    from core import process_group
     from wiring import build_task
     from wiring import build_trainer
     for warmup in (3, 0.5):
         cfg = checked_config(PARAMS, [f"output_dir={tmp_path}", "train.max_steps=3", "train.epochs=0",
                                       f"train.warmup={warmup}", "log.progress_bar=false", "log.tensorboard=false"])
-        assert build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).total_steps == 3
+        assert build_trainer(cfg, process_group.init(cfg, 0, 1, 0)).total_steps == 3
 
 
 def test_a_path_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):

@@ -139,9 +139,9 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
 
 
 def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path):
-    """The wait for the other ranks runs beside this thread (distributed.while_waiting): `waiting` is called during it
+    """The wait for the other ranks runs beside this thread (process_group.while_waiting): `waiting` is called during it
     and may leave at once (a stop signal), and ranks that never meet are a UserError naming where and the fix."""
-    from core import distributed
+    from core import process_group
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3})
     seen = []
 
@@ -151,7 +151,7 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
             raise errors.Stopped("left")
     start = time.monotonic()
     with pytest.raises(errors.Stopped):  # rank 0 of 2, alone: it would wait dist.timeout_s
-        distributed.init(cfg, 0, 2, 0, waiting=waiting)
+        process_group.init(cfg, 0, 2, 0, waiting=waiting)
     assert time.monotonic() - start < 2.5 and seen[0] == f"tcp://127.0.0.1:{cfg.dist.master_port}"
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                       "node_rank": 1, "master_addr": "127.0.0.1"})  # (another free port)
@@ -159,7 +159,7 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
                                                rf"{cfg.dist.master_port} within dist.timeout_s=3 \(Dist\w+Error: "
                                                r".*\); start all 2 nodes \(dist.node_rank 0 to 1\) with the same "
                                                r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
-        distributed.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
+        process_group.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
     assert not dist.is_initialized()
 
 
@@ -179,14 +179,14 @@ def test_a_port_taken_under_srun_is_said_as_such(tmp_path):
     """Under srun (or a port taken between main.py's check and the rendezvous) rank 0 cannot listen on
     master_port: torch fails at once with EADDRINUSE, which was worded as ranks that `did not all meet within
     dist.timeout_s`, with the fix `start every rank, or raise dist.timeout_s`."""
-    from core import distributed
+    from core import process_group
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 20, "master_port": port})
         with pytest.raises(errors.UserError) as e:
-            distributed.init(cfg, 0, 2, 0)
+            process_group.init(cfg, 0, 2, 0)
     assert str(e.value).startswith(f"rank 0: dist.master_port {port} is already in use on {HOST} (another run?); "
                                    f"pick a free one, e.g. --set dist.master_port={port + 1}"), e.value
     assert not dist.is_initialized()
@@ -206,6 +206,27 @@ def test_sigterm_to_the_launcher_while_its_ranks_start_is_a_stop_not_a_crash(tmp
     os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler signals the job's process
     code, stdout, stderr = finish(proc)
     assert code == errors.EXIT_STOPPED and "died from" not in stdout + stderr, stdout[-2000:] + stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_nodes_that_count_the_ranks_differently_are_one_line_not_a_hang(tmp_path):
+    """The store counts arrivals only: node 0 counting 2 ranks ([1, 1]) and node 1 counting 3 ([1, 2]) met, then
+    waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks. Then
+    nodes that count 3 alike but split them otherwise ([2, 1] and [1, 2]: two processes take rank 1). Each node now
+    says so in one line, from the roll call before the group is made."""
+    for first, second in (("[1,1]", "[1,2]"), ("[2,1]", "[1,2]")):
+        port, out = free_port(), tmp_path / first
+        common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}",
+                  "--set", "dist.timeout_s=60")
+        node0 = start(out / "n0", *common, "--set", f"dist.procs_per_node={first}", "--set", "dist.node_rank=0")
+        node1 = start(out / "n1", *common, "--set", f"dist.procs_per_node={second}", "--set", "dist.node_rank=1")
+        for proc in (node0, node1):
+            code, _, stderr = finish(proc, timeout=45)
+            assert code == errors.EXIT_USER_ERROR and "Traceback" not in stderr, stderr[-3000:]
+            lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+            assert len(lines) == 1 and "count the ranks differently" in lines[0], stderr[-3000:]
+            assert f"dist.procs_per_node={first.replace(',', ', ')}" in lines[0] \
+                and f"dist.procs_per_node={second.replace(',', ', ')}" in lines[0], lines
 
 
 @pytest.mark.slow
@@ -494,11 +515,11 @@ def test_time_limit_and_signal_config():
 # Non-finite steps never reach the parameters
 # ==============================================================================================================
 def make_trainer(tmp_path, **train):
-    from core import distributed
+    from core import process_group
     from wiring import build_task
     from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, **train})
-    return build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
 
 
 def test_a_nan_dev_metric_is_saved_as_null_and_the_checkpoint_loads(tmp_path):

@@ -149,11 +149,11 @@ def test_default_job_reaches_97_percent(tmp_path):
 
 
 def test_loss_falls_and_accuracy_rises(tmp_path):
-    from core import distributed
+    from core import process_group
     from wiring import build_task
     from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 80, "eval_every": 0, "save_every": 0, "lr": 3e-3})
-    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     before = trainer.evaluate("dev")
     after = trainer.train()
     assert after["loss"] < 0.5 * before["loss"]

@@ -25,9 +25,9 @@ from extras.balance import resolve_precision
 
 
 def build_trainer(cfg, task=None):
-    from core import distributed
+    from core import process_group
     import wiring
-    return wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0), task)
+    return wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0), task)
 
 
 def child_env(**extra):

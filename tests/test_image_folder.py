@@ -258,12 +258,12 @@ def test_persistent_workers_decode_the_batches_one_process_decodes_epoch_after_e
     """Two loader workers kept through three epochs (the same processes throughout) give the batches of no workers,
     bit for bit: each worker starts every epoch on its own copy of the dataset, so the crops follow the epoch."""
     import multiprocessing
-    from core import distributed
+    from core import process_group
     import wiring
     streams, per_epoch = {}, 4  # 48 training images in batches of 12
     for workers in (0, 2):
         cfg = tiny(tmp_path / f"w{workers}", folder, data={"num_workers": workers})
-        stream = wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0)).micro_batches()
+        stream = wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0)).micro_batches()
         streams[workers], pids, before = [], [], {p.pid for p in multiprocessing.active_children()}
         for _ in range(3 * per_epoch):
             streams[workers].append(next(stream))
@@ -332,7 +332,7 @@ def test_pipe_batchnorm_statistics_are_those_of_its_micro_batches(tmp_path, fold
     four micro-batches in order: torch's schedule runs every stage once before its first step to learn the shapes
     passed between stages (past the first stage on uninitialised memory), and pp_split auto times every layer; neither
     may leave a trace in them (the garbage made dev losses NaN or different run to run)."""
-    from core import distributed
+    from core import process_group
     from test_sharded import params
     import wiring
     train = {"max_steps": 1, "eval_every": 0, "save_every": 1}
@@ -340,7 +340,7 @@ def test_pipe_batchnorm_statistics_are_those_of_its_micro_batches(tmp_path, fold
                          dist={"strategy": "pipe", "procs_per_node": 2, "pp_split": split})) == 0
     piped = params(tmp_path / "pipe", 1)
     cfg = tiny(tmp_path / "one", folder, train=train)
-    trainer = wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    trainer = wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     batch = next(trainer.micro_batches())  # the same 12 images as the pipeline's first batch
     model, task = trainer.strategy.raw_model, trainer.task
     with torch.no_grad():

@@ -75,22 +75,22 @@ def test_dp_runs_in_one_process(tmp_path):
 def test_more_ranks_than_gpus_under_nccl_is_one_line_before_the_ranks_meet(tmp_path, monkeypatch):
     """Two ranks on a one-GPU node: NCCL would refuse the second GPU-sharing rank only after the rendezvous, as a
     traceback. The rank that has no GPU of its own says so, naming the key, before it touches the device or the group."""
-    from core import distributed
+    from core import process_group
     from core.errors import ConfigError
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     touched = []
     monkeypatch.setattr(torch.cuda, "set_device", touched.append)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: touched.append("group"))
+    monkeypatch.setattr(process_group, "join_group", lambda *a, **k: touched.append("group"))
     with pytest.raises(ConfigError) as e:
-        distributed.init(cfg, rank=1, world_size=2, local_rank=1)
+        process_group.init(cfg, rank=1, world_size=2, local_rank=1)
     assert "dist.procs_per_node" in str(e.value) and "(1)" in str(e.value) and "gloo" in str(e.value)
     assert touched == []
     # with gloo, two ranks may share the GPU: no refusal (set_device and the group are reached)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     gloo = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, backend="gloo"))
-    ctx = distributed.init(gloo, rank=1, world_size=2, local_rank=1)
+    ctx = process_group.init(gloo, rank=1, world_size=2, local_rank=1)
     # (set again by the thread that joins the group: the current GPU is each thread's own)
     assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, torch.device("cuda", 0), "group"])
 

@@ -145,11 +145,11 @@ def test_a_pretrained_model_trains_with_its_dropout_and_evaluating_changes_nothi
     mode), the first evaluation used to switch the dropouts on, so the result depended on eval_every."""
     import main
     from wiring import build_task
-    from core import distributed
+    from core import process_group
     from wiring import build_trainer
     base = save_tiny_minilm(tmp_path / "base", dropout=0.1)
     cfg = lora_config(data, tmp_path / "probe", base, max_steps=6)
-    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    trainer = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     dropouts = [m for m in trainer.strategy.raw_model.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.training for m in dropouts)
     ends = []
@@ -178,8 +178,8 @@ def test_another_base_is_refused_in_one_line(full_run, tmp_path):
     from core.errors import CheckpointError
     from wiring import build_task
     from wiring import build_trainer
-    from core import distributed
-    trainer = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    from core import process_group
+    trainer = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     with pytest.raises(CheckpointError, match=r"its LoRA adapters were trained on .*tiny_bert.* holds other "
                                               r"weights") as e:
         trainer.hooks.resume(trainer)

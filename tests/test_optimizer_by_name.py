@@ -25,10 +25,10 @@ def config(tmp_path, *sets):
 
 
 def build_trainer(cfg):
-    from core import distributed
+    from core import process_group
     import wiring
     torch.set_num_threads(1)
-    return wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    return wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
 
 
 # ---- names and keywords, checked when the config is read -------------------------------------------------------

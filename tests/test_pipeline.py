@@ -189,7 +189,7 @@ def test_checkpoints_carry_over_between_pipe_and_fsdp(one_process, pipe_run, tmp
 def _device_moves_rank(local_rank, cfg, out_dir):
     """Builds a pipe Trainer while counting the parameter elements that go through Tensor.to (a move to the
     device): only this rank's stage may go there, never the whole model."""
-    from core import distributed
+    from core import distributed, process_group
     from wiring import build_task
     from wiring import build_trainer
     torch.set_num_threads(1)
@@ -199,7 +199,7 @@ def _device_moves_rank(local_rank, cfg, out_dir):
         if isinstance(self, torch.nn.Parameter) and self.numel():
             moved.append(self.numel())
         return original(self, *args, **kwargs)
-    ctx = distributed.init(cfg, local_rank, 2, local_rank)
+    ctx = process_group.init(cfg, local_rank, 2, local_rank)
     try:
         torch.Tensor.to = spy
         try:

@@ -19,9 +19,9 @@ TRAIN = {"max_steps": 6, "eval_every": 0, "save_every": 0, "lr": 3e-3, "batch_si
 
 
 def train(cfg) -> trainer_module.Trainer:
-    from core import distributed
+    from core import process_group
     from wiring import build_task
-    t = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    t = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     t.train()
     return t
 
@@ -101,11 +101,11 @@ def test_explicit_precision_is_kept_and_nothing_is_measured(tmp_path, monkeypatc
 def test_auto_stays_fp32_where_only_autocast_could_not_change(tmp_path, monkeypatch):
     """fsdp fixes its mixed-precision policy when it wraps the model, and under tp or pipe a forward waits for other
     ranks: auto keeps fp32 there, unmeasured, and the plan says why (the strategy's flag faked on one process)."""
-    from core import distributed
+    from core import process_group
     from wiring import build_task
     inject(monkeypatch, timings=None)
     cfg = make_config(tmp_path, train={**TRAIN, "precision": "auto"})
-    t = build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    t = build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
     monkeypatch.setattr(t.strategy, "forward_is_collective", True)
     t.hooks.before_first_step(t)
     assert t.train_cfg.precision == "fp32" and autocast_dtype(t) is None
@@ -148,13 +148,13 @@ def test_measuring_leaves_no_trace_in_the_run(tmp_path, monkeypatch, gain, chose
 # ---------------------------------------------------------------------------------------------------------------
 def _rank(local_rank, cfg, out_dir, timings):
     """A spawned rank: this CPU has AMX and measures `timings[local_rank]`; it trains and writes what it chose."""
-    from core import distributed
+    from core import distributed, process_group
     from core import process_end
     from wiring import build_task
     torch.set_num_threads(1)
     balance.cpu_bf16_units = lambda: "AMX"
     balance.time_precisions = lambda trainer, steps: timings[local_rank]
-    ctx = distributed.init(cfg, local_rank, 2, local_rank)
+    ctx = process_group.init(cfg, local_rank, 2, local_rank)
     try:
         t = build_trainer(cfg, ctx)
         t.train()

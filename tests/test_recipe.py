@@ -23,10 +23,10 @@ SHORT = {"batch_size": 16, "max_steps": 6, "epochs": 0, "log_every": 2, "eval_ev
 
 
 def build_trainer(cfg):
-    from core import distributed
+    from core import process_group
     import wiring
     torch.set_num_threads(1)
-    return wiring.build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    return wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
 
 
 def log_of(output_dir) -> str:
@@ -141,10 +141,10 @@ def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
 
 def _evaluate_rank(local_rank, cfg, world, out):
     """Spawned: each rank evaluates the initial model's dev subset at step 2; rank 0 writes the metrics."""
-    from core import distributed
+    from core import distributed, process_group
     import wiring
     torch.set_num_threads(1)
-    ctx = distributed.init(cfg, local_rank, world, local_rank)
+    ctx = process_group.init(cfg, local_rank, world, local_rank)
     try:
         t = wiring.build_trainer(cfg, ctx)
         t.state.step = 2

@@ -103,10 +103,10 @@ def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_pat
 
 
 def _build_trainer(cfg):
-    from core import distributed
+    from core import process_group
     from wiring import build_task
     from wiring import build_trainer
-    return build_trainer(cfg, distributed.init(cfg, 0, 1, 0))
+    return build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
 
 
 # ---- profiling ------------------------------------------------------------------------------------------------
@@ -135,10 +135,10 @@ def test_compiled_gpt2_trains_like_eager():
     """train.compile's path (Strategy.compile: Module.compile in place) on a tiny GPT-2: the same loss and
     gradients as eager within relative 1e-4 for two steps with different lengths (inductor fuses and reorders
     float arithmetic; it does not change the maths), and the state-dict keys stay the same."""
-    from core import distributed
+    from core import process_group
     from strategies.base import Strategy
     eager, compiled = tiny_gpt2(0.0), tiny_gpt2(0.0)
-    ctx = distributed.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)
+    ctx = process_group.init(make_config("/tmp/unused", dist={"device": "cpu"}), 0, 1, 0)
     Strategy(compiled, compiled, None, ctx).compile()
     assert list(compiled.state_dict()) == list(eager.state_dict())
     for length in (16, 24):
@@ -205,7 +205,7 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
     stop votes) and once per log line (the loss window). On CPU nothing waits, but the reads can be counted by
     the line of this project's code that makes them: one read added to the loop by an edit fails here."""
     import sys
-    from core import distributed
+    from core import distributed, process_group
     from wiring import build_task
     from wiring import build_trainer
     ours, trainer, reads = os.path.dirname(os.path.abspath(main.__file__)), None, {}
@@ -219,7 +219,7 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
         monkeypatch.setattr(torch.Tensor, name, counted)
     cfg = make_config(tmp_path, train={"max_steps": 10, "log_every": 4, "eval_every": 0, "save_every": 0,
                                        "precision": precision}, dist={"device": "cpu"})
-    ctx = distributed.init(cfg, 0, 1, 0)
+    ctx = process_group.init(cfg, 0, 1, 0)
     try:
         trainer = build_trainer(cfg, ctx)
         trainer.train()

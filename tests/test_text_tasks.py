@@ -57,11 +57,11 @@ def task_config(task, data, out, world=1, **train):
 def train(cfg, world: int):
     """Train in this process (world 1) or in `world` spawned ranks; return rank 0's logged training losses."""
     if world == 1:
-        from core import distributed
+        from core import process_group
         from wiring import build_task
         from wiring import build_trainer
         torch.set_num_threads(1)
-        ctx = distributed.init(cfg, 0, 1, 0)
+        ctx = process_group.init(cfg, 0, 1, 0)
         build_trainer(cfg, ctx).train()
     else:
         run_ranks(cfg, world, os.path.join(cfg.output_dir, "params"))

@@ -157,14 +157,14 @@ def test_tp_in_fp16_ends_where_one_process_does(bert, one_fp16, tmp_path, layout
 
 def _overflow_worker(rank, port, data, out, strategy, queue):
     """Step 2 overflows in one piece of a tp-split gradient on rank 1 only."""
-    from core import distributed
+    from core import distributed, process_group
     from wiring import build_task
     from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = config(out, data, {"strategy": strategy, "tp": 2, "procs_per_node": 2}, precision="fp16")
     cfg.dist.master_port = port
-    ctx = distributed.init(cfg, rank, 2, rank)
+    ctx = process_group.init(cfg, rank, 2, rank)
     try:
         tr = build_trainer(cfg, ctx)
         strategy, stream = tr.strategy, tr.micro_batches()
@@ -457,14 +457,14 @@ GPT2_DROPOUT = {"arch": "gpt2", "layers": 2, "heads": 4, "width": 32, "dropout":
 
 def _replica_worker(rank, port, data, out, layout):
     """Four steps of GPT-2 under `layout` with dropout 0.1; every parameter's piece on this rank."""
-    from core import distributed
+    from core import distributed, process_group
     from wiring import build_task
     from wiring import build_trainer
     from strategies.tp import local
     torch.set_num_threads(1)
     cfg = lm_config(out, data, GPT2_DROPOUT, layout)
     cfg.dist.master_port = port
-    ctx = distributed.init(cfg, rank, layout["procs_per_node"], rank)
+    ctx = process_group.init(cfg, rank, layout["procs_per_node"], rank)
     try:
         tr = build_trainer(cfg, ctx)
         stream = tr.micro_batches()

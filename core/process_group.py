@@ -1,0 +1,174 @@
+"""How a rank joins the others: its device, then the process group (torch.distributed's), met over tcp:// after a
+roll call that every node counts the ranks alike, over torchrun's env:// or a file://. Works under our own spawn,
+torchrun and SLURM; the context it returns, and the collectives: core/distributed.py.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from core.config import procs_per_node_list
+from core.distributed import DistContext
+from core.launch_env import launcher_env
+from core.errors import ConfigError, UserError, first_line
+
+
+def pick_device_type(device: str) -> str:
+    """dist.device as `cpu` or `cuda` (auto: cuda where there is one)."""
+    return "cpu" if device == "cpu" or (device == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if pick_device_type(device) == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[str] = None,
+         waiting: Callable[[float, str], None] = lambda seconds, where: None) -> DistContext:
+    """Join the process group (strategies that need one) and return this process's context. While the ranks meet,
+    `waiting(seconds so far, where)` is called every half second (it may raise: a stop signal, resilience/)."""
+    d = cfg.dist
+    if d.strategy in ("none", "dp"):
+        return DistContext(0, 1, 0, pick_device(d.device, local_rank), None)
+    device_type = pick_device_type(d.device)
+    backend = d.backend if d.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU, and it says so only after the ranks have met, as a traceback.
+        gpus = torch.cuda.device_count()
+        raise ConfigError(f"dist.procs_per_node: this node runs more ranks than it has GPUs ({gpus}), and NCCL needs "
+                          f"one GPU per rank; set dist.procs_per_node to at most {gpus}, or dist.backend=gloo")
+    device = pick_device(d.device, local_rank)
+    if rendezvous is None:
+        if d.init_method.startswith("file://"):
+            rendezvous = d.init_method
+        else:
+            rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
+    try:
+        while_waiting(lambda: join_group(backend, rendezvous, rank, world_size, cfg),
+                      lambda seconds: waiting(seconds, rendezvous), device)
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
+        raise not_met(d, rank, world_size, rendezvous, e) from None
+    return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
+
+
+def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> UserError:
+    """The line for ranks that did not meet: a node not started, another address or port, or (at once, not after
+    the timeout) rank 0 that cannot host the rendezvous on a port in use (srun's ranks are not checked before)."""
+    if "EADDRINUSE" in str(e) and rendezvous.startswith("tcp://"):
+        return UserError(f"rank {rank}: dist.master_port {d.master_port} is already in use on {socket.gethostname()} "
+                         f"(another run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}")
+    fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same dist.master_addr and "
+           "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
+    return UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
+                     f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s")
+
+
+def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg) -> None:
+    """The process group. Over tcp:// the ranks first answer a roll call in the store (roll_call), since the store
+    counts arrivals only: nodes that count the ranks differently would meet, then wait at the first collective."""
+    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    if not rendezvous.startswith("tcp://"):  # torchrun's env:// (its agents agreed on the world), or a file
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    address = urlparse(rendezvous)
+    store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False, multi_tenant=True)
+    roll_call(store, rank, world_size, cfg)
+    # the prefix init_method="tcp://..." would give the group's keys
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def roll_call(store, rank: int, world_size: int, cfg) -> None:
+    """Each rank posts how it counts the ranks and claims its own; rank 0 then gives its verdict: "ok" once every
+    other rank answered with its count, else the first mismatch, which every rank then says in one line."""
+    d = cfg.dist
+    # under torchrun or srun the launcher placed the ranks; ours: each node places them from its own config
+    layout = procs_per_node_list(cfg) if launcher_env() is None else None
+    mine = {"node": d.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "world": world_size,
+            "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
+    if rank == 0:
+        store.set("trainer-roll/rank/0", json.dumps(mine))
+        store.set("trainer-roll/verdict", count_answers(store, world_size, d.timeout_s))
+        verdict = store.get("trainer-roll/verdict").decode()
+        if verdict != "ok":  # every rank that came reads it (or refuses) before this process, the store's host, ends
+            wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0)
+            raise UserError(verdict)
+        return
+    store.add("trainer-roll/came", 1)
+    try:
+        answer(store, rank, world_size, mine)
+    finally:
+        store.add("trainer-roll/left", 1)
+
+
+def answer(store, rank: int, world_size: int, mine: dict) -> None:
+    """A rank other than 0: refuse if rank 0 counts otherwise or another process holds this rank, else answer and
+    wait for rank 0's verdict."""
+    claim = store.compare_set(f"trainer-roll/rank/{rank}", "", json.dumps(mine)).decode()
+    first, other = json.loads(store.get("trainer-roll/rank/0")), json.loads(claim)
+    differ = (first["world"], first["layout"]) != (world_size, mine["layout"])
+    if differ or (other["pid"], other["host"]) != (mine["pid"], mine["host"]):
+        theirs = first if differ else other  # rank 0's, or the process that took this rank before
+        words = (f"the nodes count the ranks differently: node {mine['node']} ({mine['host']}) counts {world_size} "
+                 f"from {mine['counted from']}, node {theirs['node']} ({theirs['host']}) counts {theirs['world']} from "
+                 f"{theirs['counted from']}; start every node with the same dist.nodes and dist.procs_per_node (null "
+                 "is one rank per GPU: nodes with different GPUs need a list)")
+        store.set("trainer-roll/refused", words)
+        raise UserError(words)
+    store.add("trainer-roll/answered", 1)
+    verdict = store.get("trainer-roll/verdict").decode()
+    if verdict != "ok":
+        raise UserError(verdict)
+
+
+def count_answers(store, world_size: int, timeout_s: float) -> str:
+    """Rank 0's verdict: "ok" when every other rank answered with rank 0's count, or a refusal's words."""
+    def settled():
+        return store.check(["trainer-roll/refused"]) or store.add("trainer-roll/answered", 0) >= world_size - 1
+    if not wait_until(settled, timeout_s):
+        answered = store.add("trainer-roll/answered", 0) + 1
+        raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived")
+    return store.get("trainer-roll/refused").decode() if store.check(["trainer-roll/refused"]) else "ok"
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def while_waiting(join: Callable[[], None], waiting: Callable[[float], None], device: torch.device) -> None:
+    """join() in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the wait for
+    the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later."""
+    failed: list = []
+
+    def run():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # (the current GPU is the thread's own)
+            join()
+        except BaseException as e:
+            failed.append(e)
+    thread, start = threading.Thread(target=run, name="join-process-group", daemon=True), time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        if thread.is_alive():
+            waiting(time.monotonic() - start)
+    if failed:
+        raise failed[0]
