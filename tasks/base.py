@@ -133,6 +133,11 @@ class Task:
                                      .hexdigest() if vocabulary else None)
         return self._vocabulary_hash[1]
 
+    def tie_embeddings_default(self) -> Optional[bool]:
+        """What model.tie_embeddings null builds (a resume compares the value each config resolves to); None: the
+        task has no output layer over the vocabulary to tie (the key stays null)."""
+        return None
+
     def classes_note(self) -> Optional[str]:
         """What the run's plan says of a classifier's classes (`3 classes: neg, neu, pos`, cut to ~80 characters);
         None where label_names() has none."""
