@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         return mistake(e)
-    if args.length_note:  # said once the config holds: a mistake is one line
+    if args.length_note and file_limits_epochs(args):  # said once the config holds: a mistake is one line
         print(args.length_note)
     if args.dev_run or cfg.train.dev_run:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
@@ -98,6 +98,8 @@ class RankPlace:
 def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, RankPlace], int]) -> int:
     """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
     if env is not None:
+        if env["launcher"] == "slurm":  # srun's ranks meet where cfg.dist says (torchrun's env:// is torchrun's own)
+            launcher.check_srun_rendezvous(cfg)
         return worker(cfg, RankPlace(rank=env["rank"], local_rank=env["local_rank"], world=env["world_size"],
                                      local_procs=env["local_world_size"], rendezvous=env["rendezvous"]))
     procs = procs_per_node_list(cfg)
@@ -139,6 +141,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                             f"lasts {keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep "
                             "an epoch limit)")
     return args
+
+
+def file_limits_epochs(args: argparse.Namespace) -> bool:
+    """Whether the parameters file (or preset) has an epochs limit, which the train.epochs=0 that parse_args
+    appended lifts: where its epochs is already 0, the note would say nothing."""
+    try:  # the config as read without that last override (instant: no torch)
+        return read_config(args.params, args.set[:-1]).train.epochs != 0
+    except UserError:  # the file's epochs is a value only the appended 0 made valid: the note says what replaced it
+        return True
 
 
 if __name__ == "__main__":

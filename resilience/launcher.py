@@ -323,6 +323,13 @@ def check_rendezvous(cfg: Config, world: int) -> None:
         check_port_free(cfg)
 
 
+def check_srun_rendezvous(cfg: Config) -> None:
+    """Under srun, every rank of every node started at once: the address alone is checked before they meet (a port
+    or a rendezvous file may already be their own, rank 0's)."""
+    if cfg.dist.strategy not in ("none", "dp") and cfg.dist.init_method == "tcp":
+        check_master_addr(cfg)
+
+
 def check_rendezvous_file(cfg: Config) -> None:
     """dist.init_method file:///path: its folder must be here (each rank would otherwise fail on its own, with a line
     that blames the other ranks); on one node a file an earlier run left is removed: its ranks end without the

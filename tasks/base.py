@@ -123,10 +123,20 @@ class Task:
     def vocabulary_sha256(self) -> Optional[str]:
         """The sha256 of what turns inputs into ids (the task's tokenizer's vocabulary, or csv_text's words), which
         meta.json records and every load checks: another run's vocabulary reads each input as other ids, silently.
-        None: inputs need none (images)."""
+        None: inputs need none (images). Hashed once per tokenizer (every checkpoint save records it)."""
         tokenizer = getattr(self, "tokenizer", None)
-        vocabulary = tokenizer.get_vocab() if tokenizer is not None else getattr(self, "vocab", None)
-        return hashlib.sha256(json.dumps(sorted(vocabulary.items())).encode()).hexdigest() if vocabulary else None
+        source = tokenizer if tokenizer is not None else getattr(self, "vocab", None)
+        cached = getattr(self, "_vocabulary_hash", None)  # (what was hashed, its hash): held, so never another's id
+        if cached is None or cached[0] is not source:
+            vocabulary = tokenizer.get_vocab() if tokenizer is not None else source
+            self._vocabulary_hash = (source, hashlib.sha256(json.dumps(sorted(vocabulary.items())).encode())
+                                     .hexdigest() if vocabulary else None)
+        return self._vocabulary_hash[1]
+
+    def tie_embeddings_default(self) -> Optional[bool]:
+        """What model.tie_embeddings null builds (a resume compares the value each config resolves to); None: the
+        task has no output layer over the vocabulary to tie (the key stays null)."""
+        return None
 
     def classes_note(self) -> Optional[str]:
         """What the run's plan says of a classifier's classes (`3 classes: neg, neu, pos`, cut to ~80 characters);

@@ -90,6 +90,9 @@ class GPT2LMTask(Task):
             self.check_fits(model.config)
         return model
 
+    def tie_embeddings_default(self) -> bool:
+        return lm_models.tied_by_default(self.cfg)
+
     def check_fits(self, config) -> None:
         """The blocks fit the pretrained model: token ids inside its vocabulary (a tokenizer with added tokens
         and a model not resized to it disagree), data.max_length inside its position table. Checked before

@@ -57,6 +57,16 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def tied_by_default(cfg) -> bool:
+    """What model.tie_embeddings null builds: the output layer tied to the embedding (GPT-2, nanoGPT and BERT are),
+    or model.pretrained_dir's model's own choice (a value set must equal it: check_folder_shape)."""
+    if not cfg.model.pretrained_dir:
+        return True
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir),
+                                      trust_remote_code=False).tie_word_embeddings
+
+
 def swiglu_width(width: int) -> int:
     """Llama's MLP hidden units: 8/3 x width (three matrices with the parameters of GPT-2's two 4 x width ones),
     rounded up to a multiple of 64 (Llama rounds to 256) so that tensor-parallel degrees divide it."""

@@ -388,6 +388,23 @@ def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(tmp_path, capsy
     assert "does not resolve" in err and "node 0" in err, err
 
 
+def test_a_master_addr_that_does_not_resolve_under_srun_is_one_line_at_once(tmp_path, capfd, monkeypatch):
+    """Under srun (every rank started at once: its variables, simulated), the same typo waited dist.timeout_s
+    behind torch's C++ warnings and stack frames, then blamed ranks that were not started."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(k)
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "master_addr": "no-such-node.invalid",
+                                              "timeout_s": 3}, train={"max_steps": 1})
+    started = time.monotonic()
+    assert main.run(cfg) == errors.EXIT_USER_ERROR
+    assert time.monotonic() - started < 3
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: dist.master_addr 'no-such-node.invalid' "), err
+    assert "does not resolve" in err, err
+
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cfg = make_config(tmp_path / "file", train={"max_steps": 1})

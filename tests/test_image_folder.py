@@ -1,9 +1,11 @@
 """task: image_folder on real images: MNIST digits written out as PNG and JPEG folders (tests/image_folders.py) and
 scikit-learn's sample photos; the hostile folders; the seeded crops; runs under none and ddp, resume, test mode."""
+import hashlib
 import json
 import os
 import shutil
 import struct
+import types
 
 import numpy as np
 import pytest
@@ -15,8 +17,10 @@ from image_folders import digit_folder
 import main
 from core import checkpoint_meta
 from core.errors import ConfigError, DataError
-from tasks import image_folder
+from tasks import base, image_folder
+from tasks.bag_of_words_hf import word_ids
 from tasks.image_folder import ImageFolderTask
+from tasks.text_common import read_words
 
 TINY = {"task": "image_folder", "model": {"arch": "resnet18", "width": 4, "dropout": 0.0},
         "data": {"image_size": 16, "resize_size": 20, "crop_scale": [0.35, 1.0]}}
@@ -536,6 +540,31 @@ def test_csv_text_answers_with_its_own_vocabulary_after_the_training_file_change
                         json.load(open(tmp_path / "run" / "dev_results.json"))["metrics"]))
     assert answers[1] == answers[0] and answers[0][0][1][1] == "pos" and answers[0][0][2][1] == "neg", answers
 
+
+def test_the_vocabulary_is_hashed_once_a_run_though_every_checkpoint_records_it(tmp_path, monkeypatch):
+    """meta.json's vocabulary_sha256 hashed the whole vocabulary at every save: a tokenizer does not change during
+    a run, so it is hashed once per task, the recorded value unchanged (and a tokenizer put in its place is hashed)."""
+    hashed = []
+    monkeypatch.setattr(base, "hashlib", types.SimpleNamespace(sha256=lambda data: hashed.append(data) or
+                                                               hashlib.sha256(data)))
+    rows = [(f"great fine day {i}", "pos") for i in range(8)] + [(f"awful bad day {i}", "neg") for i in range(8)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    (tmp_path / "data" / "dev.csv").write_text("text,label\na great day,pos\nan awful day,neg\n")
+    assert main.run(make_config(tmp_path / "run", task="csv_text", data={"data_dir": str(tmp_path / "data")},
+                                model={"hidden": 8}, train={"max_steps": 3, "epochs": 0, "eval_every": 0,
+                                                            "save_every": 1, "batch_size": 8})) == 0
+    vocabulary = word_ids(read_words(tmp_path / "run" / "vocabulary.json"))
+    uncached = hashlib.sha256(json.dumps(sorted(vocabulary.items())).encode()).hexdigest()
+    recorded = [json.load(open(tmp_path / "run" / "checkpoints" / f"step-{s}" / "meta.json"))["vocabulary_sha256"]
+                for s in (2, 3)]  # (the last 2 kept: step 1 was saved too)
+    assert recorded == [uncached] * 2 and len(hashed) == 1, (recorded, uncached, len(hashed))
+    task = base.Task(None)
+    task.tokenizer = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
+    first = task.vocabulary_sha256()
+    task.tokenizer = types.SimpleNamespace(get_vocab=lambda: {"a": 1, "b": 0})
+    assert task.vocabulary_sha256() != first and task.vocabulary_sha256() == task.vocabulary_sha256()
+    assert len(hashed) == 3  # one per tokenizer
 
 def test_csv_text_predicts_and_exports_without_its_training_file_and_refuses_another_run_s_vocabulary(tmp_path,
                                                                                                          capsys):

@@ -182,6 +182,26 @@ def test_gpt2_without_bias_trains_none_and_llama_resumes_exactly(text, tmp_path)
     assert_same(state(whole), state(resumed), 0.0)
 
 
+def test_tie_embeddings_null_resumes_as_the_value_it_builds(text, tmp_path, capsys):
+    """model.tie_embeddings null builds tied (the random GPT-2 and BERT) or model.pretrained_dir's choice: a resume
+    with true over null (and null over true) is the same run, not another one's; false over true still is."""
+    tiny = {**GPT2, "layers": 1}
+    for saved, now in ((None, True), (True, None)):
+        out = tmp_path / f"{saved}-{now}"
+        assert main.run(lm_config(out, text, {**tiny, "tie_embeddings": saved}, max_steps=2, save_every=2)) == 0
+        assert main.run(lm_config(out, text, {**tiny, "tie_embeddings": now}, max_steps=3, save_every=3)) == 0, \
+            capsys.readouterr().err
+        assert f"resumed from {out}/checkpoints/step-2" in capsys.readouterr().out
+    assert main.run(lm_config(out, text, {**tiny, "tie_embeddings": False}, max_steps=4)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out}/checkpoints/step-3: does not fit this model: ") and \
+        err[0].endswith("it was saved with model.tie_embeddings=None (now False)"), err  # (an untied head more)
+    untied = tmp_path / "untied"  # a pretrained folder's own choice is what null builds there
+    build(**LLAMA, tie_embeddings=False).save_pretrained(untied)
+    for folder, tied in ((untied, False), (None, True)):
+        assert build_task(make_config(tmp_path, task="gpt2_lm", model={"pretrained_dir": folder and str(folder)})
+                          ).tie_embeddings_default() is tied
+
 @pytest.mark.slow
 def test_llama_exports_generates_and_checkpoints_activations(text, tmp_path, capsys):
     """The export is a folder AutoModelForCausalLM reads with our logits; generate.py samples the same text from

@@ -115,6 +115,19 @@ def test_the_plan_says_which_limit_ends_the_run(tmp_path, capsys):
            "(max_steps=50)" in capsys.readouterr().out
 
 
+def test_the_max_steps_note_prints_only_where_the_file_limits_epochs(tmp_path, monkeypatch, capsys):
+    # The note says the appended train.epochs=0 lifts the file's epochs limit: a file (or preset) whose epochs is
+    # already 0 has none to lift, and the note said so anyway.
+    monkeypatch.setattr(main, "run", lambda cfg: 0)  # the note is printed before the run starts
+    for epochs, noted in ((0, False), (3, True)):
+        params = tmp_path / f"epochs{epochs}.yml"
+        params.write_text(f"output_dir: {tmp_path}\ntrain:\n  epochs: {epochs}\n  max_steps: 5\n")
+        assert main.main(["--params", str(params), "--set", "train.max_steps=7"]) == 0
+        assert ("note: --set train.max_steps=7 without train.epochs" in capsys.readouterr().out) == noted, epochs
+    assert main.main(["--params", os.path.join(ROOT, "configs", "gpt2_lm_tiny.yml"), "--set",
+                      f"output_dir={tmp_path}/lm", "--set", "train.max_steps=7"]) == 0  # a preset with epochs: 0
+    assert "note:" not in capsys.readouterr().out
+
 def test_a_run_ends_with_a_summary_whose_commands_work(tmp_path, capsys):
     assert run(tmp_path, log={"tensorboard": True}) == 0
     out = capsys.readouterr().out
