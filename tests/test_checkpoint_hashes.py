@@ -20,6 +20,7 @@ from core.errors import Unloadable
 from core import checkpoint_hashes
 from core import checkpoint_io
 import main
+from wiring import build_task
 
 FSDP2 = {"dist": {"strategy": "fsdp", "procs_per_node": 2}, "train": {"batch_size": 16}}
 CHANGED = "sha256 differs from meta.json (the file changed after it was saved)"
@@ -154,6 +155,36 @@ def test_allow_unverified_loads_an_old_checkpoint_saying_so_once(reference, tmp_
                                 allow_unverified=True)) == 0
     assert capsys.readouterr().out.count(f"loading {ckpt(tmp_path, 3)} unverified (allow_unverified: true): its "
                                          f"files cannot be verified: {ckpt(tmp_path, 3)}/meta.json: unreadable") == 1
+
+
+def test_allow_unverified_loads_an_unreadable_meta_json_beside_a_weight_average(tmp_path, capsys, monkeypatch):
+    """allow_unverified loads a checkpoint whose meta.json cannot be read, as docs/checkpoints.md says, in test mode
+    and export too where ema.pt is there: test.weights auto and the class names read meta.json again, unchecked,
+    and failed on it. Without meta.json nothing says how the best was picked: the trained weights are read."""
+    assert run(tmp_path, train={"max_steps": 2, "ema_decay": 0.9}) == 0
+    path = ckpt(tmp_path, 2)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        f.write("{")
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": path}, allow_unverified=True)) == 0
+    assert json.load(open(tmp_path / "dev_results.json"))["weights"] == "trained"
+    assert main.run(make_config(tmp_path, mode="export", test={"checkpoint": path}, allow_unverified=True,
+                                export={"dir": str(tmp_path / "export")})) == 0
+    assert os.path.isfile(tmp_path / "export" / "model.safetensors")
+    captured = capsys.readouterr()
+    assert errors(capsys) == [] and "error:" not in captured.err
+    assert captured.out.count(f"loading {path} unverified (allow_unverified: true): its files cannot be "
+                              f"verified: {path}/meta.json: unreadable") == 1  # test mode's; export's on stderr
+    assert captured.err.count(f"loading {path} unverified (allow_unverified: true)") == 1
+    # A sound one: load_model reads its meta.json once, the record it verified, for every check (it read it 5 times)
+    reads, real = [], checkpoint_meta.read
+    monkeypatch.setattr(checkpoint_io, "read_meta", lambda where: reads.append(where) or real(where))
+    cfg = make_config(tmp_path)
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    assert checkpoint_io.load_model(task.build_model(), ckpt(tmp_path, 1), cfg, label_names=list("0123456789"),
+                                    vocabulary_sha256="0" * 64) == "trained"
+    assert reads == [ckpt(tmp_path, 1)]
 
 
 def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
