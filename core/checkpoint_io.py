@@ -218,16 +218,10 @@ def check_vocabulary(path: str, sha256: Optional[str], meta: dict) -> None:
                           f"it was trained in, or train again")
 
 
-def recorded_label_names(path: str, meta: Optional[dict] = None) -> Optional[list[str]]:
+def recorded_label_names(path: str, meta: dict) -> Optional[list[str]]:
     """A classifier's class names as its checkpoint records them (meta.json `label_names`, in output order; `meta`:
-    as read, else read here); None where none are (not a classifier, classes known by number, written before they
-    were recorded, no meta.json, or one that cannot be read: the load that follows refuses it, or allow_unverified
-    loads it, said)."""
-    if meta is None:
-        try:
-            meta = read_meta(path)
-        except Unloadable:
-            return None
+    as read); None where none are (not a classifier, classes known by number, written before they were recorded,
+    no meta.json that can be read and allow_unverified)."""
     saved = meta.get("label_names")
     if saved is not None and (not isinstance(saved, list) or not all(isinstance(n, str) for n in saved)):
         raise Unloadable(f"{path}/meta.json: unreadable (`label_names` is not a list of names)")
