@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -199,6 +200,20 @@ def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
     assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)})) == 2
     assert errors(capsys) == [f"error: {ckpt(tmp_path, 3)}/model_dcp/__0_0.distcp: not in meta.json's list of "
                               "files (added after the checkpoint was saved; remove it)"]
+
+
+def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(tmp_path):
+    """A FIFO (a tar archive can hold one) listed in a crafted record as an empty file: hashing it opened it and
+    waited forever for a writer. Refused in one line naming it, as a symlink is, before anything is opened."""
+    os.mkfifo(tmp_path / "model.pt")
+    empty = {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+    found = []
+    worker = threading.Thread(target=lambda: found.append(checkpoint_hashes.problem(str(tmp_path), {"model.pt": empty})),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    assert found == [f"{tmp_path}/model.pt: not a regular file (a FIFO, socket or device: refused, never opened; a "
+                     "checkpoint holds its own files only)"]
 
 
 BAD_RECORDS = {  # name: (files, what the line says after `.../meta.json: unreadable (`files` `)
