@@ -5,7 +5,8 @@ on CPUs with SHA instructions, and `sha256sum` prints the same digests (benchmar
 
 A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
 model_dcp/ wins, say) makes the checkpoint unloadable, and so does a symlink anywhere in it (first_symlink) or a
-listed file that is not a regular one (a FIFO would block its hash forever). meta.json itself is not listed: it is written last, holding the list.
+listed file that is not a regular one (a FIFO would block its hash forever). meta.json itself is not listed: it is
+written last, holding the list.
 """
 from __future__ import annotations
 
