@@ -204,7 +204,8 @@ def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
 
 def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(tmp_path):
     """A FIFO (a tar archive can hold one) listed in a crafted record as an empty file: hashing it opened it and
-    waited forever for a writer. Refused in one line naming it, as a symlink is, before anything is opened."""
+    waited forever for a writer; so did reading a meta.json that is one. Refused in one line naming it, as a
+    symlink is, before anything is opened."""
     os.mkfifo(tmp_path / "model.pt")
     empty = {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}
     found = []
@@ -214,6 +215,21 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(tmp_path):
     worker.join(10)
     assert found == [f"{tmp_path}/model.pt: not a regular file (a FIFO, socket or device: refused, never opened; a "
                      "checkpoint holds its own files only)"]
+    # meta.json itself, read before the files are checked (test.checkpoint, resume's state): a FIFO, or a link to one
+    for name, make in (("fifo", os.mkfifo), ("link", lambda path: os.symlink(tmp_path / "model.pt", path))):
+        os.makedirs(tmp_path / name)
+        make(tmp_path / name / "meta.json")
+        found.clear()
+
+        def read(where=str(tmp_path / name)):
+            with pytest.raises(Unloadable) as caught:
+                checkpoint_meta.read(where)
+            found.append(str(caught.value))
+        worker = threading.Thread(target=read, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert found == [f"{tmp_path}/{name}/meta.json: unreadable (not a regular file: a symlink, FIFO, socket or "
+                         "device; a checkpoint holds its own files only)"]
 
 
 BAD_RECORDS = {  # name: (files, what the line says after `.../meta.json: unreadable (`files` `)
