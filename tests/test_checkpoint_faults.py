@@ -159,6 +159,17 @@ def test_a_step_saved_again_survives_a_kill_between_its_two_renames(tmp_path, mo
     assert torch.load(os.path.join(final, "model.pt"))["w"].tolist() == [3.0] * 3
 
 
+def test_a_stray_file_where_a_step_is_saved_is_replaced_without_a_traceback(tmp_path):
+    """A file (not a folder) named step-7 in checkpoints/: saving step 7 moved it aside, then failed deleting it
+    with shutil.rmtree's NotADirectoryError (a traceback, exit 1), leaving it there as a .tmp-step-7-replaced-*."""
+    os.makedirs(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "step-7").write_text("not a checkpoint")
+    final = write_checkpoint(str(tmp_path), 7, SINGLE, lambda d: torch.save({"w": torch.ones(3)},
+                                                                            os.path.join(d, "model.pt")),
+                             {"step": 7, "state": {}})
+    assert os.listdir(tmp_path / "checkpoints") == ["step-7"] and checkpoint.is_complete(final)
+
+
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         write_checkpoint(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),
