@@ -29,7 +29,7 @@ def claim_output_dir(trainer) -> None:
     """Once an earlier run has left checkpoints/ in output_dir, or train.start_over asks to move one aside
     (run_dir.py): this run's only. Collective."""
     out, refusal = trainer.cfg.output_dir, None
-    if trainer.ctx.is_main and (trainer.train_cfg.start_over or os.path.isdir(checkpoint.root(out))):
+    if trainer.ctx.is_main and (trainer.train_cfg.start_over or os.path.lexists(checkpoint.root(out))):
         refusal = run_dir.claim(out, trainer.train_cfg, trainer.log)
     refusal = broadcast_object(trainer.ctx, refusal)
     if refusal:
