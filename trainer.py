@@ -461,8 +461,10 @@ class Trainer:
         if self.strategy.scaler and saved["scaler"]:
             self.strategy.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
-        keep = self.train_cfg.keep_best  # resumed with a lower train.keep_best: the ranking's surplus is pruned
-        self.state.best_k = self.state.best_k[:keep] if keep > 1 else []
+        keep, s = self.train_cfg.keep_best, self.state  # resumed with a lower train.keep_best: its surplus is pruned
+        if keep > 1 and not s.best_k and None not in (s.best_value, s.best_step):  # keep_best 1 saved none
+            s.best_k = [[s.best_value, s.best_loss, s.best_step]]
+        s.best_k = s.best_k[:keep] if keep > 1 else []
         self.resumed_batch_sizes = saved["batch_sizes"]  # batch_size auto reuses them (extras/balance.py)
         self.resumed_precision = saved.get("precision")  # and precision auto this one
         if saved["rng"] is not None:

@@ -167,7 +167,7 @@ def _publish(tmp: str, final: str, meta: dict) -> None:
     os.rename(final, old)
     os.rename(tmp, final)
     fsync(os.path.dirname(os.path.abspath(final)))
-    os.unlink(old) if os.path.islink(old) else shutil.rmtree(old)
+    shutil.rmtree(old) if real_dir(old) else os.unlink(old)  # a link, or a stray file of that name: the name only
 
 
 def durable_rename(tmp: str, final: str) -> None:

@@ -4,14 +4,16 @@ loads without complaint, so only a hash of the bytes tells; sha256 is the standa
 on CPUs with SHA instructions, and `sha256sum` prints the same digests (benchmarks/RESULTS.md, "Checkpoint hashes").
 
 A file listed but absent, a different one, or one that is not listed (it would be read unverified: model.pt beside
-model_dcp/ wins, say) makes the checkpoint unloadable, and so does a symlink anywhere in it (first_symlink).
-meta.json itself is not listed: it is written last, holding the list.
+model_dcp/ wins, say) makes the checkpoint unloadable, and so does a symlink anywhere in it (first_symlink) or a
+listed file that is not a regular one (a FIFO would block its hash forever). meta.json itself is not listed: it is
+written last, holding the list.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -91,6 +93,9 @@ def _difference(folder: str, files: dict) -> Optional[str]:
         full = os.path.join(folder, rel)
         if rel not in present:
             return f"{full}: missing from the checkpoint (meta.json lists it)"
+        if not stat.S_ISREG(os.lstat(full).st_mode):  # a FIFO would block the hash's open() forever
+            return f"{full}: not a regular file (a FIFO, socket or device: refused, never opened; a checkpoint " \
+                   "holds its own files only)"
         size = os.path.getsize(full)
         if size == 0 and entry["bytes"]:
             return f"{full}: empty (0 bytes)"

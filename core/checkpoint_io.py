@@ -44,32 +44,36 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
 
 
 def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None,
-           cfg=None) -> None:
+           cfg=None) -> dict:
     """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
     not what meta.json recorded (checkpoint_hashes.py), or, with a signing key (checkpoint_signing.py), a missing
     or wrong signature. One whose files cannot be verified (no meta.json, an unreadable one, or one without the
     `files` record: an older version) is refused too, unless the config's allow_unverified: then it loads after
     one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads the files, every rank
-    raises. `cfg`: the run's config (None: the defaults, and the environment's key)."""
+    raises. `cfg`: the run's config (None: the defaults, and the environment's key). Returns meta.json as read
+    for the check, so that nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is
+    none that can be read and allow_unverified loads it anyway)."""
     main = ctx is None or ctx.is_main
     config = cfg.to_dict() if cfg is not None else {}
     secret = checkpoint_signing.key(config)  # on every rank: a key file that cannot be read fails on all
-    found = _files_problem(path, secret) if main else None
+    meta, found = _files_problem(path, secret) if main else ({}, None)
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
     if kind == "problem" or (kind == "unverified" and not config.get("allow_unverified")):
         raise Unloadable(line if kind == "problem" else f"{line}; to load it anyway, set allow_unverified: true")
     if kind == "unverified" and main:
         (note or warn_on_stderr)(
             f"loading {path} unverified (allow_unverified: true): {line}")
+    return meta
 
 
-def _files_problem(path: str, secret: Optional[bytes]) -> Optional[tuple[str, str]]:
-    """("problem", line), ("unverified", line) or None (all files as recorded, and signed where `secret`)."""
+def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[tuple[str, str]]]:
+    """meta.json ({} if it cannot be read) and ("problem", line), ("unverified", line) or None (all files as
+    recorded, and signed where `secret`)."""
     if not os.path.isdir(path):
-        return None  # the loader names it
+        return {}, None  # the loader names it
     link = checkpoint_hashes.first_symlink(path)  # refused even where allow_unverified would load the rest
     if link:
-        return "problem", checkpoint_hashes.symlink_refused(link)
+        return {}, ("problem", checkpoint_hashes.symlink_refused(link))
     try:
         meta, why = read_meta(path), None
     except Unloadable as e:
@@ -80,11 +84,11 @@ def _files_problem(path: str, secret: Optional[bytes]) -> Optional[tuple[str, st
     if secret is not None:  # a key set: nothing loads unsigned, allow_unverified or not
         wrong = why if meta is None else checkpoint_signing.problem(path, meta, secret)
         if wrong:
-            return "problem", wrong
+            return {}, ("problem", wrong)
     if why:
-        return "unverified", why
+        return meta or {}, ("unverified", why)
     found = checkpoint_hashes.problem(path, meta["files"])
-    return ("problem", found) if found else None
+    return meta, (("problem", found) if found else None)
 
 
 @contextlib.contextmanager
@@ -149,12 +153,12 @@ def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_nam
     after a `note`; default: a line on stderr). `label_names`, `vocabulary_sha256`: a classifier's classes and the
     task's vocabulary now (check_label_names, check_vocabulary). Returns which weights it read: trained, or ema
     (test.weights, weights_to_read)."""
-    verify(path, note=note, cfg=cfg)
-    check_label_names(path, label_names)
-    check_vocabulary(path, vocabulary_sha256)
+    meta = verify(path, note=note, cfg=cfg)  # read once: each check below takes this record
+    check_label_names(path, label_names, meta)
+    check_vocabulary(path, vocabulary_sha256, meta)
     with fits_model(path, cfg):
-        load_state(model, model_state_dict(path), path)
-    weights = weights_to_read(path, cfg)
+        load_state(model, model_state_dict(path), path, meta)
+    weights = weights_to_read(path, cfg, meta)
     if weights == "ema":  # the average train.ema_decay kept, over the weights
         if not os.path.isfile(os.path.join(path, "ema.pt")):
             raise CheckpointError(f"test.weights is ema, but {path} holds no weight average (ema.pt): it was "
@@ -163,16 +167,17 @@ def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_nam
     return weights
 
 
-def weights_to_read(path: str, cfg) -> str:
-    """test.weights for this checkpoint. auto: the weights whose dev scores picked the best, i.e. the average
-    where its run picked by it (train.eval_ema, or a best_metric of the average such as ema_loss), as Lightning's
-    weight averaging hands on the average; else the trained weights."""
+def weights_to_read(path: str, cfg, meta: dict) -> str:
+    """test.weights for this checkpoint (`meta`: its meta.json, as verify read it). auto: the weights whose dev
+    scores picked the best, i.e. the average where its run picked by it (train.eval_ema, or a best_metric of the
+    average such as ema_loss), as Lightning's weight averaging hands on the average; else the trained weights (and
+    where no meta.json says how it picked: allow_unverified)."""
     asked = cfg.test.weights if cfg is not None else "trained"
     if asked != "auto":
         return asked
-    if not os.path.isfile(os.path.join(path, "ema.pt")) or not os.path.isfile(os.path.join(path, "meta.json")):
+    if not os.path.isfile(os.path.join(path, "ema.pt")):
         return "trained"
-    train = saved_train(read_meta(path))
+    train = saved_train(meta)
     picked_by_average = train.get("eval_ema") is True or str(train.get("best_metric")).startswith("ema_")
     return "ema" if picked_by_average else "trained"
 
@@ -182,12 +187,13 @@ def why_average(cfg) -> str:
     return "test.weights ema" if cfg.test.weights == "ema" else "test.weights auto: the run picked its best by it"
 
 
-def check_label_names(path: str, names: Optional[list]) -> None:
-    """A classifier's outputs mean the classes it was trained on (meta.json `label_names`): data whose classes were
-    renamed, added or reordered since would put every answer under another name, silently. Refused in one line."""
+def check_label_names(path: str, names: Optional[list], meta: dict) -> None:
+    """A classifier's outputs mean the classes it was trained on (meta.json `label_names`; `meta`: as read): data
+    whose classes were renamed, added or reordered since would put every answer under another name, silently.
+    Refused in one line."""
     if not names:  # not a classifier
         return
-    saved, now = recorded_label_names(path), [str(n) for n in names]
+    saved, now = recorded_label_names(path, meta), [str(n) for n in names]
     if saved is None or saved == now:  # (None: written before the names were recorded, or unverified and allowed)
         return
     i = next(i for i in range(max(len(saved), len(now))) if i >= min(len(saved), len(now)) or saved[i] != now[i])
@@ -198,12 +204,13 @@ def check_label_names(path: str, names: Optional[list]) -> None:
                           f"({listed if len(listed) <= 80 else listed[:77] + '...'}), or train again")
 
 
-def check_vocabulary(path: str, sha256: Optional[str]) -> None:
+def check_vocabulary(path: str, sha256: Optional[str], meta: dict) -> None:
     """The vocabulary read now (output_dir's tokenizer, or csv_text's vocabulary.json) is the one the checkpoint was
-    trained with (meta.json `vocabulary_sha256`): another run's would read every input as other ids, silently."""
-    if sha256 is None or not os.path.isfile(os.path.join(path, "meta.json")):  # inputs without a vocabulary
+    trained with (meta.json `vocabulary_sha256`; `meta`: as read): another run's would read every input as other
+    ids, silently."""
+    if sha256 is None:  # inputs without a vocabulary
         return
-    saved = read_meta(path).get("vocabulary_sha256")
+    saved = meta.get("vocabulary_sha256")
     if saved is None or saved == sha256:  # (None: written before it was recorded)
         return
     raise CheckpointError(f"{path}: trained with another vocabulary than the one output_dir holds (its tokenizer, or "
@@ -211,24 +218,24 @@ def check_vocabulary(path: str, sha256: Optional[str]) -> None:
                           f"it was trained in, or train again")
 
 
-def recorded_label_names(path: str) -> Optional[list[str]]:
-    """A classifier's class names as its checkpoint records them (meta.json `label_names`, in output order); None
-    where none are (not a classifier, classes known by number, written before they were recorded, no meta.json)."""
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        return None
-    saved = read_meta(path).get("label_names")
+def recorded_label_names(path: str, meta: dict) -> Optional[list[str]]:
+    """A classifier's class names as its checkpoint records them (meta.json `label_names`, in output order; `meta`:
+    as read); None where none are (not a classifier, classes known by number, written before they were recorded,
+    no meta.json that can be read and allow_unverified)."""
+    saved = meta.get("label_names")
     if saved is not None and (not isinstance(saved, list) or not all(isinstance(n, str) for n in saved)):
         raise Unloadable(f"{path}/meta.json: unreadable (`label_names` is not a list of names)")
     return saved
 
 
-def load_state(model: torch.nn.Module, state: dict, path: str) -> None:
-    """load_state_dict; under LoRA, after checking the base (meta.json) and that `state` holds exactly the
-    entries that train, it loads them over the base's weights (non-strictly: the base is not in the file)."""
+def load_state(model: torch.nn.Module, state: dict, path: str, meta: Optional[dict] = None) -> None:
+    """load_state_dict; under LoRA, after checking the base (meta.json; `meta`: as read, else read here) and that
+    `state` holds exactly the entries that train, it loads them over the base's weights (non-strictly: the base is
+    not in the file)."""
     if not trains_part(model):
         model.load_state_dict(state)
         return
-    check_lora_checkpoint(model, path)
+    check_lora_checkpoint(model, path, meta)
     names = trained_names(model)
     if set(state) != names:
         odd = sorted(set(state) - names) or sorted(names - set(state))
@@ -238,10 +245,10 @@ def load_state(model: torch.nn.Module, state: dict, path: str) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def check_lora_checkpoint(model: torch.nn.Module, path: str) -> None:
+def check_lora_checkpoint(model: torch.nn.Module, path: str, meta: Optional[dict] = None) -> None:
     """A checkpoint's adapters are read onto the base they were trained on: the same weights (by hash; the folder
-    may have moved), else one line naming both."""
-    saved, now = read_meta(path).get("lora_base"), model.lora_base
+    may have moved), else one line naming both. `meta`: meta.json as read, else read here."""
+    saved, now = (read_meta(path) if meta is None else meta).get("lora_base"), model.lora_base
     if not isinstance(saved, dict) or not isinstance(saved.get("sha256"), str):
         raise CheckpointError(f"{path}: holds no LoRA base reference (meta.json `lora_base`): it was not written by a "
                               "LoRA run; use it with model.lora_rank: 0")

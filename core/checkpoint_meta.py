@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import stat
 from typing import Callable, Optional
 
 from core import checkpoint
@@ -26,6 +27,9 @@ def read(path: str) -> dict:
     Unloadable, naming the file and the key)."""
     full = os.path.join(path, "meta.json")
     try:
+        if not stat.S_ISREG(os.lstat(full).st_mode):  # read before the files are checked: a FIFO would block open()
+            raise Unloadable(f"{full}: unreadable (not a regular file: a symlink, FIFO, socket or device; a checkpoint "
+                             "holds its own files only)")
         with open(full, "rb") as f:
             data = f.read(META_MAX_BYTES + 1)
     except FileNotFoundError:

@@ -36,7 +36,8 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, log.warning, "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
-    task.prepare_inference(checkpoint_io.recorded_label_names(path))
+    meta = checkpoint_meta.read_loaded(path, cfg.allow_unverified)  # (allow_unverified: {} where unreadable)
+    task.prepare_inference(checkpoint_io.recorded_label_names(path, meta))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
     weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names(),

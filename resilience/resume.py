@@ -29,7 +29,7 @@ def claim_output_dir(trainer) -> None:
     """Once an earlier run has left checkpoints/ in output_dir, or train.start_over asks to move one aside
     (run_dir.py): this run's only. Collective."""
     out, refusal = trainer.cfg.output_dir, None
-    if trainer.ctx.is_main and (trainer.train_cfg.start_over or os.path.isdir(checkpoint.root(out))):
+    if trainer.ctx.is_main and (trainer.train_cfg.start_over or os.path.lexists(checkpoint.root(out))):
         refusal = run_dir.claim(out, trainer.train_cfg, trainer.log)
     refusal = broadcast_object(trainer.ctx, refusal)
     if refusal:
@@ -180,8 +180,8 @@ def load(trainer, path: str) -> dict:
     extra = checkpoint_io.load_file(path, "state.pt", keys=("scheduler", "scaler", "rng"))
     has_ema = trainer.ema is not None and os.path.isfile(os.path.join(path, "ema.pt"))
     ema = checkpoint_io.load_file(path, "ema.pt") if has_ema else None  # train.ema_decay's average
-    checkpoint_io.check_label_names(path, trainer.task.label_names())  # the data's classes are the trained ones
-    checkpoint_io.check_vocabulary(path, trainer.task.vocabulary_sha256())  # and its inputs' ids
+    checkpoint_io.check_label_names(path, trainer.task.label_names(), meta)  # the data's classes are the trained ones
+    checkpoint_io.check_vocabulary(path, trainer.task.vocabulary_sha256(), meta)  # and its inputs' ids
     changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
     with checkpoint_io.fits_model(path, trainer.cfg), \
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):

@@ -1,5 +1,5 @@
 """One output_dir holds one run: what an earlier run left there, found when a run starts in a folder that has
-checkpoints/ (resume.claim_output_dir).
+checkpoints/ (resume.claim_output_dir); one where checkpoints/ is not a folder is refused.
 
 - what interrupted saves and prunes left in checkpoints/ is removed (clean_stale);
 - train.start_over moves the earlier run's files aside (move_run_aside);
@@ -20,7 +20,8 @@ from core import checkpoint, trackers
 
 def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
     """Rank 0, before any rank resumes or saves: clean up, move an old run aside (train.start_over), or return
-    the line refusing a fresh start beside another run (None: output_dir is this run's)."""
+    the line refusing a fresh start beside another run, or a checkpoints/ that is not a folder (None: output_dir is
+    this run's)."""
     for path in restore_replaced(output_dir):
         log.warning(f"restored {path}: a save of the same step was interrupted between its two renames")
     for path in clean_stale(output_dir):
@@ -33,6 +34,9 @@ def claim(output_dir: str, train_cfg, log: logging.Logger) -> Optional[str]:
         return (f"{os.path.abspath(output_dir)} holds another run (latest {checkpoint.latest(output_dir)}) and "
                 "train.resume is false: one folder holds one run; resume it (train.resume=auto), use another "
                 "output_dir, or start over with --set train.start_over=true (moves the old run aside)")
+    base = checkpoint.root(output_dir)
+    if os.path.lexists(base) and not os.path.isdir(base):  # else the first save fails on it, maybe hours in
+        return f"{base}: not a folder (this run saves its checkpoints there): move it away, or use another output_dir"
     return None
 
 

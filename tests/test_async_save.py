@@ -68,6 +68,27 @@ def test_a_failed_background_write_leaves_the_previous_checkpoint(tmp_path, monk
     assert same(tmp_path / "checkpoints/step-8", tmp_path / "sync/checkpoints/step-8")
 
 
+def test_a_crash_after_a_background_write_keeps_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """A crash at step 7 in one process: step-5, written in the background and complete, was never published, and
+    the next run removed it as a stale save and started from step 0. It is published before the crash is reported."""
+    real_step = T.Trainer.train_step
+
+    def train_step(self, batches):
+        if self.state.step == 6:
+            raise ValueError("a bad batch (simulated)")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(T.Trainer, "train_step", train_step)
+    assert run(tmp_path, async_save=True) == 1  # a crash, named
+    assert "ValueError: a bad batch (simulated)" in capsys.readouterr().err
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [5]
+    monkeypatch.setattr(T.Trainer, "train_step", real_step)
+    assert run(tmp_path, async_save=True) == 0
+    assert "resumed from" in open(tmp_path / "logs" / "rank0.log").read()
+    assert run(tmp_path / "sync") == 0
+    assert same(tmp_path / "checkpoints/step-8", tmp_path / "sync/checkpoints/step-8")
+
+
 @pytest.mark.slow
 def test_fsdp_writes_with_dcp_async_save(tmp_path):
     fsdp = {"strategy": "fsdp", "procs_per_node": 2}

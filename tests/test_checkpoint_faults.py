@@ -159,6 +159,27 @@ def test_a_step_saved_again_survives_a_kill_between_its_two_renames(tmp_path, mo
     assert torch.load(os.path.join(final, "model.pt"))["w"].tolist() == [3.0] * 3
 
 
+def test_a_stray_file_where_a_step_is_saved_is_replaced_without_a_traceback(tmp_path):
+    """A file (not a folder) named step-7 in checkpoints/: saving step 7 moved it aside, then failed deleting it
+    with shutil.rmtree's NotADirectoryError (a traceback, exit 1), leaving it there as a .tmp-step-7-replaced-*."""
+    os.makedirs(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "step-7").write_text("not a checkpoint")
+    final = write_checkpoint(str(tmp_path), 7, SINGLE, lambda d: torch.save({"w": torch.ones(3)},
+                                                                            os.path.join(d, "model.pt")),
+                             {"step": 7, "state": {}})
+    assert os.listdir(tmp_path / "checkpoints") == ["step-7"] and checkpoint.is_complete(final)
+
+
+def test_a_file_where_the_checkpoints_folder_goes_is_one_line_before_training(tmp_path, capsys):
+    """output_dir/checkpoints a file (or a link to one): the first save, after the training before it, ended in a
+    traceback (NotADirectoryError, exit 1). Refused at the start in one line naming it."""
+    (tmp_path / "checkpoints").write_text("notes")
+    assert run(tmp_path) == 2
+    assert errors(capsys) == [f"error: {tmp_path}/checkpoints: not a folder (this run saves its checkpoints there): "
+                              "move it away, or use another output_dir"]
+    assert "step 1/" not in rank_log(tmp_path)
+
+
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         write_checkpoint(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),

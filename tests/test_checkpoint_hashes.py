@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from core.errors import Unloadable
 from core import checkpoint_hashes
 from core import checkpoint_io
 import main
+from wiring import build_task
 
 FSDP2 = {"dist": {"strategy": "fsdp", "procs_per_node": 2}, "train": {"batch_size": 16}}
 CHANGED = "sha256 differs from meta.json (the file changed after it was saved)"
@@ -156,6 +158,36 @@ def test_allow_unverified_loads_an_old_checkpoint_saying_so_once(reference, tmp_
                                          f"files cannot be verified: {ckpt(tmp_path, 3)}/meta.json: unreadable") == 1
 
 
+def test_allow_unverified_loads_an_unreadable_meta_json_beside_a_weight_average(tmp_path, capsys, monkeypatch):
+    """allow_unverified loads a checkpoint whose meta.json cannot be read, as docs/checkpoints.md says, in test mode
+    and export too where ema.pt is there: test.weights auto and the class names read meta.json again, unchecked,
+    and failed on it. Without meta.json nothing says how the best was picked: the trained weights are read."""
+    assert run(tmp_path, train={"max_steps": 2, "ema_decay": 0.9}) == 0
+    path = ckpt(tmp_path, 2)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        f.write("{")
+    capsys.readouterr()
+    assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": path}, allow_unverified=True)) == 0
+    assert json.load(open(tmp_path / "dev_results.json"))["weights"] == "trained"
+    assert main.run(make_config(tmp_path, mode="export", test={"checkpoint": path}, allow_unverified=True,
+                                export={"dir": str(tmp_path / "export")})) == 0
+    assert os.path.isfile(tmp_path / "export" / "model.safetensors")
+    captured = capsys.readouterr()
+    assert errors(capsys) == [] and "error:" not in captured.err
+    assert captured.out.count(f"loading {path} unverified (allow_unverified: true): its files cannot be "
+                              f"verified: {path}/meta.json: unreadable") == 1  # test mode's; export's on stderr
+    assert captured.err.count(f"loading {path} unverified (allow_unverified: true)") == 1
+    # A sound one: load_model reads its meta.json once, the record it verified, for every check (it read it 5 times)
+    reads, real = [], checkpoint_meta.read
+    monkeypatch.setattr(checkpoint_io, "read_meta", lambda where: reads.append(where) or real(where))
+    cfg = make_config(tmp_path)
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    assert checkpoint_io.load_model(task.build_model(), ckpt(tmp_path, 1), cfg, label_names=list("0123456789"),
+                                    vocabulary_sha256="0" * 64) == "trained"
+    assert reads == [ckpt(tmp_path, 1)]
+
+
 def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
     crashed_copy(reference("none"), tmp_path, 4)
     os.remove(os.path.join(ckpt(tmp_path, 4), "state.pt"))
@@ -168,6 +200,36 @@ def test_a_missing_or_an_extra_file_is_refused(reference, tmp_path, capsys):
     assert main.run(make_config(tmp_path, mode="test", test={"checkpoint": ckpt(tmp_path, 3)})) == 2
     assert errors(capsys) == [f"error: {ckpt(tmp_path, 3)}/model_dcp/__0_0.distcp: not in meta.json's list of "
                               "files (added after the checkpoint was saved; remove it)"]
+
+
+def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(tmp_path):
+    """A FIFO (a tar archive can hold one) listed in a crafted record as an empty file: hashing it opened it and
+    waited forever for a writer; so did reading a meta.json that is one. Refused in one line naming it, as a
+    symlink is, before anything is opened."""
+    os.mkfifo(tmp_path / "model.pt")
+    empty = {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+    found = []
+    worker = threading.Thread(target=lambda: found.append(checkpoint_hashes.problem(str(tmp_path), {"model.pt": empty})),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    assert found == [f"{tmp_path}/model.pt: not a regular file (a FIFO, socket or device: refused, never opened; a "
+                     "checkpoint holds its own files only)"]
+    # meta.json itself, read before the files are checked (test.checkpoint, resume's state): a FIFO, or a link to one
+    for name, make in (("fifo", os.mkfifo), ("link", lambda path: os.symlink(tmp_path / "model.pt", path))):
+        os.makedirs(tmp_path / name)
+        make(tmp_path / name / "meta.json")
+        found.clear()
+
+        def read(where=str(tmp_path / name)):
+            with pytest.raises(Unloadable) as caught:
+                checkpoint_meta.read(where)
+            found.append(str(caught.value))
+        worker = threading.Thread(target=read, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert found == [f"{tmp_path}/{name}/meta.json: unreadable (not a regular file: a symlink, FIFO, socket or "
+                         "device; a checkpoint holds its own files only)"]
 
 
 BAD_RECORDS = {  # name: (files, what the line says after `.../meta.json: unreadable (`files` `)

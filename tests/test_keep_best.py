@@ -41,6 +41,20 @@ def test_a_resume_with_a_lower_keep_best_prunes_what_the_ranking_no_longer_keeps
     assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == sorted(set(best) | {10})
 
 
+def test_a_resume_with_a_higher_keep_best_ranks_the_best_so_far_first(tmp_path):
+    """Saved with keep_best 1 (no ranking in meta.json), resumed with 3: the best so far heads the ranking, and
+    the 2 best evaluated since join it. The ranking started empty: 3 later checkpoints were kept beside the best."""
+    run = {"epochs": 0, "eval_every": 2, "save_every": 2, "keep_last": 1, "log_every": 2, "eval_batches": 1}
+    cfg = make_config(tmp_path, train={**run, "max_steps": 20, "keep_best": 3, "lr": 1e-9})  # ranks no higher
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=12, keep_best=1, lr=3e-3)), 1)
+    best = checkpoint_meta.read(checkpoint.latest(str(tmp_path)))["state"]["best_step"]
+    train(cfg, 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert ranked_best(log, 1, 20) == [best], "the first run's best must stay the best"
+    since = [s for s in ranked_best(log, 10, 20) if s > 12][:2]
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == sorted({best, *since, 20})
+
+
 @pytest.mark.parametrize("ranked", ["x", [[0.9, 0.1]], [[float("inf"), 0.1, 1]], [[0.9, 0.1, 99]]])
 def test_a_crafted_ranking_in_meta_json_is_one_line(tmp_path, ranked):
     from conftest import write_checkpoint
