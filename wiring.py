@@ -5,7 +5,6 @@ To follow a rank, read on: worker(), then build_trainer() and the parts it build
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 from torch import nn
@@ -67,22 +66,10 @@ def worker(cfg: Config, place) -> int:
             elif cfg.mode == "test":
                 testmode.test(trainer)
             else:
-                train_keeping_saves(trainer)
+                with rank.publishing_saves_on_crash(trainer):  # (train.async_save: see rank_run.py)
+                    trainer.train()
         rank.finished()
     return rank.code
-
-
-def train_keeping_saves(trainer: Trainer) -> None:
-    """trainer.train(). After a crash in one process, a checkpoint written in the background (train.async_save)
-    is published before the crash is reported: complete on disk, it would otherwise be removed as a stale save by
-    the next run. (Several ranks: the others may be gone, and publishing waits for every one.)"""
-    try:
-        trainer.train()
-    except Exception:
-        if trainer.ctx.world_size == 1:
-            with contextlib.suppress(Exception):  # (a failing write: the crash above is the one to report)
-                trainer.finish_save()
-        raise
 
 
 # ---- the Trainer and its parts ------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@ joins the process group, and whatever ends it (the end of the run, a stop, a use
 naming the rank, its host and the step, then the group torn down where that cannot hang. Rules: docs/faults.md."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Optional
 
 from core import config, distributed, process_group
 from core.config import Config
-from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError
+from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
 from core.run_log import setup_logging
 from resilience import faults, heartbeat, resource_errors
 from resilience.faults import HOST, report
@@ -49,6 +50,21 @@ class RankRun:
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx
+
+    @contextlib.contextmanager
+    def publishing_saves_on_crash(self, trainer):
+        """After a crash in a run of one process, the checkpoint written in the background (train.async_save) is
+        published before the crash is reported: complete on disk, the next run would remove it as a stale save.
+        (Several ranks: the others may be gone, and publishing waits for every one.)"""
+        try:
+            yield
+        except Exception:
+            if trainer.ctx.world_size == 1:
+                try:
+                    trainer.finish_save()
+                except Exception as e:  # the crash is the one reported; this is said beside it
+                    trainer.log.warning(f"the checkpoint written in the background was not published: {first_line(e)}")
+            raise
 
     def waiting(self, seconds: float, where: str) -> None:
         """Called every half second while this rank waits for the others to join: a stop signal ends the wait (and
