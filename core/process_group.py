@@ -1,6 +1,6 @@
 """How a rank joins the others: its device, then the process group (torch.distributed's), met over tcp:// after a
-roll call that every node counts the ranks alike, over torchrun's env:// or a file://. Works under our own spawn,
-torchrun and SLURM; the context it returns, and the collectives: core/distributed.py.
+roll call (every node must count and place the ranks alike), or over torchrun's env:// or a file://. Works under
+our own spawn, torchrun and SLURM; the context it returns, and the collectives: core/distributed.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from core.config import procs_per_node_list
 from core.distributed import DistContext
-from core.launch_env import launcher_env
 from core.errors import ConfigError, UserError, first_line
+from core.launch_env import launcher_env
 
 
 def pick_device_type(device: str) -> str:
