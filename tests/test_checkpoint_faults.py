@@ -1,6 +1,7 @@
 """Checkpoints survive anything (issue 9, items 5 and 6): durable writes, safe pruning, stale directories removed,
 resume=auto falling back past checkpoints that cannot be loaded, one-line errors for empty and malformed files, a
 full disk, and checkpoints that would run code (crafted DCP `.metadata` and shard entries) refused."""
+import builtins
 import contextlib
 import errno
 import glob
@@ -304,6 +305,41 @@ def test_no_checkpoint_loads_is_a_one_line_error(reference, tmp_path, capsys):
     assert f"skipping {ckpt(tmp_path, 1)}, which cannot be loaded: {ckpt(tmp_path, 1)}/model.pt: empty" in \
         rank_log(tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-1", "step-2"]  # nothing moved or deleted
+
+
+def failing_open(monkeypatch, full, error, nth=1):
+    """The `nth` open of file `full` (and each later one) fails with OSError `error` (what no permission or a
+    failing disk gives: as root, chmod 000 would not stop us)."""
+    real_open, seen = builtins.open, [0]
+
+    def fails(file, *args, **kwargs):
+        if str(file) == full:
+            seen[0] += 1
+            if seen[0] >= nth:
+                raise OSError(error, os.strerror(error), full)
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", fails)
+
+
+def test_a_checkpoint_the_machine_cannot_read_is_not_set_aside(reference, tmp_path, capsys, monkeypatch):
+    """No permission or a failing disk says nothing of a checkpoint's bytes: resume: auto stops in one line naming
+    the file, and sets nothing aside (it did: step-4.unloadable, and the run went back to step-3)."""
+    crashed_copy(reference("none"), tmp_path, 4)
+    cases = [("model.pt", errno.EACCES, 1),  # its hash, before anything loads
+             ("meta.json", errno.EIO, 1),
+             ("optimizer.pt", errno.EIO, 2)]  # torch.load, once its hash was read
+    for name, error, nth in cases:
+        full = os.path.join(ckpt(tmp_path, 4), name)
+        failing_open(monkeypatch, full, error, nth)
+        assert run(tmp_path) == 2, name
+        monkeypatch.undo()
+        assert errors(capsys) == [f"error: {full}: cannot be read ({os.strerror(error)}): the disk or the "
+                                  "permissions, not the checkpoint's content; fix that and run the same command "
+                                  "again (nothing was set aside)"], name
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step-{s}" for s in (1, 2, 3, 4)], name
+        assert "skipping" not in rank_log(tmp_path)
+    assert run(tmp_path) == 0  # readable again: the same command goes on from step-4
+    assert f"resumed from {ckpt(tmp_path, 4)} at step 4" in rank_log(tmp_path)
 
 
 def test_explicit_resume_path_never_falls_back(reference, tmp_path, capsys):
