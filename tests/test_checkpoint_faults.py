@@ -205,6 +205,22 @@ def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkey
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3"]
 
 
+def test_a_step_name_with_leading_zeros_or_other_digits_is_not_a_checkpoint(tmp_path):
+    """step-04 (a copy made by hand, say) counted as step 4 beside step-4: pruning deleted it, and latest() took
+    either. Names of ours are step-N as the run writes them; any other is foreign, left alone."""
+    foreign = ["step-004", "step-04", "step-\u0664"]  # (U+0664: an Arabic-Indic 4, which \d matches)
+    for name in ["step-3", "step-4"] + foreign:
+        os.makedirs(tmp_path / "checkpoints" / name)
+        (tmp_path / "checkpoints" / name / "meta.json").write_text("{}")
+    assert checkpoint.complete_checkpoints(str(tmp_path)) == [(3, ckpt(tmp_path, 3)), (4, ckpt(tmp_path, 4))]
+    checkpoint.prune(str(tmp_path), keep_last=1, keep=set())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(["step-4"] + foreign)
+    for name in foreign:  # nor is one without meta.json taken for an interrupted prune's
+        os.remove(tmp_path / "checkpoints" / name / "meta.json")
+    assert run_dir.clean_stale(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(["step-4"] + foreign)
+
+
 def test_stale_directories_are_removed_at_start_and_logged(reference, tmp_path):
     crashed_copy(reference("none"), tmp_path, 4)
     tmp = tmp_path / "checkpoints" / ".tmp-step-5-0a1b2c3d"  # a save killed halfway
