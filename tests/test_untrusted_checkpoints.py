@@ -93,6 +93,19 @@ def test_prune_and_clean_stale_act_on_real_directories_only(reference, tmp_path)
     assert {name: files_of(target) for name, target in targets.items()} == before
 
 
+def test_a_stale_tmp_step_that_is_a_file_is_removed_too(tmp_path):
+    """A `.tmp-step-*` that is a plain file (or a FIFO) stayed for ever, taking the space a save needs: removed
+    like a folder leftover, by its name only."""
+    base = tmp_path / "checkpoints"
+    os.makedirs(base / "step-1")
+    (base / "step-1" / "meta.json").write_text("{}")
+    (base / ".tmp-step-5-0a1b2c3d").write_bytes(b"half")
+    os.mkfifo(base / ".tmp-step-6-0a1b2c3d")
+    assert run_dir.clean_stale(str(tmp_path)) == [str(base / ".tmp-step-5-0a1b2c3d"),
+                                                  str(base / ".tmp-step-6-0a1b2c3d")]
+    assert os.listdir(base) == ["step-1"]
+
+
 def test_clean_stale_reports_only_what_it_removed(reference, tmp_path, monkeypatch):
     crashed_copy(reference, tmp_path, 1)
     os.makedirs(tmp_path / "checkpoints" / ".tmp-step-2-0a1b2c3d")
