@@ -94,6 +94,12 @@ def symlink_refused(link: str) -> str:
            "files only)"
 
 
+def linked_checkpoint_refused(path: str) -> str:
+    """The line for a checkpoint named by a path that is itself a symlink (train.resume, test.checkpoint, ...)."""
+    return f"{path}: a symlink to a checkpoint (refused: it is never followed; a checkpoint is read from its own " \
+           "folder)"
+
+
 def _difference(folder: str, files: dict) -> Optional[str]:
     present = set(listed_files(folder))
     for rel, entry in files.items():

@@ -76,6 +76,8 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
 def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[tuple[str, str]]]:
     """meta.json ({} if it cannot be read) and ("problem", line), ("unverified", line) or None (all files as
     recorded, and signed where `secret`)."""
+    if os.path.islink(os.path.normpath(path)):  # as checkpoint.is_complete: never a checkpoint of ours
+        return {}, ("problem", checkpoint_hashes.linked_checkpoint_refused(path))
     if not os.path.isdir(path):
         return {}, None  # the loader names it
     try:

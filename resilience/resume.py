@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from core import checkpoint, checkpoint_io, checkpoint_meta
+from core import checkpoint, checkpoint_hashes, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
@@ -77,6 +77,8 @@ def resume(trainer, which: str) -> bool:
     if which == "auto":
         path = load_newest(trainer.cfg.output_dir, trainer.ctx, load_here, trainer.log.warning)
     else:  # an explicit path never falls back to another checkpoint
+        if os.path.islink(os.path.normpath(which)):
+            raise CheckpointError(f"train.resume: {checkpoint_hashes.linked_checkpoint_refused(which)}")
         if not checkpoint.is_complete(which):
             raise CheckpointError(f"train.resume: {which} is not a complete checkpoint directory (step-N/meta.json)")
         path = load_on_every_rank(trainer.ctx, load_here, which)

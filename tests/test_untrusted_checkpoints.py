@@ -72,6 +72,22 @@ def test_training_with_keep_last_1_leaves_a_symlinked_checkpoints_target_intact(
     assert [name for name in os.listdir(out / "checkpoints") if name != "step-1"] == [f"step-{STEPS}"]
 
 
+def test_a_symlinked_checkpoint_named_by_the_user_is_refused_as_one(reference, tmp_path, capsys):
+    """train.resume or test.checkpoint naming a symlinked step-N: the resume said "not a complete checkpoint
+    directory" of a complete one. Refused as a symlink, in the words of the other symlink refusals."""
+    shutil.copytree(ckpt(reference, 3), tmp_path / "elsewhere" / "step-3")
+    out = tmp_path / "out"
+    crashed_copy(reference, out, 2)
+    link = ckpt(out, 3)
+    os.symlink(tmp_path / "elsewhere" / "step-3", link)
+    says = f"{link}: a symlink to a checkpoint (refused: it is never followed; a checkpoint is read from its own " \
+           "folder)"
+    assert run(out, train={"resume": link}) == 2
+    assert errors(capsys) == [f"error: train.resume: {says}"]
+    assert main.run(make_config(out, mode="test", test={"checkpoint": link})) == 2
+    assert errors(capsys) == [f"error: {says}"]
+
+
 def test_prune_and_clean_stale_act_on_real_directories_only(reference, tmp_path):
     base = tmp_path / "checkpoints"
     targets = {name: tmp_path / "elsewhere" / name for name in ("complete", "tmp", "half")}
