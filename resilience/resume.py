@@ -210,8 +210,8 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
     t, saved = trainer.train_cfg, meta.get("config") or {}
-    diffs = checkpoint_meta.differences(tie_resolved(saved, trainer.task), tie_resolved(trainer.cfg.to_dict(),
-                                                                                        trainer.task))
+    diffs = checkpoint_meta.differences(model_built(saved, trainer.task), model_built(trainer.cfg.to_dict(),
+                                                                                      trainer.task))
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
@@ -226,13 +226,11 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     trainer.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} (train.resume_changed)")
 
 
-def tie_resolved(config: dict, task) -> dict:
-    """`config` with model.tie_embeddings null read as the value it builds (Task.tie_embeddings_default): true over
-    null is the same run where null ties, false over null another one."""
+def model_built(config: dict, task) -> dict:
+    """`config` with its model section read as the model it builds (Task.model_built): model.layers 2 over null is
+    the same run where model.name's preset has 2 layers (so for heads, width, bias, tie_embeddings), 4 another."""
     model = config.get("model")
-    if not isinstance(model, dict) or "tie_embeddings" not in model or model["tie_embeddings"] is not None:
-        return config
-    return {**config, "model": {**model, "tie_embeddings": task.tie_embeddings_default()}}
+    return {**config, "model": task.model_built(model)} if isinstance(model, dict) else config
 
 
 def schedule_changes(trainer, saved: dict) -> None:
