@@ -48,11 +48,13 @@ def explicit_or_newer(trainer, path: str) -> str:
             saved = checkpoint_meta.saved_train(checkpoint_meta.read(last))
         except Unloadable:
             saved = {}
+        except CheckpointError as e:  # the machine cannot read it (errors.unreadable): said on every rank
+            saved, refusal = {}, str(e)
         step = checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-        if same_path(saved.get("resume"), path):
+        if refusal is None and same_path(saved.get("resume"), path):
             which = "auto"
             trainer.log.info(f"train.resume: this run went on from {path} before: resuming its newest checkpoint")
-        elif step and int(step.group(1)) < last_step:
+        elif refusal is None and step and int(step.group(1)) < last_step:
             refusal = (f"train.resume: {path} is older than {last}, which was not written from it (resume, test "
                        "mode and pruning would take it for this run's): resume it into another output_dir, or move "
                        "the later checkpoints aside")

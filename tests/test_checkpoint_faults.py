@@ -323,9 +323,9 @@ def test_no_checkpoint_loads_is_a_one_line_error(reference, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-1", "step-2"]  # nothing moved or deleted
 
 
-def failing_open(monkeypatch, full, error, nth=1):
-    """The `nth` open of file `full` (and each later one) fails with OSError `error` (what no permission or a
-    failing disk gives: as root, chmod 000 would not stop us)."""
+def failing(full, error=errno.EIO, nth=1):
+    """builtins.open, but the `nth` open of file `full` (and each later one) fails with OSError `error` (what no
+    permission or a failing disk gives: as root, chmod 000 would not stop us)."""
     real_open, seen = builtins.open, [0]
 
     def fails(file, *args, **kwargs):
@@ -334,7 +334,7 @@ def failing_open(monkeypatch, full, error, nth=1):
             if seen[0] >= nth:
                 raise OSError(error, os.strerror(error), full)
         return real_open(file, *args, **kwargs)
-    monkeypatch.setattr(builtins, "open", fails)
+    return fails
 
 
 def test_a_checkpoint_the_machine_cannot_read_is_not_set_aside(reference, tmp_path, capsys, monkeypatch):
@@ -346,7 +346,7 @@ def test_a_checkpoint_the_machine_cannot_read_is_not_set_aside(reference, tmp_pa
              ("optimizer.pt", errno.EIO, 2)]  # torch.load, once its hash was read
     for name, error, nth in cases:
         full = os.path.join(ckpt(tmp_path, 4), name)
-        failing_open(monkeypatch, full, error, nth)
+        monkeypatch.setattr(builtins, "open", failing(full, error, nth))
         assert run(tmp_path) == 2, name
         monkeypatch.undo()
         assert errors(capsys) == [f"error: {full}: cannot be read ({os.strerror(error)}): the disk or the "
@@ -622,6 +622,43 @@ def test_ranks_fall_back_together(tmp_path):
     assert all(f"skipping {ckpt(tmp_path, 3)}, which cannot be loaded: {ckpt(tmp_path, 3)}/model.pt: empty" in
                r["warnings"][0] for r in results)
     assert os.path.isdir(ckpt(tmp_path, 3) + ".unloadable")  # moved aside once (by rank 0)
+
+
+def _unreadable_worker(rank, port, out, result_dir):
+    import datetime
+    import types
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))  # (a rank left waiting fails, not hangs)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
+    if rank == 0:  # the newest meta.json, read by rank 0 only in both
+        pytest.MonkeyPatch().setattr(builtins, "open", failing(os.path.join(ckpt(out, 2), "meta.json")))
+    trainer = types.SimpleNamespace(ctx=ctx, cfg=types.SimpleNamespace(output_dir=out), log=None)
+    said = []
+    for check in (lambda: resume.explicit_or_newer(trainer, ckpt(out, 1)),
+                  lambda: checkpoint_io.verify(ckpt(out, 2), ctx)):
+        try:
+            check()
+        except Unloadable as e:
+            said.append(f"unloadable: {e}")
+        except checkpoint_io.CheckpointError as e:
+            said.append(str(e))
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(said, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_file_rank_0_cannot_read_stops_every_rank_in_one_line(tmp_path):
+    """Rank 0 alone reads the newest checkpoint's meta.json (train.resume: PATH's check, the hash check): one it
+    cannot read left the other rank waiting for its answer."""
+    from conftest import free_port
+    for step in (1, 2):
+        write_checkpoint(str(tmp_path), step, SINGLE, lambda d: None, {"step": step, "state": {}})
+    spawn(_unreadable_worker, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    line = f"{ckpt(tmp_path, 2)}/meta.json: cannot be read (Input/output error): the disk or the permissions, " \
+           "not the checkpoint's content; fix that and run the same command again (nothing was set aside)"
+    assert [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)] == [[line, line]] * 2
 
 
 @pytest.mark.slow
