@@ -35,9 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from core import checkpoint_hashes, checkpoint_signing, disk_errors
 from core.distributed import DistContext, broadcast_object, gather_objects
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-TMP_DIR = re.compile(r"^\.tmp-step-\d+-")
-REPLACED_DIR = re.compile(r"^\.tmp-(step-\d+)-replaced-")  # a published step-N moved aside as it is saved again
+# step-N exactly as the run writes it: step-04 (or other digits \d matches) would count as step 4 beside step-4;
+# such a name is foreign, left alone by latest, prune and clean-up.
+STEP = "(?:0|[1-9][0-9]*)"
+STEP_DIR = re.compile(rf"^step-({STEP})$")
+TMP_DIR = re.compile(rf"^\.tmp-step-{STEP}-")
+REPLACED_DIR = re.compile(rf"^\.tmp-(step-{STEP})-replaced-")  # a published step-N moved aside as it is saved again
 
 
 NOT_HYPERPARAMETERS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from core.errors import CheckpointError, Unloadable, first_line
+from core.errors import CheckpointError, Unloadable, first_line, unreadable
 
 
 def dcp_cause(e: BaseException) -> BaseException:
@@ -46,6 +46,8 @@ def dcp_model_state_dict(dcp_dir: str) -> dict:
         cause = dcp_cause(e)
         if isinstance(cause, CheckpointError):
             raise cause from None
+        if isinstance(cause, OSError):  # a shard the machine cannot read, or one gone (unreadable)
+            raise unreadable(cause, dcp_dir) from None
         raise Unloadable(f"{dcp_dir}: cannot be read as a sharded checkpoint ({first_line(cause)})") from None
     return state_dict
 
@@ -56,11 +58,17 @@ def read_dcp_metadata(dcp_dir: str, name: str = ".metadata"):
     full = os.path.join(dcp_dir, name)
     if not os.path.isfile(full):
         raise Unloadable(f"{full}: missing from the checkpoint")
-    with open(full, "rb") as f:
+    try:
+        f = open(full, "rb")
+    except OSError as e:
+        raise unreadable(e, full) from None
+    with f:
         try:
             metadata = _MetadataUnpickler(f, full).load()
         except CheckpointError:
             raise
+        except OSError as e:  # no permission, a failing disk: not the file's bytes (unreadable)
+            raise unreadable(e, full) from None
         except Exception as e:  # empty, truncated, not a pickle
             raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):

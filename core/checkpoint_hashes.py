@@ -17,6 +17,8 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from core.errors import Unloadable, unreadable
+
 CHUNK = 1 << 20  # bytes read at a time: large enough that the hash, not Python, sets the pace
 MAX_OPEN = 8  # files hashed (so open) at once, whatever the machine: a run under a low `ulimit -n` still saves
 HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -44,18 +46,22 @@ def hash_files(paths: list[str]) -> list[str]:
 def listed_files(folder: str) -> list[str]:
     """Every file under `folder` but its meta.json, as sorted paths relative to it with '/' between parts."""
     found = (os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
-             for parent, _, files in os.walk(folder) for name in files)
+             for parent, _, files in os.walk(folder, onerror=_raise) for name in files)
     return sorted(rel for rel in found if rel != "meta.json")
 
 
 def first_symlink(folder: str) -> Optional[str]:
     """The first symlink (to a file or a folder) at any depth under `folder`, or None. os.walk does not follow
     them, so a linked folder would be neither listed nor hashed, yet read by a loader that opens its path."""
-    for parent, dirs, files in os.walk(folder):
+    for parent, dirs, files in os.walk(folder, onerror=_raise):
         for name in sorted(dirs + files):
             if os.path.islink(os.path.join(parent, name)):
                 return os.path.join(parent, name)
     return None
+
+
+def _raise(error: OSError):
+    raise error  # os.walk would skip a folder it cannot list: its files would look missing
 
 
 def record(folder: str) -> dict[str, dict]:
@@ -68,23 +74,30 @@ def record(folder: str) -> dict[str, dict]:
 
 def problem(folder: str, files) -> Optional[str]:
     """What differs between checkpoint folder `folder` and `files`, its meta.json's record (untrusted: checked
-    first): one line naming the file, or None if nothing does. Sizes and names are compared before any file is
+    first): one line naming the file, or None if nothing does (a file the machine cannot read: CheckpointError). Sizes and names are compared before any file is
     hashed, so a missing or truncated file is said at once."""
-    link = first_symlink(folder)
-    if link:
-        return symlink_refused(link)
     malformed = _malformed(files)
     if malformed:
         return f"{os.path.join(folder, 'meta.json')}: unreadable (`files` {malformed})"
     try:
-        return _difference(folder, files)
-    except OSError as e:  # a file that cannot be read (a failing disk, no permission)
-        return f"{e.filename or folder}: unreadable ({e.strerror or e})"
+        link = first_symlink(folder)
+        return symlink_refused(link) if link else _difference(folder, files)
+    except OSError as e:  # a file gone meanwhile is a problem; a failing disk or no permission raises (unreadable)
+        error = unreadable(e, folder)
+        if not isinstance(error, Unloadable):
+            raise error from None
+        return str(error)
 
 
 def symlink_refused(link: str) -> str:
     return f"{link}: a symlink inside the checkpoint (refused: it is never followed; a checkpoint holds its own " \
            "files only)"
+
+
+def linked_checkpoint_refused(path: str) -> str:
+    """The line for a checkpoint named by a path that is itself a symlink (train.resume, test.checkpoint, ...)."""
+    return f"{path}: a symlink to a checkpoint (refused: it is never followed; a checkpoint is read from its own " \
+           "folder)"
 
 
 def _difference(folder: str, files: dict) -> Optional[str]:

@@ -20,7 +20,7 @@ from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint import hyperparameters
 from core.checkpoint_meta import differences, read as read_meta, saved_train
 from core.distributed import DistContext, broadcast_object
-from core.errors import CheckpointError, Unloadable, first_line, warn_on_stderr
+from core.errors import CheckpointError, Unloadable, first_line, unreadable, warn_on_stderr
 from core.model_parts import trained_names, trains_part
 from core.optimizers import param_groups
 
@@ -35,6 +35,8 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
         raise Unloadable(f"{full}: empty (0 bytes)")
     try:
         obj = torch.load(full, map_location="cpu", weights_only=True)
+    except OSError as e:  # no permission, a failing disk: not the file's bytes (unreadable)
+        raise unreadable(e, full) from None
     except Exception as e:  # truncated file, foreign pickle, ...
         raise Unloadable(f"{full}: cannot be loaded ({first_line(e)})") from None
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
@@ -56,8 +58,13 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
     main = ctx is None or ctx.is_main
     config = cfg.to_dict() if cfg is not None else {}
     secret = checkpoint_signing.key(config)  # on every rank: a key file that cannot be read fails on all
-    meta, found = _files_problem(path, secret) if main else ({}, None)
+    try:
+        meta, found = _files_problem(path, secret) if main else ({}, None)
+    except CheckpointError as e:  # a file the machine cannot read (errors.unreadable): said on every rank
+        meta, found = {}, ("problem" if isinstance(e, Unloadable) else "unreadable", str(e))
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
+    if kind == "unreadable":
+        raise CheckpointError(line)
     if kind == "problem" or (kind == "unverified" and not config.get("allow_unverified")):
         raise Unloadable(line if kind == "problem" else f"{line}; to load it anyway, set allow_unverified: true")
     if kind == "unverified" and main:
@@ -69,9 +76,14 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
 def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[tuple[str, str]]]:
     """meta.json ({} if it cannot be read) and ("problem", line), ("unverified", line) or None (all files as
     recorded, and signed where `secret`)."""
+    if os.path.islink(os.path.normpath(path)):  # as checkpoint.is_complete: never a checkpoint of ours
+        return {}, ("problem", checkpoint_hashes.linked_checkpoint_refused(path))
     if not os.path.isdir(path):
         return {}, None  # the loader names it
-    link = checkpoint_hashes.first_symlink(path)  # refused even where allow_unverified would load the rest
+    try:
+        link = checkpoint_hashes.first_symlink(path)  # refused even where allow_unverified would load the rest
+    except OSError as e:
+        raise unreadable(e, path) from None
     if link:
         return {}, ("problem", checkpoint_hashes.symlink_refused(link))
     try:
@@ -105,6 +117,8 @@ def fits_model(path: str, cfg=None):
             raise cause from None
         mismatch = any(w in str(cause).lower() for w in ("state_dict", "size mismatch", "mismatch sizes",
                                                           "missing key", "unexpected key"))
+        if isinstance(cause, OSError):  # a shard the machine cannot read, or one gone (unreadable)
+            raise unreadable(cause, path) from None
         if dcp_failed and not mismatch:  # DCP could not read its own files: a missing or truncated shard, ...
             raise Unloadable(f"{path}: cannot be loaded ({first_line(cause)})") from None
         if isinstance(cause, RuntimeError) and not mismatch:

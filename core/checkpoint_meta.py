@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from core import checkpoint
 from core.checkpoint import STEP_DIR
-from core.errors import Unloadable, warn_on_stderr
+from core.errors import Unloadable, unreadable, warn_on_stderr
 
 META_REQUIRED = {"step": int, "state": dict}  # what resume and test mode read from meta.json without a default
 META_OPTIONAL = {"config": dict, "vocabulary_sha256": str}  # read with .get(), then looked into or compared
@@ -24,7 +24,7 @@ STATE_COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "evals_without_imp
 
 def read(path: str) -> dict:
     """meta.json of checkpoint `path`, bounded in size and depth, with every value that is read checked (or
-    Unloadable, naming the file and the key)."""
+    Unloadable, naming the file and the key; a CheckpointError where the machine cannot read it: unreadable)."""
     full = os.path.join(path, "meta.json")
     try:
         if not stat.S_ISREG(os.lstat(full).st_mode):  # read before the files are checked: a FIFO would block open()
@@ -34,8 +34,8 @@ def read(path: str) -> dict:
             data = f.read(META_MAX_BYTES + 1)
     except FileNotFoundError:
         raise Unloadable(f"{path}: not a complete checkpoint (no meta.json)") from None
-    except OSError as e:
-        raise Unloadable(f"{full}: unreadable ({e.strerror or e})") from None
+    except OSError as e:  # a failing disk or no permission stops the run: the content may be fine (unreadable)
+        raise unreadable(e, full) from None
     if len(data) > META_MAX_BYTES:
         raise Unloadable(f"{full}: unreadable (larger than {META_MAX_BYTES >> 20} MiB; a real one is a few KB)")
     if _json_depth(data) > META_MAX_DEPTH:  # before json.load, whose recursion it would overflow

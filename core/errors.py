@@ -2,6 +2,7 @@
 live apart from the config schema and the fault handling (resilience/faults.py reports them)."""
 from __future__ import annotations
 
+import os
 import sys
 
 EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_DIVERGED = 0, 1, 2, 3, 4  # (and 130: Ctrl-C in test mode)
@@ -27,6 +28,18 @@ class Unloadable(CheckpointError):
     """A checkpoint whose files are missing, empty, truncated, malformed or refused (they would run code).
     `resume: auto` then falls back to an older checkpoint. Other CheckpointErrors (a checkpoint that does not fit
     this model or optimizer) stop the run: the older checkpoints of the same run would not fit either."""
+
+
+def unreadable(e: OSError, path: str) -> CheckpointError:
+    """The error for a file of checkpoint `path` that could not be opened or read (`e`). Gone, or a folder in its
+    place: the checkpoint's content, Unloadable. Anything else (no permission, a failing disk, EIO) is the
+    machine's, not the bytes': a CheckpointError, so that resume: auto stops instead of setting a good checkpoint
+    aside and going back to an older one."""
+    where = os.fsdecode(e.filename) if e.filename is not None else path
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return Unloadable(f"{where}: unreadable ({e.strerror or e})")
+    return CheckpointError(f"{where}: cannot be read ({e.strerror or e}): the disk or the permissions, not the "
+                           "checkpoint's content; fix that and run the same command again (nothing was set aside)")
 
 
 class Stopped(Exception):

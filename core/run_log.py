@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -41,6 +41,12 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     else:
         quiet_libraries()
     return log
+
+
+def warning_note(log: logging.Logger) -> Callable[[str], None]:
+    """A `note` callback that logs its line as errors.warn_on_stderr prints one where no log is at hand, `warning: `
+    first: the same warning reads the same in test mode and predict (logged) as in export (stderr)."""
+    return lambda text: log.warning(f"warning: {text}")
 
 
 QUIET_LIBRARIES = ("transformers", "peft")

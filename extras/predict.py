@@ -33,7 +33,8 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
     if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
         raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
-    path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, log.warning, "predict.checkpoint")
+    path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
+                                                                  "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
     meta = checkpoint_meta.read_loaded(path, cfg.allow_unverified)  # (allow_unverified: {} where unreadable)

@@ -12,7 +12,7 @@ from core.errors import CheckpointError
 
 def test(trainer) -> dict:
     cfg, log = trainer.cfg, trainer.log
-    path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, log.warning)
+    path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log))
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
     weights = checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,

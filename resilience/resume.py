@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from core import checkpoint, checkpoint_io, checkpoint_meta
+from core import checkpoint, checkpoint_hashes, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from resilience import run_dir
@@ -48,11 +48,13 @@ def explicit_or_newer(trainer, path: str) -> str:
             saved = checkpoint_meta.saved_train(checkpoint_meta.read(last))
         except Unloadable:
             saved = {}
+        except CheckpointError as e:  # the machine cannot read it (errors.unreadable): said on every rank
+            saved, refusal = {}, str(e)
         step = checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-        if same_path(saved.get("resume"), path):
+        if refusal is None and same_path(saved.get("resume"), path):
             which = "auto"
             trainer.log.info(f"train.resume: this run went on from {path} before: resuming its newest checkpoint")
-        elif step and int(step.group(1)) < last_step:
+        elif refusal is None and step and int(step.group(1)) < last_step:
             refusal = (f"train.resume: {path} is older than {last}, which was not written from it (resume, test "
                        "mode and pruning would take it for this run's): resume it into another output_dir, or move "
                        "the later checkpoints aside")
@@ -77,6 +79,8 @@ def resume(trainer, which: str) -> bool:
     if which == "auto":
         path = load_newest(trainer.cfg.output_dir, trainer.ctx, load_here, trainer.log.warning)
     else:  # an explicit path never falls back to another checkpoint
+        if os.path.islink(os.path.normpath(which)):
+            raise CheckpointError(f"train.resume: {checkpoint_hashes.linked_checkpoint_refused(which)}")
         if not checkpoint.is_complete(which):
             raise CheckpointError(f"train.resume: {which} is not a complete checkpoint directory (step-N/meta.json)")
         path = load_on_every_rank(trainer.ctx, load_here, which)
@@ -208,8 +212,8 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
     t, saved = trainer.train_cfg, meta.get("config") or {}
-    diffs = checkpoint_meta.differences(tie_resolved(saved, trainer.task), tie_resolved(trainer.cfg.to_dict(),
-                                                                                        trainer.task))
+    diffs = checkpoint_meta.differences(model_built(saved, trainer.task), model_built(trainer.cfg.to_dict(),
+                                                                                      trainer.task))
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
@@ -224,13 +228,11 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     trainer.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} (train.resume_changed)")
 
 
-def tie_resolved(config: dict, task) -> dict:
-    """`config` with model.tie_embeddings null read as the value it builds (Task.tie_embeddings_default): true over
-    null is the same run where null ties, false over null another one."""
+def model_built(config: dict, task) -> dict:
+    """`config` with its model section read as the model it builds (Task.model_built): model.layers 2 over null is
+    the same run where model.name's preset has 2 layers (so for heads, width, bias, tie_embeddings), 4 another."""
     model = config.get("model")
-    if not isinstance(model, dict) or "tie_embeddings" not in model or model["tie_embeddings"] is not None:
-        return config
-    return {**config, "model": {**model, "tie_embeddings": task.tie_embeddings_default()}}
+    return {**config, "model": task.model_built(model)} if isinstance(model, dict) else config
 
 
 def schedule_changes(trainer, saved: dict) -> None:

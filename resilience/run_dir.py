@@ -57,15 +57,16 @@ def restore_replaced(output_dir: str) -> list[str]:
 
 def clean_stale(output_dir: str) -> list[str]:
     """Remove what interrupted saves (`.tmp-step-*`) and prunes (a `step-N` without meta.json) left in
-    checkpoints/; return the paths really removed. Run by claim(), before any rank saves: nothing reads them, and on a full disk they would take the space the next checkpoint needs. A symlink is
-    never followed: a `.tmp-step-*` one is unlinked (the link, not its target), a `step-N` one left."""
+    checkpoints/; return the paths really removed. Run by claim(), before any rank saves: nothing reads them, and
+    on a full disk they would take the space the next checkpoint needs. A symlink is never followed: a `.tmp-step-*`
+    that is not a real folder (a link, a file) is unlinked (the name, not a link's target), a `step-N` one left."""
     base = checkpoint.root(output_dir)
     if not os.path.isdir(base):
         return []
     removed = []
     for name in sorted(os.listdir(base)):
         path = os.path.join(base, name)
-        if checkpoint.TMP_DIR.match(name) and os.path.islink(path):
+        if checkpoint.TMP_DIR.match(name) and not checkpoint.real_dir(path):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         elif checkpoint.real_dir(path) and (checkpoint.TMP_DIR.match(name) or (checkpoint.STEP_DIR.match(name) and not checkpoint.is_complete(path))):

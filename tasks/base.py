@@ -133,10 +133,11 @@ class Task:
                                      .hexdigest() if vocabulary else None)
         return self._vocabulary_hash[1]
 
-    def tie_embeddings_default(self) -> Optional[bool]:
-        """What model.tie_embeddings null builds (a resume compares the value each config resolves to); None: the
-        task has no output layer over the vocabulary to tie (the key stays null)."""
-        return None
+    def model_built(self, model: dict) -> dict:
+        """`model`, a model section as a config holds it (saved with a checkpoint, or this run's), with each null
+        key read as the value this task builds from it: a resume compares the two so (null and the value it means
+        are one run). Here: as it is (the task has no such key)."""
+        return model
 
     def classes_note(self) -> Optional[str]:
         """What the run's plan says of a classifier's classes (`3 classes: neg, neu, pos`, cut to ~80 characters);

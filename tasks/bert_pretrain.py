@@ -285,8 +285,8 @@ class BertPretrainTask(Task):
                                        trust_remote_code=False)
         return ModelLimits(c.vocab_size, c.type_vocab_size, c.max_position_embeddings)
 
-    def tie_embeddings_default(self) -> bool:
-        return lm_models.tied_by_default(self.cfg)
+    def model_built(self, model: dict) -> dict:
+        return lm_models.built_shape(self.cfg, model, BERT_PRESETS, BERT_SHAPE)
 
     def build_model(self) -> nn.Module:
         from transformers import BertConfig, BertForPreTraining

@@ -90,8 +90,8 @@ class GPT2LMTask(Task):
             self.check_fits(model.config)
         return model
 
-    def tie_embeddings_default(self) -> bool:
-        return lm_models.tied_by_default(self.cfg)
+    def model_built(self, model: dict) -> dict:
+        return lm_models.built_shape(self.cfg, model, lm_models.PRESETS, lm_models.PRESET_WORDS, arch="gpt2")
 
     def check_fits(self, config) -> None:
         """The blocks fit the pretrained model: token ids inside its vocabulary (a tokenizer with added tokens

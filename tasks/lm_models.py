@@ -13,6 +13,7 @@ Also here, for the tasks: the model as a pipeline chain (pipeline_layers) and it
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ PRESETS = {
     "tiny": dict(layers=2, heads=2, width=64),
 }
 SHAPE_KEYS = ("layers", "heads", "width")
+PRESET_WORDS = {k: (k,) for k in SHAPE_KEYS}  # PRESETS name them as the model section does
 
 
 def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
@@ -37,7 +39,7 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     m = cfg.model
     if m.pretrained_dir:
         return load_causal_lm(cfg)
-    s = sized(cfg, PRESETS, {k: (k,) for k in SHAPE_KEYS})
+    s = sized(cfg, PRESETS, PRESET_WORDS)
     tied = m.tie_embeddings is not False  # null: tied, as GPT-2 and nanoGPT are
     if (m.arch or "gpt2") == "gpt2":
         # "gelu": torch's one fused kernel (nanoGPT's); GPT-2's "gelu_new" is ~8 element-wise ops each way (slow).
@@ -57,14 +59,22 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def tied_by_default(cfg) -> bool:
-    """What model.tie_embeddings null builds: the output layer tied to the embedding (GPT-2, nanoGPT and BERT are),
-    or model.pretrained_dir's model's own choice (a value set must equal it: check_folder_shape)."""
-    if not cfg.model.pretrained_dir:
-        return True
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir),
-                                      trust_remote_code=False).tie_word_embeddings
+def built_shape(cfg, model: dict, presets: dict, names: dict, arch: Optional[str] = None) -> dict:
+    """`model`, a model section as a config holds it (saved with a checkpoint, or this run's), with each null shape
+    key read as the value it builds: layers, heads and width model.name's preset in `presets` (in `names`' words, as
+    sized takes them), bias the architecture's own (llama: none; the others: biases), tie_embeddings tied (GPT-2,
+    nanoGPT and BERT are), arch `arch`; or, where it names a model.pretrained_dir, that folder's (cfg's)."""
+    if model.get("pretrained_dir") and cfg.model.pretrained_dir:
+        from transformers import AutoConfig
+        folder = AutoConfig.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir), trust_remote_code=False)
+        own = {**folder_shape(folder), "arch": folder.model_type}
+    else:
+        preset = presets.get(model.get("name") if isinstance(model.get("name"), str) else None, {})
+        own = {key: preset[names[key][0]] for key in SHAPE_KEYS if names[key][0] in preset}
+        own.update(bias=model.get("arch") != "llama", tie_embeddings=True, arch=arch)
+    if arch is None:  # a task without model.arch: it stays as it is
+        del own["arch"]
+    return {**model, **{key: value for key, value in own.items() if key in model and model[key] is None}}
 
 
 def swiglu_width(width: int) -> int:
@@ -128,12 +138,17 @@ def check_folder_shape(cfg, config) -> None:
     """A shape key set in the model section equals model.pretrained_dir's (transformers' common attribute names
     work for GPT-2, Llama, BERT and BART alike); null keys take the folder's."""
     m = cfg.model
-    theirs = {"layers": config.num_hidden_layers, "heads": config.num_attention_heads, "width": config.hidden_size,
-              "bias": getattr(config, "attention_bias", True), "tie_embeddings": config.tie_word_embeddings}
-    for key, value in theirs.items():
+    for key, value in folder_shape(config).items():
         if getattr(m, key) is not None and getattr(m, key) != value:
             raise ConfigError(f"model.{key} is {getattr(m, key)} but model.pretrained_dir's model has {value}; "
                               f"set it to null (the folder's) or {value}")
+
+
+def folder_shape(config) -> dict:
+    """The shape keys of a pretrained folder's transformers config (their common attribute names work for GPT-2,
+    Llama, BERT and BART alike)."""
+    return {"layers": config.num_hidden_layers, "heads": config.num_attention_heads, "width": config.hidden_size,
+            "bias": getattr(config, "attention_bias", True), "tie_embeddings": config.tie_word_embeddings}
 
 
 # ---- pipe and tp: the model as a chain of layers, and its tensor-parallel split ----------------------------------

@@ -170,6 +170,9 @@ class SST2Task(Task):
             lm_models.freeze_biases(model)
         return model
 
+    def model_built(self, model: dict) -> dict:
+        return lm_models.built_shape(self.cfg, model, BART_PRESETS, BART_SHAPE)
+
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
         if model.config.is_encoder_decoder:
             raise ConfigError("dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "

@@ -1,6 +1,7 @@
 """Checkpoints survive anything (issue 9, items 5 and 6): durable writes, safe pruning, stale directories removed,
 resume=auto falling back past checkpoints that cannot be loaded, one-line errors for empty and malformed files, a
 full disk, and checkpoints that would run code (crafted DCP `.metadata` and shard entries) refused."""
+import builtins
 import contextlib
 import errno
 import glob
@@ -204,6 +205,22 @@ def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkey
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3"]
 
 
+def test_a_step_name_with_leading_zeros_or_other_digits_is_not_a_checkpoint(tmp_path):
+    """step-04 (a copy made by hand, say) counted as step 4 beside step-4: pruning deleted it, and latest() took
+    either. Names of ours are step-N as the run writes them; any other is foreign, left alone."""
+    foreign = ["step-004", "step-04", "step-\u0664"]  # (U+0664: an Arabic-Indic 4, which \d matches)
+    for name in ["step-3", "step-4"] + foreign:
+        os.makedirs(tmp_path / "checkpoints" / name)
+        (tmp_path / "checkpoints" / name / "meta.json").write_text("{}")
+    assert checkpoint.complete_checkpoints(str(tmp_path)) == [(3, ckpt(tmp_path, 3)), (4, ckpt(tmp_path, 4))]
+    checkpoint.prune(str(tmp_path), keep_last=1, keep=set())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(["step-4"] + foreign)
+    for name in foreign:  # nor is one without meta.json taken for an interrupted prune's
+        os.remove(tmp_path / "checkpoints" / name / "meta.json")
+    assert run_dir.clean_stale(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(["step-4"] + foreign)
+
+
 def test_stale_directories_are_removed_at_start_and_logged(reference, tmp_path):
     crashed_copy(reference("none"), tmp_path, 4)
     tmp = tmp_path / "checkpoints" / ".tmp-step-5-0a1b2c3d"  # a save killed halfway
@@ -304,6 +321,41 @@ def test_no_checkpoint_loads_is_a_one_line_error(reference, tmp_path, capsys):
     assert f"skipping {ckpt(tmp_path, 1)}, which cannot be loaded: {ckpt(tmp_path, 1)}/model.pt: empty" in \
         rank_log(tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-1", "step-2"]  # nothing moved or deleted
+
+
+def failing(full, error=errno.EIO, nth=1):
+    """builtins.open, but the `nth` open of file `full` (and each later one) fails with OSError `error` (what no
+    permission or a failing disk gives: as root, chmod 000 would not stop us)."""
+    real_open, seen = builtins.open, [0]
+
+    def fails(file, *args, **kwargs):
+        if str(file) == full:
+            seen[0] += 1
+            if seen[0] >= nth:
+                raise OSError(error, os.strerror(error), full)
+        return real_open(file, *args, **kwargs)
+    return fails
+
+
+def test_a_checkpoint_the_machine_cannot_read_is_not_set_aside(reference, tmp_path, capsys, monkeypatch):
+    """No permission or a failing disk says nothing of a checkpoint's bytes: resume: auto stops in one line naming
+    the file, and sets nothing aside (it did: step-4.unloadable, and the run went back to step-3)."""
+    crashed_copy(reference("none"), tmp_path, 4)
+    cases = [("model.pt", errno.EACCES, 1),  # its hash, before anything loads
+             ("meta.json", errno.EIO, 1),
+             ("optimizer.pt", errno.EIO, 2)]  # torch.load, once its hash was read
+    for name, error, nth in cases:
+        full = os.path.join(ckpt(tmp_path, 4), name)
+        monkeypatch.setattr(builtins, "open", failing(full, error, nth))
+        assert run(tmp_path) == 2, name
+        monkeypatch.undo()
+        assert errors(capsys) == [f"error: {full}: cannot be read ({os.strerror(error)}): the disk or the "
+                                  "permissions, not the checkpoint's content; fix that and run the same command "
+                                  "again (nothing was set aside)"], name
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step-{s}" for s in (1, 2, 3, 4)], name
+        assert "skipping" not in rank_log(tmp_path)
+    assert run(tmp_path) == 0  # readable again: the same command goes on from step-4
+    assert f"resumed from {ckpt(tmp_path, 4)} at step 4" in rank_log(tmp_path)
 
 
 def test_explicit_resume_path_never_falls_back(reference, tmp_path, capsys):
@@ -570,6 +622,43 @@ def test_ranks_fall_back_together(tmp_path):
     assert all(f"skipping {ckpt(tmp_path, 3)}, which cannot be loaded: {ckpt(tmp_path, 3)}/model.pt: empty" in
                r["warnings"][0] for r in results)
     assert os.path.isdir(ckpt(tmp_path, 3) + ".unloadable")  # moved aside once (by rank 0)
+
+
+def _unreadable_worker(rank, port, out, result_dir):
+    import datetime
+    import types
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))  # (a rank left waiting fails, not hangs)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
+    if rank == 0:  # the newest meta.json, read by rank 0 only in both
+        pytest.MonkeyPatch().setattr(builtins, "open", failing(os.path.join(ckpt(out, 2), "meta.json")))
+    trainer = types.SimpleNamespace(ctx=ctx, cfg=types.SimpleNamespace(output_dir=out), log=None)
+    said = []
+    for check in (lambda: resume.explicit_or_newer(trainer, ckpt(out, 1)),
+                  lambda: checkpoint_io.verify(ckpt(out, 2), ctx)):
+        try:
+            check()
+        except Unloadable as e:
+            said.append(f"unloadable: {e}")
+        except checkpoint_io.CheckpointError as e:
+            said.append(str(e))
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(said, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_file_rank_0_cannot_read_stops_every_rank_in_one_line(tmp_path):
+    """Rank 0 alone reads the newest checkpoint's meta.json (train.resume: PATH's check, the hash check): one it
+    cannot read left the other rank waiting for its answer."""
+    from conftest import free_port
+    for step in (1, 2):
+        write_checkpoint(str(tmp_path), step, SINGLE, lambda d: None, {"step": step, "state": {}})
+    spawn(_unreadable_worker, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    line = f"{ckpt(tmp_path, 2)}/meta.json: cannot be read (Input/output error): the disk or the permissions, " \
+           "not the checkpoint's content; fix that and run the same command again (nothing was set aside)"
+    assert [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)] == [[line, line]] * 2
 
 
 @pytest.mark.slow

@@ -119,5 +119,9 @@ def test_a_best_checkpoint_that_is_gone_is_said_before_the_latest_stands_in(tmp_
     step = os.path.basename(best)
     said = [line for line in open(tmp_path / "logs" / "rank0.log") if "is gone" in line]
     assert len(said) == 1 and f"best checkpoint, {step}" in said[0] and "the latest, step-6" in said[0]
+    # a warning, said as export says it (`warning: ` on stderr; test mode's console and log had no prefix)
+    assert f"rank0 warning: the best checkpoint, {step}" in said[0]
+    shown = [line for line in capsys.readouterr().out.splitlines() if "is gone" in line]
+    assert shown == [said[0].split(" rank0 ")[1].rstrip("\n")]
     assert "test.checkpoint" in said[0]
     assert json.load(open(tmp_path / "dev_results.json"))["checkpoint"].endswith("step-6")

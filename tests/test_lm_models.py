@@ -199,8 +199,25 @@ def test_tie_embeddings_null_resumes_as_the_value_it_builds(text, tmp_path, caps
     untied = tmp_path / "untied"  # a pretrained folder's own choice is what null builds there
     build(**LLAMA, tie_embeddings=False).save_pretrained(untied)
     for folder, tied in ((untied, False), (None, True)):
-        assert build_task(make_config(tmp_path, task="gpt2_lm", model={"pretrained_dir": folder and str(folder)})
-                          ).tie_embeddings_default() is tied
+        cfg = make_config(tmp_path, task="gpt2_lm", model={"pretrained_dir": folder and str(folder)})
+        assert build_task(cfg).model_built(cfg.to_dict()["model"])["tie_embeddings"] is tied
+
+@pytest.mark.slow
+def test_null_model_shape_resumes_as_the_value_it_builds(text, tmp_path, capsys):
+    """model.layers, heads, width, bias null build model.name's preset (tiny: 2, 2, 64, with biases): a resume that
+    spells those values out (or the reverse) is the same run; it was refused as another run's ("model.layers=None
+    (now 2), ..."). Another value is still another run, in one line."""
+    out, preset = tmp_path / "run", {"name": "tiny", "arch": "gpt2", "dropout": 0.0}
+    spelled = {**preset, "layers": 2, "heads": 2, "width": 64, "bias": True, "tie_embeddings": True}
+    for step, model in ((2, preset), (3, spelled), (4, preset)):
+        assert main.run(lm_config(out, text, model, max_steps=step, save_every=1)) == 0, capsys.readouterr().err
+        if step > 2:
+            assert f"resumed from {out}/checkpoints/step-{step - 1}" in capsys.readouterr().out
+    assert main.run(lm_config(out, text, {**preset, "heads": 4}, max_steps=5)) == 2  # (the same tensors: it loads)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out}/checkpoints/step-4 was written by another run: "
+                                               "model.heads=2 (now 4); "), err
+
 
 @pytest.mark.slow
 def test_llama_exports_generates_and_checkpoints_activations(text, tmp_path, capsys):

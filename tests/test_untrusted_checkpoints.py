@@ -72,6 +72,22 @@ def test_training_with_keep_last_1_leaves_a_symlinked_checkpoints_target_intact(
     assert [name for name in os.listdir(out / "checkpoints") if name != "step-1"] == [f"step-{STEPS}"]
 
 
+def test_a_symlinked_checkpoint_named_by_the_user_is_refused_as_one(reference, tmp_path, capsys):
+    """train.resume or test.checkpoint naming a symlinked step-N: the resume said "not a complete checkpoint
+    directory" of a complete one. Refused as a symlink, in the words of the other symlink refusals."""
+    shutil.copytree(ckpt(reference, 3), tmp_path / "elsewhere" / "step-3")
+    out = tmp_path / "out"
+    crashed_copy(reference, out, 2)
+    link = ckpt(out, 3)
+    os.symlink(tmp_path / "elsewhere" / "step-3", link)
+    says = f"{link}: a symlink to a checkpoint (refused: it is never followed; a checkpoint is read from its own " \
+           "folder)"
+    assert run(out, train={"resume": link}) == 2
+    assert errors(capsys) == [f"error: train.resume: {says}"]
+    assert main.run(make_config(out, mode="test", test={"checkpoint": link})) == 2
+    assert errors(capsys) == [f"error: {says}"]
+
+
 def test_prune_and_clean_stale_act_on_real_directories_only(reference, tmp_path):
     base = tmp_path / "checkpoints"
     targets = {name: tmp_path / "elsewhere" / name for name in ("complete", "tmp", "half")}
@@ -91,6 +107,19 @@ def test_prune_and_clean_stale_act_on_real_directories_only(reference, tmp_path)
     checkpoint.prune(str(tmp_path), keep_last=1, keep=set())
     assert sorted(os.listdir(base)) == ["step-3", "step-7", "step-8"]
     assert {name: files_of(target) for name, target in targets.items()} == before
+
+
+def test_a_stale_tmp_step_that_is_a_file_is_removed_too(tmp_path):
+    """A `.tmp-step-*` that is a plain file (or a FIFO) stayed for ever, taking the space a save needs: removed
+    like a folder leftover, by its name only."""
+    base = tmp_path / "checkpoints"
+    os.makedirs(base / "step-1")
+    (base / "step-1" / "meta.json").write_text("{}")
+    (base / ".tmp-step-5-0a1b2c3d").write_bytes(b"half")
+    os.mkfifo(base / ".tmp-step-6-0a1b2c3d")
+    assert run_dir.clean_stale(str(tmp_path)) == [str(base / ".tmp-step-5-0a1b2c3d"),
+                                                  str(base / ".tmp-step-6-0a1b2c3d")]
+    assert os.listdir(base) == ["step-1"]
 
 
 def test_clean_stale_reports_only_what_it_removed(reference, tmp_path, monkeypatch):
