@@ -187,6 +187,8 @@ def load(trainer, path: str) -> dict:
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
+    saved_batch = sum(meta.get("batch_sizes") or [trainer.sampler.global_batch])  # per micro-step, over all ranks
+    trainer.sampler.check_position(state.sample_in_epoch, saved_batch)  # group_by_length: the same one mid-epoch
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,

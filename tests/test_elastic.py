@@ -4,12 +4,13 @@ uninterrupted run does; an epoch-based length is counted again from the position
 run complete."""
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_config, slow
+from conftest import ROOT, make_config, slow
 
 from core import checkpoint
 from core.errors import ConfigError
@@ -44,6 +45,30 @@ def test_group_by_length_refuses_another_global_batch_mid_epoch():
     sampler = GlobalBatchSampler(100, [8, 8], 0, seed=0, lengths=list(range(100)))
     with pytest.raises(ConfigError, match="data.group_by_length: a run cannot resume mid-epoch with another global"):
         sampler.epoch_batches(0, start_sample=24)
+
+
+def test_group_by_length_refuses_another_micro_batch_mid_epoch_at_the_same_global_batch(tmp_path, capsys):
+    """Saved at 8 samples per micro-step (x 1), resumed at 4 x 2 accumulation (the elastic case: fewer ranks, more
+    accumulation, the same global batch per step). The position (sample 16) divides by 4, so the sampler's own check
+    passed, while its length groups and their shuffle are made per micro-step's batch: samples were repeated and
+    others skipped, without a word."""
+    import random
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_sample_text_data as sample
+    folder = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0))
+
+    def sst2(batch, accum):
+        return main.run(make_config(tmp_path / "run", task="sst2", model={"name": "tiny", "dropout": 0.0},
+                                    data={"data_dir": folder, "max_length": 16, "group_by_length": True},
+                                    train={**TRAIN, "epochs": 0, "max_steps": 4, "batch_size": batch,
+                                           "grad_accum_steps": accum, "save_every": 2}))
+
+    assert sst2(8, 1) == 0 and os.path.isdir(ckpt(tmp_path / "run", 2))
+    shutil.rmtree(ckpt(tmp_path / "run", 4))
+    capsys.readouterr()
+    assert sst2(4, 2) == 2
+    err = capsys.readouterr().err
+    assert "data.group_by_length" in err and "16" in err and "8 samples" in err, err
 
 
 def run(out, dist, batch, **train) -> int:
