@@ -199,9 +199,13 @@ def load(trainer, path: str) -> dict:
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")
-    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (the global batch: check_same_run)
-        trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
-                            f"{meta.get('batch_sizes')}: random draws such as dropout's differ from here on")
+    changes = [] if same_world else [  # (batch_size auto too, whose sizes are chosen later: extras/balance.py)
+        f"at world size {trainer.ctx.world_size} (the checkpoint's: {len(extra['rng'])}, each rank's random stream "
+        "starts afresh)"]
+    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (global batch: check_same_run)
+        changes.append(f"with per-rank batches {trainer.batch_sizes} instead of {meta.get('batch_sizes')}")
+    if changes:
+        trainer.log.warning(f"resuming {' and '.join(changes)}: random draws such as dropout's differ from here on")
     return saved_train
 
 

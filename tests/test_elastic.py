@@ -98,6 +98,20 @@ def test_the_same_global_batch_at_another_world_size_ends_where_one_process_does
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-5
 
 
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_with_auto_says_the_random_draws_differ(tmp_path):
+    """batch_size auto, the elastic setting: 2 ranks, then 1 process. Each rank's random stream cannot be restored
+    at another world size, so dropout's draws differ from the uninterrupted run's: said, as it is for a list."""
+    auto = {"batch_size": "auto", "global_batch_size": 32, "balance_steps": 1, "epochs": 0}
+    out = tmp_path / "run"
+    assert main.run(make_config(out, train={**TRAIN, **auto, "max_steps": 2, "save_every": 2},
+                                dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    assert main.run(make_config(out, train={**TRAIN, **auto, "max_steps": 3})) == 0
+    log = open(out / "logs" / "rank0.log").read()
+    said = "resuming at world size 1 (the checkpoint's: 2, each rank's random stream starts afresh): random draws"
+    assert said in log and "dropout's differ" in log, log[-2000:]
+
+
 def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     """The issue's case: epochs=1, a checkpoint at step 15 of 40 at global batch 32 (digits: 1272 samples, 40
     batches), resumed on 3 ranks of 16 (global 48, train.resume_changed). It used to print 'already complete' with a
