@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
+from data_loader import GlobalBatchSampler
 from resilience import run_dir
 from trainer import TrainState, best_by, ceil_div, micro_batches_in
 
@@ -280,18 +281,33 @@ def best_changes(trainer, saved: dict) -> None:
 def length_from_position(trainer) -> None:
     """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
     where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
-    follows the new number of steps from here on (said in one line)."""
+    follows the new number of steps from here on (said in one line). At another world size with the same global
+    batch, an epoch's last batch may be fewer samples than the ranks (left out): that length change is said too."""
     t, s, sampler = trainer.train_cfg, trainer.state, trainer.sampler
     if not t.epochs:
         return
-    per_epoch = sampler.batches_per_epoch()
-    left = len(sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
-    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
-    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
-    if t.max_steps:
-        total = min(total, t.max_steps)
+    total = steps_in_all(trainer, sampler)
+    theirs = trainer.resumed_batch_sizes  # the checkpoint's per-rank batches
+    if theirs and sum(theirs) == sampler.global_batch and len(theirs) != len(sampler.batch_sizes):
+        was = steps_in_all(trainer, GlobalBatchSampler(sampler.n, theirs, 0, 0, drop_last=sampler.drop_last))
+        if was != total:
+            trainer.log.warning(
+                f"the run's length is {total} steps at {len(sampler.batch_sizes)} {trainer.strategy.replica}s, "
+                f"where the checkpoint's {len(theirs)} counted {was}: an epoch's last batch "
+                f"({sampler.n % sampler.global_batch} samples) is trained only when every {trainer.strategy.replica} "
+                "gets a sample")
     if total == trainer.total_steps:
         return
     trainer.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
                         f"this global batch (was {trainer.total_steps}); the learning-rate schedule follows it")
     trainer.set_total_steps(total)
+
+
+def steps_in_all(trainer, sampler: GlobalBatchSampler) -> int:
+    """The run's optimizer steps, an epoch-based length counted from the resumed position with `sampler`'s batches."""
+    t, s = trainer.train_cfg, trainer.state
+    per_epoch = sampler.batches_per_epoch()
+    left = sampler.batches_per_epoch(s.sample_in_epoch)  # in this epoch (EpochBatches counts them so)
+    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the sampler's global batch counts them
+    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
+    return min(total, t.max_steps) if t.max_steps else total

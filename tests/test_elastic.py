@@ -112,6 +112,24 @@ def test_a_resume_at_another_world_size_with_auto_says_the_random_draws_differ(t
     assert said in log and "dropout's differ" in log, log[-2000:]
 
 
+@pytest.mark.slow
+def test_a_resume_at_a_world_size_that_leaves_out_the_epochs_tail_says_so(tmp_path):
+    """75 samples at a global batch of 2: one process trains the epoch's last sample as a batch (38 steps); 2 ranks
+    cannot split it and leave it out (37). Resumed at 2 ranks from step 10, the run used to end at step 37 and its
+    schedule to shorten without a word."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    data = {"dev_fraction": 0.95}  # digits: 75 training samples
+    assert main.run(make_config(first, data=data, model={"dropout": 0.0},
+                                train={**TRAIN, "batch_size": 2, "save_every": 10})) == 0
+    assert checkpoint.latest(str(first)).endswith("step-38")
+    resumed_copy(first, resumed, 10)
+    assert main.run(make_config(resumed, data=data, model={"dropout": 0.0}, train={**TRAIN, "batch_size": 1},
+                                dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    assert checkpoint.latest(str(resumed)).endswith("step-37")
+    log = open(resumed / "logs" / "rank0.log").read()
+    assert "the run's length is 37 steps at 2 ranks, where the checkpoint's 1 counted 38" in log, log[-2000:]
+
+
 def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     """The issue's case: epochs=1, a checkpoint at step 15 of 40 at global batch 32 (digits: 1272 samples, 40
     batches), resumed on 3 ranks of 16 (global 48, train.resume_changed). It used to print 'already complete' with a
