@@ -63,6 +63,20 @@ class GlobalBatchSampler:
         epoch continues), made one at a time as they are iterated."""
         return EpochBatches(self, epoch, start_sample)
 
+    def check_position(self, start_sample: int, counted_in: int) -> None:
+        """A resumed epoch's position `start_sample`, reached at `counted_in` samples per micro-step. group_by_length
+        makes an epoch's batches (and their shuffle) per global batch, so a position reached at another one is not
+        in this order, even where it divides by it (4 x 2 accumulation resuming 8 x 1): that epoch would repeat
+        samples and skip others."""
+        if self.lengths is None or counted_in == self.global_batch or not start_sample or \
+                not self.batches_per_epoch(start_sample):
+            return
+        raise ConfigError(f"data.group_by_length: a run cannot resume mid-epoch with another number of samples per "
+                          f"micro-step (its batches are made per window of them): the checkpoint reached sample "
+                          f"{start_sample} of its epoch at {counted_in} samples per micro-step, this run takes "
+                          f"{self.global_batch}; resume with per-rank batch sizes that sum to {counted_in} "
+                          f"(train.grad_accum_steps may change), or from a checkpoint at an epoch's end")
+
     def rank_slice(self, global_batch: np.ndarray) -> np.ndarray:
         sizes = self.batch_sizes if len(global_batch) == self.global_batch else \
             split_proportional(len(global_batch), self.batch_sizes, minimum=1)

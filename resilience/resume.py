@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from core import checkpoint, checkpoint_hashes, checkpoint_io, checkpoint_meta
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
+from data_loader import GlobalBatchSampler
 from resilience import run_dir
 from trainer import TrainState, best_by, ceil_div, micro_batches_in
 
@@ -191,6 +192,8 @@ def load(trainer, path: str) -> dict:
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
+    saved_batch = sum(meta.get("batch_sizes") or [trainer.sampler.global_batch])  # per micro-step, over all ranks
+    trainer.sampler.check_position(state.sample_in_epoch, saved_batch)  # group_by_length: the same one mid-epoch
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
@@ -201,9 +204,13 @@ def load(trainer, path: str) -> dict:
     if changed:
         trainer.log.warning(f"resuming with optimizer {', '.join(changed)}: the configured values apply from step "
                             f"{state.step} on")
-    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (the global batch: check_same_run)
-        trainer.log.warning(f"resuming with per-rank batches {trainer.batch_sizes} instead of "
-                            f"{meta.get('batch_sizes')}: random draws such as dropout's differ from here on")
+    changes = [] if same_world else [  # (batch_size auto too, whose sizes are chosen later: extras/balance.py)
+        f"at world size {trainer.ctx.world_size} (the checkpoint's: {len(extra['rng'])}, each rank's random stream "
+        "starts afresh)"]
+    if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (global batch: check_same_run)
+        changes.append(f"with per-rank batches {trainer.batch_sizes} instead of {meta.get('batch_sizes')}")
+    if changes:
+        trainer.log.warning(f"resuming {' and '.join(changes)}: random draws such as dropout's differ from here on")
     return saved_train
 
 
@@ -276,18 +283,33 @@ def best_changes(trainer, saved: dict) -> None:
 def length_from_position(trainer) -> None:
     """After a resume with another global batch (train.resume_changed), an epoch-based length is counted again from
     where the run is, in samples: the epochs end where they would have, never early, and the learning-rate schedule
-    follows the new number of steps from here on (said in one line)."""
+    follows the new number of steps from here on (said in one line). At another world size with the same global
+    batch, an epoch's last batch may be fewer samples than the ranks (left out): that length change is said too."""
     t, s, sampler = trainer.train_cfg, trainer.state, trainer.sampler
     if not t.epochs:
         return
-    per_epoch = sampler.batches_per_epoch()
-    left = len(sampler.epoch_batches(s.epoch, start_sample=s.sample_in_epoch))  # in this epoch
-    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the current global batch counts them
-    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
-    if t.max_steps:
-        total = min(total, t.max_steps)
+    total = steps_in_all(trainer, sampler)
+    theirs = trainer.resumed_batch_sizes  # the checkpoint's per-rank batches
+    if theirs and sum(theirs) == sampler.global_batch and len(theirs) != len(sampler.batch_sizes):
+        was = steps_in_all(trainer, GlobalBatchSampler(sampler.n, theirs, 0, 0, drop_last=sampler.drop_last))
+        if was != total:
+            trainer.log.warning(
+                f"the run's length is {total} steps at {len(sampler.batch_sizes)} {trainer.strategy.replica}s, "
+                f"where the checkpoint's {len(theirs)} counted {was}: an epoch's last batch "
+                f"({sampler.n % sampler.global_batch} samples) is trained only when every {trainer.strategy.replica} "
+                "gets a sample")
     if total == trainer.total_steps:
         return
     trainer.log.warning(f"the run's length is {total} steps from sample {s.sample_in_epoch} of epoch {s.epoch} at "
                         f"this global batch (was {trainer.total_steps}); the learning-rate schedule follows it")
     trainer.set_total_steps(total)
+
+
+def steps_in_all(trainer, sampler: GlobalBatchSampler) -> int:
+    """The run's optimizer steps, an epoch-based length counted from the resumed position with `sampler`'s batches."""
+    t, s = trainer.train_cfg, trainer.state
+    per_epoch = sampler.batches_per_epoch()
+    left = sampler.batches_per_epoch(s.sample_in_epoch)  # in this epoch (EpochBatches counts them so)
+    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the sampler's global batch counts them
+    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
+    return min(total, t.max_steps) if t.max_steps else total

@@ -4,12 +4,13 @@ uninterrupted run does; an epoch-based length is counted again from the position
 run complete."""
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_config, slow
+from conftest import ROOT, make_config, slow
 
 from core import checkpoint
 from core.errors import ConfigError
@@ -46,6 +47,30 @@ def test_group_by_length_refuses_another_global_batch_mid_epoch():
         sampler.epoch_batches(0, start_sample=24)
 
 
+def test_group_by_length_refuses_another_micro_batch_mid_epoch_at_the_same_global_batch(tmp_path, capsys):
+    """Saved at 8 samples per micro-step (x 1), resumed at 4 x 2 accumulation (the elastic case: fewer ranks, more
+    accumulation, the same global batch per step). The position (sample 16) divides by 4, so the sampler's own check
+    passed, while its length groups and their shuffle are made per micro-step's batch: samples were repeated and
+    others skipped, without a word."""
+    import random
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_sample_text_data as sample
+    folder = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0))
+
+    def sst2(batch, accum):
+        return main.run(make_config(tmp_path / "run", task="sst2", model={"name": "tiny", "dropout": 0.0},
+                                    data={"data_dir": folder, "max_length": 16, "group_by_length": True},
+                                    train={**TRAIN, "epochs": 0, "max_steps": 4, "batch_size": batch,
+                                           "grad_accum_steps": accum, "save_every": 2}))
+
+    assert sst2(8, 1) == 0 and os.path.isdir(ckpt(tmp_path / "run", 2))
+    shutil.rmtree(ckpt(tmp_path / "run", 4))
+    capsys.readouterr()
+    assert sst2(4, 2) == 2
+    err = capsys.readouterr().err
+    assert "data.group_by_length" in err and "16" in err and "8 samples" in err, err
+
+
 def run(out, dist, batch, **train) -> int:
     return main.run(make_config(out, train={**TRAIN, "batch_size": batch, **train}, dist=dist, model={"dropout": 0.0}))
 
@@ -71,6 +96,38 @@ def test_the_same_global_batch_at_another_world_size_ends_where_one_process_does
     assert run(c, {"strategy": "none"}, 24, max_steps=15, epochs=0) == 0
     x, y = checkpoint_io.model_state_dict(ckpt(one, 15)), checkpoint_io.model_state_dict(ckpt(c, 15))
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_with_auto_says_the_random_draws_differ(tmp_path):
+    """batch_size auto, the elastic setting: 2 ranks, then 1 process. Each rank's random stream cannot be restored
+    at another world size, so dropout's draws differ from the uninterrupted run's: said, as it is for a list."""
+    auto = {"batch_size": "auto", "global_batch_size": 32, "balance_steps": 1, "epochs": 0}
+    out = tmp_path / "run"
+    assert main.run(make_config(out, train={**TRAIN, **auto, "max_steps": 2, "save_every": 2},
+                                dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    assert main.run(make_config(out, train={**TRAIN, **auto, "max_steps": 3})) == 0
+    log = open(out / "logs" / "rank0.log").read()
+    said = "resuming at world size 1 (the checkpoint's: 2, each rank's random stream starts afresh): random draws"
+    assert said in log and "dropout's differ" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_resume_at_a_world_size_that_leaves_out_the_epochs_tail_says_so(tmp_path):
+    """75 samples at a global batch of 2: one process trains the epoch's last sample as a batch (38 steps); 2 ranks
+    cannot split it and leave it out (37). Resumed at 2 ranks from step 10, the run used to end at step 37 and its
+    schedule to shorten without a word."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    data = {"dev_fraction": 0.95}  # digits: 75 training samples
+    assert main.run(make_config(first, data=data, model={"dropout": 0.0},
+                                train={**TRAIN, "batch_size": 2, "save_every": 10})) == 0
+    assert checkpoint.latest(str(first)).endswith("step-38")
+    resumed_copy(first, resumed, 10)
+    assert main.run(make_config(resumed, data=data, model={"dropout": 0.0}, train={**TRAIN, "batch_size": 1},
+                                dist={"strategy": "ddp", "procs_per_node": 2})) == 0
+    assert checkpoint.latest(str(resumed)).endswith("step-37")
+    log = open(resumed / "logs" / "rank0.log").read()
+    assert "the run's length is 37 steps at 2 ranks, where the checkpoint's 1 counted 38" in log, log[-2000:]
 
 
 def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
