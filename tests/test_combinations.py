@@ -2,6 +2,7 @@
 or is refused before training in one line naming the keys, exit code 2."""
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -50,3 +51,29 @@ def test_frozen_biases_stay_frozen_under_sequence_parallelism(tmp_path):
     assert any(".ln_" in k for k in biases)
     assert all(not states["tp_sp"][k].any() for k in biases), [k for k in biases if states["tp_sp"][k].any()]
     assert max((states["one"][k] - states["tp_sp"][k]).abs().max().item() for k in states["one"]) <= 1e-5
+
+
+SCHEMA_MISTAKES = [  # (--set, the key its one line names): the keys a user edits most, each said before torch loads
+    ("train.lr=0", "train.lr"), ("train.batch_size=0", "train.batch_size"), ("train.batch_size=[8, 0]",
+                                                                            "train.batch_size"),
+    ("train.grad_accum_steps=0", "train.grad_accum_steps"), ("train.precision=fp8", "train.precision"),
+    ("train.max_steps=-1", "train.max_steps"), ("train.ema_decay=1", "train.ema_decay"),
+    ("data.num_workers=-1", "data.num_workers"), ("data.max_length=0", "data.max_length"),
+    ("data.min_class_count=0", "data.min_class_count"), ("dist.strategy=ddpp", "dist.strategy"),
+    ("dist.tp=0", "dist.tp"), ("dist.timeout_s=0", "dist.timeout_s"), ("trian.lr=1", "trian"),
+    ("train.lr_rate=1", "train.lr_rate"),
+]
+
+
+def test_schema_mistakes_of_the_keys_users_edit_are_one_line_before_torch_loads():
+    # data.min_class_count 0 was accepted (image), or refused by csv_text's ranks once its data was read.
+    script = ("import sys; from core.config import read_config; from core.errors import ConfigError\n"
+              "for item in sys.argv[1:]:\n"
+              "    try:\n        read_config(None, [item])\n        print('accepted', item)\n"
+              "    except ConfigError as e:\n        print(str(e).replace(chr(10), ' NEWLINE '))\n"
+              "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script] + [s for s, _ in SCHEMA_MISTAKES], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-1] == "False"  # torch never loaded
+    for (item, key), line in zip(SCHEMA_MISTAKES, out):
+        assert line.startswith("<defaults> + --set: ") and f"`{key}`" in line and "NEWLINE" not in line, (item, line)
