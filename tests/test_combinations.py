@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, make_config
+from conftest import ROOT, logged, make_config
 
 from core import checkpoint_io
 from core.errors import ConfigError
@@ -77,3 +77,22 @@ def test_schema_mistakes_of_the_keys_users_edit_are_one_line_before_torch_loads(
     assert out[-1] == "False"  # torch never loaded
     for (item, key), line in zip(SCHEMA_MISTAKES, out):
         assert line.startswith("<defaults> + --set: ") and f"`{key}`" in line and "NEWLINE" not in line, (item, line)
+
+
+@pytest.mark.slow
+def test_fp16_with_the_default_fused_adamw_under_the_sharded_scaler(tmp_path):
+    # fsdp and pipe (ShardedGradScaler: a found_inf of shape [1]) with AdamW's fused CPU kernel, which subtracts it
+    # from each 0-d step count: `RuntimeError: output with shape [] doesn't match the broadcast shape [1]`, step 1.
+    train = {"precision": "fp16", "max_steps": 3, "epochs": 0, "batch_size": 8, "log_every": 1, "eval_every": 0,
+             "save_every": 0, "limit_eval_batches": 1}
+    layouts = {"one": ({"strategy": "none"}, 8), "fsdp": ({"strategy": "fsdp", "procs_per_node": 2}, 4),
+               "pipe": ({"strategy": "pipe", "procs_per_node": 2, "pp_microbatches": 2}, 8)}
+    losses = {}
+    for name, (dist, batch) in layouts.items():
+        cfg = make_config(tmp_path / name, model={"dropout": 0.0}, train={**train, "batch_size": batch}, dist=dist)
+        assert main.run(cfg) == 0, name
+        assert "AdamW(" in (tmp_path / name / "logs" / "rank0.log").read_text() and "fused" in \
+            (tmp_path / name / "logs" / "rank0.log").read_text()
+        losses[name] = logged(tmp_path / name, "loss")
+    assert losses["fsdp"] == pytest.approx(losses["one"], rel=1e-2)
+    assert losses["pipe"] == pytest.approx(losses["one"], rel=1e-2)
