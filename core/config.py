@@ -120,6 +120,7 @@ class DataConfig:
         if self.num_workers != "auto":
             in_range(fail, "data.num_workers", self.num_workers, at_least=0, at_most=1024)
         in_range(fail, "data.max_length", self.max_length, at_least=1)
+        in_range(fail, "data.min_class_count", self.min_class_count, at_least=1)
         if self.text_column == self.label_column:
             fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
 

@@ -25,5 +25,8 @@ def sharded_scaler(cfg, ctx: DistContext):
             # torch's code reads only param_groups[i]["params"][j].grad: it gets the local pieces (same storage)
             groups = [{"params": [SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
                                   for p in g["params"]]} for g in optimizer.param_groups]
-            return super()._unscale_grads_(SimpleNamespace(param_groups=groups), inv_scale, found_inf, allow_fp16)
+            flags = super()._unscale_grads_(SimpleNamespace(param_groups=groups), inv_scale, found_inf, allow_fp16)
+            # 0-d views, as GradScaler's own flags: fused AdamW subtracts the flag from each 0-d step count, which
+            # ShardedGradScaler's shape [1] cannot broadcast into. (The views share storage: the all-reduce fills it.)
+            return {device: flag.view(()) for device, flag in flags.items()}
     return LocalPiecesScaler(ctx.device.type)

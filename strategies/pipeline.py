@@ -30,7 +30,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io, distributed
@@ -46,7 +45,8 @@ from strategies.base import Strategy
 from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
-from strategies.tp import TaskWithPlainLosses, average_grads, loss_context, sum_partial_grads, task_plan
+from strategies.tp import (TaskWithPlainLosses, average_grads, loss_context, parallelize_keeping_frozen,
+                           sum_partial_grads, task_plan)
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
 # r holds stages r and r + pp_stages) and so need twice as many layers.
@@ -645,4 +645,4 @@ def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, me
     plan = task_plan(model, cfg, task, mesh)
     mine = {name: style for name, module in model.named_modules() if id(module) in held
             for key, style in plan.items() if fnmatch.fnmatchcase(name, key)}
-    parallelize_module(model, mesh["tp"], mine)
+    parallelize_keeping_frozen(model, mesh["tp"], mine)

@@ -56,8 +56,18 @@ def apply_tp(model: nn.Module, cfg, ctx: DistContext, task) -> meshes.Mesh:
     """Split the model's blocks over tp groups (in place); returns the (dp, tp) mesh for the data-parallel
     strategy applied next."""
     mesh = meshes.build_mesh(ctx, cfg.dist.tp, cfg.dist.dp_replicate)
-    parallelize_module(model, mesh["tp"], task_plan(model, cfg, task, mesh))
+    parallelize_keeping_frozen(model, mesh["tp"], task_plan(model, cfg, task, mesh))
     return mesh
+
+
+def parallelize_keeping_frozen(model: nn.Module, tp_mesh, plan: dict) -> None:
+    """parallelize_module, and the parameters that were frozen (model.bias false's zeros) frozen again: torch's
+    SequenceParallel registers each norm's parameters anew, trainable."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def task_plan(model: nn.Module, cfg, task, mesh: meshes.Mesh) -> dict:
