@@ -635,7 +635,9 @@ def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh:
     held = [id(p) for s in stages.values() for p in s.parameters()]
     if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble":
         return dict(stages)
-    return {i: ddp_wrap(s, ctx, mesh["dp"].get_group()) for i, s in stages.items()}
+    # Each micro-batch's forward goes through DDP outside no_sync, so the one-time bucket rebuild would count every
+    # parameter once per backward until the next forward: with none between two (gpipe), DDP's reducer asserts.
+    return {i: ddp_wrap(s, ctx, mesh["dp"].get_group(), rebuild_buckets=False) for i, s in stages.items()}
 
 
 def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:

@@ -51,7 +51,9 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
                               scaler=make_scaler(cfg, ctx))  # a loss scaler for fp16 only
 
 
-def ddp_wrap(model: nn.Module, ctx: DistContext, group=None) -> nn.Module:
+def ddp_wrap(model: nn.Module, ctx: DistContext, group=None, rebuild_buckets: bool = True) -> nn.Module:
     """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none; `group`: the ranks, default all). Its
-    hooks all-reduce (average) the gradients in buckets while backward runs; no_sync() keeps them local."""
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group)
+    hooks all-reduce (average) the gradients in buckets while backward runs; no_sync() keeps them local.
+    `rebuild_buckets` False: DDP keeps its first buckets (find_unused_parameters is the switch that turns it off)."""
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group,
+               find_unused_parameters=not rebuild_buckets)
