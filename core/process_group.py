@@ -55,7 +55,7 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
         else:
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     try:
-        while_waiting(lambda: join_group(backend, rendezvous, rank, world_size, cfg),
+        while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, given_up),
                       lambda seconds: waiting(seconds, rendezvous), device)
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
@@ -74,9 +74,10 @@ def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> Use
                      f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s")
 
 
-def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg) -> None:
+def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
     """The process group. Over tcp:// the ranks first answer a roll call in the store (roll_call), since the store
-    counts arrivals only: nodes that count the ranks differently would meet, then wait at the first collective."""
+    counts arrivals only: nodes that count the ranks differently would meet, then wait at the first collective.
+    `given_up`: set when this rank stops waiting (while_waiting)."""
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     if not rendezvous.startswith("tcp://"):  # torchrun's env:// (its agents agreed on the world), or a file
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
@@ -84,13 +85,13 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg) -
     address = urlparse(rendezvous)
     store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False, multi_tenant=True)
-    roll_call(store, rank, world_size, cfg)
+    roll_call(store, rank, world_size, cfg, given_up)
     # the prefix init_method="tcp://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
 
 
-def roll_call(store, rank: int, world_size: int, cfg) -> None:
+def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
     """Each rank posts how it counts the ranks and claims its own; rank 0 then gives its verdict: "ok" once every
     other rank answered with its count, else the first mismatch, which every rank then says in one line."""
     d = cfg.dist
@@ -100,10 +101,10 @@ def roll_call(store, rank: int, world_size: int, cfg) -> None:
             "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
     if rank == 0:
         store.set("trainer-roll/rank/0", json.dumps(mine))
-        store.set("trainer-roll/verdict", count_answers(store, world_size, d.timeout_s))
+        store.set("trainer-roll/verdict", count_answers(store, world_size, d.timeout_s, given_up))
         verdict = store.get("trainer-roll/verdict").decode()
         if verdict != "ok":  # every rank that came reads it (or refuses) before this process, the store's host, ends
-            wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0)
+            wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0, given_up)
             raise UserError(verdict)
         return
     store.add("trainer-roll/came", 1)
@@ -133,42 +134,51 @@ def answer(store, rank: int, world_size: int, mine: dict) -> None:
         raise UserError(verdict)
 
 
-def count_answers(store, world_size: int, timeout_s: float) -> str:
+def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event) -> str:
     """Rank 0's verdict: "ok" when every other rank answered with rank 0's count, or a refusal's words."""
     def settled():
         return store.check(["trainer-roll/refused"]) or store.add("trainer-roll/answered", 0) >= world_size - 1
-    if not wait_until(settled, timeout_s):
+    if not wait_until(settled, timeout_s, given_up):
         answered = store.add("trainer-roll/answered", 0) + 1
         raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived")
     return store.get("trainer-roll/refused").decode() if store.check(["trainer-roll/refused"]) else "ok"
 
 
-def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+def wait_until(done: Callable[[], bool], timeout_s: float, given_up: threading.Event) -> bool:
     deadline = time.monotonic() + timeout_s
     while not done():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or given_up.is_set():
             return False
         time.sleep(0.02)
     return True
 
 
-def while_waiting(join: Callable[[], None], waiting: Callable[[float], None], device: torch.device) -> None:
-    """join() in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the wait for
-    the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later."""
+def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None],
+                  device: torch.device) -> None:
+    """join(given_up) in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the
+    wait for the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later.
+    If waiting raises, given_up is set: the roll call's polling ends, and with it the store rank 0 hosts (left
+    running at exit, its thread aborts the process: "terminate called without an active exception")."""
     failed: list = []
+    given_up = threading.Event()
 
     def run():
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # (the current GPU is the thread's own)
-            join()
+            join(given_up)
         except BaseException as e:
             failed.append(e)
     thread, start = threading.Thread(target=run, name="join-process-group", daemon=True), time.monotonic()
     thread.start()
-    while thread.is_alive():
-        thread.join(0.5)
-        if thread.is_alive():
-            waiting(time.monotonic() - start)
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+            if thread.is_alive():
+                waiting(time.monotonic() - start)
+    except BaseException:
+        given_up.set()
+        thread.join(0.5)  # (a rank blocked in the store's C++ wait stays blocked: a daemon thread, ended with us)
+        raise
     if failed:
         raise failed[0]

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -153,6 +154,8 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     with pytest.raises(errors.Stopped):  # rank 0 of 2, alone: it would wait dist.timeout_s
         process_group.init(cfg, 0, 2, 0, waiting=waiting)
     assert time.monotonic() - start < 2.5 and seen[0] == f"tcp://127.0.0.1:{cfg.dist.master_port}"
+    # rank 0's roll call stops polling with it, and ends the store it hosts (left running, it aborted the exit)
+    assert not [t for t in threading.enumerate() if t.name == "join-process-group"]
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                       "node_rank": 1, "master_addr": "127.0.0.1"})  # (another free port)
     with pytest.raises(errors.UserError, match=rf"^rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:"
