@@ -101,8 +101,8 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event)
             "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
     if rank == 0:
         store.set("trainer-roll/rank/0", json.dumps(mine))
-        store.set("trainer-roll/verdict", count_answers(store, world_size, d.timeout_s, given_up))
-        verdict = store.get("trainer-roll/verdict").decode()
+        verdict = count_answers(store, world_size, d.timeout_s, given_up)
+        store.set("trainer-roll/verdict", verdict)
         if verdict != "ok":  # every rank that came reads it (or refuses) before this process, the store's host, ends
             wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0, given_up)
             raise UserError(verdict)
