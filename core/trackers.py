@@ -5,12 +5,16 @@ summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
 MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
-missing, the config check refuses the run in one line naming what to install. A tracker that cannot start (a store
+missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
+output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
+telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set.
+A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -213,11 +217,13 @@ class WandB:
         wandb = process_end.import_with_own_temp_folder("wandb")  # optional; check_config made sure it is there
         self.step = 0
         try:
-            if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
-                wandb.login(prompt=False)  # no API key: an error, never a question on stdin
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.task, name=run_name(cfg),
-                                  dir=os.environ.get("WANDB_DIR") or cfg.output_dir, id=run_id,
-                                  resume="allow" if run_id else None)
+            where = os.environ.get("WANDB_DIR") or cfg.output_dir
+            # W&B's service, started here, writes its own logs in WANDB_CACHE_DIR/wandb/logs (else ~/.cache/wandb/logs)
+            with environ_default("WANDB_CACHE_DIR", where):
+                if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+                    wandb.login(prompt=False)  # no API key: an error, never a question on stdin
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.task, name=run_name(cfg),
+                                      dir=where, id=run_id, resume="allow" if run_id else None)
         except wandb.errors.Error as e:
             line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise UserError(f"log.report_to: wandb could not start a run: {line} (run `wandb login`, or set "
@@ -248,6 +254,8 @@ class MLflow:
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
+        # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
         uri = mlflow_uri(cfg)
@@ -293,6 +301,19 @@ class MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+@contextlib.contextmanager
+def environ_default(name: str, value: str):
+    """os.environ[name] = value meanwhile, unless it is set."""
+    if os.environ.get(name):
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 def server_answers(uri: str) -> None:

@@ -474,3 +474,34 @@ def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, 
     assert log.count("tracker csv failed (ConnectionError: the tracking server went away); it is dropped and "
                      "training goes on without it") == 1
     assert calls == [2] and os.path.isdir(tmp_path / "checkpoints" / "step-4")  # called no more; the run ended
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A run writes inside output_dir only; a crash closes the trackers
+# ---------------------------------------------------------------------------------------------------------------
+# What tells MLflow it runs under a test or CI (then it skips its telemetry, which a user's run has)
+CI_VARIABLES = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS",
+                "TF_BUILD", "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION",
+                "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID")
+
+
+@pytest.mark.slow  # 15 s: a process with W&B's service and MLflow's store
+def test_a_run_with_every_tracker_writes_inside_output_dir_only(tmp_path):
+    """As a user runs it: from another folder, with a home and a temporary folder of its own, W&B offline and
+    MLflow's default store. W&B's service logs (~/.cache/wandb/logs) and MLflow's telemetry id
+    (~/.config/mlflow/telemetry.json) went outside output_dir."""
+    home, temp, cwd, out = (tmp_path / name for name in ("home", "temp", "cwd", "out"))
+    for folder in (home, temp, cwd):
+        folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in CI_VARIABLES and not k.startswith(("WANDB_", "MLFLOW_",
+                                                                                              "XDG_"))}
+    env.update(HOME=str(home), TMPDIR=str(temp), WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--params",
+                        os.path.join(ROOT, "parameters.yml"), "--set", f"output_dir={out / 'run'}",
+                        "--set", "log.report_to=[tensorboard, csv, wandb, mlflow]", "--set", "train.max_steps=2",
+                        "--set", "log.progress_bar=false"],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    outside = [str(p) for folder in (home, temp, cwd) for p in folder.rglob("*") if p.is_file()]
+    assert outside == [], outside
+    assert os.listdir(out) == ["run"] and glob.glob(str(out / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
