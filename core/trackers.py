@@ -1,6 +1,6 @@
 """Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_record.TensorBoard), a CSV
 file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
-summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
+summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
@@ -10,7 +10,8 @@ output_dir is kept in it: W&B's service logs go beside its run files unless WAND
 telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
-named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else.
+named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
+that ends in an exception closes its trackers marked failed (closed_failed_on_crash).
 """
 from __future__ import annotations
 
@@ -164,9 +165,30 @@ class Trackers:
     def summary(self, values: dict) -> None:
         self.each("summary", values)
 
-    def close(self) -> None:
-        self.each("close")
-        self.members = []
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ended in an exception, the failure reported; a tracker that cannot close is said beside
+        it, a full disk included."""
+        try:
+            self.each("close", failed)
+        except Exception as e:
+            if not failed:
+                raise
+            self.warn(f"the trackers were not all closed: {first_line(e, limit=120)}")
+        finally:
+            self.members = []
+
+
+@contextlib.contextmanager
+def closed_failed_on_crash(trainer):
+    """A training run that ends in an exception (a crash, a divergence; a stop closes them itself) closes rank 0's
+    trackers marked failed: MLflow's run FAILED, W&B's exit code 1, each file flushed. Left open, MLflow's run stayed
+    RUNNING and W&B's atexit handler (when it ran at all) closed its run as a success."""
+    try:
+        yield
+    except BaseException:
+        if trainer.trackers is not None:
+            trainer.trackers.close(failed=True)
+        raise
 
 
 class CSV:
@@ -204,7 +226,7 @@ class CSV:
     def summary(self, values: dict) -> None:
         self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         with disk_errors.name_unnamed_errors(self.path):
             self.file.close()
 
@@ -241,8 +263,8 @@ class WandB:
     def summary(self, values: dict) -> None:
         self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else None)  # W&B shows a run that exited non-zero as failed
         self.wandb.teardown()  # W&B's service stops here, not in its atexit handler, which end_process does not run
 
 
@@ -299,8 +321,8 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 @contextlib.contextmanager

@@ -486,22 +486,35 @@ CI_VARIABLES = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITL
 
 
 @pytest.mark.slow  # 15 s: a process with W&B's service and MLflow's store
-def test_a_run_with_every_tracker_writes_inside_output_dir_only(tmp_path):
+def test_a_run_with_every_tracker_writes_inside_output_dir_only_and_a_crash_closes_them_failed(tmp_path):
     """As a user runs it: from another folder, with a home and a temporary folder of its own, W&B offline and
     MLflow's default store. W&B's service logs (~/.cache/wandb/logs) and MLflow's telemetry id
-    (~/.config/mlflow/telemetry.json) went outside output_dir."""
+    (~/.config/mlflow/telemetry.json) went outside output_dir. The run crashes in step 3: its trackers are closed
+    marked failed (MLflow's run was left RUNNING, W&B's exited 0), with what was logged before."""
+    import mlflow
     home, temp, cwd, out = (tmp_path / name for name in ("home", "temp", "cwd", "out"))
     for folder in (home, temp, cwd):
         folder.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in CI_VARIABLES and not k.startswith(("WANDB_", "MLFLOW_",
                                                                                               "XDG_"))}
-    env.update(HOME=str(home), TMPDIR=str(temp), WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--params",
+    env.update(HOME=str(home), TMPDIR=str(temp), WANDB_MODE="offline", OMP_NUM_THREADS="1", FAULT="raise:0:3")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "faulty_main.py"), "--params",
                         os.path.join(ROOT, "parameters.yml"), "--set", f"output_dir={out / 'run'}",
-                        "--set", "log.report_to=[tensorboard, csv, wandb, mlflow]", "--set", "train.max_steps=2",
-                        "--set", "log.progress_bar=false"],
+                        "--set", "log.report_to=[tensorboard, csv, wandb, mlflow]", "--set", "train.max_steps=4",
+                        "--set", "train.log_every=1", "--set", "train.eval_every=2", "--set", "log.progress_bar=false"],
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 1 and "injected fault" in r.stderr, (r.stdout + r.stderr)[-3000:]
     outside = [str(p) for folder in (home, temp, cwd) for p in folder.rglob("*") if p.is_file()]
     assert outside == [], outside
-    assert os.listdir(out) == ["run"] and glob.glob(str(out / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert os.listdir(out) == ["run"]
+
+    run_dir = out / "run"
+    rows = csv_rows(run_dir)
+    assert [s for s, t, _ in rows if t == "train/loss"] == [1, 2] and (2, "dev/loss") in {(s, t) for s, t, _ in rows}
+    ids = json.load(open(run_dir / "trackers.json"))
+    held = mlflow.MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_run(ids["mlflow"])
+    assert held.info.status == "FAILED" and held.data.metrics["train/loss"] == [v for _, t, v in rows if t == "train/loss"][-1]
+    [file] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    [end] = [record.exit for record in wandb_records(file) if record.WhichOneof("record_type") == "exit"]
+    assert end.exit_code == 1
+    assert sorted(row["_step"] for row in wandb_run(file)["history"]) == [1, 2]
