@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import stat
 import time
 from typing import Callable, Optional
 
@@ -33,6 +34,8 @@ NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-skinny==3.17.2"}}
 SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
+IDS_MAX_BYTES = 64 << 10  # ours holds two ids
+RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
          "csv": "remove csv from log.report_to to run without it",
@@ -118,17 +121,39 @@ class Trackers:
             raise
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
-        if run_ids:
-            with disk_errors.name_unnamed_errors(self.ids_path), open(self.ids_path, "w") as f:
-                json.dump(run_ids, f)
+        if run_ids:  # written beside it, then renamed: a symlink or FIFO planted there is replaced, never followed
+            with disk_errors.name_unnamed_errors(self.ids_path):
+                if os.path.lexists(self.ids_path + ".tmp"):
+                    os.remove(self.ids_path + ".tmp")
+                with open(self.ids_path + ".tmp", "w") as f:
+                    json.dump(run_ids, f)
+                os.replace(self.ids_path + ".tmp", self.ids_path)
 
     def read_ids(self) -> dict:
+        """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
+        symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs."""
+        path = self.ids_path
         try:
-            with open(self.ids_path) as f:
-                ids = json.load(f)
-            return ids if isinstance(ids, dict) else {}
-        except (OSError, ValueError):  # none, or unreadable: new tracked runs
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
+                raise ValueError("not a regular file")
+            with open(path, "rb") as f:
+                ids = json.loads(f.read(IDS_MAX_BYTES))
+        except FileNotFoundError:
             return {}
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+            self.warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
+                      "so W&B and MLflow start new runs")
+            return {}
+        if not isinstance(ids, dict):
+            self.warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+            return {}
+        kept = {name: ids[name] for name in ("wandb", "mlflow")
+                if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
+        wrong = [name for name in ids if name not in kept]
+        if wrong:
+            self.warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
+                      "id, ignored (a tracker without one starts a new run)")
+        return kept
 
     def started(self, name: str, build: Callable[[], object]):
         """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""

@@ -518,3 +518,57 @@ def test_a_run_with_every_tracker_writes_inside_output_dir_only_and_a_crash_clos
     [end] = [record.exit for record in wandb_records(file) if record.WhichOneof("record_type") == "exit"]
     assert end.exit_code == 1
     assert sorted(row["_step"] for row in wandb_run(file)["history"]) == [1, 2]
+
+
+def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path, monkeypatch):
+    """output_dir/trackers.json cut, edited or planted: a W&B id with a `/` or of another type refused the run with
+    "could not start ... run `wandb login`" (never naming the file); a cut one was dropped without a word; a symlink
+    was read and written through (outside output_dir), a FIFO hung the start. Now: one line naming the file, the
+    good ids kept, new runs for the others, and the file written anew in output_dir."""
+    continued, said = [], []
+
+    def tracked(name):
+        class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
+            def __init__(self, cfg, run_id):
+                continued.append((name, run_id))
+                self.run_id = run_id or f"new-{name}"
+                super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
+        return Tracked
+    monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
+    monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+    out = tmp_path / "run"
+    out.mkdir()
+    ids_file = out / "trackers.json"
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text('{"wandb": "outside1", "mlflow": "outside2"}')
+    cfg = make_config(out, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+
+    def planted(content):
+        if ids_file.exists() or ids_file.is_symlink():
+            ids_file.unlink()
+        if content == "symlink":
+            ids_file.symlink_to(outside)
+        elif content == "fifo":
+            os.mkfifo(ids_file)
+        else:
+            ids_file.write_text(content)
+    cases = [('{"wandb": "abc', [None, None], "not JSON"),
+             ('["abc"]', [None, None], "a JSON list"),
+             ('{"wandb": 5, "mlflow": {"x": 1}}', [None, None], "`wandb`"),
+             ('{"wandb": "../../x", "mlflow": "4f2a"}', [None, "4f2a"], "`wandb`"),
+             ('{"wandb": "' + "a" * 300 + '", "mlflow": "4f2a"}', [None, "4f2a"], "`wandb`"),
+             ("symlink", [None, None], "not a regular file"),
+             ("fifo", [None, None], "not a regular file")]
+    for content, ids, why in cases:
+        planted(content)
+        said.clear()
+        trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()
+        assert [i for _, i in continued[-2:]] == ids, content
+        assert len(said) == 1 and said[0].startswith(f"{ids_file}: ") and why in said[0], (content, said)
+        assert "new" in said[0] and "\n" not in said[0]
+        assert not ids_file.is_symlink() and json.load(open(ids_file)) == {
+            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow"}, content
+    assert json.load(open(outside)) == {"wandb": "outside1", "mlflow": "outside2"}  # neither read nor written
+    said.clear()
+    trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()  # ours: continued, nothing said
+    assert continued[-2:] == [("wandb", "new-wandb"), ("mlflow", "new-mlflow")] and said == []
