@@ -121,13 +121,8 @@ class Trackers:
             raise
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
-        if run_ids:  # written beside it, then renamed: a symlink or FIFO planted there is replaced, never followed
-            with disk_errors.name_unnamed_errors(self.ids_path):
-                if os.path.lexists(self.ids_path + ".tmp"):
-                    os.remove(self.ids_path + ".tmp")
-                with open(self.ids_path + ".tmp", "w") as f:
-                    json.dump(run_ids, f)
-                os.replace(self.ids_path + ".tmp", self.ids_path)
+        if run_ids:
+            written_beside(self.ids_path, lambda f: json.dump(run_ids, f))
 
     def read_ids(self) -> dict:
         """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
@@ -223,21 +218,31 @@ class CSV:
 
     def __init__(self, path: str, step: int):
         self.path, self.last_step = path, step
-        kept = []
-        if step and os.path.exists(path):
-            with open(path, newline="") as f:
-                kept = [r for r in csv.DictReader(f)
-                        if r.get("step", "").isdigit() and int(r["step"]) <= step
-                        and not r.get("tag", "").startswith("summary/")]
-        # written beside it, then renamed: a full disk or a kill halfway leaves the old rows, not a cut file
+        kept = self.rows_up_to(path, step) if step and os.path.lexists(path) else []
+
+        def write(f):
+            writer = csv.DictWriter(f, self.FIELDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        written_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
-            with open(path + ".tmp", "w", newline="") as f:
-                writer = csv.DictWriter(f, self.FIELDS)
-                writer.writeheader()
-                writer.writerows(kept)
-            os.replace(path + ".tmp", path)
             self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
+
+    @staticmethod
+    def rows_up_to(path: str, step: int) -> list[dict]:
+        """The rows of metrics.csv up to `step`, its summary left out; a file that is not ours (a symlink: read
+        from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UserError(f"{path}: not a regular file (a symlink, FIFO or device), which a resumed run does not "
+                            "read: move it away (the resumed run starts a new one)")
+        try:
+            with open(path, newline="") as f:
+                return [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
+                        and not r.get("tag", "").startswith("summary/")]
+        except (UnicodeDecodeError, csv.Error) as e:  # not text, or a field over csv's limit
+            raise UserError(f"{path}: unreadable ({first_line(e, limit=120)}): move it away (the resumed run starts "
+                            "a new one)") from None
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config
@@ -348,6 +353,17 @@ class MLflow:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def written_beside(path: str, write: Callable[[object], None]) -> None:
+    """write(f) into path.tmp, then renamed to `path`: a symlink or FIFO planted at either name is replaced,
+    never followed."""
+    with disk_errors.name_unnamed_errors(path):
+        if os.path.lexists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        with open(path + ".tmp", "w", newline="") as f:
+            write(f)
+        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager

@@ -572,3 +572,33 @@ def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path
     said.clear()
     trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()  # ours: continued, nothing said
     assert continued[-2:] == [("wandb", "new-wandb"), ("mlflow", "new-mlflow")] and said == []
+
+
+def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
+    """A resume reads metrics.csv back: a symlink there was read (its rows, from outside output_dir, kept), a
+    metrics.csv.tmp symlink was written through (the file outside emptied), a FIFO hung the start, and a file that
+    is not UTF-8 stopped the run as "csv could not start" without naming it. Now: one line naming the file."""
+    out, outside = tmp_path / "run", tmp_path / "outside.csv"
+    out.mkdir()
+    path, text = out / "metrics.csv", "step,tag,value\n1,train/loss,9.0\n"
+    outside.write_text("step,tag,value\n1,outside,7.0\n")
+
+    def planted(name, make):
+        for p in (path, out / "metrics.csv.tmp"):
+            if os.path.lexists(p):
+                p.unlink()
+        make()
+        return name
+
+    planted("tmp symlink", lambda: (path.write_text(text), (out / "metrics.csv.tmp").symlink_to(outside)))
+    trackers.CSV(str(path), 2).close()
+    assert csv_rows(out) == [(1, "train/loss", 9.0)] and not path.is_symlink()
+    assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
+    for case, make, why in [("symlink", lambda: path.symlink_to(outside), "not a regular file"),
+                            ("not UTF-8", lambda: path.write_bytes(b"step,tag,value\n1,\xe9,1\n"), "unreadable"),
+                            ("fifo", lambda: os.mkfifo(path), "not a regular file")]:
+        planted(case, make)
+        with pytest.raises(trackers.UserError) as e:
+            trackers.CSV(str(path), 2)
+        assert str(e.value).startswith(f"{path}: {why}") and "move it" in str(e.value), (case, str(e.value))
+        assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
