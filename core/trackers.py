@@ -302,7 +302,8 @@ class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
     continue, or None (or a run the store does not hold) for a new one. A run resumed from a checkpoint older than
     its last logged step logs those steps again: MLflow cannot delete points, so the steps it holds are not sent
-    twice (a resume is exact: the values are the ones it holds, unless the resumed run changed a setting)."""
+    twice, key by key (a resume is exact: the values are the ones it holds, unless the resumed run changed a
+    setting; an evaluation a stop left to the resumed run is sent at the step of the training line held)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
@@ -313,12 +314,12 @@ class MLflow:
         uri = mlflow_uri(cfg)
         if uri.startswith(("http://", "https://")):
             server_answers(uri)
-        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, 0
+        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
-                self.logged_up_to = max((m.step for key in self.client.get_run(run_id).data.metrics
-                                         for m in self.client.get_metric_history(run_id, key)), default=0)
+                self.logged_up_to = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
+                                     for key in self.client.get_run(run_id).data.metrics}
             except MlflowException:  # another store than the one it was made in
                 run_id = None
         if not run_id:
@@ -340,8 +341,9 @@ class MLflow:
 
     def scalars(self, step: int, values: dict) -> None:
         self.step = step
-        if step > self.logged_up_to:
-            self.log(step, values)
+        new = {k: v for k, v in values.items() if step > self.logged_up_to.get(k, 0)}
+        if new:
+            self.log(step, new)
 
     def summary(self, values: dict) -> None:
         self.log(self.step, {f"summary/{k}": v for k, v in values.items()})

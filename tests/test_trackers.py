@@ -171,6 +171,14 @@ def test_mlflow_holds_each_step_once_after_a_resume_before_the_last_checkpoint(t
         assert sorted(s for s, _ in held) == [2, 4]
     assert client.get_run(run_id).data.metrics["summary/steps"] == 4
 
+    # A stop at step 4 with an evaluation due there: the resumed run makes it first (eval_due), a key the run does
+    # not hold at step 4 (dev/due here). MLflow skipped it: a step at or below the last one held in any key was sent.
+    resumed = trackers.MLflow(make_config(tmp_path, log={"report_to": ["mlflow"]}), run_id)
+    resumed.scalars(4, {"dev/due": 0.7, "train/loss": 9.0})
+    resumed.close()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "dev/due")] == [(4, 0.7)]
+    assert 9.0 not in [m.value for m in client.get_metric_history(run_id, "train/loss")]  # held already
+
 
 def test_a_resume_that_fails_to_rewrite_metrics_csv_leaves_its_rows(tmp_path, monkeypatch):
     import errno
@@ -602,3 +610,4 @@ def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
             trackers.CSV(str(path), 2)
         assert str(e.value).startswith(f"{path}: {why}") and "move it" in str(e.value), (case, str(e.value))
         assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
+
