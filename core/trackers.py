@@ -186,16 +186,18 @@ class Trackers:
         self.each("summary", values)
 
     def close(self, failed: bool = False) -> None:
-        """`failed`: the run ended in an exception, the failure reported; a tracker that cannot close is said beside
-        it, a full disk included."""
-        try:
-            self.each("close", failed)
-        except Exception as e:
-            if not failed:
-                raise
-            self.warn(f"the trackers were not all closed: {first_line(e, limit=120)}")
-        finally:
-            self.members = []
+        """`failed`: the run ended in an exception, which is what gets reported: each tracker is closed all the
+        same, and one that cannot close is said beside it (a full disk, which the report says, is not)."""
+        if not failed:
+            self.each("close", False)
+        else:
+            for name, member in zip(self.names, self.members):
+                try:
+                    member.close(True)
+                except Exception as e:
+                    if not disk_errors.disk_problem(e, self.output_dir):
+                        self.warn(f"tracker {name} was not closed ({first_line(e, limit=120)})")
+        self.members = []
 
 
 @contextlib.contextmanager

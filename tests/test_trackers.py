@@ -611,3 +611,30 @@ def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
         assert str(e.value).startswith(f"{path}: {why}") and "move it" in str(e.value), (case, str(e.value))
         assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
 
+
+
+def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """The run stops on the full disk, and its trackers are closed as it fails: closing metrics.csv meets the same
+    full disk, which printed a second line ("the trackers were not all closed") before the error."""
+    import errno
+    real = trackers.CSV.scalars
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            self.write("")
+        flush = close
+
+    def scalars(self, step, values):
+        if step == 2:
+            self.file = Full()
+            self.writer = csv.DictWriter(self.file, self.FIELDS)
+        real(self, step, values)
+    monkeypatch.setattr(trackers.CSV, "scalars", scalars)
+    assert run(tmp_path, ["csv", "tensorboard"], train={"log_every": 1}) == 2
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'metrics.csv'}: No space left on device"), err
+    assert "closed" not in said.out and "No space" not in said.out, said.out  # (the console's other stream)
