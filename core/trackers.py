@@ -117,7 +117,7 @@ class Trackers:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
         except BaseException:
-            self.close()
+            self.close(failed=True)  # the runs started before it never trained
             raise
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}

@@ -638,3 +638,27 @@ def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkey
     err = said.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'metrics.csv'}: No space left on device"), err
     assert "closed" not in said.out and "No space" not in said.out, said.out  # (the console's other stream)
+
+
+def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_path, monkeypatch):
+    """MLflow refused after W&B had started its run: the run is refused in one line, and W&B's run, which never
+    trained, was closed as a success."""
+    closed = []
+
+    class Started(trackers.CSV):
+        def __init__(self, cfg, run_id):
+            self.run_id = "w1"
+            super().__init__(os.path.join(cfg.output_dir, "wandb.csv"), 0)
+
+        def close(self, failed=False):
+            closed.append(failed)
+            super().close(failed)
+
+    def refused(cfg, run_id):
+        raise RuntimeError("the store says no")
+    monkeypatch.setattr(trackers, "WandB", Started)
+    monkeypatch.setattr(trackers, "MLflow", refused)
+    cfg = make_config(tmp_path, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+    with pytest.raises(trackers.UserError, match=r"mlflow could not start \(RuntimeError: the store says no\)"):
+        trackers.Trackers(cfg, 0, tensorboard=None)
+    assert closed == [True]
