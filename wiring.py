@@ -66,7 +66,8 @@ def worker(cfg: Config, place) -> int:
             elif cfg.mode == "test":
                 testmode.test(trainer)
             else:
-                with rank.publishing_saves_on_crash(trainer):  # (train.async_save: see rank_run.py)
+                # (train.async_save: see rank_run.py; the trackers: trackers.py)
+                with rank.publishing_saves_on_crash(trainer), trackers.closed_failed_on_crash(trainer):
                     trainer.train()
         rank.finished()
     return rank.code

@@ -1,21 +1,27 @@
 """Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_record.TensorBoard), a CSV
 file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
-summary(values), close(). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
+summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
 MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
-missing, the config check refuses the run in one line naming what to install. A tracker that cannot start (a store
+missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
+output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
+telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set.
+A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
-named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else.
+named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
+that ends in an exception closes its trackers marked failed (closed_failed_on_crash).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import os
 import re
+import stat
 import time
 from typing import Callable, Optional
 
@@ -28,6 +34,8 @@ NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-skinny==3.17.2"}}
 SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
+IDS_MAX_BYTES = 64 << 10  # ours holds two ids
+RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
          "csv": "remove csv from log.report_to to run without it",
@@ -109,21 +117,38 @@ class Trackers:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
         except BaseException:
-            self.close()
+            self.close(failed=True)  # the runs started before it never trained
             raise
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
-            with disk_errors.name_unnamed_errors(self.ids_path), open(self.ids_path, "w") as f:
-                json.dump(run_ids, f)
+            written_beside(self.ids_path, lambda f: json.dump(run_ids, f))
 
     def read_ids(self) -> dict:
+        """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
+        symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs."""
+        path = self.ids_path
         try:
-            with open(self.ids_path) as f:
-                ids = json.load(f)
-            return ids if isinstance(ids, dict) else {}
-        except (OSError, ValueError):  # none, or unreadable: new tracked runs
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
+                raise ValueError("not a regular file")
+            with open(path, "rb") as f:
+                ids = json.loads(f.read(IDS_MAX_BYTES))
+        except FileNotFoundError:
             return {}
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+            self.warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
+                      "so W&B and MLflow start new runs")
+            return {}
+        if not isinstance(ids, dict):
+            self.warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+            return {}
+        kept = {name: ids[name] for name in ("wandb", "mlflow")
+                if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
+        wrong = [name for name in ids if name not in kept]
+        if wrong:
+            self.warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
+                      "id, ignored (a tracker without one starts a new run)")
+        return kept
 
     def started(self, name: str, build: Callable[[], object]):
         """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""
@@ -160,9 +185,32 @@ class Trackers:
     def summary(self, values: dict) -> None:
         self.each("summary", values)
 
-    def close(self) -> None:
-        self.each("close")
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ended in an exception, which is what gets reported: each tracker is closed all the
+        same, and one that cannot close is said beside it (a full disk, which the report says, is not)."""
+        if not failed:
+            self.each("close", False)
+        else:
+            for name, member in zip(self.names, self.members):
+                try:
+                    member.close(True)
+                except Exception as e:
+                    if not disk_errors.disk_problem(e, self.output_dir):
+                        self.warn(f"tracker {name} was not closed ({first_line(e, limit=120)})")
         self.members = []
+
+
+@contextlib.contextmanager
+def closed_failed_on_crash(trainer):
+    """A training run that ends in an exception (a crash, a divergence; a stop closes them itself) closes rank 0's
+    trackers marked failed: MLflow's run FAILED, W&B's exit code 1, each file flushed. Left open, MLflow's run stayed
+    RUNNING and W&B's atexit handler (when it ran at all) closed its run as a success."""
+    try:
+        yield
+    except BaseException:
+        if trainer.trackers is not None:
+            trainer.trackers.close(failed=True)
+        raise
 
 
 class CSV:
@@ -172,21 +220,31 @@ class CSV:
 
     def __init__(self, path: str, step: int):
         self.path, self.last_step = path, step
-        kept = []
-        if step and os.path.exists(path):
-            with open(path, newline="") as f:
-                kept = [r for r in csv.DictReader(f)
-                        if r.get("step", "").isdigit() and int(r["step"]) <= step
-                        and not r.get("tag", "").startswith("summary/")]
-        # written beside it, then renamed: a full disk or a kill halfway leaves the old rows, not a cut file
+        kept = self.rows_up_to(path, step) if step and os.path.lexists(path) else []
+
+        def write(f):
+            writer = csv.DictWriter(f, self.FIELDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        written_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
-            with open(path + ".tmp", "w", newline="") as f:
-                writer = csv.DictWriter(f, self.FIELDS)
-                writer.writeheader()
-                writer.writerows(kept)
-            os.replace(path + ".tmp", path)
             self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
+
+    @staticmethod
+    def rows_up_to(path: str, step: int) -> list[dict]:
+        """The rows of metrics.csv up to `step`, its summary left out; a file that is not ours (a symlink: read
+        from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UserError(f"{path}: not a regular file (a symlink, FIFO or device), which a resumed run does not "
+                            "read: move it away (the resumed run starts a new one)")
+        try:
+            with open(path, newline="") as f:
+                return [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
+                        and not r.get("tag", "").startswith("summary/")]
+        except (UnicodeDecodeError, csv.Error) as e:  # not text, or a field over csv's limit
+            raise UserError(f"{path}: unreadable ({first_line(e, limit=120)}): move it away (the resumed run starts "
+                            "a new one)") from None
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config
@@ -200,7 +258,7 @@ class CSV:
     def summary(self, values: dict) -> None:
         self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         with disk_errors.name_unnamed_errors(self.path):
             self.file.close()
 
@@ -213,11 +271,13 @@ class WandB:
         wandb = process_end.import_with_own_temp_folder("wandb")  # optional; check_config made sure it is there
         self.step = 0
         try:
-            if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
-                wandb.login(prompt=False)  # no API key: an error, never a question on stdin
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.task, name=run_name(cfg),
-                                  dir=os.environ.get("WANDB_DIR") or cfg.output_dir, id=run_id,
-                                  resume="allow" if run_id else None)
+            where = os.environ.get("WANDB_DIR") or cfg.output_dir
+            # W&B's service, started here, writes its own logs in WANDB_CACHE_DIR/wandb/logs (else ~/.cache/wandb/logs)
+            with environ_default("WANDB_CACHE_DIR", where):
+                if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+                    wandb.login(prompt=False)  # no API key: an error, never a question on stdin
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.task, name=run_name(cfg),
+                                      dir=where, id=run_id, resume="allow" if run_id else None)
         except wandb.errors.Error as e:
             line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise UserError(f"log.report_to: wandb could not start a run: {line} (run `wandb login`, or set "
@@ -235,8 +295,8 @@ class WandB:
     def summary(self, values: dict) -> None:
         self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else None)  # W&B shows a run that exited non-zero as failed
         self.wandb.teardown()  # W&B's service stops here, not in its atexit handler, which end_process does not run
 
 
@@ -244,21 +304,24 @@ class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
     continue, or None (or a run the store does not hold) for a new one. A run resumed from a checkpoint older than
     its last logged step logs those steps again: MLflow cannot delete points, so the steps it holds are not sent
-    twice (a resume is exact: the values are the ones it holds, unless the resumed run changed a setting)."""
+    twice, key by key (a resume is exact: the values are the ones it holds, unless the resumed run changed a
+    setting; an evaluation a stop left to the resumed run is sent at the step of the training line held)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
+        # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
         uri = mlflow_uri(cfg)
         if uri.startswith(("http://", "https://")):
             server_answers(uri)
-        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, 0
+        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
-                self.logged_up_to = max((m.step for key in self.client.get_run(run_id).data.metrics
-                                         for m in self.client.get_metric_history(run_id, key)), default=0)
+                self.logged_up_to = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
+                                     for key in self.client.get_run(run_id).data.metrics}
             except MlflowException:  # another store than the one it was made in
                 run_id = None
         if not run_id:
@@ -280,8 +343,9 @@ class MLflow:
 
     def scalars(self, step: int, values: dict) -> None:
         self.step = step
-        if step > self.logged_up_to:
-            self.log(step, values)
+        new = {k: v for k, v in values.items() if step > self.logged_up_to.get(k, 0)}
+        if new:
+            self.log(step, new)
 
     def summary(self, values: dict) -> None:
         self.log(self.step, {f"summary/{k}": v for k, v in values.items()})
@@ -291,8 +355,32 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def written_beside(path: str, write: Callable[[object], None]) -> None:
+    """write(f) into path.tmp, then renamed to `path`: a symlink or FIFO planted at either name is replaced,
+    never followed."""
+    with disk_errors.name_unnamed_errors(path):
+        if os.path.lexists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        with open(path + ".tmp", "w", newline="") as f:
+            write(f)
+        os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def environ_default(name: str, value: str):
+    """os.environ[name] = value meanwhile, unless it is set."""
+    if os.environ.get(name):
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 def server_answers(uri: str) -> None:

@@ -171,6 +171,14 @@ def test_mlflow_holds_each_step_once_after_a_resume_before_the_last_checkpoint(t
         assert sorted(s for s, _ in held) == [2, 4]
     assert client.get_run(run_id).data.metrics["summary/steps"] == 4
 
+    # A stop at step 4 with an evaluation due there: the resumed run makes it first (eval_due), a key the run does
+    # not hold at step 4 (dev/due here). MLflow skipped it: a step at or below the last one held in any key was sent.
+    resumed = trackers.MLflow(make_config(tmp_path, log={"report_to": ["mlflow"]}), run_id)
+    resumed.scalars(4, {"dev/due": 0.7, "train/loss": 9.0})
+    resumed.close()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "dev/due")] == [(4, 0.7)]
+    assert 9.0 not in [m.value for m in client.get_metric_history(run_id, "train/loss")]  # held already
+
 
 def test_a_resume_that_fails_to_rewrite_metrics_csv_leaves_its_rows(tmp_path, monkeypatch):
     import errno
@@ -474,3 +482,183 @@ def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, 
     assert log.count("tracker csv failed (ConnectionError: the tracking server went away); it is dropped and "
                      "training goes on without it") == 1
     assert calls == [2] and os.path.isdir(tmp_path / "checkpoints" / "step-4")  # called no more; the run ended
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A run writes inside output_dir only; a crash closes the trackers
+# ---------------------------------------------------------------------------------------------------------------
+# What tells MLflow it runs under a test or CI (then it skips its telemetry, which a user's run has)
+CI_VARIABLES = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS",
+                "TF_BUILD", "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION",
+                "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID")
+
+
+@pytest.mark.slow  # 15 s: a process with W&B's service and MLflow's store
+def test_a_run_with_every_tracker_writes_inside_output_dir_only_and_a_crash_closes_them_failed(tmp_path):
+    """As a user runs it: from another folder, with a home and a temporary folder of its own, W&B offline and
+    MLflow's default store. W&B's service logs (~/.cache/wandb/logs) and MLflow's telemetry id
+    (~/.config/mlflow/telemetry.json) went outside output_dir. The run crashes in step 3: its trackers are closed
+    marked failed (MLflow's run was left RUNNING, W&B's exited 0), with what was logged before."""
+    import mlflow
+    home, temp, cwd, out = (tmp_path / name for name in ("home", "temp", "cwd", "out"))
+    for folder in (home, temp, cwd):
+        folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in CI_VARIABLES and not k.startswith(("WANDB_", "MLFLOW_",
+                                                                                              "XDG_"))}
+    env.update(HOME=str(home), TMPDIR=str(temp), WANDB_MODE="offline", OMP_NUM_THREADS="1", FAULT="raise:0:3")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "faulty_main.py"), "--params",
+                        os.path.join(ROOT, "parameters.yml"), "--set", f"output_dir={out / 'run'}",
+                        "--set", "log.report_to=[tensorboard, csv, wandb, mlflow]", "--set", "train.max_steps=4",
+                        "--set", "train.log_every=1", "--set", "train.eval_every=2", "--set", "log.progress_bar=false"],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "injected fault" in r.stderr, (r.stdout + r.stderr)[-3000:]
+    outside = [str(p) for folder in (home, temp, cwd) for p in folder.rglob("*") if p.is_file()]
+    assert outside == [], outside
+    assert os.listdir(out) == ["run"]
+
+    run_dir = out / "run"
+    rows = csv_rows(run_dir)
+    assert [s for s, t, _ in rows if t == "train/loss"] == [1, 2] and (2, "dev/loss") in {(s, t) for s, t, _ in rows}
+    ids = json.load(open(run_dir / "trackers.json"))
+    held = mlflow.MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_run(ids["mlflow"])
+    assert held.info.status == "FAILED" and held.data.metrics["train/loss"] == [v for _, t, v in rows if t == "train/loss"][-1]
+    [file] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    [end] = [record.exit for record in wandb_records(file) if record.WhichOneof("record_type") == "exit"]
+    assert end.exit_code == 1
+    assert sorted(row["_step"] for row in wandb_run(file)["history"]) == [1, 2]
+
+
+def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path, monkeypatch):
+    """output_dir/trackers.json cut, edited or planted: a W&B id with a `/` or of another type refused the run with
+    "could not start ... run `wandb login`" (never naming the file); a cut one was dropped without a word; a symlink
+    was read and written through (outside output_dir), a FIFO hung the start. Now: one line naming the file, the
+    good ids kept, new runs for the others, and the file written anew in output_dir."""
+    continued, said = [], []
+
+    def tracked(name):
+        class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
+            def __init__(self, cfg, run_id):
+                continued.append((name, run_id))
+                self.run_id = run_id or f"new-{name}"
+                super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
+        return Tracked
+    monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
+    monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+    out = tmp_path / "run"
+    out.mkdir()
+    ids_file = out / "trackers.json"
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text('{"wandb": "outside1", "mlflow": "outside2"}')
+    cfg = make_config(out, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+
+    def planted(content):
+        if ids_file.exists() or ids_file.is_symlink():
+            ids_file.unlink()
+        if content == "symlink":
+            ids_file.symlink_to(outside)
+        elif content == "fifo":
+            os.mkfifo(ids_file)
+        else:
+            ids_file.write_text(content)
+    cases = [('{"wandb": "abc', [None, None], "not JSON"),
+             ('["abc"]', [None, None], "a JSON list"),
+             ('{"wandb": 5, "mlflow": {"x": 1}}', [None, None], "`wandb`"),
+             ('{"wandb": "../../x", "mlflow": "4f2a"}', [None, "4f2a"], "`wandb`"),
+             ('{"wandb": "' + "a" * 300 + '", "mlflow": "4f2a"}', [None, "4f2a"], "`wandb`"),
+             ("symlink", [None, None], "not a regular file"),
+             ("fifo", [None, None], "not a regular file")]
+    for content, ids, why in cases:
+        planted(content)
+        said.clear()
+        trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()
+        assert [i for _, i in continued[-2:]] == ids, content
+        assert len(said) == 1 and said[0].startswith(f"{ids_file}: ") and why in said[0], (content, said)
+        assert "new" in said[0] and "\n" not in said[0]
+        assert not ids_file.is_symlink() and json.load(open(ids_file)) == {
+            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow"}, content
+    assert json.load(open(outside)) == {"wandb": "outside1", "mlflow": "outside2"}  # neither read nor written
+    said.clear()
+    trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()  # ours: continued, nothing said
+    assert continued[-2:] == [("wandb", "new-wandb"), ("mlflow", "new-mlflow")] and said == []
+
+
+def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
+    """A resume reads metrics.csv back: a symlink there was read (its rows, from outside output_dir, kept), a
+    metrics.csv.tmp symlink was written through (the file outside emptied), a FIFO hung the start, and a file that
+    is not UTF-8 stopped the run as "csv could not start" without naming it. Now: one line naming the file."""
+    out, outside = tmp_path / "run", tmp_path / "outside.csv"
+    out.mkdir()
+    path, text = out / "metrics.csv", "step,tag,value\n1,train/loss,9.0\n"
+    outside.write_text("step,tag,value\n1,outside,7.0\n")
+
+    def planted(name, make):
+        for p in (path, out / "metrics.csv.tmp"):
+            if os.path.lexists(p):
+                p.unlink()
+        make()
+        return name
+
+    planted("tmp symlink", lambda: (path.write_text(text), (out / "metrics.csv.tmp").symlink_to(outside)))
+    trackers.CSV(str(path), 2).close()
+    assert csv_rows(out) == [(1, "train/loss", 9.0)] and not path.is_symlink()
+    assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
+    for case, make, why in [("symlink", lambda: path.symlink_to(outside), "not a regular file"),
+                            ("not UTF-8", lambda: path.write_bytes(b"step,tag,value\n1,\xe9,1\n"), "unreadable"),
+                            ("fifo", lambda: os.mkfifo(path), "not a regular file")]:
+        planted(case, make)
+        with pytest.raises(trackers.UserError) as e:
+            trackers.CSV(str(path), 2)
+        assert str(e.value).startswith(f"{path}: {why}") and "move it" in str(e.value), (case, str(e.value))
+        assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
+
+
+
+def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """The run stops on the full disk, and its trackers are closed as it fails: closing metrics.csv meets the same
+    full disk, which printed a second line ("the trackers were not all closed") before the error."""
+    import errno
+    real = trackers.CSV.scalars
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            self.write("")
+        flush = close
+
+    def scalars(self, step, values):
+        if step == 2:
+            self.file = Full()
+            self.writer = csv.DictWriter(self.file, self.FIELDS)
+        real(self, step, values)
+    monkeypatch.setattr(trackers.CSV, "scalars", scalars)
+    assert run(tmp_path, ["csv", "tensorboard"], train={"log_every": 1}) == 2
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'metrics.csv'}: No space left on device"), err
+    assert "closed" not in said.out and "No space" not in said.out, said.out  # (the console's other stream)
+
+
+def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_path, monkeypatch):
+    """MLflow refused after W&B had started its run: the run is refused in one line, and W&B's run, which never
+    trained, was closed as a success."""
+    closed = []
+
+    class Started(trackers.CSV):
+        def __init__(self, cfg, run_id):
+            self.run_id = "w1"
+            super().__init__(os.path.join(cfg.output_dir, "wandb.csv"), 0)
+
+        def close(self, failed=False):
+            closed.append(failed)
+            super().close(failed)
+
+    def refused(cfg, run_id):
+        raise RuntimeError("the store says no")
+    monkeypatch.setattr(trackers, "WandB", Started)
+    monkeypatch.setattr(trackers, "MLflow", refused)
+    cfg = make_config(tmp_path, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+    with pytest.raises(trackers.UserError, match=r"mlflow could not start \(RuntimeError: the store says no\)"):
+        trackers.Trackers(cfg, 0, tensorboard=None)
+    assert closed == [True]
