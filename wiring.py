@@ -238,12 +238,12 @@ def check_batch_split(cfg: Config, fail) -> None:
 
 
 def check_task_parallelism(cfg: Config, fail) -> None:
-    """A task that leaves Task's pipeline chain or tp plan as they are has none: said before the ranks start (after
-    the layout's own checks)."""
-    if cfg.dist.strategy == "pipe" and TASKS[cfg.task].pipeline_layers is Task.pipeline_layers:
+    """A task without a pipeline chain or a tp plan (it says which it has: Task.has_pipeline_chain, has_tp_plan):
+    said before the ranks start (after the layout's own checks)."""
+    if cfg.dist.strategy == "pipe" and not TASKS[cfg.task].has_pipeline_chain:
         fail("dist.strategy", f"is pipe, but task {cfg.task} does not cut its model into a chain of layers "
                               "(Task.pipeline_layers); use ddp, oss or fsdp")
-    if cfg.dist.tp > 1 and TASKS[cfg.task].tp_plan is Task.tp_plan:
+    if cfg.dist.tp > 1 and not TASKS[cfg.task].has_tp_plan:
         fail("dist.tp", f"is {cfg.dist.tp}, but task {cfg.task} has no tensor-parallel plan (Task.tp_plan names the "
                         "linear layers to split); use dist.tp: 1")
 

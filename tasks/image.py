@@ -68,6 +68,7 @@ class TensorImages(Dataset):
 
 class ImageTask(Task):
     compiles_on_cpu = False  # torch 2.13's inductor computes zero gradients for its convolutions on CPU
+    has_pipeline_chain = reads_new_inputs = True
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model
