@@ -104,10 +104,11 @@ def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[t
 
 
 @contextlib.contextmanager
-def fits_model(path: str, cfg=None):
+def fits_model(path: str, cfg=None, meta: Optional[dict] = None):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
-    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
+    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list.
+    `meta`: its meta.json as already read (None: read here)."""
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
@@ -127,7 +128,7 @@ def fits_model(path: str, cfg=None):
         details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
         what = (details[0] if details else type(cause).__name__)[:160]
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
-        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
+        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg, meta)}") \
             from None
 
 
@@ -148,12 +149,13 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, saved: Optional
     changes += [f"{key} {was[key]} -> {now[key]}" for key in sorted(now) if key in was and was[key] != now[key]]
 
 
-def _settings_changed(path: str, cfg) -> str:
-    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
+def _settings_changed(path: str, cfg, meta: Optional[dict]) -> str:
+    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run
+    (`meta`: its meta.json as read, else read here)."""
     if cfg is None:
         return ""
     try:
-        saved = read_meta(path).get("config")
+        saved = (read_meta(path) if meta is None else meta).get("config")
     except CheckpointError:  # no (readable) meta.json: nothing to compare with
         return ""
     diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
@@ -162,15 +164,21 @@ def _settings_changed(path: str, cfg) -> str:
 
 def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None,
                vocabulary_sha256=None) -> str:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, predict, export,
-    generate.py; its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded
-    after a `note`; default: a line on stderr). `label_names`, `vocabulary_sha256`: a classifier's classes and the
-    task's vocabulary now (check_label_names, check_vocabulary). Returns which weights it read: trained, or ema
-    (test.weights, weights_to_read)."""
-    meta = verify(path, note=note, cfg=cfg)  # read once: each check below takes this record
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model (generate.py); its files are
+    verified first (one that cannot be is refused, or with cfg.allow_unverified loaded after a `note`; default: a
+    line on stderr). Returns which weights it read: trained, or ema (load_verified)."""
+    return load_verified(model, path, verify(path, note=note, cfg=cfg), cfg, label_names, vocabulary_sha256)
+
+
+def load_verified(model: torch.nn.Module, path: str, meta: dict, cfg=None, label_names=None,
+                  vocabulary_sha256=None) -> str:
+    """load_model after verify(path) returned `meta`: test mode, predict and export take what they need (the step,
+    the classes) from that record too, so that meta.json is read once and no second, unverified read is used.
+    `label_names`, `vocabulary_sha256`: a classifier's classes and the task's vocabulary now (check_label_names,
+    check_vocabulary). Returns which weights it read: trained, or ema (test.weights, weights_to_read)."""
     check_label_names(path, label_names, meta)
     check_vocabulary(path, vocabulary_sha256, meta)
-    with fits_model(path, cfg):
+    with fits_model(path, cfg, meta):
         load_state(model, model_state_dict(path), path, meta)
     weights = weights_to_read(path, cfg, meta)
     if weights == "ema":  # the average train.ema_decay kept, over the weights

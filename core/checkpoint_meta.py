@@ -58,19 +58,6 @@ def read(path: str) -> dict:
 
 
 
-def read_loaded(path: str, allow_unverified: bool) -> dict:
-    """meta.json of checkpoint `path`, which verify() let through: read, or {} where there is none or it cannot
-    be read and allow_unverified loaded the checkpoint anyway (verify said so)."""
-    if not os.path.lexists(os.path.join(path, "meta.json")):
-        return {}
-    try:
-        return read(path)
-    except Unloadable:
-        if not allow_unverified:
-            raise
-        return {}
-
-
 def saved_train(meta: dict) -> dict:
     """The train section a checkpoint was saved with (meta.json's `config`, checked by read() to be an object);
     {} for one written without it."""

@@ -37,12 +37,12 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
                                                                   "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
-    meta = checkpoint_meta.read_loaded(path, cfg.allow_unverified)  # (allow_unverified: {} where unreadable)
+    meta = checkpoint_io.verify(path, note=log.warning, cfg=cfg)  # meta.json, read once: the classes are this record's
     task.prepare_inference(checkpoint_io.recorded_label_names(path, meta))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
-    weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names(),
-                                       vocabulary_sha256=task.vocabulary_sha256())
+    weights = checkpoint_io.load_verified(model, path, meta, cfg, label_names=task.label_names(),
+                                          vocabulary_sha256=task.vocabulary_sha256())
     names, dataset = task.predict_inputs(cfg.predict.input)
     if not names:
         raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")

@@ -188,7 +188,7 @@ def load(trainer, path: str) -> dict:
     checkpoint_io.check_label_names(path, trainer.task.label_names(), meta)  # the data's classes are the trained ones
     checkpoint_io.check_vocabulary(path, trainer.task.vocabulary_sha256(), meta)  # and its inputs' ids
     changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
-    with checkpoint_io.fits_model(path, trainer.cfg), \
+    with checkpoint_io.fits_model(path, trainer.cfg, meta), \
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
