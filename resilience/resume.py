@@ -218,9 +218,10 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
-    t, saved = trainer.train_cfg, meta.get("config") or {}
-    diffs = checkpoint_meta.differences(model_built(saved, trainer.task), model_built(trainer.cfg.to_dict(),
-                                                                                      trainer.task))
+    t, saved, now = trainer.train_cfg, meta.get("config") or {}, trainer.cfg.to_dict()
+    # null and the value it builds are one run, but the refusal shows what each config wrote
+    diffs = checkpoint_meta.differences(saved, now, compared=(model_built(saved, trainer.task),
+                                                              model_built(now, trainer.task)))
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
