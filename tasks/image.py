@@ -113,8 +113,10 @@ class ImageTask(Task):
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def pipeline_layers(self, model: Net) -> list[nn.Module]:
+        # each link holds the dropout it runs too: the stage's eval() must reach it
         return [PipelineLayer(model.features1, model.conv1), PipelineLayer(model.features2, model.conv2),
-                PipelineLayer(model.hidden, model.fc1), PipelineLayer(model.head, model.fc2)]
+                PipelineLayer(model.hidden, model.dropout1, model.fc1),
+                PipelineLayer(model.head, model.dropout2, model.fc2)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["images"],)
