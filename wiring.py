@@ -211,6 +211,9 @@ def check_task(cfg: Config, fail) -> None:
     if cfg.data.group_by_length and not TASKS[cfg.task].has_lengths:
         fail("data.group_by_length", f"is set, but task {cfg.task} has no sample lengths to batch by (it pads no "
                                      "token sequences): it would do nothing; remove it")
+    if cfg.mode == "predict" and not TASKS[cfg.task].reads_new_inputs:
+        fail("mode", f"is predict, but task {cfg.task} reads no new inputs to label (Task.reads_new_inputs: a "
+                     "classifier's, such as image, csv_text, sst2, image_folder); use mode test")
     if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
         fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")

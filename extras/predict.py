@@ -19,7 +19,7 @@ import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
 from core.distributed import DistContext
-from core.errors import CheckpointError, ConfigError, DataError
+from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
 from tasks import lora
 from tasks.base import Task
@@ -31,8 +31,6 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     the model needs comes from the checkpoint (an image classifier's classes: meta.json), so the training data
     need not be there (task.prepare_inference)."""
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
-    if not task.reads_new_inputs:  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
-        raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no Task.predict_inputs)")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:

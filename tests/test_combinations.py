@@ -31,6 +31,9 @@ def test_a_task_without_a_pipeline_chain_or_a_tp_plan_is_refused_before_the_rank
         with pytest.raises(ConfigError) as e:
             make_config(tmp_path, task=task, dist=dist)
         assert words in str(e.value) and "\n" not in str(e.value), (task, dist, str(e.value))
+    # mode predict of a task that reads no new inputs: said once the ranks had started and loaded the task
+    with pytest.raises(ConfigError, match="`mode` is predict, but task gpt2_lm reads no new inputs"):
+        make_config(tmp_path, task="gpt2_lm", mode="predict", predict={"input": str(tmp_path)})
 
 
 def test_every_task_declares_what_it_overrides():
