@@ -46,20 +46,21 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
 
 
 def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None,
-           cfg=None) -> dict:
+           cfg=None, meta: Optional[dict] = None) -> dict:
     """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
     not what meta.json recorded (checkpoint_hashes.py), or, with a signing key (checkpoint_signing.py), a missing
     or wrong signature. One whose files cannot be verified (no meta.json, an unreadable one, or one without the
     `files` record: an older version) is refused too, unless the config's allow_unverified: then it loads after
     one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads the files, every rank
-    raises. `cfg`: the run's config (None: the defaults, and the environment's key). Returns meta.json as read
-    for the check, so that nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is
-    none that can be read and allow_unverified loads it anyway)."""
+    raises. `cfg`: the run's config (None: the defaults, and the environment's key). `meta`: meta.json as the
+    caller read it (a resume), checked as it is, not read again. Returns meta.json as read for the check, so that
+    nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is none that can be read and
+    allow_unverified loads it anyway)."""
     main = ctx is None or ctx.is_main
     config = cfg.to_dict() if cfg is not None else {}
     secret = checkpoint_signing.key(config)  # on every rank: a key file that cannot be read fails on all
     try:
-        meta, found = _files_problem(path, secret) if main else ({}, None)
+        meta, found = _files_problem(path, secret, meta) if main else ({}, None)
     except CheckpointError as e:  # a file the machine cannot read (errors.unreadable): said on every rank
         meta, found = {}, ("problem" if isinstance(e, Unloadable) else "unreadable", str(e))
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
@@ -73,9 +74,10 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
     return meta
 
 
-def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[tuple[str, str]]]:
-    """meta.json ({} if it cannot be read) and ("problem", line), ("unverified", line) or None (all files as
-    recorded, and signed where `secret`)."""
+def _files_problem(path: str, secret: Optional[bytes],
+                   meta: Optional[dict] = None) -> tuple[dict, Optional[tuple[str, str]]]:
+    """meta.json (`meta` where the caller read it; {} if it cannot be read) and ("problem", line), ("unverified",
+    line) or None (all files as recorded, and signed where `secret`)."""
     if os.path.islink(os.path.normpath(path)):  # as checkpoint.is_complete: never a checkpoint of ours
         return {}, ("problem", checkpoint_hashes.linked_checkpoint_refused(path))
     if not os.path.isdir(path):
@@ -87,7 +89,7 @@ def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[t
     if link:
         return {}, ("problem", checkpoint_hashes.symlink_refused(link))
     try:
-        meta, why = read_meta(path), None
+        meta, why = (read_meta(path) if meta is None else meta), None
     except Unloadable as e:
         meta, why = None, f"its files cannot be verified: {e}"
     if meta is not None and meta.get("files") is None:

@@ -163,8 +163,8 @@ def load(trainer, path: str) -> dict:
     that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, strategy = trainer.train_cfg, trainer.strategy
-    meta = checkpoint_meta.read(path)
-    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg)  # every file, before any is read
+    meta = checkpoint_meta.read(path)  # (an unreadable one: Unloadable, naming the key, and the next is tried)
+    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg, meta)  # every file by this record
     saved = meta.get("format") or "full"
     if saved not in strategy.resumes_from:
         *others, last = strategy.resumes_from

@@ -228,11 +228,12 @@ def test_best_never_names_a_symlinked_checkpoint(reference, tmp_path):
     assert checkpoint_meta.best_recorded(str(tmp_path)) == ckpt(tmp_path, 4)  # the latest, as when the best was pruned
 
 
-def test_test_export_and_predict_read_meta_json_once(reference, tmp_path, monkeypatch):
+def test_test_export_predict_and_resume_read_meta_json_once(reference, tmp_path, monkeypatch):
     # Each read meta.json twice: the verifying load (its files' record) and the caller again, unverified (the step,
-    # the classes): a meta.json swapped between the two was trusted. Now the caller takes the verified record.
-    out = tmp_path / "run"
+    # the classes; a resume, its state): a meta.json swapped between the two was trusted. Now one record serves both.
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
     crashed_copy(reference, out, 4)
+    crashed_copy(reference, resumed, 4)
     path = ckpt(out, 3)
     os.makedirs(tmp_path / "new")
     Image.new("L", (8, 8), 128).save(tmp_path / "new" / "gray.png")
@@ -240,7 +241,7 @@ def test_test_export_and_predict_read_meta_json_once(reference, tmp_path, monkey
     real_open = builtins.open
 
     def counting_open(file, *args, **kwargs):
-        if str(file) == os.path.join(path, "meta.json"):
+        if str(file) in (os.path.join(path, "meta.json"), os.path.join(ckpt(resumed, 4), "meta.json")):
             reads.append(file)
         return real_open(file, *args, **kwargs)
 
@@ -252,4 +253,7 @@ def test_test_export_and_predict_read_meta_json_once(reference, tmp_path, monkey
         reads.clear()
         assert main.run(make_config(out, mode=mode, **sections)) == 0, mode
         assert len(reads) == 1, (mode, len(reads))
+    reads.clear()  # and a resume (here of step-4): meta.json read once, the record verify checks the files by
+    assert run(resumed) == 0 and f"resumed from {ckpt(resumed, 4)}" in rank_log(resumed)
+    assert len(reads) == 1, ("resume", len(reads))
     assert os.path.isfile(tmp_path / "run" / "predictions.csv") and os.path.isfile(tmp_path / "run" / "dev_results.json")
