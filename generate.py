@@ -20,7 +20,7 @@ from core import checkpoint, checkpoint_io, checkpoint_meta
 from core.errors import UserError
 from tasks import lora
 from tasks.text_common import plain_transformers_output
-from wiring import build_task, checked_config
+from wiring import TASKS, build_task, checked_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,8 +88,8 @@ def load_export(folder: str):
 def load_checkpoint(args):
     """Model and tokenizer of a checkpoint, rebuilt from the training config (as test mode does)."""
     cfg = checked_config(args.params, args.set)
-    if cfg.task != "gpt2_lm":
-        raise UserError(f"{args.params}: generate.py needs task gpt2_lm, not {cfg.task!r}")
+    if not TASKS[cfg.task].generates_text:  # (the task says so: Task.generates_text)
+        raise UserError(f"{args.params}: generate.py needs a task that generates text (gpt2_lm), not {cfg.task!r}")
     path = args.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, named_by="--checkpoint")
     if path is None:
         raise UserError(f"{checkpoint.root(cfg.output_dir)}: no checkpoint; train first or pass --checkpoint")

@@ -212,6 +212,9 @@ def check_task(cfg: Config, fail) -> None:
     if cfg.data.group_by_length and not TASKS[cfg.task].has_lengths:
         fail("data.group_by_length", f"is set, but task {cfg.task} has no sample lengths to batch by (it pads no "
                                      "token sequences): it would do nothing; remove it")
+    if cfg.mode == "predict" and not TASKS[cfg.task].reads_new_inputs:
+        fail("mode", f"is predict, but task {cfg.task} reads no new inputs to label (Task.reads_new_inputs: a "
+                     "classifier's, such as image, csv_text, sst2, image_folder); use mode test")
     if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
         fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
@@ -239,12 +242,12 @@ def check_batch_split(cfg: Config, fail) -> None:
 
 
 def check_task_parallelism(cfg: Config, fail) -> None:
-    """A task that leaves Task's pipeline chain or tp plan as they are has none: said before the ranks start (after
-    the layout's own checks)."""
-    if cfg.dist.strategy == "pipe" and TASKS[cfg.task].pipeline_layers is Task.pipeline_layers:
+    """A task without a pipeline chain or a tp plan (it says which it has: Task.has_pipeline_chain, has_tp_plan):
+    said before the ranks start (after the layout's own checks)."""
+    if cfg.dist.strategy == "pipe" and not TASKS[cfg.task].has_pipeline_chain:
         fail("dist.strategy", f"is pipe, but task {cfg.task} does not cut its model into a chain of layers "
                               "(Task.pipeline_layers); use ddp, oss or fsdp")
-    if cfg.dist.tp > 1 and TASKS[cfg.task].tp_plan is Task.tp_plan:
+    if cfg.dist.tp > 1 and not TASKS[cfg.task].has_tp_plan:
         fail("dist.tp", f"is {cfg.dist.tp}, but task {cfg.task} has no tensor-parallel plan (Task.tp_plan names the "
                         "linear layers to split); use dist.tp: 1")
 

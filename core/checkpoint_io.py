@@ -46,20 +46,21 @@ def load_file(path: str, name: str, keys: tuple[str, ...] = ()):
 
 
 def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable[[str], None]] = None,
-           cfg=None) -> dict:
+           cfg=None, meta: Optional[dict] = None) -> dict:
     """Before loading checkpoint `path`: raise Unloadable naming the first of its files that is missing, extra or
     not what meta.json recorded (checkpoint_hashes.py), or, with a signing key (checkpoint_signing.py), a missing
     or wrong signature. One whose files cannot be verified (no meta.json, an unreadable one, or one without the
     `files` record: an older version) is refused too, unless the config's allow_unverified: then it loads after
     one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads the files, every rank
-    raises. `cfg`: the run's config (None: the defaults, and the environment's key). Returns meta.json as read
-    for the check, so that nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is
-    none that can be read and allow_unverified loads it anyway)."""
+    raises. `cfg`: the run's config (None: the defaults, and the environment's key). `meta`: meta.json as the
+    caller read it (a resume), checked as it is, not read again. Returns meta.json as read for the check, so that
+    nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is none that can be read and
+    allow_unverified loads it anyway)."""
     main = ctx is None or ctx.is_main
     config = cfg.to_dict() if cfg is not None else {}
     secret = checkpoint_signing.key(config)  # on every rank: a key file that cannot be read fails on all
     try:
-        meta, found = _files_problem(path, secret) if main else ({}, None)
+        meta, found = _files_problem(path, secret, meta) if main else ({}, None)
     except CheckpointError as e:  # a file the machine cannot read (errors.unreadable): said on every rank
         meta, found = {}, ("problem" if isinstance(e, Unloadable) else "unreadable", str(e))
     kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
@@ -73,9 +74,10 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
     return meta
 
 
-def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[tuple[str, str]]]:
-    """meta.json ({} if it cannot be read) and ("problem", line), ("unverified", line) or None (all files as
-    recorded, and signed where `secret`)."""
+def _files_problem(path: str, secret: Optional[bytes],
+                   meta: Optional[dict] = None) -> tuple[dict, Optional[tuple[str, str]]]:
+    """meta.json (`meta` where the caller read it; {} if it cannot be read) and ("problem", line), ("unverified",
+    line) or None (all files as recorded, and signed where `secret`)."""
     if os.path.islink(os.path.normpath(path)):  # as checkpoint.is_complete: never a checkpoint of ours
         return {}, ("problem", checkpoint_hashes.linked_checkpoint_refused(path))
     if not os.path.isdir(path):
@@ -87,7 +89,7 @@ def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[t
     if link:
         return {}, ("problem", checkpoint_hashes.symlink_refused(link))
     try:
-        meta, why = read_meta(path), None
+        meta, why = (read_meta(path) if meta is None else meta), None
     except Unloadable as e:
         meta, why = None, f"its files cannot be verified: {e}"
     if meta is not None and meta.get("files") is None:
@@ -104,10 +106,11 @@ def _files_problem(path: str, secret: Optional[bytes]) -> tuple[dict, Optional[t
 
 
 @contextlib.contextmanager
-def fits_model(path: str, cfg=None):
+def fits_model(path: str, cfg=None, meta: Optional[dict] = None):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
-    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list."""
+    first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list.
+    `meta`: its meta.json as already read (None: read here)."""
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
@@ -127,7 +130,7 @@ def fits_model(path: str, cfg=None):
         details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
         what = (details[0] if details else type(cause).__name__)[:160]
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
-        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg)}") \
+        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg, meta)}") \
             from None
 
 
@@ -148,12 +151,13 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, saved: Optional
     changes += [f"{key} {was[key]} -> {now[key]}" for key in sorted(now) if key in was and was[key] != now[key]]
 
 
-def _settings_changed(path: str, cfg) -> str:
-    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run."""
+def _settings_changed(path: str, cfg, meta: Optional[dict]) -> str:
+    """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run
+    (`meta`: its meta.json as read, else read here)."""
     if cfg is None:
         return ""
     try:
-        saved = read_meta(path).get("config")
+        saved = (read_meta(path) if meta is None else meta).get("config")
     except CheckpointError:  # no (readable) meta.json: nothing to compare with
         return ""
     diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
@@ -162,15 +166,21 @@ def _settings_changed(path: str, cfg) -> str:
 
 def load_model(model: torch.nn.Module, path: str, cfg=None, note=None, label_names=None,
                vocabulary_sha256=None) -> str:
-    """The weights of any checkpoint (whatever strategy wrote it) into a plain model: test mode, predict, export,
-    generate.py; its files are verified first (one that cannot be is refused, or with cfg.allow_unverified loaded
-    after a `note`; default: a line on stderr). `label_names`, `vocabulary_sha256`: a classifier's classes and the
-    task's vocabulary now (check_label_names, check_vocabulary). Returns which weights it read: trained, or ema
-    (test.weights, weights_to_read)."""
-    meta = verify(path, note=note, cfg=cfg)  # read once: each check below takes this record
+    """The weights of any checkpoint (whatever strategy wrote it) into a plain model (generate.py); its files are
+    verified first (one that cannot be is refused, or with cfg.allow_unverified loaded after a `note`; default: a
+    line on stderr). Returns which weights it read: trained, or ema (load_verified)."""
+    return load_verified(model, path, verify(path, note=note, cfg=cfg), cfg, label_names, vocabulary_sha256)
+
+
+def load_verified(model: torch.nn.Module, path: str, meta: dict, cfg=None, label_names=None,
+                  vocabulary_sha256=None) -> str:
+    """load_model after verify(path) returned `meta`: test mode, predict and export take what they need (the step,
+    the classes) from that record too, so that meta.json is read once and no second, unverified read is used.
+    `label_names`, `vocabulary_sha256`: a classifier's classes and the task's vocabulary now (check_label_names,
+    check_vocabulary). Returns which weights it read: trained, or ema (test.weights, weights_to_read)."""
     check_label_names(path, label_names, meta)
     check_vocabulary(path, vocabulary_sha256, meta)
-    with fits_model(path, cfg):
+    with fits_model(path, cfg, meta):
         load_state(model, model_state_dict(path), path, meta)
     weights = weights_to_read(path, cfg, meta)
     if weights == "ema":  # the average train.ema_decay kept, over the weights

@@ -58,19 +58,6 @@ def read(path: str) -> dict:
 
 
 
-def read_loaded(path: str, allow_unverified: bool) -> dict:
-    """meta.json of checkpoint `path`, which verify() let through: read, or {} where there is none or it cannot
-    be read and allow_unverified loaded the checkpoint anyway (verify said so)."""
-    if not os.path.lexists(os.path.join(path, "meta.json")):
-        return {}
-    try:
-        return read(path)
-    except Unloadable:
-        if not allow_unverified:
-            raise
-        return {}
-
-
 def saved_train(meta: dict) -> dict:
     """The train section a checkpoint was saved with (meta.json's `config`, checked by read() to be an object);
     {} for one written without it."""
@@ -184,17 +171,30 @@ RESULT_SETTINGS = ("task", "seed", "model", "data")
 NOT_RESULT = {"model.activation_checkpointing", "model.channels_last", "data.num_workers", "data.download"}
 
 
-def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS) -> list[str]:
+def differences(saved: dict, now: dict, keys: tuple[str, ...] = RESULT_SETTINGS,
+                compared: Optional[tuple[dict, dict]] = None) -> list[str]:
     """["seed=1 (now 2)", "model.hidden=128 (now 64)"]: the settings among `keys` (a top-level key, or a whole
-    section) where the config `saved` with a checkpoint differs from `now`. Keys the saved one lacks are skipped."""
-    diffs = []
+    section) where the config `saved` with a checkpoint differs from `now`. Keys the saved one lacks are skipped.
+    `compared`: the two as compared, where not as written (a resume reads a null model key as what it builds,
+    Task.model_built); the settings that differ there are shown as written (null, not the value built from it),
+    except those written alike (model.heads null in both, under another model.name), unless only they differ."""
+    found = _differing(*(compared or (saved, now)), keys)
+    written = {name: (was, is_) for name, was, is_ in _differing(saved, now, keys)}
+    if compared and any(name in written for name, _, _ in found):
+        found = [(name, *written[name]) for name, _, _ in found if name in written]
+    return [f"{name}={was!r} (now {is_!r})" for name, was, is_ in found]
+
+
+def _differing(saved: dict, now: dict, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
+    """(setting, saved value, value now) for each setting of differences()."""
+    found = []
     for key in keys:
         if key not in saved:
             continue
         if isinstance(now[key], dict):
             was = saved[key] if isinstance(saved[key], dict) else {}
-            diffs += [f"{key}.{k}={was[k]!r} (now {v!r})" for k, v in now[key].items()
+            found += [(f"{key}.{k}", was[k], v) for k, v in now[key].items()
                       if k in was and was[k] != v and f"{key}.{k}" not in NOT_RESULT]
         elif saved[key] != now[key]:
-            diffs.append(f"{key}={saved[key]!r} (now {now[key]!r})")
-    return diffs
+            found.append((key, saved[key], now[key]))
+    return found

@@ -71,11 +71,11 @@ def run(cfg: Config, task: Task) -> str:
     if source is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to export (train first, "
                               "or set test.checkpoint)")
-    meta = checkpoint_meta.read_loaded(source, cfg.allow_unverified)  # (allow_unverified: {} where unreadable)
+    meta = checkpoint_io.verify(source, cfg=cfg)  # meta.json, read once: the classes are its record's
     task.prepare_inference(checkpoint_io.recorded_label_names(source, meta))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
-    weights = checkpoint_io.load_model(model, source, cfg, label_names=task.label_names(),  # as test mode loads
-                                       vocabulary_sha256=task.vocabulary_sha256())
+    weights = checkpoint_io.load_verified(model, source, meta, cfg, label_names=task.label_names(),  # as test mode
+                                          vocabulary_sha256=task.vocabulary_sha256())
     model.eval()
     write_atomically(dest, lambda folder: write(folder, task, model, formats, source, meta, weights))
     what = f"the weight average (ema.pt) of {source}" if weights == "ema" else source

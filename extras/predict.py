@@ -19,7 +19,7 @@ import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
 from core.distributed import DistContext
-from core.errors import CheckpointError, ConfigError, DataError
+from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
 from tasks import lora
 from tasks.base import Task
@@ -31,18 +31,16 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     the model needs comes from the checkpoint (an image classifier's classes: meta.json), so the training data
     need not be there (task.prepare_inference)."""
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
-    if not hasattr(task, "predict_inputs"):  # (a classifier's inputs: tasks/image_folder.py's, csv_text.py's)
-        raise ConfigError(f"mode: predict: task {cfg.task} does not read new inputs (no predict_inputs method)")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to predict with")
-    meta = checkpoint_meta.read_loaded(path, cfg.allow_unverified)  # (allow_unverified: {} where unreadable)
+    meta = checkpoint_io.verify(path, note=log.warning, cfg=cfg)  # meta.json, read once: the classes are this record's
     task.prepare_inference(checkpoint_io.recorded_label_names(path, meta))
     model = lora.adapt(task.build_model(), cfg)  # model.lora_rank: the base, the checkpoint's adapters go over it
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
-    weights = checkpoint_io.load_model(model, path, cfg, note=log.warning, label_names=task.label_names(),
-                                       vocabulary_sha256=task.vocabulary_sha256())
+    weights = checkpoint_io.load_verified(model, path, meta, cfg, label_names=task.label_names(),
+                                          vocabulary_sha256=task.vocabulary_sha256())
     names, dataset = task.predict_inputs(cfg.predict.input)
     if not names:
         raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")

@@ -15,10 +15,11 @@ def test(trainer) -> dict:
     path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log))
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")
-    weights = checkpoint_io.load_model(trainer.strategy.raw_model, path, cfg, note=log.warning,
-                                       label_names=trainer.task.label_names(),
-                                       vocabulary_sha256=trainer.task.vocabulary_sha256())
-    trainer.set_step(checkpoint_meta.read_loaded(path, cfg.allow_unverified).get("step", 0))
+    meta = checkpoint_io.verify(path, note=log.warning, cfg=cfg)  # meta.json, read once: the step is this record's
+    weights = checkpoint_io.load_verified(trainer.strategy.raw_model, path, meta, cfg,
+                                          label_names=trainer.task.label_names(),
+                                          vocabulary_sha256=trainer.task.vocabulary_sha256())
+    trainer.set_step(meta.get("step", 0))  # ({} where allow_unverified loaded one without a readable meta.json)
     # (the results of the average must not pass for the trained weights')
     log.info(f"testing {path}" + (f" with its weight average (ema.pt: {checkpoint_io.why_average(cfg)})"
                                   if weights == "ema" else ""))

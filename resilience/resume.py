@@ -163,8 +163,8 @@ def load(trainer, path: str) -> dict:
     that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, strategy = trainer.train_cfg, trainer.strategy
-    meta = checkpoint_meta.read(path)
-    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg)  # every file, before any is read
+    meta = checkpoint_meta.read(path)  # (an unreadable one: Unloadable, naming the key, and the next is tried)
+    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg, meta)  # every file by this record
     saved = meta.get("format") or "full"
     if saved not in strategy.resumes_from:
         *others, last = strategy.resumes_from
@@ -188,7 +188,7 @@ def load(trainer, path: str) -> dict:
     checkpoint_io.check_label_names(path, trainer.task.label_names(), meta)  # the data's classes are the trained ones
     checkpoint_io.check_vocabulary(path, trainer.task.vocabulary_sha256(), meta)  # and its inputs' ids
     changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
-    with checkpoint_io.fits_model(path, trainer.cfg), \
+    with checkpoint_io.fits_model(path, trainer.cfg, meta), \
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
@@ -218,9 +218,10 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
     unless train.resume_changed says that is what is wanted."""
-    t, saved = trainer.train_cfg, meta.get("config") or {}
-    diffs = checkpoint_meta.differences(model_built(saved, trainer.task), model_built(trainer.cfg.to_dict(),
-                                                                                      trainer.task))
+    t, saved, now = trainer.train_cfg, meta.get("config") or {}, trainer.cfg.to_dict()
+    # null and the value it builds are one run, but the refusal shows what each config wrote
+    diffs = checkpoint_meta.differences(saved, now, compared=(model_built(saved, trainer.task),
+                                                              model_built(now, trainer.task)))
     sizes, accum = meta.get("batch_sizes"), (saved.get("train") or {}).get("grad_accum_steps")
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps

@@ -23,7 +23,7 @@ from core.checkpoint_meta import read as read_meta
 from core.distributed import DistContext
 from core.errors import CheckpointError
 from strategies import mesh as meshes
-from core.model_parts import model_blocks, trains_part
+from core.model_parts import model_blocks, trained_names, trains_part
 from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
 from strategies.fp16 import sharded_scaler
@@ -80,8 +80,7 @@ class FSDPStrategy(Strategy):
     def save(self, directory: str) -> None:
         # Every rank writes its own shards, nothing gathered (tp splits in strides: state_in_dcp_boxes). get_state_dict
         # keys the entries by the plain model's parameter names, so the files do not depend on the world size.
-        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
-                                                                     options=self.state_options()))
+        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in self.state_dicts())
         dcp.save(model_sd, checkpoint_id=os.path.join(directory, "model_dcp"))
         dcp.save(optim_sd, checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
@@ -91,8 +90,7 @@ class FSDPStrategy(Strategy):
         training's, and not the other thread's (two threads on one group could pair different collectives)."""
         if self.save_groups is None:
             self.save_groups = [dist.new_group(backend="gloo") for _ in range(2)]
-        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in get_state_dict(self.model, self.optimizer,
-                                                                     options=self.state_options()))
+        model_sd, optim_sd = (state_in_dcp_boxes(sd) for sd in self.state_dicts())
         futures = [dcp.async_save(sd, checkpoint_id=os.path.join(directory, name), process_group=group)
                    for sd, name, group in ((model_sd, "model_dcp", self.save_groups[0]),
                                            (optim_sd, "optimizer_dcp", self.save_groups[1]))]
@@ -109,7 +107,7 @@ class FSDPStrategy(Strategy):
                                       "or a replicated strategy wrote (test mode reads any checkpoint)")
         if trains_part(self.raw_model):
             checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        model_sd, optim_sd = self.state_dicts()
         # dcp_load, not dcp.load: DCP's own unpickling could run a crafted checkpoint's code (checkpoint_dcp.py).
         swaps = []
         dcp_load(state_in_dcp_boxes(model_sd, swaps), os.path.join(directory, "model_dcp"))
@@ -120,6 +118,16 @@ class FSDPStrategy(Strategy):
             original.copy_(boxed)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=self.state_options())
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """The model's and optimizer's state as DCP writes and reads them (state_options). Under LoRA, the model's
+        entries that train only: torch keeps a frozen weight tied to another under its second name (GPT-2's
+        lm_head.weight, the token embedding), which test mode would refuse and which would fill the folder."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        if trains_part(self.raw_model):
+            trained = trained_names(self.raw_model)
+            model_sd = {k: v for k, v in model_sd.items() if k in trained}
+        return model_sd, optim_sd
 
     def state_options(self):
         """What get_state_dict / set_state_dict cover: every entry, or under LoRA the parameters that train (the

@@ -34,6 +34,7 @@ class BagOfWordsExport:
     """What mode export's `hf` format (and mode predict) asks a task (tasks/base.py), for csv_text: its model as below, its words
     and vocabulary (`vocab`) as a tokenizer, the label names (`classes`) in config.json."""
     export_formats, hf_pipeline = ("hf", "onnx"), "text-classification"
+    reads_new_inputs = True  # predict_inputs below
 
     def hf_model(self, model: nn.Module):
         return hf_classifier(model, self.classes)

@@ -31,6 +31,12 @@ class Task:
     """True: generate.py samples from this task's checkpoints (the run's closing lines say how)."""
     has_lengths = False
     """True: lengths() gives each sample's length, which data.group_by_length batches by (refused elsewhere)."""
+    has_pipeline_chain = False
+    """True: pipeline_layers() cuts the model into a chain, which dist.strategy pipe needs (refused elsewhere)."""
+    has_tp_plan = False
+    """True: tp_plan() names the linear layers dist.tp > 1 splits (refused elsewhere)."""
+    reads_new_inputs = False
+    """True: predict_inputs(path) reads a file of new inputs, which mode predict labels (refused elsewhere)."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole Config: tasks read cfg.data and cfg.model
@@ -84,7 +90,8 @@ class Task:
 
     # ---- pipe (dist.strategy: pipe, strategies/pipeline.py): the model as a chain of layers --------------------
     # -----> to pipeline a new model: list its layers in order; each takes the previous one's output (a tensor or a
-    # tuple of tensors, e.g. hidden states and an attention mask) and must keep constant shapes from step to step.
+    # tuple of tensors, e.g. hidden states and an attention mask) and must keep constant shapes from step to step;
+    # then say so: has_pipeline_chain = True.
     def pipeline_layers(self, model: nn.Module) -> list[nn.Module]:
         """The model's forward as a chain: layers[0](*pipeline_inputs(batch)), then each layer on the previous
         output; the last layer's output goes to loss_from_output / eval_from_output. The stages cut this list."""
@@ -109,7 +116,8 @@ class Task:
 
     # ---- tensor parallelism (dist.tp > 1, strategies/tp.py): which linear layers split over a tp group ----------
     # -----> to split a new model's blocks: map each linear layer's name (wildcards allowed) to ColwiseParallel()
-    # (split by output features) or RowwiseParallel() (by input features; its output is all-reduced).
+    # (split by output features) or RowwiseParallel() (by input features; its output is all-reduced); then say so:
+    # has_tp_plan = True.
     def tp_plan(self, model: nn.Module, tp: int) -> dict:
         raise ConfigError(f"dist.tp: the {self.cfg.task} task has no tensor-parallel plan (Task.tp_plan names the "
                           "linear layers to split; tasks/text_common.bert_tp_plan is one); use dist.tp: 1")
@@ -165,6 +173,15 @@ class Task:
         datasets (csv_text's vocabulary comes from them); text tasks load the tokenizer the training run used, and
         image_folder takes `label_names`, the classes the checkpoint records (None: an older one), for the folders'."""
         self.build_datasets()
+
+    # -----> mode: predict (extras/predict.py): a classifier's new inputs (say so: reads_new_inputs) and its logits.
+    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+        """The inputs in predict.input `path`: their names (predictions.csv's first column) and a Dataset of them."""
+        raise NotImplementedError(f"{type(self).__name__} does not read new inputs (Task.predict_inputs)")
+
+    def predict_logits(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's logits for a batch of `predict_inputs`' items, on the device."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its model labels inputs")
 
     # -----> what an `hf` export saves: the transformers model (save_pretrained) inside the task's model, its
     # tokenizer, and the transformers.pipeline task that serves it (named in the export's README).

@@ -245,6 +245,7 @@ class PretrainingModel(nn.Module):
 class BertPretrainTask(Task):
     best_metric_default = "loss"
     lower_is_better = ("loss", "mlm_loss", "nsp_loss")
+    has_pipeline_chain = has_tp_plan = True
 
     def build_datasets(self) -> dict:
         d = self.cfg.data

@@ -38,6 +38,7 @@ class GPT2LMTask(Task):
     best_metric_default = "loss"
     lower_is_better = ("loss", "perplexity")
     generates_text = True
+    has_pipeline_chain = has_tp_plan = True
 
     def build_datasets(self) -> dict:
         if token_shards.is_prepared(self.cfg.data.data_dir):  # scripts/prepare_text.py's folder: read lazily

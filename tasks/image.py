@@ -68,6 +68,7 @@ class TensorImages(Dataset):
 
 class ImageTask(Task):
     compiles_on_cpu = False  # torch 2.13's inductor computes zero gradients for its convolutions on CPU
+    has_pipeline_chain = reads_new_inputs = True
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model
@@ -112,8 +113,10 @@ class ImageTask(Task):
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def pipeline_layers(self, model: Net) -> list[nn.Module]:
+        # each link holds the dropout it runs too: the stage's eval() must reach it
         return [PipelineLayer(model.features1, model.conv1), PipelineLayer(model.features2, model.conv2),
-                PipelineLayer(model.hidden, model.fc1), PipelineLayer(model.head, model.fc2)]
+                PipelineLayer(model.hidden, model.dropout1, model.fc1),
+                PipelineLayer(model.head, model.dropout2, model.fc2)]
 
     def pipeline_inputs(self, batch: dict) -> tuple:
         return (batch["images"],)

@@ -392,6 +392,7 @@ def uses_channels_last(cfg) -> bool:
 
 # ---- the task ------------------------------------------------------------------------------------------------------
 class ImageFolderTask(Task):
+    has_pipeline_chain = reads_new_inputs = True
     hf_pipeline = "image-classification"
     export_formats = ("hf", "onnx")
 

@@ -104,6 +104,7 @@ class SST2Task(Task):
     num_labels = 2  # shards of another label set (scripts/prepare_text.py --labels ...) say how many they have
     names = ("negative", "positive")  # SST-2's TSV: GLUE's 0 and 1; shards: their --labels, or None (numbers only)
     has_lengths = True  # token sequences, padded per batch: data.group_by_length pads less
+    has_pipeline_chain = has_tp_plan = reads_new_inputs = True  # (BERT's chain and plan; BART has neither: said then)
 
     def label_names(self):
         return list(self.names) if self.names else None

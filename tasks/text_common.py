@@ -408,7 +408,8 @@ def bart_pipeline_layers(bart, head) -> list:
         inputs = part.embed_tokens(ids)
         positions = part.embed_positions(ids, 0, position_ids=torch.arange(ids.shape[1], device=ids.device))
         hidden = part.layernorm_embedding(inputs + positions.to(inputs.device))
-        return torch.nn.functional.dropout(hidden, p=part.dropout, training=part.training)
+        # in the mode of the stage (its link holds layernorm_embedding), not of the encoder or decoder, which none holds
+        return torch.nn.functional.dropout(hidden, p=part.dropout, training=part.layernorm_embedding.training)
 
     def encoder_embed(input_ids, attention_mask):
         return embed(encoder, input_ids), attention_mask, input_ids

@@ -12,6 +12,8 @@ from conftest import ROOT, logged, make_config
 from core import checkpoint_io
 from core.errors import ConfigError
 import main
+from tasks.base import Task
+from wiring import TASKS
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_sample_text_data as sample  # noqa: E402
@@ -29,6 +31,20 @@ def test_a_task_without_a_pipeline_chain_or_a_tp_plan_is_refused_before_the_rank
         with pytest.raises(ConfigError) as e:
             make_config(tmp_path, task=task, dist=dist)
         assert words in str(e.value) and "\n" not in str(e.value), (task, dist, str(e.value))
+    # mode predict of a task that reads no new inputs: said once the ranks had started and loaded the task
+    with pytest.raises(ConfigError, match="`mode` is predict, but task gpt2_lm reads no new inputs"):
+        make_config(tmp_path, task="gpt2_lm", mode="predict", predict={"input": str(tmp_path)})
+
+
+def test_every_task_declares_what_it_overrides():
+    # wiring sniffed `TASKS[t].pipeline_layers is Task.pipeline_layers` (and predict hasattr(task, "predict_inputs")):
+    # now each Task says so in an attribute; one that overrides a method without it (or the reverse) would drift.
+    said = {"has_pipeline_chain": "pipeline_layers", "has_tp_plan": "tp_plan", "has_lengths": "lengths",
+            "reads_new_inputs": "predict_inputs"}
+    for name, cls in TASKS.items():
+        for flag, method in said.items():
+            overrides = getattr(cls, method, None) is not getattr(Task, method, None)
+            assert getattr(cls, flag) is overrides, (name, flag, method)
 
 
 @pytest.mark.slow

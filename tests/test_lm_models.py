@@ -7,6 +7,7 @@ import random
 import re
 import shutil
 import sys
+import types
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from core import checkpoint
 from core import checkpoint_meta
 from core import checkpoint_io
 import main
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
+from resilience import resume
 from tasks import lm_models
 from wiring import build_task
 
@@ -202,11 +204,31 @@ def test_tie_embeddings_null_resumes_as_the_value_it_builds(text, tmp_path, caps
         cfg = make_config(tmp_path, task="gpt2_lm", model={"pretrained_dir": folder and str(folder)})
         assert build_task(cfg).model_built(cfg.to_dict()["model"])["tie_embeddings"] is tied
 
+def test_a_refused_model_change_shows_what_each_config_wrote(tmp_path):
+    # Null was compared as the value it builds (right), and shown so too: "model.heads=2 (now 4)" where the saved
+    # config said null. The refusal shows the values written; a key written the same in both is left out.
+    tiny = {"name": "tiny", "arch": "gpt2"}
+    cases = [({**tiny, "heads": None}, {**tiny, "heads": 4}, "model.heads=None (now 4)"),
+             ({**tiny, "heads": 4}, {**tiny, "heads": None}, "model.heads=4 (now None)"),
+             ({**tiny, "heads": None}, {"name": "gpt2", "arch": "gpt2", "heads": None}, "model.name='tiny' (now 'gpt2')"),
+             ({**tiny, "heads": None}, {**tiny, "heads": 2}, None)]  # what null builds: the same run
+    for saved, now, shown in cases:
+        cfg = make_config(tmp_path, task="gpt2_lm", model=now)
+        was = make_config(tmp_path, task="gpt2_lm", model=saved).to_dict()
+        trainer = types.SimpleNamespace(cfg=cfg, train_cfg=cfg.train, task=build_task(cfg), batch_sizes=[8])
+        if shown is None:
+            resume.check_same_run(trainer, "step-2", {"config": was})
+            continue
+        with pytest.raises(CheckpointError) as e:
+            resume.check_same_run(trainer, "step-2", {"config": was})
+        assert str(e.value).startswith(f"step-2 was written by another run: {shown}; "), (saved, now, str(e.value))
+
+
 @pytest.mark.slow
 def test_null_model_shape_resumes_as_the_value_it_builds(text, tmp_path, capsys):
     """model.layers, heads, width, bias null build model.name's preset (tiny: 2, 2, 64, with biases): a resume that
     spells those values out (or the reverse) is the same run; it was refused as another run's ("model.layers=None
-    (now 2), ..."). Another value is still another run, in one line."""
+    (now 2), ..."). Another value is still another run, in one line, as each config wrote it."""
     out, preset = tmp_path / "run", {"name": "tiny", "arch": "gpt2", "dropout": 0.0}
     spelled = {**preset, "layers": 2, "heads": 2, "width": 64, "bias": True, "tie_embeddings": True}
     for step, model in ((2, preset), (3, spelled), (4, preset)):
@@ -216,7 +238,7 @@ def test_null_model_shape_resumes_as_the_value_it_builds(text, tmp_path, capsys)
     assert main.run(lm_config(out, text, {**preset, "heads": 4}, max_steps=5)) == 2  # (the same tensors: it loads)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {out}/checkpoints/step-4 was written by another run: "
-                                               "model.heads=2 (now 4); "), err
+                                               "model.heads=None (now 4); "), err  # (as written: null)
 
 
 @pytest.mark.slow

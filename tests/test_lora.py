@@ -3,6 +3,7 @@ hold only them plus a reference to the frozen base, resume is exact, none/ddp/fs
 a merged Hugging Face folder that transformers.pipeline reads with test mode's predictions, and the adapter folder.
 Tiny random models saved to temporary folders (MiniLM's real tokenizer), data written by the tests.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -308,6 +309,24 @@ def test_gpt2_lora_trains_and_exports_a_causal_lm(data, tiny_gpt2, tmp_path):
     ids = torch.tensor([[5, 9, 13, 2, 7, 30]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, ours.eval()(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt2_lora_under_fsdp_saves_only_the_adapters_and_test_mode_reads_them(data, tiny_gpt2, tmp_path):
+    # GPT-2's LM head is tied to the frozen token embedding: FSDP2's get_state_dict(ignore_frozen_params) dropped
+    # the embedding's name but kept lm_head.weight, so the DCP folder held the whole matrix, and test mode, export
+    # and generate.py refused the checkpoint ("holds base_model.model.lm_head.weight ...").
+    import main
+    from core import checkpoint_io
+    cfg = task_config("gpt2_lm", data, tmp_path, max_steps=1, save_every=1, warmup=0)
+    cfg.model.pretrained_dir, cfg.model.lora_rank, cfg.dist.strategy = tiny_gpt2, 4, "fsdp"
+    assert main.run(cfg) == 0
+    saved = checkpoint_io.model_state_dict(os.path.join(cfg.output_dir, "checkpoints", "step-1"))
+    assert saved and all(".lora_" in k for k in saved), sorted(saved)
+    assert main.run(dataclasses.replace(cfg, mode="test")) == 0
+    cfg.train.max_steps = 2  # and fsdp resumes it (the tied head's name is not looked for in the folder)
+    assert main.run(cfg) == 0
+    assert "resumed from" in open(os.path.join(cfg.output_dir, "logs", "rank0.log")).read()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -561,3 +561,33 @@ def test_a_model_sst2_cannot_split_is_one_line():
     from tasks.sst2 import SST2Task
     with pytest.raises(DataError, match="sst2 splits BART and BERT-style classifiers; Linear is not split yet"):
         SST2Task.pipeline_layers(None, torch.nn.Linear(2, 2))
+
+
+
+@pytest.mark.parametrize("task_name", ["image", slow("sst2")])
+def test_a_chain_in_eval_mode_draws_no_dropout(tmp_path, task_name):
+    # pipe evaluates its stages in eval mode, but the digits CNN's dropout modules and BART's embedding dropout
+    # (which read its encoder's mode) were outside every stage: pipe's dev metrics were taken with dropout on.
+    from test_text_tasks import sample
+    import random
+    from wiring import build_task
+    data, model = {}, {}
+    if task_name == "sst2":  # BART, sst2's default
+        data, model = {"data_dir": sample.write_sst2(str(tmp_path / "sst2"), random.Random(0)), "max_length": 32}, \
+            {"name": "tiny"}
+    task = build_task(make_config(tmp_path, task=task_name, data=data, model={**model, "dropout": 0.5}))
+    dev = task.build_datasets()["dev"]
+    batch = task.collate([dev[i] for i in range(8)])
+    whole = task.build_model().train()  # as pipe keeps the whole model; its stages alone change mode
+    chain = torch.nn.ModuleList(task.pipeline_layers(whole)).eval()
+
+    def run_chain():
+        carry = task.pipeline_inputs(batch)
+        with torch.no_grad():
+            for layer in chain:
+                carry = layer(*carry)
+                carry = carry if isinstance(carry, tuple) else (carry,)
+        return carry[0]
+    ours = run_chain()
+    whole.eval()
+    assert torch.equal(ours, run_chain())

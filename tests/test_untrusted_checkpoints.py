@@ -3,11 +3,13 @@ directories inside output_dir/checkpoints (a symlink is never followed), and eve
 checked, bounded in size and depth, so a tampered one is skipped with one line naming file and key (resume falls
 back to an older checkpoint; test and export mode stop with exit code 2) instead of a traceback or a path outside
 the run."""
+import builtins
 import json
 import os
 import shutil
 
 import pytest
+from PIL import Image
 
 from conftest import load_model_state, make_config
 from test_checkpoint_faults import STEPS, ckpt, crashed_copy, errors, rank_log, run, same_params
@@ -224,3 +226,34 @@ def test_best_never_names_a_symlinked_checkpoint(reference, tmp_path):
     os.symlink(tmp_path / "elsewhere", ckpt(tmp_path, 2))
     edit_meta(ckpt(tmp_path, 4), set_key("state.best_step", 2))
     assert checkpoint_meta.best_recorded(str(tmp_path)) == ckpt(tmp_path, 4)  # the latest, as when the best was pruned
+
+
+def test_test_export_predict_and_resume_read_meta_json_once(reference, tmp_path, monkeypatch):
+    # Each read meta.json twice: the verifying load (its files' record) and the caller again, unverified (the step,
+    # the classes; a resume, its state): a meta.json swapped between the two was trusted. Now one record serves both.
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    crashed_copy(reference, out, 4)
+    crashed_copy(reference, resumed, 4)
+    path = ckpt(out, 3)
+    os.makedirs(tmp_path / "new")
+    Image.new("L", (8, 8), 128).save(tmp_path / "new" / "gray.png")
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file) in (os.path.join(path, "meta.json"), os.path.join(ckpt(resumed, 4), "meta.json")):
+            reads.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    for mode, sections in [("test", {"test": {"checkpoint": path, "splits": ["dev"]}}),
+                           ("export", {"test": {"checkpoint": path}, "export": {"dir": str(tmp_path / "export"),
+                                                                                 "format": "state_dict"}}),
+                           ("predict", {"predict": {"checkpoint": path, "input": str(tmp_path / "new")}})]:
+        reads.clear()
+        assert main.run(make_config(out, mode=mode, **sections)) == 0, mode
+        assert len(reads) == 1, (mode, len(reads))
+    reads.clear()  # and a resume (here of step-4): meta.json read once, the record verify checks the files by
+    assert run(resumed) == 0 and f"resumed from {ckpt(resumed, 4)}" in rank_log(resumed)
+    assert len(reads) == 1, ("resume", len(reads))
+    assert os.path.isfile(tmp_path / "run" / "predictions.csv") and os.path.isfile(tmp_path / "run" / "dev_results.json")
