@@ -40,7 +40,8 @@ def train_dev_test(read, data) -> dict:
     """{split: (texts, labels) or None} read by `read(split)`. Without a dev file, a fixed data.dev_fraction of the
     training rows (whatever the seed) becomes dev."""
     raw = {split: read(split) for split in ("train", "dev", "test")}
-    if raw["train"] is not None and raw["dev"] is None and data.dev_fraction > 0:
+    cut = raw["train"] is not None and raw["dev"] is None and data.dev_fraction > 0
+    if cut:
         texts, labels = raw["train"]
         dev = set(np.random.default_rng(0).permutation(len(texts))[:int(round(len(texts) * data.dev_fraction))])
         raw["train"], raw["dev"] = [([t for i, t in enumerate(texts) if (i in dev) == keep],
@@ -48,7 +49,40 @@ def train_dev_test(read, data) -> dict:
     if raw["train"] is None or raw["dev"] is None:
         raise DataError(f"data.data_dir={data.data_dir!r} needs a train file, and a dev file or data.dev_fraction > 0 "
                         f"({FORMATS})")
+    check_known_labels(data, raw, cut)
     return raw
+
+
+def check_known_labels(data, raw: dict, cut: bool) -> None:
+    """A dev or test label that no training row has (`02` for `2`, `Pos` for `pos`) would be scored wrong every
+    time: refused in one line naming its file and first row (train's, when data.dev_fraction cut dev off it)."""
+    classes = set(raw["train"][1])
+    for split in ("dev", "test"):
+        unknown = set(raw[split][1]) - classes if raw[split] is not None else set()
+        if not unknown:
+            continue
+        source = "train" if split == "dev" and cut else split
+        at, label = first_row_with(data, source, unknown) or (f"{split} split", sorted(unknown)[0])
+        why = " (data.dev_fraction put all its rows into the dev split)" if source != split else ""
+        raise DataError(f"{at}: label {label[:40]!r} is in no training row{why}; the training classes are "
+                        f"{', '.join(sorted(classes))[:80]}")
+
+
+def first_row_with(data, split: str, labels: set) -> Optional[tuple[str, str]]:
+    """(file and row, label) of the first row of `split` whose label is one of `labels`; None without its file (a
+    task's own `read`)."""
+    path = find_split(data.data_dir, split)
+    columns = (data.text_column, data.label_column)
+    for text, label, where in split_rows(path, columns) if path else ():
+        label = checked(path, [(text, label, where)], columns)[1][0]  # as read_split read it
+        if label in labels:
+            return f"{path}{where}", label
+    return None
+
+
+def split_rows(path: str, columns: tuple[str, str]) -> Rows:
+    """The (text, label, where) rows of a split's file or save_to_disk folder, unchecked."""
+    return folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
 
 
 def read_split(data_dir: str, split: str, text_column: str, label_column: str):
@@ -57,8 +91,7 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
     if path is None:
         return None
     columns = (text_column, label_column)
-    rows = folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
-    rows = list(rows)
+    rows = list(split_rows(path, columns))
     if split == "test" and rows and all(label is None or label == "" for _, label, _ in rows):
         note(f"{path}: no labels (as in GLUE's test splits): skipped, there is nothing to score")
         return None

@@ -247,6 +247,31 @@ def test_one_column_for_texts_and_labels_is_a_config_error(tmp_path):
         config(tmp_path, tmp_path, text_column="x", label_column="x")
 
 
+def test_a_dev_or_test_label_no_training_row_has_names_its_file_and_row(tmp_path):
+    """`02` beside `2`, `Pos` beside `pos`: scored wrong every time, so refused naming the file and its first row
+    (train's row when data.dev_fraction cut dev off it and all of that label's rows went to dev)."""
+    numbered = [(t, ["neg", "pos"].index(y)) for t, y in ROWS["train"]]
+    write(tmp_path / "dev", "jsonl", "train", numbered)
+    write(tmp_path / "dev", "csv", "dev", [("fine", "1"), ("boring", "02"), ("dull", "02")])
+    assert error_in(tmp_path, tmp_path / "dev") == (f"{tmp_path / 'dev' / 'dev.csv'}:3: label '02' is in no "
+                                                    "training row; the training classes are 0, 1")
+    write(tmp_path / "test", "csv", "train", ROWS["train"])
+    write(tmp_path / "test", "csv", "dev", ROWS["dev"])
+    write(tmp_path / "test", "parquet", "test", [("superb", "pos"), ("awful", "Neg")])
+    assert error_in(tmp_path, tmp_path / "test") == (f"{tmp_path / 'test' / 'test.parquet'}[1]: label 'Neg' is in "
+                                                      "no training row; the training classes are neg, pos")
+    write(tmp_path / "cut", "csv", "train", ROWS["train"] + [("meh", "mixed")])  # its one row: dev's (seed 0)
+    assert error_in(tmp_path, tmp_path / "cut", dev_fraction=0.5) == (
+        f"{tmp_path / 'cut' / 'train.csv'}:8: label 'mixed' is in no training row (data.dev_fraction put all its "
+        "rows into the dev split); the training classes are neg, pos")
+
+
+def error_in(tmp_path, folder, **data) -> str:
+    with pytest.raises(DataError) as caught:
+        build_task(config(tmp_path, folder, **data)).build_datasets()
+    return str(caught.value)
+
+
 def test_a_mistake_through_main_is_one_line_and_exit_2(tmp_path, capsys):
     path = bad_train(tmp_path, "parquet", [("good", "pos"), ("bad", None)])
     assert main.run(config(tmp_path, tmp_path)) == 2
