@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import unicodedata
 from typing import Optional
 
 import numpy as np
@@ -169,6 +170,8 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
     if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
         raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
     index = {n: i for i, n in enumerate(names)}
+    # a name macOS wrote decomposed (e + U+0301) and one written composed elsewhere are the same class
+    composed = {unicodedata.normalize("NFC", n): i for i, n in reversed(list(enumerate(names)))}
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
         pool = [(p, index[c]) for c in names for p in found["train"][c]]
@@ -189,11 +192,12 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
         if not found[split]:
             raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
                             f"*.jpg, its classes those of {train_dir})")
-        for c in found[split]:
-            if c not in index:
+        classes = {c: index.get(c, composed.get(unicodedata.normalize("NFC", c))) for c in found[split]}
+        for c, i in classes.items():
+            if i is None:
                 raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
-        splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
+        splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import struct
 import types
+import unicodedata
 
 import numpy as np
 import pytest
@@ -113,6 +114,17 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     with pytest.raises(DataError) as e:
         task_for(tmp_path, root, dev_fraction=dev_fraction).build_datasets()
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+def test_a_class_folder_named_in_another_unicode_form_is_the_same_class(tmp_path):
+    """macOS (HFS+) wrote `café` decomposed (e + U+0301); a val/ made elsewhere has it composed: the same class, not
+    'class 'café' is not in train (its classes: café, ...)'."""
+    root = digit_folder(tmp_path / "d", classes=("café", "one", "two"), train=4, val=2)
+    os.rename(os.path.join(root, "val", "café"), os.path.join(root, "val", unicodedata.normalize("NFD", "café")))
+    task = task_for(tmp_path, root)
+    sets = task.build_datasets()
+    assert task.classes == ["café", "one", "two"]
+    assert sorted(c for _, c in sets["dev"].files) == [0, 0, 1, 1, 2, 2]
 
 
 def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
