@@ -202,10 +202,15 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
 
 
 def image_files(path: str) -> list[str]:
-    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
+    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out; the
+    others, an iPhone's .heic say, get no row: their count is logged, as training's plan counts them)."""
     if not os.path.isdir(path):
         raise DataError(f"predict.input: {path} is not a folder of images")
-    return walk_images(path)[0]
+    files, others = walk_images(path)
+    if others:
+        rank_log().info(f"predict.input: {others} hidden or non-image files under {path} ignored (images: "
+                        f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)})")
+    return files
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------

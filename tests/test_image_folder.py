@@ -613,7 +613,7 @@ def test_csv_text_predicts_and_exports_without_its_training_file_and_refuses_ano
         assert len(err) == 1 and first in err[0] and "another vocabulary" in err[0] and "output_dir" in err[0], err
 
 
-def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
+def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     from tasks.image import load_digits_split
     assert main.run(make_config(tmp_path, train={"max_steps": 60, "epochs": 0, "eval_every": 0, "lr": 1e-2})) == 0
     _, _, images, labels = load_digits_split()
@@ -621,9 +621,14 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
     for i in range(20):  # the digits' 0..16 pixels as 8x8 PNGs, some upscaled
         image = Image.fromarray((images[i] * 255 / 16).astype(np.uint8), "L")
         (image.resize((32, 32), Image.NEAREST) if i % 2 else image).save(tmp_path / "new" / f"{i:02d}-{labels[i]}.png")
+    for other in ("IMG_0001.HEIC", "notes.txt", ".DS_Store"):  # an iPhone's photo is not read: said, not dropped silently
+        (tmp_path / "new" / other).write_bytes(b"x")
+    capsys.readouterr()
     assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
+    assert (f"predict.input: 3 hidden or non-image files under {tmp_path / 'new'} ignored (images: jpg, jpeg, png, "
+            "bmp, gif, webp, tif, tiff)") in capsys.readouterr().out
     rows = read_csv(tmp_path / "predictions.csv")[1:]
-    assert [r[0] for r in rows] == sorted(os.listdir(tmp_path / "new"))
+    assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
 
