@@ -31,7 +31,7 @@ from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import load_report, plain_transformers_output
 from tasks.untrusted_folders import check_folder
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # any case
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")  # any case
 SPLITS = ("train", "dev", "test", "predict")
 SPLIT_FOLDERS = {"train": ("train",), "dev": ("val", "valid", "validation", "eval", "dev"), "test": ("test",)}
 CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision's

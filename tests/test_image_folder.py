@@ -151,7 +151,7 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
 def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
-    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, EXIF-rotated and scikit-learn's JPEG photos decode to
+    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, netpbm, EXIF-rotated and scikit-learn's JPEG photos decode to
     [3, S, S] normalised tensors."""
     from sklearn.datasets import load_sample_images
     root = tmp_path / "d"
@@ -163,6 +163,8 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
+    photo.save(root / "train" / "a" / "netpbm.ppm")  # (torchvision's ImageFolder reads .ppm and .pgm: GTSRB's files)
+    photo.convert("L").save(root / "train" / "a" / "netpbm.pgm")
     Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
     # EXIF Orientation 6 (shown turned 90 degrees clockwise: a phone's portrait photo), and a tag Pillow cannot write
     # back (ResolutionUnit as text, which ImageOps.exif_transpose fails on): read upright all the same
@@ -176,12 +178,13 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 9
+    assert len(sets["train"]) == 11
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
     assert torch.allclose(items["rgb.JPEG"], items["bitmap.BMP"], atol=0.15)  # JPEG's loss, re-encoded
     assert torch.allclose(items["cmyk.tif"], items["bitmap.BMP"], atol=0.1)
+    assert torch.equal(items["netpbm.ppm"], items["bitmap.BMP"]) and torch.equal(items["netpbm.pgm"], items["gray.png"])
     gray = items["gray.png"]
     assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
     assert torch.equal(items["gray16.png"], gray)  # 16 bits: the same levels, not clipped to white
@@ -626,7 +629,7 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     capsys.readouterr()
     assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
     assert (f"predict.input: 3 hidden or non-image files under {tmp_path / 'new'} ignored (images: jpg, jpeg, png, "
-            "bmp, gif, webp, tif, tiff)") in capsys.readouterr().out
+            "bmp, gif, webp, tif, tiff, ppm, pgm)") in capsys.readouterr().out
     rows = read_csv(tmp_path / "predictions.csv")[1:]
     assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
