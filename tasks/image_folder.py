@@ -271,8 +271,10 @@ def open_rgb(path: str) -> Image.Image:
         orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as it is shown (and pipeline() reads it)
         if isinstance(orientation, int) and orientation in EXIF_TURNS:
             image = image.transpose(EXIF_TURNS[orientation])
-        if image.mode.startswith("I;16"):  # 16 bits (microscopy, X-rays): the range onto 8 bits; convert clips at 255
-            return Image.fromarray((np.asarray(image) / 257).round().astype(np.uint8), "L").convert("RGB")
+        if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
+            # as 32-bit I): the range onto 8 bits, where convert clips at 255
+            pixels = np.clip(np.asarray(image), 0, 65535) / 257
+            return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
         if image.mode == "RGB":
             return image.copy()
         if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white

@@ -166,6 +166,7 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.save(root / "train" / "a" / "netpbm.ppm")  # (torchvision's ImageFolder reads .ppm and .pgm: GTSRB's files)
     photo.convert("L").save(root / "train" / "a" / "netpbm.pgm")
     Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
+    Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.pgm")
     # EXIF Orientation 6 (shown turned 90 degrees clockwise: a phone's portrait photo), and a tag Pillow cannot write
     # back (ResolutionUnit as text, which ImageOps.exif_transpose fails on): read upright all the same
     ifd = (struct.pack("<H", 2) + struct.pack("<HHI4s", 0x0112, 3, 1, b"\x06\0\0\0")
@@ -178,7 +179,7 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 11
+    assert len(sets["train"]) == 12
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
@@ -188,6 +189,7 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     gray = items["gray.png"]
     assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
     assert torch.equal(items["gray16.png"], gray)  # 16 bits: the same levels, not clipped to white
+    assert torch.equal(items["gray16.pgm"], gray)  # (Pillow opens it as 32-bit mode I)
     assert torch.allclose(items["phone.jpg"], items["bitmap.BMP"], atol=0.15)  # upright, as pipeline() reads it
     # The center crop of a 256-style resize, as computed by hand from the photo.
     small = photo.resize((int(32 * 640 / 427), 32), Image.BILINEAR)
