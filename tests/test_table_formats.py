@@ -266,6 +266,30 @@ def test_a_dev_or_test_label_no_training_row_has_names_its_file_and_row(tmp_path
         "rows into the dev split); the training classes are neg, pos")
 
 
+def test_texts_whose_letters_words_drops_are_refused_or_noted(tmp_path, capsys):
+    """words() keeps runs of a-z, 0-9 and ': Russian reviews became one unknown word each, trained to chance without a
+    word; Czech ones lose a share of their letters (a note)."""
+    russian = [("Отличный фильм", "pos"), ("Ужасно скучно", "neg"), ("Прекрасная игра", "pos"), ("Плохой сюжет", "neg")]
+    write(tmp_path / "ru", "csv", "train", russian + [("great", "pos"), ("", "neg")])
+    write(tmp_path / "ru", "csv", "dev", ROWS["dev"])
+    assert error_in(tmp_path, tmp_path / "ru") == (
+        f"{tmp_path / 'ru' / 'train.csv'}: 4 of its 5 texts with letters give no word to words() in tasks/csv_text.py "
+        "(it keeps runs of a-z, 0-9 and ', e.g. none of 'Отличный фильм'): they would all be one unknown word; "
+        "edit words() for your language")
+    czech = [("Skvělý film, úžasně zahrané", "pos"), ("Příšerně nudný děj", "neg"), ("Krásná hudba", "pos"),
+             ("Špatný konec", "neg")]
+    write(tmp_path / "cs", "csv", "train", czech)
+    write(tmp_path / "cs", "csv", "dev", ROWS["dev"])
+    capsys.readouterr()
+    build_task(config(tmp_path, tmp_path / "cs")).build_datasets()
+    assert (f"{tmp_path / 'cs' / 'train.csv'}: words() in tasks/csv_text.py drops 16 of the texts' 61 letters "
+            "(26%; it keeps a-z, 0-9 and ', e.g. not 'ě'); edit it for your language") in capsys.readouterr().out
+    write(tmp_path / "en", "csv", "train", ROWS["train"])  # (café crème: 2 of 90, no note)
+    write(tmp_path / "en", "csv", "dev", ROWS["dev"])
+    build_task(config(tmp_path, tmp_path / "en")).build_datasets()
+    assert "words()" not in capsys.readouterr().out
+
+
 def error_in(tmp_path, folder, **data) -> str:
     with pytest.raises(DataError) as caught:
         build_task(config(tmp_path, folder, **data)).build_datasets()
