@@ -115,7 +115,7 @@ def walk_images(folder: str) -> tuple[list[str], int]:
     """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
     followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
     files, others, seen = [], 0, {os.path.realpath(folder)}
-    for root, dirs, names in os.walk(folder, followlinks=True):
+    for root, dirs, names in os.walk(folder, onerror=refuse_unreadable, followlinks=True):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
@@ -131,11 +131,20 @@ def walk_images(folder: str) -> tuple[list[str], int]:
     return files, others
 
 
+def refuse_unreadable(error: OSError) -> None:
+    """os.walk's onerror: a folder it cannot list (another user's, mode 700) is one line, not skipped unsaid."""
+    raise DataError(f"{error.filename}: cannot be read ({error.strerror}); its images would be left out")
+
+
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
     """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
     left out), and how many other files were ignored (hidden ones, other extensions)."""
     classes, ignored = {}, 0
-    for name in sorted(os.listdir(folder)):
+    try:
+        listed = sorted(os.listdir(folder))
+    except OSError as e:
+        refuse_unreadable(e)
+    for name in listed:
         path = os.path.join(folder, name)
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
             ignored += not os.path.isdir(path)

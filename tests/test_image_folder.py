@@ -3,6 +3,7 @@ scikit-learn's sample photos; the hostile folders; the seeded crops; runs under 
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import types
@@ -125,6 +126,29 @@ def test_a_class_folder_named_in_another_unicode_form_is_the_same_class(tmp_path
     sets = task.build_datasets()
     assert task.classes == ["café", "one", "two"]
     assert sorted(c for _, c in sets["dev"].files) == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_folder_that_cannot_be_read_is_one_line_not_images_left_out(tmp_path, monkeypatch):
+    """A subfolder another user keeps to themselves (mode 700): os.walk skipped it without a word, its images never
+    trained on; predict's folder likewise. (The tests run as root, whom modes do not stop: scandir refuses it here.)"""
+    root = digit_folder(tmp_path / "d", train=4, val=2)
+    shutil.copytree(os.path.join(root, "val", "one"), os.path.join(root, "train", "one", "private"))
+    scandir, listdir = os.scandir, os.listdir
+
+    def refused(path, read):
+        if isinstance(path, str) and os.path.basename(path) in ("private", "val"):
+            raise PermissionError(13, "Permission denied", path)
+        return read(path)
+    monkeypatch.setattr(os, "scandir", lambda path=".": refused(path, scandir))
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value) == f"{root}/train/one/private: cannot be read (Permission denied); its images would be left out"
+    with pytest.raises(DataError, match=re.escape(f"{root}/train/one/private: cannot be read (Permission denied)")):
+        image_folder.image_files(os.path.join(root, "train"))
+    shutil.rmtree(os.path.join(root, "train", "one", "private"))
+    monkeypatch.setattr(os, "listdir", lambda path=".": refused(path, listdir))  # val/ itself
+    with pytest.raises(DataError, match=re.escape(f"{root}/val: cannot be read (Permission denied)")):
+        task_for(tmp_path, root).build_datasets()
 
 
 def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
