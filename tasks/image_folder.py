@@ -158,7 +158,7 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
     return classes, ignored
 
 
-def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, dict]:
+def read_layout(data_dir: str, dev_fraction: float, output_dir: Optional[str] = None) -> tuple[list[str], dict, dict]:
     """(class names, {split: [(path, class index)]}, {split: files ignored}) of the folder."""
     if not os.path.isdir(data_dir):
         raise DataError(f"data.data_dir: {data_dir} is not a folder (give one with train/<class>/ images, or "
@@ -171,6 +171,8 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                         "data.dev_fraction of them is the dev split)")
     train_dir = data_dir if whole else folders["train"]
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
+    for folder in (train_dir, folders["dev"], folders["test"]):
+        refuse_output_among_classes(output_dir, folder, every_split_name if folder == data_dir else ())
     found, ignored = {}, {}
     found["train"], ignored["train"] = scan_classes(train_dir, every_split_name if whole else ())
     names = sorted(found["train"])
@@ -208,6 +210,19 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
         splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored
+
+
+def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str], skip: tuple) -> None:
+    """output_dir at or under `folder`, in a subfolder that would be a class: its checkpoints/ or logs/ were refused as
+    empty class folders 'to remove'; one line saying so instead."""
+    if not output_dir or not folder:
+        return
+    inside = os.path.relpath(os.path.realpath(output_dir), os.path.realpath(folder))
+    top = inside.split(os.sep)[0]
+    if top == os.pardir or (inside != "." and (top.startswith(".") or top.lower() in skip)):
+        return  # beside it, hidden, or another split's folder
+    raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
+                    f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
 
 
 def image_files(path: str) -> list[str]:
@@ -425,7 +440,7 @@ class ImageFolderTask(Task):
 
     def build_datasets(self) -> dict:
         d = self.cfg.data
-        self.classes, files, self.ignored = read_layout(d.data_dir, d.dev_fraction)
+        self.classes, files, self.ignored = read_layout(d.data_dir, d.dev_fraction, self.cfg.output_dir)
         self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
                        for split, f in files.items() if f}
         self.files = files

@@ -151,6 +151,21 @@ def test_a_folder_that_cannot_be_read_is_one_line_not_images_left_out(tmp_path, 
         task_for(tmp_path, root).build_datasets()
 
 
+def test_an_output_dir_among_the_class_folders_is_one_line_not_a_class_to_remove(tmp_path):
+    """data_dir/<class>/ alone, and output_dir data_dir/runs (or data_dir itself): the run's folders were taken for
+    classes and refused as 'an empty class folder ...; put images in it or remove it', the run's checkpoints."""
+    root = os.path.join(digit_folder(tmp_path / "d", train=8, val=0), "train")
+    for out, name in ((os.path.join(root, "runs", "first"), "runs"), (root, "checkpoints")):
+        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)  # (as a run makes it before reading the data)
+        with pytest.raises(DataError) as e:
+            ImageFolderTask(tiny(out, root)).build_datasets()
+        assert str(e.value) == (f"output_dir: {out} is inside {root}, whose subfolders are read as classes (so is "
+                                f"{name!r}); put output_dir outside it")
+    shutil.rmtree(os.path.join(root, "checkpoints"))
+    shutil.rmtree(os.path.join(root, "runs"))
+    assert len(ImageFolderTask(tiny(tmp_path / "run", root)).build_datasets()["train"]) == 20  # beside it: read
+
+
 def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match="`model.heads` is for the transformer tasks, not image_folder"):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "heads": 2})
