@@ -23,7 +23,6 @@ import csv
 import io
 import json
 import os
-import re
 from collections import Counter
 from typing import Iterable, Iterator, Optional
 
@@ -126,27 +125,28 @@ def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None
                         "or set data.min_class_count: 1 to train it as a class")
 
 
-NOT_LETTERS = re.compile(r"[\W\d_]+")  # what is left: the letters of any script
-
-
 def check_words(data, texts: list[str], words) -> None:
     """A tokenizer blind to the texts' script (csv_text's words() keeps a-z, 0-9 and ') trains on unknown words
-    without a word said: refused when most texts with letters give it none, a note when it drops over a tenth of
-    their letters (accents: café is caf)."""
+    without a word said. Where it drops over a tenth of the letters: refused when most texts with letters give it no
+    word at all, else a note (accents: café is caf)."""
+    joined = " ".join(texts)
+    if joined.isascii():  # (the common case, at once: words() keeps every a-z)
+        return
+    letters = sum(map(str.isalpha, joined))  # any script's
+    dropped = letters - sum(map(str.isalpha, "".join(words(joined))))
+    if dropped * 10 <= letters:
+        return
     path = find_split(data.data_dir, "train") or "the training texts"
-    lettered = [t for t in texts if NOT_LETTERS.sub("", t)]
+    lettered = [t for t in texts if any(map(str.isalpha, t))]
     empty = [t for t in lettered if not words(t)]
     if len(empty) * 2 > len(lettered):
         raise DataError(f"{path}: {len(empty)} of its {len(lettered)} texts with letters give no word to words() in "
                         f"tasks/csv_text.py (it keeps runs of a-z, 0-9 and ', e.g. none of {empty[0][:40]!r}): they "
                         "would all be one unknown word; edit words() for your language")
-    letters = NOT_LETTERS.sub("", " ".join(texts))
-    kept = NOT_LETTERS.sub("", "".join(words(" ".join(texts))))
-    dropped = len(letters) - len(kept)
-    if dropped * 10 > len(letters):
-        example = next(c for c in letters if c.lower() not in set(kept))
-        note(f"{path}: words() in tasks/csv_text.py drops {dropped} of the texts' {len(letters)} letters "
-             f"({dropped / len(letters):.0%}; it keeps a-z, 0-9 and ', e.g. not {example!r}); edit it for your language")
+    kept = set("".join(words(joined)))
+    example = next(c for c in joined if c.isalpha() and c.lower() not in kept)
+    note(f"{path}: words() in tasks/csv_text.py drops {dropped} of the texts' {letters} letters "
+         f"({dropped / letters:.0%}; it keeps a-z, 0-9 and ', e.g. not {example!r}); edit it for your language")
 
 
 def find_split(data_dir: str, split: str) -> Optional[str]:
