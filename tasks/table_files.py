@@ -217,6 +217,7 @@ def csv_rows(path: str, columns: tuple[str, str], tsv: bool = False) -> Rows:
     header = None
     for line, row in csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv):
         if header is None:
+            refuse_other_separator(f"{path}:{line}", row, columns, tsv)
             need_columns(f"{path}:{line}", row, columns)
             header, where = row, [row.index(c) for c in columns]
         elif len(row) != len(header):
@@ -225,6 +226,18 @@ def csv_rows(path: str, columns: tuple[str, str], tsv: bool = False) -> Rows:
                             ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
         else:
             yield row[where[0]], row[where[1]], f":{line}"
+
+
+def refuse_other_separator(at: str, header: list[str], columns: tuple[str, str], tsv: bool) -> None:
+    """A header read as one field that holds another separator (Excel's `;` in many languages, tabs in a .csv):
+    said so, not 'set data.text_column' to the whole line."""
+    others = (",", ";", "|") if tsv else (";", "\t", "|")
+    separator = next((s for s in others if len(header) == 1 and s in header[0]), None)
+    if separator is None or header[0] in columns:
+        return
+    fix = {",": "name it .csv", "\t": "name it .tsv"}.get(separator, "save it with commas (Excel: CSV UTF-8)")
+    raise DataError(f"{at}: the header {header[0][:60]!r} is one field: the file is separated by {separator!r}, not "
+                    f"{'tabs' if tsv else 'commas'}; {fix}")
 
 
 def csv_records(path: str, reader, tsv: bool) -> Iterator[tuple[int, list[str]]]:
