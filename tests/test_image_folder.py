@@ -675,6 +675,15 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
+    # names that are not UTF-8 (a zip of Latin-1 names, unpacked as bytes): predictions.csv's write failed, the rows
+    # lost, and the log's line naming the folder was a 'Logging error' traceback; both show the bytes as \xe9
+    latin = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
+    os.makedirs(latin)
+    shutil.copy(tmp_path / "new" / rows[0][0], os.path.join(latin, b"\xe9t\xe9.png"))
+    assert main.run(make_config(tmp_path, mode="predict", predict={"input": os.fsdecode(latin)})) == 0
+    assert [r[0] for r in read_csv(tmp_path / "predictions.csv")[1:]] == ["\\xe9t\\xe9.png"]
+    out = capsys.readouterr()
+    assert f"predicting 1 inputs of {tmp_path}/caf\\xe9 with" in out.out and "Logging error" not in out.err
 
 
 def test_the_digits_cnn_reads_a_photo_upright_and_16_bits_as_image_folder_does():
