@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from core.config import is_set
 from core.errors import DataError
+from core.run_log import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import load_report, plain_transformers_output
@@ -149,6 +150,9 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
             ignored += not os.path.isdir(path)
             continue
+        if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
+            raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
+                            "class's label (checkpoints, exports, predictions.csv): rename it in UTF-8")
         files, others = walk_images(path)
         ignored += others
         if not files:

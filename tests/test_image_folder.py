@@ -119,13 +119,19 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
 
 def test_a_class_folder_named_in_another_unicode_form_is_the_same_class(tmp_path):
     """macOS (HFS+) wrote `café` decomposed (e + U+0301); a val/ made elsewhere has it composed: the same class, not
-    'class 'café' is not in train (its classes: café, ...)'."""
+    'class 'café' is not in train (its classes: café, ...)'. A name that is not UTF-8 is refused."""
     root = digit_folder(tmp_path / "d", classes=("café", "one", "two"), train=4, val=2)
     os.rename(os.path.join(root, "val", "café"), os.path.join(root, "val", unicodedata.normalize("NFD", "café")))
     task = task_for(tmp_path, root)
     sets = task.build_datasets()
     assert task.classes == ["café", "one", "two"]
     assert sorted(c for _, c in sets["dev"].files) == [0, 0, 1, 1, 2, 2]
+    # a name that is not UTF-8 at all (a zip of Latin-1 names): no label to record, export or write; one line
+    os.rename(os.path.join(root, "train", "café"), os.path.join(os.fsencode(root), b"train", b"caf\xe9"))
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value) == (f"{root}/train/caf\\xe9: a class folder whose name is not UTF-8 (Latin-1?); its name is "
+                            "the class's label (checkpoints, exports, predictions.csv): rename it in UTF-8")
 
 
 def test_a_folder_that_cannot_be_read_is_one_line_not_images_left_out(tmp_path, monkeypatch):
