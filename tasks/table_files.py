@@ -361,6 +361,8 @@ def csv_texts(path: str, text_column: str, tsv: bool) -> list[str]:
     if not records:
         raise DataError(f"predict.input: {path} is empty")
     header = records[0][1]
+    if len(header) == 1 and any(text_column in header[0].split(s) for s in (",", ";", "\t", "|")):
+        refuse_other_separator(f"{path}:{records[0][0]}", header, (text_column, text_column), tsv)  # (`id;text`)
     if text_column in header:
         column = header.index(text_column)
     elif len(header) == 1:  # its one column: the first line is its header, whatever it says, as for a split

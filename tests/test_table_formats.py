@@ -356,6 +356,10 @@ def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header
     (tmp_path / "named.csv").write_text("text\na fine film\n")  # its header is data.text_column: nothing to say
     assert read_texts(str(tmp_path / "named.csv"), "text") == ["a fine film"]
     assert capsys.readouterr().out == ""
+    (tmp_path / "excel.csv").write_text("id;text\n1;a fine film\n")  # Excel's `;`: read as '1;a fine film', silently
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'excel.csv'}:1: the header 'id;text' is one field: "
+                                                  "the file is separated by ';', not commas")):
+        read_texts(str(tmp_path / "excel.csv"), "text")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
