@@ -137,10 +137,11 @@ def refuse_unreadable(error: OSError) -> None:
     raise DataError(f"{error.filename}: cannot be read ({error.strerror}); its images would be left out")
 
 
-def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
+def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int, list[str]]:
     """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
-    left out), and how many other files were ignored (hidden ones, other extensions)."""
-    classes, ignored = {}, 0
+    left out), how many other files were ignored (hidden ones, other extensions), and the images beside the class
+    folders (in none: no class to give them)."""
+    classes, ignored, loose = {}, 0, []
     try:
         listed = sorted(os.listdir(folder))
     except OSError as e:
@@ -148,7 +149,10 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
     for name in listed:
         path = os.path.join(folder, name)
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
-            ignored += not os.path.isdir(path)
+            if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+                loose.append(path)
+            else:
+                ignored += not os.path.isdir(path)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
             raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
@@ -159,11 +163,13 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
         classes[name] = files
-    return classes, ignored
+    return classes, ignored, loose
 
 
-def read_layout(data_dir: str, dev_fraction: float, output_dir: Optional[str] = None) -> tuple[list[str], dict, dict]:
-    """(class names, {split: [(path, class index)]}, {split: files ignored}) of the folder."""
+def read_layout(data_dir: str, dev_fraction: float,
+                output_dir: Optional[str] = None) -> tuple[list[str], dict, dict, list[str]]:
+    """(class names, {split: [(path, class index)]}, {split: files ignored}, images beside the class folders) of
+    the folder."""
     if not os.path.isdir(data_dir):
         raise DataError(f"data.data_dir: {data_dir} is not a folder (give one with train/<class>/ images, or "
                         "<class>/ folders alone)")
@@ -177,8 +183,8 @@ def read_layout(data_dir: str, dev_fraction: float, output_dir: Optional[str] = 
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
     for folder in (train_dir, folders["dev"], folders["test"]):
         refuse_output_among_classes(output_dir, folder, every_split_name if folder == data_dir else ())
-    found, ignored = {}, {}
-    found["train"], ignored["train"] = scan_classes(train_dir, every_split_name if whole else ())
+    found, ignored, loose = {}, {}, []
+    found["train"], ignored["train"], loose = scan_classes(train_dir, every_split_name if whole else ())
     names = sorted(found["train"])
     if not names:
         raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
@@ -203,7 +209,8 @@ def read_layout(data_dir: str, dev_fraction: float, output_dir: Optional[str] = 
         if folders[split] is None or (split == "dev" and whole):
             splits.setdefault(split, None)
             continue
-        found[split], ignored[split] = scan_classes(folders[split])
+        found[split], ignored[split], beside = scan_classes(folders[split])
+        loose += beside
         if not found[split]:
             raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
                             f"*.jpg, its classes those of {train_dir})")
@@ -213,7 +220,7 @@ def read_layout(data_dir: str, dev_fraction: float, output_dir: Optional[str] = 
                 raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
         splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
-    return names, splits, ignored
+    return names, splits, ignored, loose
 
 
 def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str], skip: tuple) -> None:
@@ -436,7 +443,7 @@ class ImageFolderTask(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.classes, self.files, self.counts, self.ignored, self.skipped = None, {}, {}, {}, set()
+        self.classes, self.files, self.counts, self.ignored, self.loose, self.skipped = None, {}, {}, {}, [], set()
         self.channels_last = uses_channels_last(cfg)
 
     def data_name(self) -> str:
@@ -444,7 +451,7 @@ class ImageFolderTask(Task):
 
     def build_datasets(self) -> dict:
         d = self.cfg.data
-        self.classes, files, self.ignored = read_layout(d.data_dir, d.dev_fraction, self.cfg.output_dir)
+        self.classes, files, self.ignored, self.loose = read_layout(d.data_dir, d.dev_fraction, self.cfg.output_dir)
         self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
                        for split, f in files.items() if f}
         self.files = files
@@ -459,7 +466,10 @@ class ImageFolderTask(Task):
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
-        return line + (f"; {ignored} hidden or non-image files ignored" if ignored else "")
+        line += f"; {ignored} hidden or non-image files ignored" if ignored else ""
+        if self.loose:  # (images, yet in no class folder: said apart from the other files)
+            line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
+        return line
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model

@@ -75,6 +75,13 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
     assert os.path.join(root, "train", "one", "linked", sorted(os.listdir(tmp_path / "elsewhere"))[0]) in {
         p for p, _ in sets["train"].files}
     assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
+    # images beside the class folders, not in one: no class to give them; said as images, not as 'non-image files'
+    for split in ("train", "val"):
+        shutil.copy(sets["train"].files[0][0], os.path.join(root, split, "stray.png"))
+    task = task_for(tmp_path, root)
+    task.build_datasets()
+    assert task.classes_note().endswith(f"; 4 hidden or non-image files ignored; 2 images outside the class folders "
+                                        f"ignored ({root}/train/stray.png, ...)")
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
