@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import unicodedata
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -301,22 +302,24 @@ EXIF_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 def open_rgb(path: str) -> Image.Image:
     """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
     grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
-    with Image.open(path) as image:
-        image.load()
-        orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as it is shown (and pipeline() reads it)
-        if isinstance(orientation, int) and orientation in EXIF_TURNS:
-            image = image.transpose(EXIF_TURNS[orientation])
-        if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
-            # as 32-bit I): the range onto 8 bits, where convert clips at 255
-            pixels = np.clip(np.asarray(image), 0, 65535) / 257
-            return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
-        if image.mode == "RGB":
-            return image.copy()
-        if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
-            rgba = image.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        return image.convert("RGB")
+    with warnings.catch_warnings():  # Pillow's (corrupt EXIF, over 89 megapixels) name no file and change no
+        warnings.simplefilter("ignore")  # pixel; what it cannot decode still raises
+        with Image.open(path) as image:
+            image.load()
+            orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as shown (and as pipeline() reads it)
+            if isinstance(orientation, int) and orientation in EXIF_TURNS:
+                image = image.transpose(EXIF_TURNS[orientation])
+            if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
+                # as 32-bit I): the range onto 8 bits, where convert clips at 255
+                pixels = np.clip(np.asarray(image), 0, 65535) / 257
+                return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
+            if image.mode == "RGB":
+                return image.copy()
+            if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
+                rgba = image.convert("RGBA")
+                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                return Image.alpha_composite(background, rgba).convert("RGB")
+            return image.convert("RGB")
 
 
 BAD_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on a broken file

@@ -8,6 +8,7 @@ import shutil
 import struct
 import types
 import unicodedata
+import warnings
 
 import numpy as np
 import pytest
@@ -249,6 +250,24 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     expect = torch.tensor(np.asarray(small.crop((left, 4, left + 24, 28))), dtype=torch.float32).permute(2, 0, 1)
     mean, std = torch.tensor([0.485, 0.456, 0.406])[:, None, None], torch.tensor([0.229, 0.224, 0.225])[:, None, None]
     assert torch.allclose(items["bitmap.BMP"], (expect / 255 - mean) / std, atol=1e-5)
+
+
+def test_pillows_warnings_on_a_readable_image_are_not_printed(tmp_path, monkeypatch):
+    """A photo's corrupt EXIF block, or one over Pillow's 89-megapixel warning line: two lines of Pillow's source
+    path and `warnings.warn(` each, naming no image, from every loader worker; the image decodes all the same."""
+    ifd = struct.pack("<H", 5) + b"\x12\x01"  # says 5 tags, holds 2 bytes
+    exif = b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd
+    Image.new("RGB", (20, 10), (10, 200, 30)).save(tmp_path / "exif.jpg", exif=exif)
+    Image.new("RGB", (20, 10), (10, 200, 30)).save(tmp_path / "large.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 150)  # 200 pixels: over the warning line, under the error's (300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert image_folder.open_rgb(str(tmp_path / "exif.jpg")).size == (20, 10)
+        assert image_folder.open_rgb(str(tmp_path / "large.png")).size == (20, 10)
+    assert [str(w.message) for w in caught] == []
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 90)  # over twice the line: still refused, as a bad image
+    with pytest.raises(Image.DecompressionBombError):
+        image_folder.open_rgb(str(tmp_path / "large.png"))
 
 
 def test_crops_are_drawn_per_seed_epoch_and_sample_off_the_global_stream(tmp_path, folder):
@@ -678,7 +697,7 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     for i in range(20):  # the digits' 0..16 pixels as 8x8 PNGs, some upscaled
         image = Image.fromarray((images[i] * 255 / 16).astype(np.uint8), "L")
         (image.resize((32, 32), Image.NEAREST) if i % 2 else image).save(tmp_path / "new" / f"{i:02d}-{labels[i]}.png")
-    for other in ("IMG_0001.HEIC", "notes.txt", ".DS_Store"):  # an iPhone's photo is not read: said, not dropped silently
+    for other in ("IMG_0001.HEIC", "notes.txt", ".DS_Store"):  # an iPhone's photo is not read: said, not dropped unsaid
         (tmp_path / "new" / other).write_bytes(b"x")
     capsys.readouterr()
     assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
