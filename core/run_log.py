@@ -29,18 +29,34 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
-    fmt = logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
+    fmt = PrintableFormatter("%(asctime)s rank" + str(rank) + " %(message)s", "%H:%M:%S")
     fh = LogFile(os.path.join(output_dir, "logs", f"rank{rank}.log"))
     fh.setFormatter(fmt)
     log.addHandler(fh)
     if rank == 0:
         sh = ConsoleHandler(sys.stdout)
-        sh.setFormatter(logging.Formatter("%(message)s"))
+        sh.setFormatter(PrintableFormatter("%(message)s"))
         sh.addFilter(lambda record: not getattr(record, "file_only", False))
         log.addHandler(sh)
     else:
         quiet_libraries()
     return log
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 holds it: the bytes of a file name that are not UTF-8 (a zip of Latin-1 names unpacked as
+    bytes; Python reads them as lone surrogates, which no UTF-8 file or console takes) shown as \\xe9."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name makes
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines printable(): a path naming such a file is a line, not logging's 'Logging error' traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
 
 
 def warning_note(log: logging.Logger) -> Callable[[str], None]:

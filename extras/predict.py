@@ -83,5 +83,6 @@ def rows(names: list, top: list, classes: list, k: int) -> str:
     writer.writerow(["input"] + [f"{what}{'' if i == 1 else f'_{i}'}" for i in range(1, k + 1)
                                  for what in ("label", "probability")])
     for position, indices, values in top:
-        writer.writerow([names[position]] + [x for c, p in zip(indices, values) for x in (classes[c], f"{p:.6f}")])
+        writer.writerow([run_log.printable(names[position])]  # (a file name's bytes that are not UTF-8: \xe9)
+                        + [x for c, p in zip(indices, values) for x in (classes[c], f"{p:.6f}")])
     return out.getvalue()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import unicodedata
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -25,12 +27,13 @@ from torch.utils.data import Dataset
 
 from core.config import is_set
 from core.errors import DataError
+from core.run_log import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import load_report, plain_transformers_output
 from tasks.untrusted_folders import check_folder
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # any case
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")  # any case
 SPLITS = ("train", "dev", "test", "predict")
 SPLIT_FOLDERS = {"train": ("train",), "dev": ("val", "valid", "validation", "eval", "dev"), "test": ("test",)}
 CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision's
@@ -114,7 +117,7 @@ def walk_images(folder: str) -> tuple[list[str], int]:
     """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
     followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
     files, others, seen = [], 0, {os.path.realpath(folder)}
-    for root, dirs, names in os.walk(folder, followlinks=True):
+    for root, dirs, names in os.walk(folder, onerror=refuse_unreadable, followlinks=True):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
@@ -130,26 +133,44 @@ def walk_images(folder: str) -> tuple[list[str], int]:
     return files, others
 
 
-def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int]:
+def refuse_unreadable(error: OSError) -> None:
+    """os.walk's onerror: a folder it cannot list (another user's, mode 700) is one line, not skipped unsaid."""
+    raise DataError(f"{error.filename}: cannot be read ({error.strerror}); its images would be left out")
+
+
+def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int, list[str]]:
     """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
-    left out), and how many other files were ignored (hidden ones, other extensions)."""
-    classes, ignored = {}, 0
-    for name in sorted(os.listdir(folder)):
+    left out), how many other files were ignored (hidden ones, other extensions), and the images beside the class
+    folders (in none: no class to give them)."""
+    classes, ignored, loose = {}, 0, []
+    try:
+        listed = sorted(os.listdir(folder))
+    except OSError as e:
+        refuse_unreadable(e)
+    for name in listed:
         path = os.path.join(folder, name)
         if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
-            ignored += not os.path.isdir(path)
+            if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+                loose.append(path)
+            else:
+                ignored += not os.path.isdir(path)
             continue
+        if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
+            raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
+                            "class's label (checkpoints, exports, predictions.csv): rename it in UTF-8")
         files, others = walk_images(path)
         ignored += others
         if not files:
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
         classes[name] = files
-    return classes, ignored
+    return classes, ignored, loose
 
 
-def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, dict]:
-    """(class names, {split: [(path, class index)]}, {split: files ignored}) of the folder."""
+def read_layout(data_dir: str, dev_fraction: float,
+                output_dir: Optional[str] = None) -> tuple[list[str], dict, dict, list[str]]:
+    """(class names, {split: [(path, class index)]}, {split: files ignored}, images beside the class folders) of
+    the folder."""
     if not os.path.isdir(data_dir):
         raise DataError(f"data.data_dir: {data_dir} is not a folder (give one with train/<class>/ images, or "
                         "<class>/ folders alone)")
@@ -161,14 +182,18 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
                         "data.dev_fraction of them is the dev split)")
     train_dir = data_dir if whole else folders["train"]
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
-    found, ignored = {}, {}
-    found["train"], ignored["train"] = scan_classes(train_dir, every_split_name if whole else ())
+    for folder in (train_dir, folders["dev"], folders["test"]):
+        refuse_output_among_classes(output_dir, folder, every_split_name if folder == data_dir else ())
+    found, ignored, loose = {}, {}, []
+    found["train"], ignored["train"], loose = scan_classes(train_dir, every_split_name if whole else ())
     names = sorted(found["train"])
     if not names:
         raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
     if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
         raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
     index = {n: i for i, n in enumerate(names)}
+    # a name macOS wrote decomposed (e + U+0301) and one written composed elsewhere are the same class
+    composed = {unicodedata.normalize("NFC", n): i for i, n in reversed(list(enumerate(names)))}
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
         pool = [(p, index[c]) for c in names for p in found["train"][c]]
@@ -185,23 +210,43 @@ def read_layout(data_dir: str, dev_fraction: float) -> tuple[list[str], dict, di
         if folders[split] is None or (split == "dev" and whole):
             splits.setdefault(split, None)
             continue
-        found[split], ignored[split] = scan_classes(folders[split])
+        found[split], ignored[split], beside = scan_classes(folders[split])
+        loose += beside
         if not found[split]:
             raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
                             f"*.jpg, its classes those of {train_dir})")
-        for c in found[split]:
-            if c not in index:
+        classes = {c: index.get(c, composed.get(unicodedata.normalize("NFC", c))) for c in found[split]}
+        for c, i in classes.items():
+            if i is None:
                 raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
-        splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
-    return names, splits, ignored
+        splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
+    return names, splits, ignored, loose
+
+
+def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str], skip: tuple) -> None:
+    """output_dir at or under `folder`, in a subfolder that would be a class: its checkpoints/ or logs/ were refused as
+    empty class folders 'to remove'; one line saying so instead."""
+    if not output_dir or not folder:
+        return
+    inside = os.path.relpath(os.path.realpath(output_dir), os.path.realpath(folder))
+    top = inside.split(os.sep)[0]
+    if top == os.pardir or (inside != "." and (top.startswith(".") or top.lower() in skip)):
+        return  # beside it, hidden, or another split's folder
+    raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
+                    f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
 
 
 def image_files(path: str) -> list[str]:
-    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out)."""
+    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out; the
+    others, an iPhone's .heic say, get no row: their count is logged, as training's plan counts them)."""
     if not os.path.isdir(path):
         raise DataError(f"predict.input: {path} is not a folder of images")
-    return walk_images(path)[0]
+    files, others = walk_images(path)
+    if others:
+        rank_log().info(f"predict.input: {others} hidden or non-image files under {path} ignored (images: "
+                        f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)})")
+    return files
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------
@@ -257,20 +302,24 @@ EXIF_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 def open_rgb(path: str) -> Image.Image:
     """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
     grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
-    with Image.open(path) as image:
-        image.load()
-        orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as it is shown (and pipeline() reads it)
-        if isinstance(orientation, int) and orientation in EXIF_TURNS:
-            image = image.transpose(EXIF_TURNS[orientation])
-        if image.mode.startswith("I;16"):  # 16 bits (microscopy, X-rays): the range onto 8 bits; convert clips at 255
-            return Image.fromarray((np.asarray(image) / 257).round().astype(np.uint8), "L").convert("RGB")
-        if image.mode == "RGB":
-            return image.copy()
-        if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
-            rgba = image.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        return image.convert("RGB")
+    with warnings.catch_warnings():  # Pillow's (corrupt EXIF, over 89 megapixels) name no file and change no
+        warnings.simplefilter("ignore")  # pixel; what it cannot decode still raises
+        with Image.open(path) as image:
+            image.load()
+            orientation = image.getexif().get(EXIF_ORIENTATION)  # a phone's photo as shown (and as pipeline() reads it)
+            if isinstance(orientation, int) and orientation in EXIF_TURNS:
+                image = image.transpose(EXIF_TURNS[orientation])
+            if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
+                # as 32-bit I): the range onto 8 bits, where convert clips at 255
+                pixels = np.clip(np.asarray(image), 0, 65535) / 257
+                return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
+            if image.mode == "RGB":
+                return image.copy()
+            if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white
+                rgba = image.convert("RGBA")
+                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                return Image.alpha_composite(background, rgba).convert("RGB")
+            return image.convert("RGB")
 
 
 BAD_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on a broken file
@@ -398,7 +447,7 @@ class ImageFolderTask(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.classes, self.files, self.counts, self.ignored, self.skipped = None, {}, {}, {}, set()
+        self.classes, self.files, self.counts, self.ignored, self.loose, self.skipped = None, {}, {}, {}, [], set()
         self.channels_last = uses_channels_last(cfg)
 
     def data_name(self) -> str:
@@ -406,7 +455,7 @@ class ImageFolderTask(Task):
 
     def build_datasets(self) -> dict:
         d = self.cfg.data
-        self.classes, files, self.ignored = read_layout(d.data_dir, d.dev_fraction)
+        self.classes, files, self.ignored, self.loose = read_layout(d.data_dir, d.dev_fraction, self.cfg.output_dir)
         self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
                        for split, f in files.items() if f}
         self.files = files
@@ -421,7 +470,10 @@ class ImageFolderTask(Task):
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
-        return line + (f"; {ignored} hidden or non-image files ignored" if ignored else "")
+        line += f"; {ignored} hidden or non-image files ignored" if ignored else ""
+        if self.loose:  # (images, yet in no class folder: said apart from the other files)
+            line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
+        return line
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model

@@ -40,7 +40,8 @@ def train_dev_test(read, data) -> dict:
     """{split: (texts, labels) or None} read by `read(split)`. Without a dev file, a fixed data.dev_fraction of the
     training rows (whatever the seed) becomes dev."""
     raw = {split: read(split) for split in ("train", "dev", "test")}
-    if raw["train"] is not None and raw["dev"] is None and data.dev_fraction > 0:
+    cut = raw["train"] is not None and raw["dev"] is None and data.dev_fraction > 0
+    if cut:
         texts, labels = raw["train"]
         dev = set(np.random.default_rng(0).permutation(len(texts))[:int(round(len(texts) * data.dev_fraction))])
         raw["train"], raw["dev"] = [([t for i, t in enumerate(texts) if (i in dev) == keep],
@@ -48,7 +49,40 @@ def train_dev_test(read, data) -> dict:
     if raw["train"] is None or raw["dev"] is None:
         raise DataError(f"data.data_dir={data.data_dir!r} needs a train file, and a dev file or data.dev_fraction > 0 "
                         f"({FORMATS})")
+    check_known_labels(data, raw, cut)
     return raw
+
+
+def check_known_labels(data, raw: dict, cut: bool) -> None:
+    """A dev or test label that no training row has (`02` for `2`, `Pos` for `pos`) would be scored wrong every
+    time: refused in one line naming its file and first row (train's, when data.dev_fraction cut dev off it)."""
+    classes = set(raw["train"][1])
+    for split in ("dev", "test"):
+        unknown = set(raw[split][1]) - classes if raw[split] is not None else set()
+        if not unknown:
+            continue
+        source = "train" if split == "dev" and cut else split
+        at, label = first_row_with(data, source, unknown) or (f"{split} split", sorted(unknown)[0])
+        why = " (data.dev_fraction put all its rows into the dev split)" if source != split else ""
+        raise DataError(f"{at}: label {label[:40]!r} is in no training row{why}; the training classes are "
+                        f"{', '.join(sorted(classes))[:80]}")
+
+
+def first_row_with(data, split: str, labels: set) -> Optional[tuple[str, str]]:
+    """(file and row, label) of the first row of `split` whose label is one of `labels`; None without its file (a
+    task's own `read`)."""
+    path = find_split(data.data_dir, split)
+    columns = (data.text_column, data.label_column)
+    for text, label, where in split_rows(path, columns) if path else ():
+        label = checked(path, [(text, label, where)], columns)[1][0]  # as read_split read it
+        if label in labels:
+            return f"{path}{where}", label
+    return None
+
+
+def split_rows(path: str, columns: tuple[str, str]) -> Rows:
+    """The (text, label, where) rows of a split's file or save_to_disk folder, unchecked."""
+    return folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
 
 
 def read_split(data_dir: str, split: str, text_column: str, label_column: str):
@@ -57,8 +91,7 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
     if path is None:
         return None
     columns = (text_column, label_column)
-    rows = folder_rows(path, columns) if os.path.isdir(path) else READERS[os.path.splitext(path)[1]](path, columns)
-    rows = list(rows)
+    rows = list(split_rows(path, columns))
     if split == "test" and rows and all(label is None or label == "" for _, label, _ in rows):
         note(f"{path}: no labels (as in GLUE's test splits): skipped, there is nothing to score")
         return None
@@ -90,6 +123,30 @@ def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None
         raise DataError(f"{find_split(data_dir, 'train')}: class {name[:40]!r} appears {n} time{'s' * (n != 1)} "
                         f"among {len(labels)} rows (data.min_class_count={min_count}); fix its label{'s' * (n != 1)}, "
                         "or set data.min_class_count: 1 to train it as a class")
+
+
+def check_words(data, texts: list[str], words) -> None:
+    """A tokenizer blind to the texts' script (csv_text's words() keeps a-z, 0-9 and ') trains on unknown words
+    without a word said. Where it drops over a tenth of the letters: refused when most texts with letters give it no
+    word at all, else a note (accents: café is caf)."""
+    joined = " ".join(texts)
+    if joined.isascii():  # (the common case, at once: words() keeps every a-z)
+        return
+    letters = sum(map(str.isalpha, joined))  # any script's
+    dropped = letters - sum(map(str.isalpha, "".join(words(joined))))
+    if dropped * 10 <= letters:
+        return
+    path = find_split(data.data_dir, "train") or "the training texts"
+    lettered = [t for t in texts if any(map(str.isalpha, t))]
+    empty = [t for t in lettered if not words(t)]
+    if len(empty) * 2 > len(lettered):
+        raise DataError(f"{path}: {len(empty)} of its {len(lettered)} texts with letters give no word to words() in "
+                        f"tasks/csv_text.py (it keeps runs of a-z, 0-9 and ', e.g. none of {empty[0][:40]!r}): they "
+                        "would all be one unknown word; edit words() for your language")
+    kept = set("".join(words(joined)))
+    example = next(c for c in joined if c.isalpha() and c.lower() not in kept)
+    note(f"{path}: words() in tasks/csv_text.py drops {dropped} of the texts' {letters} letters "
+         f"({dropped / letters:.0%}; it keeps a-z, 0-9 and ', e.g. not {example!r}); edit it for your language")
 
 
 def find_split(data_dir: str, split: str) -> Optional[str]:
@@ -160,6 +217,7 @@ def csv_rows(path: str, columns: tuple[str, str], tsv: bool = False) -> Rows:
     header = None
     for line, row in csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv):
         if header is None:
+            refuse_other_separator(f"{path}:{line}", row, columns, tsv)
             need_columns(f"{path}:{line}", row, columns)
             header, where = row, [row.index(c) for c in columns]
         elif len(row) != len(header):
@@ -168,6 +226,18 @@ def csv_rows(path: str, columns: tuple[str, str], tsv: bool = False) -> Rows:
                             ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
         else:
             yield row[where[0]], row[where[1]], f":{line}"
+
+
+def refuse_other_separator(at: str, header: list[str], columns: tuple[str, str], tsv: bool) -> None:
+    """A header read as one field that holds another separator (Excel's `;` in many languages, tabs in a .csv):
+    said so, not 'set data.text_column' to the whole line."""
+    others = (",", ";", "|") if tsv else (";", "\t", "|")
+    separator = next((s for s in others if len(header) == 1 and s in header[0]), None)
+    if separator is None or header[0] in columns:
+        return
+    fix = {",": "name it .csv", "\t": "name it .tsv"}.get(separator, "save it with commas (Excel: CSV UTF-8)")
+    raise DataError(f"{at}: the header {header[0][:60]!r} is one field: the file is separated by {separator!r}, not "
+                    f"{'tabs' if tsv else 'commas'}; {fix}")
 
 
 def csv_records(path: str, reader, tsv: bool) -> Iterator[tuple[int, list[str]]]:
@@ -291,6 +361,8 @@ def csv_texts(path: str, text_column: str, tsv: bool) -> list[str]:
     if not records:
         raise DataError(f"predict.input: {path} is empty")
     header = records[0][1]
+    if len(header) == 1 and any(text_column in header[0].split(s) for s in (",", ";", "\t", "|")):
+        refuse_other_separator(f"{path}:{records[0][0]}", header, (text_column, text_column), tsv)  # (`id;text`)
     if text_column in header:
         column = header.index(text_column)
     elif len(header) == 1:  # its one column: the first line is its header, whatever it says, as for a split

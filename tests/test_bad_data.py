@@ -438,6 +438,11 @@ BAD_CSV = {  # name: (train.csv, its line, what the message says after `train.cs
     "a field over the limit": (f"text,label\na,pos\n{'x' * (FIELD_LIMIT + 1)},neg\n".encode(), 3,
                                f"a field longer than {FIELD_LIMIT} characters: a quote never closed, or a "
                                "text to cut"),
+    "separated by semicolons (Excel in many languages)": (b"text;label\na fine film;pos\n", 1,
+                                                           "the header 'text;label' is one field: the file is "
+                                                           "separated by ';', not commas"),
+    "separated by tabs": (b"text\tlabel\na fine film\tpos\n", 1, "the header 'text\\tlabel' is one field: the file "
+                                                                 "is separated by '\\t', not commas; name it .tsv"),
     "an unclosed quote before many rows": (b'text,label\n"a,pos\n' + b"more text,neg\n" * 20000, 2,
                                            "a field longer than"),
 }

@@ -3,9 +3,12 @@ scikit-learn's sample photos; the hostile folders; the seeded crops; runs under 
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import types
+import unicodedata
+import warnings
 
 import numpy as np
 import pytest
@@ -73,6 +76,13 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
     assert os.path.join(root, "train", "one", "linked", sorted(os.listdir(tmp_path / "elsewhere"))[0]) in {
         p for p, _ in sets["train"].files}
     assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
+    # images beside the class folders, not in one: no class to give them; said as images, not as 'non-image files'
+    for split in ("train", "val"):
+        shutil.copy(sets["train"].files[0][0], os.path.join(root, split, "stray.png"))
+    task = task_for(tmp_path, root)
+    task.build_datasets()
+    assert task.classes_note().endswith(f"; 4 hidden or non-image files ignored; 2 images outside the class folders "
+                                        f"ignored ({root}/train/stray.png, ...)")
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
@@ -115,6 +125,61 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
 
 
+def test_a_class_folder_named_in_another_unicode_form_is_the_same_class(tmp_path):
+    """macOS (HFS+) wrote `café` decomposed (e + U+0301); a val/ made elsewhere has it composed: the same class, not
+    'class 'café' is not in train (its classes: café, ...)'. A name that is not UTF-8 is refused."""
+    root = digit_folder(tmp_path / "d", classes=("café", "one", "two"), train=4, val=2)
+    os.rename(os.path.join(root, "val", "café"), os.path.join(root, "val", unicodedata.normalize("NFD", "café")))
+    task = task_for(tmp_path, root)
+    sets = task.build_datasets()
+    assert task.classes == ["café", "one", "two"]
+    assert sorted(c for _, c in sets["dev"].files) == [0, 0, 1, 1, 2, 2]
+    # a name that is not UTF-8 at all (a zip of Latin-1 names): no label to record, export or write; one line
+    os.rename(os.path.join(root, "train", "café"), os.path.join(os.fsencode(root), b"train", b"caf\xe9"))
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value) == (f"{root}/train/caf\\xe9: a class folder whose name is not UTF-8 (Latin-1?); its name is "
+                            "the class's label (checkpoints, exports, predictions.csv): rename it in UTF-8")
+
+
+def test_a_folder_that_cannot_be_read_is_one_line_not_images_left_out(tmp_path, monkeypatch):
+    """A subfolder another user keeps to themselves (mode 700): os.walk skipped it without a word, its images never
+    trained on; predict's folder likewise. (The tests run as root, whom modes do not stop: scandir refuses it here.)"""
+    root = digit_folder(tmp_path / "d", train=4, val=2)
+    shutil.copytree(os.path.join(root, "val", "one"), os.path.join(root, "train", "one", "private"))
+    scandir, listdir = os.scandir, os.listdir
+
+    def refused(path, read):
+        if isinstance(path, str) and os.path.basename(path) in ("private", "val"):
+            raise PermissionError(13, "Permission denied", path)
+        return read(path)
+    monkeypatch.setattr(os, "scandir", lambda path=".": refused(path, scandir))
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value) == f"{root}/train/one/private: cannot be read (Permission denied); its images would be left out"
+    with pytest.raises(DataError, match=re.escape(f"{root}/train/one/private: cannot be read (Permission denied)")):
+        image_folder.image_files(os.path.join(root, "train"))
+    shutil.rmtree(os.path.join(root, "train", "one", "private"))
+    monkeypatch.setattr(os, "listdir", lambda path=".": refused(path, listdir))  # val/ itself
+    with pytest.raises(DataError, match=re.escape(f"{root}/val: cannot be read (Permission denied)")):
+        task_for(tmp_path, root).build_datasets()
+
+
+def test_an_output_dir_among_the_class_folders_is_one_line_not_a_class_to_remove(tmp_path):
+    """data_dir/<class>/ alone, and output_dir data_dir/runs (or data_dir itself): the run's folders were taken for
+    classes and refused as 'an empty class folder ...; put images in it or remove it', the run's checkpoints."""
+    root = os.path.join(digit_folder(tmp_path / "d", train=8, val=0), "train")
+    for out, name in ((os.path.join(root, "runs", "first"), "runs"), (root, "checkpoints")):
+        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)  # (as a run makes it before reading the data)
+        with pytest.raises(DataError) as e:
+            ImageFolderTask(tiny(out, root)).build_datasets()
+        assert str(e.value) == (f"output_dir: {out} is inside {root}, whose subfolders are read as classes (so is "
+                                f"{name!r}); put output_dir outside it")
+    shutil.rmtree(os.path.join(root, "checkpoints"))
+    shutil.rmtree(os.path.join(root, "runs"))
+    assert len(ImageFolderTask(tiny(tmp_path / "run", root)).build_datasets()["train"]) == 20  # beside it: read
+
+
 def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match="`model.heads` is for the transformer tasks, not image_folder"):
         tiny(tmp_path, tmp_path, model={**TINY["model"], "heads": 2})
@@ -139,7 +204,7 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
 def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
-    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, EXIF-rotated and scikit-learn's JPEG photos decode to
+    """Grayscale (8 and 16 bits), palette, RGBA, CMYK, netpbm, EXIF-rotated and scikit-learn's JPEG photos decode to
     [3, S, S] normalised tensors."""
     from sklearn.datasets import load_sample_images
     root = tmp_path / "d"
@@ -151,7 +216,10 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.convert("RGBA").save(root / "train" / "a" / "rgba.webp")
     photo.convert("CMYK").save(root / "train" / "a" / "cmyk.tif")
     photo.save(root / "train" / "a" / "bitmap.BMP")
+    photo.save(root / "train" / "a" / "netpbm.ppm")  # (torchvision's ImageFolder reads .ppm and .pgm: GTSRB's files)
+    photo.convert("L").save(root / "train" / "a" / "netpbm.pgm")
     Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.png")
+    Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(root / "train" / "a" / "gray16.pgm")
     # EXIF Orientation 6 (shown turned 90 degrees clockwise: a phone's portrait photo), and a tag Pillow cannot write
     # back (ResolutionUnit as text, which ImageOps.exif_transpose fails on): read upright all the same
     ifd = (struct.pack("<H", 2) + struct.pack("<HHI4s", 0x0112, 3, 1, b"\x06\0\0\0")
@@ -164,15 +232,17 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     photo.save(root / "val" / "a" / "dev.png")
     task = task_for(tmp_path, root, image_size=24, resize_size=32)
     sets = task.build_datasets()
-    assert len(sets["train"]) == 9
+    assert len(sets["train"]) == 12
     sets["train"].train = False  # evaluation's resize + center crop: comparable across modes
     items = {os.path.basename(p): sets["train"][i]["pixel_values"] for i, (p, _) in enumerate(sets["train"].files)}
     assert all(t.shape == (3, 24, 24) and t.dtype == torch.float32 for t in items.values())
     assert torch.allclose(items["rgb.JPEG"], items["bitmap.BMP"], atol=0.15)  # JPEG's loss, re-encoded
     assert torch.allclose(items["cmyk.tif"], items["bitmap.BMP"], atol=0.1)
+    assert torch.equal(items["netpbm.ppm"], items["bitmap.BMP"]) and torch.equal(items["netpbm.pgm"], items["gray.png"])
     gray = items["gray.png"]
     assert torch.allclose(gray[0] * 0.229 + 0.485, gray[1] * 0.224 + 0.456, atol=1e-5)  # R = G: one gray level
     assert torch.equal(items["gray16.png"], gray)  # 16 bits: the same levels, not clipped to white
+    assert torch.equal(items["gray16.pgm"], gray)  # (Pillow opens it as 32-bit mode I)
     assert torch.allclose(items["phone.jpg"], items["bitmap.BMP"], atol=0.15)  # upright, as pipeline() reads it
     # The center crop of a 256-style resize, as computed by hand from the photo.
     small = photo.resize((int(32 * 640 / 427), 32), Image.BILINEAR)
@@ -180,6 +250,24 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     expect = torch.tensor(np.asarray(small.crop((left, 4, left + 24, 28))), dtype=torch.float32).permute(2, 0, 1)
     mean, std = torch.tensor([0.485, 0.456, 0.406])[:, None, None], torch.tensor([0.229, 0.224, 0.225])[:, None, None]
     assert torch.allclose(items["bitmap.BMP"], (expect / 255 - mean) / std, atol=1e-5)
+
+
+def test_pillows_warnings_on_a_readable_image_are_not_printed(tmp_path, monkeypatch):
+    """A photo's corrupt EXIF block, or one over Pillow's 89-megapixel warning line: two lines of Pillow's source
+    path and `warnings.warn(` each, naming no image, from every loader worker; the image decodes all the same."""
+    ifd = struct.pack("<H", 5) + b"\x12\x01"  # says 5 tags, holds 2 bytes
+    exif = b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd
+    Image.new("RGB", (20, 10), (10, 200, 30)).save(tmp_path / "exif.jpg", exif=exif)
+    Image.new("RGB", (20, 10), (10, 200, 30)).save(tmp_path / "large.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 150)  # 200 pixels: over the warning line, under the error's (300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert image_folder.open_rgb(str(tmp_path / "exif.jpg")).size == (20, 10)
+        assert image_folder.open_rgb(str(tmp_path / "large.png")).size == (20, 10)
+    assert [str(w.message) for w in caught] == []
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 90)  # over twice the line: still refused, as a bad image
+    with pytest.raises(Image.DecompressionBombError):
+        image_folder.open_rgb(str(tmp_path / "large.png"))
 
 
 def test_crops_are_drawn_per_seed_epoch_and_sample_off_the_global_stream(tmp_path, folder):
@@ -601,7 +689,7 @@ def test_csv_text_predicts_and_exports_without_its_training_file_and_refuses_ano
         assert len(err) == 1 and first in err[0] and "another vocabulary" in err[0] and "output_dir" in err[0], err
 
 
-def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
+def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     from tasks.image import load_digits_split
     assert main.run(make_config(tmp_path, train={"max_steps": 60, "epochs": 0, "eval_every": 0, "lr": 1e-2})) == 0
     _, _, images, labels = load_digits_split()
@@ -609,11 +697,25 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path):
     for i in range(20):  # the digits' 0..16 pixels as 8x8 PNGs, some upscaled
         image = Image.fromarray((images[i] * 255 / 16).astype(np.uint8), "L")
         (image.resize((32, 32), Image.NEAREST) if i % 2 else image).save(tmp_path / "new" / f"{i:02d}-{labels[i]}.png")
+    for other in ("IMG_0001.HEIC", "notes.txt", ".DS_Store"):  # an iPhone's photo is not read: said, not dropped unsaid
+        (tmp_path / "new" / other).write_bytes(b"x")
+    capsys.readouterr()
     assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
+    assert (f"predict.input: 3 hidden or non-image files under {tmp_path / 'new'} ignored (images: jpg, jpeg, png, "
+            "bmp, gif, webp, tif, tiff, ppm, pgm)") in capsys.readouterr().out
     rows = read_csv(tmp_path / "predictions.csv")[1:]
-    assert [r[0] for r in rows] == sorted(os.listdir(tmp_path / "new"))
+    assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
+    # names that are not UTF-8 (a zip of Latin-1 names, unpacked as bytes): predictions.csv's write failed, the rows
+    # lost, and the log's line naming the folder was a 'Logging error' traceback; both show the bytes as \xe9
+    latin = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
+    os.makedirs(latin)
+    shutil.copy(tmp_path / "new" / rows[0][0], os.path.join(latin, b"\xe9t\xe9.png"))
+    assert main.run(make_config(tmp_path, mode="predict", predict={"input": os.fsdecode(latin)})) == 0
+    assert [r[0] for r in read_csv(tmp_path / "predictions.csv")[1:]] == ["\\xe9t\\xe9.png"]
+    out = capsys.readouterr()
+    assert f"predicting 1 inputs of {tmp_path}/caf\\xe9 with" in out.out and "Logging error" not in out.err
 
 
 def test_the_digits_cnn_reads_a_photo_upright_and_16_bits_as_image_folder_does():

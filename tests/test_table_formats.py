@@ -247,6 +247,55 @@ def test_one_column_for_texts_and_labels_is_a_config_error(tmp_path):
         config(tmp_path, tmp_path, text_column="x", label_column="x")
 
 
+def test_a_dev_or_test_label_no_training_row_has_names_its_file_and_row(tmp_path):
+    """`02` beside `2`, `Pos` beside `pos`: scored wrong every time, so refused naming the file and its first row
+    (train's row when data.dev_fraction cut dev off it and all of that label's rows went to dev)."""
+    numbered = [(t, ["neg", "pos"].index(y)) for t, y in ROWS["train"]]
+    write(tmp_path / "dev", "jsonl", "train", numbered)
+    write(tmp_path / "dev", "csv", "dev", [("fine", "1"), ("boring", "02"), ("dull", "02")])
+    assert error_in(tmp_path, tmp_path / "dev") == (f"{tmp_path / 'dev' / 'dev.csv'}:3: label '02' is in no "
+                                                    "training row; the training classes are 0, 1")
+    write(tmp_path / "test", "csv", "train", ROWS["train"])
+    write(tmp_path / "test", "csv", "dev", ROWS["dev"])
+    write(tmp_path / "test", "parquet", "test", [("superb", "pos"), ("awful", "Neg")])
+    assert error_in(tmp_path, tmp_path / "test") == (f"{tmp_path / 'test' / 'test.parquet'}[1]: label 'Neg' is in "
+                                                      "no training row; the training classes are neg, pos")
+    write(tmp_path / "cut", "csv", "train", ROWS["train"] + [("meh", "mixed")])  # its one row: dev's (seed 0)
+    assert error_in(tmp_path, tmp_path / "cut", dev_fraction=0.5) == (
+        f"{tmp_path / 'cut' / 'train.csv'}:8: label 'mixed' is in no training row (data.dev_fraction put all its "
+        "rows into the dev split); the training classes are neg, pos")
+
+
+def test_texts_whose_letters_words_drops_are_refused_or_noted(tmp_path, capsys):
+    """words() keeps runs of a-z, 0-9 and ': Russian reviews became one unknown word each, trained to chance without a
+    word; Czech ones lose a share of their letters (a note)."""
+    russian = [("Отличный фильм", "pos"), ("Ужасно скучно", "neg"), ("Прекрасная игра", "pos"), ("Плохой сюжет", "neg")]
+    write(tmp_path / "ru", "csv", "train", russian + [("great", "pos"), ("", "neg")])
+    write(tmp_path / "ru", "csv", "dev", ROWS["dev"])
+    assert error_in(tmp_path, tmp_path / "ru") == (
+        f"{tmp_path / 'ru' / 'train.csv'}: 4 of its 5 texts with letters give no word to words() in tasks/csv_text.py "
+        "(it keeps runs of a-z, 0-9 and ', e.g. none of 'Отличный фильм'): they would all be one unknown word; "
+        "edit words() for your language")
+    czech = [("Skvělý film, úžasně zahrané", "pos"), ("Příšerně nudný děj", "neg"), ("Krásná hudba", "pos"),
+             ("Špatný konec", "neg")]
+    write(tmp_path / "cs", "csv", "train", czech)
+    write(tmp_path / "cs", "csv", "dev", ROWS["dev"])
+    capsys.readouterr()
+    build_task(config(tmp_path, tmp_path / "cs")).build_datasets()
+    assert (f"{tmp_path / 'cs' / 'train.csv'}: words() in tasks/csv_text.py drops 16 of the texts' 61 letters "
+            "(26%; it keeps a-z, 0-9 and ', e.g. not 'ě'); edit it for your language") in capsys.readouterr().out
+    write(tmp_path / "en", "csv", "train", ROWS["train"])  # (café crème: 2 of 90, no note)
+    write(tmp_path / "en", "csv", "dev", ROWS["dev"])
+    build_task(config(tmp_path, tmp_path / "en")).build_datasets()
+    assert "words()" not in capsys.readouterr().out
+
+
+def error_in(tmp_path, folder, **data) -> str:
+    with pytest.raises(DataError) as caught:
+        build_task(config(tmp_path, folder, **data)).build_datasets()
+    return str(caught.value)
+
+
 def test_a_mistake_through_main_is_one_line_and_exit_2(tmp_path, capsys):
     path = bad_train(tmp_path, "parquet", [("good", "pos"), ("bad", None)])
     assert main.run(config(tmp_path, tmp_path)) == 2
@@ -307,6 +356,10 @@ def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header
     (tmp_path / "named.csv").write_text("text\na fine film\n")  # its header is data.text_column: nothing to say
     assert read_texts(str(tmp_path / "named.csv"), "text") == ["a fine film"]
     assert capsys.readouterr().out == ""
+    (tmp_path / "excel.csv").write_text("id;text\n1;a fine film\n")  # Excel's `;`: read as '1;a fine film', silently
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'excel.csv'}:1: the header 'id;text' is one field: "
+                                                  "the file is separated by ';', not commas")):
+        read_texts(str(tmp_path / "excel.csv"), "text")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
