@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.config import DataConfig
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
 from tasks.base import PipelineLayer, Task
@@ -299,8 +300,10 @@ class SST2Task(Task):
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
         """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were: stripped, as read_tsv and
-        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own)."""
-        texts = read_texts(path, self.cfg.data.text_column)
+        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own). A CSV/TSV
+        without data.text_column's default `text` column is read by SST-2's own header, `sentence`, if it has one."""
+        column = self.cfg.data.text_column
+        texts = read_texts(path, column, own_column="sentence" if column == DataConfig.text_column else None)
         stripped = [t.strip() for t in texts]
         dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
         length, index = longest_or_largest(dataset.ids, len)

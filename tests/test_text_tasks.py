@@ -161,6 +161,25 @@ def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "export")(names[0])["input_ids"] == train_set[0]["input_ids"]
 
 
+def test_sst2_predict_reads_its_own_sentence_column_without_an_override(data, tmp_path):
+    """An SST-2 style TSV (`sentence<TAB>label`) as predict.input needed --set data.text_column=sentence; sst2 now
+    reads its own column, a `text` column still wins, and a column set that the file lacks is one line naming it."""
+    from wiring import build_task
+    build_task(task_config("sst2", data, tmp_path)).build_datasets()  # trains and saves the tokenizer
+    (tmp_path / "sst2.tsv").write_text("sentence\tlabel\na fine film\t1\nawful\t0\n")
+    (tmp_path / "text.tsv").write_text("sentence\ttext\nnot this\tthis one\n")
+    cfg = task_config("sst2", data, tmp_path)
+    cfg.mode = "predict"
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    assert task.predict_inputs(str(tmp_path / "sst2.tsv"))[0] == ["a fine film", "awful"]
+    assert task.predict_inputs(str(tmp_path / "text.tsv"))[0] == ["this one"]
+    cfg.data.text_column = "review"
+    with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'sst2.tsv'} has no column 'review' "
+                                                  "(data.text_column) among sentence, label")):
+        build_task(cfg).predict_inputs(str(tmp_path / "sst2.tsv"))
+
+
 def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tmp_path):
     """data.max_length above a pretrained model's 512 positions passes training on short sentences; a long input to
     predict then failed inside BERT's embeddings with a traceback naming no input."""
