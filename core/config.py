@@ -125,6 +125,9 @@ class DataConfig:
             fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
 
 
+RANDOM_DROPOUT = 0.25  # model.dropout null, in a model built with random weights (model.dropout's old default)
+
+
 @dataclass
 class ModelConfig:
     name: str = "cnn"
@@ -136,8 +139,10 @@ class ModelConfig:
     """image: channels of the first convolution (the second has twice as many)."""
     hidden: int = 128
     """image: width of the hidden fully connected layer; csv_text: size of the word embeddings."""
-    dropout: float = 0.25
-    """Dropout probability (0 disables dropout)."""
+    dropout: Optional[float] = None
+    """Dropout probability (0 disables dropout). null: 0.25 in a model built with random weights, and
+    model.pretrained_dir's own dropout; a value replaces the pretrained model's too (every dropout field of its
+    config: BERT's hidden_dropout_prob, BART's dropout, GPT-2's resid_pdrop, ...; refused if it has none)."""
     activation_checkpointing: bool = False
     """Transformer tasks: recompute each block's activations in backward from its input (torch.utils.checkpoint):
     less memory for about one more forward pass, same gradients. Not with dist.strategy: pipe."""
@@ -177,8 +182,13 @@ class ModelConfig:
     data.image_size >= 224, where it was measured to pay (docs/image_folder.md); off under fsdp and pipe, which
     refuse it. Same results and checkpoints."""
 
+    def random_dropout(self) -> float:
+        """model.dropout of a model built with random weights (null: 0.25)."""
+        return RANDOM_DROPOUT if self.dropout is None else self.dropout
+
     def check(self, fail) -> None:
-        in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
+        if self.dropout is not None:
+            in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
         in_range(fail, "model.channels", self.channels, at_least=1)
         in_range(fail, "model.hidden", self.hidden, at_least=1)
         in_range(fail, "model.lora_rank", self.lora_rank, at_least=0)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 
 TRAIN = {"batch_size": 16, "max_steps": 16, "epochs": 0, "lr": 3e-3, "warmup": 2, "schedule": "constant",
          "log_every": 4, "eval_every": 0, "save_every": 0}
@@ -195,6 +195,35 @@ def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tm
     with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'new.txt'}: input 2 ('good good good "
                                                   "good good good '...) is 602 tokens, more than the model's 512")):
         task.predict_inputs(str(tmp_path / "new.txt"))
+
+
+def test_model_dropout_reaches_a_pretrained_model_or_is_refused(data, tmp_path):
+    """model.dropout was silently ignored with model.pretrained_dir (the folder's 0.1 trained). A value set now
+    replaces every dropout of the folder's config, null keeps the folder's, and a model without any dropout (a
+    ResNet) refuses one > 0 in one line."""
+    from conftest import save_tiny_minilm
+    from transformers import ResNetConfig, ResNetForImageClassification
+    from tasks.image_folder import pretrained
+    from wiring import build_task
+    folder = save_tiny_minilm(tmp_path / "bert", dropout=0.1)
+    for dropout, in_effect in ((None, 0.1), (0.3, 0.3), (0.0, 0.0)):
+        cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": data["sst2"]},
+                          model={"name": "minilm", "pretrained_dir": folder, "dropout": dropout})
+        task = build_task(cfg)
+        task.prepare_inference(["negative", "positive"])
+        model = task.build_model()
+        assert {mod.p for mod in model.modules() if isinstance(mod, torch.nn.Dropout)} == {in_effect}
+        assert model.config.attention_probs_dropout_prob == in_effect  # (sdpa's attention dropout is no module)
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).save_pretrained(
+        tmp_path / "resnet")
+    cfg = make_config(tmp_path / "run", task="image_folder", model={"pretrained_dir": str(tmp_path / "resnet"),
+                                                                    "dropout": 0.3})
+    with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but model.pretrained_dir's resnet model "
+                                                    "has no dropout to set; set it to null (or 0)")):
+        pretrained(cfg, ["a", "b"], print)
+    cfg.model.pretrained_dir = None  # transformers' ResNet, random: it has no dropout either
+    with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but image_folder's ResNet has no dropout")):
+        build_task(cfg).build_model()
 
 
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
