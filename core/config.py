@@ -300,7 +300,8 @@ class TrainConfig:
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None
     """Wall-clock budget: seconds, or `HH:MM:SS` / `D-HH:MM:SS` as SLURM writes it. Used up, every rank stops after
-    its step and saves (exit code 3: run again to resume); leave time for one step and one save. None: no limit."""
+    its step and saves (exit code 3: run again to resume); leave time for one step and one save. None: no limit.
+    torchrun restarting its workers (--max-restarts) does not start it anew: it counts from the launch's start."""
     stop_signal: Optional[Literal["SIGUSR1", "SIGUSR2", "SIGHUP"]] = "SIGUSR1"
     """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
     `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
@@ -341,6 +342,9 @@ class TrainConfig:
             fail("train.time_limit", f"must be seconds or HH:MM:SS (D-HH:MM:SS), got {self.time_limit!r}")
         if limit is not None:
             in_range(fail, "train.time_limit", limit, at_least=0, at_most=YEAR_S)
+            if limit == 0:  # (it once meant no limit, as null does)
+                fail("train.time_limit", f"is {self.time_limit!r}: 0 seconds would stop the run at its first step; "
+                                         "use null for no limit")
         if self.resume is True:
             fail("train.resume", "must be auto, false or a checkpoint path (true is ambiguous)")
         size = self.batch_size
@@ -796,7 +800,7 @@ def dump_yaml(cfg: Config) -> str:
 
 def parse_duration(value) -> Optional[float]:
     """train.time_limit: seconds (a number) or 'HH:MM:SS' / 'MM:SS' / 'D-HH:MM:SS' as SLURM writes it."""
-    if value is None or value == 0:
+    if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
