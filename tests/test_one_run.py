@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, make_config, write_checkpoint
@@ -19,6 +20,7 @@ from core import checkpoint
 from core import checkpoint_meta
 import main
 from core.distributed import DistContext
+from core.errors import ConfigError
 
 TRAIN = {"max_steps": 6, "epochs": 0, "eval_every": 3, "save_every": 3, "log_every": 3}
 
@@ -175,3 +177,15 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
         holder.wait()
     assert run(tmp_path) == 0  # the lock ends with its process, however it ended: never stale
 
+
+
+def test_test_mode_takes_a_batch_list_made_for_another_world_size(tmp_path):
+    """train.batch_size listed per rank for one world size was refused in test mode at another ("lists 1 sizes but
+    there are 2 ranks"), though test mode runs in one process and reads no training batches. Training still
+    refuses it."""
+    assert run(tmp_path, train={"batch_size": [16]}) == 0
+    two = {"strategy": "ddp", "procs_per_node": 2}
+    assert main.run(make_config(tmp_path, mode="test", train={**TRAIN, "batch_size": [16]}, dist=two)) == 0
+    assert json.loads((tmp_path / "dev_results.json").read_text())["metrics"]["samples"] > 0
+    with pytest.raises(ConfigError, match=r"`train.batch_size` lists 1 sizes but there are 2 ranks"):
+        make_config(tmp_path, train={**TRAIN, "batch_size": [16]}, dist=two)
