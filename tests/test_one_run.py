@@ -189,3 +189,19 @@ def test_test_mode_takes_a_batch_list_made_for_another_world_size(tmp_path):
     assert json.loads((tmp_path / "dev_results.json").read_text())["metrics"]["samples"] > 0
     with pytest.raises(ConfigError, match=r"`train.batch_size` lists 1 sizes but there are 2 ranks"):
         make_config(tmp_path, train={**TRAIN, "batch_size": [16]}, dist=two)
+
+
+def test_a_finished_run_run_again_with_a_lower_keep_last_prunes(tmp_path, capsys):
+    """Run again after its end with train.keep_last lowered, a run said "already complete" and kept every old
+    checkpoint. It now prunes as its next save would: the latest and the best stay, nothing else is touched."""
+    train = {"max_steps": 4, "eval_every": 1, "save_every": 1, "keep_last": 5}
+    assert run(tmp_path, train=train) == 0
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [1, 2, 3, 4]
+    best = checkpoint_meta.read(str(tmp_path / "checkpoints/step-4"))["state"]["best_step"]
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert run(tmp_path, train={**train, "keep_last": 1}) == 0
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == sorted({best, 4})
+    gone = ", ".join(f"step-{s}" for s in (1, 2, 3) if s != best)
+    assert f"removed {gone}: train.keep_last is 1 (and the best are kept)" in capsys.readouterr().out
+    assert (tmp_path / "checkpoints" / "notes.txt").read_text() == "mine"
