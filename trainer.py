@@ -531,10 +531,10 @@ class Trainer:
             self.prune_checkpoints(self.best_step_to_keep)
             self.log.info(f"saved {path}")
 
-    def prune_checkpoints(self, best_step: Optional[int]) -> list[int]:
-        """Rank 0: delete the checkpoints train.keep_last no longer keeps, except best_step and train.keep_best's;
-        returns their steps. After each save, and when a finished run is run again (resume.already_complete)."""
-        keep = {best_step, *(step for _, _, step in self.state.best_k)}
+    def prune_checkpoints(self, *steps: Optional[int]) -> list[int]:
+        """Rank 0: delete the checkpoints train.keep_last no longer keeps, except `steps` (the best) and
+        train.keep_best's; returns theirs. After each save, and when a finished run is run again (resume)."""
+        keep = {*steps, *(step for _, _, step in self.state.best_k)}
         return checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep=keep)
 
     def check_finite_parameters(self) -> None:

@@ -113,7 +113,7 @@ def already_complete(trainer, path: Optional[str]) -> bool:
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")
         # train.keep_last (or keep_best) lowered since: pruned now, as the next save would have
-        pruned = trainer.prune_checkpoints(s.best_step) if trainer.ctx.is_main else []
+        pruned = trainer.prune_checkpoints(s.best_step, s.step) if trainer.ctx.is_main else []  # (and the one loaded)
         if pruned:
             trainer.log.info(f"removed {', '.join(f'step-{step}' for step in pruned)}: train.keep_last is "
                              f"{t.keep_last} (and the best are kept)")
