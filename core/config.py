@@ -768,6 +768,13 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "predict" and cfg.predict.input is None:
         fail("predict.input", "is not set: a folder of images or a file of texts (CSV/TSV/JSONL/parquet/.txt) "
                               "to predict")
+    # test and export read test.checkpoint, predict predict.checkpoint: the other one alone would be ignored
+    if cfg.mode in ("test", "export") and cfg.predict.checkpoint and not cfg.test.checkpoint:
+        fail("predict.checkpoint", f"is read by mode predict only; mode {cfg.mode} reads test.checkpoint: set that "
+                                   "instead (null: the best checkpoint)")
+    if cfg.mode == "predict" and cfg.test.checkpoint and not cfg.predict.checkpoint:
+        fail("test.checkpoint", "is read by modes test and export; mode predict reads predict.checkpoint: set that "
+                                "instead (null: the best checkpoint)")
 
 
 def is_set(cfg: Config, key: str) -> bool:

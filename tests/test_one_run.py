@@ -205,3 +205,21 @@ def test_a_finished_run_run_again_with_a_lower_keep_last_prunes(tmp_path, capsys
     gone = ", ".join(f"step-{s}" for s in (1, 2, 3) if s != best)
     assert f"removed {gone}: train.keep_last is 1 (and the best are kept)" in capsys.readouterr().out
     assert (tmp_path / "checkpoints" / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_key_of_another_mode_is_one_line_not_ignored(tmp_path):
+    """mode: export with predict.checkpoint exported the best checkpoint, not the one named (export and test read
+    test.checkpoint); mode: predict ignored test.checkpoint likewise. Each is now one line naming the key to set;
+    both set, each mode reads its own."""
+    assert run(tmp_path, train={"max_steps": 2, "save_every": 1, "eval_every": 1}) == 0
+    step1 = str(tmp_path / "checkpoints" / "step-1")
+    for mode, key, other, reads in (("export", "predict", "test", "mode predict only"),
+                                    ("test", "predict", "test", "mode predict only"),
+                                    ("predict", "test", "predict", "modes test and export")):
+        sections = {"predict": {"input": step1}, "test": {}}
+        sections[key]["checkpoint"] = step1
+        with pytest.raises(ConfigError) as e:
+            make_config(tmp_path, mode=mode, **sections)
+        assert str(e.value) == (f"test: `{key}.checkpoint` is read by {reads}; mode {mode} reads {other}.checkpoint: "
+                                "set that instead (null: the best checkpoint)")
+    make_config(tmp_path, mode="export", test={"checkpoint": step1}, predict={"checkpoint": step1})
