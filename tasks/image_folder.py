@@ -426,7 +426,7 @@ class ImageFolderTask(Task):
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model
-        if m.dropout and not m.pretrained_dir:  # transformers' ResNet has none: the value would do nothing
+        if m.dropout and not m.pretrained_dir and self.cfg.mode in ("train", "lr_find"):  # the ResNet has none
             raise ConfigError(f"model.dropout is {m.dropout} but image_folder's ResNet has no dropout; set it to null "
                               "(or 0)")
         if self.classes is None:

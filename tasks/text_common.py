@@ -364,9 +364,10 @@ class _OnlyErrors(logging.Filter):
 def pretrained_dropout(cfg, config) -> dict:
     """model.dropout for model.pretrained_dir's model: its config's dropout probabilities (BERT's hidden_dropout_prob,
     BART's dropout, GPT-2's resid_pdrop, ...) as from_pretrained's keyword arguments; null: none (the folder's own).
-    A dropout > 0 for a model without any is one line: it could not apply."""
+    A dropout > 0 for a model without any is one line: it could not apply. Only training needs it (test, predict and
+    export run in eval mode, and read the configs of runs saved when model.dropout was 0.25 by default)."""
     p = cfg.model.dropout
-    if p is None:
+    if p is None or cfg.mode not in ("train", "lr_find"):
         return {}
     fields = {name: p for name, value in vars(config).items()
               if name.endswith(DROPOUT_FIELDS) and isinstance(value, (int, float)) and not isinstance(value, bool)}

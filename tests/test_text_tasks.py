@@ -221,7 +221,9 @@ def test_model_dropout_reaches_a_pretrained_model_or_is_refused(data, tmp_path):
     with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but model.pretrained_dir's resnet model "
                                                     "has no dropout to set; set it to null (or 0)")):
         pretrained(cfg, ["a", "b"], print)
-    cfg.model.pretrained_dir = None  # transformers' ResNet, random: it has no dropout either
+    cfg.mode = "test"  # eval mode: nothing to apply, and old runs' config.yml hold 0.25, the former default
+    assert pretrained(cfg, ["a", "b"], print).config.num_labels == 2
+    cfg.mode, cfg.model.pretrained_dir = "train", None  # transformers' ResNet, random: it has no dropout either
     with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but image_folder's ResNet has no dropout")):
         build_task(cfg).build_model()
 
