@@ -96,7 +96,7 @@ class DataConfig:
     """bert_pretrain: glob of the dev HDF5 shards; gpt2_lm: of the dev text files. None: as for train_files."""
     text_column: str = "text"
     """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts; also what
-    mode predict reads of a text classifier's input (sst2, left at `text`: a CSV/TSV's `sentence` column too)."""
+    mode predict reads of a text classifier's input (sst2, left at `text`: a `sentence` column too)."""
     label_column: str = "label"
     """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
     min_class_count: int = 2

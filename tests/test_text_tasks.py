@@ -162,8 +162,9 @@ def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
 
 
 def test_sst2_predict_reads_its_own_sentence_column_without_an_override(data, tmp_path):
-    """An SST-2 style TSV (`sentence<TAB>label`) as predict.input needed --set data.text_column=sentence; sst2 now
-    reads its own column, a `text` column still wins, and a column set that the file lacks is one line naming it."""
+    """An SST-2 style TSV (`sentence<TAB>label`) or JSON lines as predict.input needed --set
+    data.text_column=sentence; sst2 now reads its own column, a `text` column still wins, and a column set that the
+    file lacks is one line naming it."""
     from wiring import build_task
     build_task(task_config("sst2", data, tmp_path)).build_datasets()  # trains and saves the tokenizer
     (tmp_path / "sst2.tsv").write_text("sentence\tlabel\na fine film\t1\nawful\t0\n")
@@ -174,6 +175,8 @@ def test_sst2_predict_reads_its_own_sentence_column_without_an_override(data, tm
     task.prepare_inference(None)
     assert task.predict_inputs(str(tmp_path / "sst2.tsv"))[0] == ["a fine film", "awful"]
     assert task.predict_inputs(str(tmp_path / "text.tsv"))[0] == ["this one"]
+    (tmp_path / "sst2.jsonl").write_text('{"sentence": "a fine film", "label": 1}\n{"sentence": "awful", "idx": 2}\n')
+    assert task.predict_inputs(str(tmp_path / "sst2.jsonl"))[0] == ["a fine film", "awful"]  # (GLUE's own rows)
     cfg.data.text_column = "review"
     with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'sst2.tsv'} has no column 'review' "
                                                   "(data.text_column) among sentence, label")):
