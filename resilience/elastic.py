@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-LAUNCH_RECORD = "launch.json"  # in output_dir/logs: when this torchrun launch first started its workers, and which
+LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers
 
 
 def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
@@ -24,8 +24,8 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
     if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
         return 0.0
     now = time.time() if now is None else now
-    path = os.path.join(output_dir, "logs", LAUNCH_RECORD)
     launch = {"host": socket.gethostname(), "torchrun_pid": os.getppid()}
+    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=launch["host"]))  # (nodes may share the folder)
     if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
         if local_rank == 0:
             try:

@@ -9,6 +9,7 @@
 """
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def test_time_limit_counts_from_the_launchs_first_start_and_0_is_refused(tmp_pat
     assert elastic.time_used(out, 1, restart, now=1600.0) == 600.0  # a restart of the same launch: 600 s used
     assert elastic.time_used(out, 0, first, now=2000.0) == 0.0  # a new command (a resume): anew
     assert elastic.time_used(out, 0, restart, now=2100.0) == 100.0
-    record = tmp_path / "logs" / "launch.json"
+    record = tmp_path / "logs" / f"launch-{socket.gethostname()}.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "torchrun_pid": os.getppid() + 1}))
     assert elastic.time_used(out, 0, restart, now=2100.0) == 0.0  # another torchrun's record: not this launch
     for text in ("[1]", "{", '{"started": NaN}'):
