@@ -528,9 +528,14 @@ class Trainer:
             return
         path = pending.finish()
         if self.ctx.is_main:
-            keep = {self.best_step_to_keep, *(step for _, _, step in self.state.best_k)}  # and train.keep_best's
-            checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep=keep)
+            self.prune_checkpoints(self.best_step_to_keep)
             self.log.info(f"saved {path}")
+
+    def prune_checkpoints(self, *steps: Optional[int]) -> list[int]:
+        """Rank 0: delete the checkpoints train.keep_last no longer keeps, except `steps` (the best) and
+        train.keep_best's; returns theirs. After each save, and when a finished run is run again (resume)."""
+        keep = {*steps, *(step for _, _, step in self.state.best_k)}
+        return checkpoint.prune(self.cfg.output_dir, self.train_cfg.keep_last, keep=keep)
 
     def check_finite_parameters(self) -> None:
         """A checkpoint is never written with NaN/Inf parameters. Skipped steps cannot put them there, but a finite

@@ -234,6 +234,8 @@ def check_batch_split(cfg: Config, fail) -> None:
         readers, who = tp.check_config(cfg, world, fail), "tp groups (world size / dist.tp)"
     if dist_cfg.strategy == "pipe":
         readers, who = pipeline.check_config(cfg, world, fail), "pipelines (world size / dist.pp_stages)"
+    if cfg.mode in ("test", "predict", "export"):  # they read no training batches (test: one process, whatever trained)
+        return
     if isinstance(train_cfg.batch_size, list) and len(train_cfg.batch_size) != readers:
         fail("train.batch_size", f"lists {len(train_cfg.batch_size)} sizes but there are {readers} {who}")
     if train_cfg.batch_size == "auto" and train_cfg.global_batch_size < readers:

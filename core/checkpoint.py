@@ -222,15 +222,18 @@ def _on_every_rank(ctx: DistContext, part: Callable[[], None], final: str, tmp: 
         raise error or RuntimeError(f"rank {failed[0][0]} failed while writing {final}")
 
 
-def prune(output_dir: str, keep_last: int, keep: set[int]) -> None:
-    """Delete complete checkpoints older than the last `keep_last`, except the steps in `keep` (the best).
+def prune(output_dir: str, keep_last: int, keep: set[int]) -> list[int]:
+    """Delete complete checkpoints older than the last `keep_last`, except the steps in `keep` (the best); returns
+    the steps deleted.
     meta.json goes first, and that reaches the disk before anything else is deleted: a kill halfway leaves a
     directory that resume ignores (and the next run removes), never one that looks complete and cannot load.
     Only real directories are deleted (complete_checkpoints lists no symlink): never what a link points to."""
-    found = complete_checkpoints(output_dir)
+    found, deleted = complete_checkpoints(output_dir), []
     for step, path in found[:-keep_last] if keep_last else found:
         if step not in keep and real_dir(path):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, "meta.json"))
             fsync(path)
             shutil.rmtree(path, ignore_errors=True)
+            deleted.append(step)
+    return deleted

@@ -95,7 +95,8 @@ class DataConfig:
     dev_files: Optional[str] = None
     """bert_pretrain: glob of the dev HDF5 shards; gpt2_lm: of the dev text files. None: as for train_files."""
     text_column: str = "text"
-    """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts."""
+    """csv_text: the column (CSV/TSV header, JSON key, parquet or `datasets` column) that holds the texts; also what
+    mode predict reads of a text classifier's input (sst2, left at `text`: a `sentence` column too)."""
     label_column: str = "label"
     """csv_text: the column that holds the labels: names, or whole numbers (a `datasets` ClassLabel: its names)."""
     min_class_count: int = 2
@@ -125,6 +126,9 @@ class DataConfig:
             fail("data.label_column", f"is the text column too ({self.text_column!r}); name two columns")
 
 
+RANDOM_DROPOUT = 0.25  # model.dropout null, in a model built with random weights (model.dropout's old default)
+
+
 @dataclass
 class ModelConfig:
     name: str = "cnn"
@@ -136,8 +140,10 @@ class ModelConfig:
     """image: channels of the first convolution (the second has twice as many)."""
     hidden: int = 128
     """image: width of the hidden fully connected layer; csv_text: size of the word embeddings."""
-    dropout: float = 0.25
-    """Dropout probability (0 disables dropout)."""
+    dropout: Optional[float] = None
+    """Dropout probability (0 disables dropout). null: 0.25 in a model built with random weights, and
+    model.pretrained_dir's own dropout; a value replaces the pretrained model's too (every dropout field of its
+    config: BERT's hidden_dropout_prob, BART's dropout, GPT-2's resid_pdrop, ...; refused if it has none)."""
     activation_checkpointing: bool = False
     """Transformer tasks: recompute each block's activations in backward from its input (torch.utils.checkpoint):
     less memory for about one more forward pass, same gradients. Not with dist.strategy: pipe."""
@@ -177,8 +183,13 @@ class ModelConfig:
     data.image_size >= 224, where it was measured to pay (docs/image_folder.md); off under fsdp and pipe, which
     refuse it. Same results and checkpoints."""
 
+    def random_dropout(self) -> float:
+        """model.dropout of a model built with random weights (null: 0.25)."""
+        return RANDOM_DROPOUT if self.dropout is None else self.dropout
+
     def check(self, fail) -> None:
-        in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
+        if self.dropout is not None:
+            in_range(fail, "model.dropout", self.dropout, at_least=0, below=1)
         in_range(fail, "model.channels", self.channels, at_least=1)
         in_range(fail, "model.hidden", self.hidden, at_least=1)
         in_range(fail, "model.lora_rank", self.lora_rank, at_least=0)
@@ -290,7 +301,8 @@ class TrainConfig:
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None
     """Wall-clock budget: seconds, or `HH:MM:SS` / `D-HH:MM:SS` as SLURM writes it. Used up, every rank stops after
-    its step and saves (exit code 3: run again to resume); leave time for one step and one save. None: no limit."""
+    its step and saves (exit code 3: run again to resume); leave time for one step and one save. None: no limit.
+    torchrun restarting its workers (--max-restarts) does not start it anew: it counts from the launch's start."""
     stop_signal: Optional[Literal["SIGUSR1", "SIGUSR2", "SIGHUP"]] = "SIGUSR1"
     """A signal that stops training gracefully (save, exit code 3), like SIGTERM and SIGINT do: what SLURM's
     `--signal=USR1@120` sends before the time limit. None: only SIGTERM and SIGINT."""
@@ -331,6 +343,9 @@ class TrainConfig:
             fail("train.time_limit", f"must be seconds or HH:MM:SS (D-HH:MM:SS), got {self.time_limit!r}")
         if limit is not None:
             in_range(fail, "train.time_limit", limit, at_least=0, at_most=YEAR_S)
+            if limit == 0:  # (it once meant no limit, as null does)
+                fail("train.time_limit", f"is {self.time_limit!r}: 0 seconds would stop the run at its first step; "
+                                         "use null for no limit")
         if self.resume is True:
             fail("train.resume", "must be auto, false or a checkpoint path (true is ambiguous)")
         size = self.batch_size
@@ -754,6 +769,13 @@ def check_across_sections(cfg: Config, fail) -> None:
     if cfg.mode == "predict" and cfg.predict.input is None:
         fail("predict.input", "is not set: a folder of images or a file of texts (CSV/TSV/JSONL/parquet/.txt) "
                               "to predict")
+    # test and export read test.checkpoint, predict predict.checkpoint: the other one alone would be ignored
+    if cfg.mode in ("test", "export") and cfg.predict.checkpoint and not cfg.test.checkpoint:
+        fail("predict.checkpoint", f"is read by mode predict only; mode {cfg.mode} reads test.checkpoint: set that "
+                                   "instead (null: the best checkpoint)")
+    if cfg.mode == "predict" and cfg.test.checkpoint and not cfg.predict.checkpoint:
+        fail("test.checkpoint", "is read by modes test and export; mode predict reads predict.checkpoint: set that "
+                                "instead (null: the best checkpoint)")
 
 
 def is_set(cfg: Config, key: str) -> bool:
@@ -786,7 +808,7 @@ def dump_yaml(cfg: Config) -> str:
 
 def parse_duration(value) -> Optional[float]:
     """train.time_limit: seconds (a number) or 'HH:MM:SS' / 'MM:SS' / 'D-HH:MM:SS' as SLURM writes it."""
-    if value is None or value == 0:
+    if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)

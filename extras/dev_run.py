@@ -27,11 +27,12 @@ from core.launch_env import launcher_env
 from resilience import launcher
 
 # The overrides every stage takes: a 2-step run that evaluates, saves and can be resumed, with no early stop; it
-# resumes, tests and exports its own checkpoints (not a train.resume or test.checkpoint path of the real run's).
+# resumes, tests and exports its own checkpoints (not a train.resume, test.checkpoint or predict.checkpoint path of
+# the real run's).
 RUN = ["train.dev_run=false", "train.epochs=0", "train.max_steps=3", "train.warmup=0", "train.eval_every=1",
        "train.eval_batches=1", "train.save_every=1", "train.patience=0", "train.time_limit=null", "train.profile_steps=null",
        "train.log_every=1", "log.progress_bar=false", "train.resume=auto", "train.start_over=false",
-       "test.checkpoint=null"]
+       "test.checkpoint=null", "predict.checkpoint=null"]
 STAGES = [  # name, what it checks, its own overrides
     ("train", "2 steps, an evaluation of one batch, a save", ["mode=train", "train.max_steps=2"]),
     ("resume", "from step 2 to step 3", ["mode=train"]),

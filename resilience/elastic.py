@@ -1,14 +1,52 @@
 """torchrun's restarts: a restartable torchrun whose workers would share the agent's rendezvous store is refused in
-one line naming the command to run instead (main.run asks, under torchrun only)."""
+one line naming the command to run instead (main.run asks, under torchrun only); train.time_limit counts from the
+launch's first start, not anew at each restart (time_used)."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import shlex
+import socket
 import sys
 import time
 from typing import Optional
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers
+
+
+def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
+    """Seconds of train.time_limit this torchrun launch used before this start. Its first start (restart count 0)
+    used none: local rank 0 records the time with the host and torchrun's pid. A restart of the same launch
+    (TORCHELASTIC_RESTART_COUNT > 0, the same torchrun on the same host) used the time since; a new command (a
+    deliberate resume, a requeued job) starts the limit anew, as does a record that is missing or not this launch's."""
+    if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
+        return 0.0
+    now = time.time() if now is None else now
+    launch = {"host": socket.gethostname(), "torchrun_pid": os.getppid()}
+    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=launch["host"]))  # (nodes may share the folder)
+    if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
+        if local_rank == 0:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump({**launch, "started": now}, f)
+                os.replace(path + ".tmp", path)
+            except OSError:  # (a full disk: a restart then counts the limit anew; the run itself says the disk)
+                pass
+        return 0.0
+    try:
+        with open(path) as f:
+            record = json.loads(f.read(4096))  # a few fields: anything longer is not ours
+    except (OSError, ValueError):
+        return 0.0
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in launch.items()):
+        return 0.0
+    started = record.get("started")
+    if type(started) not in (int, float) or not math.isfinite(started) or not started <= now:
+        return 0.0
+    return now - started
 
 
 def refuse_restarts(local_rank: int) -> bool:

@@ -85,10 +85,11 @@ class StopRequest:
         self.log: Optional[logging.Logger] = None
         self.lines: queue.SimpleQueue = queue.SimpleQueue()  # (message, extra) the handler has to say
 
-    def install(self, extra_signal: Optional[str], time_limit_s: Optional[float]) -> None:
+    def install(self, extra_signal: Optional[str], time_limit_s: Optional[float], used_s: float = 0.0) -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
-        the signals, which launcher.Supervisor blocks while it starts its ranks: one sent before now is handled now."""
-        self.deadline = time.monotonic() + time_limit_s if time_limit_s else None
+        the signals, which launcher.Supervisor blocks while it starts its ranks: one sent before now is handled now.
+        used_s: the time limit's seconds used before this start (elastic.time_used: torchrun's restarts)."""
+        self.deadline = time.monotonic() + time_limit_s - used_s if time_limit_s is not None else None
         signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
         for signum in signums:
             signal.signal(signum, self._handle)

@@ -12,7 +12,7 @@ from core import config, distributed, process_group
 from core.config import Config
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
 from core.run_log import setup_logging
-from resilience import faults, heartbeat, resource_errors
+from resilience import elastic, faults, heartbeat, resource_errors
 from resilience.faults import HOST, report
 
 WAIT_SAID_AFTER_S = 10  # a wait for the other ranks this long is said: a node not started yet, or mistyped
@@ -28,6 +28,7 @@ class RankRun:
         self.watchdog: Optional[heartbeat.Watchdog] = None
         self.code: Optional[int] = None
         self.wait_said = False  # the line saying this rank waits for the others (waiting)
+        self.time_used = 0.0  # of train.time_limit, before torchrun restarted this launch's workers
 
     def __enter__(self) -> "RankRun":
         faults.progress.rank = self.place.rank
@@ -36,7 +37,9 @@ class RankRun:
         # Libraries' download and loading bars are for terminals; in log files they are noise (read at import).
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
-            faults.stop_request.install(self.cfg.train.stop_signal, config.parse_duration(self.cfg.train.time_limit))
+            limit = config.parse_duration(self.cfg.train.time_limit)
+            self.time_used = elastic.time_used(self.cfg.output_dir, self.place.local_rank) if limit else 0.0
+            faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used)
         return self
 
     def join_group(self) -> distributed.DistContext:
@@ -46,6 +49,9 @@ class RankRun:
         log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
+        if self.time_used:
+            log.info(f"train.time_limit counts from this torchrun launch's first start, {self.time_used:.0f} s ago: "
+                     "torchrun restarted its workers")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from core import checkpoint, checkpoint_hashes, checkpoint_io, checkpoint_meta
+from core.config import RANDOM_DROPOUT
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from data_loader import GlobalBatchSampler
@@ -111,6 +112,11 @@ def already_complete(trainer, path: Optional[str]) -> bool:
         trainer.log.info(f"already complete at step {s.step} ({path}): {why}; "
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")
+        # train.keep_last (or keep_best) lowered since: pruned now, as the next save would have
+        pruned = trainer.prune_checkpoints(s.best_step, s.step) if trainer.ctx.is_main else []  # (and the one loaded)
+        if pruned:
+            trainer.log.info(f"removed {', '.join(f'step-{step}' for step in pruned)}: train.keep_last is "
+                             f"{t.keep_last} (and the best are kept)")
     return done
 
 
@@ -240,7 +246,11 @@ def model_built(config: dict, task) -> dict:
     """`config` with its model section read as the model it builds (Task.model_built): model.layers 2 over null is
     the same run where model.name's preset has 2 layers (so for heads, width, bias, tie_embeddings), 4 another."""
     model = config.get("model")
-    return {**config, "model": task.model_built(model)} if isinstance(model, dict) else config
+    if not isinstance(model, dict):
+        return config
+    if "dropout" in model and model["dropout"] is None:  # a run saved before null existed holds 0.25, its default
+        model = {**model, "dropout": RANDOM_DROPOUT}
+    return {**config, "model": task.model_built(model)}
 
 
 def schedule_changes(trainer, saved: dict) -> None:

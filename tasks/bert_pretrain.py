@@ -37,7 +37,8 @@ from torch.utils.data import Dataset
 from core.errors import DataError
 from tasks import lm_models
 from tasks.base import PipelineLayer, Task
-from tasks.text_common import bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions
+from tasks.text_common import (bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions,
+                               pretrained_dropout)
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -294,15 +295,16 @@ class BertPretrainTask(Task):
         m = self.cfg.model
         if m.pretrained_dir:
             # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
-            lm_models.check_folder_shape(self.cfg, BertConfig.from_pretrained(m.pretrained_dir,
-                                                                                      trust_remote_code=False))
+            folder = BertConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False)
+            lm_models.check_folder_shape(self.cfg, folder)
             with load_report(self.cfg):
-                return PretrainingModel(BertForPreTraining.from_pretrained(m.pretrained_dir, trust_remote_code=False))
+                return PretrainingModel(BertForPreTraining.from_pretrained(
+                    m.pretrained_dir, trust_remote_code=False, **pretrained_dropout(self.cfg, folder)))
         # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
         shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,
-                            max_position_embeddings=RANDOM_MODEL.max_positions, hidden_dropout_prob=m.dropout,
-                            attention_probs_dropout_prob=m.dropout, tie_word_embeddings=m.tie_embeddings is not False,
+                            max_position_embeddings=RANDOM_MODEL.max_positions, hidden_dropout_prob=m.random_dropout(),
+                            attention_probs_dropout_prob=m.random_dropout(), tie_word_embeddings=m.tie_embeddings is not False,
                             **shape)
         model = BertForPreTraining(config)
         if m.bias is False:

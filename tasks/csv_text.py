@@ -47,7 +47,7 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
     def build_model(self):  # -----> the model: the mean of the words' embeddings (padding left out), a linear layer
         m = self.cfg.model
         return nn.Sequential(nn.EmbeddingBag(len(self.vocab) + 2, m.hidden, mode="mean", padding_idx=0),
-                             nn.Dropout(m.dropout), nn.Linear(m.hidden, len(self.classes)))
+                             nn.Dropout(m.random_dropout()), nn.Linear(m.hidden, len(self.classes)))
 
     def loss_sum(self, model, batch):  # -----> the loss, SUMMED over the batch (the Trainer divides by the count)
         return nn.functional.cross_entropy(model(batch["ids"]).float(), batch["labels"], reduction="sum")

@@ -75,7 +75,7 @@ class ImageTask(Task):
         if m.name != "cnn":
             raise DataError(f"model.name: the image task has one architecture, `cnn`, not {m.name!r}")
         # -----> swap in your own image model here.
-        return Net(self.image_size, m.channels, m.hidden, m.dropout)
+        return Net(self.image_size, m.channels, m.hidden, m.random_dropout())
 
     def data_name(self) -> str:
         return self.cfg.data.dataset  # digits or mnist
@@ -128,7 +128,7 @@ class ImageTask(Task):
         scale, mean, std = self.pixels
         m = self.cfg.model
         return {"class": "tasks.image:Net", "init": {"image_size": self.image_size, "channels": m.channels,
-                                                     "hidden": m.hidden, "dropout": m.dropout, "classes": CLASSES},
+                                                     "hidden": m.hidden, "dropout": m.random_dropout(), "classes": CLASSES},
                 "input": f"float images [N, 1, {self.image_size}, {self.image_size}]: pixels / {scale:g}, then "
                          f"(x - {mean:g}) / {std:g}",
                 "output": f"logits [N, {CLASSES}] (the digits 0-9)"}

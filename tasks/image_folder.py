@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.config import is_set
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.run_log import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.text_common import load_report, plain_transformers_output
+from tasks.text_common import load_report, plain_transformers_output, pretrained_dropout
 from tasks.untrusted_folders import check_folder
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")  # any case
@@ -397,11 +397,13 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
     folder = cfg.model.pretrained_dir
     check_folder(folder)
     plain_transformers_output()
-    had = AutoConfig.from_pretrained(folder, trust_remote_code=False).num_labels
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    had, dropout = config.num_labels, pretrained_dropout(cfg, config)
     with load_report(cfg):  # (silent when a checkpoint's weights come next)
         model = AutoModelForImageClassification.from_pretrained(
             folder, id2label=dict(enumerate(classes)),  # (num_labels follows id2label)
-            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False)
+            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False,
+            **dropout)
     if had != len(classes):
         log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
             "replaces it")
@@ -477,6 +479,9 @@ class ImageFolderTask(Task):
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model
+        if m.dropout and not m.pretrained_dir and self.cfg.mode in ("train", "lr_find"):  # the ResNet has none
+            raise ConfigError(f"model.dropout is {m.dropout} but image_folder's ResNet has no dropout; set it to null "
+                              "(or 0)")
         if self.classes is None:
             self.build_datasets()
         # -----> swap in your own image model here (it takes pixel_values [N, 3, H, W], returns .logits).

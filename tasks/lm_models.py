@@ -22,7 +22,7 @@ from core.errors import ConfigError, DataError
 from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
 from tasks.gpt2_tp import gpt2_plan
-from tasks.text_common import check_pretrained_dir, load_report
+from tasks.text_common import check_pretrained_dir, load_report, pretrained_dropout
 
 # -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
 PRESETS = {
@@ -39,13 +39,13 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     m = cfg.model
     if m.pretrained_dir:
         return load_causal_lm(cfg)
-    s = sized(cfg, PRESETS, PRESET_WORDS)
+    s, dropout = sized(cfg, PRESETS, PRESET_WORDS), m.random_dropout()
     tied = m.tie_embeddings is not False  # null: tied, as GPT-2 and nanoGPT are
     if (m.arch or "gpt2") == "gpt2":
         # "gelu": torch's one fused kernel (nanoGPT's); GPT-2's "gelu_new" is ~8 element-wise ops each way (slow).
         config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.data.max_length, n_embd=s["width"],
-                            n_layer=s["layers"], n_head=s["heads"], resid_pdrop=m.dropout, embd_pdrop=m.dropout,
-                            attn_pdrop=m.dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=tied,
+                            n_layer=s["layers"], n_head=s["heads"], resid_pdrop=dropout, embd_pdrop=dropout,
+                            attn_pdrop=dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=tied,
                             activation_function="gelu")
         model = GPT2LMHeadModel(config)
         if m.bias is False:
@@ -54,7 +54,7 @@ def build_causal_lm(cfg, vocab_size: int, eos_id: int) -> nn.Module:
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=s["width"], intermediate_size=swiglu_width(s["width"]),
                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                          num_key_value_heads=s["heads"], max_position_embeddings=cfg.data.max_length,
-                         attention_bias=bool(m.bias), mlp_bias=bool(m.bias), attention_dropout=m.dropout,
+                         attention_bias=bool(m.bias), mlp_bias=bool(m.bias), attention_dropout=dropout,
                          bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, tie_word_embeddings=tied)
     return LlamaForCausalLM(config)
 
@@ -130,8 +130,9 @@ def load_causal_lm(cfg) -> nn.Module:
                           f"model; set model.arch to null (or {config.model_type})")
     check_folder_shape(cfg, config)
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
+    dropout = pretrained_dropout(cfg, config)
     with load_report(cfg):
-        return classes[config.model_type].from_pretrained(folder, trust_remote_code=False)
+        return classes[config.model_type].from_pretrained(folder, trust_remote_code=False, **dropout)
 
 
 def check_folder_shape(cfg, config) -> None:

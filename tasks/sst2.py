@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.config import DataConfig
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import read_texts
 from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
-                               load_report, note, read_utf8)
+                               load_report, note, pretrained_dropout, read_utf8)
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -150,18 +151,20 @@ class SST2Task(Task):
 
     def build_model(self) -> nn.Module:
         m = self.cfg.model
-        from transformers import AutoModelForSequenceClassification, BartConfig, BartForSequenceClassification
+        from transformers import (AutoConfig, AutoModelForSequenceClassification, BartConfig,
+                                  BartForSequenceClassification)
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
+            dropout = pretrained_dropout(self.cfg, AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False))
             with load_report(self.cfg):
                 model = AutoModelForSequenceClassification.from_pretrained(
-                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False)
+                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, **dropout)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
             return model
         tok = self.tokenizer
         # -----> the randomly initialised model: sizes from BART_PRESETS, or model.layers, heads and width.
-        config = BartConfig(vocab_size=len(tok), num_labels=self.num_labels, dropout=m.dropout,
+        config = BartConfig(vocab_size=len(tok), num_labels=self.num_labels, dropout=m.random_dropout(),
                             max_position_embeddings=1024,
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
@@ -300,8 +303,10 @@ class SST2Task(Task):
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
         """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were: stripped, as read_tsv and
-        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own)."""
-        texts = read_texts(path, self.cfg.data.text_column)
+        scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own). A CSV/TSV
+        without data.text_column's default `text` column is read by SST-2's own header, `sentence`, if it has one."""
+        column = self.cfg.data.text_column
+        texts = read_texts(path, column, own_column="sentence" if column == DataConfig.text_column else None)
         stripped = [t.strip() for t in texts]
         dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
         length, index = longest_or_largest(dataset.ids, len)

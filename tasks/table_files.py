@@ -185,13 +185,21 @@ def checked(path: str, rows: Rows, columns: tuple[str, str]) -> tuple[list[str],
     return texts, labels
 
 
+class MissingColumn(DataError):
+    """need_columns' DataError; `found`: the columns the file has (read_texts then tries the task's own name)."""
+
+    def __init__(self, message: str, found: list):
+        super().__init__(message)
+        self.found = found
+
+
 def need_columns(at: str, found: list, columns: tuple[str, str]) -> None:
     """A missing column is a DataError naming the columns the file has, and the key that names ours."""
     for key, what, column in zip(("data.text_column", "data.label_column"), ("texts", "labels"), columns):
         if column not in found:
             listed = ", ".join(map(str, found[:20])) + (", ..." if len(found) > 20 else "")
-            raise DataError(f"{at}: no column {column!r} (columns found: {listed or 'none'}); set {key} to the one "
-                            f"that holds the {what}")
+            raise MissingColumn(f"{at}: no column {column!r} (columns found: {listed or 'none'}); set {key} to the "
+                                f"one that holds the {what}", list(found))
 
 
 def shown(value) -> str:
@@ -332,21 +340,29 @@ READERS = {".csv": csv_rows, ".tsv": tsv_rows, ".jsonl": jsonl_rows, ".json": js
 TEXT_FILES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".parquet")
 
 
-def read_texts(path: str, text_column: str) -> list[str]:
+def read_texts(path: str, text_column: str, own_column: Optional[str] = None) -> list[str]:
     """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
     save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
-    byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there."""
+    byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there.
+    own_column: the task's own name for its texts (sst2: `sentence`), read from a file without `text_column`."""
     folder = os.path.isfile(os.path.join(path, "state.json"))
     if not folder and not (os.path.isfile(path) and path.lower().endswith(TEXT_FILES)):
         raise DataError(f"predict.input: {path} is not a file of texts ({', '.join(TEXT_FILES)}) nor a datasets "
                         "save_to_disk folder")
     ext = os.path.splitext(path.lower())[1]
     if ext in (".csv", ".tsv"):
-        return csv_texts(path, text_column, tsv=ext == ".tsv")
+        return csv_texts(path, text_column, tsv=ext == ".tsv", own_column=own_column)
     if ext == ".txt":
         return [line for line in read_utf8(path).split("\n") if line.strip()]  # a bad byte: DataError, file:line
-    texts = []  # JSON lines, parquet, a save_to_disk folder: the split's reader, the text column read as both
-    for text, _, where in (folder_rows if folder else READERS[ext])(path, (text_column, text_column)):
+    reader = folder_rows if folder else READERS[ext]  # JSON lines, parquet, a save_to_disk folder: the split's
+    try:  # reader, the text column read as both
+        rows = list(reader(path, (text_column, text_column)))
+    except MissingColumn as e:
+        if own_column not in e.found:
+            raise
+        rows, text_column = list(reader(path, (own_column, own_column))), own_column
+    texts = []
+    for text, _, where in rows:
         text = utf8(text, f"{path}{where}", text_column) if isinstance(text, bytes) else text
         if not isinstance(text, str):
             raise DataError(f"predict.input: {path}{where}: {text_column} is {shown(text)}; every row needs a text")
@@ -354,7 +370,7 @@ def read_texts(path: str, text_column: str) -> list[str]:
     return texts
 
 
-def csv_texts(path: str, text_column: str, tsv: bool) -> list[str]:
+def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] = None) -> list[str]:
     text = read_utf8(path)  # a bad byte: a DataError naming the file and line
     quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
     records = list(csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv))
@@ -365,12 +381,15 @@ def csv_texts(path: str, text_column: str, tsv: bool) -> list[str]:
         refuse_other_separator(f"{path}:{records[0][0]}", header, (text_column, text_column), tsv)  # (`id;text`)
     if text_column in header:
         column = header.index(text_column)
+    elif own_column in header:
+        column = header.index(own_column)
     elif len(header) == 1:  # its one column: the first line is its header, whatever it says, as for a split
         column = 0
         note(f"predict.input: {path}: its first line, {header[0][:60]!r}, is read as the header of its one column "
              f"(data.text_column is {text_column!r}), not as a text; texts without a header: a .txt file, one a line")
     else:
-        raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column) among "
+        also = f" nor {own_column!r}" if own_column else ""
+        raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column){also} among "
                         f"{', '.join(header)[:80]}")
     for line, row in records[1:]:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
         if len(row) != len(header):

@@ -25,6 +25,8 @@ from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
 from tasks.untrusted_folders import check_folder, refuse_custom_code
 
+DROPOUT_FIELDS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")  # how transformers' configs name them
+
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
 
@@ -357,6 +359,22 @@ def load_report(cfg):
 class _OnlyErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR
+
+
+def pretrained_dropout(cfg, config) -> dict:
+    """model.dropout for model.pretrained_dir's model: its config's dropout probabilities (BERT's hidden_dropout_prob,
+    BART's dropout, GPT-2's resid_pdrop, ...) as from_pretrained's keyword arguments; null: none (the folder's own).
+    A dropout > 0 for a model without any is one line: it could not apply. Only training needs it (test, predict and
+    export run in eval mode, and read the configs of runs saved when model.dropout was 0.25 by default)."""
+    p = cfg.model.dropout
+    if p is None or cfg.mode not in ("train", "lr_find"):
+        return {}
+    fields = {name: p for name, value in vars(config).items()
+              if name.endswith(DROPOUT_FIELDS) and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if not fields and p > 0:
+        raise ConfigError(f"model.dropout is {p} but model.pretrained_dir's {config.model_type} model has no dropout "
+                          "to set; set it to null (or 0)")
+    return fields
 
 
 def check_pretrained_dir(path: str) -> str:

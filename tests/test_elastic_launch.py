@@ -9,6 +9,7 @@
 """
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,34 @@ def test_nodes_joining_or_leaving_are_restarts_too():
     problem = elastic.torchrun_restart_problem({**SHARED, "TORCHELASTIC_MAX_RESTARTS": "0"},
                                          ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400", "x.py"])
     assert problem.startswith("torchrun --nnodes=1:2 restarts its workers")
+
+
+def test_time_limit_counts_from_the_launchs_first_start_and_0_is_refused(tmp_path, capsys):
+    """train.time_limit started anew at each torchrun restart (a job with --max-restarts could outrun its SLURM
+    allocation), and 0 silently meant no limit. The limit now counts from the launch's first start on a restart
+    of the same torchrun, anew for a new command; 0 is one line saying to use null."""
+    import json
+    import main
+    first, restart = {"TORCHELASTIC_RESTART_COUNT": "0"}, {"TORCHELASTIC_RESTART_COUNT": "1"}
+    out = str(tmp_path)
+    assert elastic.time_used(out, 0, first, now=1000.0) == 0.0  # the first start: recorded by local rank 0
+    assert elastic.time_used(out, 1, first, now=1005.0) == 0.0  # (the other local ranks record nothing)
+    assert elastic.time_used(out, 1, restart, now=1600.0) == 600.0  # a restart of the same launch: 600 s used
+    assert elastic.time_used(out, 0, first, now=2000.0) == 0.0  # a new command (a resume): anew
+    assert elastic.time_used(out, 0, restart, now=2100.0) == 100.0
+    record = tmp_path / "logs" / f"launch-{socket.gethostname()}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "torchrun_pid": os.getppid() + 1}))
+    assert elastic.time_used(out, 0, restart, now=2100.0) == 0.0  # another torchrun's record: not this launch
+    for text in ("[1]", "{", '{"started": NaN}'):
+        record.write_text(text)
+        assert elastic.time_used(out, 0, restart, now=2100.0) == 0.0
+    assert elastic.time_used(str(tmp_path / "plain"), 0, {}, now=1.0) == 0.0  # not torchrun's: no file
+    assert not os.path.exists(tmp_path / "plain")
+    for value in ("0", "00:00:00", "0.0"):
+        assert main.main(["--set", f"output_dir={tmp_path / 'run'}", "--set", f"train.time_limit={value}"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "train.time_limit" in err[0] and err[0].endswith(
+            "0 seconds would stop the run at its first step; use null for no limit"), err
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, make_config, write_checkpoint
@@ -19,6 +20,7 @@ from core import checkpoint
 from core import checkpoint_meta
 import main
 from core.distributed import DistContext
+from core.errors import ConfigError
 
 TRAIN = {"max_steps": 6, "epochs": 0, "eval_every": 3, "save_every": 3, "log_every": 3}
 
@@ -175,3 +177,49 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
         holder.wait()
     assert run(tmp_path) == 0  # the lock ends with its process, however it ended: never stale
 
+
+
+def test_test_mode_takes_a_batch_list_made_for_another_world_size(tmp_path):
+    """train.batch_size listed per rank for one world size was refused in test mode at another ("lists 1 sizes but
+    there are 2 ranks"), though test mode runs in one process and reads no training batches. Training still
+    refuses it."""
+    assert run(tmp_path, train={"batch_size": [16]}) == 0
+    two = {"strategy": "ddp", "procs_per_node": 2}
+    assert main.run(make_config(tmp_path, mode="test", train={**TRAIN, "batch_size": [16]}, dist=two)) == 0
+    assert json.loads((tmp_path / "dev_results.json").read_text())["metrics"]["samples"] > 0
+    with pytest.raises(ConfigError, match=r"`train.batch_size` lists 1 sizes but there are 2 ranks"):
+        make_config(tmp_path, train={**TRAIN, "batch_size": [16]}, dist=two)
+
+
+def test_a_finished_run_run_again_with_a_lower_keep_last_prunes(tmp_path, capsys):
+    """Run again after its end with train.keep_last lowered, a run said "already complete" and kept every old
+    checkpoint. It now prunes as its next save would: the latest and the best stay, nothing else is touched."""
+    train = {"max_steps": 4, "eval_every": 1, "save_every": 1, "keep_last": 5}
+    assert run(tmp_path, train=train) == 0
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [1, 2, 3, 4]
+    best = checkpoint_meta.read(str(tmp_path / "checkpoints/step-4"))["state"]["best_step"]
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert run(tmp_path, train={**train, "keep_last": 1}) == 0
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == sorted({best, 4})
+    gone = ", ".join(f"step-{s}" for s in (1, 2, 3) if s != best)
+    assert f"removed {gone}: train.keep_last is 1 (and the best are kept)" in capsys.readouterr().out
+    assert (tmp_path / "checkpoints" / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_key_of_another_mode_is_one_line_not_ignored(tmp_path):
+    """mode: export with predict.checkpoint exported the best checkpoint, not the one named (export and test read
+    test.checkpoint); mode: predict ignored test.checkpoint likewise. Each is now one line naming the key to set;
+    both set, each mode reads its own."""
+    assert run(tmp_path, train={"max_steps": 2, "save_every": 1, "eval_every": 1}) == 0
+    step1 = str(tmp_path / "checkpoints" / "step-1")
+    for mode, key, other, reads in (("export", "predict", "test", "mode predict only"),
+                                    ("test", "predict", "test", "mode predict only"),
+                                    ("predict", "test", "predict", "modes test and export")):
+        sections = {"predict": {"input": step1}, "test": {}}
+        sections[key]["checkpoint"] = step1
+        with pytest.raises(ConfigError) as e:
+            make_config(tmp_path, mode=mode, **sections)
+        assert str(e.value) == (f"test: `{key}.checkpoint` is read by {reads}; mode {mode} reads {other}.checkpoint: "
+                                "set that instead (null: the best checkpoint)")
+    make_config(tmp_path, mode="export", test={"checkpoint": step1}, predict={"checkpoint": step1})

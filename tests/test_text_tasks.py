@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 
 TRAIN = {"batch_size": 16, "max_steps": 16, "epochs": 0, "lr": 3e-3, "warmup": 2, "schedule": "constant",
          "log_every": 4, "eval_every": 0, "save_every": 0}
@@ -161,6 +161,28 @@ def test_sst2_predict_reads_a_sentence_as_training_does(data, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "export")(names[0])["input_ids"] == train_set[0]["input_ids"]
 
 
+def test_sst2_predict_reads_its_own_sentence_column_without_an_override(data, tmp_path):
+    """An SST-2 style TSV (`sentence<TAB>label`) or JSON lines as predict.input needed --set
+    data.text_column=sentence; sst2 now reads its own column, a `text` column still wins, and a column set that the
+    file lacks is one line naming it."""
+    from wiring import build_task
+    build_task(task_config("sst2", data, tmp_path)).build_datasets()  # trains and saves the tokenizer
+    (tmp_path / "sst2.tsv").write_text("sentence\tlabel\na fine film\t1\nawful\t0\n")
+    (tmp_path / "text.tsv").write_text("sentence\ttext\nnot this\tthis one\n")
+    cfg = task_config("sst2", data, tmp_path)
+    cfg.mode = "predict"
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    assert task.predict_inputs(str(tmp_path / "sst2.tsv"))[0] == ["a fine film", "awful"]
+    assert task.predict_inputs(str(tmp_path / "text.tsv"))[0] == ["this one"]
+    (tmp_path / "sst2.jsonl").write_text('{"sentence": "a fine film", "label": 1}\n{"sentence": "awful", "idx": 2}\n')
+    assert task.predict_inputs(str(tmp_path / "sst2.jsonl"))[0] == ["a fine film", "awful"]  # (GLUE's own rows)
+    cfg.data.text_column = "review"
+    with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'sst2.tsv'} has no column 'review' "
+                                                  "(data.text_column) among sentence, label")):
+        build_task(cfg).predict_inputs(str(tmp_path / "sst2.tsv"))
+
+
 def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tmp_path):
     """data.max_length above a pretrained model's 512 positions passes training on short sentences; a long input to
     predict then failed inside BERT's embeddings with a traceback naming no input."""
@@ -176,6 +198,37 @@ def test_sst2_predict_refuses_an_input_longer_than_the_models_positions(data, tm
     with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'new.txt'}: input 2 ('good good good "
                                                   "good good good '...) is 602 tokens, more than the model's 512")):
         task.predict_inputs(str(tmp_path / "new.txt"))
+
+
+def test_model_dropout_reaches_a_pretrained_model_or_is_refused(data, tmp_path):
+    """model.dropout was silently ignored with model.pretrained_dir (the folder's 0.1 trained). A value set now
+    replaces every dropout of the folder's config, null keeps the folder's, and a model without any dropout (a
+    ResNet) refuses one > 0 in one line."""
+    from conftest import save_tiny_minilm
+    from transformers import ResNetConfig, ResNetForImageClassification
+    from tasks.image_folder import pretrained
+    from wiring import build_task
+    folder = save_tiny_minilm(tmp_path / "bert", dropout=0.1)
+    for dropout, in_effect in ((None, 0.1), (0.3, 0.3), (0.0, 0.0)):
+        cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": data["sst2"]},
+                          model={"name": "minilm", "pretrained_dir": folder, "dropout": dropout})
+        task = build_task(cfg)
+        task.prepare_inference(["negative", "positive"])
+        model = task.build_model()
+        assert {mod.p for mod in model.modules() if isinstance(mod, torch.nn.Dropout)} == {in_effect}
+        assert model.config.attention_probs_dropout_prob == in_effect  # (sdpa's attention dropout is no module)
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).save_pretrained(
+        tmp_path / "resnet")
+    cfg = make_config(tmp_path / "run", task="image_folder", model={"pretrained_dir": str(tmp_path / "resnet"),
+                                                                    "dropout": 0.3})
+    with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but model.pretrained_dir's resnet model "
+                                                    "has no dropout to set; set it to null (or 0)")):
+        pretrained(cfg, ["a", "b"], print)
+    cfg.mode = "test"  # eval mode: nothing to apply, and old runs' config.yml hold 0.25, the former default
+    assert pretrained(cfg, ["a", "b"], print).config.num_labels == 2
+    cfg.mode, cfg.model.pretrained_dir = "train", None  # transformers' ResNet, random: it has no dropout either
+    with pytest.raises(ConfigError, match=re.escape("model.dropout is 0.3 but image_folder's ResNet has no dropout")):
+        build_task(cfg).build_model()
 
 
 def test_sst2_collate_pads_per_batch_and_lengths_group(data, tmp_path):
