@@ -1,5 +1,6 @@
 """How a rank joins the others: its device, then the process group (torch.distributed's), met over tcp:// after a
-roll call (every node must count and place the ranks alike), or over torchrun's env:// or a file://. Works under
+roll call (every node must count and place the ranks alike), or over a file:// (the same roll call) or torchrun's
+env://. Works under
 our own spawn, torchrun and SLURM; the context it returns, and the collectives: core/distributed.py.
 """
 from __future__ import annotations
@@ -75,18 +76,23 @@ def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> Use
 
 
 def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
-    """The process group. Over tcp:// the ranks first answer a roll call in the store (roll_call), since the store
-    counts arrivals only: nodes that count the ranks differently would meet, then wait at the first collective.
-    `given_up`: set when this rank stops waiting (while_waiting)."""
+    """The process group. Over tcp:// or a file:// the ranks first answer a roll call in the store (roll_call), since
+    the store counts arrivals only: nodes that count the ranks differently would meet, then wait at the first
+    collective. `given_up`: set when this rank stops waiting (while_waiting)."""
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
-    if not rendezvous.startswith("tcp://"):  # torchrun's env:// (its agents agreed on the world), or a file
+    address = urlparse(rendezvous)
+    if address.scheme == "tcp":
+        store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+    elif address.scheme == "file":
+        # as init_method="file://..." makes it: the file is removed once world_size clients have closed it
+        store = dist.FileStore(address.path, world_size)
+        store.set_timeout(timeout)
+    else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    address = urlparse(rendezvous)
-    store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
     roll_call(store, rank, world_size, cfg, given_up)
-    # the prefix init_method="tcp://..." would give the group's keys
+    # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
 

@@ -216,11 +216,13 @@ def test_nodes_that_count_the_ranks_differently_are_one_line_not_a_hang(tmp_path
     """The store counts arrivals only: node 0 counting 2 ranks ([1, 1]) and node 1 counting 3 ([1, 2]) met, then
     waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks. Then
     nodes that count 3 alike but split them otherwise ([2, 1] and [1, 2]: two processes take rank 1). Each node now
-    says so in one line, from the roll call before the group is made."""
-    for first, second in (("[1,1]", "[1,2]"), ("[2,1]", "[1,2]")):
-        port, out = free_port(), tmp_path / first
-        common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}",
-                  "--set", "dist.timeout_s=60")
+    says so in one line, from the roll call before the group is made. Over a file:// rendezvous the roll call did
+    not run: the same mismatch waited dist.timeout_s, then ended in gloo tracebacks."""
+    for first, second, where in (("[1,1]", "[1,2]", "tcp"), ("[2,1]", "[1,2]", "tcp"), ("[1,1]", "[1,2]", "file")):
+        port, out = free_port(), tmp_path / f"{where}{first}"
+        meet = (("dist.master_addr=127.0.0.1", f"dist.master_port={port}") if where == "tcp" else
+                (f"dist.init_method=file://{tmp_path / 'rendezvous'}",))
+        common = ("--set", "dist.nodes=2", *[a for m in meet for a in ("--set", m)], "--set", "dist.timeout_s=60")
         node0 = start(out / "n0", *common, "--set", f"dist.procs_per_node={first}", "--set", "dist.node_rank=0")
         node1 = start(out / "n1", *common, "--set", f"dist.procs_per_node={second}", "--set", "dist.node_rank=1")
         for proc in (node0, node1):
