@@ -69,8 +69,10 @@ def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> Use
     if "EADDRINUSE" in str(e) and rendezvous.startswith("tcp://"):
         return UserError(f"rank {rank}: dist.master_port {d.master_port} is already in use on {socket.gethostname()} "
                          f"(another run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}")
-    fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same dist.master_addr and "
-           "dist.master_port" if d.nodes > 1 and rendezvous.startswith("tcp://") else "start every rank")
+    same = {"tcp": "dist.master_addr and dist.master_port", "file": "dist.init_method, a file all of them see"}
+    scheme = urlparse(rendezvous).scheme
+    fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same {same[scheme]}"
+           if d.nodes > 1 and scheme in same else "start every rank")
     return UserError(f"rank {rank}: the {world_size} ranks did not all meet at {rendezvous} within dist.timeout_s="
                      f"{d.timeout_s} ({first_line(e)}); {fix}, or raise dist.timeout_s")
 
@@ -115,16 +117,17 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event)
         return
     store.add("trainer-roll/came", 1)
     try:
-        answer(store, rank, world_size, mine)
+        answer(store, rank, world_size, mine, d.timeout_s, given_up)
     finally:
         store.add("trainer-roll/left", 1)
 
 
-def answer(store, rank: int, world_size: int, mine: dict) -> None:
+def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, given_up: threading.Event) -> None:
     """A rank other than 0: refuse if rank 0 counts otherwise or another process holds this rank, else answer and
     wait for rank 0's verdict."""
     claim = store.compare_set(f"trainer-roll/rank/{rank}", "", json.dumps(mine)).decode()
-    first, other = json.loads(store.get("trainer-roll/rank/0")), json.loads(claim)
+    first = json.loads(when_set(store, "trainer-roll/rank/0", timeout_s, given_up, lambda: "rank 0 never came"))
+    other = json.loads(claim)
     differ = (first["world"], first["layout"]) != (world_size, mine["layout"])
     if differ or (other["pid"], other["host"]) != (mine["pid"], mine["host"]):
         theirs = first if differ else other  # rank 0's, or the process that took this rank before
@@ -135,7 +138,8 @@ def answer(store, rank: int, world_size: int, mine: dict) -> None:
         store.set("trainer-roll/refused", words)
         raise UserError(words)
     store.add("trainer-roll/answered", 1)
-    verdict = store.get("trainer-roll/verdict").decode()
+    verdict = when_set(store, "trainer-roll/verdict", timeout_s, given_up,
+                       lambda: f"{store.add('trainer-roll/answered', 0) + 1} of {world_size} ranks arrived")
     if verdict != "ok":
         raise UserError(verdict)
 
@@ -148,6 +152,14 @@ def count_answers(store, world_size: int, timeout_s: float, given_up: threading.
         answered = store.add("trainer-roll/answered", 0) + 1
         raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived")
     return store.get("trainer-roll/refused").decode() if store.check(["trainer-roll/refused"]) else "ok"
+
+
+def when_set(store, key: str, timeout_s: float, given_up: threading.Event, missing: Callable[[], str]) -> str:
+    """`key`'s value once a rank set it, polled rather than store.get's wait: given_up ends it, and a FileStore's
+    timeout is a bare RuntimeError (a traceback), not the DistStoreError that init says as a line."""
+    if not wait_until(lambda: store.check([key]), timeout_s, given_up):
+        raise dist.DistStoreError(missing())
+    return store.get(key).decode()
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float, given_up: threading.Event) -> bool:

@@ -164,6 +164,16 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
                                                r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
         process_group.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
     assert not dist.is_initialized()
+    # over a file, rank 0 that never came was a RuntimeError's traceback from the FileStore, after the timeout
+    where = tmp_path / "rendezvous"
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
+                                      "node_rank": 1, "init_method": f"file://{where}"})
+    with pytest.raises(errors.UserError) as e:
+        process_group.init(cfg, 1, 2, 0)
+    assert str(e.value) == (f"rank 1: the 2 ranks did not all meet at file://{where} within dist.timeout_s=1 "
+                            "(DistStoreError: rank 0 never came); start all 2 nodes (dist.node_rank 0 to 1) with the "
+                            "same dist.init_method, a file all of them see, or raise dist.timeout_s"), e.value
+    assert not dist.is_initialized()
 
 
 def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
