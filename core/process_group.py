@@ -93,15 +93,16 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    roll_call(store, rank, world_size, cfg, given_up)
+    roll_call(store, rank, world_size, cfg, given_up, rendezvous)
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
 
 
-def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
+def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event, rendezvous: str) -> None:
     """Each rank posts how it counts the ranks and claims its own; rank 0 then gives its verdict: "ok" once every
-    other rank answered with its count, else the first mismatch, which every rank then says in one line."""
+    other rank answered with its count, else the first mismatch or the ranks missing at dist.timeout_s, which every
+    rank that came then says in the same line (the launcher prints it once)."""
     d = cfg.dist
     # under torchrun or srun the launcher placed the ranks; ours: each node places them from its own config
     layout = procs_per_node_list(cfg) if launcher_env() is None else None
@@ -109,7 +110,10 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event)
             "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
     if rank == 0:
         store.set("trainer-roll/rank/0", json.dumps(mine))
-        verdict = count_answers(store, world_size, d.timeout_s, given_up)
+        try:
+            verdict = count_answers(store, world_size, d.timeout_s, given_up, layout)
+        except dist.DistStoreError as e:
+            verdict = str(not_met(d, rank, world_size, rendezvous, e))
         store.set("trainer-roll/verdict", verdict)
         if verdict != "ok":  # every rank that came reads it (or refuses) before this process, the store's host, ends
             wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0, given_up)
@@ -138,20 +142,46 @@ def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, give
         store.set("trainer-roll/refused", words)
         raise UserError(words)
     store.add("trainer-roll/answered", 1)
-    verdict = when_set(store, "trainer-roll/verdict", timeout_s, given_up,
+    # (rank 0 came first, so its own timeout, said as the verdict, comes first)
+    verdict = when_set(store, "trainer-roll/verdict", timeout_s + 5, given_up,
                        lambda: f"{store.add('trainer-roll/answered', 0) + 1} of {world_size} ranks arrived")
     if verdict != "ok":
         raise UserError(verdict)
 
 
-def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event) -> str:
+def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event, layout) -> str:
     """Rank 0's verdict: "ok" when every other rank answered with rank 0's count, or a refusal's words."""
     def settled():
         return store.check(["trainer-roll/refused"]) or store.add("trainer-roll/answered", 0) >= world_size - 1
     if not wait_until(settled, timeout_s, given_up):
         answered = store.add("trainer-roll/answered", 0) + 1
-        raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived")
+        absent = [r for r in range(1, world_size) if not store.check([f"trainer-roll/rank/{r}"])]
+        raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived{none_from(absent, layout)}")
     return store.get("trainer-roll/refused").decode() if store.check(["trainer-roll/refused"]) else "ok"
+
+
+def none_from(absent: list[int], layout: Optional[list[int]]) -> str:
+    """"; none from node 1 (ranks 2-3)": the ranks that never claimed theirs, by node where this launcher placed
+    them (layout: ranks per node; None under srun), so that the line says which node to start."""
+    if not absent:
+        return ""
+    if layout is None:
+        return f"; none from {ranks_named(absent)}"
+    groups, first = [], 0
+    for node, n in enumerate(layout):
+        gone = [r for r in absent if first <= r < first + n]
+        if gone:
+            groups.append(f"node {node} ({ranks_named(gone)})")
+        first += n
+    return "; none from " + ", ".join(groups[:8]) + (f" and {len(groups) - 8} more nodes" if len(groups) > 8 else "")
+
+
+def ranks_named(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks[-1] - ranks[0] == len(ranks) - 1:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 def when_set(store, key: str, timeout_s: float, given_up: threading.Event, missing: Callable[[], str]) -> str:

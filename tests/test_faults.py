@@ -176,6 +176,32 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
+    """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
+    another line (`DistNetworkError: Broken pipe`, the store rank 0 hosted gone) after C++ warnings. Rank 0's
+    line, naming the missing node, is now every waiting rank's, so the launcher prints it once."""
+    from core import process_group
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": [2, 2],
+                                      "master_addr": "127.0.0.1"})
+    said = {}
+
+    def rank(r):
+        try:
+            process_group.init(cfg, r, 4, r)
+        except errors.UserError as e:
+            said[r] = str(e)
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+        time.sleep(0.2)
+    for t in ranks:
+        t.join(30)
+    assert said[0] == said[1] == (
+        f"rank 0: the 4 ranks did not all meet at tcp://127.0.0.1:{cfg.dist.master_port} within dist.timeout_s=1 "
+        "(DistStoreError: 2 of 4 ranks arrived; none from node 1 (ranks 2-3)); start all 2 nodes (dist.node_rank 0 "
+        "to 1) with the same dist.master_addr and dist.master_port, or raise dist.timeout_s"), said
+
+
 def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
     """dist.init_method=file:///... in a folder that does not exist (a shared file system not mounted here, a
     typo): each rank said `did not all meet ... (No such file or directory); start every rank`, a line per rank."""
