@@ -109,7 +109,9 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event,
     mine = {"node": d.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "world": world_size,
             "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
     if rank == 0:
-        store.set("trainer-roll/rank/0", json.dumps(mine))
+        claim = json.loads(store.compare_set("trainer-roll/rank/0", "", json.dumps(mine)).decode())
+        if (claim["pid"], claim["host"]) != (mine["pid"], mine["host"]):
+            raise UserError(taken(0, mine, claim, rendezvous, d.nodes))
         try:
             verdict = count_answers(store, world_size, d.timeout_s, given_up, layout)
         except dist.DistStoreError as e:
@@ -121,24 +123,29 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event,
         return
     store.add("trainer-roll/came", 1)
     try:
-        answer(store, rank, world_size, mine, d.timeout_s, given_up)
+        answer(store, rank, world_size, mine, d.timeout_s, given_up, rendezvous, d.nodes)
     finally:
         store.add("trainer-roll/left", 1)
 
 
-def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, given_up: threading.Event) -> None:
+def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, given_up: threading.Event,
+           rendezvous: str, nodes: int) -> None:
     """A rank other than 0: refuse if rank 0 counts otherwise or another process holds this rank, else answer and
     wait for rank 0's verdict."""
     claim = store.compare_set(f"trainer-roll/rank/{rank}", "", json.dumps(mine)).decode()
     first = json.loads(when_set(store, "trainer-roll/rank/0", timeout_s, given_up, lambda: "rank 0 never came"))
     other = json.loads(claim)
-    differ = (first["world"], first["layout"]) != (world_size, mine["layout"])
-    if differ or (other["pid"], other["host"]) != (mine["pid"], mine["host"]):
-        theirs = first if differ else other  # rank 0's, or the process that took this rank before
+    # rank 0's count, or that of the process that took this rank before
+    theirs = next((c for c in (first, other) if (c["world"], c["layout"]) != (world_size, mine["layout"])), None)
+    words = None
+    if theirs is not None:
         words = (f"the nodes count the ranks differently: node {mine['node']} ({mine['host']}) counts {world_size} "
                  f"from {mine['counted from']}, node {theirs['node']} ({theirs['host']}) counts {theirs['world']} from "
                  f"{theirs['counted from']}; start every node with the same dist.nodes and dist.procs_per_node (null "
                  "is one rank per GPU: nodes with different GPUs need a list)")
+    elif (other["pid"], other["host"]) != (mine["pid"], mine["host"]):
+        words = taken(rank, mine, other, rendezvous, nodes)
+    if words:
         store.set("trainer-roll/refused", words)
         raise UserError(words)
     store.add("trainer-roll/answered", 1)
@@ -147,6 +154,28 @@ def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, give
                        lambda: f"{store.add('trainer-roll/answered', 0) + 1} of {world_size} ranks arrived")
     if verdict != "ok":
         raise UserError(verdict)
+
+
+def taken(rank: int, mine: dict, theirs: dict, rendezvous: str, nodes: int) -> str:
+    """The words for a rank another process claimed first: a node started with another's dist.node_rank, or a
+    rendezvous file an earlier run left (its ranks end without the teardown in which torch removes it)."""
+    if theirs["host"] == mine["host"] and not alive(theirs["pid"]):
+        return (f"{rendezvous} holds the roll call of an earlier run (rank {rank} was pid {theirs['pid']} on "
+                f"{theirs['host']}, which has ended): delete that file on one node, then start every node again")
+    earlier = ", or, if the rendezvous file is an earlier run's, delete it" if rendezvous.startswith("file://") else ""
+    return (f"rank {rank} is claimed twice: by node {theirs['node']} ({theirs['host']}, pid {theirs['pid']}) and node "
+            f"{mine['node']} ({mine['host']}, pid {mine['pid']}); start each node with its own dist.node_rank "
+            f"(0 to {nodes - 1}){earlier}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event, layout) -> str:

@@ -4,6 +4,7 @@ Multi-process runs go through `python tests/faulty_main.py` (main.py plus an inj
 them: a separate process group, signals sent from outside, stdout/stderr and exit codes read as they are.
 """
 import copy
+import json
 import os
 import re
 import shutil
@@ -200,6 +201,32 @@ def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike
         f"rank 0: the 4 ranks did not all meet at tcp://127.0.0.1:{cfg.dist.master_port} within dist.timeout_s=1 "
         "(DistStoreError: 2 of 4 ranks arrived; none from node 1 (ranks 2-3)); start all 2 nodes (dist.node_rank 0 "
         "to 1) with the same dist.master_addr and dist.master_port, or raise dist.timeout_s"), said
+
+
+def test_a_rank_claimed_twice_is_one_line_naming_both_claims(tmp_path):
+    """Two nodes started with one dist.node_rank, or a rendezvous file a 2-node run left (its ranks end without the
+    teardown that removes it) and the same command again: rank 1 was taken, and the line said `the nodes count the
+    ranks differently`, naming one config twice. (Before the roll call ran in files, the run hung past timeout_s.)"""
+    from core import process_group
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True).stdout)
+    earlier = (f"file://{tmp_path}/{{rank}}-{ended} holds the roll call of an earlier run (rank {{rank}} was pid {ended} on {HOST}, which "
+               "has ended): delete that file on one node, then start every node again")
+    twice = (f"rank 1 is claimed twice: by node 1 ({HOST}, pid {os.getppid()}) and node 1 ({HOST}, pid {os.getpid()}); "
+             "start each node with its own dist.node_rank (0 to 1), or, if the rendezvous file is an earlier run's, "
+             "delete it")
+    for rank, pid, words in ((1, ended, earlier.format(rank=1)), (0, ended, earlier.format(rank=0)),
+                             (1, os.getppid(), twice)):
+        where = tmp_path / f"{rank}-{pid}"  # (a file of its own: a FileStore's teardown spun on one removed under it)
+        store = dist.FileStore(str(where), 2)
+        for r in (0, 1):
+            store.set(f"trainer-roll/rank/{r}", json.dumps({"node": r, "host": HOST, "pid": pid, "world": 2,
+                                                             "layout": [1, 1], "counted from": "the same"}))
+        cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
+                                                  "node_rank": rank, "init_method": f"file://{where}"})
+        with pytest.raises(errors.UserError) as e:
+            process_group.init(cfg, rank, 2, 0)
+        assert str(e.value) == words
 
 
 def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
