@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -112,20 +113,41 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event,
         claim = json.loads(store.compare_set("trainer-roll/rank/0", "", json.dumps(mine)).decode())
         if (claim["pid"], claim["host"]) != (mine["pid"], mine["host"]):
             raise UserError(taken(0, mine, claim, rendezvous, d.nodes))
+        node_comes(store, d.node_rank, layout)
         try:
             verdict = count_answers(store, world_size, d.timeout_s, given_up, layout)
         except dist.DistStoreError as e:
             verdict = str(not_met(d, rank, world_size, rendezvous, e))
         store.set("trainer-roll/verdict", verdict)
         if verdict != "ok":  # every rank that came reads it (or refuses) before this process, the store's host, ends
-            wait_until(lambda: store.add("trainer-roll/left", 0) >= store.add("trainer-roll/came", 0), 10.0, given_up)
+            wait_until(lambda: all_left(store), 10.0, given_up)
             raise UserError(verdict)
         return
+    node_comes(store, d.node_rank, layout)
     store.add("trainer-roll/came", 1)
     try:
         answer(store, rank, world_size, mine, d.timeout_s, given_up, rendezvous, d.nodes)
     finally:
         store.add("trainer-roll/left", 1)
+
+
+def node_comes(store, node: int, layout: Optional[list[int]]) -> None:
+    """The first rank of a node to come adds the ranks its node starts to those rank 0 waits for before it ends with
+    a verdict (the store it hosts with it): a rank of that node started a moment later still reads the verdict."""
+    me = secrets.token_hex(8)  # this rank's alone
+    if layout is not None and store.compare_set(f"trainer-roll/node/{node}", "", me).decode() == me:
+        store.add("trainer-roll/expected", layout[node])
+
+
+def all_left(store) -> bool:
+    """Every rank that came has left, and (by the nodes' counts) every rank of the nodes that came has come."""
+    came = count(store, "trainer-roll/came")
+    return count(store, "trainer-roll/left") >= came and came + 1 >= count(store, "trainer-roll/expected")
+
+
+def count(store, key: str) -> int:
+    """A counter's value, read (store.add(key, 0) would append to a FileStore's file at every poll)."""
+    return int(store.get(key)) if store.check([key]) else 0
 
 
 def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, given_up: threading.Event,
@@ -151,7 +173,7 @@ def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, give
     store.add("trainer-roll/answered", 1)
     # (rank 0 came first, so its own timeout, said as the verdict, comes first)
     verdict = when_set(store, "trainer-roll/verdict", timeout_s + 5, given_up,
-                       lambda: f"{store.add('trainer-roll/answered', 0) + 1} of {world_size} ranks arrived")
+                       lambda: f"{count(store, 'trainer-roll/answered') + 1} of {world_size} ranks arrived")
     if verdict != "ok":
         raise UserError(verdict)
 
@@ -181,9 +203,9 @@ def alive(pid: int) -> bool:
 def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event, layout) -> str:
     """Rank 0's verdict: "ok" when every other rank answered with rank 0's count, or a refusal's words."""
     def settled():
-        return store.check(["trainer-roll/refused"]) or store.add("trainer-roll/answered", 0) >= world_size - 1
+        return store.check(["trainer-roll/refused"]) or count(store, "trainer-roll/answered") >= world_size - 1
     if not wait_until(settled, timeout_s, given_up):
-        answered = store.add("trainer-roll/answered", 0) + 1
+        answered = count(store, "trainer-roll/answered") + 1
         absent = [r for r in range(1, world_size) if not store.check([f"trainer-roll/rank/{r}"])]
         raise dist.DistStoreError(f"{answered} of {world_size} ranks arrived{none_from(absent, layout)}")
     return store.get("trainer-roll/refused").decode() if store.check(["trainer-roll/refused"]) else "ok"
