@@ -1,6 +1,5 @@
-"""How a rank joins the others: its device, then the process group (torch.distributed's), met over tcp:// after a
-roll call (every node must count and place the ranks alike), or over a file:// (the same roll call) or torchrun's
-env://. Works under
+"""How a rank joins the others: its device, then the process group (torch.distributed's), met over tcp:// or a
+file:// after a roll call (every node must count and place the ranks alike), or over torchrun's env://. Works under
 our own spawn, torchrun and SLURM; the context it returns, and the collectives: core/distributed.py.
 """
 from __future__ import annotations
