@@ -365,6 +365,14 @@ class TrainConfig:
                                             "sum of the per-rank sizes)")
 
 
+# The dist.* keys only some strategies read (the others: every strategy with ranks, or checked by their readers).
+# Set (not at its default) under another strategy, one would do nothing: DistConfig.check says so.
+STRATEGY_KEYS = {"shard_grads": ("oss",), "oss_impl": ("oss",), "fsdp_impl": ("fsdp",), "dp_replicate": ("fsdp",),
+                 "reshard_after_forward": ("fsdp", "pipe"),  # pipe: with pp_dp fsdp (strategies/pipeline.py)
+                 "pp_stages": ("pipe",), "pp_schedule": ("pipe",), "pp_microbatches": ("pipe",), "pp_dp": ("pipe",),
+                 "pp_split": ("pipe",)}
+
+
 @dataclass
 class DistConfig:
     strategy: Literal["none", "dp", "ddp", "oss", "fsdp", "pipe"] = "none"
@@ -437,6 +445,10 @@ class DistConfig:
     that many times slower (it busy-waits in backward, before its gradients are shared). None: no slowdown."""
 
     def check(self, fail) -> None:
+        for key, readers in STRATEGY_KEYS.items():
+            if self.strategy not in readers and getattr(self, key) != getattr(DistConfig, key):
+                fail(f"dist.{key}", f"is read by dist.strategy {' or '.join(readers)} only, not {self.strategy}, "
+                                    "where it would do nothing; remove it")
         if self.tp < 1:
             fail("dist.tp", f"must be >= 1 (1: no tensor parallelism), got {self.tp}")
         for key in ("sequence_parallel", "loss_parallel"):

@@ -72,6 +72,9 @@ def check_config(cfg, world: int, fail) -> int:
     if d.pp_schedule in ("interleaved_1f1b", "zero_bubble") and d.pp_microbatches % d.pp_stages:
         fail("dist.pp_microbatches", f"must be a multiple of dist.pp_stages ({d.pp_stages}) for {d.pp_schedule}, "
                                      f"got {d.pp_microbatches}")
+    if not d.reshard_after_forward and d.pp_dp != "fsdp":
+        fail("dist.reshard_after_forward", "is read under pipe with dist.pp_dp: fsdp only (ddp keeps each stage "
+                                           "whole), where it would do nothing; remove it")
     pipelines = world // (d.pp_stages * d.tp)
     if d.pp_schedule == "zero_bubble" and d.pp_dp == "fsdp" and pipelines > 1:
         # (its backward split in two under FSDP2 ended ~1e-3 away from one process, the CNN's and the LMs', silently)

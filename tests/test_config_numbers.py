@@ -187,3 +187,26 @@ def test_a_path_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypa
     assert cfg.output_dir == f"{tmp_path}/runs/x" and cfg.data.data_dir == f"{tmp_path}/data"
     assert cfg.test.checkpoint == f"{tmp_path}/runs/x/checkpoints/step-1" and cfg.predict.input == f"{tmp_path}/new.csv"
     assert read_config(None, ["output_dir=runs/~x"]).output_dir == "runs/~x"  # a ~ inside a name stays
+
+
+def test_a_key_of_another_strategy_is_one_line_naming_who_reads_it(tmp_path):
+    """dist.pp_* under ddp, fsdp's reshard_after_forward under ddp, oss_impl under fsdp: did nothing, silently
+    (dist.shard_grads alone was refused). Set by the user away from its default, each is one line naming the
+    strategy that reads it; at its default (parameters.yml lists them all) or under its reader, it is taken."""
+    for sets, key, readers, strategy in [
+            (["dist.strategy=ddp", "dist.procs_per_node=2", "dist.pp_stages=4"], "pp_stages", "pipe", "ddp"),
+            (["dist.strategy=ddp", "dist.reshard_after_forward=false"], "reshard_after_forward", "fsdp or pipe", "ddp"),
+            (["dist.strategy=fsdp", "dist.oss_impl=torch"], "oss_impl", "oss", "fsdp"),
+            (["dist.pp_dp=fsdp"], "pp_dp", "pipe", "none"),
+            (["dist.strategy=ddp", "dist.shard_grads=true"], "shard_grads", "oss", "ddp")]:
+        assert refused(tmp_path, *sets).endswith(f": `dist.{key}` is read by dist.strategy {readers} only, not "
+                                                 f"{strategy}, where it would do nothing; remove it")
+    assert refused(tmp_path, "dist.strategy=pipe", "dist.procs_per_node=2", "dist.pp_microbatches=2",
+                   "dist.reshard_after_forward=false").endswith(
+        ": `dist.reshard_after_forward` is read under pipe with dist.pp_dp: fsdp only (ddp keeps each stage whole), "
+        "where it would do nothing; remove it")
+    for sets in (["dist.strategy=fsdp", "dist.reshard_after_forward=false"],
+                 ["dist.strategy=ddp", "dist.pp_stages=2", "dist.fsdp_impl=torch", "dist.reshard_after_forward=true"],
+                 ["dist.strategy=pipe", "dist.procs_per_node=2", "dist.pp_microbatches=2", "dist.pp_dp=fsdp",
+                  "dist.reshard_after_forward=false"]):
+        assert checked_config(PARAMS, [f"output_dir={tmp_path}", *sets]).dist.strategy == sets[0].split("=")[1]

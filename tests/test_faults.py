@@ -4,6 +4,8 @@ Multi-process runs go through `python tests/faulty_main.py` (main.py plus an inj
 them: a separate process group, signals sent from outside, stdout/stderr and exit codes read as they are.
 """
 import copy
+import gc
+import json
 import os
 import re
 import shutil
@@ -164,6 +166,94 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
                                                r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
         process_group.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
     assert not dist.is_initialized()
+    # over a file, rank 0 that never came was a RuntimeError's traceback from the FileStore, after the timeout
+    where = tmp_path / "rendezvous"
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
+                                      "node_rank": 1, "init_method": f"file://{where}"})
+    with pytest.raises(errors.UserError) as e:
+        process_group.init(cfg, 1, 2, 0)
+    assert str(e.value) == (f"rank 1: the 2 ranks did not all meet at file://{where} within dist.timeout_s=1 "
+                            "(DistStoreError: rank 0 never came); start all 2 nodes (dist.node_rank 0 to 1) with the "
+                            "same dist.init_method, a file all of them see, or raise dist.timeout_s"), e.value
+    assert not dist.is_initialized()
+
+
+def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
+    """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
+    another line (`DistNetworkError: Broken pipe`, the store rank 0 hosted gone) after C++ warnings. Rank 0's
+    line, naming the missing node, is now every waiting rank's, so the launcher prints it once."""
+    from core import process_group
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": [2, 2],
+                                      "master_addr": "127.0.0.1"})
+    said = {}
+
+    def rank(r):
+        try:
+            process_group.init(cfg, r, 4, r)
+        except errors.UserError as e:
+            said[r] = str(e)
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+        time.sleep(0.2)
+    for t in ranks:
+        t.join(30)
+    assert said[0] == said[1] == (
+        f"rank 0: the 4 ranks did not all meet at tcp://127.0.0.1:{cfg.dist.master_port} within dist.timeout_s=1 "
+        "(DistStoreError: 2 of 4 ranks arrived; none from node 1 (ranks 2-3)); start all 2 nodes (dist.node_rank 0 "
+        "to 1) with the same dist.master_addr and dist.master_port, or raise dist.timeout_s"), said
+
+
+def test_a_rank_that_starts_late_still_reads_the_verdict(tmp_path):
+    """Node 0 counts [1, 1], node 1 [1, 2], and node 1's rank 2 starts a moment after its rank 1 (a loaded machine):
+    rank 0 ended with the verdict once the ranks that had come left, taking the store it hosts, and rank 2 waited
+    dist.timeout_s for it, then said another line (`did not all meet`, or `Connection reset by peer`: the multi-node
+    test failed so now and then). Rank 0 now waits for every rank of the nodes that came."""
+    from core import process_group
+    port, said = free_port(), {}
+
+    def rank(r, layout, world):
+        cfg = make_config(tmp_path / str(r), dist={"strategy": "ddp", "timeout_s": 5, "nodes": 2,
+                                                   "node_rank": min(r, 1), "procs_per_node": layout,
+                                                   "master_addr": "127.0.0.1", "master_port": port})
+        try:
+            process_group.init(cfg, r, world, 0)
+        except errors.UserError as e:
+            said[r] = str(e)
+        gc.collect()  # rank 0's store (held by its error's frames) ends with it, as it does with its process
+    ranks = [threading.Thread(target=rank, args=args) for args in ((0, [1, 1], 2), (1, [1, 2], 3), (2, [1, 2], 3))]
+    for t in ranks:
+        t.start()
+        time.sleep(1.5 if t is ranks[1] else 0.3)
+    for t in ranks:
+        t.join(30)
+    assert sorted(said) == [0, 1, 2] and all("the nodes count the ranks differently" in w for w in said.values()), said
+
+
+def test_a_rank_claimed_twice_is_one_line_naming_both_claims(tmp_path):
+    """Two nodes started with one dist.node_rank, or a rendezvous file a 2-node run left (its ranks end without the
+    teardown that removes it) and the same command again: rank 1 was taken, and the line said `the nodes count the
+    ranks differently`, naming one config twice. (Before the roll call ran in files, the run hung past timeout_s.)"""
+    from core import process_group
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True).stdout)
+    earlier = (f"file://{tmp_path}/{{rank}}-{ended} holds the roll call of an earlier run (rank {{rank}} was pid {ended} on {HOST}, which "
+               "has ended): delete that file on one node, then start every node again")
+    twice = (f"rank 1 is claimed twice: by node 1 ({HOST}, pid {os.getppid()}) and node 1 ({HOST}, pid {os.getpid()}); "
+             "start each node with its own dist.node_rank (0 to 1), or, if the rendezvous file is an earlier run's, "
+             "delete it")
+    for rank, pid, words in ((1, ended, earlier.format(rank=1)), (0, ended, earlier.format(rank=0)),
+                             (1, os.getppid(), twice)):
+        where = tmp_path / f"{rank}-{pid}"  # (a file of its own: a FileStore's teardown spun on one removed under it)
+        store = dist.FileStore(str(where), 2)
+        for r in (0, 1):
+            store.set(f"trainer-roll/rank/{r}", json.dumps({"node": r, "host": HOST, "pid": pid, "world": 2,
+                                                             "layout": [1, 1], "counted from": "the same"}))
+        cfg = make_config(tmp_path / "run", dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
+                                                  "node_rank": rank, "init_method": f"file://{where}"})
+        with pytest.raises(errors.UserError) as e:
+            process_group.init(cfg, rank, 2, 0)
+        assert str(e.value) == words
 
 
 def test_a_rendezvous_file_in_a_missing_folder_is_one_line_before_the_ranks_start(tmp_path, capsys):
@@ -216,11 +306,13 @@ def test_nodes_that_count_the_ranks_differently_are_one_line_not_a_hang(tmp_path
     """The store counts arrivals only: node 0 counting 2 ranks ([1, 1]) and node 1 counting 3 ([1, 2]) met, then
     waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks. Then
     nodes that count 3 alike but split them otherwise ([2, 1] and [1, 2]: two processes take rank 1). Each node now
-    says so in one line, from the roll call before the group is made."""
-    for first, second in (("[1,1]", "[1,2]"), ("[2,1]", "[1,2]")):
-        port, out = free_port(), tmp_path / first
-        common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}",
-                  "--set", "dist.timeout_s=60")
+    says so in one line, from the roll call before the group is made. Over a file:// rendezvous the roll call did
+    not run: the same mismatch waited dist.timeout_s, then ended in gloo tracebacks."""
+    for first, second, where in (("[1,1]", "[1,2]", "tcp"), ("[2,1]", "[1,2]", "tcp"), ("[1,1]", "[1,2]", "file")):
+        port, out = free_port(), tmp_path / f"{where}{first}"
+        meet = (("dist.master_addr=127.0.0.1", f"dist.master_port={port}") if where == "tcp" else
+                (f"dist.init_method=file://{tmp_path / 'rendezvous'}",))
+        common = ("--set", "dist.nodes=2", *[a for m in meet for a in ("--set", m)], "--set", "dist.timeout_s=60")
         node0 = start(out / "n0", *common, "--set", f"dist.procs_per_node={first}", "--set", "dist.node_rank=0")
         node1 = start(out / "n1", *common, "--set", f"dist.procs_per_node={second}", "--set", "dist.node_rank=1")
         for proc in (node0, node1):
