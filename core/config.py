@@ -337,6 +337,9 @@ class TrainConfig:
             fail("train.max_steps", "and train.epochs are both 0: set at least one")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {self.warmup}")
+        if self.warmup >= 1 and self.max_steps and self.warmup > self.max_steps:  # (epochs may end it sooner: trainer.py)
+            fail("train.warmup", f"is {self.warmup:g} steps, longer than the run (train.max_steps={self.max_steps}); "
+                                 "lower it, or give a fraction of the run (< 1)")
         try:
             limit = parse_duration(self.time_limit)
         except ValueError:
