@@ -444,18 +444,25 @@ def test_a_store_mlflow_refuses_is_one_line_before_training(tmp_path, capsys, mo
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
-def test_a_resume_without_a_tracker_keeps_its_run_id_for_the_next_resume(tmp_path, monkeypatch):
+def stand_ins_for_wandb_and_mlflow(monkeypatch, new_id: str) -> list:
+    """W&B's and MLflow's runs replaced by CSV files in output_dir; returns the list of (tracker, run id it was
+    given) each start appends to. A run given no id takes new_id.format(tracker)."""
     continued = []
 
     def tracked(name):
         class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
             def __init__(self, cfg, run_id):
                 continued.append((name, run_id))
-                self.run_id = run_id or f"{name}-1"
+                self.run_id = run_id or new_id.format(name)
                 super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
         return Tracked
     monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
     monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+    return continued
+
+
+def test_a_resume_without_a_tracker_keeps_its_run_id_for_the_next_resume(tmp_path, monkeypatch):
+    continued = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-1")
 
     def start(step, report_to):
         cfg = make_config(tmp_path, log={"report_to": report_to, "tensorboard": None})
@@ -533,17 +540,7 @@ def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path
     "could not start ... run `wandb login`" (never naming the file); a cut one was dropped without a word; a symlink
     was read and written through (outside output_dir), a FIFO hung the start. Now: one line naming the file, the
     good ids kept, new runs for the others, and the file written anew in output_dir."""
-    continued, said = [], []
-
-    def tracked(name):
-        class Tracked(trackers.CSV):  # stands in for W&B's or MLflow's run: a new id, or the one it continues
-            def __init__(self, cfg, run_id):
-                continued.append((name, run_id))
-                self.run_id = run_id or f"new-{name}"
-                super().__init__(os.path.join(cfg.output_dir, f"{name}.csv"), 0)
-        return Tracked
-    monkeypatch.setattr(trackers, "WandB", tracked("wandb"))
-    monkeypatch.setattr(trackers, "MLflow", tracked("mlflow"))
+    continued, said = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="new-{}"), []
     out = tmp_path / "run"
     out.mkdir()
     ids_file = out / "trackers.json"
