@@ -8,6 +8,7 @@ import math
 import os
 import shlex
 import socket
+import stat
 import sys
 import time
 from typing import Optional
@@ -30,6 +31,8 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
         if local_rank == 0:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                if os.path.lexists(path + ".tmp"):  # a symlink planted there is replaced, never written through
+                    os.remove(path + ".tmp")
                 with open(path + ".tmp", "w") as f:
                     json.dump({**launch, "started": now}, f)
                 os.replace(path + ".tmp", path)
@@ -37,6 +40,8 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
                 pass
         return 0.0
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a symlink would be read outside output_dir; a FIFO blocks
+            return 0.0
         with open(path) as f:
             record = json.loads(f.read(4096))  # a few fields: anything longer is not ours
     except (OSError, ValueError):

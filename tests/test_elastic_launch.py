@@ -76,6 +76,16 @@ def test_time_limit_counts_from_the_launchs_first_start_and_0_is_refused(tmp_pat
     for text in ("[1]", "{", '{"started": NaN}'):
         record.write_text(text)
         assert elastic.time_used(out, 0, restart, now=2100.0) == 0.0
+    # a record or its .tmp planted as symlinks: the outside file is neither read nor written through
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid(), "started": 1500.0}))
+    record.unlink()
+    record.symlink_to(outside)
+    assert elastic.time_used(out, 0, restart, now=2100.0) == 0.0
+    record.unlink()
+    os.symlink(outside, str(record) + ".tmp")
+    assert elastic.time_used(out, 0, first, now=3000.0) == 0.0
+    assert json.loads(outside.read_text())["started"] == 1500.0 and json.loads(record.read_text())["started"] == 3000.0
     assert elastic.time_used(str(tmp_path / "plain"), 0, {}, now=1.0) == 0.0  # not torchrun's: no file
     assert not os.path.exists(tmp_path / "plain")
     for value in ("0", "00:00:00", "0.0"):
