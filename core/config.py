@@ -529,8 +529,8 @@ class LRFindConfig:
 @dataclass
 class PredictConfig:
     input: Optional[str] = None
-    """`mode: predict`: a folder of images (image tasks), or a file of texts (text classifiers: a split's
-    formats, or .txt)."""
+    """`mode: predict`: a folder of images or one image file (image tasks), or a file of texts (text classifiers:
+    a split's formats, or .txt)."""
     top_k: int = 1
     """How many of the most likely classes predictions.csv lists per input, each with its probability."""
     checkpoint: Optional[str] = None

@@ -137,11 +137,12 @@ class ImageTask(Task):
         return (torch.zeros(2, 1, self.image_size, self.image_size),)
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
-        """mode: predict: a folder's images as the CNN saw its training images (gray, image_size square)."""
-        files = image_files(path)
+        """mode: predict: a folder's images, or one image, as the CNN saw its training images (gray, image_size
+        square)."""
+        files, names = image_files(path)
         _, mean, std = self.pixels
         images = np.stack([gray_square(f, self.image_size) for f in files]) if files else np.zeros((0, 1, 1))
-        return [os.path.relpath(f, path) for f in files], TensorImages(images, np.zeros(len(files)), mean, std)
+        return names, TensorImages(images, np.zeros(len(files)), mean, std)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return model(batch["images"])

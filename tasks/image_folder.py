@@ -237,16 +237,20 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
                     f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
 
 
-def image_files(path: str) -> list[str]:
-    """mode: predict's images: the image files under folder `path`, sorted (hidden files and folders left out; the
-    others, an iPhone's .heic say, get no row: their count is logged, as training's plan counts them)."""
+def image_files(path: str) -> tuple[list[str], list[str]]:
+    """mode: predict's images and their names in predictions.csv: the image files under folder `path`, sorted, named
+    by their path under it (hidden files and folders left out; the others, an iPhone's .heic say, get no row: their
+    count is logged, as training's plan counts them); or the one image file `path`, named by its file name."""
+    extensions = ", ".join(e[1:] for e in IMAGE_EXTENSIONS)
+    if os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS):
+        return [path], [os.path.basename(path)]
     if not os.path.isdir(path):
-        raise DataError(f"predict.input: {path} is not a folder of images")
+        raise DataError(f"predict.input: {path} is neither a folder of images nor an image file ({extensions})")
     files, others = walk_images(path)
     if others:
         rank_log().info(f"predict.input: {others} hidden or non-image files under {path} ignored (images: "
-                        f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)})")
-    return files
+                        f"{extensions})")
+    return files, [os.path.relpath(f, path) for f in files]
 
 
 # ---- preprocessing: torch and Pillow only -------------------------------------------------------------------------
@@ -574,10 +578,10 @@ class ImageFolderTask(Task):
         return (batch["pixel_values"],)
 
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
-        """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out)."""
-        files = image_files(path)
+        """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out), or one image."""
+        files, names = image_files(path)
         self.files["predict"] = [(f, 0) for f in files]
-        return [os.path.relpath(f, path) for f in files], ImageFiles(self.files["predict"], "predict", self.cfg)
+        return names, ImageFiles(self.files["predict"], "predict", self.cfg)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.refuse_bad_image(batch)

@@ -707,6 +707,10 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
     assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
     assert right >= 14, rows  # a CNN trained 60 steps reads most of them
+    # one image file as predict.input (as transformers' pipeline takes one): refused before as "not a folder"
+    one = tmp_path / "new" / rows[3][0]
+    assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(one)})) == 0
+    assert read_csv(tmp_path / "predictions.csv")[1:] == [rows[3]]
     # names that are not UTF-8 (a zip of Latin-1 names, unpacked as bytes): predictions.csv's write failed, the rows
     # lost, and the log's line naming the folder was a 'Logging error' traceback; both show the bytes as \xe9
     latin = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
