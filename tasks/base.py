@@ -191,6 +191,10 @@ class Task:
     def hf_tokenizer(self):
         return getattr(self, "tokenizer", None)
 
+    def hf_image_processor(self):
+        """hf_pipeline "image-classification": the evaluation preprocessing as a transformers image processor."""
+        raise NotImplementedError(f"{type(self).__name__} has no image processor for its export")
+
     hf_pipeline: Optional[str] = None
 
     # -----> what a `state_dict` / `torch_export` export needs: how to rebuild the model (written to config.json,

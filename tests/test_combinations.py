@@ -45,6 +45,9 @@ def test_every_task_declares_what_it_overrides():
         for flag, method in said.items():
             overrides = getattr(cls, method, None) is not getattr(Task, method, None)
             assert getattr(cls, flag) is overrides, (name, flag, method)
+        # an image classifier's export saves its preprocessing (extras/export.py): the interface names the method
+        processes_images = cls.hf_image_processor is not Task.hf_image_processor
+        assert processes_images == (cls.hf_pipeline == "image-classification"), name
 
 
 @pytest.mark.slow
