@@ -454,6 +454,9 @@ class DistConfig:
                                     "where it would do nothing; remove it")
         if self.tp < 1:
             fail("dist.tp", f"must be >= 1 (1: no tensor parallelism), got {self.tp}")
+        if self.tp > 1 and (self.strategy not in ("ddp", "fsdp", "pipe") or self.fsdp_impl != "torch"):
+            fail("dist.tp", f"is {self.tp}, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not "
+                            f"{self.strategy if self.strategy != 'fsdp' else 'fairscale FSDP'}")
         for key in ("sequence_parallel", "loss_parallel"):
             if getattr(self, key) and self.tp == 1:
                 fail(f"dist.{key}", "splits over a tensor-parallel group: it needs dist.tp > 1")
@@ -774,6 +777,8 @@ def check_across_sections(cfg: Config, fail) -> None:
         fail("dist.strategy", f"is none but {started}; use ddp (or {one})")
     if d.strategy == "dp" and world > 1:
         fail("dist.strategy", f"is dp, which runs in one process, but {started} (set {one}, or use ddp)")
+    if world % (d.tp * d.dp_replicate) and d.dp_replicate == 1:  # (dp_replicate is fsdp's; at 1, tp is the key set)
+        fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
     if world % (d.tp * d.dp_replicate):
         fail("dist.dp_replicate", f"x dist.tp ({d.dp_replicate} x {d.tp}) must divide the world size ({world})")
     if t.precision == "fp16" and d.strategy == "dp" and not d.on_gpu():

@@ -39,11 +39,9 @@ from strategies.fsdp import FSDPStrategy, local, shard
 
 
 def check_config(cfg, world: int, fail) -> int:
-    """dist.tp fits the strategy and the world size; returns the number of tp groups (data-parallel replicas)."""
+    """dist.tp fits the world size and the batch sizes; returns the number of tp groups (data-parallel replicas).
+    (The strategies it composes with: core/config.DistConfig.check.)"""
     d, t = cfg.dist, cfg.train
-    if d.strategy not in ("ddp", "fsdp", "pipe") or d.fsdp_impl != "torch":
-        fail("dist.tp", f"is {d.tp}, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not "
-                        f"{d.strategy if d.strategy != 'fsdp' else 'fairscale FSDP'}")
     if world % d.tp:
         fail("dist.tp", f"is {d.tp}; it must divide the world size ({world} processes)")
     if t.batch_size == "auto" and d.strategy == "fsdp":  # ddp and pipe: balance.py times each tp group

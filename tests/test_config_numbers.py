@@ -136,6 +136,9 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     (["data.group_by_length=true"], "`data.group_by_length` is set, but task image has no sample lengths"),  # ignored
     # said by the schema, before the ranks start (the trainer said it from inside the first rank, seconds later)
     (["train.warmup=500", "train.max_steps=3"], "`train.warmup` is 500 steps, longer than the run (train.max_steps=3)"),
+    # both blamed dist.dp_replicate, at its default: "x dist.tp (1 x 2) must divide the world size (1)"
+    (["dist.tp=2"], "`dist.tp` is 2, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not none"),
+    (["dist.tp=2", "dist.strategy=ddp", "dist.procs_per_node=3"], "`dist.tp` is 2; it must divide the world size (3"),
 ])
 def test_main_says_a_bad_number_in_one_line_and_exits_2(tmp_path, capsys, sets, words):
     args = ["--params", PARAMS, "--set", f"output_dir={tmp_path / 'run'}"]
