@@ -139,6 +139,9 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     # both blamed dist.dp_replicate, at its default: "x dist.tp (1 x 2) must divide the world size (1)"
     (["dist.tp=2"], "`dist.tp` is 2, which composes with dist.strategy ddp, fsdp (FSDP2) or pipe only, not none"),
     (["dist.tp=2", "dist.strategy=ddp", "dist.procs_per_node=3"], "`dist.tp` is 2; it must divide the world size (3"),
+    # ignored without a word (the rendezvous file is where the ranks meet)
+    (["dist.init_method=file:///tmp/meet", "dist.master_addr=node0"], "`dist.master_addr` is not read with "
+     "dist.init_method file:///tmp/meet (the ranks meet in that file); remove it"),
 ])
 def test_main_says_a_bad_number_in_one_line_and_exits_2(tmp_path, capsys, sets, words):
     args = ["--params", PARAMS, "--set", f"output_dir={tmp_path / 'run'}"]
