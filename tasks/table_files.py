@@ -101,10 +101,21 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
 def check_classes(data, labels: list[str]) -> str:
     """The training classes with their counts for the plan (`2 classes: neg 40, pos 38`, most common first, cut to
     about 80 characters), once check_rare_classes has let them pass."""
+    check_spaced_classes(data.data_dir, labels)
     check_rare_classes(data.data_dir, labels, data.min_class_count)
     counts = Counter(labels).most_common()
     shown = ", ".join(f"{name[:20]} {n}" for name, n in counts)
     return f"{len(counts)} classes: " + (shown if len(shown) <= 80 else shown[:77].rsplit(",", 1)[0] + ", ...")
+
+
+def check_spaced_classes(data_dir: str, labels: list[str]) -> None:
+    """`pos` and ` pos` (a space after the comma in some rows) would silently be two classes: refused in one line."""
+    written = {}
+    for name in dict.fromkeys(labels):
+        other = written.setdefault(name.strip(), name)
+        if other != name:
+            raise DataError(f"{find_split(data_dir, 'train')}: classes {other[:40]!r} and {name[:40]!r} differ only "
+                            "in the spaces around them (a space after a comma?); write each label one way")
 
 
 def check_rare_classes(data_dir: str, labels: list[str], min_count: int) -> None:

@@ -44,6 +44,10 @@ def test_check_classes_rules():
     assert check_classes(Data, ["a", "b", "c"]) == "3 classes: a 1, b 1, c 1"  # a tiny file: every class is rare
     with pytest.raises(DataError, match=r"one class \('a'\) in every row; a classifier needs two or more"):
         check_classes(Data, ["a"] * 30)  # (its loss would be 0 from the first step)
+    # `pos` and ` pos` (a space after the comma in some rows) were two classes without a word
+    with pytest.raises(DataError, match=r"classes 'pos' and ' pos' differ only in the spaces around them"):
+        check_classes(Data, ["pos", "neg"] * 15 + [" pos"] * 15)
+    assert check_classes(Data, [" pos", " neg"] * 15) == "2 classes:  pos 15,  neg 15"  # one way throughout: as written
     many = check_classes(Data, [f"class-{i}" for i in range(40) for _ in range(10)])
     assert many.startswith("40 classes: class-0 10, ") and many.endswith(", ...") and len(many) < 100
 
