@@ -546,8 +546,9 @@ class PredictConfig:
 @dataclass
 class LogConfig:
     report_to: list = field(default_factory=lambda: ["tensorboard"])
-    """Where rank 0 sends the config, the training line's values, evaluations and the summary (trackers.py): any of
-    `tensorboard`, `csv` (output_dir/metrics.csv), `wandb`, `mlflow`; [] for none."""
+    """Where rank 0 sends the config, the training line's values, training's evaluations and the summary
+    (trackers.py; test mode writes output_dir/<split>_results.json instead): any of `tensorboard`, `csv`
+    (output_dir/metrics.csv), `wandb`, `mlflow`; [] for none."""
     tensorboard: Optional[bool] = None
     """The older switch for TensorBoard: true adds it to report_to, false removes it; null: report_to decides."""
     mlflow_tracking_uri: Optional[str] = None
