@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
 
 
@@ -23,3 +24,43 @@ def test_make_sample_text_data_help_and_extra_arguments_write_nothing(tmp_path, 
     assert os.listdir(tmp_path) == []
     assert sample.main(["out"]) == 0
     assert sorted(os.listdir(tmp_path / "out")) == ["bert_text.txt", "gpt2", "sst2"]
+
+
+def test_make_bert_shards_says_a_wrong_input_or_option_in_one_line(tmp_path, capsys):
+    """Each was a traceback: a missing or non-UTF-8 file, a folder that is no tokenizer,
+    --shards 0 or below, a --seq-length too short for [CLS] A [SEP] B [SEP]."""
+    text = sample.write_bert_text(str(tmp_path / "text.txt"), __import__("random").Random(0), documents=12)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    folder = os.path.join(ROOT, "tasks")  # not a tokenizer folder at all
+    cases = [(["--input", str(tmp_path / "nope.txt")], "nope.txt: no such file"),
+             (["--input", str(tmp_path / "latin1.txt")], "latin1.txt, line 1: not UTF-8 text (byte 3 of the line)"),
+             (["--input", text, "--tokenizer", folder], f"--tokenizer {folder}: not a tokenizer folder"),
+             (["--input", text, "--shards", "0"], "--shards must be >= 1, got 0"),
+             (["--input", text, "--dev-shards", "-1"], "--dev-shards must be >= 0, got -1"),
+             (["--input", text, "--seq-length", "4"], "--seq-length must be >= 5"),
+             (["--input", text, "--dev-fraction", "1"], "--dev-fraction must be in [0, 1)")]
+    for args, message in cases:
+        try:
+            code = make_bert_shards.main([*args, "--output-dir", str(tmp_path / "out")])
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_bert_shards_refuses_to_leave_stale_shards_beside_new_ones(tmp_path, capsys):
+    """Rerun with fewer shards into the same folder, the earlier run's extra shards stayed and were read as
+    training data with the new ones (each sequence twice) without a word."""
+    text = sample.write_bert_text(str(tmp_path / "text.txt"), __import__("random").Random(0), documents=30)
+    out = tmp_path / "bert"
+    args = ["--input", text, "--output-dir", str(out), "--seq-length", "32", "--max-predictions", "5"]
+    assert make_bert_shards.main([*args, "--shards", "3"]) == 0
+    assert make_bert_shards.main([*args, "--shards", "3", "--seed", "1"]) == 0  # the same files: replaced
+    capsys.readouterr()
+    assert make_bert_shards.main([*args, "--shards", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "shard_00002.hdf5" in err and "another --output-dir" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(out / "training")) == [f"shard_0000{i}.hdf5" for i in range(3)]
+    assert make_bert_shards.main([*args, "--shards", "3", "--dev-shards", "0"]) == 2  # test/ would stay as dev
+    assert "test/shard_00000.hdf5" in capsys.readouterr().err
