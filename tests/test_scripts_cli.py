@@ -1,10 +1,13 @@
 """The helper scripts as a user runs them: --help and a wrong command line write nothing and say one line."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
 import pytest
+import yaml
 
 from conftest import ROOT
 
@@ -64,3 +67,47 @@ def test_make_bert_shards_refuses_to_leave_stale_shards_beside_new_ones(tmp_path
     assert sorted(os.listdir(out / "training")) == [f"shard_0000{i}.hdf5" for i in range(3)]
     assert make_bert_shards.main([*args, "--shards", "3", "--dev-shards", "0"]) == 2  # test/ would stay as dev
     assert "test/shard_00000.hdf5" in capsys.readouterr().err
+
+
+def notebook_cells(run, figures) -> list[str]:
+    """notebooks/inspect_run.ipynb's code cells, its parameters cell set to `run` (run in this process: no kernel)."""
+    import nbformat
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "inspect_run.ipynb"), as_version=4)
+    cells = [cell.source for cell in nb.cells if cell.cell_type == "code"]
+    return [f"run = {str(run)!r}\nfigures = {str(figures)!r}", *cells[1:]]
+
+
+def run_notebook(run, figures) -> str:
+    """What the notebook's cells print, every cell run in order as "Run all" does, in a fresh namespace."""
+    namespace, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for source in notebook_cells(run, figures):
+            exec(compile(source, "inspect_run.ipynb", "exec"), namespace)
+    return printed.getvalue()
+
+
+def test_inspect_run_notebook_on_a_crashed_ema_run_and_on_a_folder_that_is_no_run(tmp_path, monkeypatch):
+    """A run killed before its first training log line (dev scalars written, train/ ones not yet) stopped the
+    notebook at the plots (matplotlib: 'Number of columns must be a positive integer, not 0'), before metrics.csv;
+    a run evaluated with train.eval_ema writes dev_ema/ scalars, which were never plotted; and a folder that holds
+    no run was a FileNotFoundError on config.yml instead of a line saying so."""
+    from torch.utils.tensorboard import SummaryWriter
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(ROOT)  # as Jupyter starts the notebook: inside the repository
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the notebook puts the repository and docs/tutorial first
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yml").write_text(yaml.safe_dump({
+        "task": "gpt2_lm", "dist": {"strategy": "none"},
+        "train": {"precision": "fp32", "batch_size": 16, "max_steps": 400, "epochs": 0, "lr": 0.002}}))
+    with SummaryWriter(str(run / "tensorboard")) as writer:
+        for step, loss in ((3, 5.5), (6, 5.25)):
+            writer.add_scalar("dev_ema/loss", loss, step)
+    (run / "metrics.csv").write_text("step,tag,value\n3,dev_ema/loss,5.5\n6,dev_ema/loss,5.25\n")
+    printed = run_notebook(run, tmp_path / "figures")
+    assert "dev_ema/loss: last 5.25 at step 6 (2 points)" in printed
+    assert "training curves: none yet" in printed
+    assert "csv dev_ema/loss: last 5.25 at step 6 (2 rows)" in printed  # the last cell ran
+    assert os.listdir(tmp_path / "figures") == ["dev.png"]
+    with pytest.raises(RuntimeError, match=f"{tmp_path}: no config.yml; not a run's output_dir"):
+        run_notebook(tmp_path, tmp_path / "figures")
