@@ -574,6 +574,11 @@ def main(argv=None) -> int:
 def run(args) -> int:
     started = time.perf_counter()
     plan = make_plan(args)
+    output = os.path.join(os.path.abspath(args.output), "")
+    for entry in plan["inputs"]:  # --overwrite would delete it, and a shard could be read as an input
+        if entry["path"].startswith(output):
+            raise DataError(f"--{entry['split']} {entry['path']}: inside --output {args.output}; write the shards "
+                            "to a folder of their own")
     progress = os.path.join(args.output, "progress")
     plan_path = os.path.join(args.output, ts.PLAN)
     if os.path.isfile(plan_path):
@@ -584,10 +589,8 @@ def run(args) -> int:
                 raise DataError(f"{args.output}: holds a preparation of other inputs or options; use another "
                                 "--output, or --overwrite to discard it")
             shutil.rmtree(args.output)
-    elif os.path.isdir(args.output) and os.listdir(args.output):
-        if not args.overwrite:
-            raise DataError(f"{args.output}: not empty and not a preparation folder; use another --output")
-        shutil.rmtree(args.output)
+    elif os.path.isdir(args.output) and os.listdir(args.output):  # --overwrite too: it discards a preparation only
+        raise DataError(f"{args.output}: not empty and not a preparation folder; use another --output")
     os.makedirs(progress, exist_ok=True)
     if not os.path.isfile(plan_path):
         write_json(plan_path, plan)

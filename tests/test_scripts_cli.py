@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
 
@@ -14,6 +15,7 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_bert_shards  # noqa: E402
 import make_sample_text_data as sample  # noqa: E402
+import prepare_text  # noqa: E402
 
 
 def test_make_sample_text_data_help_and_extra_arguments_write_nothing(tmp_path, capsys, monkeypatch):
@@ -111,3 +113,27 @@ def test_inspect_run_notebook_on_a_crashed_ema_run_and_on_a_folder_that_is_no_ru
     assert os.listdir(tmp_path / "figures") == ["dev.png"]
     with pytest.raises(RuntimeError, match=f"{tmp_path}: no config.yml; not a run's output_dir"):
         run_notebook(tmp_path, tmp_path / "figures")
+
+
+def test_prepare_text_overwrite_discards_a_preparation_only(tmp_path, capsys):
+    """--overwrite ("discard an earlier preparation in --output") deleted any non-empty --output folder: with
+    --output data/ it deleted the user's files there, the corpus being prepared among them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "corpus.txt").write_text("the cat sees a dog\nthe king helps a bird\n")
+    (data / "notes.md").write_text("mine\n")
+    prepare = ["--task", "lm", "--workers", "1", "--no-progress", "--tokenizer-sample-mb", "1"]
+    assert prepare_text.main([*prepare, "--train", str(data / "corpus.txt"), "--output", str(data), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--train {data / 'corpus.txt'}: inside --output {data}" in err, err
+    assert sorted(os.listdir(data)) == ["corpus.txt", "notes.md"]
+    (tmp_path / "corpus.txt").write_text("the cat sees a dog\nthe king helps a bird\n")
+    assert prepare_text.main([*prepare, "--train", str(tmp_path / "corpus.txt"), "--output", str(data),
+                              "--overwrite"]) == 2
+    assert f"{data}: not empty and not a preparation folder" in capsys.readouterr().err
+    assert sorted(os.listdir(data)) == ["corpus.txt", "notes.md"]
+    out = tmp_path / "shards"  # a preparation of other options is still discarded
+    assert prepare_text.main([*prepare, "--train", str(tmp_path / "corpus.txt"), "--output", str(out)]) == 0
+    assert prepare_text.main([*prepare, "--train", str(tmp_path / "corpus.txt"), "--output", str(out),
+                              "--text-unit", "file", "--overwrite"]) == 0
+    assert json.load(open(out / "manifest.json"))["splits"]["train"]["documents"] == 1
