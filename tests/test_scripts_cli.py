@@ -137,3 +137,29 @@ def test_prepare_text_overwrite_discards_a_preparation_only(tmp_path, capsys):
     assert prepare_text.main([*prepare, "--train", str(tmp_path / "corpus.txt"), "--output", str(out),
                               "--text-unit", "file", "--overwrite"]) == 0
     assert json.load(open(out / "manifest.json"))["splits"]["train"]["documents"] == 1
+
+
+def test_generate_continues_the_prompt_of_a_tokenizer_that_wraps_texts(tmp_path, capsys, monkeypatch):
+    """A tokenizer that wraps every text as <s> ... </s> (BART's specials, or a folder given as data.tokenizer) gave
+    the model "<s> the cat </s>": it saw the prompt's document end and began another instead of continuing it, and
+    "<s>" was printed before the text. The model sees "<s> the cat" (as its training texts began), prints "the cat"."""
+    import random
+    import generate
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tasks.text_common import train_tokenizer
+    texts = [sample.sentence(random.Random(i)) for i in range(200)]
+    folder, run = str(tmp_path / "export"), generate.sample
+    for kind, prefix in (("bpe", [0]), ("gpt2", [])):  # BART's <s>=0 ... </s>=2; GPT-2's adds nothing
+        tokenizer = train_tokenizer(texts, kind)
+        tokenizer.save_pretrained(folder)
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=8, n_layer=1, n_head=1,
+                                   eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+        seen = []
+        monkeypatch.setattr(generate, "sample", lambda model, ids, *rest: seen.append(
+            ids[0].tolist()) or run(model, ids, *rest))
+        for prompt in ("the cat", ""):
+            assert generate.main(["--export", folder, "--prompt", prompt, "--max-new-tokens", "2"]) == 0
+            printed = capsys.readouterr().out
+            assert printed.lstrip().startswith(prompt) and "<s>" not in printed, (kind, printed)
+        text = tokenizer("the cat", add_special_tokens=False)["input_ids"]
+        assert seen == [prefix + text, prefix or [tokenizer.eos_token_id]], kind
