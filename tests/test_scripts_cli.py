@@ -163,3 +163,23 @@ def test_generate_continues_the_prompt_of_a_tokenizer_that_wraps_texts(tmp_path,
             assert printed.lstrip().startswith(prompt) and "<s>" not in printed, (kind, printed)
         text = tokenizer("the cat", add_special_tokens=False)["input_ids"]
         assert seen == [prefix + text, prefix or [tokenizer.eos_token_id]], kind
+
+
+def test_a_shard_shorter_than_its_manifest_says_is_one_line(tmp_path, capsys):
+    """A token shard cut short after preparation (a copy that stopped, a full disk) was read unverified: blocks
+    that reached into it came out short (training died in the collate, 'stack expects each tensor to be equal
+    size'), and a classification example's tokens silently fewer."""
+    import numpy as np
+    from core.errors import DataError
+    from tasks import token_shards as ts
+    data = sample.write_gpt2(str(tmp_path / "gpt2"), __import__("random").Random(0))
+    out = tmp_path / "shards"
+    assert prepare_text.main(["--task", "lm", "--train", os.path.join(data, "train.json"), "--dev-fraction", "0.1", "--output", str(out),
+                              "--workers", "1", "--no-progress", "--chunk-mb", "0.01"]) == 0
+    manifest = ts.read_manifest(str(out), "lm")
+    shard = out / "train-00001.tokens.npy"
+    np.save(shard, np.load(shard)[:-10])
+    blocks = ts.TokenBlocks(str(out), manifest, "train", 32)
+    with pytest.raises(DataError, match=f"{shard}: holds \\d+ values, its manifest says \\d+; prepare"):
+        for k in range(len(blocks)):
+            blocks[k]
