@@ -220,6 +220,8 @@ def main(argv=None) -> int:
 
 
 def make(args) -> int:
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise DataError(f"--output-dir {args.output_dir}: a file, not a folder; name a folder for the shards")
     tokenizer = load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
     documents = read_documents(args.input, tokenizer)

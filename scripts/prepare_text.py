@@ -573,6 +573,8 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     started = time.perf_counter()
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise DataError(f"--output {args.output}: a file, not a folder; name a folder for the shards")
     plan = make_plan(args)
     output = os.path.join(os.path.abspath(args.output), "")
     for entry in plan["inputs"]:  # --overwrite would delete it, and a shard could be read as an input

@@ -183,3 +183,16 @@ def test_a_shard_shorter_than_its_manifest_says_is_one_line(tmp_path, capsys):
     with pytest.raises(DataError, match=f"{shard}: holds \\d+ values, its manifest says \\d+; prepare"):
         for k in range(len(blocks)):
             blocks[k]
+
+
+def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, capsys):
+    """prepare_text.py --output and make_bert_shards.py --output-dir naming a file were tracebacks
+    (NotADirectoryError, FileExistsError)."""
+    (tmp_path / "corpus.txt").write_text("the cat sees a dog\n\nthe king helps a bird\na dog finds the king\n")
+    (tmp_path / "file").write_text("mine\n")
+    assert prepare_text.main(["--task", "lm", "--train", str(tmp_path / "corpus.txt"), "--output",
+                              str(tmp_path / "file"), "--workers", "1"]) == 2
+    assert f"--output {tmp_path / 'file'}: a file, not a folder" in capsys.readouterr().err
+    assert make_bert_shards.main(["--input", str(tmp_path / "corpus.txt"), "--output-dir", str(tmp_path / "file")]) == 2
+    assert f"--output-dir {tmp_path / 'file'}: a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine\n"
