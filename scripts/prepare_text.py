@@ -478,7 +478,8 @@ def prepare_tokenizer(args, plan: dict) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:
-            raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it ({e})") from None
+            raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it "
+                            f"({str(e).strip().splitlines()[0]})") from None  # (transformers: five lines)
     else:
         from tasks.text_common import train_tokenizer
         budget = args.tokenizer_sample_mb * (1 << 20)

@@ -196,3 +196,14 @@ def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, capsys):
     assert make_bert_shards.main(["--input", str(tmp_path / "corpus.txt"), "--output-dir", str(tmp_path / "file")]) == 2
     assert f"--output-dir {tmp_path / 'file'}: a file, not a folder" in capsys.readouterr().err
     assert (tmp_path / "file").read_text() == "mine\n"
+
+
+def test_prepare_text_says_a_folder_that_is_no_tokenizer_in_one_line(tmp_path, capsys):
+    """transformers' message for a folder it cannot load a tokenizer from runs over five lines: all were printed."""
+    (tmp_path / "corpus.txt").write_text("the cat sees a dog\n")
+    folder = os.path.join(ROOT, "tasks")
+    assert prepare_text.main(["--task", "lm", "--train", str(tmp_path / "corpus.txt"), "--output",
+                              str(tmp_path / "out"), "--workers", "1", "--tokenizer", folder]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {folder}: no tokenizer could be loaded from it (")
+    assert len(err.strip().splitlines()) == 1, err
