@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -207,3 +208,22 @@ def test_prepare_text_says_a_folder_that_is_no_tokenizer_in_one_line(tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith(f"error: --tokenizer {folder}: no tokenizer could be loaded from it (")
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_slurm_job_resumes_on_requeue_even_when_told_to_start_over(tmp_path):
+    """`sbatch scripts/slurm_job.sh ... --set train.start_over=true` (a new run in a used output_dir) started over
+    again at every requeue: each stop's checkpoint was moved aside and the run began anew, never to finish. A
+    requeued start (SLURM_RESTART_COUNT > 0) resumes; the first start is as given. (srun and scontrol stubbed.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for stub in ("srun", "scontrol"):
+        os.chmod(bin_dir / stub, 0o755)
+    for restarts, ends_with in (("0", "train.start_over=true"), ("2", "train.start_over=false")):
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_FILE": str(tmp_path / "args"),
+               "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "node1", "SLURM_RESTART_COUNT": restarts}
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_job.sh"), "--params", "p.yml", "--set",
+                        "train.start_over=true"], env=env, check=True, capture_output=True, timeout=30)
+        args = (tmp_path / "args").read_text().split()
+        assert args[:2] == ["python", "main.py"] and args[-1] == ends_with, (restarts, args)
