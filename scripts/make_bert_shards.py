@@ -5,7 +5,9 @@
 
 Input: one sentence per line, a blank line between documents (the format of BERT's create_pretraining_data.py).
 Output: <output-dir>/training/shard_XXXXX.hdf5 and <output-dir>/test/shard_XXXXX.hdf5 (documents held out for
-dev), which are the folders `task: bert_pretrain` reads by default (data.data_dir = <output-dir>).
+dev), which are the folders `task: bert_pretrain` reads by default (data.data_dir = <output-dir>). A rerun replaces
+its own shards; one that would leave an earlier run's extra shards beside them (bert_pretrain reads every *.hdf5
+there) is refused, naming them.
 
 Each sequence is `[CLS] A [SEP] B [SEP]`: B is the text that follows A in the document (label 0) or, half of
 the time, text from another document (label 1). 15% of the tokens (at most --max-predictions) are prediction
