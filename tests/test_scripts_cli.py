@@ -167,9 +167,10 @@ def test_generate_continues_the_prompt_of_a_tokenizer_that_wraps_texts(tmp_path,
 
 
 def test_a_shard_shorter_than_its_manifest_says_is_one_line(tmp_path, capsys):
-    """A token shard cut short after preparation (a copy that stopped, a full disk) was read unverified: blocks
-    that reached into it came out short (training died in the collate, 'stack expects each tensor to be equal
-    size'), and a classification example's tokens silently fewer."""
+    """A shard file holding a whole array of another length than its manifest says (another preparation's shard
+    of the same name copied in: other --chunk-mb, other inputs) was read unverified: blocks that reached into it came
+    out short (training died in the collate, 'stack expects each tensor to be equal size'), and a classification
+    example's tokens silently fewer. (Bytes cut off a file were already refused: np.load cannot map it.)"""
     import numpy as np
     from core.errors import DataError
     from tasks import token_shards as ts
