@@ -102,17 +102,22 @@ def load_checkpoint(args):
     return lora.merged(model), tokenizer
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """The prompt's ids (empty: the start of a text). A character the tokenizer cannot encode (a char tokenizer
-    knows only its training text's) would silently become <|endoftext|>: refused, naming it."""
+def encode_prompt(tokenizer, prompt: str) -> tuple[list[int], int]:
+    """The prompt's ids (empty: the start of a text), and where its own text starts among them. A character the
+    tokenizer cannot encode (a char tokenizer knows only its training text's) would silently become <|endoftext|>:
+    refused, naming it. Special tokens the tokenizer puts after a text (BART's </s>) are left off: the model would
+    read the prompt as a finished document; those before it (<s>) stay, as training texts began with them."""
+    wrapped, plain = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    before = next((i for i in range(len(wrapped) - len(plain) + 1) if wrapped[i:i + len(plain)] == plain), 0)
     ids = tokenizer(prompt)["input_ids"]
+    ids = ids[:len(ids) - (len(wrapped) - before - len(plain))]
     unk = tokenizer.unk_token_id
     if unk is not None and unk in ids and tokenizer.unk_token not in prompt:
         unknown = sorted({c for c in prompt if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]})
         if unknown:
             raise UserError(f"--prompt holds characters the tokenizer does not know: {', '.join(map(repr, unknown))} "
                             "(each would be read as its unknown token); leave them out")
-    return ids or [tokenizer.eos_token_id]
+    return (ids or [tokenizer.eos_token_id]), (before if prompt else len(ids or [None]))
 
 
 def main(argv=None) -> int:
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
         if wrong:  # (torch would fail deep inside sampling, with a traceback)
             raise UserError(f"{', '.join(wrong)}: must be a finite number >= 0")
         model, tokenizer = load_export(args.export) if args.export else load_checkpoint(args)
-        prompt = encode_prompt(tokenizer, args.prompt)
+        prompt, text_start = encode_prompt(tokenizer, args.prompt)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -137,8 +142,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         out = sample(model, torch.tensor([prompt]), args.max_new_tokens, args.temperature, args.top_k,
                      getattr(model.config, "n_positions", None) or model.config.max_position_embeddings)
-    # No prompt: the ids it started from (<|endoftext|>, a start-of-text token) are no part of the text sampled.
-    print(tokenizer.decode(out[0, 0 if args.prompt else len(prompt):].tolist()))
+    # The ids before the prompt's text (<|endoftext|> for no prompt, a start-of-text token) are no part of it.
+    print(tokenizer.decode(out[0, text_start:].tolist()))
     return 0
 
 

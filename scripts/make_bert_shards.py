@@ -5,7 +5,9 @@
 
 Input: one sentence per line, a blank line between documents (the format of BERT's create_pretraining_data.py).
 Output: <output-dir>/training/shard_XXXXX.hdf5 and <output-dir>/test/shard_XXXXX.hdf5 (documents held out for
-dev), which are the folders `task: bert_pretrain` reads by default (data.data_dir = <output-dir>).
+dev), which are the folders `task: bert_pretrain` reads by default (data.data_dir = <output-dir>). A rerun replaces
+its own shards; one that would leave an earlier run's extra shards beside them (bert_pretrain reads every *.hdf5
+there) is refused, naming them.
 
 Each sequence is `[CLS] A [SEP] B [SEP]`: B is the text that follows A in the document (label 0) or, half of
 the time, text from another document (label 1). 15% of the tokens (at most --max-predictions) are prediction
@@ -14,6 +16,7 @@ targets; of those, 80% become [MASK], 10% a random token, 10% stay as they are.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import random
 import sys
@@ -21,6 +24,9 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from core.errors import DataError  # noqa: E402
 
 
 def default_vocab() -> str:
@@ -49,16 +55,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dupe-factor", type=int, default=1, help="passes over the corpus (different masks each)")
     p.add_argument("--short-seq-prob", type=float, default=0.1, help="share of deliberately shorter sequences")
     p.add_argument("--seed", type=int, default=12345)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # (each was a traceback deep inside: numpy's split, random's randrange, an empty array)
+    for name, least in (("seq_length", 5), ("max_predictions", 1), ("shards", 1), ("dev_shards", 0),
+                        ("dupe_factor", 1)):
+        if getattr(args, name) < least:  # 5: [CLS] A [SEP] B [SEP], each side at least one token
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if not 0 <= args.dev_fraction < 1:
+        p.error("--dev-fraction must be in [0, 1)")
+    for name in ("masked_lm_prob", "short_seq_prob"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    return args
 
 
 def read_documents(paths: list[str], tokenizer) -> list[list[list[int]]]:
     """Documents as lists of sentences as lists of token ids (no special tokens)."""
     documents, current = [], []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}, line {number}: not UTF-8 text (byte {e.start} of the line)") from None
                 if line:
                     current.append(line)
                 elif current:
@@ -165,14 +187,44 @@ def write_shards(arrays: dict, folder: str, shards: int) -> list[str]:
     return paths
 
 
+def stale_shards(output_dir: str, splits: dict) -> list[str]:
+    """Shards of an earlier run that this one would not overwrite: bert_pretrain reads every *.hdf5 of a split
+    folder, so they would join the new ones without a word (a test/ folder left by --dev-shards 0, too)."""
+    stale = []
+    for name, (_, shards) in splits.items():
+        ours = {os.path.join(output_dir, name, f"shard_{s:05d}.hdf5") for s in range(shards)}
+        stale += [f for f in sorted(glob.glob(os.path.join(output_dir, name, "*.hdf5"))) if f not in ours]
+    return stale
+
+
+def load_tokenizer(folder: str):
+    """A WordPiece-style tokenizer with [CLS], [SEP] and [MASK] (a sequence is built of them)."""
+    from transformers import AutoTokenizer
+    if not folder or not os.path.isdir(folder):
+        raise DataError(f"--tokenizer {folder!r} is not a tokenizer folder")
+    try:  # from a folder: the full vocab (see README); never code from it
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--tokenizer {folder}: not a tokenizer folder ({str(e).strip().splitlines()[0]})") from None
+    missing = [name for name in ("cls_token", "sep_token", "mask_token") if getattr(tokenizer, name + "_id") is None]
+    if missing:
+        raise DataError(f"--tokenizer {folder}: has no {', '.join(missing)}; give a BERT (WordPiece) tokenizer")
+    return tokenizer
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from transformers import AutoTokenizer
-    if not args.tokenizer or not os.path.isdir(args.tokenizer):
-        print(f"error: --tokenizer {args.tokenizer!r} is not a tokenizer folder", file=sys.stderr)
+    try:
+        return make(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    # From a folder: the full vocab (see README); never code from it.
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
+
+
+def make(args) -> int:
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise DataError(f"--output-dir {args.output_dir}: a file, not a folder; name a folder for the shards")
+    tokenizer = load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
     documents = read_documents(args.input, tokenizer)
     documents = [d for d in documents if d]
@@ -181,6 +233,11 @@ def main(argv=None) -> int:
     if args.dev_shards and n_dev == 0 and len(documents) > 1:
         n_dev = 1
     splits = {"test": (documents[:n_dev], args.dev_shards), "training": (documents[n_dev:], args.shards)}
+    stale = stale_shards(args.output_dir, splits)
+    if stale:
+        raise DataError(f"{args.output_dir}: holds {', '.join(os.path.relpath(f, args.output_dir) for f in stale)} "
+                        "from an earlier run, which bert_pretrain would read with the new shards; use another "
+                        "--output-dir or delete them")
     for name, (docs, shards) in splits.items():
         if not shards:
             continue

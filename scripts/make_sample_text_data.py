@@ -9,6 +9,7 @@ The text is made up and tiny; it only shows that losses fall and files are read 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -65,8 +66,10 @@ def write_bert_text(path: str, rng: random.Random, documents: int = 200) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = argv[0] if argv else "data/sample"
+    p = argparse.ArgumentParser(description="Write small synthetic data for the sst2, gpt2_lm and bert_pretrain "
+                                            "tasks: <folder>/{sst2,gpt2,bert_text.txt}.")
+    p.add_argument("folder", nargs="?", default="data/sample", help="where to write (default data/sample)")
+    out = p.parse_args(argv).folder  # (argv[0] once was the folder: --help wrote the data into ./--help)
     rng = random.Random(0)
     print(write_sst2(os.path.join(out, "sst2"), rng))
     print(write_gpt2(os.path.join(out, "gpt2"), rng))

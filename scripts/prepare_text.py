@@ -478,7 +478,8 @@ def prepare_tokenizer(args, plan: dict) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:
-            raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it ({e})") from None
+            raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it "
+                            f"({str(e).strip().splitlines()[0]})") from None  # (transformers: five lines)
     else:
         from tasks.text_common import train_tokenizer
         budget = args.tokenizer_sample_mb * (1 << 20)
@@ -573,7 +574,14 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     started = time.perf_counter()
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise DataError(f"--output {args.output}: a file, not a folder; name a folder for the shards")
     plan = make_plan(args)
+    output = os.path.join(os.path.abspath(args.output), "")
+    for entry in plan["inputs"]:  # --overwrite would delete it, and a shard could be read as an input
+        if entry["path"].startswith(output):
+            raise DataError(f"--{entry['split']} {entry['path']}: inside --output {args.output}; write the shards "
+                            "to a folder of their own")
     progress = os.path.join(args.output, "progress")
     plan_path = os.path.join(args.output, ts.PLAN)
     if os.path.isfile(plan_path):
@@ -584,10 +592,8 @@ def run(args) -> int:
                 raise DataError(f"{args.output}: holds a preparation of other inputs or options; use another "
                                 "--output, or --overwrite to discard it")
             shutil.rmtree(args.output)
-    elif os.path.isdir(args.output) and os.listdir(args.output):
-        if not args.overwrite:
-            raise DataError(f"{args.output}: not empty and not a preparation folder; use another --output")
-        shutil.rmtree(args.output)
+    elif os.path.isdir(args.output) and os.listdir(args.output):  # --overwrite too: it discards a preparation only
+        raise DataError(f"{args.output}: not empty and not a preparation folder; use another --output")
     os.makedirs(progress, exist_ok=True)
     if not os.path.isfile(plan_path):
         write_json(plan_path, plan)

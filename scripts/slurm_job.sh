@@ -27,7 +27,10 @@ echo "$(date '+%F %T') job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1
 
 # Our --set go first: yours win. (No --kill-on-bad-exit: it would count the stopped ranks' exit code 3 as a failure
 # and kill the others while they finish; a crashed or frozen rank ends the others by itself, see docs/slurm.md.)
-srun python main.py --set dist.master_addr="$MASTER" --set dist.master_port="$PORT" "$@" &
+# A requeued start resumes: a train.start_over=true among yours would move each stop's checkpoint aside again.
+AGAIN=()
+[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && AGAIN=(--set train.start_over=false)
+srun python main.py --set dist.master_addr="$MASTER" --set dist.master_port="$PORT" "$@" "${AGAIN[@]}" &
 STEP=$!
 trap 'echo "$(date +%T) SIGUSR1: asking the ranks to save and stop"; kill -USR1 $STEP' USR1
 while kill -0 "$STEP" 2>/dev/null; do

@@ -138,6 +138,11 @@ class ShardSet:
                 self.open[key] = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as e:
                 raise DataError(f"{path}: cannot read ({e})") from None
+            held = len(self.open[key])
+            expected = {"tokens": self.tokens[s], "index": self.documents[s] + 1, "labels": self.documents[s]}[kind]
+            if held != expected:  # cut short (or grown) since its preparation: its samples would come out short
+                del self.open[key]
+                raise DataError(f"{path}: holds {held} values, its manifest says {expected}; prepare the shards again")
             if len(self.open) > OPEN_SHARDS * 3:
                 self.open.popitem(last=False)
         self.open.move_to_end(key)
