@@ -229,3 +229,36 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
     # line, the evaluation and the save, which wait for the device anyway).
     middle = {s: len(r) for s, r in reads.items() if s < 10}
     assert middle == {s: 2 if s in (4, 8) else 1 for s in range(10)}, {s: reads[s] for s in sorted(reads)}
+
+
+@pytest.mark.slow
+def test_fsdp2s_per_block_compile_compiles_checkpointed_gpt2_blocks(tmp_path):
+    """train.compile under fsdp compiles each block's forward, which model.activation_checkpointing made a
+    torch.utils.checkpoint call. The training forward built transformers' KV cache (a side effect inside the
+    checkpointed block), so TorchDynamo gave up on every block: train.compile ran them eagerly without a word.
+    Now the blocks compile (Inductor writes code) and give eager's loss and gradients."""
+    import random
+    from types import SimpleNamespace
+    from torch._inductor.utils import run_and_get_code
+    from strategies.fsdp import FSDPStrategy
+    from test_text_tasks import sample
+    from wiring import build_model, build_task
+    data = sample.write_gpt2(str(tmp_path / "gpt2"), random.Random(0))
+    cfg = make_config(tmp_path, task="gpt2_lm", data={"data_dir": data, "max_length": 16},
+                      model={"name": "tiny", "dropout": 0.0, "activation_checkpointing": True})
+    task = build_task(cfg)
+    task.build_datasets()  # (the tokenizer, which sizes the model)
+    ids = torch.randint(0, 100, (4, 16))
+    grads, losses = {}, {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, task)
+        if name == "compiled":
+            FSDPStrategy.compile(SimpleNamespace(model=model))  # as under fsdp: block by block
+        losses[name], code = run_and_get_code(lambda: task.loss_sum(model, {"input_ids": ids, "labels": ids}))
+        losses[name].backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    assert code, "no block was compiled"
+    assert losses["compiled"].item() == pytest.approx(losses["eager"].item(), rel=1e-4)
+    for n, g in grads["eager"].items():
+        assert torch.allclose(grads["compiled"][n], g, rtol=1e-4, atol=1e-6), n
