@@ -198,6 +198,7 @@ READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (trackers.check_config, ["log.report_to", "log.mlflow_tracking_uri"]),
     (fsdp.check_config, ["dist.fsdp_impl", "dist.dp_replicate"]),
     (zero.check_config, ["dist.shard_grads"]),
+    (lm_models.check_loss_parallel, ["dist.loss_parallel"]),
     (balance.check_config, ["dist.simulate_slowdown"]),
     (launcher.check_config, ["dist.nodes", "dist.node_rank", "dist.procs_per_node", "dist.master_addr",
                              "dist.master_port", "dist.init_method"]),
