@@ -190,6 +190,7 @@ READER_CHECKS: list[tuple[Callable, list[str]]] = [
     (check_model_shape, ["model.arch", "model.layers", "model.heads", "model.width", "model.bias",
                          "model.tie_embeddings", "model.sync_batchnorm", "model.channels_last"]),
     (image_folder.check_compile, ["train.compile"]),
+    (image_folder.check_activation_checkpointing, ["model.activation_checkpointing"]),
     (image_folder.check_data_config, ["data.image_size", "data.resize_size", "data.crop_scale", "data.image_mean",
                                       "data.image_std", "data.skip_bad_images"]),
     (lm_data.check_config, ["data.tokenizer", "data.windows", "data.dev_split"]),

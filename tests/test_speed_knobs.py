@@ -102,6 +102,27 @@ def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_pat
                         dist={"strategy": "pipe", "procs_per_node": 2})
 
 
+def test_activation_checkpointing_is_refused_for_image_folders_batchnorm(tmp_path):
+    """The ResNet's stages are blocks (nn.ModuleList), but their BatchNorm layers update the running statistics in
+    every forward: the recomputation in backward updated them a second time each step (momentum doubled,
+    num_batches_tracked counting twice), and evaluation used those without a word. Refused in one line."""
+    from strategies.activation_checkpointing import apply_ac
+    from tasks.image_folder import resnet
+    x, buffers = torch.randn(4, 3, 32, 32), {}
+    for ckpt in (False, True):  # what it would do: twice the updates
+        torch.manual_seed(0)
+        model = resnet("resnet18", 8, ["a", "b"]).train()
+        if ckpt:
+            apply_ac(model, "image_folder")
+        model(pixel_values=x).logits.sum().backward()
+        buffers[ckpt] = dict(model.named_buffers())
+    assert max_diff(buffers[False], buffers[True]) > 0.5
+    with pytest.raises(ConfigError) as e:
+        make_config(tmp_path, task="image_folder", model={"activation_checkpointing": True})
+    assert str(e.value).startswith("test: `model.activation_checkpointing` is refused for image_folder") and \
+        "BatchNorm" in str(e.value) and "\n" not in str(e.value)
+
+
 def _build_trainer(cfg):
     from core import process_group
     from wiring import build_task
