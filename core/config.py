@@ -146,7 +146,8 @@ class ModelConfig:
     config: BERT's hidden_dropout_prob, BART's dropout, GPT-2's resid_pdrop, ...; refused if it has none)."""
     activation_checkpointing: bool = False
     """Transformer tasks: recompute each block's activations in backward from its input (torch.utils.checkpoint):
-    less memory for about one more forward pass, same gradients. Not with dist.strategy: pipe."""
+    less memory for about one more forward pass, same gradients. Not with dist.strategy: pipe, nor for image_folder
+    (its BatchNorm would update the running statistics again in each recomputation)."""
     lora_rank: int = 0
     """LoRA (sst2, gpt2_lm with model.pretrained_dir; tasks/lora.py): the rank of the adapters trained beside the
     frozen pretrained weights; checkpoints hold only what trains. 0: off, every parameter trains."""

@@ -124,14 +124,16 @@ class GPT2LMTask(Task):
         return batch["labels"].numel()  # one unit = one target token
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return self.loss_from_output(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+        # No KV cache (transformers builds one by default): nothing reuses it, and writing it inside a checkpointed
+        # block is a side effect that makes TorchDynamo leave the block uncompiled (train.compile under fsdp).
+        return self.loss_from_output(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
 
     def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # -----> the LM loss: next-token cross-entropy summed over every target token.
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
     def eval_batch(self, model: nn.Module, batch: dict) -> dict:
-        return self.eval_from_output(model(input_ids=batch["input_ids"]).logits, batch)
+        return self.eval_from_output(model(input_ids=batch["input_ids"], use_cache=False).logits, batch)
 
     def eval_from_output(self, logits: torch.Tensor, batch: dict) -> dict:
         loss = self.loss_from_output(logits, batch["labels"])

@@ -75,6 +75,16 @@ def check_compile(cfg, fail) -> None:
                               "train fsdp in eager")
 
 
+def check_activation_checkpointing(cfg, fail) -> None:
+    """model.activation_checkpointing for image_folder (wiring.READER_CHECKS asks when it is set)."""
+    if cfg.task == "image_folder":
+        # the recomputation in backward runs each BatchNorm's forward again, which updates its running statistics
+        fail("model.activation_checkpointing", "is refused for image_folder: the ResNet's BatchNorm layers would "
+                                               "update their running statistics twice a step (again as backward "
+                                               "recomputes each stage), and evaluation would use those; set it to "
+                                               "false")
+
+
 def check_data_config(cfg, fail) -> None:
     """The preprocessing keys of data.* (wiring.READER_CHECKS asks when one is set)."""
     d = cfg.data

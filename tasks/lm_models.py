@@ -248,6 +248,16 @@ def sequence_plan(layer: str) -> dict:
             "lm_head": PrepareModuleInput(input_layouts=cut, desired_input_layouts=whole, use_local_output=True)}
 
 
+def check_loss_parallel(cfg, fail) -> None:
+    """dist.loss_parallel on gpt2_lm's own model, whose head is tied to the embedding unless model.tie_embeddings is
+    false: said before the ranks start (tp_plan refuses it too, and a pretrained_dir's tying, once built)."""
+    if cfg.task == "gpt2_lm" and cfg.dist.loss_parallel and not cfg.model.pretrained_dir \
+            and cfg.model.tie_embeddings is not False:
+        fail("dist.loss_parallel", "splits the head by vocabulary, but it shares its weight with the embedding "
+                                   "(model.tie_embeddings, tied by default), which would split it too; use "
+                                   "model.tie_embeddings: false, or dist.loss_parallel: false")
+
+
 def check_config(cfg, fail) -> None:
     """The model section's shape keys, set (config.validate asks): only the tasks that build a model by them take
     them; elsewhere they are refused, not ignored."""

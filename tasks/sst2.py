@@ -161,6 +161,7 @@ class SST2Task(Task):
                     m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, **dropout)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
+            model.config.use_cache = False  # (a BART's decoder: as below)
             return model
         tok = self.tokenizer
         # -----> the randomly initialised model: sizes from BART_PRESETS, or model.layers, heads and width.
@@ -168,7 +169,10 @@ class SST2Task(Task):
                             max_position_embeddings=1024,
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
-                            forced_eos_token_id=tok.eos_token_id, **lm_models.sized(self.cfg, BART_PRESETS, BART_SHAPE))
+                            forced_eos_token_id=tok.eos_token_id, **lm_models.sized(self.cfg, BART_PRESETS, BART_SHAPE),
+                            # a classifier reuses no keys and values; a decoder filling its cache in forward made
+                            # model.activation_checkpointing's recompute differ from it (CheckpointError)
+                            use_cache=False)
         model = BartForSequenceClassification(config)
         if m.bias is False:
             lm_models.freeze_biases(model)

@@ -115,3 +115,15 @@ def test_fp16_with_the_default_fused_adamw_under_the_sharded_scaler(tmp_path):
         losses[name] = logged(tmp_path / name, "loss")
     assert losses["fsdp"] == pytest.approx(losses["one"], rel=1e-2)
     assert losses["pipe"] == pytest.approx(losses["one"], rel=1e-2)
+
+
+def test_loss_parallel_with_tied_embeddings_is_refused_before_the_ranks_start(tmp_path):
+    # gpt2_lm's model ties its head to the embedding unless model.tie_embeddings is false: loss_parallel with the
+    # defaults was refused by every rank once started and the model built, in a line naming no file.
+    tp = {"strategy": "ddp", "procs_per_node": 2, "tp": 2, "loss_parallel": True}
+    for model in ({}, {"tie_embeddings": True}, {"arch": "llama"}):
+        with pytest.raises(ConfigError) as e:
+            make_config(tmp_path, task="gpt2_lm", model=model, dist=tp)
+        assert str(e.value).startswith("test: `dist.loss_parallel`") and "model.tie_embeddings: false" in \
+            str(e.value) and "\n" not in str(e.value), (model, str(e.value))
+    make_config(tmp_path, task="gpt2_lm", model={"tie_embeddings": False}, dist=tp)  # untied: accepted

@@ -102,6 +102,27 @@ def test_activation_checkpointing_needs_blocks_and_is_refused_under_pipe(tmp_pat
                         dist={"strategy": "pipe", "procs_per_node": 2})
 
 
+def test_activation_checkpointing_is_refused_for_image_folders_batchnorm(tmp_path):
+    """The ResNet's stages are blocks (nn.ModuleList), but their BatchNorm layers update the running statistics in
+    every forward: the recomputation in backward updated them a second time each step (momentum doubled,
+    num_batches_tracked counting twice), and evaluation used those without a word. Refused in one line."""
+    from strategies.activation_checkpointing import apply_ac
+    from tasks.image_folder import resnet
+    x, buffers = torch.randn(4, 3, 32, 32), {}
+    for ckpt in (False, True):  # what it would do: twice the updates
+        torch.manual_seed(0)
+        model = resnet("resnet18", 8, ["a", "b"]).train()
+        if ckpt:
+            apply_ac(model, "image_folder")
+        model(pixel_values=x).logits.sum().backward()
+        buffers[ckpt] = dict(model.named_buffers())
+    assert max_diff(buffers[False], buffers[True]) > 0.5
+    with pytest.raises(ConfigError) as e:
+        make_config(tmp_path, task="image_folder", model={"activation_checkpointing": True})
+    assert str(e.value).startswith("test: `model.activation_checkpointing` is refused for image_folder") and \
+        "BatchNorm" in str(e.value) and "\n" not in str(e.value)
+
+
 def _build_trainer(cfg):
     from core import process_group
     from wiring import build_task
@@ -229,3 +250,59 @@ def test_the_loop_reads_from_the_device_once_a_step_and_once_more_per_log_line(t
     # line, the evaluation and the save, which wait for the device anyway).
     middle = {s: len(r) for s, r in reads.items() if s < 10}
     assert middle == {s: 2 if s in (4, 8) else 1 for s in range(10)}, {s: reads[s] for s in sorted(reads)}
+
+
+@pytest.mark.slow
+def test_fsdp2s_per_block_compile_compiles_checkpointed_gpt2_blocks(tmp_path):
+    """train.compile under fsdp compiles each block's forward, which model.activation_checkpointing made a
+    torch.utils.checkpoint call. The training forward built transformers' KV cache (a side effect inside the
+    checkpointed block), so TorchDynamo gave up on every block: train.compile ran them eagerly without a word.
+    Now the blocks compile (Inductor writes code) and give eager's loss and gradients."""
+    import random
+    from types import SimpleNamespace
+    from torch._inductor.utils import run_and_get_code
+    from strategies.fsdp import FSDPStrategy
+    from test_text_tasks import sample
+    from wiring import build_model, build_task
+    data = sample.write_gpt2(str(tmp_path / "gpt2"), random.Random(0))
+    cfg = make_config(tmp_path, task="gpt2_lm", data={"data_dir": data, "max_length": 16},
+                      model={"name": "tiny", "dropout": 0.0, "activation_checkpointing": True})
+    task = build_task(cfg)
+    task.build_datasets()  # (the tokenizer, which sizes the model)
+    ids = torch.randint(0, 100, (4, 16))
+    grads, losses = {}, {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, task)
+        if name == "compiled":
+            FSDPStrategy.compile(SimpleNamespace(model=model))  # as under fsdp: block by block
+        losses[name], code = run_and_get_code(lambda: task.loss_sum(model, {"input_ids": ids, "labels": ids}))
+        losses[name].backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    assert code, "no block was compiled"
+    assert losses["compiled"].item() == pytest.approx(losses["eager"].item(), rel=1e-4)
+    for n, g in grads["eager"].items():
+        assert torch.allclose(grads["compiled"][n], g, rtol=1e-4, atol=1e-6), n
+
+
+def test_activation_checkpointing_recomputes_sst2s_bart_like_its_forward(tmp_path):
+    """sst2's own model is a BART classifier whose decoder filled transformers' KV cache in each forward: the
+    recomputation in backward found it filled and saved fewer tensors, so model.activation_checkpointing failed at
+    step 1 (CheckpointError) under every strategy. Now the same loss and gradients as without it."""
+    import random
+    from test_text_tasks import sample
+    from wiring import build_model, build_task
+    data = sample.write_sst2(str(tmp_path / "sst2"), random.Random(0), sizes=(40, 10, 10))
+    grads, losses = {}, {}
+    for ckpt in (False, True):
+        cfg = make_config(tmp_path, task="sst2", data={"data_dir": data}, model={"name": "tiny", "dropout": 0.0,
+                                                                                  "activation_checkpointing": ckpt})
+        task = build_task(cfg)
+        batch = task.collate([task.build_datasets()["train"][i] for i in range(4)])
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, task)
+        losses[ckpt] = task.loss_sum(model, batch)
+        losses[ckpt].backward()
+        grads[ckpt] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert losses[True].item() == pytest.approx(losses[False].item(), rel=1e-6)
+    assert grads[True].keys() == grads[False].keys() and max_diff(grads[True], grads[False]) < 1e-6
