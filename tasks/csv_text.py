@@ -9,7 +9,7 @@ from core.errors import DataError
 from tasks.bag_of_words_hf import BagOfWordsExport, word_ids
 from tasks.base import Task
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.table_files import check_classes, check_words, read_split, train_dev_test
+from tasks.table_files import check_train_rows, read_split, train_dev_test
 from tasks.text_common import saved_words
 
 
@@ -26,12 +26,11 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
         raw = train_dev_test(self.read, self.cfg.data)  # no dev file: data.dev_fraction of train's rows
         texts, labels = raw["train"]
         self.classes = sorted(set(labels))  # label names -> 0, 1, ... in sorted order
-        self.class_note = check_classes(self.cfg.data, labels)  # the plan lists them; a stray label is refused
+        self.class_note = check_train_rows(self.cfg.data, texts, labels, words)  # refuses stray labels, unread scripts
         self.vocab = word_ids(saved_words(self.cfg, lambda: sorted(set(words(" ".join(texts))))))
-        check_words(self.cfg.data, texts, words)  # a script words() cannot read: said, not trained to chance
         return {split: self.encode(split, *r) if r else None for split, r in raw.items()}
 
-    def classes_note(self):  # the plan: the training classes with their counts (check_classes)
+    def classes_note(self):  # the plan: the training classes with their counts (check_train_rows)
         return self.class_note
 
     def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train lacks), class numbers

@@ -98,6 +98,14 @@ def read_split(data_dir: str, split: str, text_column: str, label_column: str):
     return checked(path, rows, columns)
 
 
+def check_train_rows(data, texts: list[str], labels: list[str], words) -> str:
+    """csv_text's training rows: its classes (check_classes, whose line for the plan it returns) and whether its
+    tokenizer `words` reads their script (check_words)."""
+    note = check_classes(data, labels)
+    check_words(data, texts, words)
+    return note
+
+
 def check_classes(data, labels: list[str]) -> str:
     """The training classes with their counts for the plan (`2 classes: neg 40, pos 38`, most common first, cut to
     about 80 characters), once check_rare_classes has let them pass."""
