@@ -303,10 +303,9 @@ def check_config(cfg: Config, fail) -> None:
         fail("dist.procs_per_node", f"must be >= 1, got {procs}")
     if d.init_method != "tcp" and not d.init_method.startswith("file://"):
         fail("dist.init_method", f"must be `tcp` or a `file:///path`, got {d.init_method!r}")
-    for key in ("master_addr", "master_port") if d.init_method != "tcp" else ():  # (as a key of another strategy)
-        if getattr(d, key) != getattr(type(d), key):
-            fail(f"dist.{key}", f"is not read with dist.init_method {d.init_method} (the ranks meet in that file); "
-                                "remove it")
+    if d.master_addr and d.init_method != "tcp":  # (not the port: a file shared with tcp runs may well set one)
+        fail("dist.master_addr", f"is not read with dist.init_method {d.init_method} (the ranks meet in that file); "
+                                 "remove it")
     if d.nodes > 1 and d.init_method == "tcp" and not d.master_addr:
         fail("dist.master_addr", "must be set when dist.nodes > 1 (the address of node 0)")
 
