@@ -278,5 +278,6 @@ def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[fl
         given_up.set()
         thread.join(0.5)  # (a rank blocked in the store's C++ wait stays blocked: a daemon thread, ended with us)
         raise
-    if failed:
+    if failed:  # a stop asked meanwhile is what to say: the other ranks left for it, which failed the join
+        waiting(time.monotonic() - start)
         raise failed[0]
