@@ -201,13 +201,18 @@ def file_chunks(path: str, fmt: str, args) -> list[dict]:
 
 
 def make_plan(args) -> dict:
-    inputs, chunks = [], []
+    inputs, chunks, given = [], [], {}
     for split in ("train", "dev", "test"):
         paths = []
         for pattern in getattr(args, split):
             found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
             if not found or not all(os.path.isfile(p) for p in found):
                 raise DataError(f"--{split} {pattern}: no such file")
+            for path in found:  # twice is a mistake (a dev file also trained on, a glob beside a name), not a weight
+                earlier = given.setdefault(os.path.realpath(path), f"--{split} {pattern}")
+                if earlier != f"--{split} {pattern}" or path in paths:
+                    raise DataError(f"--{split} {pattern}: {path} is also given by {earlier}; give each file once "
+                                    "(to weight a file more, copy it)")
             paths += found
         for path in paths:
             fmt = detect_format(path, args.task, args.format)

@@ -367,3 +367,21 @@ def test_shard_datasets_do_not_hold_the_corpus(corpus, tmp_path):
         assert not copy.shards.open and torch.equal(copy[3]["input_ids"], train[3]["input_ids"])
     assert sizes[20][0] > 19 * sizes[1][0]
     assert abs(sizes[20][1] - sizes[1][1]) < 64, sizes  # a few digits longer, not 20x
+
+
+def test_a_file_given_twice_is_refused_in_one_line(tmp_path):
+    """It used to be read twice: a dev file also in --train trained on what it measured, unsaid."""
+    (tmp_path / "a.tsv").write_text("good film\t1\nbad film\t0\n")
+    (tmp_path / "b.tsv").write_text("fine film\t1\n")
+
+    def plan(*inputs):
+        return prepare_text.make_plan(prepare_text.parse_args(["--task", "classification", *map(str, inputs),
+                                                               "--output", str(tmp_path / "out")]))
+    a, b, both = tmp_path / "a.tsv", tmp_path / "b.tsv", str(tmp_path / "*.tsv")
+    with pytest.raises(DataError, match=re.escape(f"--dev {a}: {a} is also given by --train {a}")):
+        plan("--train", a, "--dev", a)
+    with pytest.raises(DataError, match=re.escape(f"--train {both}: {a} is also given by --train {a}")):
+        plan("--train", a, both)
+    with pytest.raises(DataError, match=re.escape(f"--train {a}: {a} is also given by --train {a}")):
+        plan("--train", a, a)
+    assert [e["path"] for e in plan("--train", a, "--dev", b)["inputs"]] == [str(a), str(b)]
