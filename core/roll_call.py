@@ -19,6 +19,7 @@ import torch.distributed as dist
 from core.config import procs_per_node_list
 from core.errors import UserError, first_line
 from core.launch_env import launcher_env
+from core.process_end import alive
 
 
 def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event, rendezvous: str) -> None:
@@ -109,16 +110,6 @@ def taken(rank: int, mine: dict, theirs: dict, rendezvous: str, nodes: int) -> s
     return (f"rank {rank} is claimed twice: by node {theirs['node']} ({theirs['host']}, pid {theirs['pid']}) and node "
             f"{mine['node']} ({mine['host']}, pid {mine['pid']}); start each node with its own dist.node_rank "
             f"(0 to {nodes - 1}){earlier}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def count_answers(store, world_size: int, timeout_s: float, given_up: threading.Event, layout) -> str:
