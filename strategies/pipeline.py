@@ -36,7 +36,7 @@ from core import checkpoint_io, distributed
 from core.checkpoint_dcp import dcp_load
 from core.distributed import DistContext
 from core.rank_timing import left_as_it_was, synchronize, time_forward_backward
-from core.errors import CheckpointError, DataError
+from core.errors import DataError
 from core.model_parts import averaged_entries
 from data_loader import split_proportional
 from strategies import mesh as meshes
@@ -44,7 +44,7 @@ from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
 from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
+from strategies.fsdp import clip_mixed, fsdp2_policy, local, need_dcp_folders, state_in_dcp_boxes
 from strategies.tp import (TaskWithPlainLosses, average_grads, loss_context, parallelize_keeping_frozen,
                            sum_partial_grads, task_plan)
 
@@ -393,10 +393,7 @@ class PipeStrategy(Strategy):
     def load(self, directory: str) -> None:
         if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
             return self.load_replicated(directory)
-        for name in ("model_dcp", "optimizer_dcp"):
-            if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
-                                      "or a replicated strategy wrote (test mode reads any checkpoint)")
+        need_dcp_folders(directory, "pipe", "fsdp")
         swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
         # in place: parameters
         dcp_load(state_in_dcp_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))
