@@ -1,6 +1,6 @@
 """A full disk (or quota), a file or folder this run may not write, or no file descriptor left: how such an error
-is recognised and the one line that says so, naming the file (or the limit) and what to do; and write_beside, the
-one way a run writes a small file (such an error leaves the previous one whole)."""
+is recognised and the one line that says so, naming the file (or the limit) and what to do. Loaded only once
+something has failed."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +8,7 @@ import errno
 import os
 import resource
 import shutil
-from typing import IO, Callable, Optional
+from typing import Optional
 
 from core.errors import CheckpointError
 
@@ -125,19 +125,3 @@ def name_unnamed_errors(path: str):
         if e.filename is not None or e.errno is None:
             raise
         raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from e
-
-
-def write_beside(path: str, write: Callable[[IO[str]], object]) -> None:
-    """write(f) into `path`.tmp, then renamed onto `path`: a full disk or a kill halfway leaves the previous file
-    whole. A symlink or FIFO planted at either name is replaced, never followed; a folder at `path` is an error."""
-    tmp = path + ".tmp"
-    with name_unnamed_errors(path):
-        try:
-            if os.path.lexists(tmp):  # a kill's leftover, or planted: the file is made anew (O_EXCL), never followed
-                os.remove(tmp)
-            with open(tmp, "w", newline="", opener=lambda p, flags: os.open(p, flags | os.O_EXCL, 0o666)) as f:
-                write(f)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)

@@ -26,6 +26,7 @@ import time
 from typing import Callable, Optional
 
 from core import disk_errors, process_end
+from core.atomic_write import write_beside
 from core.errors import UserError, first_line, warn_on_stderr
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
@@ -122,7 +123,7 @@ class Trackers:
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
-            disk_errors.write_beside(self.ids_path, lambda f: json.dump(run_ids, f))
+            write_beside(self.ids_path, lambda f: json.dump(run_ids, f))
 
     def read_ids(self) -> dict:
         """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
@@ -226,7 +227,7 @@ class CSV:
             writer = csv.DictWriter(f, self.FIELDS)
             writer.writeheader()
             writer.writerows(kept)
-        disk_errors.write_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
+        write_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
             self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from core import checkpoint, checkpoint_io, checkpoint_meta, disk_errors, run_log
+from core import checkpoint, checkpoint_io, checkpoint_meta, run_log
+from core.atomic_write import write_beside
 from core.errors import CheckpointError
 
 
@@ -33,6 +34,6 @@ def test(trainer) -> dict:
             where = os.path.join(cfg.output_dir, f"{split}_results.json")
             record = {"checkpoint": os.path.abspath(path), "weights": weights, "split": split,
                       "metrics": results[split]}
-            disk_errors.write_beside(where, lambda f: json.dump(record, f, indent=2))
+            write_beside(where, lambda f: json.dump(record, f, indent=2))
             log.info(f"wrote {where}")
     return results

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from core.disk_errors import write_beside
+from core.atomic_write import write_beside
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers

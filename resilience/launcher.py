@@ -25,7 +25,7 @@ from multiprocessing.connection import wait
 from typing import Callable
 
 from core import process_end
-from core.disk_errors import write_beside
+from core.atomic_write import write_beside
 from core.config import Config
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, UserError
 from resilience import faults

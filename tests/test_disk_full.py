@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core import checkpoint
-from core import disk_errors
+from core import atomic_write, disk_errors
 from core import errors
 from resilience import faults
 import main
@@ -130,7 +130,7 @@ def test_results_json_full_in_test_mode_leaves_no_partial_file(tmp_path, capsys,
         def close(self):  # the data reach the disk as the file closes: ENOSPC there, naming no file
             raise no_space()
     real_open = open
-    monkeypatch.setattr(disk_errors, "open", lambda path, mode="r", **kw: Full() if mode == "w" else
+    monkeypatch.setattr(atomic_write, "open", lambda path, mode="r", **kw: Full() if mode == "w" else
                         real_open(path, mode, **kw), raising=False)
     assert run(tmp_path, mode="test") == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'dev_results.json'}: No space left on device")
@@ -145,7 +145,7 @@ def test_config_yml_on_a_full_disk_keeps_the_previous_one(tmp_path, capsys, monk
     class Full(io.StringIO):
         def write(self, text):
             raise no_space()
-    monkeypatch.setattr(disk_errors, "open", lambda path, mode="r", **kw: Full(), raising=False)
+    monkeypatch.setattr(atomic_write, "open", lambda path, mode="r", **kw: Full(), raising=False)
     assert run(tmp_path, train={"max_steps": 4}) == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'config.yml'}: No space left on device")
     assert (tmp_path / "config.yml").read_text() == before  # test and export still read a whole one
@@ -196,14 +196,14 @@ def test_write_beside_writes_a_regular_file_never_through_what_was_planted(tmp_p
                 if os.path.lexists(p):
                     p.unlink()
             plant(planted)
-            disk_errors.write_beside(str(path), lambda f: f.write(case))
+            atomic_write.write_beside(str(path), lambda f: f.write(case))
             assert path.read_text() == case and not path.is_symlink(), (case, planted)
             assert outside.read_text() == "outside" and os.listdir(path.parent) == ["file.txt"], (case, planted)
             assert not (tmp_path / "nowhere").exists()
     path.unlink()
     path.mkdir()
     with pytest.raises(IsADirectoryError) as e:
-        disk_errors.write_beside(str(path), lambda f: f.write("x"))
+        atomic_write.write_beside(str(path), lambda f: f.write("x"))
     assert str(path) in str(e.value) and os.listdir(path.parent) == ["file.txt"]
     path.rmdir()
     path.write_text("before")
@@ -212,7 +212,7 @@ def test_write_beside_writes_a_regular_file_never_through_what_was_planted(tmp_p
         f.write("half")
         raise no_space()
     with pytest.raises(OSError) as e:
-        disk_errors.write_beside(str(path), full)
+        atomic_write.write_beside(str(path), full)
     assert e.value.filename == str(path) and e.value.errno == errno.ENOSPC  # the file named, not its temporary
     assert path.read_text() == "before" and os.listdir(path.parent) == ["file.txt"]
 
