@@ -54,6 +54,18 @@ def end_process(code: int) -> None:
     os._exit(code)
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host has not ended (another user's counts): what a process that ended left
+    (a roll call's claim, an export's temporary folder) is stale."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def import_with_own_temp_folder(name: str) -> ModuleType:
     """`import name` for a library whose import makes temporary folders that only its atexit handler removes (W&B
     makes wandb-media and wandb-artifacts): the import runs with Python's temporary folder set to one of ours, which

@@ -4,7 +4,6 @@ train.profile_steps' traces: profiling.py). The Trainer calls these; nothing her
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -126,19 +125,6 @@ class ConsoleHandler(StopsOnWriteError, logging.StreamHandler):
             self.flush()
         except Exception:
             self.handleError(record)
-
-
-def write_file(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file, so that a full disk leaves the previous file whole
-    (config.yml is what test and export read). An error names the file (a full disk may show only at close)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with disk_errors.name_unnamed_errors(path), open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
 
 
 def progress_bar(wanted: bool, **kwargs):

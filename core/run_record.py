@@ -12,9 +12,9 @@ from typing import Optional
 import yaml
 
 from core import checkpoint, checkpoint_signing, disk_errors, optimizers, trackers
+from core.atomic_write import write_beside
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
-from core.run_log import write_file
 
 
 def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optional[trackers.Trackers]:
@@ -23,7 +23,7 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
     then prints the plan."""
     # start_over: this start's, not the run's
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
-    write_file(os.path.join(cfg.output_dir, "config.yml"), dump_yaml(saved))
+    write_beside(os.path.join(cfg.output_dir, "config.yml"), lambda f: f.write(dump_yaml(saved)))
     tracked = trackers.Trackers(cfg, step, TensorBoard, log.warning) if trackers.names(cfg) else None
     if tracked:
         tracked.config(saved.to_dict())

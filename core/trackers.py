@@ -26,6 +26,7 @@ import time
 from typing import Callable, Optional
 
 from core import disk_errors, process_end
+from core.atomic_write import write_beside
 from core.errors import UserError, first_line, warn_on_stderr
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
@@ -122,7 +123,7 @@ class Trackers:
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
-            written_beside(self.ids_path, lambda f: json.dump(run_ids, f))
+            write_beside(self.ids_path, lambda f: json.dump(run_ids, f))
 
     def read_ids(self) -> dict:
         """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
@@ -226,7 +227,7 @@ class CSV:
             writer = csv.DictWriter(f, self.FIELDS)
             writer.writeheader()
             writer.writerows(kept)
-        written_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
+        write_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
             self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
@@ -357,17 +358,6 @@ class MLflow:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
-
-
-def written_beside(path: str, write: Callable[[object], None]) -> None:
-    """write(f) into path.tmp, then renamed to `path`: a symlink or FIFO planted at either name is replaced,
-    never followed."""
-    with disk_errors.name_unnamed_errors(path):
-        if os.path.lexists(path + ".tmp"):
-            os.remove(path + ".tmp")
-        with open(path + ".tmp", "w", newline="") as f:
-            write(f)
-        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager

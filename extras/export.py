@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, disk_errors
+from core.process_end import alive
 from core.config import Config
 from core.errors import CheckpointError, ConfigError, UserError
 from tasks import lora
@@ -165,16 +166,6 @@ def remove_stale(parent: str, prefix: str) -> None:
             continue
         shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         print(f"note: removed {os.path.join(parent, name)}, left by an export that was killed", flush=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def write(folder: str, task, model, formats: tuple, source: str, meta: dict, weights: str) -> None:

@@ -18,6 +18,7 @@ import os
 import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
+from core.atomic_write import write_beside
 from core.distributed import DistContext
 from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
@@ -68,7 +69,7 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     where = os.path.join(cfg.output_dir, "predictions.csv")
     if ctx.is_main:
         classes = task.label_names() or [str(i) for i in range(model_classes(top))]  # known by number: the number
-        run_log.write_file(where, rows(names, top, classes, len(top[0][1])))
+        write_beside(where, lambda f: f.write(rows(names, top, classes, len(top[0][1]))))
         log.info(f"wrote {where} ({len(top)} rows)")
     return where
 

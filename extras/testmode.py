@@ -7,6 +7,7 @@ import json
 import os
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, run_log
+from core.atomic_write import write_beside
 from core.errors import CheckpointError
 
 
@@ -31,7 +32,8 @@ def test(trainer) -> dict:
         results[split] = trainer.evaluate(split)
         if trainer.ctx.is_main:
             where = os.path.join(cfg.output_dir, f"{split}_results.json")
-            run_log.write_file(where, json.dumps({"checkpoint": os.path.abspath(path), "weights": weights,
-                                                  "split": split, "metrics": results[split]}, indent=2))
+            record = {"checkpoint": os.path.abspath(path), "weights": weights, "split": split,
+                      "metrics": results[split]}
+            write_beside(where, lambda f: json.dump(record, f, indent=2))
             log.info(f"wrote {where}")
     return results

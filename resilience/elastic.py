@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Optional
 
+from core.atomic_write import write_beside
+
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers
 
@@ -31,11 +33,7 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
         if local_rank == 0:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                if os.path.lexists(path + ".tmp"):  # a symlink planted there is replaced, never written through
-                    os.remove(path + ".tmp")
-                with open(path + ".tmp", "w") as f:
-                    json.dump({**launch, "started": now}, f)
-                os.replace(path + ".tmp", path)
+                write_beside(path, lambda f: json.dump({**launch, "started": now}, f))
             except OSError:  # (a full disk: a restart then counts the limit anew; the run itself says the disk)
                 pass
         return 0.0

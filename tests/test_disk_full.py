@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core import checkpoint
-from core import disk_errors
+from core import atomic_write, disk_errors
 from core import errors
 from resilience import faults
 import main
@@ -130,8 +130,8 @@ def test_results_json_full_in_test_mode_leaves_no_partial_file(tmp_path, capsys,
         def close(self):  # the data reach the disk as the file closes: ENOSPC there, naming no file
             raise no_space()
     real_open = open
-    monkeypatch.setattr(run_log, "open", lambda path, mode="r": Full() if mode == "w" else real_open(path, mode),
-                        raising=False)
+    monkeypatch.setattr(atomic_write, "open", lambda path, mode="r", **kw: Full() if mode == "w" else
+                        real_open(path, mode, **kw), raising=False)
     assert run(tmp_path, mode="test") == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'dev_results.json'}: No space left on device")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("dev_results.json")]
@@ -145,7 +145,7 @@ def test_config_yml_on_a_full_disk_keeps_the_previous_one(tmp_path, capsys, monk
     class Full(io.StringIO):
         def write(self, text):
             raise no_space()
-    monkeypatch.setattr(run_log, "open", lambda path, mode="r": Full(), raising=False)
+    monkeypatch.setattr(atomic_write, "open", lambda path, mode="r", **kw: Full(), raising=False)
     assert run(tmp_path, train={"max_steps": 4}) == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'config.yml'}: No space left on device")
     assert (tmp_path / "config.yml").read_text() == before  # test and export still read a whole one
@@ -180,6 +180,41 @@ def test_tokenizer_folder_not_writable_is_one_line(tmp_path, capsys, monkeypatch
     assert code == errors.EXIT_USER_ERROR
     assert one_error(capsys).startswith(f"error: {tmp_path / 'out' / 'tokenizer.part'}: Permission denied: make it "
                                         f"writable")
+
+
+def test_write_beside_writes_a_regular_file_never_through_what_was_planted(tmp_path):
+    """write_beside (config.yml, metrics.csv, trackers.json, the launch record, a rank's report, the vocabulary):
+    a symlink or FIFO planted at the file or its temporary name is replaced, never followed nor blocked on; a folder
+    there is an error naming it, and a failed write leaves the previous file and no temporary one."""
+    outside, path = tmp_path / "outside.txt", tmp_path / "run" / "file.txt"
+    path.parent.mkdir()
+    outside.write_text("outside")
+    for case, plant in [("symlink", lambda p: p.symlink_to(outside)), ("fifo", lambda p: os.mkfifo(p)),
+                        ("dangling symlink", lambda p: p.symlink_to(tmp_path / "nowhere"))]:
+        for planted in (path, tmp_path / "run" / "file.txt.tmp"):
+            for p in (path, tmp_path / "run" / "file.txt.tmp"):
+                if os.path.lexists(p):
+                    p.unlink()
+            plant(planted)
+            atomic_write.write_beside(str(path), lambda f: f.write(case))
+            assert path.read_text() == case and not path.is_symlink(), (case, planted)
+            assert outside.read_text() == "outside" and os.listdir(path.parent) == ["file.txt"], (case, planted)
+            assert not (tmp_path / "nowhere").exists()
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write.write_beside(str(path), lambda f: f.write("x"))
+    assert str(path) in str(e.value) and os.listdir(path.parent) == ["file.txt"]
+    path.rmdir()
+    path.write_text("before")
+
+    def full(f):
+        f.write("half")
+        raise no_space()
+    with pytest.raises(OSError) as e:
+        atomic_write.write_beside(str(path), full)
+    assert e.value.filename == str(path) and e.value.errno == errno.ENOSPC  # the file named, not its temporary
+    assert path.read_text() == "before" and os.listdir(path.parent) == ["file.txt"]
 
 
 def test_disk_problem_names_only_disk_errors(tmp_path):

@@ -370,3 +370,18 @@ def test_join_output_grads_runs_every_output_hook_before_any_parameter_gradient(
     assert outputs_done < min(i for i, e in enumerate(events) if e.startswith("grad"))
     assert not max(i for i, e in enumerate(plain_events) if e.startswith("output")) < min(
         i for i, e in enumerate(plain_events) if e.startswith("grad"))  # the problem is real without it
+
+
+def test_a_sharded_checkpoint_without_its_dcp_folders_is_one_line_under_fsdp_and_pipe(tmp_path):
+    """fsdp and pipe read model_dcp/ and optimizer_dcp/ (or a replicated strategy's model.pt): a folder without
+    them names the one missing and what each strategy resumes from, before anything of the model is touched."""
+    from core.errors import CheckpointError
+    from strategies.fsdp import FSDPStrategy
+    from strategies.pipeline import PipeStrategy
+    (tmp_path / "model_dcp").mkdir()
+    (tmp_path / "model_dcp" / ".metadata").write_bytes(b"")
+    for strategy, name, other in [(FSDPStrategy, "fsdp", "pipe"), (PipeStrategy, "pipe", "fsdp")]:
+        with pytest.raises(CheckpointError) as e:
+            strategy.load(None, str(tmp_path))
+        assert str(e.value) == (f"{tmp_path}/optimizer_dcp: missing; {name} resumes from checkpoints that {name}, "
+                                f"{other} or a replicated strategy wrote (test mode reads any checkpoint)")
