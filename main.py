@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
+        if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
+            return 3
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:

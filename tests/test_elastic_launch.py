@@ -95,6 +95,39 @@ def test_time_limit_counts_from_the_launchs_first_start_and_0_is_refused(tmp_pat
             "0 seconds would stop the run at its first step; use null for no limit"), err
 
 
+def test_a_torchrun_restart_after_the_time_limit_stops_at_once_and_the_record_keeps_exit_3(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """torchrun counts a time-limit stop (exit 3) as a failure and restarts: each restart trained a step, saved and
+    stopped again until the restarts were used up, and torchrun's exit 1 hid the stop from a requeueing script.
+    A restart whose launch's time is spent now trains nothing (one line, exit 3, before any rank meets), and the
+    launch record keeps the workers' exit code for the script around torchrun."""
+    import json
+    import main
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    record = out / "logs" / f"launch-{socket.gethostname()}.json"
+    record.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid(),
+                                  "started": time.time() - 100, "exit": 1}))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert main.main(["--set", f"output_dir={out}", "--set", "train.time_limit=00:01:30"]) == 3
+    said = capsys.readouterr()
+    assert said.err == "", said.err
+    assert re.fullmatch(r"stopped by the time limit \(train\.time_limit=00:01:30\) as torchrun restarted its workers: "
+                        r"this launch started 1\d\d s ago; nothing was trained, the latest checkpoint is kept; run the "
+                        r"same command to resume\n", said.out), said.out  # (1xx: loading torch takes seconds)
+    assert not (out / "checkpoints").exists() and json.loads(record.read_text())["exit"] == 3
+    # a new attempt drops the last one's code (a worker killed outright leaves none); its end records its own
+    elastic.record_exit(str(out), 0, None)
+    assert "exit" not in json.loads(record.read_text())
+    elastic.record_exit(str(out), 1, 0)  # (local rank 0 alone writes it)
+    assert "exit" not in json.loads(record.read_text())
+    elastic.record_exit(str(out), 0, 0)
+    assert json.loads(record.read_text())["exit"] == 0
+
+
 @pytest.mark.slow
 def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
     """The real thing: a worker reads its agent's command line from /proc and names the command to use."""
