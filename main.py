@@ -58,6 +58,7 @@ def run(cfg: Config) -> int:
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":
+        elastic.stop_with_the_agent()
         if elastic.refuse_restarts(env["local_rank"]):
             return 2
     try:

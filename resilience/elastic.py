@@ -5,10 +5,12 @@ launch's first start, not anew at each restart (time_used), and a restart after 
 (record_exit) for a script around torchrun that requeues a stopped run (docs/slurm.md, section 4)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import shlex
+import signal
 import socket
 import stat
 import sys
@@ -19,7 +21,9 @@ from core.config import parse_duration
 from core.launch_env import launcher_env
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+PR_SET_PDEATHSIG = 1  # prctl's option: a signal for this process when its parent dies
 LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers
+PARENT_PID = os.getppid()  # at this process's start: torchrun, for its workers (it may die before they end)
 
 
 def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
@@ -46,7 +50,7 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
 
 
 def this_launch() -> dict:
-    return {"host": socket.gethostname(), "torchrun_pid": os.getppid()}
+    return {"host": socket.gethostname(), "torchrun_pid": PARENT_PID}
 
 
 def this_launchs_record(path: str) -> Optional[dict]:
@@ -108,6 +112,21 @@ def stop_spent_restart(cfg, env=os.environ) -> bool:
     else:
         time.sleep(10)  # (torchrun ends it once local rank 0 has said it: one line per node)
     return True
+
+
+def stop_with_the_agent() -> None:
+    """Linux, under torchrun: this worker gets SIGTERM when its torchrun dies (kill -9, the OOM killer, a signal
+    torchrun does not handle: SIGUSR1 unless --signals-to-handle names it), so it stops after a step and saves
+    instead of training on as an orphan nobody waits for, holding output_dir. (A no-op elsewhere.)"""
+    agent = PARENT_PID
+    if not torchrun_argv(agent):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != agent:  # torchrun died before prctl took effect: as if the signal had come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def refuse_restarts(local_rank: int) -> bool:
