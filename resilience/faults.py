@@ -168,6 +168,9 @@ class Reporter:
                 pass
         if self.sink is not None:
             self.sink(code, line, detail)
+        elif self.watchdog is not None and code in (EXIT_OK, EXIT_STOPPED):
+            if progress.rank == 0:  # every rank ends alike: rank 0 says it (the store it hosts may be gone by the
+                say(code, line, detail)  # time the others would ask it: said twice, with a C++ stack)
         elif self.watchdog is None or self.watchdog.first_to_say(line):
             say(code, line, detail)
         return code
