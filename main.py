@@ -69,7 +69,13 @@ def run(cfg: Config) -> int:
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
         holds_the_lock = cfg.mode in ("train", "lr_find") and first  # one run per output_dir
-        with hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext():
+        try:
+            lock = hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext()
+        except UserError as e:  # (the ranks nothing ends, srun's or other nodes', hear it at the roll call)
+            code = mistake(e)
+            wiring.refuse_the_other_ranks(cfg, env, str(e))
+            return code
+        with lock:
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         return mistake(e)
