@@ -798,6 +798,18 @@ def test_a_stop_or_end_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsy
             assert faults.report(code, what) == code
     said = capsys.readouterr()
     assert said.out.splitlines() == [line, "done: 6 steps"] and said.err.splitlines() == ["boom", "boom"]
+    # before the group (no watchdog): torchrun ends rank 1, waiting for a rank 0 refused in one line (output_dir in
+    # use), with SIGTERM: its `stopped by SIGTERM while rank 1 ... waited` was a second line beside the refusal
+    monkeypatch.setattr(faults.report, "watchdog", None)
+    monkeypatch.setattr(faults.progress, "rank", 1)
+    waited = "stopped by SIGTERM while rank 1 on vm waited 1 s for the other ranks at env://: nothing was trained"
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert faults.report(errors.EXIT_STOPPED, waited) == errors.EXIT_STOPPED
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (the first rank of another node says its own)
+    assert faults.report(errors.EXIT_STOPPED, waited) == errors.EXIT_STOPPED
+    assert capsys.readouterr().out == waited + "\n"
 
 
 def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
