@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
+        if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
+            return 3
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
@@ -56,6 +58,7 @@ def run(cfg: Config) -> int:
         cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy="none", tp=1, nodes=1,
                                                                 procs_per_node=1, node_rank=0))
     if env is not None and env["launcher"] == "torchrun" and cfg.mode != "export":
+        elastic.stop_with_the_agent()
         if elastic.refuse_restarts(env["local_rank"]):
             return 2
     try:
@@ -66,7 +69,13 @@ def run(cfg: Config) -> int:
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
         holds_the_lock = cfg.mode in ("train", "lr_find") and first  # one run per output_dir
-        with hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext():
+        try:
+            lock = hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext()
+        except UserError as e:  # (the ranks nothing ends, srun's or other nodes', hear it at the roll call)
+            code = mistake(e)
+            wiring.refuse_the_other_ranks(cfg, env, str(e))
+            return code
+        with lock:
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         return mistake(e)

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from core import config, distributed, optimizers, run_record, trackers
+from core import config, distributed, optimizers, roll_call, run_record, trackers
 from core.config import Config, fail_naming, is_set, world_size
 from core.config_mistakes import closest
 from core.hooks import Hooks
@@ -74,6 +74,13 @@ def worker(cfg: Config, place) -> int:
 
 
 # ---- the Trainer and its parts ------------------------------------------------------------------------------------
+def refuse_the_other_ranks(cfg: Config, env: Optional[dict], words: str) -> None:
+    """Rank 0 was refused before the ranks meet: under srun, or with other nodes, nothing ends the other ranks
+    (torchrun does, and main.py's own launcher has started none), so they read `words` at the roll call."""
+    if (env is None and cfg.dist.nodes > 1) or (env is not None and env["launcher"] == "slurm"):
+        roll_call.refuse_the_others(cfg, world_size(cfg), words)
+
+
 def build_trainer(cfg: Config, ctx: distributed.DistContext, task: Optional[Task] = None) -> Trainer:
     """The Trainer of this rank, handed its parts: the task's datasets, the model made parallel (the strategy: the
     wrapped model, its optimizer and loss scaler) and the hooks. train.precision auto is resolved first (what this

@@ -5,6 +5,7 @@ one verdict, which every rank that came says in the same line: nodes that count 
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import secrets
@@ -27,10 +28,8 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event,
     other rank answered with its count, else the first mismatch or the ranks missing at dist.timeout_s, which every
     rank that came then says in the same line (the launcher prints it once)."""
     d = cfg.dist
-    # under torchrun or srun the launcher placed the ranks; ours: each node places them from its own config
-    layout = procs_per_node_list(cfg) if launcher_env() is None else None
-    mine = {"node": d.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "world": world_size,
-            "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
+    mine = roll_call_entry(cfg, world_size)
+    layout = mine["layout"]
     if rank == 0:
         claim = json.loads(store.compare_set("trainer-roll/rank/0", "", json.dumps(mine)).decode())
         if (claim["pid"], claim["host"]) != (mine["pid"], mine["host"]):
@@ -51,6 +50,32 @@ def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event,
         answer(store, rank, world_size, mine, d.timeout_s, given_up, rendezvous, d.nodes)
     finally:
         store.add("trainer-roll/left", 1)
+
+
+def roll_call_entry(cfg, world_size: int) -> dict:
+    """What a rank posts at the roll call: where it runs and how it counts the ranks."""
+    d = cfg.dist
+    # under torchrun or srun the launcher placed the ranks; ours: each node places them from its own config
+    layout = procs_per_node_list(cfg) if launcher_env() is None else None
+    return {"node": d.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "world": world_size,
+            "layout": layout, "counted from": f"dist.nodes={d.nodes}, dist.procs_per_node={d.procs_per_node}"}
+
+
+def refuse_the_others(cfg, world_size: int, words: str, wait_s: float = 60.0) -> None:
+    """Rank 0 refused before the ranks meet (output_dir in use by another run) where nothing ends the others (srun,
+    other nodes): it hosts the roll call just long enough to give them `words` as its verdict; else they would wait
+    dist.timeout_s for it, silent. A rendezvous it cannot host (the port in use) is left as it is."""
+    d = cfg.dist
+    if d.strategy in ("none", "dp") or world_size < 2 or d.init_method.startswith("file://"):
+        return
+    try:
+        store = dist.TCPStore(d.master_addr or "127.0.0.1", d.master_port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=d.timeout_s), multi_tenant=True)
+        store.compare_set("trainer-roll/rank/0", "", json.dumps(roll_call_entry(cfg, world_size)))
+        store.set("trainer-roll/verdict", words)
+        wait_until(lambda: count(store, "trainer-roll/left") >= world_size - 1, wait_s, threading.Event())
+    except RuntimeError:  # (torch's DistError is one)
+        return
 
 
 def node_comes(store, node: int, layout: Optional[list[int]]) -> None:

@@ -1,12 +1,16 @@
 """torchrun's restarts: a restartable torchrun whose workers would share the agent's rendezvous store is refused in
 one line naming the command to run instead (main.run asks, under torchrun only); train.time_limit counts from the
-launch's first start, not anew at each restart (time_used)."""
+launch's first start, not anew at each restart (time_used), and a restart after it ran out stops at once
+(stop_spent_restart); torchrun exits 1 whatever its workers' exit code, so the launch record keeps theirs
+(record_exit) for a script around torchrun that requeues a stopped run (docs/slurm.md, section 4)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import shlex
+import signal
 import socket
 import stat
 import sys
@@ -14,9 +18,13 @@ import time
 from typing import Optional
 
 from core.atomic_write import write_beside
+from core.config import parse_duration
+from core.launch_env import launcher_env
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+PR_SET_PDEATHSIG = 1  # prctl's option: a signal for this process when its parent dies
 LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's torchrun first started its workers
+PARENT_PID = os.getppid()  # at this process's start: torchrun, for its workers (it may die before they end)
 
 
 def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
@@ -27,29 +35,95 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
     if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
         return 0.0
     now = time.time() if now is None else now
-    launch = {"host": socket.gethostname(), "torchrun_pid": os.getppid()}
-    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=launch["host"]))  # (nodes may share the folder)
+    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=socket.gethostname()))  # (nodes may share it)
     if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
         if local_rank == 0:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_beside(path, lambda f: json.dump({**launch, "started": now}, f))
+                write_record(path, {**this_launch(), "started": now})
             except OSError:  # (a full disk: a restart then counts the limit anew; the run itself says the disk)
                 pass
         return 0.0
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):  # a symlink would be read outside output_dir; a FIFO blocks
-            return 0.0
-        with open(path) as f:
-            record = json.loads(f.read(4096))  # a few fields: anything longer is not ours
-    except (OSError, ValueError):
-        return 0.0
-    if not isinstance(record, dict) or any(record.get(k) != v for k, v in launch.items()):
-        return 0.0
-    started = record.get("started")
+    started = (this_launchs_record(path) or {}).get("started")
     if type(started) not in (int, float) or not math.isfinite(started) or not started <= now:
         return 0.0
     return now - started
+
+
+def this_launch() -> dict:
+    return {"host": socket.gethostname(), "torchrun_pid": PARENT_PID}
+
+
+def this_launchs_record(path: str) -> Optional[dict]:
+    """The launch record at `path` if it is this torchrun's (host and pid), else None."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a symlink would be read outside output_dir; a FIFO blocks
+            return None
+        with open(path) as f:
+            record = json.loads(f.read(4096))  # a few fields: anything longer is not ours
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in this_launch().items()):
+        return None
+    return record
+
+
+def write_record(path: str, record: dict) -> None:
+    write_beside(path, lambda f: json.dump(record, f))
+
+
+def record_exit(output_dir: str, local_rank: int, code: Optional[int], env=os.environ) -> None:
+    """torchrun exits 1 whatever its workers' exit code (a stop's 3 included): local rank 0 keeps this attempt's in
+    the launch record, `"exit": 3`, for a script around torchrun (docs/slurm.md, section 4); None at an attempt's
+    start drops the last attempt's, so that a worker killed outright leaves none."""
+    if "TORCHELASTIC_RESTART_COUNT" not in env or local_rank != 0:
+        return
+    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=socket.gethostname()))
+    record = this_launchs_record(path)
+    if record is None or record.get("exit") == code:
+        return
+    record.pop("exit", None)
+    try:
+        write_record(path, record if code is None else {**record, "exit": code})
+    except OSError:  # (a full disk: the run itself says it)
+        pass
+
+
+def stop_spent_restart(cfg, env=os.environ) -> bool:
+    """Whether this torchrun restart comes after its launch's train.time_limit ran out (torchrun counts the time
+    limit's stop, exit code 3, as a failure, and restarts): it stops at once, training nothing, else each restart
+    would train a step, save and stop again until torchrun's restarts are used up. Local rank 0 says it."""
+    limit, launch = parse_duration(cfg.train.time_limit), launcher_env()
+    if limit is None or cfg.mode not in ("train", "lr_find") or launch is None or launch["launcher"] != "torchrun" \
+            or env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return False
+    output_dir, time_limit, local_rank = cfg.output_dir, cfg.train.time_limit, launch["local_rank"]
+    used = time_used(output_dir, local_rank, env)
+    if used < limit:
+        return False
+    if local_rank == 0:
+        record_exit(output_dir, local_rank, 3, env)
+        print(f"stopped by the time limit (train.time_limit={time_limit}) as torchrun restarted its workers: this "
+              f"launch started {used:.0f} s ago; nothing was trained, the latest checkpoint is kept; run the same "
+              "command to resume", flush=True)
+    else:
+        time.sleep(10)  # (torchrun ends it once local rank 0 has said it: one line per node)
+    return True
+
+
+def stop_with_the_agent() -> None:
+    """Linux, under torchrun: this worker gets SIGTERM when its torchrun dies (kill -9, the OOM killer, a signal
+    torchrun does not handle: SIGUSR1 unless --signals-to-handle names it), so it stops after a step and saves
+    instead of training on as an orphan nobody waits for, holding output_dir. (A no-op elsewhere.)"""
+    agent = PARENT_PID
+    if not torchrun_argv(agent):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != agent:  # torchrun died before prctl took effect: as if the signal had come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def refuse_restarts(local_rank: int) -> bool:

@@ -20,6 +20,7 @@ import traceback
 from typing import Optional
 
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
+from core.launch_env import first_on_node
 
 HOST = socket.gethostname()
 
@@ -168,6 +169,11 @@ class Reporter:
                 pass
         if self.sink is not None:
             self.sink(code, line, detail)
+        elif code in (EXIT_OK, EXIT_STOPPED):  # (under torchrun or srun: every rank ends alike)
+            # Rank 0 says it: the store it hosts may be gone by the time the others would ask it (said twice, with
+            # a C++ stack). Before the ranks meet (no watchdog), the first rank of each node says its own.
+            if progress.rank == 0 if self.watchdog is not None else first_on_node():
+                say(code, line, detail)
         elif self.watchdog is None or self.watchdog.first_to_say(line):
             say(code, line, detail)
         return code

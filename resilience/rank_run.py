@@ -38,7 +38,9 @@ class RankRun:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
             limit = config.parse_duration(self.cfg.train.time_limit)
-            self.time_used = elastic.time_used(self.cfg.output_dir, self.place.local_rank) if limit else 0.0
+            used = elastic.time_used(self.cfg.output_dir, self.place.local_rank)  # (torchrun: the launch record)
+            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)
+            self.time_used = used if limit else 0.0
             faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used)
         return self
 
@@ -95,6 +97,8 @@ class RankRun:
         if self.watchdog is not None:
             self.watchdog.stop()
         faults.progress.finished(self.code)
+        if self.cfg.mode in ("train", "lr_find"):
+            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, self.code)
         # Tear the group down after a clean end, or when there are no peers; after a failure, peers may be gone and
         # tearing down could wait on them (the launcher ends this process instead).
         if self.ctx is not None and (self.code in (EXIT_OK, EXIT_STOPPED, EXIT_DIVERGED) or self.ctx.world_size == 1):

@@ -20,6 +20,10 @@ def check_output_dir(path: str) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise UserError(f"output_dir {path!r} is not a writable directory ({e.strerror})") from None
+    logs = os.path.join(path, "logs")
+    if os.path.lexists(logs) and not os.path.isdir(logs):  # (else each rank's log file fails: a traceback each)
+        raise UserError(f"{logs}: not a folder (each rank writes its log there): move it away, or use another "
+                        "output_dir")
     # checkpoints/ too, if there: a read-only one would otherwise be found at the first save, hours later
     for folder in (path, os.path.join(path, "checkpoints")):
         if os.path.isdir(folder):

@@ -181,6 +181,20 @@ def test_a_file_where_the_checkpoints_folder_goes_is_one_line_before_training(tm
     assert "step 1/" not in rank_log(tmp_path)
 
 
+def test_a_file_or_dangling_link_where_the_logs_folder_goes_is_one_line_before_any_rank(tmp_path, capsys):
+    """output_dir/logs a file (or a link to nowhere): every rank failed making its log file, a traceback headed
+    `rank 0 failed before training (setup): FileExistsError` (exit 1). Refused in one line naming it."""
+    for i, make in enumerate([lambda logs: logs.write_text("notes"), lambda logs: logs.symlink_to(tmp_path / "gone")]):
+        out = tmp_path / f"run{i}"
+        out.mkdir()
+        make(out / "logs")
+        assert run(out) == 2
+        said = capsys.readouterr()
+        assert said.err.splitlines() == [f"error: {out}/logs: not a folder (each rank writes its log there): move "
+                                         "it away, or use another output_dir"], said.err
+        assert not (out / "checkpoints").exists()
+
+
 def test_prune_makes_a_checkpoint_incomplete_before_deleting_it(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         write_checkpoint(str(tmp_path), step, SINGLE, lambda d: torch.save({}, os.path.join(d, "model.pt")),

@@ -7,8 +7,10 @@
   -> both restart at world 2 and resume; the run keeps its global batch (train.batch_size=auto with
   train.global_batch_size), so it ends where an uninterrupted 2-rank run does.
 """
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +97,39 @@ def test_time_limit_counts_from_the_launchs_first_start_and_0_is_refused(tmp_pat
             "0 seconds would stop the run at its first step; use null for no limit"), err
 
 
+def test_a_torchrun_restart_after_the_time_limit_stops_at_once_and_the_record_keeps_exit_3(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """torchrun counts a time-limit stop (exit 3) as a failure and restarts: each restart trained a step, saved and
+    stopped again until the restarts were used up, and torchrun's exit 1 hid the stop from a requeueing script.
+    A restart whose launch's time is spent now trains nothing (one line, exit 3, before any rank meets), and the
+    launch record keeps the workers' exit code for the script around torchrun."""
+    import json
+    import main
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    record = out / "logs" / f"launch-{socket.gethostname()}.json"
+    record.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid(),
+                                  "started": time.time() - 100, "exit": 1}))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert main.main(["--set", f"output_dir={out}", "--set", "train.time_limit=00:01:30"]) == 3
+    said = capsys.readouterr()
+    assert said.err == "", said.err
+    assert re.fullmatch(r"stopped by the time limit \(train\.time_limit=00:01:30\) as torchrun restarted its workers: "
+                        r"this launch started 1\d\d s ago; nothing was trained, the latest checkpoint is kept; run the "
+                        r"same command to resume\n", said.out), said.out  # (1xx: loading torch takes seconds)
+    assert not (out / "checkpoints").exists() and json.loads(record.read_text())["exit"] == 3
+    # a new attempt drops the last one's code (a worker killed outright leaves none); its end records its own
+    elastic.record_exit(str(out), 0, None)
+    assert "exit" not in json.loads(record.read_text())
+    elastic.record_exit(str(out), 1, 0)  # (local rank 0 alone writes it)
+    assert "exit" not in json.loads(record.read_text())
+    elastic.record_exit(str(out), 0, 0)
+    assert json.loads(record.read_text())["exit"] == 0
+
+
 @pytest.mark.slow
 def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
     """The real thing: a worker reads its agent's command line from /proc and names the command to use."""
@@ -111,6 +146,46 @@ def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
                              f"--max-restarts=1 main.py --set output_dir={tmp_path / 'run'} --set dist.strategy=ddp"
                              "   (docs/slurm.md, section 4)"), lines[0]
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.slow
+def test_workers_whose_torchrun_dies_stop_and_save_instead_of_training_on_as_orphans(tmp_path):
+    """torchrun killed by a signal it does not handle (SIGUSR1, SLURM's time-limit warning forwarded by srun; or
+    kill -9, the OOM killer) left its workers training on as orphans until the run's end, holding output_dir. They
+    now get SIGTERM when torchrun dies: they stop after a step, save, and the launch record says exit 3."""
+    import json
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.2", "main.py",
+           "--set", f"output_dir={out}", "--set", "dist.strategy=ddp", "--set", "train.max_steps=100000",
+           "--set", "train.save_every=20", "--set", "train.eval_every=0", "--set", "log.progress_bar=false",
+           "--set", "log.tensorboard=false"]
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        first = wait_for(lambda: checkpoint_steps(out), 120, "a first checkpoint", procs=[agent])[-1]
+        workers = worker_pids(agent)
+        assert len(workers) == 2
+        agent.kill()
+        agent.wait()
+        wait_for(lambda: not any(alive(pid) for pid in workers), 60, "the orphaned workers to stop")
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    log = read(out / "logs" / "rank0.log")
+    assert re.search(r"stopped by SIGTERM at step (\d+); saved step-\1", log), log[-2000:]
+    assert checkpoint_steps(out)[-1] > first
+    assert json.loads(read(out / "logs" / f"launch-{socket.gethostname()}.json"))["exit"] == 3
+
+
+def alive(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ---- two agents, one lost, one joining -------------------------------------------------------------------------

@@ -780,6 +780,38 @@ class DictStore(dict):
         return [self[k].encode() for k in keys]
 
 
+def test_a_stop_or_end_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsys):
+    """Under torchrun, SIGTERM to rank 1: both ranks printed `stopped by SIGTERM at step 74; saved step-74; ...`,
+    and rank 1 a C++ stack (`TCPStore recvValue failed ... Connection reset by peer`): rank 0, which hosts the
+    store, had said it and exited, so rank 1's question to the store failed and it said the line again. Every rank
+    ends alike after a stop or the end, so rank 0 says it alone; a failure is still asked of the store."""
+    class StoreGone:
+        def first_to_say(self, line):
+            return True  # (what first_to_say answers when the store is gone)
+    monkeypatch.setattr(faults.report, "watchdog", StoreGone())
+    monkeypatch.setattr(faults.report, "sink", None)
+    monkeypatch.setattr(faults.report, "log", None)
+    line = "stopped by SIGTERM at step 74; saved step-74; run the same command to resume"
+    for rank in (1, 0):
+        monkeypatch.setattr(faults.progress, "rank", rank)
+        for code, what in ((errors.EXIT_STOPPED, line), (errors.EXIT_OK, "done: 6 steps"), (errors.EXIT_CRASH, "boom")):
+            assert faults.report(code, what) == code
+    said = capsys.readouterr()
+    assert said.out.splitlines() == [line, "done: 6 steps"] and said.err.splitlines() == ["boom", "boom"]
+    # before the group (no watchdog): torchrun ends rank 1, waiting for a rank 0 refused in one line (output_dir in
+    # use), with SIGTERM: its `stopped by SIGTERM while rank 1 ... waited` was a second line beside the refusal
+    monkeypatch.setattr(faults.report, "watchdog", None)
+    monkeypatch.setattr(faults.progress, "rank", 1)
+    waited = "stopped by SIGTERM while rank 1 on vm waited 1 s for the other ranks at env://: nothing was trained"
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert faults.report(errors.EXIT_STOPPED, waited) == errors.EXIT_STOPPED
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (the first rank of another node says its own)
+    assert faults.report(errors.EXIT_STOPPED, waited) == errors.EXIT_STOPPED
+    assert capsys.readouterr().out == waited + "\n"
+
+
 def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     """Ranks 1 and 2 (one node) stop beating half an interval apart: the verdict names both, not the first."""
     from types import SimpleNamespace

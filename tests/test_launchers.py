@@ -61,6 +61,38 @@ def test_slurm_environment(tmp_path, spawn_reference):
     assert max_diff(load_model_state(out, STEPS), spawn_reference) < 1e-6
 
 
+@pytest.mark.slow
+def test_srun_ranks_of_a_run_whose_output_dir_is_in_use_all_leave_with_rank_0s_line(tmp_path):
+    """A second srun job on an output_dir in use: rank 0 was refused in one line, and rank 1 (srun ends no task
+    for another's exit) waited at the rendezvous for dist.timeout_s (30 minutes by default), silent, holding the
+    job. Rank 0 now gives its line at the roll call: every rank leaves at once with it, exit 2."""
+    from resilience.run_dir_lock import hold_output_dir
+    out, port = tmp_path / "run", free_port()
+    out.mkdir()
+    held = hold_output_dir(str(out))  # (this test is the other run)
+    procs = []
+    try:
+        for rank in range(2):
+            env = clean_env()
+            env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0",
+                       SLURM_JOB_ID="2")
+            procs.append(subprocess.Popen(
+                [sys.executable, "main.py", "--set", f"output_dir={out}", "--set", "dist.strategy=ddp",
+                 "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={port}",
+                 "--set", "dist.timeout_s=600"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True))
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        held.close()
+    line = f"error: output_dir {str(out)!r} is in use by another run (pid {os.getpid()} on "
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    for stdout, stderr in outputs:
+        assert len(stderr.splitlines()) == 1 and stderr.startswith(line), stderr
+    assert not (out / "checkpoints").exists()
+
+
 def test_dp_runs_in_one_process(tmp_path):
     """On CPU, DataParallel has no GPUs to scatter to and runs the module as is: same result as `none`."""
     runs = {}
