@@ -122,7 +122,7 @@ def write_atomically(dest: str, write_files) -> None:
         remove_stale(parent, prefix)
         tmp = tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
     except OSError as e:
-        raise disk_error(e, dest, parent) or e from None
+        raise disk_error(e, dest, parent) or path_error(dest, parent) or e from None
     try:
         write_files(tmp)
         umask = os.umask(0)
@@ -154,6 +154,17 @@ def disk_error(e: BaseException, dest: str, parent: str) -> Optional[UserError]:
                          "some space, then run the same command again")
     line = disk_errors.disk_problem(e, parent)
     return UserError(line.split(", then run")[0] + ", then run the same command again") if line else None
+
+
+def path_error(dest: str, parent: str) -> Optional[UserError]:
+    """The one line for an export.dir that cannot be a folder: a file where one of its folders should be."""
+    above = parent
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if os.path.isdir(above):
+        return None
+    return UserError(f"export.dir: {dest}: {above} is a file, not a folder: set export.dir to a path under a "
+                     "folder")
 
 
 def remove_stale(parent: str, prefix: str) -> None:

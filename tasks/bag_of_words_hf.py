@@ -13,10 +13,12 @@ classifier of its embedding; the per-token vectors are chosen so that this chain
     classifier       = identity, bias -offset           -> t_j, averaged over the text's words by the pooling
 
 The tokenizer is csv_text's: lower case, the runs of [a-z0-9'] as words, ids from its vocabulary (1: a word training
-never saw). A text without any word (csv_text reads it as one unknown word) has no tokens there: pass at least one.
+never saw); a text without any word is one unknown word, as csv_text reads it (but an empty string has no tokens
+there, and gives NaN: pass at least one character).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -102,7 +104,10 @@ def hf_tokenizer(vocab: dict[str, int], max_length: int):
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, **vocab}, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
+    # A text without a word (an emoji, "!!"): one unknown word, as csv_text reads it, not zero tokens (a NaN mean).
+    unknown = next("'" * n for n in itertools.count(1) if "'" * n not in vocab)  # a word that training never saw
+    tok.normalizer = normalizers.Sequence([normalizers.Lowercase(),
+                                           normalizers.Replace(Regex(r"\A[^a-z0-9']*\z"), unknown)])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[a-z0-9']+"), behavior="removed", invert=True)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                                    model_max_length=max_length)  # pipeline(..., truncation=True) cuts there

@@ -170,8 +170,8 @@ class Task:
 
     def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         """Set up what build_model needs for export and predict, without preparing training: by default the
-        datasets (csv_text's vocabulary comes from them); text tasks load the tokenizer the training run used, and
-        image_folder takes `label_names`, the classes the checkpoint records (None: an older one), for the folders'."""
+        datasets (csv_text: only for a run older than its vocabulary.json); text tasks load the tokenizer the training
+        run used, and image_folder takes `label_names`, the classes the checkpoint records (None: an older one), for the folders'."""
         self.build_datasets()
 
     # -----> mode: predict (extras/predict.py): a classifier's new inputs (say so: reads_new_inputs) and its logits.

@@ -129,8 +129,9 @@ class ImageTask(Task):
         m = self.cfg.model
         return {"class": "tasks.image:Net", "init": {"image_size": self.image_size, "channels": m.channels,
                                                      "hidden": m.hidden, "dropout": m.random_dropout(), "classes": CLASSES},
-                "input": f"float images [N, 1, {self.image_size}, {self.image_size}]: pixels / {scale:g}, then "
-                         f"(x - {mean:g}) / {std:g}",
+                "input": f"float images [N, 1, {self.image_size}, {self.image_size}]: pixels in 0..1 (the {self.cfg.data.dataset} data's / "
+                         f"{scale:g}; an image file's: gray, resized to {self.image_size}x{self.image_size} bilinear, "
+                         f"/ 255, as mode predict reads it), then (x - {mean:g}) / {std:g}",
                 "output": f"logits [N, {CLASSES}] (the digits 0-9)"}
 
     def example_inputs(self) -> tuple:

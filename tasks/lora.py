@@ -83,11 +83,17 @@ def save_adapter(model: nn.Module, folder: str) -> str:
     """peft's adapter folder (adapter_config.json naming the base, adapter_model.safetensors); returns the export
     README's paragraph on loading it."""
     model.save_pretrained(folder)
+    kind = model.peft_config["default"].task_type
     cls = {"SEQ_CLS": "AutoPeftModelForSequenceClassification", "CAUSAL_LM": "AutoPeftModelForCausalLM"}.get(
-        model.peft_config["default"].task_type, "AutoPeftModel")
+        kind, "AutoPeftModel")
+    load = f"model = {cls}.from_pretrained(FOLDER + \"/{os.path.basename(folder)}\")\n"
+    if kind == "SEQ_CLS":  # the base's config.json has no classes: LABEL_0, and another count would not load
+        load = ("import json\nlabels = json.load(open(FOLDER + \"/config.json\"))  # the class names, the merged "
+                f"model's\nmodel = {cls}.from_pretrained(\n    FOLDER + \"/{os.path.basename(folder)}\", "
+                "id2label={int(i): n for i, n in labels[\"id2label\"].items()}, label2id=labels[\"label2id\"])\n")
     return (f"`{os.path.basename(folder)}/`: the LoRA adapters alone (and the head trained whole), for peft, over "
             f"the base `{model.lora_base['pretrained_dir']}` named in its adapter_config.json.\n\n```python\n"
-            f"from peft import {cls}\nmodel = {cls}.from_pretrained(FOLDER + \"/{os.path.basename(folder)}\")\n```\n")
+            f"from peft import {cls}\n{load}```\n")
 
 
 def default_targets(model: nn.Module) -> list[str]:

@@ -29,6 +29,8 @@ from tasks.untrusted_folders import check_folder, refuse_custom_code
 DROPOUT_FIELDS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")  # how transformers' configs name them
 
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's escape of half a UTF-16 pair
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of one without its other half
 TRAINED_VOCAB_SIZE = 8000
 
 
@@ -262,10 +264,16 @@ def json_lines(path: str, text: Optional[str] = None) -> Iterable[tuple[int, obj
         if not line.strip():
             continue
         try:
-            yield number, json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{number}: not valid JSON at column {e.colno} ({e.msg}); JSON lines hold one "
                             "value per line") from None
+        if SURROGATE_ESCAPE.search(line):  # json.loads joins a whole pair; half of one stays, a tokenizer's TypeError
+            lone = LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False))
+            if lone:
+                raise DataError(f"{path}:{number}: \\u{ord(lone.group()):04x} is half of a UTF-16 pair (a text cut "
+                                "inside an emoji?), not a character; the file must hold whole characters")
+        yield number, value
 
 
 def read_utf8(path: str) -> str:

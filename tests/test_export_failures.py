@@ -49,6 +49,17 @@ def test_an_export_into_a_read_only_folder_is_one_line(cnn_run, tmp_path, capsys
     assert line.startswith(f"error: {folder}: Read-only file system: make it writable") and "run the same" in line, line
 
 
+@pytest.mark.parametrize("where", ["notes.txt/export", "notes.txt/nested/export"])
+def test_an_export_under_a_file_is_one_line_naming_it(cnn_run, tmp_path, capsys, where):  # noqa: F811
+    """export.dir's folder is a file (a typo in the path): one line naming it, exit 2 (was a traceback from
+    os.makedirs, exit 1); the file is left as it was."""
+    (tmp_path / "notes.txt").write_text("mine")
+    assert export(cnn_run, dir=str(tmp_path / where), format="state_dict") == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: export.dir: {tmp_path / where}: ") and str(tmp_path / "notes.txt") in line, line
+    assert "not a folder" in line and (tmp_path / "notes.txt").read_text() == "mine", line
+
+
 def interrupting(signum):
     """A format writer that receives `signum` half way (as Ctrl-C or a scheduler's SIGTERM would arrive)."""
     def write(folder, task, model):

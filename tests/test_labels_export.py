@@ -98,7 +98,8 @@ def test_csv_text_trains_tests_and_exports_for_pipeline_under_ddp(tmp_path):
 
 def test_bag_of_words_export_equals_the_model_on_odd_texts(tmp_path):
     """The conversion alone, in this process, on a random model: unknown words, case, punctuation, apostrophes,
-    repeated words and long texts cut at data.max_length give the model's logits."""
+    repeated words, long texts cut at data.max_length and texts without a word (an emoji: was NaN) give the model's
+    logits."""
     from torch import nn
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from tasks import bag_of_words_hf
@@ -114,11 +115,11 @@ def test_bag_of_words_export_equals_the_model_on_odd_texts(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     tok = AutoTokenizer.from_pretrained(tmp_path)
     texts = ["GOOD good, good!", "Don't -- x1?", "unseen words only", "the a ok good the a ok good x1",
-             "Ünïcode ok; tabs\tand\nlines"]
+             "Ünïcode ok; tabs\tand\nlines", "\N{GRINNING FACE}!!", " -- \n"]  # no word: csv_text's one unknown
     enc = tok(texts, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         theirs = hf(**enc).logits
-        ours = torch.cat([model(torch.tensor([[vocab.get(w, 1) for w in words(t)][:6]])) for t in texts])
+        ours = torch.cat([model(torch.tensor([[vocab.get(w, 1) for w in words(t)][:6] or [1]])) for t in texts])
     assert torch.allclose(theirs, ours, atol=1e-4), (theirs - ours).abs().max()
     assert hf.config.id2label == {0: "w", 1: "x", 2: "y", 3: "z"}
 

@@ -6,6 +6,7 @@ Tiny random models saved to temporary folders (MiniLM's real tokenizer), data wr
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -264,7 +265,16 @@ def test_export_merged_folder_gives_test_mode_predictions(full_run, tmp_path):
     batch = tok(sentences[:16], padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         assert torch.allclose(adapted(**batch).logits, pipe.model(**batch).logits, atol=1e-5)
-    assert "AutoPeftModelForSequenceClassification" in open(dest / "README.md").read()
+    # The README's snippet for it: the class names too (the base's config.json has none: LABEL_0; 3 classes would
+    # not even load over its 2-output head).
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", open(dest / "README.md").read(), re.S)
+                   if "AutoPeftModelForSequenceClassification" in b)
+    scope = {"FOLDER": str(dest)}
+    exec(snippet, scope)
+    assert scope["model"].config.id2label == {0: "negative", 1: "positive"}
+    assert scope["model"].config.label2id == {"negative": 0, "positive": 1}
+    with torch.no_grad():
+        assert torch.allclose(scope["model"].eval()(**batch).logits, pipe.model(**batch).logits, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

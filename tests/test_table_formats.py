@@ -374,3 +374,17 @@ def test_predict_reads_every_format_a_split_is_read_in(tmp_path, fmt):
         read_texts(path, "text")
     with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path} is not a file of texts (.csv, .tsv")):
         read_texts(str(tmp_path), "text")
+
+
+def test_a_json_escape_of_half_a_surrogate_pair_is_one_line_naming_its_line(tmp_path):
+    """JSON's "\\ud800" (half of an emoji's UTF-16 pair, a text cut inside one) is no character: sst2's predict
+    crashed in the tokenizer (a TypeError traceback), csv_text read it silently; now a DataError naming the line,
+    for predict.input and a split alike. A whole pair ("\\ud83d\\ude00") is its emoji."""
+    from tasks.table_files import jsonl_rows, read_texts
+    path = tmp_path / "new.jsonl"
+    path.write_text('{"text": "fine \\ud83d\\ude00", "label": "pos"}\n\n{"text": "cut \\ud83d", "label": "neg"}\n')
+    for read in (lambda: read_texts(str(path), "text"), lambda: list(jsonl_rows(str(path), ("text", "label")))):
+        with pytest.raises(DataError, match=re.escape(f"{path}:3: ") + r".*\\ud83d.*half of a UTF-16 pair"):
+            read()
+    path.write_text('{"text": "fine \\ud83d\\ude00", "label": "pos"}\n')
+    assert read_texts(str(path), "text") == ["fine \N{GRINNING FACE}"]
