@@ -254,6 +254,8 @@ def image_files(path: str) -> tuple[list[str], list[str]]:
     extensions = ", ".join(e[1:] for e in IMAGE_EXTENSIONS)
     if os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS):
         return [path], [os.path.basename(path)]
+    if not os.path.lexists(path):
+        raise DataError(f"predict.input: {path} does not exist")
     if not os.path.isdir(path):
         raise DataError(f"predict.input: {path} is neither a folder of images nor an image file ({extensions})")
     files, others = walk_images(path)

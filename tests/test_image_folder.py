@@ -512,8 +512,11 @@ def test_export_answers_through_pipeline_as_predict_does(tmp_path, folder, capsy
         answer = pipe(str(new / row[0]), top_k=2)
         assert [a["label"] for a in answer] == [row[1], row[3]]
         assert answer[0]["score"] == pytest.approx(float(row[2]), abs=1e-4)
-    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "nothing")})) == 2
-    assert f"error: predict.input: {tmp_path / 'nothing'} is neither a folder of images nor an image file" in \
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "nothing.png")})) == 2
+    assert f"error: predict.input: {tmp_path / 'nothing.png'} does not exist" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not an image")
+    assert main.run(tiny(tmp_path, folder, mode="predict", predict={"input": str(tmp_path / "notes.txt")})) == 2
+    assert f"error: predict.input: {tmp_path / 'notes.txt'} is neither a folder of images nor an image file" in \
         capsys.readouterr().err
     broken = new / "zero" / "broken.png"
     broken.write_bytes(open(new / row[0], "rb").read()[:100])  # a cut-off file among the inputs
