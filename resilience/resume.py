@@ -280,15 +280,22 @@ def training_changes(trainer, saved: dict) -> None:
 
 
 def best_changes(trainer, saved: dict) -> None:
-    """Resumed with another train.best_metric or best_mode: the best so far was ranked another way, and comparing
+    """Resumed with another train.best_metric or best_mode, or train.eval_ema turned on or off (the same metric of
+    the other weights: the average's or the trained ones'): the best so far was ranked another way, and comparing
     this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again here."""
+    if "best_metric" not in saved:
+        return
     was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
-    if "best_metric" not in saved or was == (trainer.best_metric, trainer.best_mode):
+    was_eval_ema, eval_ema = saved.get("eval_ema") is True, trainer.train_cfg.eval_ema
+    changed = [] if was == (trainer.best_metric, trainer.best_mode) else [
+        f"train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} ({trainer.best_mode})"]
+    if was_eval_ema != eval_ema:
+        changed.append(f"train.eval_ema {was_eval_ema} -> {eval_ema}")
+    if not changed:
         return
     trainer.rank_anew()
-    trainer.log.warning(f"resuming with train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} "
-                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step "
-                        f"{trainer.state.step} on")
+    trainer.log.warning(f"resuming with {', '.join(changed)}: the best checkpoint and train.patience count from "
+                        f"step {trainer.state.step} on")
 
 
 def length_from_position(trainer) -> None:
