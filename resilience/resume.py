@@ -203,8 +203,7 @@ def load(trainer, path: str) -> dict:
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
-                             "loss_window": extra["loss_window"][trainer.ctx.rank]
-                             if same_world and "loss_window" in extra else None,  # (an older state.pt: none)
+                             "loss_window": loss_window_here(extra.get("loss_window"), trainer.ctx, same_world),
                              "batch_sizes": meta.get("batch_sizes"), "ema": ema,
                              "precision": saved_train.get("precision")})
     if changed:
@@ -218,6 +217,17 @@ def load(trainer, path: str) -> dict:
     if changes:
         trainer.log.warning(f"resuming {' and '.join(changes)}: random draws such as dropout's differ from here on")
     return saved_train
+
+
+def loss_window_here(windows: Optional[list], ctx: DistContext, same_world: bool) -> Optional[dict]:
+    """This rank's loss since the last training line, from every saved rank's (None: an older state.pt kept none).
+    At another world size rank 0 takes the ranks' sum (the line sums them; the count is already global): the next
+    line averages the same steps as the uninterrupted run's, not those since the resume alone."""
+    if not windows:
+        return None
+    if same_world:
+        return windows[ctx.rank]
+    return {"loss": sum(w["loss"] for w in windows) if ctx.rank == 0 else 0.0, "count": windows[0]["count"]}
 
 
 def check_same_run(trainer, path: str, meta: dict) -> None:
