@@ -242,7 +242,7 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
         if was != now:
-            diffs.append(f"global batch {was} (now {now})")
+            diffs.append(f"global batch {was} (now {now}: {batch_changes(trainer, saved, sizes)})")
     if not diffs:
         return
     if not t.resume_changed:
@@ -250,6 +250,18 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
                               "start over (--set train.start_over=true), or resume it anyway "
                               "(--set train.resume_changed=true)")
     trainer.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} (train.resume_changed)")
+
+
+def batch_changes(trainer, saved: dict, sizes: list) -> str:
+    """What made the global batch another: the keys that differ from the saved run's, and the number of ranks (or
+    pipelines) sharing it, so that the refusal names what to set back."""
+    t, saved_train = trainer.train_cfg, saved.get("train") or {}
+    keys = [f"train.{k} {saved_train[k]} -> {getattr(t, k)}" for k in ("batch_size", "grad_accum_steps",
+                                                                       "global_batch_size")
+            if k in saved_train and saved_train[k] != getattr(t, k)]
+    if len(sizes) != len(trainer.batch_sizes):
+        keys.append(f"{len(sizes)} {trainer.strategy.replica}s -> {len(trainer.batch_sizes)}")
+    return ", ".join(keys) or f"per-{trainer.strategy.replica} batches {sizes} -> {trainer.batch_sizes}"
 
 
 def model_built(config: dict, task) -> dict:
