@@ -86,20 +86,23 @@ def resume(trainer, which: str) -> bool:
         if not checkpoint.is_complete(which):
             raise CheckpointError(f"train.resume: {which} is not a complete checkpoint directory (step-N/meta.json)")
         path = load_on_every_rank(trainer.ctx, load_here, which)
+    ranked = ()  # the best as the checkpoint ranks them, kept by a finished run run again (ranked anew or not)
     if path is not None:
         s = trainer.state
         trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
         training_changes(trainer, saved["train"])
+        ranked = (s.best_step, *(step for _, _, step in s.best_k))
         best_changes(trainer, saved["train"])
         length_from_position(trainer)
-    return already_complete(trainer, path)
+    return already_complete(trainer, path, ranked)
 
 
-def already_complete(trainer, path: Optional[str]) -> bool:
+def already_complete(trainer, path: Optional[str], ranked: tuple = ()) -> bool:
     """Run again after the end (or after early stopping) of the run `path` continues: say so instead of pretending
-    to train and save."""
+    to train and save. `ranked`: the checkpoint's best, kept though another best_metric reset the ranking (nothing
+    was ranked since)."""
     s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
@@ -113,7 +116,7 @@ def already_complete(trainer, path: Optional[str]) -> bool:
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")
         # train.keep_last (or keep_best) lowered since: pruned now, as the next save would have
-        pruned = trainer.prune_checkpoints(s.best_step, s.step) if trainer.ctx.is_main else []  # (and the one loaded)
+        pruned = trainer.prune_checkpoints(s.best_step, s.step, *ranked) if trainer.ctx.is_main else []
         if pruned:
             trainer.log.info(f"removed {', '.join(f'step-{step}' for step in pruned)}: train.keep_last is "
                              f"{t.keep_last} (and the best are kept)")
