@@ -453,9 +453,9 @@ class Trainer:
         return whole
 
     def load_state_dict(self, saved: dict) -> None:
-        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` and
-        `loss_window` None: the checkpoint came from another world size (or, the window, an older version), so this
-        rank keeps its fresh ones."""
+        """The inverse of state_dict(), once the strategy has loaded the model and optimizer. `rng` None: the
+        checkpoint came from another world size, so this rank keeps its fresh streams; `loss_window` None: an older
+        version kept none (at another world size: resume.loss_window_here)."""
         self.scheduler.load_state_dict(per_group(saved["scheduler"], len(self.strategy.optimizer.param_groups)))
         self.apply_lr()  # the same value, except under pipe (its optimizer files keep no param_groups)
         if self.strategy.scaler and saved["scaler"]:

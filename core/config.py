@@ -328,6 +328,14 @@ class TrainConfig:
             fail("train.ema_decay", f"must be in [0, 1) (0: no average; 0.999 is usual), got {self.ema_decay}")
         if self.eval_ema and not self.ema_decay:
             fail("train.eval_ema", "is true but train.ema_decay is 0: there is no average to evaluate")
+        # the average's metrics are ema_<metric> beside the weights' only (Trainer.evaluate_dev): else the first
+        # evaluation, after hours of training, would find no such metric
+        if str(self.best_metric).startswith("ema_") and not self.ema_decay:
+            fail("train.best_metric", f"is {self.best_metric!r}, the weight average's, but train.ema_decay is 0: "
+                 "there is no average (set it, e.g. 0.999)")
+        elif str(self.best_metric).startswith("ema_") and self.eval_ema:
+            fail("train.best_metric", f"is {self.best_metric!r}, but train.eval_ema names the average's metrics as "
+                 f"the weights' are: use {self.best_metric.removeprefix('ema_')!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
         betas = self.betas

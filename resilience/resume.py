@@ -86,20 +86,23 @@ def resume(trainer, which: str) -> bool:
         if not checkpoint.is_complete(which):
             raise CheckpointError(f"train.resume: {which} is not a complete checkpoint directory (step-N/meta.json)")
         path = load_on_every_rank(trainer.ctx, load_here, which)
+    ranked = ()  # the best as the checkpoint ranks them, kept by a finished run run again (ranked anew or not)
     if path is not None:
         s = trainer.state
         trainer.log.info(f"resumed from {path} at step {s.step} (epoch {s.epoch}, batch {s.batch_in_epoch}, "
                          f"sample {s.sample_in_epoch})")
         schedule_changes(trainer, saved["train"])
         training_changes(trainer, saved["train"])
+        ranked = (s.best_step, *(step for _, _, step in s.best_k))
         best_changes(trainer, saved["train"])
         length_from_position(trainer)
-    return already_complete(trainer, path)
+    return already_complete(trainer, path, ranked)
 
 
-def already_complete(trainer, path: Optional[str]) -> bool:
+def already_complete(trainer, path: Optional[str], ranked: tuple = ()) -> bool:
     """Run again after the end (or after early stopping) of the run `path` continues: say so instead of pretending
-    to train and save."""
+    to train and save. `ranked`: the checkpoint's best, kept though another best_metric reset the ranking (nothing
+    was ranked since)."""
     s, t = trainer.state, trainer.train_cfg
     stopped_early = bool(t.patience and s.evals_without_improvement >= t.patience)
     done = s.step > 0 and not s.eval_due and (s.step >= trainer.total_steps or stopped_early)
@@ -113,7 +116,7 @@ def already_complete(trainer, path: Optional[str]) -> bool:
                          f"nothing to do. To train longer {longer}; for a new run use another output_dir or --set "
                          "train.start_over=true")
         # train.keep_last (or keep_best) lowered since: pruned now, as the next save would have
-        pruned = trainer.prune_checkpoints(s.best_step, s.step) if trainer.ctx.is_main else []  # (and the one loaded)
+        pruned = trainer.prune_checkpoints(s.best_step, s.step, *ranked) if trainer.ctx.is_main else []
         if pruned:
             trainer.log.info(f"removed {', '.join(f'step-{step}' for step in pruned)}: train.keep_last is "
                              f"{t.keep_last} (and the best are kept)")
@@ -203,8 +206,7 @@ def load(trainer, path: str) -> dict:
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
     trainer.load_state_dict({"scheduler": extra["scheduler"], "scaler": extra["scaler"], "state": asdict(state),
                              "rng": extra["rng"][trainer.ctx.rank] if same_world else None,
-                             "loss_window": extra["loss_window"][trainer.ctx.rank]
-                             if same_world and "loss_window" in extra else None,  # (an older state.pt: none)
+                             "loss_window": loss_window_here(extra.get("loss_window"), trainer.ctx, same_world),
                              "batch_sizes": meta.get("batch_sizes"), "ema": ema,
                              "precision": saved_train.get("precision")})
     if changed:
@@ -220,6 +222,17 @@ def load(trainer, path: str) -> dict:
     return saved_train
 
 
+def loss_window_here(windows: Optional[list], ctx: DistContext, same_world: bool) -> Optional[dict]:
+    """This rank's loss since the last training line, from every saved rank's (None: an older state.pt kept none).
+    At another world size rank 0 takes the ranks' sum (the line sums them; the count is already global): the next
+    line averages the same steps as the uninterrupted run's, not those since the resume alone."""
+    if not windows:
+        return None
+    if same_world:
+        return windows[ctx.rank]
+    return {"loss": sum(w["loss"] for w in windows) if ctx.rank == 0 else 0.0, "count": windows[0]["count"]}
+
+
 def check_same_run(trainer, path: str, meta: dict) -> None:
     """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
     model, data, global batch) would silently make a run that is neither: refused with the differences listed,
@@ -232,7 +245,7 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
     if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes) and isinstance(accum, int):
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
         if was != now:
-            diffs.append(f"global batch {was} (now {now})")
+            diffs.append(f"global batch {was} (now {now}: {batch_changes(trainer, saved, sizes)})")
     if not diffs:
         return
     if not t.resume_changed:
@@ -240,6 +253,18 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
                               "start over (--set train.start_over=true), or resume it anyway "
                               "(--set train.resume_changed=true)")
     trainer.log.warning(f"resuming {path}, written by a run that differs: {', '.join(diffs)} (train.resume_changed)")
+
+
+def batch_changes(trainer, saved: dict, sizes: list) -> str:
+    """What made the global batch another: the keys that differ from the saved run's, and the number of ranks (or
+    pipelines) sharing it, so that the refusal names what to set back."""
+    t, saved_train = trainer.train_cfg, saved.get("train") or {}
+    keys = [f"train.{k} {saved_train[k]} -> {getattr(t, k)}" for k in ("batch_size", "grad_accum_steps",
+                                                                       "global_batch_size")
+            if k in saved_train and saved_train[k] != getattr(t, k)]
+    if len(sizes) != len(trainer.batch_sizes):
+        keys.append(f"{len(sizes)} {trainer.strategy.replica}s -> {len(trainer.batch_sizes)}")
+    return ", ".join(keys) or f"per-{trainer.strategy.replica} batches {sizes} -> {trainer.batch_sizes}"
 
 
 def model_built(config: dict, task) -> dict:
@@ -280,15 +305,22 @@ def training_changes(trainer, saved: dict) -> None:
 
 
 def best_changes(trainer, saved: dict) -> None:
-    """Resumed with another train.best_metric or best_mode: the best so far was ranked another way, and comparing
+    """Resumed with another train.best_metric or best_mode, or train.eval_ema turned on or off (the same metric of
+    the other weights: the average's or the trained ones'): the best so far was ranked another way, and comparing
     this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again here."""
+    if "best_metric" not in saved:
+        return
     was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
-    if "best_metric" not in saved or was == (trainer.best_metric, trainer.best_mode):
+    was_eval_ema, eval_ema = saved.get("eval_ema") is True, trainer.train_cfg.eval_ema
+    changed = [] if was == (trainer.best_metric, trainer.best_mode) else [
+        f"train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} ({trainer.best_mode})"]
+    if was_eval_ema != eval_ema:
+        changed.append(f"train.eval_ema {was_eval_ema} -> {eval_ema}")
+    if not changed:
         return
     trainer.rank_anew()
-    trainer.log.warning(f"resuming with train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} "
-                        f"({trainer.best_mode}): the best checkpoint and train.patience count from step "
-                        f"{trainer.state.step} on")
+    trainer.log.warning(f"resuming with {', '.join(changed)}: the best checkpoint and train.patience count from "
+                        f"step {trainer.state.step} on")
 
 
 def length_from_position(trainer) -> None:

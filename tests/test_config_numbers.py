@@ -142,6 +142,12 @@ def test_output_dir_that_is_home_is_refused_after_resolving_links(tmp_path, monk
     # ignored without a word (the rendezvous file is where the ranks meet)
     (["dist.init_method=file:///tmp/meet", "dist.master_addr=node0"], "`dist.master_addr` is not read with "
      "dist.init_method file:///tmp/meet (the ranks meet in that file); remove it"),
+    # the average's metric where there is none under that name: refused at the first evaluation, after training
+    (["train.best_metric=ema_loss"], "`train.best_metric` is 'ema_loss', the weight average's, but train.ema_decay "
+                                     "is 0: there is no average"),
+    (["train.best_metric=ema_accuracy", "train.ema_decay=0.9", "train.eval_ema=true"],
+     "`train.best_metric` is 'ema_accuracy', but train.eval_ema names the average's metrics as the weights' are: "
+     "use 'accuracy'"),
 ])
 def test_main_says_a_bad_number_in_one_line_and_exits_2(tmp_path, capsys, sets, words):
     args = ["--params", PARAMS, "--set", f"output_dir={tmp_path / 'run'}"]

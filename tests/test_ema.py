@@ -125,6 +125,24 @@ def test_best_metric_ema_loss_picks_the_lowest_loss_of_the_average(tmp_path):
     assert meta["state"]["best_step"] == min(losses, key=losses.get)
 
 
+def test_a_resume_that_turns_eval_ema_on_or_off_ranks_the_best_anew_and_says_so(tmp_path):
+    """train.eval_ema turned on at a resume: the average's accuracy was compared with the best of the trained
+    weights' (higher, so no improvement), and patience, counting on, stopped the run at its first evaluation."""
+    cfg = ema_config(tmp_path, 6)
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, save_every=6, eval_every=2))
+    run(first, 1)
+    for steps, eval_ema in ((8, True), (10, False)):
+        then = dataclasses.replace(first, train=dataclasses.replace(first.train, max_steps=steps, patience=1,
+                                                                    eval_ema=eval_ema))
+        run(then, 1)
+        log = open(tmp_path / "logs" / "rank0.log").read()
+        assert (f"resuming with train.eval_ema {not eval_ema} -> {eval_ema}: the best checkpoint and train.patience "
+                f"count from step {steps - 2} on") in log
+        meta = json.load(open(tmp_path / "checkpoints" / f"step-{steps}" / "meta.json"))
+        assert meta["state"]["best_step"] == steps and meta["state"]["evals_without_improvement"] == 0
+        assert meta["state"]["best_value"] == meta["metrics"]["accuracy"]  # the average's, then the weights'
+
+
 @pytest.mark.slow
 def test_under_pipe_each_stage_averages_its_own_layers_as_one_process_does_and_resumes_exactly(tmp_path):
     """2 stages in 2 processes against one process, SGD (as tests/test_pipeline.py: the update follows the

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+import main
 from conftest import make_config
 from core import checkpoint, checkpoint_meta
 from core.errors import Unloadable
@@ -125,3 +126,16 @@ def test_a_best_checkpoint_that_is_gone_is_said_before_the_latest_stands_in(tmp_
     assert shown == [said[0].split(" rank0 ")[1].rstrip("\n")]
     assert "test.checkpoint" in said[0]
     assert json.load(open(tmp_path / "dev_results.json"))["checkpoint"].endswith("step-6")
+
+
+def test_a_finished_run_run_again_with_another_best_metric_keeps_its_best(tmp_path, capsys):
+    """Nothing to train, nothing ranked anew: the best checkpoint (and keep_best's) of the ranking the checkpoint
+    records is kept. It was pruned (the ranking had just been reset), and test mode read the latest in its place."""
+    run = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "keep_last": 1, "keep_best": 2, "lr": 3e-3}
+    cfg = make_config(tmp_path, train={**run, "best_metric": "loss", "best_mode": "max"})  # the best: an early one
+    train(cfg, 1)
+    kept = sorted(step for step, _ in checkpoint.complete_checkpoints(str(tmp_path)))
+    assert len(kept) == 3 and kept[-1] == 6, "the test needs two best that are not the latest"
+    assert main.run(make_config(tmp_path, train={**run, "best_mode": "min"})) == 0
+    assert "already complete at step 6" in capsys.readouterr().out
+    assert sorted(step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))) == kept

@@ -79,7 +79,9 @@ def test_resuming_another_runs_checkpoint_lists_the_differences(tmp_path, capsys
                               "model.dropout=None (now 0.0); use another output_dir, start over (--set "
                               "train.start_over=true), or resume it anyway (--set train.resume_changed=true)"]
     assert run(tmp_path, train={"batch_size": 16}) == 2
-    assert "global batch 32 (now 16)" in errors(capsys)[0]
+    assert "global batch 32 (now 16: train.batch_size 32 -> 16);" in errors(capsys)[0]  # the key, not a sum
+    assert run(tmp_path, train={"grad_accum_steps": 2}) == 2
+    assert "global batch 32 (now 64: train.grad_accum_steps 1 -> 2);" in errors(capsys)[0]
     # lr and length may change (extending a run is common): a warning, not a refusal; speed-only settings too.
     assert run(tmp_path, train={"lr": 5e-4}, model={"activation_checkpointing": False}) == 0
     assert "resuming with train.lr 0.001 -> 0.0005" in capsys.readouterr().out
