@@ -305,9 +305,9 @@ def training_changes(trainer, saved: dict) -> None:
 
 
 def best_changes(trainer, saved: dict) -> None:
-    """Resumed with another train.best_metric or best_mode, or train.eval_ema turned on or off (the same metric of
-    the other weights: the average's or the trained ones'): the best so far was ranked another way, and comparing
-    this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again here."""
+    """Resumed with another train.best_metric or best_mode, train.eval_ema turned on or off (the same metric of the
+    other weights: the average's or the trained ones'), or another dev subset: the best so far was ranked another way,
+    and comparing this run's values with it would mix them (an accuracy taken for a loss). The ranking starts again."""
     if "best_metric" not in saved:
         return
     was = best_by(saved.get("best_metric"), saved.get("best_mode") or "auto", trainer.task)
@@ -316,11 +316,24 @@ def best_changes(trainer, saved: dict) -> None:
         f"train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} ({trainer.best_mode})"]
     if was_eval_ema != eval_ema:
         changed.append(f"train.eval_ema {was_eval_ema} -> {eval_ema}")
+    now = asdict(trainer.train_cfg)
+    if dev_subset(saved) != dev_subset(now):  # its values come from other dev samples
+        changed.append(f"train.{dev_subset(saved, said=True)} -> {dev_subset(now, said=True)}")
     if not changed:
         return
     trainer.rank_anew()
     trainer.log.warning(f"resuming with {', '.join(changed)}: the best checkpoint and train.patience count from "
                         f"step {trainer.state.step} on")
+
+
+def dev_subset(train: dict, said: bool = False):
+    """The dev samples an evaluation during training reads (train.eval_batches, limit_eval_batches: so many batches
+    of eval_batch_size; 0, the whole split), or `said`, the settings that chose them."""
+    size = train.get("eval_batch_size", 256)
+    if said:
+        return (f"eval_batches={train.get('eval_batches', 0)} limit_eval_batches={train.get('limit_eval_batches', 0)} "
+                f"eval_batch_size={size}")
+    return train.get("eval_batches", 0) * size, train.get("limit_eval_batches", 0) * size
 
 
 def length_from_position(trainer) -> None:

@@ -139,3 +139,24 @@ def test_a_finished_run_run_again_with_another_best_metric_keeps_its_best(tmp_pa
     assert main.run(make_config(tmp_path, train={**run, "best_mode": "min"})) == 0
     assert "already complete at step 6" in capsys.readouterr().out
     assert sorted(step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))) == kept
+
+
+def test_a_resume_that_evaluates_on_another_dev_subset_ranks_the_best_anew_and_says_so(tmp_path):
+    """train.eval_batches changed at a resume: the values of other dev samples were compared with the best so far,
+    unsaid (AC's report); now the ranking starts again, as for another best_metric. eval_batch_size alone, with the
+    whole split evaluated, changes nothing."""
+    run = {"epochs": 0, "eval_every": 2, "save_every": 2, "log_every": 2, "eval_batches": 1, "eval_batch_size": 16}
+    cfg = make_config(tmp_path, train={**run, "max_steps": 4})
+    train(cfg, 1)
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=6, eval_batches=2)), 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert ("resuming with train.eval_batches=1 limit_eval_batches=0 eval_batch_size=16 -> eval_batches=2 "
+            "limit_eval_batches=0 eval_batch_size=16: the best checkpoint and train.patience count from step 4 "
+            "on") in log
+    meta = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))
+    assert meta["state"]["best_step"] == 6 and meta["state"]["best_value"] == meta["metrics"]["accuracy"]
+    whole = dataclasses.replace(cfg, output_dir=str(tmp_path / "whole"),
+                                train=dataclasses.replace(cfg.train, eval_batches=0))
+    train(whole, 1)
+    train(dataclasses.replace(whole, train=dataclasses.replace(whole.train, max_steps=6, eval_batch_size=32)), 1)
+    assert "the best checkpoint and" not in open(tmp_path / "whole" / "logs" / "rank0.log").read()
