@@ -65,6 +65,14 @@ def test_sampler_splits_the_tail_in_proportion_and_drops_a_tail_smaller_than_the
     assert all(len(batches) == 12 for batches in per_rank)
 
 
+def test_a_training_set_smaller_than_the_ranks_is_a_config_error():
+    # 3 training samples on 4 ranks was a ValueError traceback from every rank (exit 1), not one line (exit 2)
+    with pytest.raises(ConfigError) as e:
+        GlobalBatchSampler(3, [1] * 4, 0, seed=3)
+    assert "has 3 samples, fewer than the 4 data-parallel ranks" in str(e.value) and "\n" not in str(e.value)
+    assert len(list(GlobalBatchSampler(4, [1] * 4, 3, seed=3).epoch_batches(0))) == 1  # one each: it trains
+
+
 def test_sampler_resume_continues_the_same_epoch():
     for r in range(2):
         s = GlobalBatchSampler(103, [6, 2], r, seed=3)
