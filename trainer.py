@@ -347,8 +347,9 @@ class Trainer:
         model.train(was_training)
         metrics = self.task.metrics(totals)
         if ctx.is_main:
-            subset = f" (on {len(indices)} of {len(dataset)} samples: train.eval_batches)" if len(indices) < len(
-                dataset) else ""  # after the metrics: `step N dev: k=v ...` stays one pattern to read
+            limited = len(indices) == self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size  # its key
+            key = "train.limit_eval_batches" if limited else "train.eval_batches"
+            subset = f" (on {len(indices)} of {len(dataset)} samples: {key})" if len(indices) < len(dataset) else ""
             shown_as = shown_as or split
             self.log.info(f"step {self.state.step} {shown_as}: "
                           + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
