@@ -570,8 +570,9 @@ class Trainer:
 
 def micro_batches_in(epochs: float, per_epoch: int) -> int:
     """The micro-batches of `epochs` epochs, a started one counted whole: 1.1 x 40 is 44 (float says
-    44.00000000000001, whose ceil is 45). The run's length and resume's recount (resume.py) both use it."""
-    return math.ceil(round(epochs * per_epoch, 6))
+    44.00000000000001, whose ceil is 45); 1e-7 x 40 is 1, not a run of no step. The run's length and resume's
+    recount (resume.py) both use it."""
+    return max(math.ceil(round(epochs * per_epoch, 6)), int(epochs > 0 and per_epoch > 0))
 
 
 def ceil_div(a: int, b: int) -> int:
