@@ -422,6 +422,7 @@ class Trainer:
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.strategy.checkpoint_format,
                 "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
+                "train_samples": self.sampler.n,  # the epoch order's length: its position means nothing in another
                 "optimizer": checkpoint.hyperparameters(self.strategy.optimizer.param_groups),
                 "label_names": self.task.label_names(),  # a classifier's outputs, by name (checkpoint_io)
                 "vocabulary_sha256": self.task.vocabulary_sha256(),  # its inputs' ids (checkpoint_io)
