@@ -272,8 +272,9 @@ class Trainer:
         the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
         train_cfg, sampler = self.train_cfg, self.sampler
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
-            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
-                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
+            key = "train.global_batch_size" if train_cfg.batch_size == "auto" else "train.batch_size"  # (the one set)
+            raise ConfigError(f"`{key}`: the global batch ({sampler.global_batch} samples over all ranks) is larger "
+                              f"than the training set ({sampler.n} samples); lower {key}")
         from_epochs = ceil_div(micro_batches_in(train_cfg.epochs, sampler.batches_per_epoch()),
                                train_cfg.grad_accum_steps) if train_cfg.epochs else None
         limits = [(n, f"{key}={value:g}") for n, key, value in (

@@ -102,6 +102,16 @@ def test_config_errors_name_the_key(overrides, key, words):
     assert f"`{key}`" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_global_batch_larger_than_the_training_set_names_the_key_that_set_it(tmp_path, capsys):
+    # with batch_size auto the line said "lower train.batch_size", which is auto: the global batch is another key
+    for train, key in (({"batch_size": 2000}, "train.batch_size"),
+                       ({"batch_size": "auto", "global_batch_size": 2000}, "train.global_batch_size")):
+        assert main.run(make_config(tmp_path, train={**train, "max_steps": 1, "epochs": 0})) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: `{key}`: the global batch (2000 samples over all ranks) is larger than the training set (1272 "
+            f"samples); lower {key}")
+
+
 def test_simulated_slowdown_stretches_compute_until_the_gradients_are_ready(monkeypatch):
     """Factor 3: 50 ms of compute from the forward's start until the gradients are ready become 150 ms, and the
     gradients are ready (DDP would send them) only then; the time already waited for one gradient is not counted
