@@ -50,7 +50,10 @@ class GlobalBatchSampler:
         self.shard_sizes, self.lengths, self.drop_last = shard_sizes, lengths, drop_last
         self.global_batch = sum(self.batch_sizes)
         if n < len(self.batch_sizes):
-            raise ValueError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} ranks")
+            # (a traceback from every rank, exit 1, was what a user saw: the run cannot start, and that is one line)
+            raise ConfigError(f"the training set has {n} samples, fewer than the {len(self.batch_sizes)} "
+                              "data-parallel ranks that each take a share of every batch; train on fewer ranks "
+                              "(dist.procs_per_node, dist.nodes) or on more data")
 
     def batches_per_epoch(self, start_sample: int = 0) -> int:
         """Global batches of the epoch from position `start_sample` on (which tail counts: EpochBatches)."""

@@ -272,8 +272,9 @@ class Trainer:
         the plan and the resume messages (a limit nobody sees is a run that ends for no reason)."""
         train_cfg, sampler = self.train_cfg, self.sampler
         if sampler.global_batch > sampler.n and self.cfg.mode == "train":  # (a config that makes no sense: said now)
-            raise ConfigError(f"`train.batch_size`: the global batch ({sampler.global_batch} samples over all ranks) "
-                              f"is larger than the training set ({sampler.n} samples); lower train.batch_size")
+            key = "train.global_batch_size" if train_cfg.batch_size == "auto" else "train.batch_size"  # (the one set)
+            raise ConfigError(f"`{key}`: the global batch ({sampler.global_batch} samples over all ranks) is larger "
+                              f"than the training set ({sampler.n} samples); lower {key}")
         from_epochs = ceil_div(micro_batches_in(train_cfg.epochs, sampler.batches_per_epoch()),
                                train_cfg.grad_accum_steps) if train_cfg.epochs else None
         limits = [(n, f"{key}={value:g}") for n, key, value in (
@@ -347,8 +348,9 @@ class Trainer:
         model.train(was_training)
         metrics = self.task.metrics(totals)
         if ctx.is_main:
-            subset = f" (on {len(indices)} of {len(dataset)} samples: train.eval_batches)" if len(indices) < len(
-                dataset) else ""  # after the metrics: `step N dev: k=v ...` stays one pattern to read
+            limited = len(indices) == self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size  # its key
+            key = "train.limit_eval_batches" if limited else "train.eval_batches"
+            subset = f" (on {len(indices)} of {len(dataset)} samples: {key})" if len(indices) < len(dataset) else ""
             shown_as = shown_as or split
             self.log.info(f"step {self.state.step} {shown_as}: "
                           + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
@@ -421,6 +423,7 @@ class Trainer:
                 "world_size": self.ctx.world_size, "strategy": self.cfg.dist.strategy,
                 "format": self.strategy.checkpoint_format,
                 "batch_sizes": own["batch_sizes"], "config": self.cfg.to_dict(),
+                "train_samples": self.sampler.n,  # the epoch order's length: its position means nothing in another
                 "optimizer": checkpoint.hyperparameters(self.strategy.optimizer.param_groups),
                 "label_names": self.task.label_names(),  # a classifier's outputs, by name (checkpoint_io)
                 "vocabulary_sha256": self.task.vocabulary_sha256(),  # its inputs' ids (checkpoint_io)
@@ -569,8 +572,9 @@ class Trainer:
 
 def micro_batches_in(epochs: float, per_epoch: int) -> int:
     """The micro-batches of `epochs` epochs, a started one counted whole: 1.1 x 40 is 44 (float says
-    44.00000000000001, whose ceil is 45). The run's length and resume's recount (resume.py) both use it."""
-    return math.ceil(round(epochs * per_epoch, 6))
+    44.00000000000001, whose ceil is 45); 1e-7 x 40 is 1, not a run of no step. The run's length and resume's
+    recount (resume.py) both use it."""
+    return max(math.ceil(round(epochs * per_epoch, 6)), int(epochs > 0 and per_epoch > 0))
 
 
 def ceil_div(a: int, b: int) -> int:

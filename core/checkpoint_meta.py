@@ -146,6 +146,8 @@ def _meta_problem(meta: dict, name: str) -> str:
             return f"`{key}` is {_shown(meta[key])}, not a {kind.__name__}"
     if meta.get("world_size") is not None and not _count(meta["world_size"], low=1):
         return f"`world_size` is {_shown(meta['world_size'])}, not a number of processes"
+    if meta.get("train_samples") is not None and not _count(meta["train_samples"]):  # (resume compares it)
+        return f"`train_samples` is {_shown(meta['train_samples'])}, not a number of samples"
     if not all(_count(b) for b in meta.get("batch_sizes") or []):
         return f"`batch_sizes` is {_shown(meta['batch_sizes'])}, not a list of batch sizes"
     if meta.get("config") is not None and not isinstance(meta["config"].get("train", {}), dict):

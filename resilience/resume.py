@@ -201,6 +201,7 @@ def load(trainer, path: str) -> dict:
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
         strategy.load(path)
     check_same_run(trainer, path, meta)
+    state.sample_in_epoch = min(state.sample_in_epoch, trainer.sampler.n)  # a smaller training set (resume_changed)
     saved_batch = sum(meta.get("batch_sizes") or [trainer.sampler.global_batch])  # per micro-step, over all ranks
     trainer.sampler.check_position(state.sample_in_epoch, saved_batch)  # group_by_length: the same one mid-epoch
     same_world = len(extra["rng"]) == trainer.ctx.world_size  # else each rank keeps its fresh random streams
@@ -235,8 +236,8 @@ def loss_window_here(windows: Optional[list], ctx: DistContext, same_world: bool
 
 def check_same_run(trainer, path: str, meta: dict) -> None:
     """A checkpoint continues the run that wrote it. One whose run differs in what changes the result (task, seed,
-    model, data, global batch) would silently make a run that is neither: refused with the differences listed,
-    unless train.resume_changed says that is what is wanted."""
+    model, data, the training set's size, global batch) would silently make a run that is neither: refused with the
+    differences listed, unless train.resume_changed says that is what is wanted."""
     t, saved, now = trainer.train_cfg, meta.get("config") or {}, trainer.cfg.to_dict()
     # null and the value it builds are one run, but the refusal shows what each config wrote
     diffs = checkpoint_meta.differences(saved, now, compared=(model_built(saved, trainer.task),
@@ -246,6 +247,11 @@ def check_same_run(trainer, path: str, meta: dict) -> None:
         was, now = sum(sizes) * accum, sum(trainer.batch_sizes) * t.grad_accum_steps
         if was != now:
             diffs.append(f"global batch {was} (now {now}: {batch_changes(trainer, saved, sizes)})")
+    # the same files, edited since: the epoch's order and the position in it are another set's (samples repeated
+    # or never seen), and a position past the end was taken without a word
+    samples = meta.get("train_samples")  # (none in an older checkpoint)
+    if isinstance(samples, int) and samples != trainer.sampler.n:
+        diffs.append(f"a training set of {samples} samples (now {trainer.sampler.n})")
     if not diffs:
         return
     if not t.resume_changed:

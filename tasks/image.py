@@ -94,6 +94,9 @@ class ImageTask(Task):
         # The dev split is a fixed slice of the training pool (independent of the training seed).
         order = np.random.default_rng(0).permutation(len(labels))
         n_dev = int(round(len(labels) * d.dev_fraction))
+        if not n_dev:  # (the last step always evaluates dev: a KeyError traceback once training had ended)
+            raise DataError(f"data.dev_fraction {d.dev_fraction:g} of the {len(labels)} {d.dataset} training images "
+                            "is none: no dev split; raise data.dev_fraction")
         dev, train = order[:n_dev], order[n_dev:]
         make = lambda x, y: TensorImages(x / scale, y, mean, std)  # noqa: E731
         return {"train": make(images[train], labels[train]), "dev": make(images[dev], labels[dev]),

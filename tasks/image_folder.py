@@ -212,6 +212,10 @@ def read_layout(data_dir: str, dev_fraction: float,
         if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
             raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
                             "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
+        if n_dev == len(pool):  # (the sampler got no training set: a TypeError traceback)
+            raise DataError(f"{train_dir}: no training split: data.dev_fraction {dev_fraction} of its {len(pool)} "
+                            "images is all of them; lower data.dev_fraction, or put the dev images in val/<class>/ "
+                            "beside train/")
         splits["dev"] = [pool[i] for i in sorted(order[:n_dev])]
         splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
     else:

@@ -46,6 +46,10 @@ def train_dev_test(read, data) -> dict:
         dev = set(np.random.default_rng(0).permutation(len(texts))[:int(round(len(texts) * data.dev_fraction))])
         raw["train"], raw["dev"] = [([t for i, t in enumerate(texts) if (i in dev) == keep],
                                      [y for i, y in enumerate(labels) if (i in dev) == keep]) for keep in (False, True)]
+        if not dev:  # (the last step always evaluates dev: a KeyError traceback once training had ended)
+            raise DataError(f"{find_split(data.data_dir, 'train') or data.data_dir}: no dev split: data.dev_fraction "
+                            f"{data.dev_fraction:g} of its {len(texts)} rows is none; raise data.dev_fraction, or add "
+                            "a dev file")
     if raw["train"] is None or raw["dev"] is None:
         raise DataError(f"data.data_dir={data.data_dir!r} needs a train file, and a dev file or data.dev_fraction > 0 "
                         f"({FORMATS})")

@@ -465,6 +465,22 @@ def test_csv_bad_row_in_dev_names_dev(tmp_path):
         datasets_of(csv_config(tmp_path, folder))
 
 
+def test_a_dev_fraction_that_rounds_to_no_dev_sample_is_one_line_before_training(tmp_path):
+    # the dev split was empty: the run trained to its end, then its last evaluation was a KeyError traceback
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    (folder / "train.csv").write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))
+    cfg = make_config(tmp_path / "run", task="csv_text", data={"data_dir": str(folder), "dev_fraction": 0.01})
+    with pytest.raises(DataError) as caught:
+        datasets_of(cfg)
+    assert str(caught.value) == (f"{folder / 'train.csv'}: no dev split: data.dev_fraction 0.01 of its 20 rows is "
+                                 "none; raise data.dev_fraction, or add a dev file")
+    with pytest.raises(DataError) as caught:  # the digits: 0 of the pool, or a fraction that rounds to none
+        datasets_of(make_config(tmp_path / "digits", data={"dev_fraction": 0.0}))
+    assert str(caught.value) == ("data.dev_fraction 0 of the 1497 digits training images is none: no dev split; "
+                                 "raise data.dev_fraction")
+
+
 def test_csv_bad_row_through_main_is_one_line_and_exit_2(tmp_path, capsys):
     import main
     folder = csv_data(tmp_path, train=b"text,label\na,pos\nb,\n")

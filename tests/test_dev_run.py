@@ -184,7 +184,8 @@ def test_limit_eval_batches_holds_the_last_evaluation_and_test_mode_to_that_many
     train(cfg, 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
     for step in (1, 2):  # below eval_batches' 4 batches during training, and the last one too
-        assert re.search(rf"step {step} dev: .*samples=16 \(on 16 of 225 samples", log), log
+        # the note names the key that chose the subset (it said train.eval_batches, which chose none here)
+        assert re.search(rf"step {step} dev: .*samples=16 \(on 16 of 225 samples: train.limit_eval_batches\)", log), log
     test = make_config(tmp_path, mode="test", train={"eval_batch_size": 8, "limit_eval_batches": 2},
                        test={"splits": ["dev"]})
     assert main.run(test) == 0

@@ -21,6 +21,7 @@ from core import checkpoint_io
 import main
 from data_loader import GlobalBatchSampler
 from test_faults import run_stopped_in_step
+from trainer import micro_batches_in
 
 TRAIN = {"max_steps": 0, "epochs": 1, "eval_every": 0, "save_every": 5, "keep_last": 10, "log_every": 5,
          "optimizer": "sgd", "lr": 0.05, "schedule": "constant"}
@@ -165,6 +166,12 @@ def test_another_global_batch_keeps_the_epoch_and_its_length(tmp_path, capsys):
     assert checkpoint.latest(str(out)).endswith("step-32")
     end = checkpoint_meta.read(ckpt(out, 32))["state"]
     assert (end["epoch"], end["sample_in_epoch"]) == (0, 1272)  # the whole epoch consumed, once
+
+
+def test_a_started_epoch_counts_its_micro_batches_whole():
+    # train.epochs 1e-7 made a run of 0 steps ("done: 0 steps; no dev result") without a word
+    assert [micro_batches_in(e, 40) for e in (1e-8, 0.01, 0.5, 1.1, 1.05, 0)] == [1, 1, 20, 44, 42, 0]
+    assert micro_batches_in(1e-7, 5) == 1  # (5e-7 rounded to 6 digits is 0)
 
 
 def test_an_epoch_based_length_is_counted_alike_at_the_start_and_at_a_resume(tmp_path, capsys):

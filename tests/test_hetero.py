@@ -65,6 +65,14 @@ def test_sampler_splits_the_tail_in_proportion_and_drops_a_tail_smaller_than_the
     assert all(len(batches) == 12 for batches in per_rank)
 
 
+def test_a_training_set_smaller_than_the_ranks_is_a_config_error():
+    # 3 training samples on 4 ranks was a ValueError traceback from every rank (exit 1), not one line (exit 2)
+    with pytest.raises(ConfigError) as e:
+        GlobalBatchSampler(3, [1] * 4, 0, seed=3)
+    assert "has 3 samples, fewer than the 4 data-parallel ranks" in str(e.value) and "\n" not in str(e.value)
+    assert len(list(GlobalBatchSampler(4, [1] * 4, 3, seed=3).epoch_batches(0))) == 1  # one each: it trains
+
+
 def test_sampler_resume_continues_the_same_epoch():
     for r in range(2):
         s = GlobalBatchSampler(103, [6, 2], r, seed=3)
@@ -92,6 +100,16 @@ def test_config_errors_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError) as e:
         checked_config(None, overrides)
     assert f"`{key}`" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_global_batch_larger_than_the_training_set_names_the_key_that_set_it(tmp_path, capsys):
+    # with batch_size auto the line said "lower train.batch_size", which is auto: the global batch is another key
+    for train, key in (({"batch_size": 2000}, "train.batch_size"),
+                       ({"batch_size": "auto", "global_batch_size": 2000}, "train.global_batch_size")):
+        assert main.run(make_config(tmp_path, train={**train, "max_steps": 1, "epochs": 0})) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: `{key}`: the global batch (2000 samples over all ranks) is larger than the training set (1272 "
+            f"samples); lower {key}")
 
 
 def test_simulated_slowdown_stretches_compute_until_the_gradients_are_ready(monkeypatch):

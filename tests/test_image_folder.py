@@ -86,7 +86,7 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
-                                  "no dev split", "val without train", "one class"])
+                                  "no dev split", "no training split", "val without train", "one class"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
     dev_fraction = 0.15
@@ -117,6 +117,9 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
             shutil.rmtree(os.path.join(root, "train", c))
             shutil.rmtree(os.path.join(root, "val", c))
         expected = f"{root}/train: one class folder ('zero'); a classifier needs two or more"
+    elif case == "no training split":  # the class folders alone, a dev_fraction of 12 images that rounds to all
+        root, dev_fraction = os.path.join(root, "train"), 0.97  # (a TypeError traceback from the sampler)
+        expected = f"{root}: no training split: data.dev_fraction 0.97 of its 12 images is all of them; lower"
     else:  # the class folders alone, a data.dev_fraction of 12 images that rounds to none
         root, dev_fraction = os.path.join(root, "train"), 0.02
         expected = f"{root}: no dev split: data.dev_fraction 0.02 of its 12 images is none; raise data.dev_fraction"

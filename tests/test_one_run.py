@@ -92,6 +92,26 @@ def test_resuming_another_runs_checkpoint_lists_the_differences(tmp_path, capsys
     assert checkpoint.latest(str(tmp_path)).endswith("step-9")
 
 
+def test_resuming_after_the_training_file_changed_size_is_refused_or_starts_the_next_epoch(tmp_path, capsys):
+    # 40 rows cut to 8 (the same words and classes): the checkpoint's position (sample 12 of an epoch of 40) was
+    # taken in an order of 8 without a word, its epoch's samples repeated or never seen
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = lambda n: "text,label\n" + "".join(("a good film,1\n", "a bad film,0\n")[i % 2] for i in range(n))  # noqa
+    (data / "train.csv").write_text(rows(40))
+    (data / "dev.csv").write_text(rows(2))
+    csv = {"task": "csv_text", "data": {"data_dir": str(data)}}
+    assert run(tmp_path / "run", train={"max_steps": 3, "batch_size": 4}, **csv) == 0
+    (data / "train.csv").write_text(rows(8))
+    capsys.readouterr()
+    assert run(tmp_path / "run", train={"batch_size": 4}, **csv) == 2
+    assert "step-3 was written by another run: a training set of 40 samples (now 8);" in errors(capsys)[0]
+    assert run(tmp_path / "run", train={"batch_size": 4, "resume_changed": True}, **csv) == 0
+    assert "a training set of 40 samples (now 8) (train.resume_changed)" in capsys.readouterr().out
+    state = checkpoint_meta.read(checkpoint.latest(str(tmp_path / "run")))["state"]
+    assert (state["epoch"], state["sample_in_epoch"]) == (2, 4)  # steps 4-6: 8 rows, then 4 more: 1.5 epochs on
+
+
 def test_a_step_saved_again_replaces_the_old_files(tmp_path):
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
     for value in (1.0, 2.0):
