@@ -218,6 +218,12 @@ def read_layout(data_dir: str, dev_fraction: float,
                             "beside train/")
         splits["dev"] = [pool[i] for i in sorted(order[:n_dev])]
         splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
+        untrained = sorted(set(range(len(names))) - {c for _, c in splits["train"]})
+        if untrained:  # as an empty class folder: an output nothing trains (torchvision's ImageFolder refuses one)
+            c = names[untrained[0]]
+            raise DataError(f"{os.path.join(train_dir, c)}: its {len(found['train'][c])} image(s) all went to the dev "
+                            f"split (data.dev_fraction {dev_fraction}), so nothing trains the class; add images to it, "
+                            "or put the dev images in val/<class>/ beside train/")
     else:
         splits["train"] = [(p, index[c]) for c in names for p in found["train"][c]]
     for split in ("dev", "test"):

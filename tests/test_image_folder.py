@@ -86,7 +86,8 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
-                                  "no dev split", "no training split", "val without train", "one class"])
+                                  "no dev split", "no training split", "val without train", "one class",
+                                  "class all in dev"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
     dev_fraction = 0.15
@@ -117,6 +118,12 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
             shutil.rmtree(os.path.join(root, "train", c))
             shutil.rmtree(os.path.join(root, "val", c))
         expected = f"{root}/train: one class folder ('zero'); a classifier needs two or more"
+    elif case == "class all in dev":  # the class folders alone; the split's first dev image is two's only one
+        root = os.path.join(root, "train")
+        for f in sorted(os.listdir(os.path.join(root, "two")))[1:]:
+            os.remove(os.path.join(root, "two", f))
+        expected = (f"{root}/two: its 1 image(s) all went to the dev split (data.dev_fraction 0.15), so nothing "
+                    "trains the class")
     elif case == "no training split":  # the class folders alone, a dev_fraction of 12 images that rounds to all
         root, dev_fraction = os.path.join(root, "train"), 0.97  # (a TypeError traceback from the sampler)
         expected = f"{root}: no training split: data.dev_fraction 0.97 of its 12 images is all of them; lower"
