@@ -14,6 +14,7 @@ import tokenize
 import yaml
 
 import wiring
+from core import errors
 from core.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -360,3 +361,19 @@ def test_every_command_the_docs_show_is_a_config_main_py_accepts(tmp_path, monke
         elif shown_error is not None and not (error or "").startswith(shown_error.split("(...)")[0].rstrip()):
             wrong.append(f"{path}:{line}: main.py {' '.join(words)}\n    shows: {shown_error}\n    says:  {error}")
     assert not wrong, f"{len(wrong)} commands of the docs that main.py does not take as shown:\n" + "\n".join(wrong)
+
+
+def test_every_exit_code_table_of_the_docs_agrees_with_core_errors():
+    """docs/faults.md's and docs/slurm.md's tables of exit codes, and scripts/slurm_job.sh's summary line: the codes
+    core/errors.py defines, each with the word of its meaning."""
+    words = {errors.EXIT_OK: "finished", errors.EXIT_CRASH: "crash", errors.EXIT_USER_ERROR: "mistake",
+             errors.EXIT_STOPPED: "stopped", errors.EXIT_DIVERGED: "diverged"}
+    for path in ("docs/faults.md", "docs/slurm.md"):
+        with open(os.path.join(ROOT, path)) as f:
+            rows = dict(re.findall(r"^\| (\d+) \| ([^|]*)", f.read(), re.M))
+        assert {int(code) for code in rows} - {130} == set(words), (path, sorted(rows))
+        for code, word in words.items():
+            assert word in rows[str(code)], (path, code, rows[str(code)])
+    with open(os.path.join(ROOT, "scripts", "slurm_job.sh")) as f:
+        summary = re.search(r"\((\d) crash, (\d) user error, (\d) diverged\)", f.read())
+    assert tuple(map(int, summary.groups())) == (errors.EXIT_CRASH, errors.EXIT_USER_ERROR, errors.EXIT_DIVERGED)
