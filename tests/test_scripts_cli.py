@@ -251,3 +251,21 @@ def test_slurm_job_says_its_usage_and_refuses_to_run_outside_a_job(tmp_path):
     assert done.stderr.startswith("error: ") and "sbatch" in done.stderr, done
     assert len(done.stderr.strip().splitlines()) == 1, done
     assert not (tmp_path / "called").exists()
+
+
+def test_the_data_scripts_say_an_output_folder_they_cannot_make_in_one_line(tmp_path, capsys):
+    """make_sample_text_data.py, make_bert_shards.py and prepare_text.py given an output folder under a file (or one
+    they may not write) ended in os.makedirs' traceback; now one line naming the path, exit 2."""
+    (tmp_path / "file").write_text("not a folder\n")
+    under_a_file = str(tmp_path / "file" / "out")
+    text = sample.write_bert_text(str(tmp_path / "text.txt"), __import__("random").Random(0), documents=10)
+    runs = [lambda: sample.main([under_a_file]),
+            lambda: make_bert_shards.main(["--input", text, "--output-dir", under_a_file, "--seq-length", "32",
+                                           "--max-predictions", "5"]),
+            lambda: prepare_text.main(["--task", "lm", "--train", text, "--output", under_a_file, "--workers", "1",
+                                       "--train-tokenizer", "bpe"])]
+    for run in runs:
+        assert run() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {under_a_file}") and "Not a directory" in err, err
+        assert len(err.strip().splitlines()) == 1, err
