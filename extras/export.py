@@ -120,8 +120,10 @@ def write_atomically(dest: str, write_files) -> None:
         os.makedirs(parent, exist_ok=True)
         remove_stale(parent, prefix)
         tmp = tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
-    except OSError as e:
-        raise disk_error(e, dest, parent) or e from None
+    except OSError as e:  # full or read-only (disk_error), or a file where a folder of the path goes
+        what = "a file, not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
+        raise disk_error(e, dest, parent) or UserError(
+            f"export.dir: {dest}: its folder cannot be made ({os.fsdecode(e.filename or parent)}: {what})") from None
     try:
         write_files(tmp)
         umask = os.umask(0)

@@ -114,3 +114,13 @@ def test_a_killed_export_by_sigkill_leaves_a_folder_the_next_one_removes(cnn_run
     assert [n for n in os.listdir(tmp_path) if ".part-" in n]
     assert export(make_config(cnn_run.output_dir), dir=str(tmp_path / "out"), format="state_dict") == 0
     assert not [n for n in os.listdir(tmp_path) if ".part-" in n]
+
+
+def test_an_export_dir_under_a_file_is_one_line(cnn_run, tmp_path, capsys):  # noqa: F811
+    """export.dir with a file in its path (a typo, another run's file): os.makedirs' FileExistsError was a
+    traceback and exit 1."""
+    (tmp_path / "file").write_text("not a folder\n")
+    dest = tmp_path / "file" / "export"
+    assert export(cnn_run, dir=str(dest), format="state_dict") == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: export.dir: {dest}: ") and f"{tmp_path / 'file'}: a file, not a folder" in line
