@@ -219,6 +219,10 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the shards' folder cannot be made or written (a file in its path, no permission, full)
+        print(f"error: {os.fsdecode(e.filename) if e.filename else args.output_dir}: {e.strerror or e}",
+              file=sys.stderr)
+        return 2
 
 
 def make(args) -> int:

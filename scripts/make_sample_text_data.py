@@ -71,9 +71,13 @@ def main(argv=None) -> int:
     p.add_argument("folder", nargs="?", default="data/sample", help="where to write (default data/sample)")
     out = p.parse_args(argv).folder  # (argv[0] once was the folder: --help wrote the data into ./--help)
     rng = random.Random(0)
-    print(write_sst2(os.path.join(out, "sst2"), rng))
-    print(write_gpt2(os.path.join(out, "gpt2"), rng))
-    print(write_bert_text(os.path.join(out, "bert_text.txt"), rng))
+    try:
+        print(write_sst2(os.path.join(out, "sst2"), rng))
+        print(write_gpt2(os.path.join(out, "gpt2"), rng))
+        print(write_bert_text(os.path.join(out, "bert_text.txt"), rng))
+    except OSError as e:  # a file where a folder goes, no permission, a full disk: one line, not a traceback
+        print(f"error: {os.fsdecode(e.filename) if e.filename else out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -575,6 +575,9 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output folder cannot be made or written (a file in its path, no permission, full)
+        print(f"error: {os.fsdecode(e.filename) if e.filename else args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 def run(args) -> int:

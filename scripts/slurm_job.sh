@@ -21,6 +21,15 @@
 #SBATCH --output=slurm-%x-%j.out
 # GPUs: add e.g. `#SBATCH --gpus-per-node=2`, with as many tasks per node as GPUs.
 
+case "${1:-}" in  # the usage is the comment above (sbatch --help would run main.py --help on every task)
+    -h|--help) sed -n '2,/^# Edit/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
+if [ -z "${SLURM_JOB_ID:-}" ]; then  # outside a job srun fails in lines of its own, then read as a crash here
+    echo "error: scripts/slurm_job.sh is a SLURM batch job: submit it with sbatch scripts/slurm_job.sh --params ..." \
+         "(no SLURM_JOB_ID here; without SLURM run python main.py, docs/running.md)" >&2
+    exit 2
+fi
+
 MASTER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 PORT=${TRAINER_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}  # per job: jobs sharing a node do not collide
 echo "$(date '+%F %T') job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)), nodes $SLURM_JOB_NODELIST"

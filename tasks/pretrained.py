@@ -13,8 +13,10 @@ def check_config(cfg, fail) -> None:
     m = cfg.model
     m.pretrained_dir = resolve_package_path(m.pretrained_dir)
     if not os.path.isdir(m.pretrained_dir):
-        fail("model.pretrained_dir", f"{m.pretrained_dir!r} is not a folder (fetch one with "
-                                     "scripts/download_pretrained.py, or set null for a random model)")
+        fail("model.pretrained_dir", f"{m.pretrained_dir!r} is not a folder: download a model into it where the "
+                                     "Hugging Face hub is reachable (python scripts/download_pretrained.py HUB_ID "
+                                     f"{m.pretrained_dir}; with no arguments it fetches facebook/bart-base into "
+                                     "pretrained/bart-base), or set null for a random model")
     refuse_custom_code(m.pretrained_dir)  # before any rank starts, and before transformers could prompt
 
 

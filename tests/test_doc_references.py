@@ -8,7 +8,14 @@ import glob
 import io
 import os
 import re
+import shlex
 import tokenize
+
+import yaml
+
+import wiring
+from core import errors
+from core.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCT_DIRS = ("core", "strategies", "tasks", "resilience", "extras", "scripts")
@@ -284,3 +291,89 @@ def test_every_relative_link_of_the_docs_leads_to_a_file():
                 if not os.path.exists(os.path.join(ROOT, os.path.dirname(path), target.split("#")[0])):
                     broken.append(f"{path}:{line}: {target}")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+# A command the docs show: `python main.py ...` to the end of the line, a `#` comment, a backtick or a table's bar.
+MAIN_COMMAND = re.compile(r"main\.py(?: [^`|#]*)?")
+
+
+def documented_commands() -> list[tuple[str, int, list[str], str | None]]:
+    """(path, line, arguments, the error shown under it or None) of every `main.py` command of the docs, its lines
+    continued with `\\` joined. Left out: commands with shell variables or `...` (their words are elsewhere), and
+    those whose --params is a file of the reader's own (hetero.yml). A `--set key=K` (a placeholder) is dropped."""
+    commands = []
+    for path in documents():
+        lines = [text for _, text in prose_of_text(path)]
+        for i, text in enumerate(lines):
+            joined, j = text, i
+            while joined.rstrip().endswith("\\") and j + 1 < len(lines):
+                j += 1
+                joined = joined.rstrip()[:-1] + " " + lines[j].strip().lstrip("#")
+            for command in MAIN_COMMAND.findall(joined):
+                if "$" in command or "..." in command or "<" in command:
+                    continue
+                words = shlex.split(command)[1:]
+                params = words[words.index("--params") + 1] if "--params" in words else "parameters.yml"
+                if not re.fullmatch(r"runs/[\w-]+/config\.yml", params) and not os.path.isfile(os.path.join(ROOT, params)):
+                    continue
+                shown = lines[i + 1].strip() if text.lstrip().startswith("$ ") and i + 1 < len(lines) else ""
+                commands.append((path, i + 1, words, shown[len("error: "):] if shown.startswith("error: ") else None))
+    return commands
+
+
+def preset_of(params: str) -> str:
+    """The file a run's `runs/NAME/config.yml` is a copy of: the preset whose output_dir is runs/NAME."""
+    if not params.startswith("runs/"):
+        return params
+    for preset in ["parameters.yml"] + sorted(glob.glob("configs/*.yml", root_dir=ROOT)):
+        with open(os.path.join(ROOT, preset)) as f:
+            if yaml.safe_load(f).get("output_dir") == os.path.dirname(params):
+                return preset
+    return "parameters.yml"
+
+
+def test_every_command_the_docs_show_is_a_config_main_py_accepts(tmp_path, monkeypatch):
+    """Each `python main.py --params P --set a.b=c ...` of README.md, docs/ and the presets' comments passes every
+    check main.py makes before it starts (the schema's and wiring's), or, shown as a mistake (`$ python main.py ...`
+    with `error: ...` under it), fails with the words shown. Run in a folder holding the presets, where the
+    output_dir of a test-mode command has a checkpoints/ folder (what the command before it made) and pretrained/
+    the folders that scripts/download_pretrained.py would fetch."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("parameters.yml", "configs"):
+        os.symlink(os.path.join(ROOT, name), name)
+    os.makedirs("pretrained/bart-base")
+    commands, wrong = documented_commands(), []
+    assert len(commands) > 50
+    for path, line, words, shown_error in commands:
+        sets = [words[k + 1] for k, word in enumerate(words[:-1]) if word == "--set"
+                and not re.search(r"=[A-Z]$", words[k + 1])]
+        params = words[words.index("--params") + 1] if "--params" in words else "parameters.yml"
+        if "mode=test" in sets:
+            cfg = wiring.checked_config(preset_of(params), [s for s in sets if s != "mode=test"])
+            os.makedirs(os.path.join(cfg.output_dir, "checkpoints"), exist_ok=True)
+        try:
+            wiring.checked_config(preset_of(params), sets)
+            error = None
+        except UserError as e:
+            error = str(e)
+        if shown_error is None and error is not None:
+            wrong.append(f"{path}:{line}: main.py {' '.join(words)}\n    refused: {error}")
+        elif shown_error is not None and not (error or "").startswith(shown_error.split("(...)")[0].rstrip()):
+            wrong.append(f"{path}:{line}: main.py {' '.join(words)}\n    shows: {shown_error}\n    says:  {error}")
+    assert not wrong, f"{len(wrong)} commands of the docs that main.py does not take as shown:\n" + "\n".join(wrong)
+
+
+def test_every_exit_code_table_of_the_docs_agrees_with_core_errors():
+    """docs/faults.md's and docs/slurm.md's tables of exit codes, and scripts/slurm_job.sh's summary line: the codes
+    core/errors.py defines, each with the word of its meaning."""
+    words = {errors.EXIT_OK: "finished", errors.EXIT_CRASH: "crash", errors.EXIT_USER_ERROR: "mistake",
+             errors.EXIT_STOPPED: "stopped", errors.EXIT_DIVERGED: "diverged"}
+    for path in ("docs/faults.md", "docs/slurm.md"):
+        with open(os.path.join(ROOT, path)) as f:
+            rows = dict(re.findall(r"^\| (\d+) \| ([^|]*)", f.read(), re.M))
+        assert {int(code) for code in rows} - {130} == set(words), (path, sorted(rows))
+        for code, word in words.items():
+            assert word in rows[str(code)], (path, code, rows[str(code)])
+    with open(os.path.join(ROOT, "scripts", "slurm_job.sh")) as f:
+        summary = re.search(r"\((\d) crash, (\d) user error, (\d) diverged\)", f.read())
+    assert tuple(map(int, summary.groups())) == (errors.EXIT_CRASH, errors.EXIT_USER_ERROR, errors.EXIT_DIVERGED)

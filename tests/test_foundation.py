@@ -59,6 +59,18 @@ def test_config_errors_exit_2_naming_the_key(overrides, key, words):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_a_preset_whose_pretrained_folder_is_missing_names_what_to_download(tmp_path, monkeypatch):
+    """configs/sst2_bart.yml without its download said "fetch one with scripts/download_pretrained.py": not which
+    model, nor where; the line now gives the command, with the folder the config reads."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        checked_config(os.path.join(ROOT, "configs", "sst2_bart.yml"))
+    assert "python scripts/download_pretrained.py HUB_ID pretrained/bart-base" in str(e.value)
+    assert "facebook/bart-base" in str(e.value) and len(str(e.value).splitlines()) == 1
+    with pytest.raises(ConfigError, match="download_pretrained.py HUB_ID pretrained/gpt2;"):
+        checked_config(os.path.join(ROOT, "configs", "gpt2_lm.yml"), ["model.pretrained_dir=pretrained/gpt2"])
+
+
 def test_yaml_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "p.yml"
     bad.write_text("train:\n  lr: 0.1\n   epochs: 3\n")

@@ -228,3 +228,44 @@ def test_slurm_job_resumes_on_requeue_even_when_told_to_start_over(tmp_path):
                         "train.start_over=true"], env=env, check=True, capture_output=True, timeout=30)
         args = (tmp_path / "args").read_text().split()
         assert args[:2] == ["python", "main.py"] and args[-1] == ends_with, (restarts, args)
+
+
+def test_slurm_job_says_its_usage_and_refuses_to_run_outside_a_job(tmp_path):
+    """`bash scripts/slurm_job.sh --help` (or the script run without sbatch) called srun, whose four lines of DNS
+    errors ended in "main.py exited with code 1 (1 crash, ...)": a crash that was no crash. --help says the usage
+    (exit 0); outside a SLURM job it is one line naming sbatch (exit 2), and srun is never called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\ntouch "$CALLED"\n')
+    os.chmod(bin_dir / "srun", 0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", CALLED=str(tmp_path / "called"))
+    script = os.path.join(ROOT, "scripts", "slurm_job.sh")
+    for args in (["--help"], ["-h"]):
+        done = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and "sbatch scripts/slurm_job.sh --params" in done.stdout, done
+        assert done.stderr == "" and "#" not in done.stdout, done
+    done = subprocess.run(["bash", script, "--params", "parameters.yml"], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.startswith("error: ") and "sbatch" in done.stderr, done
+    assert len(done.stderr.strip().splitlines()) == 1, done
+    assert not (tmp_path / "called").exists()
+
+
+def test_the_data_scripts_say_an_output_folder_they_cannot_make_in_one_line(tmp_path, capsys):
+    """make_sample_text_data.py, make_bert_shards.py and prepare_text.py given an output folder under a file (or one
+    they may not write) ended in os.makedirs' traceback; now one line naming the path, exit 2."""
+    (tmp_path / "file").write_text("not a folder\n")
+    under_a_file = str(tmp_path / "file" / "out")
+    text = sample.write_bert_text(str(tmp_path / "text.txt"), __import__("random").Random(0), documents=10)
+    runs = [lambda: sample.main([under_a_file]),
+            lambda: make_bert_shards.main(["--input", text, "--output-dir", under_a_file, "--seq-length", "32",
+                                           "--max-predictions", "5"]),
+            lambda: prepare_text.main(["--task", "lm", "--train", text, "--output", under_a_file, "--workers", "1",
+                                       "--train-tokenizer", "bpe"])]
+    for run in runs:
+        assert run() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {under_a_file}") and "Not a directory" in err, err
+        assert len(err.strip().splitlines()) == 1, err

@@ -360,3 +360,15 @@ def test_inspect_run_notebook_on_a_run_with_csv_and_no_tensorboard(tmp_path, mon
     printed = execute_notebook(run, tmp_path)
     assert "TensorBoard scalars: none" in printed
     assert re.search(r"csv train/loss: last \S+ at step 4 \(2 rows\)", printed), printed
+
+
+@pytest.mark.slow  # two processes, one of them imports torch: 7 s
+def test_plots_py_says_a_mistake_in_one_line_with_exit_code_2(tmp_path):
+    """docs/tutorial/plots.py given a run without TensorBoard files, or a folder without checkpoints, exited 1 (raise
+    SystemExit(text)), where main.py and the scripts say a user's mistake with exit code 2."""
+    plots = os.path.join(TUTORIAL, "plots.py")
+    for args, words in ((["curves", str(tmp_path / "out.png"), str(tmp_path)], "no TensorBoard events"),
+                        (["compare", str(tmp_path), str(tmp_path)], "neither a checkpoint nor a run with one")):
+        done = subprocess.run([sys.executable, plots, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path}") and words in done.stderr, done
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.png").exists(), done

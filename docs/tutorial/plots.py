@@ -25,6 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)  # checkpoint.py and checkpoint_io.py, for compare
 
 
+def mistake(line: str) -> SystemExit:
+    """A wrong run or path given: the line on stderr, exit code 2 (as main.py and scripts/ say a user's mistake)."""
+    print(f"error: {line}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
     """{tag: (steps, values)} of a run's TensorBoard event files (train/loss, train/samples_per_s, dev/accuracy,
     ...). A resumed run repeats the steps after its checkpoint in a second event file, which hides the first
@@ -32,7 +38,7 @@ def scalars(run: str) -> dict[str, tuple[list[int], list[float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     folder = os.path.join(run, "tensorboard")
     if not os.path.isdir(folder):
-        raise SystemExit(f"error: {folder}: no TensorBoard events (log.report_to without tensorboard?)")
+        raise mistake(f"{folder}: no TensorBoard events (log.report_to without tensorboard?)")
     acc = EventAccumulator(folder, size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
     out = {}
@@ -93,7 +99,7 @@ def final_parameters(path: str) -> dict:
     if not os.path.isfile(os.path.join(path, "meta.json")):  # not a checkpoint (a copy may have any name): a run
         found = checkpoint.complete_checkpoints(path)
         if not found:
-            raise SystemExit(f"error: {path}: neither a checkpoint nor a run with one")
+            raise mistake(f"{path}: neither a checkpoint nor a run with one")
         path = found[-1][1]
     return checkpoint_io.model_state_dict(path)
 
@@ -105,7 +111,7 @@ def compare(paths: list[str]) -> dict[str, float]:
     for other_path in paths[1:]:
         other = final_parameters(other_path)
         if other.keys() != reference.keys():
-            raise SystemExit(f"error: {other_path} and {paths[0]} hold different parameters")
+            raise mistake(f"{other_path} and {paths[0]} hold different parameters")
         diff = max((reference[k].float() - other[k].float()).abs().max().item() for k in reference)
         scale = max(reference[k].float().abs().max().item() for k in reference)
         result[other_path] = diff
