@@ -32,7 +32,7 @@ class Progress:
     def __init__(self):
         self.rank, self.step, self.ticks, self.phase = 0, 0, 0, "setup"
         self.shared, self.slot = None, 0  # main.py's spawn: a shared array of steps, one slot per local rank
-        self.codes = None  # main.py's spawn: a shared array of exit codes, set when a rank is done (finished())
+        self.codes = None  # main.py's spawn, reports_a_kill: shared exit codes, set when a rank is done (finished())
 
     def phase_starts(self, step: int, phase: str) -> None:
         """`step`: the optimizer step being computed (or evaluated, or saved)."""
@@ -43,7 +43,7 @@ class Progress:
 
     def finished(self, code: int) -> None:
         """This rank is done (`code`: its exit code) and only tears down from here: the launcher may end it if
-        that hangs (launcher.Supervisor)."""
+        that hangs (launcher.Supervisor). Also said by the watchdog just before its os._exit."""
         if self.codes is not None:
             self.codes[self.slot] = code
 

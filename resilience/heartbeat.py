@@ -137,6 +137,7 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
             report(EXIT_CRASH, f"hang detected by the watchdog: {verdict}")  # the same line on every rank
         finally:
+            progress.finished(EXIT_CRASH)  # said: not a kill without a word (resource_errors.reports_a_kill)
             os._exit(EXIT_CRASH)
 
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
@@ -170,6 +171,7 @@ class Watchdog:
             report(EXIT_USER_ERROR, self.peer_failure)
             self.leave_together()
         finally:
+            progress.finished(EXIT_USER_ERROR)
             os._exit(EXIT_USER_ERROR)
 
     def first_to_say(self, line: str) -> bool:

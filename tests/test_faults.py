@@ -437,6 +437,30 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_node_of_one_rank_ended_by_its_watchdog_is_not_said_to_be_killed(tmp_path):
+    """Nodes of one rank each (main.py runs the rank in its own process, with a forked watcher for a SIGKILL); node 1
+    freezes (SIGSTOP), node 0's watchdog names it and ends the process with os._exit: the watcher then said, as a
+    second line, that rank 0 "was killed without a word (SIGKILL: the kernel's out-of-memory killer?...)"."""
+    common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={free_port()}",
+              "--set", "dist.hang_timeout_s=3")
+    nodes = [start(tmp_path / f"n{i}", *common, "--set", f"dist.node_rank={i}", fault="slow:-1:20", procs=1,
+                   steps=100000) for i in range(2)]
+    try:
+        wait_for_log(tmp_path / "n0", 0, r"step 3/")
+        frozen = [psutil.Process(nodes[1].pid)] + psutil.Process(nodes[1].pid).children(recursive=True)
+        for p in frozen:
+            p.suspend()
+        code, _, stderr = finish(nodes[0], timeout=60)  # (until the watcher, which shares its stderr, ended too)
+    finally:
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        nodes[1].wait()
+    assert code == errors.EXIT_CRASH
+    said = [line for line in stderr.splitlines() if line.startswith(("error: ", "hang detected"))]
+    assert len(said) == 1 and re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step "
+                                       r"\d+", said[0]), stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", fault="hang:1:4"), timeout=60)
