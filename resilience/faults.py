@@ -20,6 +20,7 @@ import traceback
 from typing import Optional
 
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
+from core.launch_env import launcher_env
 
 HOST = socket.gethostname()
 
@@ -152,7 +153,7 @@ def detach_hung_up_terminal() -> None:
 # ---- Reporting a failure: once, by rank and host -------------------------------------------------------------
 class Reporter:
     """Where this rank's final word goes: under main.py's own spawn, a file the launcher reads; else the console,
-    identical lines from several ranks once (heartbeat.Watchdog.first_to_say)."""
+    identical lines from several ranks once under torchrun or srun (heartbeat.Watchdog.first_to_say)."""
 
     def __init__(self):
         self.sink = None  # a rank of main.py's own spawn: launcher.leave_report, to a file the launcher reads
@@ -168,7 +169,8 @@ class Reporter:
                 pass
         if self.sink is not None:
             self.sink(code, line, detail)
-        elif self.watchdog is None or self.watchdog.first_to_say(line):
+        elif self.watchdog is None or launcher_env() is None or self.watchdog.first_to_say(line):
+            # (a rank main.py runs in its own process has its node's console to itself: it always says its word)
             say(code, line, detail)
         return code
 
