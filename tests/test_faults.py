@@ -443,8 +443,8 @@ def test_each_node_of_one_rank_ended_by_its_watchdog_says_the_verdict_once(tmp_p
     for a SIGKILL). Rank 1's main thread hangs; the watchdogs end both nodes with os._exit. Node 0 said nothing at
     all: identical final words were printed once across the run (as under srun), and node 1 said it first. Or, when
     it spoke, its watcher added that rank 0 "was killed without a word (SIGKILL: ...)"."""
-    common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1", "--set", f"dist.master_port={free_port()}",
-              "--set", "dist.hang_timeout_s=3")
+    common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1",
+              "--set", f"dist.master_port={free_port()}", "--set", "dist.hang_timeout_s=3")
     nodes = [start(tmp_path / f"n{i}", *common, "--set", f"dist.node_rank={i}", fault="hang:1:4", procs=1,
                    steps=100000) for i in range(2)]
     try:  # (each until its watcher, which shares its stderr, ended too)
@@ -857,8 +857,8 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
-        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2), timeout=2,
-                            log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}"),
+                               timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
         client.set("hb/0", f"1 1 1 train {HOST}")
@@ -868,7 +868,10 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         host.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         w.thread.join(timeout=15)
-        assert verdicts and verdicts[0].startswith("the rendezvous store stopped answering for 2 s"), verdicts
+        # where, from which host and step (was: only "froze or died", when a cut network does the same)
+        assert verdicts and verdicts[0].startswith(f"the rendezvous store stopped answering for 2 s (tcp://127.0.0.1:"
+                                                   f"{port}, seen from {HOST} {faults.progress.where()}): "), verdicts
+        assert "or the network to it is down" in verdicts[0], verdicts
         assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
     finally:
         host.kill()
