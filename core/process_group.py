@@ -6,6 +6,7 @@ core/distributed.py.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -66,6 +67,8 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     address = urlparse(rendezvous)
     if address.scheme == "tcp":
+        if rank != 0:
+            wait_for_store_host(address.hostname, address.port, cfg.dist.timeout_s, given_up)
         store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False, multi_tenant=True)
     elif address.scheme == "file":
@@ -79,6 +82,21 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
+
+
+def wait_for_store_host(host: str, port: int, timeout_s: float, given_up: threading.Event) -> None:
+    """Poll until rank 0's store takes connections, for at most timeout_s. TCPStore's own connect tries again past
+    its timeout (about twice dist.timeout_s in all, torch 2.13), printing each failed try with C++ stack frames."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:  # refused (node 0 not started yet), no route, timed out: try again until the deadline
+            if time.monotonic() >= deadline or given_up.is_set():
+                raise dist.DistNetworkError(f"nothing took a connection at {host}:{port} in {timeout_s:g} s "
+                                            f"({e.strerror or type(e).__name__})") from None
+        time.sleep(0.2)
 
 
 def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None],

@@ -142,7 +142,7 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
-def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path):
+def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path, capfd):
     """The wait for the other ranks runs beside this thread (process_group.while_waiting): `waiting` is called during it
     and may leave at once (a stop signal), and ranks that never meet are a UserError naming where and the fix."""
     from core import process_group
@@ -161,12 +161,18 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not [t for t in threading.enumerate() if t.name == "join-process-group"]
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                       "node_rank": 1, "master_addr": "127.0.0.1"})  # (another free port)
+    capfd.readouterr()
+    start = time.monotonic()
     with pytest.raises(errors.UserError, match=rf"^rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:"
                                                rf"{cfg.dist.master_port} within dist.timeout_s=3 \(Dist\w+Error: "
                                                r".*\); start all 2 nodes \(dist.node_rank 0 to 1\) with the same "
                                                r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
         process_group.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
     assert not dist.is_initialized()
+    # TCPStore's own connect went on past its timeout (a second try: about twice dist.timeout_s) and printed each
+    # failed try with C++ stack frames, for a whole dist.timeout_s when node 0 is down or master_addr is wrong
+    assert time.monotonic() - start < 3 + 1.5
+    assert "c10d" not in capfd.readouterr().err
     # over a file, rank 0 that never came was a RuntimeError's traceback from the FileStore, after the timeout
     where = tmp_path / "rendezvous"
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
