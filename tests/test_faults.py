@@ -185,6 +185,45 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
+def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tmp_path):
+    """The link to node 0 cut while rank 1 waited in the roll call (two nodes in network namespaces): TCPStore's check
+    never returned, so rank 1 waited until TCP gave up (~15 min), whatever dist.timeout_s. A frozen store host (here:
+    SIGSTOP) is the same to rank 1. Now one line after min(dist.timeout_s, 60 s) without an answer."""
+    from core import process_group
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "1"
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        frozen, raised = [], []
+
+        def waiting(seconds, where):  # rank 1 polls the store for rank 0's claim: freeze the store's host
+            if seconds > 0.6 and not frozen:
+                host.send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0, waiting=waiting)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(20)
+        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        assert frozen and time.monotonic() - frozen[0] < 3 + 1.5
+        assert isinstance(raised[0], errors.UserError) and re.match(
+            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
+            r"\(DistNetworkError: the rendezvous store did not answer a call for 3 s: its host \(node 0\), or the "
+            r"network to it, is down\); start all 2 nodes", str(raised[0])), raised
+    finally:
+        host.kill()
+
+
 def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
     """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
     another line (`DistNetworkError: Broken pipe`, the store rank 0 hosted gone) after C++ warnings. Rank 0's
