@@ -19,7 +19,6 @@ from core.distributed import DistContext
 from core.errors import ConfigError
 from core.roll_call import Meeting, TimedStore, not_met, roll_call
 
-
 STORE_SILENT_S = 60  # a roll call's store call unanswered this long (or dist.timeout_s if less): the link is down
 
 
