@@ -6,6 +6,7 @@ core/distributed.py.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -16,7 +17,9 @@ import torch.distributed as dist
 
 from core.distributed import DistContext
 from core.errors import ConfigError
-from core.roll_call import not_met, roll_call
+from core.roll_call import Meeting, TimedStore, not_met, roll_call
+
+STORE_SILENT_S = 60  # a roll call's store call unanswered this long (or dist.timeout_s if less): the link is down
 
 
 def pick_device_type(device: str) -> str:
@@ -53,7 +56,7 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     try:
         while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, given_up),
-                      lambda seconds: waiting(seconds, rendezvous), device)
+                      lambda seconds: waiting(seconds, rendezvous), device, min(d.timeout_s, STORE_SILENT_S))
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
@@ -66,6 +69,8 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     address = urlparse(rendezvous)
     if address.scheme == "tcp":
+        if rank != 0:
+            wait_for_store_host(address.hostname, address.port, cfg.dist.timeout_s, given_up)
         store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False, multi_tenant=True)
     elif address.scheme == "file":
@@ -75,20 +80,36 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    roll_call(store, rank, world_size, cfg, given_up, rendezvous)
+    roll_call(TimedStore(store, given_up) if address.scheme == "tcp" else store, rank, world_size, cfg, given_up,
+              rendezvous)
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
 
 
-def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None],
-                  device: torch.device) -> None:
+def wait_for_store_host(host: str, port: int, timeout_s: float, given_up: threading.Event) -> None:
+    """Poll until rank 0's store takes connections, for at most timeout_s. TCPStore's own connect tries again past
+    its timeout (about twice dist.timeout_s in all, torch 2.13), printing each failed try with C++ stack frames."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:  # refused (node 0 not started yet), no route, timed out: try again until the deadline
+            if time.monotonic() >= deadline or given_up.is_set():
+                raise dist.DistNetworkError(f"nothing took a connection at {host}:{port} in {timeout_s:g} s "
+                                            f"({e.strerror or type(e).__name__})") from None
+        time.sleep(0.2)
+
+
+def while_waiting(join: Callable[[Meeting], None], waiting: Callable[[float], None], device: torch.device,
+                  silent_limit_s: float = STORE_SILENT_S) -> None:
     """join(given_up) in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the
     wait for the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later.
     If waiting raises, given_up is set: the roll call's polling ends, and with it the store rank 0 hosts (left
     running at exit, its thread aborts the process: "terminate called without an active exception")."""
     failed: list = []
-    given_up = threading.Event()
+    given_up = Meeting()
 
     def run():
         try:
@@ -104,6 +125,10 @@ def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[fl
             thread.join(0.5)
             if thread.is_alive():
                 waiting(time.monotonic() - start)
+                since = given_up.call_since
+                if since is not None and time.monotonic() - since > silent_limit_s:
+                    raise dist.DistNetworkError(f"the rendezvous store did not answer a call for {silent_limit_s:g} s: "
+                                                "its host (node 0), or the network to it, is down")
     except BaseException:
         given_up.set()
         thread.join(0.5)  # (a rank blocked in the store's C++ wait stays blocked: a daemon thread, ended with us)

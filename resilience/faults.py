@@ -20,7 +20,7 @@ import traceback
 from typing import Optional
 
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
-from core.launch_env import first_on_node
+from core.launch_env import first_on_node, launcher_env
 
 HOST = socket.gethostname()
 
@@ -33,7 +33,7 @@ class Progress:
     def __init__(self):
         self.rank, self.step, self.ticks, self.phase = 0, 0, 0, "setup"
         self.shared, self.slot = None, 0  # main.py's spawn: a shared array of steps, one slot per local rank
-        self.codes = None  # main.py's spawn: a shared array of exit codes, set when a rank is done (finished())
+        self.codes = None  # main.py's spawn, reports_a_kill: shared exit codes, set when a rank is done (finished())
 
     def phase_starts(self, step: int, phase: str) -> None:
         """`step`: the optimizer step being computed (or evaluated, or saved)."""
@@ -44,7 +44,7 @@ class Progress:
 
     def finished(self, code: int) -> None:
         """This rank is done (`code`: its exit code) and only tears down from here: the launcher may end it if
-        that hangs (launcher.Supervisor)."""
+        that hangs (launcher.Supervisor). Also said by the watchdog just before its os._exit."""
         if self.codes is not None:
             self.codes[self.slot] = code
 
@@ -153,7 +153,7 @@ def detach_hung_up_terminal() -> None:
 # ---- Reporting a failure: once, by rank and host -------------------------------------------------------------
 class Reporter:
     """Where this rank's final word goes: under main.py's own spawn, a file the launcher reads; else the console,
-    identical lines from several ranks once (heartbeat.Watchdog.first_to_say)."""
+    identical lines from several ranks once under torchrun or srun (heartbeat.Watchdog.first_to_say)."""
 
     def __init__(self):
         self.sink = None  # a rank of main.py's own spawn: launcher.leave_report, to a file the launcher reads
@@ -169,6 +169,8 @@ class Reporter:
                 pass
         if self.sink is not None:
             self.sink(code, line, detail)
+        elif launcher_env() is None:  # a rank main.py runs in its own process has its node's console to itself
+            say(code, line, detail)
         elif code in (EXIT_OK, EXIT_STOPPED):  # (under torchrun or srun: every rank ends alike)
             # Rank 0 says it: the store it hosts may be gone by the time the others would ask it (said twice, with
             # a C++ stack). Before the ranks meet (no watchdog), the first rank of each node says its own.

@@ -69,8 +69,10 @@ class Watchdog:
                 self.unreachable_since = self.unreachable_since or now
                 if now - self.unreachable_since < self.timeout or self._stop.is_set():
                     continue
-                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s: the process hosting "
-                           f"it (rank 0, or torchrun's agent) froze or died ({type(e).__name__})")
+                # (no rank named: the line stays the same for every rank of this node, said once by the launcher)
+                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s ({self.ctx.rendezvous}, "
+                           f"seen from {HOST} {progress.where()}): the process hosting it (rank 0, or torchrun's "
+                           f"agent) froze or died, or the network to it is down ({type(e).__name__})")
             if verdict and not self._stop.is_set():
                 if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
                     self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
@@ -137,6 +139,7 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
             report(EXIT_CRASH, f"hang detected by the watchdog: {verdict}")  # the same line on every rank
         finally:
+            progress.finished(EXIT_CRASH)  # said: not a kill without a word (resource_errors.reports_a_kill)
             os._exit(EXIT_CRASH)
 
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
@@ -170,6 +173,7 @@ class Watchdog:
             report(EXIT_USER_ERROR, self.peer_failure)
             self.leave_together()
         finally:
+            progress.finished(EXIT_USER_ERROR)
             os._exit(EXIT_USER_ERROR)
 
     def first_to_say(self, line: str) -> bool:

@@ -125,27 +125,30 @@ def reports_a_kill(output_dir: str, rank: Optional[int] = None):
         return
     shared = mmap.mmap(-1, mmap.PAGESIZE)
     steps = (ctypes.c_int64 * 1).from_buffer(shared)
+    # The exit code once the run ended by its own means without leaving the block (its watchdog's os._exit), else -1
+    codes = (ctypes.c_int32 * 1).from_buffer(shared, ctypes.sizeof(steps))
+    codes[0] = -1
     done_r, done_w = os.pipe()
     parent, kills = os.getpid(), oom_kills()
     pid = os.fork()
     if pid == 0:  # the watcher
         os.close(done_w)
-        watch(parent, done_r, steps, kills, output_dir, rank)
+        watch(parent, done_r, steps, codes, kills, output_dir, rank)
     os.close(done_r)
-    previous = faults.progress.shared, faults.progress.slot
-    faults.progress.shared, faults.progress.slot = steps, 0
+    previous = faults.progress.shared, faults.progress.slot, faults.progress.codes
+    faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, 0, codes
     try:
         yield
     finally:
-        faults.progress.shared, faults.progress.slot = previous
+        faults.progress.shared, faults.progress.slot, faults.progress.codes = previous
         os.write(done_w, b"x")
         os.close(done_w)
         os.waitpid(pid, 0)
-        del steps
+        del steps, codes
         shared.close()
 
 
-def watch(parent: int, done_r: int, steps, kills: Optional[int], output_dir: str, rank: Optional[int]) -> None:
+def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_dir: str, rank: Optional[int]) -> None:
     """The watcher's whole life: never returns. It ignores the signals a terminal or scheduler sends the group."""
     try:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -155,6 +158,8 @@ def watch(parent: int, done_r: int, steps, kills: Optional[int], output_dir: str
                 if os.read(done_r, 1):
                     os._exit(0)  # the run left the block: it ended by its own means
                 time.sleep(0.5)  # (the pipe's end closed by every holder: the parent is gone, or going)
+        if codes[0] >= 0:
+            os._exit(0)  # it said why it ended (the watchdog's verdict) and left with os._exit, not by a kill
         after = oom_kills()
         why = ("killed by the kernel: out of memory (its memory cgroup counted an OOM kill)"
                if kills is not None and after is not None and after > kills else

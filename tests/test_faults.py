@@ -3,6 +3,7 @@
 Multi-process runs go through `python tests/faulty_main.py` (main.py plus an injected fault) as a user would run
 them: a separate process group, signals sent from outside, stdout/stderr and exit codes read as they are.
 """
+import contextlib
 import copy
 import gc
 import json
@@ -141,7 +142,7 @@ def test_ctrl_c_stop_signal_and_time_limit_stop_gracefully(tmp_path, how):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
-def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path):
+def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(tmp_path, capfd):
     """The wait for the other ranks runs beside this thread (process_group.while_waiting): `waiting` is called during it
     and may leave at once (a stop signal), and ranks that never meet are a UserError naming where and the fix."""
     from core import process_group
@@ -160,12 +161,18 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not [t for t in threading.enumerate() if t.name == "join-process-group"]
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                       "node_rank": 1, "master_addr": "127.0.0.1"})  # (another free port)
+    capfd.readouterr()
+    start = time.monotonic()
     with pytest.raises(errors.UserError, match=rf"^rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:"
                                                rf"{cfg.dist.master_port} within dist.timeout_s=3 \(Dist\w+Error: "
                                                r".*\); start all 2 nodes \(dist.node_rank 0 to 1\) with the same "
                                                r"dist.master_addr and dist.master_port, or raise dist.timeout_s$"):
         process_group.init(cfg, 1, 2, 0)  # nobody holds the rendezvous
     assert not dist.is_initialized()
+    # TCPStore's own connect went on past its timeout (a second try: about twice dist.timeout_s) and printed each
+    # failed try with C++ stack frames, for a whole dist.timeout_s when node 0 is down or master_addr is wrong
+    assert time.monotonic() - start < 3 + 1.5
+    assert "c10d" not in capfd.readouterr().err
     # over a file, rank 0 that never came was a RuntimeError's traceback from the FileStore, after the timeout
     where = tmp_path / "rendezvous"
     cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 1, "nodes": 2, "procs_per_node": 1,
@@ -176,6 +183,45 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
                             "(DistStoreError: rank 0 never came); start all 2 nodes (dist.node_rank 0 to 1) with the "
                             "same dist.init_method, a file all of them see, or raise dist.timeout_s"), e.value
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tmp_path):
+    """The link to node 0 cut while rank 1 waited in the roll call (two nodes in network namespaces): TCPStore's check
+    never returned, so rank 1 waited until TCP gave up (~15 min), whatever dist.timeout_s. A frozen store host (here:
+    SIGSTOP) is the same to rank 1. Now one line after min(dist.timeout_s, 60 s) without an answer."""
+    from core import process_group
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "1"
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        frozen, raised = [], []
+
+        def waiting(seconds, where):  # rank 1 polls the store for rank 0's claim: freeze the store's host
+            if seconds > 0.6 and not frozen:
+                host.send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0, waiting=waiting)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(20)
+        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        assert frozen and time.monotonic() - frozen[0] < 3 + 1.5
+        assert isinstance(raised[0], errors.UserError) and re.match(
+            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
+            r"\(DistNetworkError: the rendezvous store did not answer a call for 3 s: its host \(node 0\), or the "
+            r"network to it, is down\); start all 2 nodes", str(raised[0])), raised
+    finally:
+        host.kill()
 
 
 def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
@@ -434,6 +480,29 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     # its dumped stack shows the Trainer's frames.
     assert "Python stacks of rank 0" in log0 and re.search(r'trainer\.py", line \d+ in \w+', log0), log0[-3000:]
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+@pytest.mark.slow
+def test_each_node_of_one_rank_ended_by_its_watchdog_says_the_verdict_once(tmp_path):
+    """Nodes of one rank each, each its own console (main.py runs the rank in its own process, with a forked watcher
+    for a SIGKILL). Rank 1's main thread hangs; the watchdogs end both nodes with os._exit. Node 0 said nothing at
+    all: identical final words were printed once across the run (as under srun), and node 1 said it first. Or, when
+    it spoke, its watcher added that rank 0 "was killed without a word (SIGKILL: ...)"."""
+    common = ("--set", "dist.nodes=2", "--set", "dist.master_addr=127.0.0.1",
+              "--set", f"dist.master_port={free_port()}", "--set", "dist.hang_timeout_s=3")
+    nodes = [start(tmp_path / f"n{i}", *common, "--set", f"dist.node_rank={i}", fault="hang:1:4", procs=1,
+                   steps=100000) for i in range(2)]
+    try:  # (each until its watcher, which shares its stderr, ended too)
+        ended = [finish(node, timeout=90) for node in nodes]
+    finally:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+    for code, _, stderr in ended:
+        assert code == errors.EXIT_CRASH
+        said = [line for line in stderr.splitlines() if line.startswith(("error: ", "hang detected"))]
+        assert len(said) == 1 and said[0].startswith("hang detected by the watchdog: no progress for 3 s at step 4 "
+                                                     "(every rank stuck"), stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -865,8 +934,8 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
-        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2), timeout=2,
-                            log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}"),
+                               timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
         client.set("hb/0", f"1 1 1 train {HOST}")
@@ -876,7 +945,10 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         host.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         w.thread.join(timeout=15)
-        assert verdicts and verdicts[0].startswith("the rendezvous store stopped answering for 2 s"), verdicts
+        # where, from which host and step (was: only "froze or died", when a cut network does the same)
+        assert verdicts and verdicts[0].startswith(f"the rendezvous store stopped answering for 2 s (tcp://127.0.0.1:"
+                                                   f"{port}, seen from {HOST} {faults.progress.where()}): "), verdicts
+        assert "or the network to it is down" in verdicts[0], verdicts
         assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
     finally:
         host.kill()
