@@ -94,6 +94,19 @@ class TokenizedSentences(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
+def with_pad_token(tokenizer):
+    """`tokenizer`, which pads the batches: one without a pad token (GPT-2's) pads with its end-of-text token (the
+    attention mask hides it), said once; one with neither is refused in one line."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"{tokenizer.name_or_path}: the tokenizer has neither a pad token nor an end-of-text "
+                            "token to pad the batches with; add a pad_token to its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+        note(f"{tokenizer.name_or_path}: the tokenizer has no pad token: its end-of-text token {tokenizer.eos_token} "
+             "pads the batches (the attention mask hides it)")
+    return tokenizer
+
+
 def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
     """(largest measure(sentence ids), its index): `max` gives the largest token id, `len` the longest sentence."""
     values = np.fromiter((measure(x) if x else 0 for x in ids), dtype=np.int64, count=len(ids))
@@ -125,7 +138,7 @@ class SST2Task(Task):
                 raw["test"] = read_tsv_lines(paths["test"])
             else:
                 note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
-        self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe")
+        self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe"))
         datasets = {split: TokenizedSentences(*raw[split][:2], self.tokenizer, d.max_length) for split in raw}
         # For the checks of build_model, which name the file and line of an example that does not fit the model.
         self.datasets, self.where = datasets, {s: (paths[s], raw[s][2]) for s in raw}
@@ -140,7 +153,7 @@ class SST2Task(Task):
         if self.cfg.data.max_length > manifest["max_length"]:
             note(f"{folder}: examples were cut at {manifest['max_length']} tokens when prepared; data.max_length="
                  f"{self.cfg.data.max_length} does not make them longer")
-        self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
+        self.tokenizer = with_pad_token(token_shards.run_tokenizer(self.cfg, folder, manifest))
         self.num_labels = max(2, manifest["num_labels"])
         self.names = manifest.get("label_names")  # shards without --labels: numbers only, never SST-2's names
         datasets = {split: token_shards.TokenExamples(folder, manifest, split, self.cfg.data.max_length)
@@ -162,6 +175,8 @@ class SST2Task(Task):
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config)
             model.config.use_cache = False  # (a BART's decoder: as below)
+            if model.config.pad_token_id is None:  # GPT-2's: its classifier finds each row's last token by it
+                model.config.pad_token_id = self.tokenizer.pad_token_id
             return model
         tok = self.tokenizer
         # -----> the randomly initialised model: sizes from BART_PRESETS, or model.layers, heads and width.
@@ -286,7 +301,7 @@ class SST2Task(Task):
         if token_shards.is_prepared(self.cfg.data.data_dir):
             self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
             return
-        self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
+        self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, None, kind="bpe"))  # the training run's
         if label_names:  # the checkpoint's classes (shards' --labels too, the shards gone since)
             self.names, self.num_labels = tuple(label_names), max(2, len(label_names))
         elif not os.path.isfile(os.path.join(self.cfg.data.data_dir, "train.tsv")):

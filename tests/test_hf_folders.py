@@ -1,0 +1,66 @@
+"""Hugging Face folders of other architectures than the tests elsewhere use (GPT-2, RoBERTa, DeBERTa-v2, DistilBERT)
+given as sst2's model.pretrained_dir: each builds, checks and runs a batch as the Trainer would, or is refused in
+one line. Tiny random models saved to temporary folders, tokenizers trained on the sample sentences."""
+import random
+
+import pytest
+import torch
+
+from conftest import make_config
+from test_text_tasks import sample
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory):
+    return sample.write_sst2(str(tmp_path_factory.mktemp("hf_folders_data") / "sst2"), random.Random(0))
+
+
+def sentences(folder):
+    with open(f"{folder}/train.tsv") as f:
+        return [line.split("\t")[0] for line in f][1:]
+
+
+def save_folder(folder, model, tokenizer) -> str:
+    torch.manual_seed(0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def built(tmp_path, sst2, folder, **model):
+    """sst2's task on `folder`, its datasets and model built as the Trainer builds them."""
+    from wiring import build_task
+    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": sst2, "max_length": 32},
+                      model={"pretrained_dir": folder, "dropout": None, **model})
+    task = build_task(cfg)
+    datasets = task.build_datasets()
+    return cfg, task, datasets, task.build_model()
+
+
+def test_gpt2_without_a_pad_token_classifies_a_padded_batch(sst2, tmp_path, capsys):
+    """GPT-2's tokenizer has no pad token and its config no pad_token_id: collate failed with a TypeError
+    (torch.full of None), and a tokenizer with one still failed inside GPT2ForSequenceClassification ("Cannot
+    handle batch sizes > 1 if no padding token is defined"). Its end-of-text token pads now, said once."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tasks.text_common import train_tokenizer
+    tokenizer = train_tokenizer(sentences(sst2), "gpt2")
+    tokenizer.pad_token = None
+    folder = save_folder(tmp_path / "gpt2", GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)), tokenizer)
+    cfg, task, datasets, model = built(tmp_path, sst2, folder)
+    assert "has no pad token: its end-of-text token <|endoftext|> pads the batches" in capsys.readouterr().out
+    batch = task.collate([datasets["train"][i] for i in range(4)])
+    assert batch["attention_mask"].sum(1).tolist() != [batch["input_ids"].shape[1]] * 4  # some rows are padded
+    logits = task.logits(model.eval(), batch)
+    for row in range(4):  # a padded row's logits are its own, unpadded
+        alone = task.logits(model, task.collate([datasets["train"][row]]))
+        torch.testing.assert_close(logits[row], alone[0])
+    assert model.config.pad_token_id == tokenizer.eos_token_id  # an export's config: pipeline() pads batches too
