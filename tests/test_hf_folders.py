@@ -35,10 +35,10 @@ def save_folder(folder, model, tokenizer) -> str:
     return str(folder)
 
 
-def built(tmp_path, sst2, folder, **model):
+def built(tmp_path, sst2, folder, max_length=32, **model):
     """sst2's task on `folder`, its datasets and model built as the Trainer builds them."""
     from wiring import build_task
-    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": sst2, "max_length": 32},
+    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": sst2, "max_length": max_length},
                       model={"pretrained_dir": folder, "dropout": None, **model})
     task = build_task(cfg)
     datasets = task.build_datasets()
@@ -64,3 +64,26 @@ def test_gpt2_without_a_pad_token_classifies_a_padded_batch(sst2, tmp_path, caps
         alone = task.logits(model, task.collate([datasets["train"][row]]))
         torch.testing.assert_close(logits[row], alone[0])
     assert model.config.pad_token_id == tokenizer.eos_token_id  # an export's config: pipeline() pads batches too
+
+
+def test_roberta_positions_are_its_table_less_the_pad_offset(sst2, tmp_path):
+    """RoBERTa numbers positions from pad_token_id + 1: of max_position_embeddings 66, 64 are usable (roberta-base:
+    514, 512). data.max_length 66 passed the check and the 65th token failed mid-run inside the embeddings
+    (RuntimeError: index 66 is out of bounds); it is refused before training now, and 64 runs."""
+    import shutil
+    from transformers import RobertaConfig, RobertaModel
+    from core.errors import DataError
+    from tasks.text_common import train_tokenizer
+    tokenizer = train_tokenizer(sentences(sst2), "bpe")
+    folder = save_folder(tmp_path / "roberta", RobertaModel(RobertaConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, max_position_embeddings=66, **SMALL)),
+        tokenizer)
+    data = shutil.copytree(sst2, tmp_path / "long")
+    with open(data / "train.tsv", "a") as f:
+        f.write("good " * 80 + "\t1\n")
+    lines = len((data / "train.tsv").read_text().splitlines())
+    with pytest.raises(DataError, match=f"train.tsv:{lines}: 66 tokens, more than the model's 64 positions; set "
+                                        "data.max_length to at most 64"):
+        built(tmp_path, str(data), folder, max_length=66)
+    cfg, task, datasets, model = built(tmp_path, str(data), folder, max_length=64)
+    task.loss_sum(model, task.collate([datasets["train"][len(datasets["train"]) - 1]]))  # 64 tokens: they fit
