@@ -24,6 +24,7 @@ def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
     weights would run code."""
     refuse_custom_code(folder, key)
     check_pickled_weights(folder, key)
+    check_safetensors(folder, key)
 
 
 def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
@@ -78,6 +79,27 @@ def check_pickled_weights(folder: str, key: str = "model.pretrained_dir") -> Non
         if why:
             raise DataError(f"{key}: {path}: refused: {why}; pickled weights are loaded only with "
                             "torch.load(weights_only=True) (or use a folder with model.safetensors)")
+
+
+def check_safetensors(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Each .safetensors file of the folder opened (its header read and checked to cover the file; the tensors are
+    memory-mapped, not read): one cut short or with a damaged header is refused in one line, not a traceback from
+    inside from_pretrained."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if not (name.endswith(".safetensors") and os.path.isfile(path)):
+            continue
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"{key}: {path}: not a readable safetensors file ({first_words(e)}); copy it again "
+                            "from where it came") from None
 
 
 def pickle_problem(torch, path: str) -> Optional[str]:

@@ -108,3 +108,24 @@ def test_lora_trains_whole_every_module_the_folder_lacks(sst2, tmp_path):
                   for name, p in adapted.named_parameters() if p.requires_grad}
         assert {f"{new}.weight", f"{new}.bias", "classifier.weight", "classifier.bias"} <= trains, trains
         assert f"{new}, classifier whole" in adapted.lora_note, adapted.lora_note
+
+
+def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
+    """A model.safetensors cut short (a copy interrupted) or with a damaged header raised safetensors'
+    SafetensorError as a traceback from inside from_pretrained; it is one line naming the file now, before any
+    rank loads it."""
+    import shutil
+    from transformers import BertConfig, BertModel
+    from core.errors import DataError
+    from tasks.text_common import check_pretrained_dir
+    good = tmp_path / "good"
+    BertModel(BertConfig(vocab_size=64, **SMALL)).save_pretrained(good)
+    check_pretrained_dir(str(good))
+    data = (good / "model.safetensors").read_bytes()
+    for name, damaged, why in (("truncated", data[:len(data) // 2], "file not fully covered"),
+                               ("header", data[:8] + b"x" * 12 + data[20:], "invalid JSON in header")):
+        folder = shutil.copytree(good, tmp_path / name)
+        (folder / "model.safetensors").write_bytes(damaged)
+        with pytest.raises(DataError, match=f"model.pretrained_dir: {folder}/model.safetensors: not a readable "
+                                            f"safetensors file \\(.*{why}.*\\)"):
+            check_pretrained_dir(str(folder))
