@@ -150,6 +150,11 @@ class SST2Task(Task):
                 note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
         self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe"))
         datasets = {split: TokenizedSentences(*raw[split][:2], self.tokenizer, d.max_length) for split in raw}
+        for split, ds in datasets.items():  # a cut sentence loses its end: said, not silent
+            reach = sum(len(ids) >= d.max_length for ids in ds.ids)
+            if reach:
+                note(f"{paths[split]}: {reach} of {len(ds)} sentences reach data.max_length={d.max_length} tokens: "
+                     "longer ones are cut there")
         # For the checks of build_model, which name the file and line of an example that does not fit the model.
         self.datasets, self.where = datasets, {s: (paths[s], raw[s][2]) for s in raw}
         datasets.setdefault("test", None)

@@ -144,3 +144,20 @@ def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
     with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds a classifier of 3 labels \\(neg, neu, "
                                         "pos\\); the data has 2 \\(negative, positive\\)"):
         built(tmp_path, sst2, folder)
+
+
+def test_sentences_cut_at_max_length_are_said(sst2, tmp_path, capsys):
+    """sst2 cut every sentence longer than data.max_length without a word (a user's own long texts at the tiny
+    preset's 32 tokens lost their ends unsaid); the count of sentences that reach it is said per file."""
+    from wiring import build_task
+    from conftest import save_tiny_minilm
+    folder = save_tiny_minilm(tmp_path / "bert")
+    for max_length, said in ((6, True), (512, False)):
+        cfg = make_config(tmp_path / f"run{max_length}", task="sst2", data={"data_dir": sst2, "max_length": max_length},
+                          model={"pretrained_dir": folder})
+        datasets = build_task(cfg).build_datasets()
+        out = capsys.readouterr().out
+        reach = sum(len(ids) == max_length for ids in datasets["train"].ids)
+        assert (f"{sst2}/train.tsv: {reach} of {len(datasets['train'])} sentences reach data.max_length={max_length} "
+                "tokens: longer ones are cut there" in out) == said, out
+        assert said == (reach > 0)
