@@ -351,6 +351,7 @@ class SST2Task(Task):
         from tokenizers import normalizers
         tok = copy.deepcopy(self.tokenizer)  # a copy per export format: the Strip goes on once
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
+        tok.padding_side = "right"  # as collate pads: left padding shifts BERT's positions in a pipeline's batches
         backend = tok.backend_tokenizer
         backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
         return tok

@@ -161,3 +161,25 @@ def test_sentences_cut_at_max_length_are_said(sst2, tmp_path, capsys):
         assert (f"{sst2}/train.tsv: {reach} of {len(datasets['train'])} sentences reach data.max_length={max_length} "
                 "tokens: longer ones are cut there" in out) == said, out
         assert said == (reach > 0)
+
+
+def test_an_export_pads_on_the_side_training_padded(sst2, tmp_path):
+    """A tokenizer saved with padding_side left: training pads on the right (collate), but the export's tokenizer
+    kept left, so pipeline() on a batch shifted BERT's positions and gave other probabilities than predict mode."""
+    import json
+    from transformers import pipeline
+    from conftest import save_tiny_minilm
+    folder = save_tiny_minilm(tmp_path / "bert")
+    config = json.loads((tmp_path / "bert" / "tokenizer_config.json").read_text())
+    (tmp_path / "bert" / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
+    cfg, task, datasets, model = built(tmp_path, sst2, folder)
+    model.eval()
+    texts = ["a fine film", "the worst movie of the year , dull and long", "good", "bad acting"]
+    classify = pipeline("text-classification", model=model, tokenizer=task.hf_tokenizer(), top_k=None)
+    batched = classify(texts, batch_size=4)
+    for text, scores in zip(texts, batched):
+        ids = task.tokenizer(text, truncation=True, max_length=32)["input_ids"]
+        probs = task.logits(model, task.collate([{"input_ids": ids, "labels": 0}]))[0].softmax(-1)
+        by_label = {s["label"]: s["score"] for s in scores}
+        torch.testing.assert_close(torch.tensor([by_label["LABEL_0"], by_label["LABEL_1"]]), probs,
+                                   rtol=1e-5, atol=1e-6)
