@@ -37,8 +37,8 @@ from torch.utils.data import Dataset
 from core.errors import DataError
 from tasks import lm_models
 from tasks.base import PipelineLayer, Task
-from tasks.text_common import (bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions,
-                               pretrained_dropout)
+from tasks.text_common import (WEIGHTS_DTYPE, bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report,
+                               pad_positions, pretrained_dropout)
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -299,7 +299,8 @@ class BertPretrainTask(Task):
             lm_models.check_folder_shape(self.cfg, folder)
             with load_report(self.cfg):
                 return PretrainingModel(BertForPreTraining.from_pretrained(
-                    m.pretrained_dir, trust_remote_code=False, **pretrained_dropout(self.cfg, folder)))
+                    m.pretrained_dir, trust_remote_code=False, dtype=WEIGHTS_DTYPE,
+                    **pretrained_dropout(self.cfg, folder)))
         # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
         shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,

@@ -32,8 +32,8 @@ from tasks import lm_models, token_shards
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import read_texts
-from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
-                               load_report, note, pretrained_dropout, read_utf8)
+from tasks.text_common import (WEIGHTS_DTYPE, bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan,
+                               load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8)
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -187,7 +187,7 @@ class SST2Task(Task):
             with load_report(self.cfg):  # (a mismatched weight is refused next, not made new)
                 model, loading = AutoModelForSequenceClassification.from_pretrained(
                     m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, output_loading_info=True,
-                    ignore_mismatched_sizes=True, **pretrained_dropout(self.cfg, folder))
+                    ignore_mismatched_sizes=True, dtype=WEIGHTS_DTYPE, **pretrained_dropout(self.cfg, folder))
             self.check_shapes(folder, loading["mismatched_keys"])
             model.weights_made_new = sorted(loading["missing_keys"])  # LoRA trains them whole (lora.trained_whole)
             lm_models.check_folder_shape(self.cfg, model.config)

@@ -27,6 +27,10 @@ from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 DROPOUT_FIELDS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")  # how transformers' configs name them
 
+# from_pretrained's dtype: transformers 5 loads a folder in the one its config.json names (many are saved in bfloat16
+# or float16); weights train in float32, and train.precision decides what the forward computes in.
+WEIGHTS_DTYPE = torch.float32
+
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 TRAINED_VOCAB_SIZE = 8000
 

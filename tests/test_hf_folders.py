@@ -183,3 +183,26 @@ def test_an_export_pads_on_the_side_training_padded(sst2, tmp_path):
         by_label = {s["label"]: s["score"] for s in scores}
         torch.testing.assert_close(torch.tensor([by_label["LABEL_0"], by_label["LABEL_1"]]), probs,
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_folder_saved_in_bfloat16_trains_in_float32(sst2, tmp_path):
+    """transformers 5 loads a folder in the dtype its config.json names: a BERT or GPT-2 saved in bfloat16 trained
+    its weights in bfloat16 (AdamW's small steps rounded away) while the plan said precision fp32. They load in
+    float32 now, for sst2, gpt2_lm and image_folder alike (train.precision decides what the forward computes in)."""
+    from transformers import BertModel, GPT2Config, GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
+    from conftest import save_tiny_minilm
+    from tasks.image_folder import pretrained
+    from tasks.lm_models import load_causal_lm
+    bert = save_tiny_minilm(tmp_path / "bert")
+    BertModel.from_pretrained(bert).to(torch.bfloat16).save_pretrained(bert)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)).to(
+        torch.bfloat16).save_pretrained(tmp_path / "gpt2")
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).to(
+        torch.bfloat16).save_pretrained(tmp_path / "resnet")
+    models = {"sst2": built(tmp_path, sst2, bert)[3]}
+    models["gpt2_lm"] = load_causal_lm(make_config(tmp_path / "lm", task="gpt2_lm", model={
+        "pretrained_dir": str(tmp_path / "gpt2"), "dropout": None}))
+    models["image_folder"] = pretrained(make_config(tmp_path / "image", task="image_folder", model={
+        "pretrained_dir": str(tmp_path / "resnet"), "dropout": None}), ["a", "b"], print)
+    for task, model in models.items():
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, task
