@@ -25,6 +25,7 @@ def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
     refuse_custom_code(folder, key)
     check_pickled_weights(folder, key)
     check_safetensors(folder, key)
+    check_weight_indexes(folder, key)
 
 
 def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
@@ -100,6 +101,22 @@ def check_safetensors(folder: str, key: str = "model.pretrained_dir") -> None:
         except (SafetensorError, OSError) as e:
             raise DataError(f"{key}: {path}: not a readable safetensors file ({first_words(e)}); copy it again "
                             "from where it came") from None
+
+
+def check_weight_indexes(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Every file a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json) names is
+    in the folder: a download that stopped half-way is one line, not a FileNotFoundError from inside from_pretrained."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".index.json"))
+    except OSError:
+        return
+    for name in names:
+        weight_map = read_json(folder, name).get("weight_map")
+        files = sorted({str(f) for f in weight_map.values()}) if isinstance(weight_map, dict) else []
+        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise DataError(f"{key}: {os.path.join(folder, name)} names {missing[0][:80]}, which is not in the "
+                            f"folder ({len(missing)} of its {len(files)} files missing); copy the folder again")
 
 
 def pickle_problem(torch, path: str) -> Optional[str]:

@@ -112,8 +112,8 @@ def test_lora_trains_whole_every_module_the_folder_lacks(sst2, tmp_path):
 
 def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
     """A model.safetensors cut short (a copy interrupted) or with a damaged header raised safetensors'
-    SafetensorError as a traceback from inside from_pretrained; it is one line naming the file now, before any
-    rank loads it."""
+    SafetensorError as a traceback from inside from_pretrained, and a shard that the index names but the folder
+    lacks a FileNotFoundError; each is one line naming the file now, before any rank loads it."""
     import shutil
     from transformers import BertConfig, BertModel
     from core.errors import DataError
@@ -129,6 +129,12 @@ def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
         with pytest.raises(DataError, match=f"model.pretrained_dir: {folder}/model.safetensors: not a readable "
                                             f"safetensors file \\(.*{why}.*\\)"):
             check_pretrained_dir(str(folder))
+    BertModel(BertConfig(vocab_size=64, **SMALL)).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    check_pretrained_dir(str(tmp_path / "sharded"))
+    (tmp_path / "sharded" / "model-00002-of-00002.safetensors").unlink()  # a download that stopped half-way
+    with pytest.raises(DataError, match=f"model.pretrained_dir: {tmp_path / 'sharded'}/model.safetensors.index.json "
+                                        "names model-00002-of-00002.safetensors, which is not in the folder"):
+        check_pretrained_dir(str(tmp_path / "sharded"))
 
 
 def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
