@@ -33,7 +33,8 @@ from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import read_texts
 from tasks.text_common import (WEIGHTS_DTYPE, bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan,
-                               load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8)
+                               load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8,
+                               weights_from_checkpoint)
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -222,15 +223,22 @@ class SST2Task(Task):
 
     def check_shapes(self, folder, mismatched) -> None:
         """No weight of model.pretrained_dir was dropped for its shape: a classifier fine-tuned on other labels
-        (transformers' own error is a traceback), or any other weight (refused, not made new unsaid)."""
-        if not mismatched:
-            return
+        (transformers' own error is a traceback), or any other weight (refused, not made new unsaid). A trained
+        classifier of as many labels but other names goes on training row by row: said."""
         where = f"model.pretrained_dir: {self.cfg.model.pretrained_dir}"
+        names = lambda labels: ", ".join(map(str, labels))[:80]  # noqa: E731
+        theirs = [folder.id2label[i] for i in sorted(folder.id2label)]
+        if not mismatched:
+            trained = any(str(a).endswith("ForSequenceClassification") for a in folder.architectures or ())
+            renamed = [str(x).lower() for x in theirs] not in ([x.lower() for x in self.names or ()],
+                                                                [f"label_{i}" for i in range(len(theirs))])
+            if trained and self.names and renamed and not weights_from_checkpoint(self.cfg):
+                note(f"{where}'s classifier was trained for labels {names(theirs)}; it goes on training for the data's "
+                     f"{names(self.names)}, row by row (the data's label 0 is its {theirs[0]})")
+            return
         if folder.num_labels != self.num_labels:
-            names = lambda labels: ", ".join(map(str, labels))[:80]  # noqa: E731
             mine = f" ({names(self.names)})" if self.names else ""
-            raise DataError(f"{where} holds a classifier of {folder.num_labels} labels "
-                            f"({names(folder.id2label[i] for i in sorted(folder.id2label))}); the data has "
+            raise DataError(f"{where} holds a classifier of {folder.num_labels} labels ({names(theirs)}); the data has "
                             f"{self.num_labels}{mine}: use the folder of its base model, without the classifier")
         key, saved, wanted = sorted(mismatched)[0]
         raise DataError(f"{where}: its {key} has shape {list(saved)}, the model built from its config.json needs "

