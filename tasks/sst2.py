@@ -249,7 +249,7 @@ class SST2Task(Task):
         table (`positions`, usable_positions'; else the config's). Checked once the model's config is known, still
         before training; otherwise the embedding lookup fails mid-run with an index error naming no file."""
         positions = positions or getattr(config, "max_position_embeddings", None)
-        self.positions = positions  # predict_inputs checks too
+        self.positions, self.vocab_size = positions, config.vocab_size  # predict_inputs checks too
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id and the longest example
             raise DataError(problem)
@@ -378,6 +378,12 @@ class SST2Task(Task):
             raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}...) is {length} "
                             f"tokens, more than the model's {positions} positions; set data.max_length to at most "
                             f"{positions}")
+        top, index = longest_or_largest(dataset.ids, max)
+        vocab_size = getattr(self, "vocab_size", None)  # (check_fits; a token added to the tokenizer only)
+        if vocab_size and top >= vocab_size:
+            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}) has token id {top}, "
+                            f"outside the model's vocabulary (vocab_size {vocab_size}: ids 0-{vocab_size - 1}); "
+                            "model.pretrained_dir's tokenizer and model disagree")
         return texts, dataset
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:

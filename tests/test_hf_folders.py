@@ -228,3 +228,26 @@ def test_a_trained_classifier_of_other_label_names_is_said(sst2, tmp_path, capsy
         out = capsys.readouterr().out
         assert (f"model.pretrained_dir: {folder}'s classifier was trained for labels {', '.join(names)}; it goes on "
                 "training for the data's negative, positive, row by row" in out) == said, out
+
+
+def test_predict_refuses_a_token_outside_the_models_vocabulary(sst2, tmp_path):
+    """A tokenizer with a token added after the model was saved (id 30522 for a vocabulary of 30522): training's
+    sentences never held it and passed the check; a predict input that does failed inside BERT's embeddings with
+    an IndexError traceback naming no input."""
+    from transformers import AutoTokenizer
+    from conftest import save_tiny_minilm
+    from core.errors import DataError
+    from wiring import build_task
+    folder = save_tiny_minilm(tmp_path / "bert")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["zzqnew"])
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "new.txt").write_text("fine\na zzqnew film\n")
+    cfg = make_config(tmp_path / "run", task="sst2", mode="predict", predict={"input": str(tmp_path / "new.txt")},
+                      data={"data_dir": sst2, "max_length": 32}, model={"pretrained_dir": folder})
+    task = build_task(cfg)
+    task.prepare_inference(["negative", "positive"])
+    task.build_model()
+    with pytest.raises(DataError, match=f"predict.input: {tmp_path / 'new.txt'}: input 2 \\('a zzqnew film'\\) has "
+                                        "token id 30522, outside the model's vocabulary \\(vocab_size 30522"):
+        task.predict_inputs(str(tmp_path / "new.txt"))
