@@ -272,3 +272,22 @@ def test_bert_pretrain_refuses_a_folder_of_another_architecture(tmp_path):
             with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds a {kind} model; bert_pretrain "
                                                 "continues pre-training BERT models"):
                 build()
+
+
+def test_a_folder_without_tokenizer_files_is_refused(sst2, tmp_path):
+    """A folder of config.json and weights only (model.save_pretrained without the tokenizer): transformers 5 made
+    a BertTokenizer of its 5 special tokens, and sst2 trained on sentences that were all [UNK], without a word
+    (gpt2_lm's GPT2Tokenizer of 1 token said the texts were "1 tokens"). One line now, as data.tokenizer too."""
+    import shutil
+    from conftest import save_tiny_minilm
+    from core.errors import DataError
+    from tasks.text_common import load_tokenizer_folder
+    folder = tmp_path / "model_only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{save_tiny_minilm(tmp_path / 'bert')}/{name}", folder)
+    with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds no tokenizer files; transformers made "
+                                        "one of only its 5 special tokens"):
+        built(tmp_path, sst2, str(folder))
+    with pytest.raises(DataError, match=f"data.tokenizer: {folder} holds no tokenizer files"):
+        load_tokenizer_folder(str(folder))
