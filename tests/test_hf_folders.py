@@ -8,6 +8,7 @@ import torch
 
 from conftest import make_config
 from test_text_tasks import sample
+from test_token_shards import prepare_text
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
@@ -274,10 +275,11 @@ def test_bert_pretrain_refuses_a_folder_of_another_architecture(tmp_path):
                 build()
 
 
-def test_a_folder_without_tokenizer_files_is_refused(sst2, tmp_path):
+def test_a_folder_without_tokenizer_files_is_refused(sst2, tmp_path, capsys):
     """A folder of config.json and weights only (model.save_pretrained without the tokenizer): transformers 5 made
     a BertTokenizer of its 5 special tokens, and sst2 trained on sentences that were all [UNK], without a word
-    (gpt2_lm's GPT2Tokenizer of 1 token said the texts were "1 tokens"). One line now, as data.tokenizer too."""
+    (gpt2_lm's GPT2Tokenizer of 1 token said the texts were "1 tokens"). One line now, as data.tokenizer and
+    scripts/prepare_text.py --tokenizer (which made shards of [UNK]s) too."""
     import shutil
     from conftest import save_tiny_minilm
     from core.errors import DataError
@@ -291,3 +293,6 @@ def test_a_folder_without_tokenizer_files_is_refused(sst2, tmp_path):
         built(tmp_path, sst2, str(folder))
     with pytest.raises(DataError, match=f"data.tokenizer: {folder} holds no tokenizer files"):
         load_tokenizer_folder(str(folder))
+    assert prepare_text.main(["--task", "classification", "--train", f"{sst2}/train.tsv", "--dev", f"{sst2}/dev.tsv",
+                              "--output", str(tmp_path / "shards"), "--tokenizer", str(folder), "--workers", "1"]) == 2
+    assert f"error: --tokenizer {folder}: {folder} holds no tokenizer files" in capsys.readouterr().err
