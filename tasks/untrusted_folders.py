@@ -22,6 +22,7 @@ PICKLED_WEIGHTS = ("pytorch_model", ".bin")  # transformers' names: pytorch_mode
 def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
     """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code or whose pickled
     weights would run code."""
+    check_json_files(folder, key)
     refuse_custom_code(folder, key)
     check_pickled_weights(folder, key)
     check_safetensors(folder, key)
@@ -47,6 +48,30 @@ def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
     raise DataError(f"{key}: {folder} needs code of its own to load ({name}'s auto_map: {shown[:80]}; {what} is "
                     "not one transformers knows); this trainer never runs code from a model folder: use a folder of "
                     "a model type transformers supports")
+
+
+# The JSON files transformers reads from a model or tokenizer folder (and the indexes of sharded weights).
+READ_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "added_tokens.json", "vocab.json", "preprocessor_config.json")
+
+
+def check_json_files(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Each JSON file of the folder that transformers reads parses: one cut short or damaged is one line naming its
+    line and column, not an OSError or JSONDecodeError traceback from inside transformers."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n in READ_JSON or n.endswith(".index.json"))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{key}: {path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg}); copy the "
+                            "folder again") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{key}: {path}: unreadable ({first_words(e)})") from None
 
 
 def known_model_types() -> set:

@@ -296,3 +296,20 @@ def test_a_folder_without_tokenizer_files_is_refused(sst2, tmp_path, capsys):
     assert prepare_text.main(["--task", "classification", "--train", f"{sst2}/train.tsv", "--dev", f"{sst2}/dev.tsv",
                               "--output", str(tmp_path / "shards"), "--tokenizer", str(folder), "--workers", "1"]) == 2
     assert f"error: --tokenizer {folder}: {folder} holds no tokenizer files" in capsys.readouterr().err
+
+
+def test_a_damaged_json_file_of_the_folder_is_one_line(tmp_path):
+    """A config.json or tokenizer.json cut short (a copy interrupted) was an OSError or JSONDecodeError traceback
+    from inside transformers; one line naming the file, line and column now."""
+    import shutil
+    from conftest import save_tiny_minilm
+    from core.errors import DataError
+    from tasks.text_common import check_pretrained_dir
+    good = save_tiny_minilm(tmp_path / "bert")
+    for name in ("config.json", "tokenizer.json"):
+        folder = shutil.copytree(good, tmp_path / name)
+        text = (folder / name).read_text()
+        (folder / name).write_text(text[:len(text) // 2])
+        with pytest.raises(DataError, match=f"model.pretrained_dir: {folder / name}:[0-9]+: not valid JSON at column "
+                                            "[0-9]+ "):
+            check_pretrained_dir(str(folder))
