@@ -372,6 +372,10 @@ class SST2Task(Task):
         texts = read_texts(path, column, own_column="sentence" if column == DataConfig.text_column else None)
         stripped = [t.strip() for t in texts]
         dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        reach = sum(len(ids) >= self.cfg.data.max_length for ids in dataset.ids)
+        if reach:  # as in training: a cut input is predicted from its start, said
+            note(f"predict.input: {path}: {reach} of {len(texts)} inputs reach data.max_length="
+                 f"{self.cfg.data.max_length} tokens: longer ones are cut there")
         length, index = longest_or_largest(dataset.ids, len)
         positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
         if positions and length > positions:  # training never fed one this long, and the model cannot take it

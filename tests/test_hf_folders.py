@@ -155,7 +155,8 @@ def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
 
 def test_sentences_cut_at_max_length_are_said(sst2, tmp_path, capsys):
     """sst2 cut every sentence longer than data.max_length without a word (a user's own long texts at the tiny
-    preset's 32 tokens lost their ends unsaid); the count of sentences that reach it is said per file."""
+    preset's 32 tokens lost their ends unsaid), in training and in mode predict; the count of sentences that reach
+    it is said per file."""
     from wiring import build_task
     from conftest import save_tiny_minilm
     folder = save_tiny_minilm(tmp_path / "bert")
@@ -168,6 +169,14 @@ def test_sentences_cut_at_max_length_are_said(sst2, tmp_path, capsys):
         assert (f"{sst2}/train.tsv: {reach} of {len(datasets['train'])} sentences reach data.max_length={max_length} "
                 "tokens: longer ones are cut there" in out) == said, out
         assert said == (reach > 0)
+    (tmp_path / "new.txt").write_text("fine\n" + "good " * 40 + "\n")  # predict's inputs: the same note
+    cfg = make_config(tmp_path / "predict", task="sst2", mode="predict", predict={"input": str(tmp_path / "new.txt")},
+                      data={"data_dir": sst2, "max_length": 32}, model={"pretrained_dir": folder})
+    task = build_task(cfg)
+    task.prepare_inference(["negative", "positive"])
+    task.predict_inputs(str(tmp_path / "new.txt"))
+    assert (f"predict.input: {tmp_path / 'new.txt'}: 1 of 2 inputs reach data.max_length=32 tokens: longer ones are "
+            "cut there") in capsys.readouterr().out
 
 
 def test_an_export_pads_on_the_side_training_padded(sst2, tmp_path):
