@@ -20,8 +20,8 @@ PICKLED_WEIGHTS = ("pytorch_model", ".bin")  # transformers' names: pytorch_mode
 
 
 def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
-    """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code or whose pickled
-    weights would run code."""
+    """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code, whose pickled
+    weights would run code, or whose JSON or safetensors files are damaged or missing (a copy cut short)."""
     check_json_files(folder, key)
     refuse_custom_code(folder, key)
     check_pickled_weights(folder, key)
