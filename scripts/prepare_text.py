@@ -57,6 +57,7 @@ sys.path.insert(0, ROOT)
 from core.errors import DataError
 from tasks.pretrained import resolve_package_path  # noqa: E402
 from tasks import token_shards as ts  # noqa: E402
+from tasks.text_common import with_vocabulary  # noqa: E402
 
 FORMATS = {"lm": ("json", "jsonl", "text"), "classification": ("tsv", "csv", "jsonl")}
 TOKENIZE_CHARS = 1 << 20  # text tokenized per call: token id lists live for one such batch, arrays after
@@ -485,6 +486,7 @@ def prepare_tokenizer(args, plan: dict) -> None:
         except (OSError, ValueError) as e:
             raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it "
                             f"({str(e).strip().splitlines()[0]})") from None  # (transformers: five lines)
+        with_vocabulary(tokenizer, source, f"--tokenizer {args.tokenizer}")  # not one of special tokens only
     else:
         from tasks.text_common import train_tokenizer
         budget = args.tokenizer_sample_mb * (1 << 20)

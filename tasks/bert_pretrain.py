@@ -37,8 +37,8 @@ from torch.utils.data import Dataset
 from core.errors import DataError
 from tasks import lm_models
 from tasks.base import PipelineLayer, Task
-from tasks.text_common import (bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report, pad_positions,
-                               pretrained_dropout)
+from tasks.text_common import (WEIGHTS_DTYPE, bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report,
+                               pad_positions, pretrained_dropout)
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -243,6 +243,17 @@ class PretrainingModel(nn.Module):
         return mlm_logits, nsp_logits
 
 
+def bert_folder_config(folder: str):
+    """model.pretrained_dir's config, a BERT's: BertForPreTraining finds none of another architecture's weights under
+    its names (RoBERTa's roberta.*: all made new, a random model) or finds them of other shapes (a traceback)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(check_pretrained_dir(folder), trust_remote_code=False)
+    if config.model_type != "bert":
+        raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; bert_pretrain continues "
+                        "pre-training BERT models (model_type bert, MiniLM's too)")
+    return config
+
+
 class BertPretrainTask(Task):
     best_metric_default = "loss"
     lower_is_better = ("loss", "mlm_loss", "nsp_loss")
@@ -282,9 +293,7 @@ class BertPretrainTask(Task):
         pretrained_dir's config.json, or the random models' sizes."""
         if not self.cfg.model.pretrained_dir:
             return RANDOM_MODEL
-        from transformers import BertConfig
-        c = BertConfig.from_pretrained(check_pretrained_dir(self.cfg.model.pretrained_dir),
-                                       trust_remote_code=False)
+        c = bert_folder_config(self.cfg.model.pretrained_dir)
         return ModelLimits(c.vocab_size, c.type_vocab_size, c.max_position_embeddings)
 
     def model_built(self, model: dict) -> dict:
@@ -295,11 +304,12 @@ class BertPretrainTask(Task):
         m = self.cfg.model
         if m.pretrained_dir:
             # -----> continue pre-training another BERT-style checkpoint (its vocabulary must match the shards).
-            folder = BertConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False)
+            folder = bert_folder_config(m.pretrained_dir)
             lm_models.check_folder_shape(self.cfg, folder)
             with load_report(self.cfg):
                 return PretrainingModel(BertForPreTraining.from_pretrained(
-                    m.pretrained_dir, trust_remote_code=False, **pretrained_dropout(self.cfg, folder)))
+                    m.pretrained_dir, trust_remote_code=False, dtype=WEIGHTS_DTYPE,
+                    **pretrained_dropout(self.cfg, folder)))
         # -----> the randomly initialised model: sizes from BERT_PRESETS, or model.layers, heads and width.
         shape = lm_models.sized(self.cfg, BERT_PRESETS, BERT_SHAPE)
         config = BertConfig(vocab_size=RANDOM_MODEL.vocab_size, type_vocab_size=RANDOM_MODEL.type_vocab_size,

@@ -30,7 +30,7 @@ from core.errors import ConfigError, DataError
 from core.run_log import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.text_common import load_report, plain_transformers_output, pretrained_dropout
+from tasks.text_common import WEIGHTS_DTYPE, load_report, plain_transformers_output, pretrained_dropout
 from tasks.untrusted_folders import check_folder
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")  # any case
@@ -429,7 +429,7 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
         model = AutoModelForImageClassification.from_pretrained(
             folder, id2label=dict(enumerate(classes)),  # (num_labels follows id2label)
             label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False,
-            **dropout)
+            dtype=WEIGHTS_DTYPE, **dropout)
     if had != len(classes):
         log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
             "replaces it")

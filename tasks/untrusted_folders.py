@@ -20,10 +20,13 @@ PICKLED_WEIGHTS = ("pytorch_model", ".bin")  # transformers' names: pytorch_mode
 
 
 def check_folder(folder: str, key: str = "model.pretrained_dir") -> None:
-    """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code or whose pickled
-    weights would run code."""
+    """Refuse, in one DataError line naming `key` and the folder, a folder that needs custom code, whose pickled
+    weights would run code, or whose JSON or safetensors files are damaged or missing (a copy cut short)."""
+    check_json_files(folder, key)
     refuse_custom_code(folder, key)
     check_pickled_weights(folder, key)
+    check_safetensors(folder, key)
+    check_weight_indexes(folder, key)
 
 
 def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
@@ -45,6 +48,30 @@ def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
     raise DataError(f"{key}: {folder} needs code of its own to load ({name}'s auto_map: {shown[:80]}; {what} is "
                     "not one transformers knows); this trainer never runs code from a model folder: use a folder of "
                     "a model type transformers supports")
+
+
+# The JSON files transformers reads from a model or tokenizer folder (and the indexes of sharded weights).
+READ_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "added_tokens.json", "vocab.json", "preprocessor_config.json")
+
+
+def check_json_files(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Each JSON file of the folder that transformers reads parses: one cut short or damaged is one line naming its
+    line and column, not an OSError or JSONDecodeError traceback from inside transformers."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n in READ_JSON or n.endswith(".index.json"))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{key}: {path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg}); copy the "
+                            "folder again") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{key}: {path}: unreadable ({first_words(e)})") from None
 
 
 def known_model_types() -> set:
@@ -78,6 +105,43 @@ def check_pickled_weights(folder: str, key: str = "model.pretrained_dir") -> Non
         if why:
             raise DataError(f"{key}: {path}: refused: {why}; pickled weights are loaded only with "
                             "torch.load(weights_only=True) (or use a folder with model.safetensors)")
+
+
+def check_safetensors(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Each .safetensors file of the folder opened (its header read and checked to cover the file; the tensors are
+    memory-mapped, not read): one cut short or with a damaged header is refused in one line, not a traceback from
+    inside from_pretrained."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if not (name.endswith(".safetensors") and os.path.isfile(path)):
+            continue
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"{key}: {path}: not a readable safetensors file ({first_words(e)}); copy it again "
+                            "from where it came") from None
+
+
+def check_weight_indexes(folder: str, key: str = "model.pretrained_dir") -> None:
+    """Every file a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json) names is
+    in the folder: a download that stopped half-way is one line, not a FileNotFoundError from inside from_pretrained."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".index.json"))
+    except OSError:
+        return
+    for name in names:
+        weight_map = read_json(folder, name).get("weight_map")
+        files = sorted({str(f) for f in weight_map.values()}) if isinstance(weight_map, dict) else []
+        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise DataError(f"{key}: {os.path.join(folder, name)} names {missing[0][:80]}, which is not in the "
+                            f"folder ({len(missing)} of its {len(files)} files missing); copy the folder again")
 
 
 def pickle_problem(torch, path: str) -> Optional[str]:
