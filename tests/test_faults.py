@@ -857,6 +857,8 @@ def test_a_stop_or_end_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsy
     class StoreGone:
         def first_to_say(self, line):
             return True  # (what first_to_say answers when the store is gone)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)  # torchrun's (a rank main.py runs alone always says its word)
     monkeypatch.setattr(faults.report, "watchdog", StoreGone())
     monkeypatch.setattr(faults.report, "sink", None)
     monkeypatch.setattr(faults.report, "log", None)
@@ -872,8 +874,6 @@ def test_a_stop_or_end_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsy
     monkeypatch.setattr(faults.report, "watchdog", None)
     monkeypatch.setattr(faults.progress, "rank", 1)
     waited = "stopped by SIGTERM while rank 1 on vm waited 1 s for the other ranks at env://: nothing was trained"
-    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
-        monkeypatch.setenv(k, v)
     assert faults.report(errors.EXIT_STOPPED, waited) == errors.EXIT_STOPPED
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("LOCAL_RANK", "0")  # (the first rank of another node says its own)
