@@ -138,6 +138,10 @@ def check_weight_indexes(folder: str, key: str = "model.pretrained_dir") -> None
     for name in names:
         weight_map = read_json(folder, name).get("weight_map")
         files = sorted({str(f) for f in weight_map.values()}) if isinstance(weight_map, dict) else []
+        outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]  # ../x, /x: read from elsewhere
+        if outside:
+            raise DataError(f"{key}: {os.path.join(folder, name)} names {outside[0][:80]}, outside the folder; a "
+                            "shard is a file name in the folder itself")
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
             raise DataError(f"{key}: {os.path.join(folder, name)} names {missing[0][:80]}, which is not in the "

@@ -136,6 +136,11 @@ def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
     with pytest.raises(DataError, match=f"model.pretrained_dir: {tmp_path / 'sharded'}/model.safetensors.index.json "
                                         "names model-00002-of-00002.safetensors, which is not in the folder"):
         check_pretrained_dir(str(tmp_path / "sharded"))
+    index = tmp_path / "sharded" / "model.safetensors.index.json"  # a shard named outside: read from elsewhere
+    index.write_text(index.read_text().replace("model-00002-of-00002.safetensors", "../good/model.safetensors"))
+    with pytest.raises(DataError, match=f"model.pretrained_dir: {index} names ../good/model.safetensors, outside "
+                                        "the folder"):
+        check_pretrained_dir(str(tmp_path / "sharded"))
 
 
 def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
