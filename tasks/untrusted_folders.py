@@ -89,18 +89,20 @@ def read_json(folder: str, name: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def files_named(folder: str, wanted) -> list[str]:
+    """The paths of the folder's files whose names `wanted` accepts, sorted (none if the folder cannot be listed)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if wanted(n) and os.path.isfile(os.path.join(folder, n))]
+
+
 def check_pickled_weights(folder: str, key: str = "model.pretrained_dir") -> None:
     """Each pytorch_model*.bin of the folder loaded with weights_only=True (memory-mapped where torch can: the
     tensors are not read): one that holds anything but tensors and plain containers is refused in one line."""
     import torch
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(folder, name)
-        if not (name.startswith(PICKLED_WEIGHTS[0]) and name.endswith(PICKLED_WEIGHTS[1]) and os.path.isfile(path)):
-            continue
+    for path in files_named(folder, lambda n: n.startswith(PICKLED_WEIGHTS[0]) and n.endswith(PICKLED_WEIGHTS[1])):
         why = pickle_problem(torch, path)
         if why:
             raise DataError(f"{key}: {path}: refused: {why}; pickled weights are loaded only with "
@@ -112,14 +114,7 @@ def check_safetensors(folder: str, key: str = "model.pretrained_dir") -> None:
     memory-mapped, not read): one cut short or with a damaged header is refused in one line, not a traceback from
     inside from_pretrained."""
     from safetensors import SafetensorError, safe_open
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(folder, name)
-        if not (name.endswith(".safetensors") and os.path.isfile(path)):
-            continue
+    for path in files_named(folder, lambda n: n.endswith(".safetensors")):
         try:
             with safe_open(path, "pt"):
                 pass

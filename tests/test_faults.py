@@ -192,11 +192,8 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
     SIGSTOP) is the same to rank 1. Now one line after min(dist.timeout_s, 60 s) without an answer."""
     from core import process_group
     port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
-                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
-                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    host = store_host(port)
     try:
-        assert host.stdout.readline().strip() == "1"
         cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                           "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
         frozen, raised = [], []
@@ -926,11 +923,8 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     from datetime import timedelta
     from types import SimpleNamespace
     port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
-                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
-                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    host = store_host(port)
     try:
-        assert host.stdout.readline().strip() == "1"
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
@@ -1123,3 +1117,12 @@ def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, 
         s.close()
         assert signal.getsignal(signal.SIGTERM) == expected
         signal.signal(signal.SIGTERM, before)
+
+
+def store_host(port: int) -> subprocess.Popen:
+    """A process that hosts a TCPStore on `port` and then does nothing else (SIGSTOP it: a frozen store host)."""
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+                             f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print(1, flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert host.stdout.readline().strip() == "1"
+    return host
