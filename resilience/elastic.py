@@ -35,7 +35,7 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
     if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
         return 0.0
     now = time.time() if now is None else now
-    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=socket.gethostname()))  # (nodes may share it)
+    path = record_path(output_dir)
     if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
         if local_rank == 0:
             try:
@@ -48,6 +48,10 @@ def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[fl
     if type(started) not in (int, float) or not math.isfinite(started) or not started <= now:
         return 0.0
     return now - started
+
+
+def record_path(output_dir: str) -> str:
+    return os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=socket.gethostname()))  # (nodes may share it)
 
 
 def this_launch() -> dict:
@@ -78,7 +82,7 @@ def record_exit(output_dir: str, local_rank: int, code: Optional[int], env=os.en
     start drops the last attempt's, so that a worker killed outright leaves none."""
     if "TORCHELASTIC_RESTART_COUNT" not in env or local_rank != 0:
         return
-    path = os.path.join(output_dir, "logs", LAUNCH_RECORD.format(host=socket.gethostname()))
+    path = record_path(output_dir)
     record = this_launchs_record(path)
     if record is None or record.get("exit") == code:
         return

@@ -71,6 +71,14 @@ def write_checkpoint(output_dir, step: int, ctx, write_files, meta: dict) -> str
 
 
 @pytest.fixture
+def hf_offline(monkeypatch):
+    """Hugging Face's hub unreachable, as here: whatever loads a folder (an export, a pretrained model) must find
+    everything in it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
 def shared_data():
     if not os.path.isdir(SHARED):
         pytest.skip("../shared/data is absent")

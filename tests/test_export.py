@@ -33,11 +33,7 @@ def data(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """Whatever loads an export must find everything in the folder."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # (conftest.py)
 
 
 def export(cfg, **export_section) -> int:

@@ -13,10 +13,7 @@ from test_token_shards import prepare_text
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # (conftest.py)
 
 
 @pytest.fixture(scope="module")

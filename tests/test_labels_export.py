@@ -21,10 +21,7 @@ CLASSES = {"billing": ["invoice", "refund", "charged", "payment", "price"],
 FILLER = ["the", "app", "my", "today", "it", "again", "please", "this", "account", "when", "i", "was", "so"]
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # (conftest.py)
 
 
 def write_tickets(folder, sizes=(240, 60)) -> dict:

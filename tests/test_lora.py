@@ -28,10 +28,7 @@ def data(tmp_path_factory):
             "bert": None}
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # (conftest.py)
 
 
 @pytest.fixture(scope="module")
