@@ -206,24 +206,7 @@ def read_layout(data_dir: str, dev_fraction: float,
     composed = {unicodedata.normalize("NFC", n): i for i, n in reversed(list(enumerate(names)))}
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
-        pool = [(p, index[c]) for c in names for p in found["train"][c]]
-        order = np.random.default_rng(0).permutation(len(pool))
-        n_dev = int(round(len(pool) * dev_fraction))
-        if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
-            raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
-                            "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
-        if n_dev == len(pool):  # (the sampler got no training set: a TypeError traceback)
-            raise DataError(f"{train_dir}: no training split: data.dev_fraction {dev_fraction} of its {len(pool)} "
-                            "images is all of them; lower data.dev_fraction, or put the dev images in val/<class>/ "
-                            "beside train/")
-        splits["dev"] = [pool[i] for i in sorted(order[:n_dev])]
-        splits["train"] = [pool[i] for i in sorted(order[n_dev:])]
-        untrained = sorted(set(range(len(names))) - {c for _, c in splits["train"]})
-        if untrained:  # as an empty class folder: an output nothing trains (torchvision's ImageFolder refuses one)
-            c = names[untrained[0]]
-            raise DataError(f"{os.path.join(train_dir, c)}: its {len(found['train'][c])} image(s) all went to the dev "
-                            f"split (data.dev_fraction {dev_fraction}), so nothing trains the class; add images to it, "
-                            "or put the dev images in val/<class>/ beside train/")
+        splits["train"], splits["dev"] = dev_from_training(train_dir, names, found["train"], dev_fraction)
     else:
         splits["train"] = [(p, index[c]) for c in names for p in found["train"][c]]
     for split in ("dev", "test"):
@@ -255,6 +238,29 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
         return  # beside it, hidden, or another split's folder
     raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
                     f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
+
+
+def dev_from_training(train_dir: str, names: list[str], found: dict, dev_fraction: float) -> tuple[list, list]:
+    """(train, dev): the class folders' (path, class index) pairs, a data.dev_fraction of them for dev, the same
+    slice whatever the seed; a split that leaves dev, training or a class's training images empty is one line."""
+    pool = [(p, i) for i, c in enumerate(names) for p in found[c]]
+    order = np.random.default_rng(0).permutation(len(pool))
+    n_dev = int(round(len(pool) * dev_fraction))
+    if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
+        raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
+                        "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
+    if n_dev == len(pool):  # (the sampler got no training set: a TypeError traceback)
+        raise DataError(f"{train_dir}: no training split: data.dev_fraction {dev_fraction} of its {len(pool)} "
+                        "images is all of them; lower data.dev_fraction, or put the dev images in val/<class>/ "
+                        "beside train/")
+    train = [pool[i] for i in sorted(order[n_dev:])]
+    untrained = sorted(set(range(len(names))) - {c for _, c in train})
+    if untrained:  # as an empty class folder: an output nothing trains (torchvision's ImageFolder refuses one)
+        c = names[untrained[0]]
+        raise DataError(f"{os.path.join(train_dir, c)}: its {len(found[c])} image(s) all went to the dev split "
+                        f"(data.dev_fraction {dev_fraction}), so nothing trains the class; add images to it, or put "
+                        "the dev images in val/<class>/ beside train/")
+    return train, [pool[i] for i in sorted(order[:n_dev])]
 
 
 def image_files(path: str) -> tuple[list[str], list[str]]:
