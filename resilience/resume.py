@@ -7,12 +7,14 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from core import checkpoint, checkpoint_hashes, checkpoint_io, checkpoint_meta
-from core.config import RANDOM_DROPOUT
+from core.config import RANDOM_DROPOUT, TrainConfig
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from data_loader import GlobalBatchSampler
 from resilience import run_dir
 from trainer import TrainState, best_by, ceil_div, micro_batches_in
+
+EVAL_DEFAULTS = asdict(TrainConfig())  # for a checkpoint written before a setting existed
 
 
 def resume_run(trainer) -> bool:
@@ -322,9 +324,10 @@ def best_changes(trainer, saved: dict) -> None:
         f"train.best_metric {was[0]} ({was[1]}) -> {trainer.best_metric} ({trainer.best_mode})"]
     if was_eval_ema != eval_ema:
         changed.append(f"train.eval_ema {was_eval_ema} -> {eval_ema}")
-    now = asdict(trainer.train_cfg)
-    if dev_subset(saved) != dev_subset(now):  # its values come from other dev samples
-        changed.append(f"train.{dev_subset(saved, said=True)} -> {dev_subset(now, said=True)}")
+    was_eval, eval_now = eval_settings(saved), eval_settings(asdict(trainer.train_cfg))
+    if dev_samples(was_eval) != dev_samples(eval_now):  # its values come from other dev samples
+        said = [" ".join(f"{k}={v}" for k, v in e.items()) for e in (was_eval, eval_now)]
+        changed.append(f"train.{said[0]} -> {said[1]}")
     if not changed:
         return
     trainer.rank_anew()
@@ -332,14 +335,15 @@ def best_changes(trainer, saved: dict) -> None:
                         f"step {trainer.state.step} on")
 
 
-def dev_subset(train: dict, said: bool = False):
-    """The dev samples an evaluation during training reads (train.eval_batches, limit_eval_batches: so many batches
-    of eval_batch_size; 0, the whole split), or `said`, the settings that chose them."""
-    size = train.get("eval_batch_size", 256)
-    if said:
-        return (f"eval_batches={train.get('eval_batches', 0)} limit_eval_batches={train.get('limit_eval_batches', 0)} "
-                f"eval_batch_size={size}")
-    return train.get("eval_batches", 0) * size, train.get("limit_eval_batches", 0) * size
+def eval_settings(train: dict) -> dict:
+    """The train settings that choose an evaluation's dev samples (an older checkpoint's missing ones: defaults)."""
+    return {k: train.get(k, EVAL_DEFAULTS[k]) for k in ("eval_batches", "limit_eval_batches", "eval_batch_size")}
+
+
+def dev_samples(settings: dict) -> tuple[int, int]:
+    """How many dev samples evaluations during training read, and every evaluation at most (0: the whole split)."""
+    size = settings["eval_batch_size"]
+    return settings["eval_batches"] * size, settings["limit_eval_batches"] * size
 
 
 def length_from_position(trainer) -> None:
