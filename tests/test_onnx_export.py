@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import main
-from test_export import checkpoint_model, cnn_run, data, export, offline, python_blocks  # noqa: F401 (fixtures)
+from test_export import checkpoint_model, cnn_run, data, export, python_blocks  # noqa: F401 (fixtures)
 from test_text_tasks import task_config, train
+
+pytestmark = pytest.mark.usefixtures("hf_offline")  # (conftest.py)
 
 
 def onnx_logits(folder, feed: dict) -> np.ndarray:
