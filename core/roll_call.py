@@ -142,9 +142,8 @@ def answer(store, rank: int, world_size: int, mine: dict, timeout_s: float, give
                  "is one rank per GPU: nodes with different GPUs need a list)")
     elif (other["pid"], other["host"]) != (mine["pid"], mine["host"]):
         words = taken(rank, mine, other, rendezvous, nodes)
-    if words:
-        store.set("trainer-roll/refused", words)
-        raise UserError(words)
+    if words:  # the first refusal's words are every rank's (rank 0's verdict, and each node's launcher, says them)
+        raise UserError(store.compare_set("trainer-roll/refused", "", words).decode())
     store.add("trainer-roll/answered", 1)
     # (rank 0 came first, so its own timeout, said as the verdict, comes first)
     verdict = when_set(store, "trainer-roll/verdict", timeout_s + 5, given_up,
