@@ -333,7 +333,7 @@ EXIF_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 
 def open_rgb(path: str) -> Image.Image:
     """The image at `path`, fully decoded, upright (its EXIF orientation applied), as RGB (grayscale, 16-bit
-    grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated or not an image."""
+    grayscale, palette, RGBA, CMYK converted); OSError and the like when it is truncated, not an image, or float."""
     with warnings.catch_warnings():  # Pillow's (corrupt EXIF, over 89 megapixels) name no file and change no
         warnings.simplefilter("ignore")  # pixel; what it cannot decode still raises
         with Image.open(path) as image:
@@ -345,6 +345,8 @@ def open_rgb(path: str) -> Image.Image:
                 # as 32-bit I): the range onto 8 bits, where convert clips at 255
                 pixels = np.clip(np.asarray(image), 0, 65535) / 257
                 return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
+            if image.mode == "F":  # (convert clips floats at 255: a 0..1 image became black, unsaid)
+                raise ValueError("float pixels (mode F), which have no agreed range: save it with 8 or 16 bits")
             if image.mode == "RGB":
                 return image.copy()
             if image.mode in ("P", "PA", "LA", "RGBA") or "transparency" in image.info:  # transparent: onto white

@@ -262,6 +262,16 @@ def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     assert torch.allclose(items["bitmap.BMP"], (expect / 255 - mean) / std, atol=1e-5)
 
 
+def test_a_float_image_is_a_bad_image_not_a_black_one(tmp_path):
+    """A 32-bit float TIFF (mode F: a microscope's or a simulation's output, 0..1 here) became black squares unsaid
+    (Pillow's convert clips at 255 after truncating the floats); its scale is not knowable, so it is a bad image."""
+    Image.fromarray(np.linspace(0, 1, 200, dtype=np.float32).reshape(10, 20), "F").save(tmp_path / "float.tif")
+    with pytest.raises(ValueError, match="float pixels"):
+        image_folder.open_rgb(str(tmp_path / "float.tif"))
+    line = image_folder.bad_image_line(str(tmp_path / "float.tif"))
+    assert line.startswith(f"{tmp_path / 'float.tif'}: not a readable image (float pixels") and "8 or 16 bits" in line
+
+
 def test_pillows_warnings_on_a_readable_image_are_not_printed(tmp_path, monkeypatch):
     """A photo's corrupt EXIF block, or one over Pillow's 89-megapixel warning line: two lines of Pillow's source
     path and `warnings.warn(` each, naming no image, from every loader worker; the image decodes all the same."""
