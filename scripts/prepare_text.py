@@ -17,7 +17,7 @@ larger than memory). Each chunk is tokenized by one worker process and written a
 done (progress/chunk-NNNNN.json, written atomically after its arrays). A run that is killed leaves whole shards and
 their markers; the same command run again skips the chunks marked done and finishes with the same output as an
 uninterrupted run. The plan (inputs, sizes, options) is kept in progress/plan.json; a different command on the
-same --output is refused rather than mixed in. manifest.json, written last, marks the folder as complete.
+same --output is refused rather than mixed in (unless no chunk was done: a mended command goes on). manifest.json, written last, marks the folder as complete.
 
 Tokenizer: --tokenizer FOLDER (a Hugging Face folder, e.g. the model's own, or pkg:PACKAGE/sub) or, by default, a
 byte-level BPE trained on the first --tokenizer-sample-mb of the training text (--train-tokenizer gpt2 for
@@ -597,11 +597,16 @@ def run(args) -> int:
     if os.path.isfile(plan_path):
         with open(plan_path, encoding="utf-8") as f:
             earlier = json.load(f)
+        done = [n for n in os.listdir(progress) if n.startswith("chunk-")] if os.path.isdir(progress) else []
         if earlier != plan:
-            if not args.overwrite:
-                raise DataError(f"{args.output}: holds a preparation of other inputs or options; use another "
-                                "--output, or --overwrite to discard it")
+            # (a preparation that failed before finishing a chunk has nothing to lose: the corrected command goes on)
+            if done and not args.overwrite:
+                raise DataError(f"{args.output}: holds a preparation of other inputs or options ({len(done)} of its "
+                                f"chunks done); use another --output, or --overwrite to discard it")
             shutil.rmtree(args.output)
+            if not done:
+                print(f"{args.output}: an earlier preparation of other inputs or options, which finished no chunk, "
+                      "discarded", flush=True)
     elif os.path.isdir(args.output) and os.listdir(args.output):  # --overwrite too: it discards a preparation only
         raise DataError(f"{args.output}: not empty and not a preparation folder; use another --output")
     os.makedirs(progress, exist_ok=True)

@@ -140,6 +140,23 @@ def test_prepare_text_overwrite_discards_a_preparation_only(tmp_path, capsys):
     assert json.load(open(out / "manifest.json"))["splits"]["train"]["documents"] == 1
 
 
+def test_prepare_text_goes_on_after_a_failed_preparation_once_the_command_is_mended(tmp_path, capsys):
+    """A preparation that failed before finishing a chunk (labels named in the file, --labels forgotten) left its
+    plan, so the mended command was refused until --overwrite. One with chunks done still needs it (they would be
+    lost)."""
+    corpus, out = tmp_path / "reviews.csv", tmp_path / "shards"
+    corpus.write_text("text,label\nthe cat sees a dog,pos\nthe king helps a bird,neg\n")
+    prepare = ["--task", "classification", "--workers", "1", "--no-progress", "--tokenizer-sample-mb", "1",
+               "--train", str(corpus), "--output", str(out)]
+    assert prepare_text.main(prepare) == 2
+    assert f"{corpus}:2: label 'pos'" in capsys.readouterr().err
+    assert prepare_text.main([*prepare, "--labels", "neg,pos"]) == 0, capsys.readouterr().err
+    assert "which finished no chunk, discarded" in capsys.readouterr().out
+    assert json.load(open(out / "manifest.json"))["splits"]["train"]["documents"] == 2
+    assert prepare_text.main([*prepare, "--labels", "pos,neg"]) == 2
+    assert "holds a preparation of other inputs or options (1 of its chunks done)" in capsys.readouterr().err
+
+
 def test_generate_continues_the_prompt_of_a_tokenizer_that_wraps_texts(tmp_path, capsys, monkeypatch):
     """A tokenizer that wraps every text as <s> ... </s> (BART's specials, or a folder given as data.tokenizer) gave
     the model "<s> the cat </s>": it saw the prompt's document end and began another instead of continuing it, and
