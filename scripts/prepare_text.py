@@ -582,16 +582,10 @@ def main(argv=None) -> int:
         return 2
 
 
-def run(args) -> int:
-    started = time.perf_counter()
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise DataError(f"--output {args.output}: a file, not a folder; name a folder for the shards")
-    plan = make_plan(args)
-    output = os.path.join(os.path.abspath(args.output), "")
-    for entry in plan["inputs"]:  # --overwrite would delete it, and a shard could be read as an input
-        if entry["path"].startswith(output):
-            raise DataError(f"--{entry['split']} {entry['path']}: inside --output {args.output}; write the shards "
-                            "to a folder of their own")
+def open_output(args, plan: dict) -> str:
+    """--output ready for `plan`: new, or an earlier preparation of the same plan to go on with (its half-written
+    files removed), or one of another plan discarded (with --overwrite, or when it finished no chunk). Returns its
+    progress folder."""
     progress = os.path.join(args.output, "progress")
     plan_path = os.path.join(args.output, ts.PLAN)
     if os.path.isfile(plan_path):
@@ -615,6 +609,20 @@ def run(args) -> int:
     for name in os.listdir(args.output):  # left by a killed run: never read, rewritten by the chunk's worker
         if ".tmp." in name:
             os.remove(os.path.join(args.output, name))
+    return progress
+
+
+def run(args) -> int:
+    started = time.perf_counter()
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise DataError(f"--output {args.output}: a file, not a folder; name a folder for the shards")
+    plan = make_plan(args)
+    output = os.path.join(os.path.abspath(args.output), "")
+    for entry in plan["inputs"]:  # --overwrite would delete it, and a shard could be read as an input
+        if entry["path"].startswith(output):
+            raise DataError(f"--{entry['split']} {entry['path']}: inside --output {args.output}; write the shards "
+                            "to a folder of their own")
+    progress = open_output(args, plan)
     prepare_tokenizer(args, plan)
 
     markers = {}
