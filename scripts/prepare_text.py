@@ -57,7 +57,7 @@ sys.path.insert(0, ROOT)
 from core.errors import DataError
 from tasks.pretrained import resolve_package_path  # noqa: E402
 from tasks import token_shards as ts  # noqa: E402
-from tasks.text_common import with_vocabulary  # noqa: E402
+from tasks.text_common import open_tokenizer, with_vocabulary  # noqa: E402
 
 FORMATS = {"lm": ("json", "jsonl", "text"), "classification": ("tsv", "csv", "jsonl")}
 TOKENIZE_CHARS = 1 << 20  # text tokenized per call: token id lists live for one such batch, arrays after
@@ -477,15 +477,10 @@ def prepare_tokenizer(args, plan: dict) -> None:
         return  # made by an earlier run of this plan
     shutil.rmtree(folder + ".part", ignore_errors=True)
     if args.tokenizer:
-        from transformers import AutoTokenizer
         source = plan["options"]["tokenizer"]
         if not os.path.isdir(source):
             raise DataError(f"--tokenizer {args.tokenizer}: not a folder (a Hugging Face model or tokenizer folder)")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise DataError(f"--tokenizer {args.tokenizer}: no tokenizer could be loaded from it "
-                            f"({str(e).strip().splitlines()[0]})") from None  # (transformers: five lines)
+        tokenizer = open_tokenizer(source, "--tokenizer")
         with_vocabulary(tokenizer, source, f"--tokenizer {args.tokenizer}")  # not one of special tokens only
     else:
         from tasks.text_common import train_tokenizer

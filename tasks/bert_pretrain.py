@@ -38,7 +38,7 @@ from core.errors import DataError
 from tasks import lm_models
 from tasks.base import PipelineLayer, Task
 from tasks.text_common import (WEIGHTS_DTYPE, bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report,
-                               pad_positions, pretrained_dropout)
+                               open_tokenizer, pad_positions, pretrained_dropout)
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 
@@ -415,8 +415,7 @@ class BertPretrainTask(Task):
         d = self.cfg.model.pretrained_dir
         if not d or not os.path.isfile(os.path.join(d, "tokenizer_config.json")):
             return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(d, trust_remote_code=False)
+        return open_tokenizer(d)
 
     def metrics(self, totals: dict) -> dict:
         tokens, seqs = max(totals["mlm_tokens"], 1), max(totals["sequences"], 1)

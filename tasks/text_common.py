@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from core import checkpoint, disk_errors
 from core.atomic_write import write_beside
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError, DataError, first_line
 from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
 from tasks.untrusted_folders import check_folder, refuse_custom_code
@@ -66,11 +67,10 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
     `folder_from`'s (a Hugging Face tokenizer folder, copied), or one trained on `texts` (train_tokenizer's
     `kind`: gpt2, bpe, char or byte). What it was made as is saved beside it (made_as.json): a saved tokenizer of
     another kind is refused, and train.start_over makes a new one (the old folder is moved aside)."""
-    from transformers import AutoTokenizer
     plain_transformers_output()
     if cfg.model.pretrained_dir:
         folder = check_pretrained_dir(cfg.model.pretrained_dir)
-        return with_vocabulary(AutoTokenizer.from_pretrained(folder, trust_remote_code=False), folder)
+        return with_vocabulary(open_tokenizer(folder), folder)
     folder = tokenizer_dir(cfg)
     saved = lambda: os.path.isfile(os.path.join(folder, "tokenizer.json"))  # noqa: E731
     asked = {"kind": "folder", "folder": os.path.abspath(folder_from)} if folder_from else {"kind": kind}
@@ -94,7 +94,24 @@ def load_or_train_tokenizer(cfg, texts: Optional[Callable[[], Iterable[str]]], k
         check_made_as(folder, asked)
     # Always load from the folder (transformers 5 pitfall: building BertTokenizerFast(vocab_file=...) directly
     # silently gives a 5-token vocabulary; from_pretrained(folder) reads the full tokenizer.json).
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    return open_tokenizer(folder, "the saved tokenizer")
+
+
+def open_tokenizer(folder: str, key: str = "model.pretrained_dir"):
+    """AutoTokenizer.from_pretrained(folder), never running the folder's code; what it cannot read is one line
+    naming `key` and the folder. A sentencepiece file it cannot read (the package missing, the file damaged) ended in
+    a traceback asking for tiktoken, the last format transformers tries."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, ImportError) as e:
+        pieces = sorted(n for n in os.listdir(folder) if n.endswith(".model"))
+        why = first_line(e)
+        if pieces and "tiktoken" in str(e):
+            why = (f"{pieces[0]} is a sentencepiece model: install the sentencepiece package (requirements.txt)"
+                   if importlib.util.find_spec("sentencepiece") is None else
+                   f"{pieces[0]}, a sentencepiece model, could not be read: damaged, or not sentencepiece's")
+        raise DataError(f"{key} {folder}: its tokenizer could not be loaded ({why})") from None
 
 
 def saved_words(cfg, make: Callable[[], list[str]]) -> list[str]:
@@ -159,15 +176,10 @@ TOKENIZER_NAMES = {"gpt2": "bpe (gpt2_lm's)", "bpe": "bpe (BART's special tokens
 def load_tokenizer_folder(folder: str):
     """A Hugging Face tokenizer folder given as data.tokenizer; one that has no end-of-text token cannot separate
     documents, so it is refused here rather than failing inside the data pipeline."""
-    from transformers import AutoTokenizer
     if not os.path.isdir(folder):
         raise DataError(f"data.tokenizer: {folder!r} is neither bpe, char, byte nor a tokenizer folder")
     refuse_custom_code(folder, "data.tokenizer")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer: {folder} is not a Hugging Face tokenizer folder "
-                        f"({str(e).strip().splitlines()[0]})") from None
+    tokenizer = open_tokenizer(folder, "data.tokenizer")
     with_vocabulary(tokenizer, folder, "data.tokenizer")
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {folder}'s tokenizer has no end-of-text (eos) token to separate texts")

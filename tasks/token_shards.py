@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.text_common import check_pretrained_dir, main_first, tokenizer_dir
+from tasks.text_common import check_pretrained_dir, main_first, open_tokenizer, tokenizer_dir
 
 MANIFEST = "manifest.json"
 PLAN = os.path.join("progress", "plan.json")  # written first by prepare_text.py: a preparation was started here
@@ -87,11 +87,8 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
     """The tokenizer of a run on prepared shards: model.pretrained_dir's (which must be the one the shards were
     made with), else the shards' own, copied to <output_dir>/tokenizer (where resume, `mode: test` and
     generate.py look for it). A different tokenizer already in output_dir is an error, not a silent mix of ids."""
-    from transformers import AutoTokenizer
-
     if cfg.model.pretrained_dir:
-        tokenizer = AutoTokenizer.from_pretrained(check_pretrained_dir(cfg.model.pretrained_dir),
-                                                  trust_remote_code=False)
+        tokenizer = open_tokenizer(check_pretrained_dir(cfg.model.pretrained_dir))
         where = f"model.pretrained_dir {cfg.model.pretrained_dir}"
     else:
         saved = tokenizer_dir(cfg)
@@ -101,7 +98,7 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
                 shutil.copytree(os.path.join(folder, "tokenizer"), saved + ".part", dirs_exist_ok=True)
                 os.replace(saved + ".part", saved)
         main_first(copy)
-        tokenizer = AutoTokenizer.from_pretrained(saved, trust_remote_code=False)
+        tokenizer = open_tokenizer(saved, "the saved tokenizer")
         where = saved
     if fingerprint(tokenizer) != manifest["fingerprint"]:
         raise DataError(f"{folder}: the shards were tokenized with another tokenizer than {where}'s "

@@ -324,3 +324,37 @@ def test_a_damaged_json_file_of_the_folder_is_one_line(tmp_path):
         with pytest.raises(DataError, match=f"model.pretrained_dir: {folder / name}:[0-9]+: not valid JSON at column "
                                             "[0-9]+ "):
             check_pretrained_dir(str(folder))
+
+
+@pytest.mark.slow
+def test_a_sentencepiece_folder_trains_and_a_damaged_one_is_one_line(sst2, tmp_path):
+    """A DeBERTa-v3 style folder ships its tokenizer as spm.model alone (no tokenizer.json): without the
+    sentencepiece package (not installed then) it was a traceback asking for tiktoken, the last format transformers
+    tries; a damaged spm.model likewise. It trains now, each sentence as sentencepiece cuts it; a damaged one is a
+    line naming the file."""
+    import json
+    import sentencepiece
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+    from core.errors import DataError
+    (tmp_path / "text.txt").write_text("\n".join(sentences(sst2)))
+    folder = tmp_path / "deberta"
+    folder.mkdir()
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(tmp_path / "text.txt"), model_prefix=str(folder / "spm"), vocab_size=48, pad_id=0, unk_id=3,
+        bos_id=1, eos_id=2, control_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2)  # (the sample's words)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "DebertaV2Tokenizer",
+                                                              "bos_token": "[CLS]", "eos_token": "[SEP]"}))
+    torch.manual_seed(0)
+    DebertaV2ForSequenceClassification(DebertaV2Config(vocab_size=64, max_position_embeddings=64, num_labels=2,
+                                                       **SMALL)).save_pretrained(folder)
+    cfg, task, datasets, model = built(tmp_path, sst2, str(folder))
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spm.model"))
+    first = datasets["train"][0]["input_ids"]
+    assert list(first[1:-1]) == pieces.encode(sentences(sst2)[0])[:len(first) - 2]  # [CLS] ... [SEP] around them
+    batch = task.collate([datasets["train"][i] for i in range(4)])
+    assert torch.isfinite(task.logits(model.eval(), batch)).all()
+    (folder / "spm.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(DataError) as e:
+        built(tmp_path, sst2, str(folder))
+    assert str(e.value).startswith(f"model.pretrained_dir {folder}: its tokenizer could not be loaded (spm.model, "
+                                   "a sentencepiece model, could not be read"), e.value

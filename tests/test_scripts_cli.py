@@ -40,7 +40,7 @@ def test_make_bert_shards_says_a_wrong_input_or_option_in_one_line(tmp_path, cap
     folder = os.path.join(ROOT, "tasks")  # not a tokenizer folder at all
     cases = [(["--input", str(tmp_path / "nope.txt")], "nope.txt: no such file"),
              (["--input", str(tmp_path / "latin1.txt")], "latin1.txt, line 1: not UTF-8 text (byte 3 of the line)"),
-             (["--input", text, "--tokenizer", folder], f"--tokenizer {folder}: not a tokenizer folder"),
+             (["--input", text, "--tokenizer", folder], f"--tokenizer {folder}: its tokenizer could not be loaded"),
              (["--input", text, "--shards", "0"], "--shards must be >= 1, got 0"),
              (["--input", text, "--dev-shards", "-1"], "--dev-shards must be >= 0, got -1"),
              (["--input", text, "--seq-length", "4"], "--seq-length must be >= 5"),
@@ -224,7 +224,7 @@ def test_prepare_text_says_a_folder_that_is_no_tokenizer_in_one_line(tmp_path, c
     assert prepare_text.main(["--task", "lm", "--train", str(tmp_path / "corpus.txt"), "--output",
                               str(tmp_path / "out"), "--workers", "1", "--tokenizer", folder]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --tokenizer {folder}: no tokenizer could be loaded from it (")
+    assert err.startswith(f"error: --tokenizer {folder}: its tokenizer could not be loaded (")
     assert len(err.strip().splitlines()) == 1, err
 
 
