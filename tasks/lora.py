@@ -97,9 +97,12 @@ def save_adapter(model: nn.Module, folder: str) -> str:
         kind, "AutoPeftModel")
     load = f"model = {cls}.from_pretrained(FOLDER + \"/{os.path.basename(folder)}\")\n"
     if kind == "SEQ_CLS":  # the base's config.json has no classes: LABEL_0, and another count would not load
-        load = ("import json\nlabels = json.load(open(FOLDER + \"/config.json\"))  # the class names, the merged "
-                f"model's\nmodel = {cls}.from_pretrained(\n    FOLDER + \"/{os.path.basename(folder)}\", "
-                "id2label={int(i): n for i, n in labels[\"id2label\"].items()}, label2id=labels[\"label2id\"])\n")
+        # nor, for GPT-2, a pad token: a batch of several sentences would be refused
+        pad = ", pad_token_id=merged[\"pad_token_id\"]" if model.config.pad_token_id is not None else ""
+        load = ("import json\nmerged = json.load(open(FOLDER + \"/config.json\"))  # the class names (and pad token) "
+                f"of the merged model\nmodel = {cls}.from_pretrained(\n    FOLDER + \"/{os.path.basename(folder)}\", "
+                "id2label={int(i): n for i, n in merged[\"id2label\"].items()}, label2id=merged[\"label2id\"]"
+                f"{pad})\n")
     return (f"`{os.path.basename(folder)}/`: the LoRA adapters alone (and the head trained whole), for peft, over "
             f"the base `{model.lora_base['pretrained_dir']}` named in its adapter_config.json.\n\n```python\n"
             f"from peft import {cls}\n{load}```\n")

@@ -358,3 +358,36 @@ def test_a_sentencepiece_folder_trains_and_a_damaged_one_is_one_line(sst2, tmp_p
         built(tmp_path, sst2, str(folder))
     assert str(e.value).startswith(f"model.pretrained_dir {folder}: its tokenizer could not be loaded (spm.model, "
                                    "a sentencepiece model, could not be read"), e.value
+
+
+@pytest.mark.slow
+def test_a_gpt2_lora_adapter_classifies_a_padded_batch_as_its_readme_loads_it(sst2, tmp_path):
+    """The export README's snippet for a LoRA adapter loads the base folder through peft: GPT-2's config.json has no
+    pad_token_id (the run pads with its end-of-text token), so the adapted model refused batches of several
+    sentences ("Cannot handle batch sizes > 1 if no padding token is defined"). The snippet gives it the merged
+    model's, and answers the merged folder's logits."""
+    import re
+    import main
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from tasks.text_common import train_tokenizer
+    from test_export import export
+    tokenizer = train_tokenizer(sentences(sst2), "gpt2")
+    tokenizer.pad_token = None
+    folder = save_folder(tmp_path / "gpt2", GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)), tokenizer)
+    cfg = make_config(tmp_path / "run", task="sst2", data={"data_dir": sst2, "max_length": 32},
+                      model={"pretrained_dir": folder, "dropout": None, "lora_rank": 4},
+                      train={"max_steps": 2, "epochs": 0, "batch_size": 8, "eval_every": 0, "save_every": 2})
+    assert main.run(cfg) == 0
+    dest = tmp_path / "export"
+    assert export(cfg, dir=str(dest)) == 0
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", open(dest / "README.md").read(), re.S)
+                   if "AutoPeftModelForSequenceClassification" in b)
+    scope = {"FOLDER": str(dest)}
+    exec(snippet, scope)
+    tok = AutoTokenizer.from_pretrained(str(dest))
+    batch = tok(sentences(sst2)[:4], padding=True, return_tensors="pt")
+    assert batch["attention_mask"].sum(1).tolist() != [batch["input_ids"].shape[1]] * 4  # some rows are padded
+    merged = AutoModelForSequenceClassification.from_pretrained(str(dest)).eval()
+    with torch.no_grad():
+        assert torch.allclose(scope["model"].eval()(**batch).logits, merged(**batch).logits, atol=1e-5)
