@@ -17,7 +17,8 @@ larger than memory). Each chunk is tokenized by one worker process and written a
 done (progress/chunk-NNNNN.json, written atomically after its arrays). A run that is killed leaves whole shards and
 their markers; the same command run again skips the chunks marked done and finishes with the same output as an
 uninterrupted run. The plan (inputs, sizes, options) is kept in progress/plan.json; a different command on the
-same --output is refused rather than mixed in (unless no chunk was done: a mended command goes on). manifest.json, written last, marks the folder as complete.
+same --output is refused rather than mixed in (unless no chunk was done: a mended command goes on). manifest.json,
+written last, marks the folder as complete.
 
 Tokenizer: --tokenizer FOLDER (a Hugging Face folder, e.g. the model's own, or pkg:PACKAGE/sub) or, by default, a
 byte-level BPE trained on the first --tokenizer-sample-mb of the training text (--train-tokenizer gpt2 for
