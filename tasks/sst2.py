@@ -222,9 +222,10 @@ class SST2Task(Task):
         return bert_tp_plan(model, tp, self.cfg.dist.sequence_parallel)
 
     def check_shapes(self, folder, mismatched) -> None:
-        """No weight of model.pretrained_dir was dropped for its shape: a classifier fine-tuned on other labels
-        (transformers' own error is a traceback), or any other weight (refused, not made new unsaid). A trained
-        classifier of as many labels but other names goes on training row by row: said."""
+        """No weight of model.pretrained_dir was dropped for its shape, but a classifier fine-tuned on another
+        number of labels: a new one replaces it, said (as image_folder's head, and transformers'
+        ignore_mismatched_sizes); any other weight is refused, not made new unsaid. A trained classifier of as many
+        labels but other names goes on training row by row: said."""
         where = f"model.pretrained_dir: {self.cfg.model.pretrained_dir}"
         names = lambda labels: ", ".join(map(str, labels))[:80]  # noqa: E731
         theirs = [folder.id2label[i] for i in sorted(folder.id2label)]
@@ -236,10 +237,14 @@ class SST2Task(Task):
                 note(f"{where}'s classifier was trained for labels {names(theirs)}; it goes on training for the data's "
                      f"{names(self.names)}, row by row (the data's label 0 is its {theirs[0]})")
             return
-        if folder.num_labels != self.num_labels:
-            mine = f" ({names(self.names)})" if self.names else ""
-            raise DataError(f"{where} holds a classifier of {folder.num_labels} labels ({names(theirs)}); the data has "
-                            f"{self.num_labels}{mine}: use the folder of its base model, without the classifier")
+        # the classifier's weights alone: each one's first dimension is the label count, theirs against ours
+        head = all(saved[0] == folder.num_labels and wanted[0] == self.num_labels for _, saved, wanted in mismatched)
+        if folder.num_labels != self.num_labels and head:
+            if not weights_from_checkpoint(self.cfg):
+                mine = f" ({names(self.names)})" if self.names else ""
+                note(f"{where} holds a classifier of {folder.num_labels} labels ({names(theirs)}); a new one (random) "
+                     f"of the data's {self.num_labels}{mine} replaces it")
+            return
         key, saved, wanted = sorted(mismatched)[0]
         raise DataError(f"{where}: its {key} has shape {list(saved)}, the model built from its config.json needs "
                         f"{list(wanted)}")

