@@ -8,7 +8,54 @@ from typing import Literal, Union
 from core.config_yaml import shown, shown_text
 
 
+# Hugging Face's TrainingArguments and Lightning's Trainer name some settings otherwise: their name says ours (the
+# nearest spelling is often another setting: eval_steps is not max_steps), with how ours counts where it differs.
+THEIR_NAMES = {
+    "learning_rate": ("Hugging Face", "train.lr", ""),
+    "num_train_epochs": ("Hugging Face", "train.epochs", "; train.max_steps, when set, may end the run first"),
+    "max_epochs": ("Lightning", "train.epochs", ""),
+    "per_device_train_batch_size": ("Hugging Face", "train.batch_size", ""),
+    "per_device_eval_batch_size": ("Hugging Face", "train.eval_batch_size", ""),
+    "gradient_accumulation_steps": ("Hugging Face", "train.grad_accum_steps", ""),
+    "accumulate_grad_batches": ("Lightning", "train.grad_accum_steps", ""),
+    "warmup_steps": ("Hugging Face", "train.warmup", ": optimizer steps (>= 1), or a fraction of the run (< 1)"),
+    "warmup_ratio": ("Hugging Face", "train.warmup", ": a fraction of the run (< 1), or optimizer steps (>= 1)"),
+    "lr_scheduler_type": ("Hugging Face", "train.schedule", ""),
+    "max_grad_norm": ("Hugging Face", "train.clip_grad_norm", " (0 by default: no clipping)"),
+    "gradient_clip_val": ("Lightning", "train.clip_grad_norm", ""),
+    "fp16": ("Hugging Face", "train.precision", ": fp16"),
+    "bf16": ("Hugging Face", "train.precision", ": bf16"),
+    "metric_for_best_model": ("Hugging Face", "train.best_metric", ", a dev metric's name without eval_ (loss)"),
+    "greater_is_better": ("Hugging Face", "train.best_mode", ": max or min"),
+    "early_stopping_patience": ("Hugging Face", "train.patience", ", in evaluations"),
+    "logging_steps": ("Hugging Face", "train.log_every", ", in optimizer steps"),
+    "log_every_n_steps": ("Lightning", "train.log_every", ", in optimizer steps"),
+    "eval_steps": ("Hugging Face", "train.eval_every", ", in optimizer steps"),
+    "val_check_interval": ("Lightning", "train.eval_every", ", in optimizer steps (not batches)"),
+    "save_steps": ("Hugging Face", "train.save_every", ", in optimizer steps"),
+    "save_total_limit": ("Hugging Face", "train.keep_last", " (the best is kept as well)"),
+    "save_top_k": ("Lightning", "train.keep_best", ""),
+    "limit_val_batches": ("Lightning", "train.limit_eval_batches", ""),
+    "resume_from_checkpoint": ("Hugging Face", "train.resume", ""),
+    "dataloader_num_workers": ("Hugging Face", "data.num_workers", ""),
+    "seed": ("", "seed", ", at the top level"),
+    "output_dir": ("", "output_dir", ", at the top level"),
+    "default_root_dir": ("Lightning", "output_dir", ", at the top level"),
+    "report_to": ("", "log.report_to", ""),
+    "optim": ("Hugging Face", "train.optimizer", ""),
+    "adam_epsilon": ("Hugging Face", "train.eps", ""),
+}
+# Lightning's train.precision values: what they are here ('bf16-true' and '16-true', whole half-precision weights,
+# have no equivalent: fp16 and bf16 here are autocast over fp32 weights)
+THEIR_PRECISIONS = {"16-mixed": "fp16", "16": "fp16", "bf16-mixed": "bf16", "32-true": "fp32",
+                    "32": "fp32"}
+
+
 def unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> str:
+    if key in THEIR_NAMES:
+        whose, ours, how = THEIR_NAMES[key]
+        return f"{source}: unknown key `{prefix}{key}`" + (f" ({whose}'s name)" if whose else "") + \
+            f": here it is `{ours}`{how}"
     close = closest(key, valid)
     hint = f" (did you mean `{prefix}{close}`?)" if close else f" (valid keys: {', '.join(valid)})"
     return f"{source}: unknown key `{prefix}{shown_text(key)}`{hint}"
@@ -29,7 +76,9 @@ def closest(key: str, valid: list[str]):
 
 def wrong_type(source: str, key: str, value, hint) -> str:
     options = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
-    return f"{source}: `{key}` must be {' or '.join(type_name(a) for a in options)}, got {shown(value)}"
+    theirs = f" (Lightning's {str(value)!r} is {THEIR_PRECISIONS[str(value)]} here)" \
+        if key == "train.precision" and str(value) in THEIR_PRECISIONS else ""
+    return f"{source}: `{key}` must be {' or '.join(type_name(a) for a in options)}, got {shown(value)}{theirs}"
 
 
 def type_name(hint) -> str:

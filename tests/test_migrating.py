@@ -1,0 +1,34 @@
+"""Habits from Hugging Face's Trainer and Lightning: their names for our settings are pointed at ours, never at a
+near spelling that means something else; their metric names for the best checkpoint say ours."""
+import pytest
+
+from wiring import checked_config
+from core.errors import ConfigError
+
+# (their key as a user writes it under train:, the key it is here)
+THEIR_NAMES = [
+    ("train.learning_rate", "train.lr"), ("train.per_device_train_batch_size", "train.batch_size"),
+    ("train.accumulate_grad_batches", "train.grad_accum_steps"), ("train.warmup_ratio", "train.warmup"),
+    ("train.lr_scheduler_type", "train.schedule"), ("train.max_grad_norm", "train.clip_grad_norm"),
+    ("train.gradient_clip_val", "train.clip_grad_norm"), ("train.bf16", "train.precision"),
+    ("train.metric_for_best_model", "train.best_metric"), ("train.logging_steps", "train.log_every"),
+    ("train.eval_steps", "train.eval_every"), ("train.val_check_interval", "train.eval_every"),
+    ("train.save_steps", "train.save_every"), ("train.save_total_limit", "train.keep_last"),
+    ("train.save_top_k", "train.keep_best"), ("train.dataloader_num_workers", "data.num_workers"),
+    ("train.seed", "seed"), ("train.output_dir", "output_dir"), ("train.max_epochs", "train.epochs"),
+]
+
+
+def test_other_trainers_names_point_at_ours_in_one_line():
+    """difflib's nearest spelling sent eval_steps to max_steps, save_total_limit to time_limit, logging_steps to
+    profile_steps: a user who followed it changed the run's length instead of its cadence."""
+    for their, ours in THEIR_NAMES:
+        with pytest.raises(ConfigError) as e:
+            checked_config("parameters.yml", [f"{their}=1"])
+        message = str(e.value)
+        assert f"unknown key `{their}`" in message and f"`{ours}`" in message, message
+        assert "did you mean" not in message and "\n" not in message, message
+    for value, ours in (("16-mixed", "fp16"), ("bf16-mixed", "bf16"), ("32-true", "fp32")):
+        with pytest.raises(ConfigError) as e:
+            checked_config("parameters.yml", [f"train.precision={value}"])
+        assert f"Lightning's {value!r} is {ours} here" in str(e.value), str(e.value)
