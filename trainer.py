@@ -377,9 +377,14 @@ class Trainer:
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
         state, train_cfg = self.state, self.train_cfg
-        if self.best_metric not in metrics:
+        if self.best_metric not in metrics:  # known only now, maybe at the run's end: this step is kept, eval due
+            state.eval_due = True
+            self.save_checkpoint({})
+            self.finish_save()
+            bare = self.best_metric.split("_", 1)[-1]  # Hugging Face's eval_loss, Lightning's val_loss: loss here
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
-                              f"({', '.join(metrics)})")
+                              f"({', '.join(metrics)})" + (f"; use {bare!r}" if bare in metrics else "") +
+                              f"; step-{state.step} is saved: correct it and run again to resume")
         value, loss = metrics[self.best_metric], metrics.get("loss")
         better = math.isfinite(value) and (  # NaN is never best
             state.best_value is None

@@ -2,8 +2,11 @@
 near spelling that means something else; their metric names for the best checkpoint say ours."""
 import pytest
 
+from conftest import load_model_state, make_config, max_diff
+from core import checkpoint, checkpoint_meta
 from wiring import checked_config
 from core.errors import ConfigError
+import main
 
 # (their key as a user writes it under train:, the key it is here)
 THEIR_NAMES = [
@@ -32,3 +35,23 @@ def test_other_trainers_names_point_at_ours_in_one_line():
         with pytest.raises(ConfigError) as e:
             checked_config("parameters.yml", [f"train.precision={value}"])
         assert f"Lightning's {value!r} is {ours} here" in str(e.value), str(e.value)
+
+
+def test_a_best_metric_named_as_hugging_face_does_keeps_the_run(tmp_path, capsys):
+    """best_metric eval_loss (Hugging Face's name), known wrong only at the first evaluation: with eval_every 0,
+    the run's end, whose checkpoint was never written. Now that step is saved and its evaluation due, and the
+    message names ours; the corrected command resumes there and ends as a run with the right name from the start."""
+    train = {"max_steps": 3, "eval_every": 0, "save_every": 0, "schedule": "constant"}
+    cfg = make_config(tmp_path / "named", train={**train, "best_metric": "eval_loss"})
+    assert main.run(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert "`train.best_metric` is 'eval_loss', not among the dev metrics (loss, accuracy" in err, err
+    assert "use 'loss'" in err and "step-3 is saved" in err and len(err.splitlines()) == 1, err
+    assert checkpoint.latest(str(tmp_path / "named")).endswith("step-3")
+    assert main.run(make_config(tmp_path / "named", train={**train, "best_metric": "loss"})) == 0
+    assert main.run(make_config(tmp_path / "right", train={**train, "best_metric": "loss"})) == 0
+    for out in ("named", "right"):
+        assert checkpoint_meta.best_recorded(str(tmp_path / out)).endswith("step-3")
+    named, right = (checkpoint_meta.read(checkpoint.latest(str(tmp_path / out))) for out in ("named", "right"))
+    assert named["metrics"] == right["metrics"] and named["metrics"]["loss"] > 0
+    assert max_diff(load_model_state(tmp_path / "named", 3), load_model_state(tmp_path / "right", 3)) == 0
