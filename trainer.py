@@ -597,7 +597,7 @@ def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:
 def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
     """factor(step), `step` being the optimizer steps done: a linear warm-up, then `schedule` from 1 down to
     min_lr_ratio, the fraction of train.lr the last step ends at."""
-    warm = int(warmup) if warmup >= 1 else round(warmup * total)
+    warm = warmup_steps(total, warmup)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
         if step < warm:
@@ -611,6 +611,12 @@ def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: f
             return 1.0
         return min_lr_ratio + (1.0 - min_lr_ratio) * decay  # decay goes 1 -> 0, the factor 1 -> min_lr_ratio
     return factor
+
+
+def warmup_steps(total: int, warmup: float) -> int:
+    """train.warmup in optimizer steps: a whole number as it is, a fraction of the run's `total` rounded (Hugging Face
+    rounds up). The first of them runs at lr / steps, the last at lr: one step is no warm-up."""
+    return int(warmup) if warmup >= 1 else round(warmup * total)
 
 
 # ---- Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume ---------------

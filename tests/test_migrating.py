@@ -1,9 +1,12 @@
 """Habits from Hugging Face's Trainer and Lightning: their names for our settings are pointed at ours, never at a
 near spelling that means something else; their metric names for the best checkpoint say ours."""
+import os
+
 import pytest
 
 from conftest import load_model_state, make_config, max_diff
-from core import checkpoint, checkpoint_meta
+from core import checkpoint, checkpoint_meta, run_record
+from core.config import TrainConfig
 from wiring import checked_config
 from core.errors import ConfigError
 import main
@@ -41,7 +44,7 @@ def test_a_best_metric_named_as_hugging_face_does_keeps_the_run(tmp_path, capsys
     """best_metric eval_loss (Hugging Face's name), known wrong only at the first evaluation: with eval_every 0,
     the run's end, whose checkpoint was never written. Now that step is saved and its evaluation due, and the
     message names ours; the corrected command resumes there and ends as a run with the right name from the start."""
-    train = {"max_steps": 3, "eval_every": 0, "save_every": 0, "schedule": "constant"}
+    train = {"max_steps": 3, "eval_every": 0, "save_every": 0, "schedule": "constant", "warmup": 0.5}
     cfg = make_config(tmp_path / "named", train={**train, "best_metric": "eval_loss"})
     assert main.run(cfg) == 2
     err = capsys.readouterr().err.strip()
@@ -55,3 +58,18 @@ def test_a_best_metric_named_as_hugging_face_does_keeps_the_run(tmp_path, capsys
     named, right = (checkpoint_meta.read(checkpoint.latest(str(tmp_path / out))) for out in ("named", "right"))
     assert named["metrics"] == right["metrics"] and named["metrics"]["loss"] > 0
     assert max_diff(load_model_state(tmp_path / "named", 3), load_model_state(tmp_path / "right", 3)) == 0
+    with open(os.path.join(tmp_path / "right", "logs", "rank0.log")) as f:
+        assert "  lr 0.001: warm-up over 2 steps (train.warmup=0.5), then constant; gradient norm not clipped" in f.read()
+
+
+def test_the_plan_says_the_warm_up_in_steps_and_the_clipping():
+    """Hugging Face's warmup_ratio rounds up (ceil); ours rounds, and a warm-up of one step is none (its first step
+    is at the full lr): a short run's 0.05 was no warm-up without a word. The plan's lr line says what it is."""
+    def line(total, **train):
+        return run_record.schedule_line(total, TrainConfig(**train))
+    assert line(9, warmup=0.05) == "lr 0.001: no warm-up (train.warmup=0.05 is 0 of 9 steps; it takes 2 or more), " \
+                                   "then cosine to 0; gradient norm not clipped"
+    assert line(9, warmup=1).startswith("lr 0.001: no warm-up (train.warmup=1 is 1 of 9 steps")
+    assert line(100, warmup=10, schedule="linear", min_lr_ratio=0.1, clip_grad_norm=1.0) == \
+        "lr 0.001: warm-up over 10 steps (train.warmup=10), then linear to 0.0001; gradient norm clipped to 1"
+    assert line(100) == "lr 0.001: cosine to 0; gradient norm not clipped"
