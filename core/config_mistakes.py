@@ -21,6 +21,8 @@ THEIR_NAMES = {
     "warmup_steps": ("Hugging Face", "train.warmup", ": optimizer steps (>= 1), or a fraction of the run (< 1)"),
     "warmup_ratio": ("Hugging Face", "train.warmup", ": a fraction of the run (< 1), or optimizer steps (>= 1)"),
     "lr_scheduler_type": ("Hugging Face", "train.schedule", ""),
+    "lr_scheduler_kwargs": ("Hugging Face", "train.min_lr_ratio", " (min_lr_rate)"),
+    "min_lr": ("", "train.min_lr_ratio", ", a fraction of train.lr"),
     "max_grad_norm": ("Hugging Face", "train.clip_grad_norm", " (0 by default: no clipping)"),
     "gradient_clip_val": ("Lightning", "train.clip_grad_norm", ""),
     "fp16": ("Hugging Face", "train.precision", ": fp16"),
@@ -32,6 +34,11 @@ THEIR_NAMES = {
     "log_every_n_steps": ("Lightning", "train.log_every", ", in optimizer steps"),
     "eval_steps": ("Hugging Face", "train.eval_every", ", in optimizer steps"),
     "val_check_interval": ("Lightning", "train.eval_every", ", in optimizer steps (not batches)"),
+    "check_val_every_n_epoch": ("Lightning", "train.eval_every", ", in optimizer steps (the plan says an epoch's)"),
+    "eval_strategy": ("Hugging Face", "train.eval_every", ", in optimizer steps (the plan says an epoch's)"),
+    "evaluation_strategy": ("Hugging Face", "train.eval_every", ", in optimizer steps (the plan says an epoch's)"),
+    "save_strategy": ("Hugging Face", "train.save_every", ", in optimizer steps (the plan says an epoch's)"),
+    "monitor": ("Lightning", "train.best_metric", ", a dev metric's name without val_ (loss)"),
     "save_steps": ("Hugging Face", "train.save_every", ", in optimizer steps"),
     "save_total_limit": ("Hugging Face", "train.keep_last", " (the best is kept as well)"),
     "save_top_k": ("Lightning", "train.keep_best", ""),
@@ -45,10 +52,15 @@ THEIR_NAMES = {
     "optim": ("Hugging Face", "train.optimizer", ""),
     "adam_epsilon": ("Hugging Face", "train.eps", ""),
 }
-# Lightning's train.precision values: what they are here ('bf16-true' and '16-true', whole half-precision weights,
-# have no equivalent: fp16 and bf16 here are autocast over fp32 weights)
-THEIR_PRECISIONS = {"16-mixed": "fp16", "16": "fp16", "bf16-mixed": "bf16", "32-true": "fp32",
-                    "32": "fp32"}
+# Their values of ours: Lightning's precisions ('bf16-true' and '16-true', whole half-precision weights, have no
+# equivalent: fp16 and bf16 here are autocast over fp32 weights), Hugging Face's schedules
+THEIR_VALUES = {
+    "train.precision": {"16-mixed": ("Lightning", "fp16 here"), "16": ("Lightning", "fp16 here"),
+                        "bf16-mixed": ("Lightning", "bf16 here"), "32-true": ("Lightning", "fp32 here"),
+                        "32": ("Lightning", "fp32 here")},
+    "train.schedule": {"constant_with_warmup": ("Hugging Face", "constant here: train.warmup applies to any schedule"),
+                       "cosine_with_min_lr": ("Hugging Face", "cosine with train.min_lr_ratio here")},
+}
 
 
 def unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> str:
@@ -76,8 +88,8 @@ def closest(key: str, valid: list[str]):
 
 def wrong_type(source: str, key: str, value, hint) -> str:
     options = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
-    theirs = f" (Lightning's {str(value)!r} is {THEIR_PRECISIONS[str(value)]} here)" \
-        if key == "train.precision" and str(value) in THEIR_PRECISIONS else ""
+    whose, ours = THEIR_VALUES.get(key, {}).get(str(value), (None, None))
+    theirs = f" ({whose}'s {str(value)!r} is {ours})" if whose else ""
     return f"{source}: `{key}` must be {' or '.join(type_name(a) for a in options)}, got {shown(value)}{theirs}"
 
 
