@@ -249,7 +249,8 @@ class TrainConfig:
     """AdamW's epsilon, added to the root of the squared-gradient average (torch's default); passed, when set, to
     the optimizers that take one number (Adadelta, RMSprop, ...): at 1e-8 each keeps its own default."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    """Decoupled weight decay (AdamW) or L2 (SGD), on tensors of 2 dimensions or more (matrices, embeddings,
+    convolutions); never on biases and norms (core/optimizers.py param_groups)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
     precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
