@@ -339,6 +339,9 @@ class TrainConfig:
                  f"the weights' are: use {self.best_metric.removeprefix('ema_')!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
+        if self.min_lr_ratio and self.schedule == "constant":  # (it would do nothing)
+            fail("train.min_lr_ratio", f"is {self.min_lr_ratio:g}, but train.schedule constant never decays: set "
+                                       "train.schedule linear or cosine, or train.min_lr_ratio 0")
         betas = self.betas
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):

@@ -79,3 +79,11 @@ def test_the_plan_says_the_warm_up_in_steps_and_the_clipping():
     assert line(100, warmup=10, schedule="linear", min_lr_ratio=0.1, clip_grad_norm=1.0) == \
         "lr 0.001: warm-up over 10 steps (train.warmup=10), then linear to 0.0001; gradient norm clipped to 1"
     assert line(100) == "lr 0.001: cosine to 0; gradient norm not clipped"
+
+
+def test_a_floor_for_the_constant_schedule_is_refused():
+    """min_lr_ratio with schedule constant (Hugging Face's constant takes no min_lr_rate) did nothing, silently."""
+    with pytest.raises(ConfigError) as e:
+        checked_config("parameters.yml", ["train.schedule=constant", "train.min_lr_ratio=0.1"])
+    assert str(e.value).startswith("parameters.yml + --set: `train.min_lr_ratio` is 0.1, but train.schedule constant")
+    assert checked_config("parameters.yml", ["train.schedule=constant"]).train.min_lr_ratio == 0
