@@ -339,6 +339,9 @@ class TrainConfig:
                  f"the weights' are: use {self.best_metric.removeprefix('ema_')!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
+        if self.patience and not self.eval_every:  # (it would do nothing)
+            fail("train.patience", f"is {self.patience}, but train.eval_every is 0: the one evaluation is the run's "
+                                   "last, early stopping could never stop it; set train.eval_every")
         if self.min_lr_ratio and self.schedule == "constant":  # (it would do nothing)
             fail("train.min_lr_ratio", f"is {self.min_lr_ratio:g}, but train.schedule constant never decays: set "
                                        "train.schedule linear or cosine, or train.min_lr_ratio 0")

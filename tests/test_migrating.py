@@ -81,9 +81,14 @@ def test_the_plan_says_the_warm_up_in_steps_and_the_clipping():
     assert line(100) == "lr 0.001: cosine to 0; gradient norm not clipped"
 
 
-def test_a_floor_for_the_constant_schedule_is_refused():
-    """min_lr_ratio with schedule constant (Hugging Face's constant takes no min_lr_rate) did nothing, silently."""
-    with pytest.raises(ConfigError) as e:
-        checked_config("parameters.yml", ["train.schedule=constant", "train.min_lr_ratio=0.1"])
-    assert str(e.value).startswith("parameters.yml + --set: `train.min_lr_ratio` is 0.1, but train.schedule constant")
-    assert checked_config("parameters.yml", ["train.schedule=constant"]).train.min_lr_ratio == 0
+def test_settings_that_would_do_nothing_are_refused():
+    """min_lr_ratio with schedule constant (Hugging Face's constant takes no min_lr_rate), patience with eval_every 0
+    (its EarlyStoppingCallback refuses a run without evaluations): each did nothing, silently."""
+    for sets, start in ((["train.schedule=constant", "train.min_lr_ratio=0.1"],
+                         "`train.min_lr_ratio` is 0.1, but train.schedule constant never decays"),
+                        (["train.patience=3", "train.eval_every=0"],
+                         "`train.patience` is 3, but train.eval_every is 0: the one evaluation is the run's last")):
+        with pytest.raises(ConfigError) as e:
+            checked_config("parameters.yml", sets)
+        assert str(e.value).startswith(f"parameters.yml + --set: {start}"), str(e.value)
+    assert checked_config("parameters.yml", ["train.schedule=constant", "train.eval_every=0"]).train.patience == 0
