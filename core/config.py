@@ -723,12 +723,18 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid)))
+            raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid), every_key()))
         try:
             kwargs[key] = _match(value, hints[key])
         except _NoMatch:
             raise ConfigError(wrong_type(source, f"{prefix}{key}", value, hints[key])) from None
     return cls(**kwargs)
+
+
+def every_key() -> list[str]:
+    """Every key of the config as written (`seed`, `train.lr`): where a key put in the wrong section belongs."""
+    return [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS] + [
+        f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
 class _NoMatch(Exception):

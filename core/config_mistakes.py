@@ -63,11 +63,15 @@ THEIR_VALUES = {
 }
 
 
-def unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> str:
+def unknown_key(source: str, prefix: str, key: str, valid: list[str], every: list[str] = ()) -> str:
+    """`every`: all the config's keys as written (train.lr), for a key written in another section than its own."""
     if key in THEIR_NAMES:
         whose, ours, how = THEIR_NAMES[key]
         return f"{source}: unknown key `{prefix}{key}`" + (f" ({whose}'s name)" if whose else "") + \
             f": here it is `{ours}`{how}"
+    elsewhere = [f"`{k}`" for k in every if k.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"{source}: unknown key `{prefix}{key}`: it is {' or '.join(elsewhere)}"
     close = closest(key, valid)
     hint = f" (did you mean `{prefix}{close}`?)" if close else f" (valid keys: {', '.join(valid)})"
     return f"{source}: unknown key `{prefix}{shown_text(key)}`{hint}"

@@ -36,6 +36,14 @@ def test_other_trainers_names_point_at_ours_in_one_line():
         message = str(e.value)
         assert f"unknown key `{their}`" in message and f"`{ours}`" in message, message
         assert "did you mean" not in message and "\n" not in message, message
+    # TrainingArguments is flat: a key of another section, written under train (or the other way), is pointed there
+    for their, ours in (("train.max_length", "data.max_length"), ("train.num_workers", "data.num_workers"),
+                        ("train.dropout", "model.dropout"), ("data.batch_size", "train.batch_size"),
+                        ("lr", "train.lr"), ("train.checkpoint", "`test.checkpoint` or `predict.checkpoint`")):
+        with pytest.raises(ConfigError) as e:
+            checked_config("parameters.yml", [f"{their}=1"])
+        assert f"unknown key `{their}`: it is " in str(e.value) and (ours if "`" in ours else f"`{ours}`") in \
+            str(e.value), str(e.value)
     for key, value, ours in (("precision", "16-mixed", "Lightning's '16-mixed' is fp16 here"),
                              ("precision", "bf16-mixed", "Lightning's 'bf16-mixed' is bf16 here"),
                              ("precision", "32-true", "Lightning's '32-true' is fp32 here"),
