@@ -45,6 +45,8 @@ THEIR_NAMES = {
     "limit_val_batches": ("Lightning", "train.limit_eval_batches", ""),
     "resume_from_checkpoint": ("Hugging Face", "train.resume", ""),
     "dataloader_num_workers": ("Hugging Face", "data.num_workers", ""),
+    "gradient_checkpointing": ("Hugging Face", "model.activation_checkpointing", ""),
+    "max_seq_length": ("Hugging Face", "data.max_length", ""),
     "seed": ("", "seed", ", at the top level"),
     "output_dir": ("", "output_dir", ", at the top level"),
     "default_root_dir": ("Lightning", "output_dir", ", at the top level"),

@@ -24,6 +24,7 @@ THEIR_NAMES = [
     ("train.seed", "seed"), ("train.output_dir", "output_dir"), ("train.max_epochs", "train.epochs"),
     ("train.check_val_every_n_epoch", "train.eval_every"), ("train.eval_strategy", "train.eval_every"),
     ("train.monitor", "train.best_metric"), ("train.lr_scheduler_kwargs", "train.min_lr_ratio"),
+    ("train.gradient_checkpointing", "model.activation_checkpointing"), ("train.max_seq_length", "data.max_length"),
 ]
 
 
