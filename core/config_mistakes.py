@@ -46,6 +46,20 @@ THEIR_NAMES = {
     "resume_from_checkpoint": ("Hugging Face", "train.resume", ""),
     "dataloader_num_workers": ("Hugging Face", "data.num_workers", ""),
     "gradient_checkpointing": ("Hugging Face", "model.activation_checkpointing", ""),
+    "max_time": ("Lightning", "train.time_limit", ": seconds or HH:MM:SS; used up, the run saves and exits 3"),
+    "limit_train_batches": ("Lightning", "train.max_steps", " (optimizer steps), or train.epochs (a fraction)"),
+    "limit_test_batches": ("Lightning", "train.limit_eval_batches", ", which test mode reads too"),
+    "devices": ("Lightning", "dist.procs_per_node", ""),
+    "num_nodes": ("Lightning", "dist.nodes", ""),
+    "accelerator": ("Lightning", "dist.device", ": auto, cpu or cuda"),
+    "use_cpu": ("Hugging Face", "dist.device", ": cpu"),
+    "enable_progress_bar": ("Lightning", "log.progress_bar", ""),
+    "disable_tqdm": ("Hugging Face", "log.progress_bar", ", the other way round (false: no bars)"),
+    "ddp_timeout": ("Hugging Face", "dist.timeout_s", ""),
+    "data_seed": ("Hugging Face", "seed", ", the one seed of the data order too"),
+    "logging_dir": ("Hugging Face", "output_dir", ": the logs and TensorBoard's files go under it"),
+    "eval_accumulation_steps": ("Hugging Face", None, "evaluation keeps sums and predicted labels here, never "
+                                                      "logits: nothing to set"),
     "max_seq_length": ("Hugging Face", "data.max_length", ""),
     "seed": ("", "seed", ", at the top level"),
     "output_dir": ("", "output_dir", ", at the top level"),
@@ -68,9 +82,9 @@ THEIR_VALUES = {
 def unknown_key(source: str, prefix: str, key: str, valid: list[str], every: list[str] = ()) -> str:
     """`every`: all the config's keys as written (train.lr), for a key written in another section than its own."""
     if key in THEIR_NAMES:
-        whose, ours, how = THEIR_NAMES[key]
+        whose, ours, how = THEIR_NAMES[key]  # (ours None: no equivalent, `how` says why)
         return f"{source}: unknown key `{prefix}{key}`" + (f" ({whose}'s name)" if whose else "") + \
-            f": here it is `{ours}`{how}"
+            (f": here it is `{ours}`{how}" if ours else f": {how}")
     elsewhere = [f"`{k}`" for k in every if k.rsplit(".", 1)[-1] == key]
     if elsewhere:
         return f"{source}: unknown key `{prefix}{key}`: it is {' or '.join(elsewhere)}"

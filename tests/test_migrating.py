@@ -25,6 +25,9 @@ THEIR_NAMES = [
     ("train.check_val_every_n_epoch", "train.eval_every"), ("train.eval_strategy", "train.eval_every"),
     ("train.monitor", "train.best_metric"), ("train.lr_scheduler_kwargs", "train.min_lr_ratio"),
     ("train.gradient_checkpointing", "model.activation_checkpointing"), ("train.max_seq_length", "data.max_length"),
+    ("train.max_time", "train.time_limit"), ("train.limit_train_batches", "train.max_steps"),
+    ("train.devices", "dist.procs_per_node"), ("train.ddp_timeout", "dist.timeout_s"),
+    ("train.disable_tqdm", "log.progress_bar"), ("train.data_seed", "seed"),
 ]
 
 
@@ -37,6 +40,10 @@ def test_other_trainers_names_point_at_ours_in_one_line():
         message = str(e.value)
         assert f"unknown key `{their}`" in message and f"`{ours}`" in message, message
         assert "did you mean" not in message and "\n" not in message, message
+    with pytest.raises(ConfigError) as e:  # theirs without an equivalent: not a near spelling (grad_accum_steps)
+        checked_config("parameters.yml", ["train.eval_accumulation_steps=4"])
+    assert str(e.value).endswith("`train.eval_accumulation_steps` (Hugging Face's name): evaluation keeps sums and "
+                                 "predicted labels here, never logits: nothing to set"), str(e.value)
     # TrainingArguments is flat: a key of another section, written under train (or the other way), is pointed there
     for their, ours in (("train.max_length", "data.max_length"), ("train.num_workers", "data.num_workers"),
                         ("train.dropout", "model.dropout"), ("data.batch_size", "train.batch_size"),
