@@ -67,7 +67,8 @@ def schedule_line(total: int, t) -> str:
     run may come to none, the decay and its end, and the clipping (Hugging Face's clips at 1.0 by default)."""
     warm = warmup_steps(total, t.warmup)
     rise = (f"warm-up over {warm} steps (train.warmup={t.warmup:g}), then " if warm > 1 else
-            f"no warm-up (train.warmup={t.warmup:g} is {warm} of {total} steps; it takes 2 or more), then " if t.warmup else "")
+            f"no warm-up (train.warmup={t.warmup:g} is {warm} of {total} steps; it takes 2 or more), then "
+            if t.warmup else "")
     decay = "constant" if t.schedule == "constant" else f"{t.schedule} to {t.lr * t.min_lr_ratio:g}"
     clip = f"clipped to {t.clip_grad_norm:g}" if t.clip_grad_norm else "not clipped"
     return f"lr {t.lr:g}: {rise}{decay}; gradient norm {clip}"

@@ -81,7 +81,8 @@ def test_a_best_metric_named_as_hugging_face_does_keeps_the_run(tmp_path, capsys
     assert named["metrics"] == right["metrics"] and named["metrics"]["loss"] > 0
     assert max_diff(load_model_state(tmp_path / "named", 3), load_model_state(tmp_path / "right", 3)) == 0
     with open(os.path.join(tmp_path / "right", "logs", "rank0.log")) as f:
-        assert "  lr 0.001: warm-up over 2 steps (train.warmup=0.5), then constant; gradient norm not clipped" in f.read()
+        plan = f.read()
+    assert "  lr 0.001: warm-up over 2 steps (train.warmup=0.5), then constant; gradient norm not clipped" in plan
 
 
 def test_the_plan_says_the_warm_up_in_steps_and_the_clipping():
