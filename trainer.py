@@ -377,9 +377,14 @@ class Trainer:
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
         state, train_cfg = self.state, self.train_cfg
-        if self.best_metric not in metrics:
+        if self.best_metric not in metrics:  # known only now, maybe at the run's end: this step is kept, eval due
+            state.eval_due = True
+            self.save_checkpoint({})
+            self.finish_save()
+            bare = self.best_metric.split("_", 1)[-1]  # Hugging Face's eval_loss, Lightning's val_loss: loss here
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
-                              f"({', '.join(metrics)})")
+                              f"({', '.join(metrics)})" + (f"; use {bare!r}" if bare in metrics else "") +
+                              f"; step-{state.step} is saved: correct it and run again to resume")
         value, loss = metrics[self.best_metric], metrics.get("loss")
         better = math.isfinite(value) and (  # NaN is never best
             state.best_value is None
@@ -592,7 +597,7 @@ def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:
 def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
     """factor(step), `step` being the optimizer steps done: a linear warm-up, then `schedule` from 1 down to
     min_lr_ratio, the fraction of train.lr the last step ends at."""
-    warm = int(warmup) if warmup >= 1 else round(warmup * total)
+    warm = warmup_steps(total, warmup)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
         if step < warm:
@@ -606,6 +611,12 @@ def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: f
             return 1.0
         return min_lr_ratio + (1.0 - min_lr_ratio) * decay  # decay goes 1 -> 0, the factor 1 -> min_lr_ratio
     return factor
+
+
+def warmup_steps(total: int, warmup: float) -> int:
+    """train.warmup in optimizer steps: a whole number as it is, a fraction of the run's `total` rounded (Hugging Face
+    rounds up). The first of them runs at lr / steps, the last at lr: one step is no warm-up."""
+    return int(warmup) if warmup >= 1 else round(warmup * total)
 
 
 # ---- Random state: seeded at the start, saved by every rank in each checkpoint, restored on resume ---------------

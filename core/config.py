@@ -249,7 +249,8 @@ class TrainConfig:
     """AdamW's epsilon, added to the root of the squared-gradient average (torch's default); passed, when set, to
     the optimizers that take one number (Adadelta, RMSprop, ...): at 1e-8 each keeps its own default."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    """Decoupled weight decay (AdamW) or L2 (SGD), on tensors of 2 dimensions or more (matrices, embeddings,
+    convolutions); never on biases and norms (core/optimizers.py param_groups)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value. 0 disables clipping (the norm is still logged)."""
     precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
@@ -338,6 +339,12 @@ class TrainConfig:
                  f"the weights' are: use {self.best_metric.removeprefix('ema_')!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", f"must be between 0 and 1 (a fraction of train.lr), got {self.min_lr_ratio}")
+        if self.patience and not self.eval_every:  # (it would do nothing)
+            fail("train.patience", f"is {self.patience}, but train.eval_every is 0: the one evaluation is the run's "
+                                   "last, early stopping could never stop it; set train.eval_every")
+        if self.min_lr_ratio and self.schedule == "constant":  # (it would do nothing)
+            fail("train.min_lr_ratio", f"is {self.min_lr_ratio:g}, but train.schedule constant never decays: set "
+                                       "train.schedule linear or cosine, or train.min_lr_ratio 0")
         betas = self.betas
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):
@@ -716,12 +723,18 @@ def _build(cls, values: dict, source: str, prefix: str, extra_valid: list[str] =
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid)))
+            raise ConfigError(unknown_key(source, prefix, str(key), names + list(extra_valid), every_key()))
         try:
             kwargs[key] = _match(value, hints[key])
         except _NoMatch:
             raise ConfigError(wrong_type(source, f"{prefix}{key}", value, hints[key])) from None
     return cls(**kwargs)
+
+
+def every_key() -> list[str]:
+    """Every key of the config as written (`seed`, `train.lr`): where a key put in the wrong section belongs."""
+    return [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS] + [
+        f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
 class _NoMatch(Exception):

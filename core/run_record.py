@@ -15,6 +15,7 @@ from core import checkpoint, checkpoint_signing, disk_errors, optimizers, tracke
 from core.atomic_write import write_beside
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
+from trainer import warmup_steps
 
 
 def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optional[trackers.Trackers]:
@@ -52,12 +53,25 @@ def plan(tr, notes: list[str] = ()) -> str:
         f"  {tr.total_steps} optimizer steps: {tr.length_note} ({tr.sampler.batches_per_epoch()} "
         f"micro-batches per epoch), starting at step {tr.state.step}",
         f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
+        f"  {schedule_line(tr.total_steps, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
         + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
         f"  {checkpoint_signing.plan_line(cfg.to_dict())}",
         f"  checkpoints kept: the last {t.keep_last} and the " + (f"{t.keep_best} best" if t.keep_best > 1 else "best"),
         f"  output {os.path.abspath(cfg.output_dir)}",
     ])
+
+
+def schedule_line(total: int, t) -> str:
+    """The plan's learning-rate line (trainer.lr_factor_function): the warm-up in steps, where a fraction of a short
+    run may come to none, the decay and its end, and the clipping (Hugging Face's clips at 1.0 by default)."""
+    warm = warmup_steps(total, t.warmup)
+    rise = (f"warm-up over {warm} steps (train.warmup={t.warmup:g}), then " if warm > 1 else
+            f"no warm-up (train.warmup={t.warmup:g} is {warm} of {total} steps; it takes 2 or more), then "
+            if t.warmup else "")
+    decay = "constant" if t.schedule == "constant" else f"{t.schedule} to {t.lr * t.min_lr_ratio:g}"
+    clip = f"clipped to {t.clip_grad_norm:g}" if t.clip_grad_norm else "not clipped"
+    return f"lr {t.lr:g}: {rise}{decay}; gradient norm {clip}"
 
 
 class TensorBoard:
