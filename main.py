@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         return mistake(e)
-    if args.length_note and file_limits_epochs(args):  # said once the config holds: a mistake is one line
+    if args.length_note and file_limits(args):  # said once the config holds: a mistake is one line
         print(args.length_note)
     if args.dev_run or cfg.train.dev_run:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
@@ -143,21 +143,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     keys = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in args.set}
     args.length_note = None
-    if keys.get("train.max_steps", "0") != "0" and "train.epochs" not in keys:
-        # A length typed on the command line is the length wanted; the file's epochs must not end the run first.
-        args.set.append("train.epochs=0")
-        args.length_note = (f"note: --set train.max_steps={keys['train.max_steps']} without train.epochs: the run "
-                            f"lasts {keys['train.max_steps']} steps (train.epochs=0; add --set train.epochs=E to keep "
-                            "an epoch limit)")
+    # A length typed on the command line is the length wanted: the file's other limit must not end the run first.
+    for typed, other, unit, keep in (("max_steps", "epochs", "steps", "train.epochs=E to keep an epoch limit"),
+                                     ("epochs", "max_steps", "epochs", "train.max_steps=N to keep a step limit")):
+        if keys.get(f"train.{typed}", "0") != "0" and f"train.{other}" not in keys:
+            args.set.append(f"train.{other}=0")
+            args.length_note = (f"note: --set train.{typed}={keys[f'train.{typed}']} without train.{other}: the run "
+                                f"lasts {keys[f'train.{typed}']} {unit} (train.{other}=0; add --set {keep})")
+            break
     return args
 
 
-def file_limits_epochs(args: argparse.Namespace) -> bool:
-    """Whether the parameters file (or preset) has an epochs limit, which the train.epochs=0 that parse_args
-    appended lifts: where its epochs is already 0, the note would say nothing."""
+def file_limits(args: argparse.Namespace) -> bool:
+    """Whether the parameters file (or preset) has the limit that the override parse_args appended lifts
+    (train.epochs=0 or train.max_steps=0): where it is already 0, the note would say nothing."""
+    key = args.set[-1].split("=", 1)[0].removeprefix("train.")
     try:  # the config as read without that last override (instant: no torch)
-        return read_config(args.params, args.set[:-1]).train.epochs != 0
-    except UserError:  # the file's epochs is a value only the appended 0 made valid: the note says what replaced it
+        return getattr(read_config(args.params, args.set[:-1]).train, key) != 0
+    except UserError:  # the file's value is one only the appended 0 made valid: the note says what replaced it
         return True
 
 

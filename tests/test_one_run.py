@@ -153,6 +153,25 @@ def test_the_max_steps_note_prints_only_where_the_file_limits_epochs(tmp_path, m
                       f"output_dir={tmp_path}/lm", "--set", "train.max_steps=12"]) == 0  # epochs 0 (warm-up 10)
     assert "note:" not in capsys.readouterr().out
 
+
+def test_epochs_typed_alone_lift_the_files_step_limit_as_max_steps_do(tmp_path, monkeypatch, capsys):
+    """--set train.max_steps=N alone lifted the file's epochs limit, but --set train.epochs=E alone kept the file's
+    max_steps: `--set train.epochs=3` on sst2_minilm (max_steps 1000, about half an epoch) trained half an epoch."""
+    ran = []
+    monkeypatch.setattr(main, "run", lambda cfg: ran.append(cfg.train) or 0)
+    preset = os.path.join(ROOT, "configs", "sst2_minilm.yml")
+    assert main.main(["--params", preset, "--set", f"output_dir={tmp_path}", "--set", "train.epochs=3"]) == 0
+    assert (ran[-1].epochs, ran[-1].max_steps) == (3, 0)
+    assert ("note: --set train.epochs=3 without train.max_steps: the run lasts 3 epochs (train.max_steps=0; add "
+            "--set train.max_steps=N to keep a step limit)") in capsys.readouterr().out
+    assert main.main(["--params", preset, "--set", f"output_dir={tmp_path}", "--set", "train.epochs=3", "--set",
+                      "train.max_steps=50"]) == 0  # both typed: both kept, nothing said
+    assert (ran[-1].epochs, ran[-1].max_steps) == (3, 50) and "note:" not in capsys.readouterr().out
+    params = tmp_path / "epochs_only.yml"  # a file without a step limit: nothing lifted, nothing said
+    params.write_text(f"output_dir: {tmp_path}\ntrain:\n  epochs: 2\n  max_steps: 0\n")
+    assert main.main(["--params", str(params), "--set", "train.epochs=5"]) == 0
+    assert (ran[-1].epochs, ran[-1].max_steps) == (5, 0) and "note:" not in capsys.readouterr().out
+
 def test_a_run_ends_with_a_summary_whose_commands_work(tmp_path, capsys):
     assert run(tmp_path, log={"tensorboard": True}) == 0
     out = capsys.readouterr().out
