@@ -216,7 +216,7 @@ def load(trainer, path: str) -> dict:
                             f"{state.step} on")
     changes = [] if same_world else [  # (batch_size auto too, whose sizes are chosen later: extras/balance.py)
         f"at world size {trainer.ctx.world_size} (the checkpoint's: {len(extra['rng'])}, each rank's random stream "
-        "starts afresh)"]
+        "starts again from the seed, as at step 0)"]
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (global batch: check_same_run)
         changes.append(f"with per-rank batches {trainer.batch_sizes} instead of {meta.get('batch_sizes')}")
     if changes:
