@@ -305,8 +305,9 @@ class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
     continue, or None (or one the store does not hold as active: said in one `warn` line naming `ids_path`) for a new
     one. A run resumed from a checkpoint older than its last logged step logs those steps again: MLflow cannot delete
-    points, so the steps it holds are not sent twice, key by key (a resume is exact: the values are the ones it holds, unless the resumed run changed a
-    setting; an evaluation a stop left to the resumed run is sent at the step of the training line held)."""
+    points, so the steps it holds are not sent twice, key by key (a resume is exact: the values are the ones it
+    holds, unless the resumed run changed a setting; an evaluation a stop left to the resumed run is sent at the step
+    of the training line held)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str], warn: Callable[[str], None] = warn_on_stderr,
