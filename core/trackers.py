@@ -111,12 +111,14 @@ class Trackers:
         builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard"), step + 1),
                     "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
                     "wandb": lambda: WandB(cfg, ids.get("wandb")),
-                    "mlflow": lambda: MLflow(cfg, ids.get("mlflow"), warn, self.ids_path)}
+                    "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
         self.names = names(cfg)
         self.members = []
         try:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
+                if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
+                    warn(f"{self.ids_path}: {self.members[-1].not_held}")
         except BaseException:
             self.close(failed=True)  # the runs started before it never trained
             raise
@@ -303,15 +305,14 @@ class WandB:
 
 class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
-    continue, or None (or one the store does not hold as active: said in one `warn` line naming `ids_path`) for a new
+    continue, or None (or one the store does not hold as active: `not_held` says it, Trackers prints it) for a new
     one. A run resumed from a checkpoint older than its last logged step logs those steps again: MLflow cannot delete
     points, so the steps it holds are not sent twice, key by key (a resume is exact: the values are the ones it
     holds, unless the resumed run changed a setting; an evaluation a stop left to the resumed run is sent at the step
     of the training line held)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
-    def __init__(self, cfg, run_id: Optional[str], warn: Callable[[str], None] = warn_on_stderr,
-                 ids_path: str = IDS_FILE):
+    def __init__(self, cfg, run_id: Optional[str]):
         # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient  # optional; check_config made sure it is there
@@ -320,23 +321,22 @@ class MLflow:
         if uri.startswith(("http://", "https://")):
             server_answers(uri)
         self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
-        missing = None  # the line for a run id the store does not hold
+        self.not_held = None  # what a run id the store does not hold as active is said as (Trackers)
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
                 self.logged_up_to = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
                                      for key in self.client.get_run(run_id).data.metrics}
             except MlflowException as e:  # another store than the one it was made in, or a deleted run
-                missing, run_id = f"MLflow run {run_id} (in {ids_path}) is not an active run of {uri} " \
-                                  f"({first_line(e, limit=100)})", None
+                self.not_held, run_id = f"MLflow run {run_id} is not an active run of {uri} " \
+                                        f"({first_line(e, limit=100)})", None
         if not run_id:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.task
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
                 name, artifact_location=os.path.abspath(os.path.join(cfg.output_dir, "mlflow-artifacts")))
             run_id = self.client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
-        if missing:
-            warn(f"{missing}: a new run, {run_id}, goes on from here")
+            self.not_held = self.not_held and f"{self.not_held}: a new run, {run_id}, goes on from here"
         self.run_id = run_id
 
     def config(self, values: dict) -> None:

@@ -679,5 +679,5 @@ def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_p
         new = json.load(open(tmp_path / "trackers.json"))["mlflow"]
         started.close()
         assert new != gone and client.get_run(new).info.status == "FINISHED"
-        assert len(said) == 1 and said[0].startswith(f"MLflow run {gone} (in {tmp_path}/trackers.json) is not an "
-                                                     f"active run of {uri}") and f"a new run, {new}" in said[0], said
+        assert len(said) == 1 and said[0].startswith(f"{tmp_path}/trackers.json: MLflow run {gone} is not an active "
+                                                     f"run of {uri}") and f"a new run, {new}, goes on" in said[0], said
