@@ -7,7 +7,8 @@ MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracke
 MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
 missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
 output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
-telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set.
+telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set,
+and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
@@ -315,6 +316,8 @@ class MLflow:
     def __init__(self, cfg, run_id: Optional[str]):
         # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
         uri = mlflow_uri(cfg)

@@ -524,8 +524,7 @@ def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
     code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", "--set", "log.report_to=[mlflow]",
                                    fault="hang:0:4"), timeout=60)
     assert code == errors.EXIT_CRASH
-    said = [line for line in stderr.splitlines() if " INFO mlflow." not in line]  # (its database made, at the start)
-    assert len(said) == 1, stderr  # every rank saw the verdict; said once
+    assert len(stderr.splitlines()) == 1, stderr  # every rank saw the verdict; said once (MLflow's INFO lines: none)
     assert "no progress for 3 s at step 4" in stderr
     with open(out / "logs" / "rank0.log") as f:
         assert "faulty_main.py" in f.read()  # rank 0's stack shows where it hangs
