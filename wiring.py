@@ -67,7 +67,8 @@ def worker(cfg: Config, place) -> int:
                 testmode.test(trainer)
             else:
                 # (train.async_save: see rank_run.py; the trackers: trackers.py)
-                with rank.publishing_saves_on_crash(trainer), trackers.closed_failed_on_crash(trainer):
+                with rank.publishing_saves_on_crash(trainer), trackers.closed_failed_on_crash(trainer), \
+                        rank.trackers_closed_by_the_watchdog(trainer):
                     trainer.train()
         rank.finished()
     return rank.code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from typing import Callable, Optional
 
 import torch
@@ -19,7 +20,7 @@ from core import checkpoint_hashes, checkpoint_signing, ema
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
 from core.checkpoint import hyperparameters
 from core.checkpoint_meta import differences, read as read_meta, saved_train
-from core.distributed import DistContext, broadcast_object
+from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable, first_line, unreadable, warn_on_stderr
 from core.model_parts import trained_names, trains_part
 from core.optimizers import param_groups
@@ -51,10 +52,11 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
     not what meta.json recorded (checkpoint_hashes.py), or, with a signing key (checkpoint_signing.py), a missing
     or wrong signature. One whose files cannot be verified (no meta.json, an unreadable one, or one without the
     `files` record: an older version) is refused too, unless the config's allow_unverified: then it loads after
-    one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads the files, every rank
-    raises. `cfg`: the run's config (None: the defaults, and the environment's key). `meta`: meta.json as the
-    caller read it (a resume), checked as it is, not read again. Returns meta.json as read for the check, so that
-    nothing reads it again: without ctx, or on rank 0 ({} elsewhere, and where there is none that can be read and
+    one `note` (default: a line on stderr). With `ctx` it is collective: rank 0 reads meta.json and the files, the
+    first rank of every other node checks its node's files by that record too (node_problem), every rank raises.
+    `cfg`: the run's config (None: the defaults, and the environment's key). `meta`: meta.json as the caller read
+    it (a resume: rank 0's), checked as it is, not read again. Returns meta.json as read for the check, so that
+    nothing reads it again (with ctx, rank 0's on every rank; {} where there is none that can be read and
     allow_unverified loads it anyway)."""
     main = ctx is None or ctx.is_main
     config = cfg.to_dict() if cfg is not None else {}
@@ -63,7 +65,10 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
         meta, found = _files_problem(path, secret, meta) if main else ({}, None)
     except CheckpointError as e:  # a file the machine cannot read (errors.unreadable): said on every rank
         meta, found = {}, ("problem" if isinstance(e, Unloadable) else "unreadable", str(e))
-    kind, line = (broadcast_object(ctx, found) if ctx is not None else found) or ("", "")
+    if ctx is not None:  # every rank reads by the record rank 0 checked, none by its own meta.json
+        meta, found = broadcast_object(ctx, (meta, found))
+        found = found or node_problem(path, ctx, meta)
+    kind, line = found or ("", "")
     if kind == "unreadable":
         raise CheckpointError(line)
     if kind == "problem" or (kind == "unverified" and not config.get("allow_unverified")):
@@ -72,6 +77,19 @@ def verify(path: str, ctx: Optional[DistContext] = None, note: Optional[Callable
         (note or warn_on_stderr)(
             f"loading {path} unverified (allow_unverified: true): {line}")
     return meta
+
+
+def node_problem(path: str, ctx: DistContext, meta: dict) -> Optional[tuple[str, str]]:
+    """Collective: the first problem that the first rank of a node other than rank 0's finds in its node's files by
+    rank 0's record `meta` (a node may hold its own copy: no shared file system), naming the host; None if none."""
+    found = None
+    if ctx.local_rank == 0 and not ctx.is_main and isinstance(meta.get("files"), dict):
+        try:
+            line = checkpoint_hashes.problem(path, meta["files"])
+            found = ("problem", f"{line} (as rank {ctx.rank} on {socket.gethostname()} reads it)") if line else None
+        except CheckpointError as e:  # a file this machine cannot read (errors.unreadable)
+            found = ("problem" if isinstance(e, Unloadable) else "unreadable", str(e))
+    return next((f for f in gather_objects(ctx, found) if f is not None), None)
 
 
 def _files_problem(path: str, secret: Optional[bytes],

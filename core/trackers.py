@@ -7,7 +7,8 @@ MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracke
 MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
 missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
 output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
-telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set.
+telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set,
+and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
@@ -117,6 +118,8 @@ class Trackers:
         try:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
+                if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
+                    warn(f"{self.ids_path}: {self.members[-1].not_held}")
         except BaseException:
             self.close(failed=True)  # the runs started before it never trained
             raise
@@ -303,34 +306,40 @@ class WandB:
 
 class MLflow:
     """An MLflow run in mlflow_uri(cfg)'s store (MlflowClient: no process-wide active run). `run_id`: the run to
-    continue, or None (or a run the store does not hold) for a new one. A run resumed from a checkpoint older than
-    its last logged step logs those steps again: MLflow cannot delete points, so the steps it holds are not sent
-    twice, key by key (a resume is exact: the values are the ones it holds, unless the resumed run changed a
-    setting; an evaluation a stop left to the resumed run is sent at the step of the training line held)."""
+    continue, or None (or one the store does not hold as active: `not_held` says it, Trackers prints it) for a new
+    one. A run resumed from a checkpoint older than its last logged step logs those steps again: MLflow cannot delete
+    points, so the steps it holds are not sent twice, key by key (a resume is exact: the values are the ones it
+    holds, unless the resumed run changed a setting; an evaluation a stop left to the resumed run is sent at the step
+    of the training line held)."""
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
         # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         from mlflow import MlflowClient  # optional; check_config made sure it is there
         from mlflow.exceptions import MlflowException
         uri = mlflow_uri(cfg)
         if uri.startswith(("http://", "https://")):
             server_answers(uri)
         self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
+        self.not_held = None  # what a run id the store does not hold as active is said as (Trackers)
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
                 self.logged_up_to = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
                                      for key in self.client.get_run(run_id).data.metrics}
-            except MlflowException:  # another store than the one it was made in
-                run_id = None
+            except MlflowException as e:  # another store than the one it was made in, or a deleted run
+                self.not_held, run_id = f"MLflow run {run_id} is not an active run of {uri} " \
+                                        f"({first_line(e, limit=100)})", None
         if not run_id:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.task
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
                 name, artifact_location=os.path.abspath(os.path.join(cfg.output_dir, "mlflow-artifacts")))
             run_id = self.client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
+            self.not_held = self.not_held and f"{self.not_held}: a new run, {run_id}, goes on from here"
         self.run_id = run_id
 
     def config(self, values: dict) -> None:

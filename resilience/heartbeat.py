@@ -2,13 +2,14 @@
 that froze or died, or a run that hangs."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import hashlib
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -34,6 +35,7 @@ class Watchdog:
         self.unreachable_since: Optional[float] = None
         self.announced = False  # this rank wrote the verdict into the store
         self.peer_failure: Optional[str] = None  # another rank's user error (first_failure), read by the thread
+        self.before_exit: Optional[Callable[[], None]] = None  # run before its os._exit (rank_run: the trackers)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -74,6 +76,7 @@ class Watchdog:
                            f"seen from {HOST} {progress.where()}): the process hosting it (rank 0, or torchrun's "
                            f"agent) froze or died, or the network to it is down ({type(e).__name__})")
             if verdict and not self._stop.is_set():
+                self._close_before_exit()  # before the others leave (the launcher ends this rank GRACE_S after them)
                 if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
                     self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
                 self._give_up(verdict)
@@ -142,6 +145,13 @@ class Watchdog:
             progress.finished(EXIT_CRASH)  # said: not a kill without a word (resource_errors.reports_a_kill)
             os._exit(EXIT_CRASH)
 
+    def _close_before_exit(self) -> None:
+        """before_exit() (rank 0's trackers closed marked failed, as after a crash, not left RUNNING), waited for at
+        most a store call's time: a tracker's server that does not answer does not keep this rank."""
+        if self.before_exit is not None:
+            with contextlib.suppress(Exception):
+                Call(self.before_exit).result(self.op_timeout)
+
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
     def first_failure(self, line: str) -> str:
         """A rank met a user error (faults.user_error): stop this thread and put `line` in the store for the other
@@ -170,6 +180,7 @@ class Watchdog:
         """Another rank met a user error: say its line and leave with it, from this thread (the main thread
         waits in a collective for that rank)."""
         try:
+            self._close_before_exit()
             report(EXIT_USER_ERROR, self.peer_failure)
             self.leave_together()
         finally:

@@ -74,6 +74,18 @@ class RankRun:
                     trainer.log.warning(f"the checkpoint written in the background was not published: {first_line(e)}")
             raise
 
+    @contextlib.contextmanager
+    def trackers_closed_by_the_watchdog(self, trainer):
+        """A rank the watchdog ends (a hung run, a peer's user error) leaves with os._exit, past every `finally`: rank
+        0's trackers are closed marked failed first, as after a crash (trackers.closed_failed_on_crash)."""
+        if self.watchdog is not None:
+            self.watchdog.before_exit = lambda: trainer.trackers is not None and trainer.trackers.close(failed=True)
+        try:
+            yield
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.before_exit = None
+
     def waiting(self, seconds: float, where: str) -> None:
         """Called every half second while this rank waits for the others to join: a stop signal ends the wait (and
         the run) at once, and a long wait is said once, on the console too."""

@@ -174,8 +174,7 @@ def load(trainer, path: str) -> dict:
     that may fail is read and checked before the run's state changes, except model and optimizer (a later file may
     fail after them); the next checkpoint tried overwrites both entirely."""
     t, strategy = trainer.train_cfg, trainer.strategy
-    meta = checkpoint_meta.read(path)  # (an unreadable one: Unloadable, naming the key, and the next is tried)
-    checkpoint_io.verify(path, trainer.ctx, trainer.log.warning, trainer.cfg, meta)  # every file by this record
+    meta = verified_meta(trainer, path)
     saved = meta.get("format") or "full"
     if saved not in strategy.resumes_from:
         *others, last = strategy.resumes_from
@@ -217,12 +216,28 @@ def load(trainer, path: str) -> dict:
                             f"{state.step} on")
     changes = [] if same_world else [  # (batch_size auto too, whose sizes are chosen later: extras/balance.py)
         f"at world size {trainer.ctx.world_size} (the checkpoint's: {len(extra['rng'])}, each rank's random stream "
-        "starts afresh)"]
+        "starts again from the seed, as at step 0)"]
     if t.batch_size != "auto" and meta.get("batch_sizes") != trainer.batch_sizes:  # (global batch: check_same_run)
         changes.append(f"with per-rank batches {trainer.batch_sizes} instead of {meta.get('batch_sizes')}")
     if changes:
         trainer.log.warning(f"resuming {' and '.join(changes)}: random draws such as dropout's differ from here on")
     return saved_train
+
+
+def verified_meta(trainer, path: str) -> dict:
+    """Collective: meta.json as rank 0 reads it (an unreadable one: Unloadable on every rank, naming the key, and the
+    next is tried), every file checked by it on every node (checkpoint_io.verify); every rank goes on from that
+    record, none from its own read of meta.json (another node's copy, or one changed since)."""
+    ctx, meta, error = trainer.ctx, None, None
+    if ctx.is_main:
+        try:
+            meta = checkpoint_meta.read(path)
+        except CheckpointError as e:  # Unloadable, or one the machine cannot read (errors.unreadable)
+            error = (isinstance(e, Unloadable), str(e))
+    error = broadcast_object(ctx, error)
+    if error:
+        raise (Unloadable if error[0] else CheckpointError)(error[1])
+    return checkpoint_io.verify(path, ctx, trainer.log.warning, trainer.cfg, meta)
 
 
 def loss_window_here(windows: Optional[list], ctx: DistContext, same_world: bool) -> Optional[dict]:

@@ -11,12 +11,13 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
-from conftest import load_model_state, make_config, spawn, write_checkpoint
+from conftest import ROOT, free_port, load_model_state, make_config, spawn, write_checkpoint
 
 from core import checkpoint
 from core.errors import Unloadable
@@ -736,3 +737,35 @@ def test_hashing_opens_a_bounded_number_of_files_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_hashes, "open", Counted, raising=False)
     found = checkpoint_hashes.record(str(tmp_path))
     assert len(found) == 40 and 1 <= most[0] <= checkpoint_hashes.MAX_OPEN
+
+
+@pytest.mark.slow
+def test_a_node_with_its_own_copy_reads_only_what_rank_0_verified(tmp_path):
+    """Two nodes, each with its own disk (its own working folder; output_dir `run` relative to it): rank 0 verified
+    node 0's files and its meta.json, while rank 1 read node 1's meta.json and files unchecked, so a model.pt changed
+    there (its hash rewritten in that meta.json) was loaded into rank 1 without a word."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    assert main.run(make_config(nodes[0] / "run", train={"max_steps": 2, "eval_every": 0, "batch_size": 32})) == 0
+    shutil.copytree(nodes[0] / "run" / "checkpoints", nodes[1] / "run" / "checkpoints")
+    copy = nodes[1] / "run" / "checkpoints" / "step-2"
+    data = bytearray((copy / "model.pt").read_bytes())
+    data[-100] ^= 1  # a bit of a weight: torch.load reads it without complaint
+    (copy / "model.pt").write_bytes(bytes(data))
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["files"]["model.pt"]["sha256"] = checkpoint_hashes.hash_file(str(copy / "model.pt"))
+    (copy / "meta.json").write_text(json.dumps(meta))
+    common = ["output_dir=run", "dist.strategy=ddp", "dist.nodes=2", "dist.procs_per_node=1",
+              "dist.master_addr=127.0.0.1", f"dist.master_port={free_port()}", "train.batch_size=16",
+              "train.max_steps=3", "train.eval_every=0", "log.progress_bar=false", "log.tensorboard=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "main.py"), "--params",
+                               os.path.join(ROOT, "parameters.yml"),
+                               *(a for s in common + [f"dist.node_rank={n}"] for a in ("--set", s))],
+                              cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n, node in enumerate(nodes)]
+    ends = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    assert [code for code, _ in ends] == [2, 2], ends
+    line = [line for line in ends[0][1].splitlines() if line.startswith("error:")]
+    assert len(line) == 1 and "run/checkpoints/step-2/model.pt: sha256 differs from meta.json" in line[0] and \
+        "(as rank 1 on " in line[0] and "there is no older checkpoint" in line[0], ends[0][1]
+    assert not os.path.exists(nodes[1] / "run" / "checkpoints" / "step-3")

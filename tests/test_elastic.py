@@ -126,7 +126,8 @@ def test_a_resume_at_another_world_size_with_auto_says_the_random_draws_differ(t
                                 dist={"strategy": "ddp", "procs_per_node": 2})) == 0
     assert main.run(make_config(out, train={**TRAIN, **auto, "max_steps": 3})) == 0
     log = open(out / "logs" / "rank0.log").read()
-    said = "resuming at world size 1 (the checkpoint's: 2, each rank's random stream starts afresh): random draws"
+    said = "resuming at world size 1 (the checkpoint's: 2, each rank's random stream starts again from the seed, " \
+           "as at step 0): random draws"
     assert said in log and "dropout's differ" in log, log[-2000:]
 
 

@@ -517,13 +517,19 @@ def test_each_node_of_one_rank_ended_by_its_watchdog_says_the_verdict_once(tmp_p
 
 @pytest.mark.slow
 def test_hung_main_thread_is_detected_with_every_ranks_stack(tmp_path):
+    """Rank 0 hangs, so its trackers are closed marked failed by its watchdog: its os._exit left MLflow's run RUNNING
+    (where another rank hangs, rank 0's collective fails as that rank leaves, and the crash closes them)."""
+    import mlflow
     out = tmp_path / "run"
-    code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", fault="hang:1:4"), timeout=60)
+    code, _, stderr = finish(start(out, "--set", "dist.hang_timeout_s=3", "--set", "log.report_to=[mlflow]",
+                                   fault="hang:0:4"), timeout=60)
     assert code == errors.EXIT_CRASH
-    assert len(stderr.splitlines()) == 1, stderr  # every rank saw the verdict; said once
+    assert len(stderr.splitlines()) == 1, stderr  # every rank saw the verdict; said once (MLflow's INFO lines: none)
     assert "no progress for 3 s at step 4" in stderr
-    with open(out / "logs" / "rank1.log") as f:
-        assert "faulty_main.py" in f.read()  # rank 1's stack shows where it hangs
+    with open(out / "logs" / "rank0.log") as f:
+        assert "faulty_main.py" in f.read()  # rank 0's stack shows where it hangs
+    held = mlflow.MlflowClient(f"sqlite:///{out}/mlflow.db").get_run(json.load(open(out / "trackers.json"))["mlflow"])
+    assert held.info.status == "FAILED" and held.data.metrics["train/loss"] > 0
 
 
 # ==============================================================================================================

@@ -659,3 +659,25 @@ def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_pat
     with pytest.raises(trackers.UserError, match=r"mlflow could not start \(RuntimeError: the store says no\)"):
         trackers.Trackers(cfg, 0, tensorboard=None)
     assert closed == [True]
+
+
+@pytest.mark.slow  # MLflow's store made
+def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_path, monkeypatch):
+    """trackers.json names a run MLflow's store does not hold as an active one (deleted, or another store since):
+    a new run started without a word, though the docs promise one line, as for a W&B or cut id."""
+    import mlflow
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = make_config(tmp_path, log={"report_to": ["mlflow"], "mlflow_tracking_uri": uri})
+    client = mlflow.MlflowClient(uri)
+    deleted = client.create_run(client.create_experiment("image")).info.run_id
+    client.delete_run(deleted)
+    for gone in (deleted, "0123456789abcdef0123456789abcdef"):  # deleted; never in this store
+        (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": gone}))
+        said = []
+        started = trackers.Trackers(cfg, 4, None, warn=said.append)
+        new = json.load(open(tmp_path / "trackers.json"))["mlflow"]
+        started.close()
+        assert new != gone and client.get_run(new).info.status == "FINISHED"
+        assert len(said) == 1 and said[0].startswith(f"{tmp_path}/trackers.json: MLflow run {gone} is not an active "
+                                                     f"run of {uri}") and f"a new run, {new}, goes on" in said[0], said
