@@ -2,7 +2,6 @@
 that froze or died, or a run that hangs."""
 from __future__ import annotations
 
-import contextlib
 import datetime
 import faulthandler
 import hashlib
@@ -15,7 +14,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from core.errors import EXIT_CRASH, EXIT_USER_ERROR
+from core.errors import EXIT_CRASH, EXIT_USER_ERROR, first_line, warn_on_stderr
 from resilience.faults import HOST, progress, report
 
 
@@ -149,8 +148,10 @@ class Watchdog:
         """before_exit() (rank 0's trackers closed marked failed, as after a crash, not left RUNNING), waited for at
         most a store call's time: a tracker's server that does not answer does not keep this rank."""
         if self.before_exit is not None:
-            with contextlib.suppress(Exception):
+            try:
                 Call(self.before_exit).result(self.op_timeout)
+            except Exception as e:  # (said, and this rank leaves all the same: the run's own line comes next)
+                warn_on_stderr(f"rank {self.ctx.rank} on {HOST}: the trackers were not closed ({first_line(e)})")
 
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
     def first_failure(self, line: str) -> str:
