@@ -112,7 +112,7 @@ class Trainer:
         while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
-            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]  # this rank's micro-batches
+            batches = [next(stream) for _ in range(self.step_micro_batches())]  # this rank's micro-batches
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
@@ -245,6 +245,13 @@ class Trainer:
                 state.sample_in_epoch = min(state.sample_in_epoch + self.sampler.global_batch, self.sampler.n)
                 yield batch
             state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
+
+    def step_micro_batches(self) -> int:
+        """train.grad_accum_steps; an epoch-limited run's last step takes only the micro-batches left in its last
+        epoch (Hugging Face's Trainer's shorter step; train_step weighs it by its samples, as any uneven batch)."""
+        t, sampler = self.train_cfg, self.sampler
+        left = micro_batches_in(t.epochs, sampler.batches_per_epoch()) - micro_batches_done(self.state, sampler)
+        return min(t.grad_accum_steps, left) if t.epochs and left > 0 else t.grad_accum_steps
 
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
@@ -575,6 +582,12 @@ def micro_batches_in(epochs: float, per_epoch: int) -> int:
     44.00000000000001, whose ceil is 45); 1e-7 x 40 is 1, not a run of no step. The run's length and resume's
     recount (resume.py) both use it."""
     return max(math.ceil(round(epochs * per_epoch, 6)), int(epochs > 0 and per_epoch > 0))
+
+
+def micro_batches_done(state: TrainState, sampler: GlobalBatchSampler) -> int:
+    """The run's micro-batches (global batches of `sampler`'s) before `state`'s position in its epochs."""
+    per_epoch = sampler.batches_per_epoch()
+    return state.epoch * per_epoch + per_epoch - sampler.batches_per_epoch(state.sample_in_epoch)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -217,7 +217,8 @@ class TrainConfig:
     epochs: float = 20
     """Passes over the training set (may be fractional). 0: train for `max_steps` only."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
+    """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one). A run that `epochs`
+    ends takes only the micro-batches left in its last epoch in its last step (Hugging Face's Trainer's)."""
     optimizer: str = "AdamW"
     """A torch.optim class by name, any case (AdamW, SGD: momentum 0.9 unless optimizer_args says, RAdam, Adafactor,
     ...) or one listed in core/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
