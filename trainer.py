@@ -131,9 +131,11 @@ class Trainer:
 
             improved = stop = False
             if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
-                metrics = self.evaluate_dev()
+                metrics = self.evaluate_dev(ranked=True)  # the dev samples of every evaluation: the best is ranked so
                 evaluated_at = state.step
                 improved, stop = self.track_best(metrics)
+                if last and self.reads_more_at_the_end():  # train.eval_batches: the whole split, reported alone
+                    metrics = self.evaluate_dev()
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
@@ -297,18 +299,19 @@ class Trainer:
         return total, note
 
     # ---- Evaluation ----------------------------------------------------------------------------------------------
-    def evaluate_dev(self) -> dict:
+    def evaluate_dev(self, ranked: bool = False) -> dict:
         """dev's metrics; with train.ema_decay the average's too, as ema_<metric> (the trained weights pick the
-        best checkpoint), or the average's alone with train.eval_ema."""
+        best checkpoint), or the average's alone with train.eval_ema. `ranked`: on the samples of the evaluations
+        during training at the last step too (eval_indices)."""
         if self.ema is None:
-            return self.evaluate("dev")
-        metrics = {} if self.train_cfg.eval_ema else self.evaluate("dev")
+            return self.evaluate("dev", ranked=ranked)
+        metrics = {} if self.train_cfg.eval_ema else self.evaluate("dev", ranked=ranked)
         with self.ema.swapped_in():
-            averaged = self.evaluate("dev", shown_as="dev_ema")
+            averaged = self.evaluate("dev", shown_as="dev_ema", ranked=ranked)
         return averaged if self.train_cfg.eval_ema else {**metrics, **{f"ema_{k}": v for k, v in averaged.items()}}
 
     @torch.no_grad()
-    def evaluate(self, split: str, shown_as: Optional[str] = None) -> dict:
+    def evaluate(self, split: str, shown_as: Optional[str] = None, ranked: bool = False) -> dict:
         """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice. `shown_as`:
         the name of the log line and tracker keys (the split's by default)."""
         ctx, dataset, strategy = self.ctx, self.datasets.get(split), self.strategy
@@ -321,7 +324,7 @@ class Trainer:
         was_training = model.training
         model.eval()
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
-        indices = self.eval_indices(split, len(dataset))
+        indices = self.eval_indices(split, len(dataset), ranked)
         batches = [[indices[i] for i in batch]
                    for batch in eval_shard_batches(len(indices), strategy.data_rank, strategy.data_shares,
                                                    self.train_cfg.eval_batch_size)]
@@ -365,14 +368,14 @@ class Trainer:
                 self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
 
-    def eval_indices(self, split: str, n: int):
+    def eval_indices(self, split: str, n: int, ranked: bool = False):
         """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
-        training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
-        rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
-        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them,
-        or train.limit_eval_batches' subset (drawn alike) where that is set."""
+        training, except the last (unless `ranked`), take eval_batches x eval_batch_size of them, drawn from cfg.seed
+        alone, so every rank, every world size and every evaluation gets the same subset (dev curves and the best
+        stay comparable). Sorted, so the subset is read in the split's order, as the whole split is. Otherwise (test
+        mode too): all of them, or train.limit_eval_batches' subset (drawn alike) where that is set."""
         size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
-        if split != "dev" or self.cfg.mode != "train" or self.state.step >= self.total_steps:
+        if split != "dev" or self.cfg.mode != "train" or (self.state.step >= self.total_steps and not ranked):
             size = 0
         limit = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
         if limit and (not size or limit < size):
@@ -380,6 +383,12 @@ class Trainer:
         if not size or size >= n:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
+
+    def reads_more_at_the_end(self) -> bool:
+        """Whether the last evaluation reads other dev samples than those before (train.eval_batches): the best
+        checkpoints and patience compare the others' values only, so it is made (ranked) on theirs too."""
+        n = len(self.datasets.get("dev") or ())
+        return len(self.eval_indices("dev", n)) != len(self.eval_indices("dev", n, ranked=True))
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""

@@ -260,7 +260,9 @@ class TrainConfig:
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
     eval_batches: int = 0
     """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
-    the last one and test mode read the whole split. 0: always the whole split."""
+    the last one and test mode read the whole split. The best checkpoints and patience compare the subset's values
+    only: the last step is evaluated on the subset too (ranked), then on the whole split (reported: its line, the
+    trackers, the checkpoint's metrics). 0: always the whole split."""
     limit_eval_batches: int = 0
     """Every evaluation, the last one and test mode's too, reads at most this many eval batches of the fixed, seeded
     subset (Lightning's limit_val_batches); the dev run sets 1. 0: no limit."""
@@ -270,7 +272,8 @@ class TrainConfig:
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
     keep_best: int = 1
     """How many of the best checkpoints by best_metric to keep as well, whatever keep_last prunes (Lightning's
-    save_top_k); a tie goes to the lower dev loss. Test mode's `best` is the first of them."""
+    save_top_k); a tie goes to the lower dev loss. Every value ranked is of the same dev samples (train.eval_batches:
+    the subset's, the last step's too). Test mode's `best` is the first of them."""
     ema_decay: float = 0.0
     """An exponential moving average of the trainable weights, updated after each optimizer step with this decay
     (0.999: about the last 1,000 steps; core/ema.py), saved in checkpoints (ema.pt). 0: none."""

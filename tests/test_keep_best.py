@@ -154,9 +154,29 @@ def test_a_resume_that_evaluates_on_another_dev_subset_ranks_the_best_anew_and_s
             "limit_eval_batches=0 eval_batch_size=16: the best checkpoint and train.patience count from step 4 "
             "on") in log
     meta = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))
-    assert meta["state"]["best_step"] == 6 and meta["state"]["best_value"] == meta["metrics"]["accuracy"]
+    ranked = re.findall(r"step 6 dev: loss=\S+ accuracy=(\S+) .*\(on 32 of 225 samples", log)  # (the whole: reported)
+    assert meta["state"]["best_step"] == 6 and f"{meta['state']['best_value']:.4g}" == ranked[0]
     whole = dataclasses.replace(cfg, output_dir=str(tmp_path / "whole"),
                                 train=dataclasses.replace(cfg.train, eval_batches=0))
     train(whole, 1)
     train(dataclasses.replace(whole, train=dataclasses.replace(whole.train, max_steps=6, eval_batch_size=32)), 1)
     assert "the best checkpoint and" not in open(tmp_path / "whole" / "logs" / "rank0.log").read()
+
+
+def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_the_subset(tmp_path):
+    """train.eval_batches: evaluations during training read 16 dev samples, the last one all 225. The weights do not
+    move (lr 1e-12), so every subset value is equal: the first stays best and patience counts 2. The whole split's
+    higher accuracy at step 6 was ranked above the subset's (best step 6, patience back to 0, keep_best kept it).
+    Now step 6 is ranked by the subset's value as well (a line of its own) and the whole split's is reported."""
+    run = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "log_every": 2, "keep_last": 1,
+           "keep_best": 2, "eval_batches": 1, "eval_batch_size": 16, "lr": 1e-12, "schedule": "constant"}
+    train(make_config(tmp_path, train=run), 1)
+    dev = re.findall(r"step (\d+) dev: loss=\S+ accuracy=(\S+) .*samples=(\d+)", open(tmp_path / "logs" / "rank0.log").read())
+    subset, whole = [(int(s), float(a)) for s, a, n in dev if n == "16"], [(int(s), float(a)) for s, a, n in dev if n == "225"]
+    assert [s for s, _ in subset] == [2, 4, 6] and len({a for _, a in subset}) == 1, dev
+    assert [s for s, _ in whole] == [6] and whole[0][1] > subset[0][1], "the test needs the whole split to score higher"
+    state = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))["state"]
+    assert (state["best_step"], state["best_value"], state["evals_without_improvement"]) == (2, subset[0][1], 2)
+    assert [step for _, _, step in state["best_k"]] == [2, 4]
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [2, 4, 6]
+    assert checkpoint_meta.read(str(tmp_path / "checkpoints" / "step-6"))["metrics"]["samples"] == 225  # reported
