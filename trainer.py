@@ -86,6 +86,7 @@ class Trainer:
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.loss_window = LossWindow(self.ctx)  # the loss since the last training line (saved: a resume goes on)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
+        self.eval_loaders = {}  # split -> (index lists, its loader): eval_loader
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
         self.ema = WeightAverage(strategy.averaged_entries(), cfg.train.ema_decay) if cfg.train.ema_decay else None
 
@@ -328,8 +329,7 @@ class Trainer:
         batches = [[indices[i] for i in batch]
                    for batch in eval_shard_batches(len(indices), strategy.data_rank, strategy.data_shares,
                                                    self.train_cfg.eval_batch_size)]
-        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin_memory,
-                             self.cfg.seed)
+        loader = self.eval_loader(split, dataset, batches)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
@@ -367,6 +367,17 @@ class Trainer:
             if self.trackers:
                 self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
+
+    def eval_loader(self, split: str, dataset, batches: list) -> torch.utils.data.DataLoader:
+        """The split's one loader over `batches`: its workers (data.num_workers) start at its first evaluation and are
+        kept until close(), as the training stream's are."""
+        if split not in self.eval_loaders:
+            held = []  # this evaluation's index lists, refilled in place: the loader's next `for` reads them
+            self.eval_loaders[split] = held, make_loader(dataset, held, self.task.collate, self.cfg.data.num_workers,
+                                                         self.pin_memory, self.cfg.seed, keep_workers=True)
+        held, loader = self.eval_loaders[split]
+        held[:] = batches
+        return loader
 
     def eval_indices(self, split: str, n: int, ranked: bool = False):
         """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
@@ -580,6 +591,7 @@ class Trainer:
         run_log.train_line(self.log, self.trackers, bar, self.state.step, self.total_steps, stats)
 
     def close(self) -> None:
+        self.eval_loaders.clear()  # (their kept workers end)
         if self.trackers:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()

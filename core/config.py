@@ -73,7 +73,8 @@ class DataConfig:
     """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
     num_workers: Union[int, Literal["auto"]] = 0
     """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8.
-    Training's workers start once and are kept from epoch to epoch (persistent); evaluation's end with it."""
+    Training's workers start once and are kept from epoch to epoch (persistent); each split's evaluation workers
+    start at its first evaluation and are kept for the next ones; all end with the run."""
     dev_fraction: float = 0.15
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128

@@ -171,8 +171,10 @@ def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_t
     run = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "log_every": 2, "keep_last": 1,
            "keep_best": 2, "eval_batches": 1, "eval_batch_size": 16, "lr": 1e-12, "schedule": "constant"}
     train(make_config(tmp_path, train=run), 1)
-    dev = re.findall(r"step (\d+) dev: loss=\S+ accuracy=(\S+) .*samples=(\d+)", open(tmp_path / "logs" / "rank0.log").read())
-    subset, whole = [(int(s), float(a)) for s, a, n in dev if n == "16"], [(int(s), float(a)) for s, a, n in dev if n == "225"]
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    dev = re.findall(r"step (\d+) dev: loss=\S+ accuracy=(\S+) .*samples=(\d+)", log)
+    subset = [(int(s), float(a)) for s, a, n in dev if n == "16"]
+    whole = [(int(s), float(a)) for s, a, n in dev if n == "225"]
     assert [s for s, _ in subset] == [2, 4, 6] and len({a for _, a in subset}) == 1, dev
     assert [s for s, _ in whole] == [6] and whole[0][1] > subset[0][1], "the test needs the whole split to score higher"
     state = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))["state"]
