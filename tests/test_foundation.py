@@ -217,6 +217,21 @@ def test_an_epoch_limited_run_with_accumulation_ends_with_the_epoch(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_an_epoch_limited_run_with_accumulation_under_ddp_is_one_process_run(tmp_path):
+    """The shorter last step (above) on 2 ranks of 32: each takes its share of the epoch's last 2 micro-batches
+    (the last one 28 + 28 of 56 samples) and ends where one process of 64 ends."""
+    common = {"epochs": 1, "max_steps": 0, "eval_every": 0, "save_every": 0, "grad_accum_steps": 3}
+    ddp = make_config(tmp_path / "ddp", model={"dropout": 0.0}, dist={"strategy": "ddp", "procs_per_node": 2},
+                      train={**common, "batch_size": 32})
+    one = make_config(tmp_path / "one", model={"dropout": 0.0}, train={**common, "batch_size": 64})
+    ranks = run_ranks(ddp, 2, tmp_path / "ddp-params")
+    assert main.run(one) == 0
+    state = checkpoint_meta.read(str(tmp_path / "ddp" / "checkpoints" / "step-7"))["state"]
+    assert (state["epoch"], state["sample_in_epoch"]) == (0, 1272)
+    assert max_diff(ranks[0], load_model_state(tmp_path / "one", 7)) < 1e-5
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision):
     cfg = make_config(tmp_path, train={"max_steps": 30, "eval_every": 0, "precision": precision, "lr": 3e-3})
