@@ -5,12 +5,13 @@ import dataclasses
 import json
 import os
 import re
+import types
 
 import pytest
 
 import main
 from conftest import make_config
-from core import checkpoint, checkpoint_meta
+from core import checkpoint, checkpoint_meta, run_record
 from core.errors import Unloadable
 from test_text_tasks import train
 
@@ -126,6 +127,11 @@ def test_a_best_checkpoint_that_is_gone_is_said_before_the_latest_stands_in(tmp_
     assert shown == [said[0].split(" rank0 ")[1].rstrip("\n")]
     assert "test.checkpoint" in said[0]
     assert json.load(open(tmp_path / "dev_results.json"))["checkpoint"].endswith("step-6")
+    # the run's closing lines (a resumed run's too) said `best dev loss=... at step 2` and `(best: .../step-6)`
+    state = types.SimpleNamespace(**checkpoint_meta.read(str(tmp_path / "checkpoints" / "step-6"))["state"])
+    lines = run_record.summary(cfg, state, "loss", types.SimpleNamespace(export_formats=(), generates_text=False))
+    assert (f"(best: {tmp_path}/checkpoints/step-6; the best checkpoint, {step}, is gone: the latest stands in)"
+            in lines.splitlines()[1]), lines
 
 
 def test_a_finished_run_run_again_with_another_best_metric_keeps_its_best(tmp_path, capsys):
