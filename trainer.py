@@ -411,9 +411,9 @@ class Trainer:
         better = math.isfinite(value) and (  # NaN is never best
             state.best_value is None
             or (value > state.best_value if self.best_mode == "max" else value < state.best_value)
-            # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss
-            or (value == state.best_value and loss is not None and state.best_loss is not None
-                and loss < state.best_loss))
+            # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss (a NaN one, kept as None: the highest)
+            or (value == state.best_value and finite_or_none(loss) is not None
+                and (state.best_loss is None or loss < state.best_loss)))
         if better:
             state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
             state.best_loss = finite_or_none(loss)
