@@ -364,7 +364,8 @@ class Trainer:
             shown_as = shown_as or split
             self.log.info(f"step {self.state.step} {shown_as}: "
                           + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
-            if self.trackers:
+            # (the last step's ranked subset: its line alone; the trackers get the whole split's, one value a tag)
+            if self.trackers and not (ranked and len(indices) != len(self.eval_indices(split, len(dataset)))):
                 self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
 

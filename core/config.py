@@ -262,8 +262,8 @@ class TrainConfig:
     eval_batches: int = 0
     """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
     the last one and test mode read the whole split. The best checkpoints and patience compare the subset's values
-    only: the last step is evaluated on the subset too (ranked), then on the whole split (reported: its line, the
-    trackers, the checkpoint's metrics). 0: always the whole split."""
+    only: the last step is evaluated on the subset too (ranked: its line alone), then on the whole split (reported:
+    its line, the trackers, the checkpoint's metrics). 0: always the whole split."""
     limit_eval_batches: int = 0
     """Every evaluation, the last one and test mode's too, reads at most this many eval batches of the fixed, seeded
     subset (Lightning's limit_val_batches); the dev run sets 1. 0: no limit."""

@@ -1,6 +1,7 @@
 """train.keep_best (issue 41): the k best checkpoints by best_metric are kept whatever keep_last prunes, across a
 resume; test mode's best is the first of them; the plan says what is kept; a crafted ranking in meta.json is one
 line."""
+import csv
 import dataclasses
 import json
 import os
@@ -176,7 +177,7 @@ def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_t
     Now step 6 is ranked by the subset's value as well (a line of its own) and the whole split's is reported."""
     run = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "log_every": 2, "keep_last": 1,
            "keep_best": 2, "eval_batches": 1, "eval_batch_size": 16, "lr": 1e-12, "schedule": "constant"}
-    train(make_config(tmp_path, train=run), 1)
+    train(make_config(tmp_path, train=run, log={"report_to": ["csv"], "tensorboard": None}), 1)
     log = open(tmp_path / "logs" / "rank0.log").read()
     dev = re.findall(r"step (\d+) dev: loss=\S+ accuracy=(\S+) .*samples=(\d+)", log)
     subset = [(int(s), float(a)) for s, a, n in dev if n == "16"]
@@ -188,3 +189,6 @@ def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_t
     assert [step for _, _, step in state["best_k"]] == [2, 4]
     assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [2, 4, 6]
     assert checkpoint_meta.read(str(tmp_path / "checkpoints" / "step-6"))["metrics"]["samples"] == 225  # reported
+    # the trackers get one value a tag at step 6, the whole split's (a table pivoted by step averaged two)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [float(r["value"]) for r in rows if r["tag"] == "dev/samples"] == [16, 16, 225]
