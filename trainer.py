@@ -102,8 +102,8 @@ class Trainer:
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at, stop = {}, None, None, False
         if state.eval_due:  # the evaluation a stop left out, as the uninterrupted run made it (improved, patience)
-            state.eval_due, metrics, evaluated_at = False, self.evaluate_dev(), state.step
-            improved, stop = self.track_best(metrics)
+            state.eval_due, evaluated_at = False, state.step
+            metrics, improved, stop = self.evaluate_and_rank(last=state.step >= self.total_steps)
             if improved or stop:
                 self.save_checkpoint(metrics)
                 saved_at = state.step
@@ -132,11 +132,8 @@ class Trainer:
 
             improved = stop = False
             if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
-                metrics = self.evaluate_dev(ranked=True)  # the dev samples of every evaluation: the best is ranked so
+                metrics, improved, stop = self.evaluate_and_rank(last)
                 evaluated_at = state.step
-                improved, stop = self.track_best(metrics)
-                if last and self.reads_more_at_the_end():  # train.eval_batches: the whole split, reported alone
-                    metrics = self.evaluate_dev()
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
@@ -396,11 +393,16 @@ class Trainer:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
 
-    def reads_more_at_the_end(self) -> bool:
-        """Whether the last evaluation reads other dev samples than those before (train.eval_batches): the best
-        checkpoints and patience compare the others' values only, so it is made (ranked) on theirs too."""
+    def evaluate_and_rank(self, last: bool) -> tuple[dict, bool, bool]:
+        """Evaluate dev and rank the values (track_best): (the metrics, worth a checkpoint, should stop). The best
+        checkpoints and patience compare values of the same dev samples: where the `last` evaluation reads others
+        (train.eval_batches' whole split), it is made on those of the others first, ranked, then reported."""
+        metrics = self.evaluate_dev(ranked=True)
+        improved, stop = self.track_best(metrics)
         n = len(self.datasets.get("dev") or ())
-        return len(self.eval_indices("dev", n)) != len(self.eval_indices("dev", n, ranked=True))
+        if last and len(self.eval_indices("dev", n)) != len(self.eval_indices("dev", n, ranked=True)):
+            metrics = self.evaluate_dev()
+        return metrics, improved, stop
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
