@@ -135,13 +135,15 @@ def eval_shard(n: int, rank: int, world: int) -> range:
 
 
 def make_loader(dataset: Dataset, batches: list[list[int]], collate: Callable, num_workers, pin_memory: bool,
-                seed: int) -> DataLoader:
+                seed: int, keep_workers: bool = False) -> DataLoader:
     """A DataLoader over precomputed index lists. The generator keeps worker seeding off the global RNG, so
-    loading data never changes the random stream that dropout uses (and resume stays bit-exact)."""
+    loading data never changes the random stream that dropout uses (and resume stays bit-exact). `keep_workers`:
+    its workers outlive an iteration (persistent_workers), and the next reads `batches` as refilled in place."""
     if num_workers == "auto":
         num_workers = auto_workers()
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
-                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
+                      pin_memory=pin_memory, persistent_workers=keep_workers and num_workers > 0,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 # ---- The training stream's one loader, whose workers are kept from epoch to epoch (which samples: above) ---------

@@ -86,6 +86,7 @@ class Trainer:
         self.step_lr = None  # the lr the last step ran at: the training line's (train_step)
         self.loss_window = LossWindow(self.ctx)  # the loss since the last training line (saved: a resume goes on)
         self.pending_save, self.best_step_to_keep = None, None  # a checkpoint being written (train.async_save)
+        self.eval_loaders = {}  # split -> (index lists, its loader): eval_loader
         # train.ema_decay: a moving average of the weights this rank holds (core/ema.py)
         self.ema = WeightAverage(strategy.averaged_entries(), cfg.train.ema_decay) if cfg.train.ema_decay else None
 
@@ -101,8 +102,8 @@ class Trainer:
         stream = self.micro_batches()
         metrics, saved_at, evaluated_at, stop = {}, None, None, False
         if state.eval_due:  # the evaluation a stop left out, as the uninterrupted run made it (improved, patience)
-            state.eval_due, metrics, evaluated_at = False, self.evaluate_dev(), state.step
-            improved, stop = self.track_best(metrics)
+            state.eval_due, evaluated_at = False, state.step
+            metrics, improved, stop = self.evaluate_and_rank(last=state.step >= self.total_steps)
             if improved or stop:
                 self.save_checkpoint(metrics)
                 saved_at = state.step
@@ -112,7 +113,7 @@ class Trainer:
         while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
-            batches = [next(stream) for _ in range(train_cfg.grad_accum_steps)]  # this rank's micro-batches
+            batches = [next(stream) for _ in range(self.step_micro_batches())]  # this rank's micro-batches
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
@@ -131,9 +132,8 @@ class Trainer:
 
             improved = stop = False
             if (train_cfg.eval_every and state.step % train_cfg.eval_every == 0) or last:
-                metrics = self.evaluate_dev()
+                metrics, improved, stop = self.evaluate_and_rank(last)
                 evaluated_at = state.step
-                improved, stop = self.track_best(metrics)
             if (train_cfg.save_every and state.step % train_cfg.save_every == 0) or last or improved or stop:
                 self.save_checkpoint(metrics if evaluated_at == state.step else {})
                 saved_at = state.step
@@ -246,6 +246,13 @@ class Trainer:
                 yield batch
             state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
 
+    def step_micro_batches(self) -> int:
+        """train.grad_accum_steps; an epoch-limited run's last step takes only the micro-batches left in its last
+        epoch (Hugging Face's Trainer's shorter step; train_step weighs it by its samples, as any uneven batch)."""
+        t, sampler = self.train_cfg, self.sampler
+        left = micro_batches_in(t.epochs, sampler.batches_per_epoch()) - micro_batches_done(self.state, sampler)
+        return min(t.grad_accum_steps, left) if t.epochs and left > 0 else t.grad_accum_steps
+
     def to_device(self, batch: dict) -> dict:
         """Host -> device. On GPU the source is pinned, so the copy is queued and the host does not wait."""
         if self.pin_memory:
@@ -290,18 +297,19 @@ class Trainer:
         return total, note
 
     # ---- Evaluation ----------------------------------------------------------------------------------------------
-    def evaluate_dev(self) -> dict:
+    def evaluate_dev(self, ranked: bool = False) -> dict:
         """dev's metrics; with train.ema_decay the average's too, as ema_<metric> (the trained weights pick the
-        best checkpoint), or the average's alone with train.eval_ema."""
+        best checkpoint), or the average's alone with train.eval_ema. `ranked`: on the samples of the evaluations
+        during training at the last step too (eval_indices)."""
         if self.ema is None:
-            return self.evaluate("dev")
-        metrics = {} if self.train_cfg.eval_ema else self.evaluate("dev")
+            return self.evaluate("dev", ranked=ranked)
+        metrics = {} if self.train_cfg.eval_ema else self.evaluate("dev", ranked=ranked)
         with self.ema.swapped_in():
-            averaged = self.evaluate("dev", shown_as="dev_ema")
+            averaged = self.evaluate("dev", shown_as="dev_ema", ranked=ranked)
         return averaged if self.train_cfg.eval_ema else {**metrics, **{f"ema_{k}": v for k, v in averaged.items()}}
 
     @torch.no_grad()
-    def evaluate(self, split: str, shown_as: Optional[str] = None) -> dict:
+    def evaluate(self, split: str, shown_as: Optional[str] = None, ranked: bool = False) -> dict:
         """Exact distributed evaluation: each rank evaluates its own contiguous piece, no sample twice. `shown_as`:
         the name of the log line and tracker keys (the split's by default)."""
         ctx, dataset, strategy = self.ctx, self.datasets.get(split), self.strategy
@@ -314,12 +322,11 @@ class Trainer:
         was_training = model.training
         model.eval()
         # Positions in `indices` (the whole split, or train.eval_batches' subset), cut per rank, as dataset indices.
-        indices = self.eval_indices(split, len(dataset))
+        indices = self.eval_indices(split, len(dataset), ranked)
         batches = [[indices[i] for i in batch]
                    for batch in eval_shard_batches(len(indices), strategy.data_rank, strategy.data_shares,
                                                    self.train_cfg.eval_batch_size)]
-        loader = make_loader(dataset, batches, self.task.collate, self.cfg.data.num_workers, self.pin_memory,
-                             self.cfg.seed)
+        loader = self.eval_loader(split, dataset, batches)
         sums, arrays = {}, {}
         progress = EvalProgress(self, split, len(batches))
         for batch in loader:
@@ -354,18 +361,30 @@ class Trainer:
             shown_as = shown_as or split
             self.log.info(f"step {self.state.step} {shown_as}: "
                           + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
-            if self.trackers:
+            # (the last step's ranked subset: its line alone; the trackers get the whole split's, one value a tag)
+            if self.trackers and not (ranked and len(indices) != len(self.eval_indices(split, len(dataset)))):
                 self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
 
-    def eval_indices(self, split: str, n: int):
+    def eval_loader(self, split: str, dataset, batches: list) -> torch.utils.data.DataLoader:
+        """The split's one loader over `batches`: its workers (data.num_workers) start at its first evaluation and are
+        kept until close(), as the training stream's are."""
+        if split not in self.eval_loaders:
+            held = []  # this evaluation's index lists, refilled in place: the loader's next `for` reads them
+            self.eval_loaders[split] = held, make_loader(dataset, held, self.task.collate, self.cfg.data.num_workers,
+                                                         self.pin_memory, self.cfg.seed, keep_workers=True)
+        held, loader = self.eval_loaders[split]
+        held[:] = batches
+        return loader
+
+    def eval_indices(self, split: str, n: int, ranked: bool = False):
         """The samples of a split of `n` an evaluation covers. train.eval_batches: evaluations of dev during
-        training, except the last, take eval_batches x eval_batch_size of them, drawn from cfg.seed alone, so every
-        rank, every world size and every evaluation gets the same subset (dev curves stay comparable). Sorted, so
-        the subset is read in the split's order, as the whole split is. Otherwise (test mode too): all of them,
-        or train.limit_eval_batches' subset (drawn alike) where that is set."""
+        training, except the last (unless `ranked`), take eval_batches x eval_batch_size of them, drawn from cfg.seed
+        alone, so every rank, every world size and every evaluation gets the same subset (dev curves and the best
+        stay comparable). Sorted, so the subset is read in the split's order, as the whole split is. Otherwise (test
+        mode too): all of them, or train.limit_eval_batches' subset (drawn alike) where that is set."""
         size = self.train_cfg.eval_batches * self.train_cfg.eval_batch_size
-        if split != "dev" or self.cfg.mode != "train" or self.state.step >= self.total_steps:
+        if split != "dev" or self.cfg.mode != "train" or (self.state.step >= self.total_steps and not ranked):
             size = 0
         limit = self.train_cfg.limit_eval_batches * self.train_cfg.eval_batch_size
         if limit and (not size or limit < size):
@@ -373,6 +392,17 @@ class Trainer:
         if not size or size >= n:
             return range(n)
         return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed))[:size].tolist())
+
+    def evaluate_and_rank(self, last: bool) -> tuple[dict, bool, bool]:
+        """Evaluate dev and rank the values (track_best): (the metrics, worth a checkpoint, should stop). The best
+        checkpoints and patience compare values of the same dev samples: where the `last` evaluation reads others
+        (train.eval_batches' whole split), it is made on those of the others first, ranked, then reported."""
+        metrics = self.evaluate_dev(ranked=True)
+        improved, stop = self.track_best(metrics)
+        n = len(self.datasets.get("dev") or ())
+        if last and len(self.eval_indices("dev", n)) != len(self.eval_indices("dev", n, ranked=True)):
+            metrics = self.evaluate_dev()
+        return metrics, improved, stop
 
     def track_best(self, metrics: dict) -> tuple[bool, bool]:
         """Update the best dev value (and train.keep_best's ranking); return (worth a checkpoint, should_stop)."""
@@ -389,9 +419,9 @@ class Trainer:
         better = math.isfinite(value) and (  # NaN is never best
             state.best_value is None
             or (value > state.best_value if self.best_mode == "max" else value < state.best_value)
-            # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss
-            or (value == state.best_value and loss is not None and state.best_loss is not None
-                and loss < state.best_loss))
+            # a tie (accuracy moves in steps of 1/N) goes to the lower dev loss (a NaN one, kept as None: the highest)
+            or (value == state.best_value and finite_or_none(loss) is not None
+                and (state.best_loss is None or loss < state.best_loss)))
         if better:
             state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
             state.best_loss = finite_or_none(loss)
@@ -569,6 +599,7 @@ class Trainer:
         run_log.train_line(self.log, self.trackers, bar, self.state.step, self.total_steps, stats)
 
     def close(self) -> None:
+        self.eval_loaders.clear()  # (their kept workers end)
         if self.trackers:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
             self.trackers.close()
@@ -580,6 +611,12 @@ def micro_batches_in(epochs: float, per_epoch: int) -> int:
     44.00000000000001, whose ceil is 45); 1e-7 x 40 is 1, not a run of no step. The run's length and resume's
     recount (resume.py) both use it."""
     return max(math.ceil(round(epochs * per_epoch, 6)), int(epochs > 0 and per_epoch > 0))
+
+
+def micro_batches_done(state: TrainState, sampler: GlobalBatchSampler) -> int:
+    """The run's micro-batches (global batches of `sampler`'s) before `state`'s position in its epochs."""
+    per_epoch = sampler.batches_per_epoch()
+    return state.epoch * per_epoch + per_epoch - sampler.batches_per_epoch(state.sample_in_epoch)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -73,7 +73,8 @@ class DataConfig:
     """When files are missing and the network is reachable, fetch them (with checksums) into data_dir."""
     num_workers: Union[int, Literal["auto"]] = 0
     """DataLoader worker processes per rank. 0 loads in the training process (best for small data); auto: 1-8.
-    Training's workers start once and are kept from epoch to epoch (persistent); evaluation's end with it."""
+    Training's workers start once and are kept from epoch to epoch (persistent); each split's evaluation workers
+    start at its first evaluation and are kept for the next ones; all end with the run."""
     dev_fraction: float = 0.15
     """Share of the training pool held out as the dev split when the dataset has no dev split of its own."""
     max_length: int = 128
@@ -217,7 +218,8 @@ class TrainConfig:
     epochs: float = 20
     """Passes over the training set (may be fractional). 0: train for `max_steps` only."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one)."""
+    """Micro-batches accumulated per optimizer step (gradient sync happens only on the last one). A run that `epochs`
+    ends takes only the micro-batches left in its last epoch in its last step (Hugging Face's Trainer's)."""
     optimizer: str = "AdamW"
     """A torch.optim class by name, any case (AdamW, SGD: momentum 0.9 unless optimizer_args says, RAdam, Adafactor,
     ...) or one listed in core/optimizers.py; lr, weight_decay, betas, eps come from train.*."""
@@ -260,7 +262,9 @@ class TrainConfig:
     """Evaluate on the dev split every N optimizer steps (and always at the end). 0: only at the end."""
     eval_batches: int = 0
     """Evaluations during training read this many eval batches of a fixed, seeded dev subset (cheap, frequent);
-    the last one and test mode read the whole split. 0: always the whole split."""
+    the last one and test mode read the whole split. The best checkpoints and patience compare the subset's values
+    only: the last step is evaluated on the subset too (ranked: its line alone), then on the whole split (reported:
+    its line, the trackers, the checkpoint's metrics). 0: always the whole split."""
     limit_eval_batches: int = 0
     """Every evaluation, the last one and test mode's too, reads at most this many eval batches of the fixed, seeded
     subset (Lightning's limit_val_batches); the dev run sets 1. 0: no limit."""
@@ -270,7 +274,8 @@ class TrainConfig:
     """How many of the most recent checkpoints to keep. The best checkpoint is always kept as well."""
     keep_best: int = 1
     """How many of the best checkpoints by best_metric to keep as well, whatever keep_last prunes (Lightning's
-    save_top_k); a tie goes to the lower dev loss. Test mode's `best` is the first of them."""
+    save_top_k); a tie goes to the lower dev loss. Every value ranked is of the same dev samples (train.eval_batches:
+    the subset's, the last step's too). Test mode's `best` is the first of them."""
     ema_decay: float = 0.0
     """An exponential moving average of the trainable weights, updated after each optimizer step with this decay
     (0.999: about the last 1,000 steps; core/ema.py), saved in checkpoints (ema.pt). 0: none."""

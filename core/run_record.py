@@ -115,8 +115,11 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
             else "no dev result")
     params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
+    kept = checkpoint.best(out, s.best_step)  # (the latest, where the best was deleted by hand: said, as test mode says)
+    if kept and s.best_step is not None and kept != os.path.join(checkpoint.root(out), f"step-{s.best_step}"):
+        kept += f"; the best checkpoint, step-{s.best_step}, is gone: the latest stands in"
     lines = [f"done: {s.step} steps; {best}",
-             f"  checkpoints  {checkpoint.root(out)} (best: {checkpoint.best(out, s.best_step)})",
+             f"  checkpoints  {checkpoint.root(out)} (best: {kept})",
              f"  logs         {os.path.join(out, 'logs')}"]
     tracked = trackers.names(cfg)
     if "tensorboard" in tracked:

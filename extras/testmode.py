@@ -36,4 +36,5 @@ def test(trainer) -> dict:
                       "metrics": results[split]}
             write_beside(where, lambda f: json.dump(record, f, indent=2))
             log.info(f"wrote {where}")
+    trainer.close()  # (the splits' loaders, whose workers are kept for another evaluation)
     return results

@@ -12,7 +12,7 @@ from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable
 from data_loader import GlobalBatchSampler
 from resilience import run_dir
-from trainer import TrainState, best_by, ceil_div, micro_batches_in
+from trainer import TrainState, best_by, ceil_div, micro_batches_done, micro_batches_in
 
 EVAL_DEFAULTS = asdict(TrainConfig())  # for a checkpoint written before a setting existed
 
@@ -389,8 +389,7 @@ def length_from_position(trainer) -> None:
 def steps_in_all(trainer, sampler: GlobalBatchSampler) -> int:
     """The run's optimizer steps, an epoch-based length counted from the resumed position with `sampler`'s batches."""
     t, s = trainer.train_cfg, trainer.state
-    per_epoch = sampler.batches_per_epoch()
-    left = sampler.batches_per_epoch(s.sample_in_epoch)  # in this epoch (EpochBatches counts them so)
-    done = s.epoch * per_epoch + per_epoch - left  # micro-batches, as the sampler's global batch counts them
-    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, per_epoch) - done, t.grad_accum_steps))
+    done = micro_batches_done(s, sampler)  # micro-batches, as the sampler's global batch counts them
+    total = s.step + max(0, ceil_div(micro_batches_in(t.epochs, sampler.batches_per_epoch()) - done,
+                                     t.grad_accum_steps))
     return min(total, t.max_steps) if t.max_steps else total

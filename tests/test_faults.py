@@ -645,6 +645,20 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_evaluation_left_by_a_stop_that_ends_the_resumed_run_is_ranked_on_the_dev_subset(tmp_path, monkeypatch):
+    """train.eval_batches: stopped in step 4 (an evaluation step), resumed with max_steps 4, the evaluation the stop
+    left is the run's last: it read the whole split and ranked its value against the subset's (step 2's). Now it is
+    ranked on the subset, as at the end of an uninterrupted run, and the whole split is reported after it."""
+    train = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "eval_batches": 1, "eval_batch_size": 16,
+             "lr": 1e-12, "schedule": "constant"}  # the weights do not move: every subset value is equal
+    assert run_stopped_in_step(monkeypatch, make_config(tmp_path, train=train), 4) == errors.EXIT_STOPPED
+    assert main.run(make_config(tmp_path, train={**train, "max_steps": 4})) == 0
+    dev = re.findall(r"step 4 dev: .*samples=(\d+)", open(tmp_path / "logs" / "rank0.log").read())
+    assert dev == ["16", "225"], dev
+    state = json.load(open(tmp_path / "checkpoints" / "step-4" / "meta.json"))["state"]
+    assert (state["best_step"], state["evals_without_improvement"], state["eval_due"]) == (2, 1, False)
+
+
 def test_a_stop_between_two_training_lines_leaves_the_next_line_as_the_uninterrupted_run_s(tmp_path, monkeypatch):
     """Stopped after step 7 with a line every 5 steps: the resumed run's step-10 line averaged steps 8-10 alone (and
     differed from the uninterrupted run's, which averages 6-10). The checkpoint keeps the window's loss now: every

@@ -197,6 +197,41 @@ def test_grad_accumulation_equals_the_big_batch(tmp_path):
     assert max_diff(load_model_state(tmp_path / "acc", 6), load_model_state(tmp_path / "big", 6)) < 1e-5
 
 
+def test_an_epoch_limited_run_with_accumulation_ends_with_the_epoch(tmp_path):
+    """epochs=1, 20 micro-batches of 64 and accumulation 3: the 7th step took a micro-batch of the next epoch's
+    order. Now it takes the epoch's last 2 (weighted by their samples): the run is the 192-sample-batch run, whose
+    last batch is the same 120 samples; a resume at step 4 ends on the same parameters."""
+    common = {"epochs": 1, "max_steps": 0, "eval_every": 0, "save_every": 4, "keep_last": 5, "log_every": 1}
+    acc = make_config(tmp_path / "acc", model={"dropout": 0.0},
+                      train={**common, "batch_size": 64, "grad_accum_steps": 3})
+    big = make_config(tmp_path / "big", model={"dropout": 0.0}, train={**common, "batch_size": 192})
+    assert main.run(acc) == 0 and main.run(big) == 0
+    state = checkpoint_meta.read(str(tmp_path / "acc" / "checkpoints" / "step-7"))["state"]
+    assert (state["step"], state["epoch"], state["sample_in_epoch"]) == (7, 0, 1272)  # the epoch, no more
+    assert max_diff(load_model_state(tmp_path / "acc", 7), load_model_state(tmp_path / "big", 7)) < 1e-5
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(tmp_path / "acc" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
+    assert main.run(make_config(tmp_path / "resumed", model={"dropout": 0.0},
+                                train={**common, "batch_size": 64, "grad_accum_steps": 3})) == 0
+    a, b = load_model_state(tmp_path / "acc", 7), load_model_state(tmp_path / "resumed", 7)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_an_epoch_limited_run_with_accumulation_under_ddp_is_one_process_run(tmp_path):
+    """The shorter last step (above) on 2 ranks of 32: each takes its share of the epoch's last 2 micro-batches
+    (the last one 28 + 28 of 56 samples) and ends where one process of 64 ends."""
+    common = {"epochs": 1, "max_steps": 0, "eval_every": 0, "save_every": 0, "grad_accum_steps": 3}
+    ddp = make_config(tmp_path / "ddp", model={"dropout": 0.0}, dist={"strategy": "ddp", "procs_per_node": 2},
+                      train={**common, "batch_size": 32})
+    one = make_config(tmp_path / "one", model={"dropout": 0.0}, train={**common, "batch_size": 64})
+    ranks = run_ranks(ddp, 2, tmp_path / "ddp-params")
+    assert main.run(one) == 0
+    state = checkpoint_meta.read(str(tmp_path / "ddp" / "checkpoints" / "step-7"))["state"]
+    assert (state["epoch"], state["sample_in_epoch"]) == (0, 1272)
+    assert max_diff(ranks[0], load_model_state(tmp_path / "one", 7)) < 1e-5
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision):
     cfg = make_config(tmp_path, train={"max_steps": 30, "eval_every": 0, "precision": precision, "lr": 3e-3})

@@ -1,16 +1,18 @@
 """train.keep_best (issue 41): the k best checkpoints by best_metric are kept whatever keep_last prunes, across a
 resume; test mode's best is the first of them; the plan says what is kept; a crafted ranking in meta.json is one
 line."""
+import csv
 import dataclasses
 import json
 import os
 import re
+import types
 
 import pytest
 
 import main
 from conftest import make_config
-from core import checkpoint, checkpoint_meta
+from core import checkpoint, checkpoint_meta, run_record
 from core.errors import Unloadable
 from test_text_tasks import train
 
@@ -126,6 +128,11 @@ def test_a_best_checkpoint_that_is_gone_is_said_before_the_latest_stands_in(tmp_
     assert shown == [said[0].split(" rank0 ")[1].rstrip("\n")]
     assert "test.checkpoint" in said[0]
     assert json.load(open(tmp_path / "dev_results.json"))["checkpoint"].endswith("step-6")
+    # the run's closing lines (a resumed run's too) said `best dev loss=... at step 2` and `(best: .../step-6)`
+    state = types.SimpleNamespace(**checkpoint_meta.read(str(tmp_path / "checkpoints" / "step-6"))["state"])
+    lines = run_record.summary(cfg, state, "loss", types.SimpleNamespace(export_formats=(), generates_text=False))
+    assert (f"(best: {tmp_path}/checkpoints/step-6; the best checkpoint, {step}, is gone: the latest stands in)"
+            in lines.splitlines()[1]), lines
 
 
 def test_a_finished_run_run_again_with_another_best_metric_keeps_its_best(tmp_path, capsys):
@@ -154,9 +161,34 @@ def test_a_resume_that_evaluates_on_another_dev_subset_ranks_the_best_anew_and_s
             "limit_eval_batches=0 eval_batch_size=16: the best checkpoint and train.patience count from step 4 "
             "on") in log
     meta = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))
-    assert meta["state"]["best_step"] == 6 and meta["state"]["best_value"] == meta["metrics"]["accuracy"]
+    ranked = re.findall(r"step 6 dev: loss=\S+ accuracy=(\S+) .*\(on 32 of 225 samples", log)  # (the whole: reported)
+    assert meta["state"]["best_step"] == 6 and f"{meta['state']['best_value']:.4g}" == ranked[0]
     whole = dataclasses.replace(cfg, output_dir=str(tmp_path / "whole"),
                                 train=dataclasses.replace(cfg.train, eval_batches=0))
     train(whole, 1)
     train(dataclasses.replace(whole, train=dataclasses.replace(whole.train, max_steps=6, eval_batch_size=32)), 1)
     assert "the best checkpoint and" not in open(tmp_path / "whole" / "logs" / "rank0.log").read()
+
+
+def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_the_subset(tmp_path):
+    """train.eval_batches: evaluations during training read 16 dev samples, the last one all 225. The weights do not
+    move (lr 1e-12), so every subset value is equal: the first stays best and patience counts 2. The whole split's
+    higher accuracy at step 6 was ranked above the subset's (best step 6, patience back to 0, keep_best kept it).
+    Now step 6 is ranked by the subset's value as well (a line of its own) and the whole split's is reported."""
+    run = {"epochs": 0, "max_steps": 6, "eval_every": 2, "save_every": 2, "log_every": 2, "keep_last": 1,
+           "keep_best": 2, "eval_batches": 1, "eval_batch_size": 16, "lr": 1e-12, "schedule": "constant"}
+    train(make_config(tmp_path, train=run, log={"report_to": ["csv"], "tensorboard": None}), 1)
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    dev = re.findall(r"step (\d+) dev: loss=\S+ accuracy=(\S+) .*samples=(\d+)", log)
+    subset = [(int(s), float(a)) for s, a, n in dev if n == "16"]
+    whole = [(int(s), float(a)) for s, a, n in dev if n == "225"]
+    assert [s for s, _ in subset] == [2, 4, 6] and len({a for _, a in subset}) == 1, dev
+    assert [s for s, _ in whole] == [6] and whole[0][1] > subset[0][1], "the test needs the whole split to score higher"
+    state = json.load(open(tmp_path / "checkpoints" / "step-6" / "meta.json"))["state"]
+    assert (state["best_step"], state["best_value"], state["evals_without_improvement"]) == (2, subset[0][1], 2)
+    assert [step for _, _, step in state["best_k"]] == [2, 4]
+    assert [step for step, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [2, 4, 6]
+    assert checkpoint_meta.read(str(tmp_path / "checkpoints" / "step-6"))["metrics"]["samples"] == 225  # reported
+    # the trackers get one value a tag at step 6, the whole split's (a table pivoted by step averaged two)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [float(r["value"]) for r in rows if r["tag"] == "dev/samples"] == [16, 16, 225]

@@ -218,3 +218,14 @@ def test_a_tie_of_best_metric_goes_to_the_lower_dev_loss():
     assert (fake.state.best_step, fake.state.best_loss) == (60, 0.19)
     assert track(80, 0.8, 0.01) == (False, False)  # a lower loss never beats a higher accuracy
     assert track(100, 0.9, 0.19) == (False, True)  # an exact tie is no improvement: patience runs out
+
+
+def test_a_tie_with_a_best_of_nan_dev_loss_goes_to_the_finite_loss_as_keep_best_ranks_it():
+    """A best whose dev loss was NaN (kept as None) won every tie: the finite loss of an equal accuracy was not
+    lower than it, while keep_best ranked it first; test mode read the one, keep_best's first was the other."""
+    fake = types.SimpleNamespace(state=trainer_module.TrainState(), best_metric="accuracy", best_mode="max",
+                                 train_cfg=types.SimpleNamespace(patience=0, keep_best=3))
+    for step, loss in ((20, float("nan")), (40, 0.5), (60, float("nan"))):
+        fake.state.step = step
+        trainer_module.Trainer.track_best(fake, {"accuracy": 0.9, "loss": loss})
+    assert fake.state.best_step == 40 and [step for _, _, step in fake.state.best_k] == [40, 20, 60]

@@ -101,41 +101,53 @@ def test_the_schedule_ends_at_min_lr_ratio_a_line_shows_its_steps_lr_and_ms_per_
 EVAL = {**SHORT, "eval_batches": 3, "eval_batch_size": 10}  # 30 of the digits dev split's 225 images
 
 
-def evaluated(monkeypatch, t, step) -> list[int]:
-    """The dev indices an evaluation at `step` reads (what the trainer hands its data loader), in order."""
-    seen = []
-    real = trainer_module.make_loader
+class Recorded(torch.utils.data.Dataset):
+    """`dataset`, each read written to `path` as `pid index` (by whichever process reads it: a loader's worker, or
+    this one)."""
 
-    def recording(dataset, batches, *args):
-        seen.extend(i for b in batches for i in b)
-        return real(dataset, batches, *args)
-    monkeypatch.setattr(trainer_module, "make_loader", recording)
+    def __init__(self, dataset, path: str):
+        self.dataset, self.path = dataset, path
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {i}\n")
+        return self.dataset[i]
+
+
+def evaluated(t, step) -> list[int]:
+    """The dev indices an evaluation at `step` reads (through the trainer's data loader), in order."""
+    if not isinstance(t.datasets["dev"], Recorded):  # (before the first evaluation: its loader is kept)
+        t.datasets["dev"] = Recorded(t.datasets["dev"], os.path.join(t.cfg.output_dir, "dev_reads"))
+    open(t.datasets["dev"].path, "w").close()
     t.state.step = step
     metrics = t.evaluate("dev")
-    monkeypatch.setattr(trainer_module, "make_loader", real)
+    seen = [int(line.split()[1]) for line in open(t.datasets["dev"].path)]
     assert metrics["samples"] == len(seen)  # the metrics are over what was read, no more
     return seen
 
 
-def test_eval_batches_is_the_same_seeded_subset_and_the_end_is_whole(tmp_path, monkeypatch):
+def test_eval_batches_is_the_same_seeded_subset_and_the_end_is_whole(tmp_path):
     t = build_trainer(make_config(tmp_path, train=EVAL))
-    first, again = evaluated(monkeypatch, t, 2), evaluated(monkeypatch, t, 4)
+    first, again = evaluated(t, 2), evaluated(t, 4)
     assert len(first) == 30 and first == again  # the same subset at every evaluation
     assert first == sorted(set(first)) and first != list(range(30))  # distinct, in split order, drawn at random
-    assert evaluated(monkeypatch, t, t.total_steps) == list(range(225))  # the last evaluation: the whole split
+    assert evaluated(t, t.total_steps) == list(range(225))  # the last evaluation: the whole split
     log = log_of(tmp_path)
     dev = {int(s): line for s, line in re.findall(r"step (\d+) dev: (.*)", log)}
     assert "loss=" in dev[2] and "(on 30 of 225 samples: train.eval_batches)" in dev[2]
     assert "samples=225" in dev[6].split() and "train.eval_batches" not in dev[6]  # no subset note on the whole split
 
     other = build_trainer(make_config(tmp_path / "other", seed=7, train=EVAL))
-    assert evaluated(monkeypatch, other, 2) != first  # the subset follows the seed
+    assert evaluated(other, 2) != first  # the subset follows the seed
 
 
-def test_test_mode_evaluates_the_whole_split(tmp_path, monkeypatch):
+def test_test_mode_evaluates_the_whole_split(tmp_path):
     build_trainer(make_config(tmp_path, train={**EVAL, "max_steps": 2})).train()  # a checkpoint to test
     t = build_trainer(make_config(tmp_path, mode="test", train={**EVAL, "max_steps": 2}))
-    assert evaluated(monkeypatch, t, 1) == list(range(225))  # at a step that would take the subset in training
+    assert evaluated(t, 1) == list(range(225))  # at a step that would take the subset in training
     assert testmode.test(t)["dev"]["samples"] == 225  # test mode's own path
 
 
@@ -169,6 +181,24 @@ def test_eval_batches_subset_is_exact_across_ranks(tmp_path):
     # Two ranks of 15 (10 + 5 per rank): the same 30 samples as one process's 10 + 10 + 10.
     assert alone["samples"] == together["samples"] == 30
     assert abs(alone["loss"] - together["loss"]) < 1e-6 and alone["accuracy"] == together["accuracy"]
+
+
+def test_evaluation_workers_start_once_and_give_the_values_of_no_workers(tmp_path):
+    """data.num_workers 2: the dev loader's workers were started anew at each of the 4 evaluations (steps 2, 4 and 6
+    on the subset, 6 on the whole split), 8 processes, where the training stream keeps its own. Now the same 2 read
+    every evaluation and end with the run; the values are those of a run without workers."""
+    import psutil
+    run = {**SHORT, "eval_every": 2, "eval_batches": 1, "eval_batch_size": 16}
+    lines, before = {}, {p.pid for p in psutil.Process().children()}  # (a spawned test's resource tracker)
+    for workers in (0, 2):
+        t = build_trainer(make_config(tmp_path / str(workers), data={"num_workers": workers}, train=run))
+        t.datasets["dev"] = Recorded(t.datasets["dev"], str(tmp_path / f"reads{workers}"))
+        t.train()
+        lines[workers] = re.findall(r"step \d+ dev: .*", log_of(tmp_path / str(workers)))
+        pids = {line.split()[0] for line in open(tmp_path / f"reads{workers}")}
+        assert len(pids) == max(1, workers) and (str(os.getpid()) in pids) == (workers == 0)
+    assert len(lines[0]) == 4 and lines[0] == lines[2]
+    assert {p.pid for p in psutil.Process().children()} <= before, "the workers must end with the run"
 
 
 # ---------------------------------------------------------------------------------------------------------------
