@@ -114,6 +114,8 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     out, s = cfg.output_dir, state
     best = (f"best dev {best_metric}={s.best_value:.4g} at step {s.best_step}" if s.best_step is not None
             else "no dev result")
+    if s.best_step is not None and cfg.train.eval_batches:  # ranked on the subset; the last line above: whole split
+        best += f" (on the dev subset of train.eval_batches={cfg.train.eval_batches})"
     params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
     kept = checkpoint.best(out, s.best_step)  # (the latest, where the best was deleted by hand: said, as test mode says)
     if kept and s.best_step is not None and kept != os.path.join(checkpoint.root(out), f"step-{s.best_step}"):

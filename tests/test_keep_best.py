@@ -192,3 +192,5 @@ def test_the_last_evaluation_of_the_whole_split_is_reported_not_ranked_against_t
     # the trackers get one value a tag at step 6, the whole split's (a table pivoted by step averaged two)
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert [float(r["value"]) for r in rows if r["tag"] == "dev/samples"] == [16, 16, 225]
+    # the closing line's best is the subset's, said so (the whole split's line comes right before it)
+    assert f"best dev accuracy={subset[0][1]:.4g} at step 2 (on the dev subset of train.eval_batches=1)" in log
