@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from core.distributed import DistContext
 from core.errors import ConfigError
-from core.roll_call import Meeting, TimedStore, not_met, roll_call
+from core.roll_call import not_met, roll_call
+from core.store_call import TimedStore
 
-STORE_SILENT_S = 60  # a roll call's store call unanswered this long (or dist.timeout_s if less): the link is down
+STORE_SILENT_S = 60  # a store call unanswered this long (or dist.timeout_s if less): the link is down
 
 
 def pick_device_type(device: str) -> str:
@@ -56,7 +57,7 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     try:
         while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, given_up),
-                      lambda seconds: waiting(seconds, rendezvous), device, min(d.timeout_s, STORE_SILENT_S))
+                      lambda seconds: waiting(seconds, rendezvous), device)
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
@@ -67,6 +68,7 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     the store counts arrivals only: nodes that count the ranks differently would meet, then wait at the first
     collective. `given_up`: set when this rank stops waiting (while_waiting)."""
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    silent_s = min(cfg.dist.timeout_s, STORE_SILENT_S)
     address = urlparse(rendezvous)
     if address.scheme == "tcp":
         if rank != 0:
@@ -80,8 +82,9 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    roll_call(TimedStore(store, given_up) if address.scheme == "tcp" else store, rank, world_size, cfg, given_up,
-              rendezvous)
+    where = f"{address.hostname}:{address.port}"
+    roll_call(TimedStore(store, silent_s, where, "node 0") if address.scheme == "tcp" else store, rank, world_size,
+              cfg, given_up, rendezvous)
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -102,14 +105,14 @@ def wait_for_store_host(host: str, port: int, timeout_s: float, given_up: thread
         time.sleep(0.2)
 
 
-def while_waiting(join: Callable[[Meeting], None], waiting: Callable[[float], None], device: torch.device,
-                  silent_limit_s: float = STORE_SILENT_S) -> None:
+def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None],
+                  device: torch.device) -> None:
     """join(given_up) in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the
     wait for the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later.
     If waiting raises, given_up is set: the roll call's polling ends, and with it the store rank 0 hosts (left
     running at exit, its thread aborts the process: "terminate called without an active exception")."""
     failed: list = []
-    given_up = Meeting()
+    given_up = threading.Event()
 
     def run():
         try:
@@ -125,10 +128,6 @@ def while_waiting(join: Callable[[Meeting], None], waiting: Callable[[float], No
             thread.join(0.5)
             if thread.is_alive():
                 waiting(time.monotonic() - start)
-                since = given_up.call_since
-                if since is not None and time.monotonic() - since > silent_limit_s:
-                    raise dist.DistNetworkError(f"the rendezvous store did not answer a call for {silent_limit_s:g} s: "
-                                                "its host (node 0), or the network to it, is down")
     except BaseException:
         given_up.set()
         thread.join(0.5)  # (a rank blocked in the store's C++ wait stays blocked: a daemon thread, ended with us)

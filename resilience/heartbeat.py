@@ -15,7 +15,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR
+from core.store_call import StoreCall
 from resilience.faults import HOST, progress, report
+
+STORE_HOST = "rank 0, or torchrun's agent"  # who hosts the rendezvous store, said when it does not answer
 
 
 class Watchdog:
@@ -27,7 +30,7 @@ class Watchdog:
 
     def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
-        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (Call) before giving up
+        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (StoreCall) before giving up
         self.interval = min(1.0, timeout / 4)
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
@@ -48,10 +51,14 @@ class Watchdog:
         return w
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see Call)."""
+        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see StoreCall)."""
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
+
+    def ask(self, fn, what: str, timeout_s: Optional[float] = None):
+        """fn()'s value, calls to the store, given up after op_timeout (a frozen store host never answers)."""
+        return StoreCall(fn, what, self.ctx.rendezvous, STORE_HOST).result(timeout_s or self.op_timeout)
 
     # ---- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -59,7 +66,7 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 if call is None or not call.is_alive():  # (else it is still waiting for the store: wait more)
-                    call = Call(self._beat_once)
+                    call = StoreCall(self._beat_once, "a heartbeat", self.ctx.rendezvous, STORE_HOST)
                 verdict = call.result(self.op_timeout)
                 self.unreachable_since = None
                 if self.peer_failure is not None:
@@ -148,7 +155,7 @@ class Watchdog:
         ranks' watchdogs, unless a rank did first. Returns the first line, the cause, for every rank to say."""
         self.stop()
         try:
-            return Call(lambda: self.store.compare_set("failed", "", line)).result(self.op_timeout).decode()
+            return self.ask(lambda: self.store.compare_set("failed", "", line), "compare_set").decode()
         except Exception:  # the store is gone (its host left): the peers fail at their next collective
             return line
 
@@ -156,10 +163,10 @@ class Watchdog:
         """Count this rank as leaving, then wait until every rank does (at most two beats and a store call's
         time): no rank ends (its connections, or the store it hosts) while a peer still waits on it."""
         try:
-            Call(lambda: self.store.add("left", 1)).result(self.op_timeout)
+            self.ask(lambda: self.store.add("left", 1), "add")
             deadline = time.monotonic() + 2 * self.interval + self.op_timeout
             while time.monotonic() < deadline and \
-                    Call(lambda: self.store.add("left", 0)).result(self.op_timeout) < self.ctx.world_size:
+                    self.ask(lambda: self.store.add("left", 0), "add") < self.ctx.world_size:
                 time.sleep(0.05)
             if self.ctx.rank == 0:  # it hosts the store: the others' last look at it comes first
                 time.sleep(0.2)
@@ -181,7 +188,7 @@ class Watchdog:
         words of several ranks are printed once)."""
         try:
             key = "said/" + hashlib.sha1(line.encode()).hexdigest()
-            return Call(lambda: self.store.add(key, 1)).result(10.0) == 1
+            return self.ask(lambda: self.store.add(key, 1), "add", 10.0) == 1
         except Exception:  # the store is gone or frozen with its host: better said twice than never
             return True
 
@@ -200,9 +207,9 @@ class Watchdog:
         None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
+            before = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
             time.sleep(3 * self.interval + 0.5)
-            after = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
+            after = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
         except Exception:
             return None
         return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
@@ -211,30 +218,6 @@ class Watchdog:
 def ranks_text(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-class Call(threading.Thread):
-    """fn() in a daemon thread of its own, so that the caller can stop waiting for it: a frozen store host keeps its
-    connections open and never answers, and TCPStore's get, check, multi_get and add then wait for ever."""
-
-    def __init__(self, fn):
-        super().__init__(name="store-call", daemon=True)
-        self.fn, self.value, self.error = fn, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except Exception as e:
-            self.error = e
-
-    def result(self, timeout: float):
-        self.join(timeout)
-        if self.is_alive():
-            raise TimeoutError(f"no answer in {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def open_store(ctx, op_timeout: float):

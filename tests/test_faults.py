@@ -216,7 +216,8 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
         assert isinstance(raised[0], errors.UserError) and re.match(
             rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
             r"\(DistNetworkError: the rendezvous store did not answer a call for 3 s: its host \(node 0\), or the "
-            r"network to it, is down\); start all 2 nodes", str(raised[0])), raised
+            rf"network to it, is down \((check|get) at 127.0.0.1:{port}, from {re.escape(socket.gethostname())}\)\); "
+            r"start all 2 nodes", str(raised[0])), raised
     finally:
         host.kill()
 
