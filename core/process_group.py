@@ -18,7 +18,7 @@ import torch.distributed as dist
 from core.distributed import DistContext
 from core.errors import ConfigError
 from core.roll_call import not_met, roll_call
-from core.store_call import TimedStore
+from core.store_call import StoreCall, TimedStore
 
 STORE_SILENT_S = 60  # a store call unanswered this long (or dist.timeout_s if less): the link is down
 
@@ -56,14 +56,15 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
         else:
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     try:
-        while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, given_up),
-                      lambda seconds: waiting(seconds, rendezvous), device)
+        while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, device, given_up),
+                      lambda seconds: waiting(seconds, rendezvous))
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
 
 
-def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
+def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, device: torch.device,
+               given_up: threading.Event) -> None:
     """The process group. Over tcp:// or a file:// the ranks first answer a roll call in the store (roll_call.py), since
     the store counts arrivals only: nodes that count the ranks differently would meet, then wait at the first
     collective. `given_up`: set when this rank stops waiting (while_waiting)."""
@@ -82,9 +83,20 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    where = f"{address.hostname}:{address.port}"
-    roll_call(TimedStore(store, silent_s, where, "node 0") if address.scheme == "tcp" else store, rank, world_size,
-              cfg, given_up, rendezvous)
+    tcp = address.scheme == "tcp"
+    where, host = (f"{address.hostname}:{address.port}", "node 0") if tcp else (rendezvous, "a disk")
+    roll_call(TimedStore(store, silent_s, where, host) if tcp else store, rank, world_size, cfg,
+              given_up, rendezvous)
+    # torch gives up on the group's store calls (in C++, not timed) after dist.timeout_s: unanswered a store call's
+    # time more, the store's host, or the link to it, is down
+    StoreCall(lambda: form_group(backend, store, rank, world_size, timeout, device), "init_process_group", where,
+              host).result(cfg.dist.timeout_s + silent_s)
+
+
+def form_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
+               device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (the current GPU is the thread's own)
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -105,8 +117,7 @@ def wait_for_store_host(host: str, port: int, timeout_s: float, given_up: thread
         time.sleep(0.2)
 
 
-def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None],
-                  device: torch.device) -> None:
+def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None]) -> None:
     """join(given_up) in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the
     wait for the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later.
     If waiting raises, given_up is set: the roll call's polling ends, and with it the store rank 0 hosts (left
@@ -116,8 +127,6 @@ def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[fl
 
     def run():
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # (the current GPU is the thread's own)
             join(given_up)
         except BaseException as e:
             failed.append(e)

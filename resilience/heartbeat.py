@@ -30,7 +30,7 @@ class Watchdog:
 
     def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
-        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (StoreCall) before giving up
+        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls before giving up
         self.interval = min(1.0, timeout / 4)
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)

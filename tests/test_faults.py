@@ -222,6 +222,47 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
         host.kill()
 
 
+@pytest.mark.slow
+def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(tmp_path):
+    """The roll call passed (rank 0's claim and verdict are in the store), then the store's host froze while rank 1
+    formed the group in init_process_group: its store calls, in C++, were not timed, and rank 1 waited until TCP
+    gave up (a cut link) or for ever (a frozen host). Now the same line as in the roll call, naming the call."""
+    from core import process_group, roll_call
+    from datetime import timedelta
+    port = free_port()
+    host = store_host(port)
+    try:
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
+        client.set("trainer-roll/rank/0", json.dumps(roll_call.roll_call_entry(cfg, 2)))
+        client.set("trainer-roll/verdict", "ok")
+        frozen, raised = [], []
+
+        def waiting(seconds, where):  # rank 1 waits in init_process_group for rank 0's address: freeze the host
+            if seconds > 0.6 and not frozen:
+                host.send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0, waiting=waiting)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(20)
+        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        # (torch gives up on its own calls after dist.timeout_s: unanswered a store call's time more, the host is down)
+        assert frozen and time.monotonic() - frozen[0] < 3 + 3 + 1.5
+        assert isinstance(raised[0], errors.UserError) and re.match(
+            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
+            r"\(DistNetworkError: the rendezvous store did not answer a call for 6 s: its host \(node 0\), or the "
+            rf"network to it, is down \(init_process_group at 127.0.0.1:{port}, from "
+            rf"{re.escape(socket.gethostname())}\)\); start all 2 nodes", str(raised[0])), raised
+    finally:
+        host.kill()
+
 def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
     """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
     another line (`DistNetworkError: Broken pipe`, the store rank 0 hosted gone) after C++ warnings. Rank 0's
