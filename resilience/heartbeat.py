@@ -121,12 +121,11 @@ class Watchdog:
             # Beats come once an interval, so ranks that fell silent together (a node) cross the timeout up to an
             # interval apart: name every rank that has missed nearly as many beats, not only the first one.
             frozen = [r for r in ranks if silent[r] > self.timeout - self.interval]
-            live = [r for r in ranks if r not in frozen]
             on = ", ".join(sorted({hosts[r] for r in frozen}))
-            now_at = f"; rank {live[0]} is at step {steps[live[0]]}" if live else ""
-            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (their last "
-                    f"heartbeat{now_at}; none for {self.timeout:g} s: frozen or dead); see logs/rank*.log for the "
-                    f"others' stacks")
+            # (their step is that of their last heartbeat, which may be many steps behind where they froze)
+            return (f"{ranks_text(frozen)} on {on} stopped responding (last heard at step {steps[frozen[0]]}, "
+                    f"{silent[frozen[0]]:.0f} s ago: frozen or dead; rank {self.ctx.rank} is {progress.where()}); "
+                    "see logs/rank*.log for the others' stacks")
         if len(ranks) > 1 and all(phases[r] in ("train", "eval") for r in ranks) and \
                 all(now - self.seen[r][3] > self.timeout for r in ranks):
             behind = [r for r in ranks if steps[r] == min(steps.values())]

@@ -524,8 +524,8 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     # The timeout, a beat interval, 2 s for the others to read the verdict, the launcher's 2 s of grace, exits
     assert time.monotonic() - t0 < 3 + 7
     assert code == errors.EXIT_CRASH
-    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ \(their last "
-                    rf"heartbeat; rank 0 is at step \d+; none for 3 s", stderr), stderr
+    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding \(last heard at step \d+, "
+                    r"[34] s ago: frozen or dead; rank 0 is (at|evaluating at|saving) step \d+\)", stderr), stderr
     with open(out / "logs" / "rank0.log") as f:
         log0 = f.read()
     # Rank 0 waits in whichever collective of the loop comes next (train_step's, the log window's in log_train):
@@ -940,6 +940,8 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     store, clock = DictStore(), [0.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
     w = heartbeat.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    monkeypatch.setattr(faults.progress, "step", 7)  # (rank 0's own, as its heartbeat says)
     beats = {0: 0, 1: 0, 2: 0}
     verdict = None
     while verdict is None and clock[0] < 20:
@@ -949,9 +951,9 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
             store[f"hb/{r}"] = f"{beats[r]} {beats[r]} {beats[r]} train host{r}"
         verdict = w._check([0, 1, 2])
         clock[0] += w.interval
-    assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding at step 2 "), \
-        verdict
-    assert "rank 0 is at step 7;" in verdict  # where the run is, beside where the silent ranks were
+    assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding (last heard at "
+                                                      "step 2, "), verdict
+    assert "rank 0 is at step 7)" in verdict  # where the run is, beside where the silent ranks were
 
 
 def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
@@ -968,8 +970,27 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
         verdict = w._check([0, 1])
         clock[0] += w.interval
     assert 4 < clock[0] - w.interval <= 4 + w.interval, clock[0]  # (the clock moved on after the verdict)
-    assert verdict.startswith("rank 1 on a host it never named stopped responding at step 0"), verdict
+    assert verdict.startswith("rank 1 on a host it never named stopped responding (last heard at step 0, "), verdict
 
+
+def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_is(monkeypatch):
+    """Rank 1 watches rank 0, whose last heartbeat said step 5; rank 1 trained on to step 40. The line said `rank 0
+    ... stopped responding at step 5 (their last heartbeat; none for 4 s ...)`: no word of where the run was, and a
+    step that reads as where rank 0 froze. Now when rank 0 was last heard, and the step of the rank that says so."""
+    from types import SimpleNamespace
+
+    store, clock = DictStore(), [0.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(faults.progress, "step", 40)
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    w = heartbeat.Watchdog(store, SimpleNamespace(rank=1, world_size=2), timeout=4, log_path="/dev/null")
+    store["hb/0"] = "9 9 5 train host0"
+    verdict = None
+    while verdict is None and clock[0] < 20:
+        verdict = w._check([0])
+        clock[0] += w.interval
+    assert verdict == ("rank 0 on host0 stopped responding (last heard at step 5, 5 s ago: frozen or dead; rank 1 is "
+                       "at step 40); see logs/rank*.log for the others' stacks"), verdict
 
 def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
