@@ -621,6 +621,28 @@ def test_a_master_addr_that_does_not_resolve_under_srun_is_one_line_at_once(tmp_
     assert len(err.splitlines()) == 1 and err.startswith("error: dist.master_addr 'no-such-node.invalid' "), err
     assert "does not resolve" in err, err
 
+
+def test_node_0_given_another_machines_address_is_one_line_at_once(tmp_path, capfd, monkeypatch):
+    """dist.master_addr of node 0 (ours, then srun's rank 0) names another machine: its store listened here while its
+    ranks connected there, waiting dist.timeout_s behind C++ stack frames. Node 0 can tell: the address is none of
+    its own (bind: EADDRNOTAVAIL). 192.0.2.1 is TEST-NET-1, no machine's."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(k)
+    line = (f"error: dist.master_addr '192.0.2.1' is not an address of this machine ({socket.gethostname()}), node 0, "
+            "which hosts the rendezvous there; set it to one of node 0's addresses, as the other nodes reach it")
+    for srun in (False, True):
+        if srun:
+            for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}.items():
+                monkeypatch.setenv(k, v)
+        cfg = make_config(tmp_path / f"run{srun}", dist={"strategy": "ddp", "master_addr": "192.0.2.1", "timeout_s": 3,
+                                                         **({} if srun else {"nodes": 2, "procs_per_node": 1})},
+                          train={"max_steps": 1})
+        started = time.monotonic()
+        assert main.run(cfg) == errors.EXIT_USER_ERROR
+        assert time.monotonic() - started < 2
+        assert capfd.readouterr().err.strip() == line
+
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cfg = make_config(tmp_path / "file", train={"max_steps": 1})
