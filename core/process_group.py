@@ -71,11 +71,15 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, d
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     silent_s = min(cfg.dist.timeout_s, STORE_SILENT_S)
     address = urlparse(rendezvous)
-    if address.scheme == "tcp":
+    tcp = address.scheme == "tcp"
+    where, host = (f"{address.hostname}:{address.port}", "node 0") if tcp else (rendezvous, "a disk")
+    if tcp:
         if rank != 0:
             wait_for_store_host(address.hostname, address.port, cfg.dist.timeout_s, given_up)
-        store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False, multi_tenant=True)
+        # (what took the connection may never answer: a frozen rank 0, whose kernel still accepts, or another program)
+        store = StoreCall(lambda: dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
+                                                wait_for_workers=False, multi_tenant=True),
+                          "connect", where, host).result(silent_s)
     elif address.scheme == "file":
         # as init_method="file://..." makes it: the file is removed once world_size clients have closed it
         store = dist.FileStore(address.path, world_size)
@@ -83,10 +87,7 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, d
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    tcp = address.scheme == "tcp"
-    where, host = (f"{address.hostname}:{address.port}", "node 0") if tcp else (rendezvous, "a disk")
-    roll_call(TimedStore(store, silent_s, where, host) if tcp else store, rank, world_size, cfg,
-              given_up, rendezvous)
+    roll_call(TimedStore(store, silent_s, where, host) if tcp else store, rank, world_size, cfg, given_up, rendezvous)
     # torch gives up on the group's store calls (in C++, not timed) after dist.timeout_s: unanswered a store call's
     # time more, the store's host, or the link to it, is down
     StoreCall(lambda: form_group(backend, store, rank, world_size, timeout, device), "init_process_group", where,

@@ -185,6 +185,33 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(tmp_path):
+    """At master_addr:master_port something accepts connections and never answers: another program, or rank 0's
+    process frozen (the kernel still accepts). Rank 1's TCPStore waited for its first answer for ever, whatever
+    dist.timeout_s (still waiting a minute later); now the line after dist.timeout_s."""
+    from core import process_group
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 2, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        raised = []
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(10)
+        assert not joining.is_alive(), "rank 1 still waits for an answer 10 s later"
+    assert isinstance(raised[0], errors.UserError) and re.match(
+        rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=2 \(DistNetworkError: "
+        r"the rendezvous store did not answer a call for 2 s: its host \(node 0\), or the network to it, is down "
+        rf"\(connect at 127.0.0.1:{port}, ", str(raised[0])), raised
+
 @pytest.mark.slow
 def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tmp_path):
     """The link to node 0 cut while rank 1 waited in the roll call (two nodes in network namespaces): TCPStore's check
