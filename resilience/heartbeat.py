@@ -229,8 +229,10 @@ def open_store(ctx, op_timeout: float):
         address = (u.hostname, u.port)
     elif ctx.rendezvous == "env://":
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    if address is not None:
-        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
+    if address is not None:  # (a frozen store host, or a cut link, never answers the connect either)
+        store = StoreCall(lambda: dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout,
+                                                wait_for_workers=False), "connect", ctx.rendezvous, STORE_HOST
+                          ).result(op_timeout)
     else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
         store = c10d._get_default_store()
     # Under torchrun a restart (allowed only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new store.

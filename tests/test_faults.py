@@ -1041,6 +1041,20 @@ def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_
     assert verdict == ("rank 0 on host0 stopped responding (last heard at step 5, 5 s ago: frozen or dead; rank 1 is "
                        "at step 40); see logs/rank*.log for the others' stacks"), verdict
 
+def test_the_watchdogs_own_connection_to_a_store_that_never_answers_gives_up(tmp_path):
+    """The watchdog opens a store connection of its own as training starts: a store host frozen (or a link cut) just
+    then held the rank in TCPStore's connect for ever, before its watchdog could say anything."""
+    from types import SimpleNamespace
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match=rf"did not answer a call for 1 s: its host \(rank 0, or "
+                                                        rf"torchrun's agent\).*\(connect at tcp://127.0.0.1:{port}, "):
+            heartbeat.open_store(SimpleNamespace(rendezvous=f"tcp://127.0.0.1:{port}"), op_timeout=1.0)
+        assert time.monotonic() - started < 2
+
 def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
     open and never answers, and TCPStore's own timeout does not cover that (check/get/add wait for ever; tested
