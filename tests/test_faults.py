@@ -207,6 +207,7 @@ def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(
         joining.start()
         joining.join(10)
         assert not joining.is_alive(), "rank 1 still waits for an answer 10 s later"
+    store_calls_end()
     assert isinstance(raised[0], errors.UserError) and re.match(
         rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=2 \(DistNetworkError: "
         r"the rendezvous store did not answer a call for 2 s: its host \(node 0\), or the network to it, is down "
@@ -289,6 +290,7 @@ def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(
             rf"{re.escape(socket.gethostname())}\)\); start all 2 nodes", str(raised[0])), raised
     finally:
         host.kill()
+        store_calls_end()
 
 def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
     """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
@@ -1054,6 +1056,7 @@ def test_the_watchdogs_own_connection_to_a_store_that_never_answers_gives_up(tmp
                                                         rf"torchrun's agent\).*\(connect at tcp://127.0.0.1:{port}, "):
             heartbeat.open_store(SimpleNamespace(rendezvous=f"tcp://127.0.0.1:{port}"), op_timeout=1.0)
         assert time.monotonic() - started < 2
+    store_calls_end()
 
 def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
@@ -1256,6 +1259,14 @@ def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, 
         s.close()
         assert signal.getsignal(signal.SIGTERM) == expected
         signal.signal(signal.SIGTERM, before)
+
+
+def store_calls_end(timeout: float = 10.0) -> None:
+    """Wait for the store calls a test left waiting (StoreCall's threads) to fail, once their store is gone: their C++
+    warnings would land in a later test's captured stderr."""
+    deadline = time.monotonic() + timeout
+    for t in [t for t in threading.enumerate() if t.name == "store-call"]:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def store_host(port: int) -> subprocess.Popen:
