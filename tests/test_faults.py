@@ -248,6 +248,7 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
             r"start all 2 nodes", str(raised[0])), raised
     finally:
         host.kill()
+        store_calls_end()
 
 
 @pytest.mark.slow
@@ -1088,6 +1089,7 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
     finally:
         host.kill()
+        store_calls_end()
 
 
 # ==============================================================================================================
