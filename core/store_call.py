@@ -25,16 +25,13 @@ class StoreCall(threading.Thread):
         except Exception as e:
             self.error = e
 
-    def unanswered(self, timeout_s: float) -> Exception:
-        return dist.DistNetworkError(f"the rendezvous store did not answer a call for {timeout_s:g} s: its host "
-                                     f"({self.host}), or the network to it, is down ({self.what} at {self.address}, "
-                                     f"from {socket.gethostname()})")
-
     def result(self, timeout_s: float):
         """fn's value, or its error; DistNetworkError if fn has not returned within timeout_s."""
         self.join(timeout_s)
         if self.is_alive():
-            raise self.unanswered(timeout_s)
+            raise dist.DistNetworkError(f"the rendezvous store did not answer a call for {timeout_s:g} s: its host "
+                                        f"({self.host}), or the network to it, is down ({self.what} at "
+                                        f"{self.address}, from {socket.gethostname()})")
         if self.error is not None:
             raise self.error
         return self.value
@@ -55,9 +52,9 @@ class TimedStore:
             if self.unanswered is not None:
                 raise self.unanswered
             call = StoreCall(lambda: method(*args), name, self.address, self.host)
-            call.join(self.timeout_s)
-            if call.is_alive():
-                self.unanswered = call.unanswered(self.timeout_s)
-                raise self.unanswered
-            return call.result(0)
+            try:
+                return call.result(self.timeout_s)
+            except dist.DistNetworkError as e:
+                self.unanswered = e if call.is_alive() else None  # (else the store's own error: a broken pipe)
+                raise
         return timed
