@@ -108,7 +108,7 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     """Be the one rank that torchrun or srun started, or start this node's ranks (`worker`: wiring.worker)."""
     if env is not None:
         if env["launcher"] == "slurm":  # srun's ranks meet where cfg.dist says (torchrun's env:// is torchrun's own)
-            launcher.check_srun_rendezvous(cfg)
+            launcher.check_srun_rendezvous(cfg, env["rank"])
         return worker(cfg, RankPlace(rank=env["rank"], local_rank=env["local_rank"], world=env["world_size"],
                                      local_procs=env["local_world_size"], rendezvous=env["rendezvous"]))
     procs = procs_per_node_list(cfg)

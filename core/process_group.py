@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from core.distributed import DistContext
 from core.errors import ConfigError
-from core.roll_call import Meeting, TimedStore, not_met, roll_call
+from core.roll_call import not_met, roll_call
+from core.store_call import StoreCall, TimedStore
 
-STORE_SILENT_S = 60  # a roll call's store call unanswered this long (or dist.timeout_s if less): the link is down
+STORE_SILENT_S = 60  # a store call unanswered this long (or dist.timeout_s if less): the link is down
 
 
 def pick_device_type(device: str) -> str:
@@ -55,24 +56,30 @@ def init(cfg, rank: int, world_size: int, local_rank: int, rendezvous: Optional[
         else:
             rendezvous = f"tcp://{d.master_addr or '127.0.0.1'}:{d.master_port}"
     try:
-        while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, given_up),
-                      lambda seconds: waiting(seconds, rendezvous), device, min(d.timeout_s, STORE_SILENT_S))
+        while_waiting(lambda given_up: join_group(backend, rendezvous, rank, world_size, cfg, device, given_up),
+                      lambda seconds: waiting(seconds, rendezvous))
     except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise not_met(d, rank, world_size, rendezvous, e) from None
     return DistContext(rank, world_size, local_rank, device, backend, rendezvous)
 
 
-def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, given_up: threading.Event) -> None:
+def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, device: torch.device,
+               given_up: threading.Event) -> None:
     """The process group. Over tcp:// or a file:// the ranks first answer a roll call in the store (roll_call.py), since
     the store counts arrivals only: nodes that count the ranks differently would meet, then wait at the first
     collective. `given_up`: set when this rank stops waiting (while_waiting)."""
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    silent_s = min(cfg.dist.timeout_s, STORE_SILENT_S)
     address = urlparse(rendezvous)
-    if address.scheme == "tcp":
+    tcp = address.scheme == "tcp"
+    where, host = (f"{address.hostname}:{address.port}", "node 0") if tcp else (rendezvous, "a disk")
+    if tcp:
         if rank != 0:
             wait_for_store_host(address.hostname, address.port, cfg.dist.timeout_s, given_up)
-        store = dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False, multi_tenant=True)
+        # (what took the connection may never answer: a frozen rank 0, whose kernel still accepts, or another program)
+        store = StoreCall(lambda: dist.TCPStore(address.hostname, address.port, is_master=rank == 0, timeout=timeout,
+                                                wait_for_workers=False, multi_tenant=True),
+                          "connect", where, host).result(silent_s)
     elif address.scheme == "file":
         # as init_method="file://..." makes it: the file is removed once world_size clients have closed it
         store = dist.FileStore(address.path, world_size)
@@ -80,8 +87,17 @@ def join_group(backend: str, rendezvous: str, rank: int, world_size: int, cfg, g
     else:  # torchrun's env:// (its agents agreed on the world)
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
         return
-    roll_call(TimedStore(store, given_up) if address.scheme == "tcp" else store, rank, world_size, cfg, given_up,
-              rendezvous)
+    roll_call(TimedStore(store, silent_s, where, host) if tcp else store, rank, world_size, cfg, given_up, rendezvous)
+    # torch gives up on the group's store calls (in C++, not timed) after dist.timeout_s: unanswered a store call's
+    # time more, the store's host, or the link to it, is down
+    StoreCall(lambda: form_group(backend, store, rank, world_size, timeout, device), "init_process_group", where,
+              host).result(cfg.dist.timeout_s + silent_s)
+
+
+def form_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
+               device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (the current GPU is the thread's own)
     # the prefix init_method="tcp://..." or "file://..." would give the group's keys
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -102,19 +118,16 @@ def wait_for_store_host(host: str, port: int, timeout_s: float, given_up: thread
         time.sleep(0.2)
 
 
-def while_waiting(join: Callable[[Meeting], None], waiting: Callable[[float], None], device: torch.device,
-                  silent_limit_s: float = STORE_SILENT_S) -> None:
+def while_waiting(join: Callable[[threading.Event], None], waiting: Callable[[float], None]) -> None:
     """join(given_up) in a thread of its own, calling waiting(seconds) every half second from this one: in C++, the
     wait for the other ranks would hold off a signal's handler (Ctrl-C) until it ended, up to dist.timeout_s later.
     If waiting raises, given_up is set: the roll call's polling ends, and with it the store rank 0 hosts (left
     running at exit, its thread aborts the process: "terminate called without an active exception")."""
     failed: list = []
-    given_up = Meeting()
+    given_up = threading.Event()
 
     def run():
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # (the current GPU is the thread's own)
             join(given_up)
         except BaseException as e:
             failed.append(e)
@@ -125,10 +138,6 @@ def while_waiting(join: Callable[[Meeting], None], waiting: Callable[[float], No
             thread.join(0.5)
             if thread.is_alive():
                 waiting(time.monotonic() - start)
-                since = given_up.call_since
-                if since is not None and time.monotonic() - since > silent_limit_s:
-                    raise dist.DistNetworkError(f"the rendezvous store did not answer a call for {silent_limit_s:g} s: "
-                                                "its host (node 0), or the network to it, is down")
     except BaseException:
         given_up.set()
         thread.join(0.5)  # (a rank blocked in the store's C++ wait stays blocked: a daemon thread, ended with us)

@@ -23,34 +23,6 @@ from core.launch_env import launcher_env
 from core.process_end import alive
 
 
-class Meeting(threading.Event):
-    """Set when this rank stops waiting (given_up); `call_since`: when the roll call's store call now running began,
-    else None (process_group.while_waiting gives up on a call that never returns)."""
-
-    def __init__(self):
-        super().__init__()
-        self.call_since: Optional[float] = None
-
-
-class TimedStore:
-    """A TCPStore whose calls note when they began in `meeting`: with the link to rank 0's host cut, TCPStore's check
-    and get wait for ever (no reply, no error), and the roll call's own deadlines are never looked at again."""
-
-    def __init__(self, store, meeting: Meeting):
-        self.store, self.meeting = store, meeting
-
-    def __getattr__(self, name: str):
-        method = getattr(self.store, name)
-
-        def timed(*args):
-            self.meeting.call_since = time.monotonic()
-            try:
-                return method(*args)
-            finally:
-                self.meeting.call_since = None
-        return timed
-
-
 def roll_call(store, rank: int, world_size: int, cfg, given_up: threading.Event, rendezvous: str) -> None:
     """Each rank posts how it counts the ranks and claims its own; rank 0 then gives its verdict: "ok" once every
     other rank answered with its count, else the first mismatch or the ranks missing at dist.timeout_s, which every

@@ -15,7 +15,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR, first_line, warn_on_stderr
+from core.store_call import StoreCall
 from resilience.faults import HOST, progress, report
+
+STORE_HOST = "rank 0, or torchrun's agent"  # who hosts the rendezvous store, said when it does not answer
 
 
 class Watchdog:
@@ -27,7 +30,7 @@ class Watchdog:
 
     def __init__(self, store, ctx, timeout: float, log_path: str, op_timeout: float = 10.0):
         self.store, self.ctx, self.timeout, self.log_path = store, ctx, timeout, log_path
-        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls (Call) before giving up
+        self.op_timeout = op_timeout  # how long the thread waits for one beat's store calls before giving up
         self.interval = min(1.0, timeout / 4)
         self.beat = 0
         self.seen: dict[int, tuple] = {}  # rank -> (beat, ticks, t_beat_changed, t_ticks_changed)
@@ -49,10 +52,14 @@ class Watchdog:
         return w
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see Call)."""
+        """Stop the thread and wait for it (a store call it made may stay behind, blocked: see StoreCall)."""
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
+
+    def ask(self, fn, what: str, timeout_s: Optional[float] = None):
+        """fn()'s value, calls to the store, given up after op_timeout (a frozen store host never answers)."""
+        return StoreCall(fn, what, self.ctx.rendezvous, STORE_HOST).result(timeout_s or self.op_timeout)
 
     # ---- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -60,7 +67,7 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 if call is None or not call.is_alive():  # (else it is still waiting for the store: wait more)
-                    call = Call(self._beat_once)
+                    call = StoreCall(self._beat_once, "a heartbeat", self.ctx.rendezvous, STORE_HOST)
                 verdict = call.result(self.op_timeout)
                 self.unreachable_since = None
                 if self.peer_failure is not None:
@@ -116,12 +123,11 @@ class Watchdog:
             # Beats come once an interval, so ranks that fell silent together (a node) cross the timeout up to an
             # interval apart: name every rank that has missed nearly as many beats, not only the first one.
             frozen = [r for r in ranks if silent[r] > self.timeout - self.interval]
-            live = [r for r in ranks if r not in frozen]
             on = ", ".join(sorted({hosts[r] for r in frozen}))
-            now_at = f"; rank {live[0]} is at step {steps[live[0]]}" if live else ""
-            return (f"{ranks_text(frozen)} on {on} stopped responding at step {steps[frozen[0]]} (their last "
-                    f"heartbeat{now_at}; none for {self.timeout:g} s: frozen or dead); see logs/rank*.log for the "
-                    f"others' stacks")
+            # (their step is that of their last heartbeat, which may be many steps behind where they froze)
+            return (f"{ranks_text(frozen)} on {on} stopped responding (last heard at step {steps[frozen[0]]}, "
+                    f"{silent[frozen[0]]:.0f} s ago: frozen or dead; rank {self.ctx.rank} is {progress.where()}); "
+                    "see logs/rank*.log for the others' stacks")
         if len(ranks) > 1 and all(phases[r] in ("train", "eval") for r in ranks) and \
                 all(now - self.seen[r][3] > self.timeout for r in ranks):
             behind = [r for r in ranks if steps[r] == min(steps.values())]
@@ -147,11 +153,21 @@ class Watchdog:
     def _close_before_exit(self) -> None:
         """before_exit() (rank 0's trackers closed marked failed, as after a crash, not left RUNNING), waited for at
         most a store call's time: a tracker's server that does not answer does not keep this rank."""
-        if self.before_exit is not None:
+        if self.before_exit is None:
+            return
+        failed: list = []
+
+        def close():
             try:
-                Call(self.before_exit).result(self.op_timeout)
+                self.before_exit()
             except Exception as e:  # (said, and this rank leaves all the same: the run's own line comes next)
-                warn_on_stderr(f"rank {self.ctx.rank} on {HOST}: the trackers were not closed ({first_line(e)})")
+                failed.append(first_line(e))
+        closing = threading.Thread(target=close, name="close-trackers", daemon=True)
+        closing.start()
+        closing.join(self.op_timeout)
+        if failed or closing.is_alive():
+            why = failed[0] if failed else f"no answer within {self.op_timeout:g} s"
+            warn_on_stderr(f"rank {self.ctx.rank} on {HOST}: the trackers were not closed ({why})")
 
     # ---- a rank's user error: one line, every rank leaves -------------------------------------------------
     def first_failure(self, line: str) -> str:
@@ -159,7 +175,7 @@ class Watchdog:
         ranks' watchdogs, unless a rank did first. Returns the first line, the cause, for every rank to say."""
         self.stop()
         try:
-            return Call(lambda: self.store.compare_set("failed", "", line)).result(self.op_timeout).decode()
+            return self.ask(lambda: self.store.compare_set("failed", "", line), "compare_set").decode()
         except Exception:  # the store is gone (its host left): the peers fail at their next collective
             return line
 
@@ -167,10 +183,10 @@ class Watchdog:
         """Count this rank as leaving, then wait until every rank does (at most two beats and a store call's
         time): no rank ends (its connections, or the store it hosts) while a peer still waits on it."""
         try:
-            Call(lambda: self.store.add("left", 1)).result(self.op_timeout)
+            self.ask(lambda: self.store.add("left", 1), "add")
             deadline = time.monotonic() + 2 * self.interval + self.op_timeout
             while time.monotonic() < deadline and \
-                    Call(lambda: self.store.add("left", 0)).result(self.op_timeout) < self.ctx.world_size:
+                    self.ask(lambda: self.store.add("left", 0), "add") < self.ctx.world_size:
                 time.sleep(0.05)
             if self.ctx.rank == 0:  # it hosts the store: the others' last look at it comes first
                 time.sleep(0.2)
@@ -193,7 +209,7 @@ class Watchdog:
         words of several ranks are printed once)."""
         try:
             key = "said/" + hashlib.sha1(line.encode()).hexdigest()
-            return Call(lambda: self.store.add(key, 1)).result(10.0) == 1
+            return self.ask(lambda: self.store.add(key, 1), "add", 10.0) == 1
         except Exception:  # the store is gone or frozen with its host: better said twice than never
             return True
 
@@ -212,9 +228,9 @@ class Watchdog:
         None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
+            before = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
             time.sleep(3 * self.interval + 0.5)
-            after = [v.split()[0] for v in Call(lambda: self.store.multi_get(keys)).result(self.op_timeout)]
+            after = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
         except Exception:
             return None
         return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
@@ -223,30 +239,6 @@ class Watchdog:
 def ranks_text(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-class Call(threading.Thread):
-    """fn() in a daemon thread of its own, so that the caller can stop waiting for it: a frozen store host keeps its
-    connections open and never answers, and TCPStore's get, check, multi_get and add then wait for ever."""
-
-    def __init__(self, fn):
-        super().__init__(name="store-call", daemon=True)
-        self.fn, self.value, self.error = fn, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except Exception as e:
-            self.error = e
-
-    def result(self, timeout: float):
-        self.join(timeout)
-        if self.is_alive():
-            raise TimeoutError(f"no answer in {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def open_store(ctx, op_timeout: float):
@@ -259,8 +251,10 @@ def open_store(ctx, op_timeout: float):
         address = (u.hostname, u.port)
     elif ctx.rendezvous == "env://":
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    if address is not None:
-        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
+    if address is not None:  # (a frozen store host, or a cut link, never answers the connect either)
+        store = StoreCall(lambda: dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout,
+                                                wait_for_workers=False), "connect", ctx.rendezvous, STORE_HOST
+                          ).result(op_timeout)
     else:  # file:// rendezvous: the process group's own FileStore (files do not freeze with a process)
         store = c10d._get_default_store()
     # Under torchrun a restart (allowed only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) gets a new store.

@@ -22,7 +22,7 @@ import tempfile
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
-from typing import Callable
+from typing import Callable, Optional
 
 from core import process_end
 from core.atomic_write import write_beside
@@ -325,11 +325,13 @@ def check_rendezvous(cfg: Config, world: int) -> None:
         check_port_free(cfg)
 
 
-def check_srun_rendezvous(cfg: Config) -> None:
+def check_srun_rendezvous(cfg: Config, rank: int) -> None:
     """Under srun, every rank of every node started at once: the address alone is checked before they meet (a port
-    or a rendezvous file may already be their own, rank 0's)."""
+    or a rendezvous file may already be their own, rank 0's), and by rank 0 that it is its own."""
     if cfg.dist.strategy not in ("none", "dp") and cfg.dist.init_method == "tcp":
         check_master_addr(cfg)
+        if rank == 0 and bind_error(cfg.dist.master_addr or "127.0.0.1", 0) == errno.EADDRNOTAVAIL:
+            raise not_node_0(cfg)
 
 
 def check_rendezvous_file(cfg: Config) -> None:
@@ -367,19 +369,35 @@ def check_master_addr(cfg: Config) -> None:
 
 def check_port_free(cfg: Config) -> None:
     """Node 0 hosts the rendezvous on master_addr:master_port. If another program (often another run) holds the
-    port, say so before starting, with the fix."""
+    port, or master_addr is another machine's (node 0's ranks would wait dist.timeout_s for it), say so before
+    starting, with the fix."""
     d = cfg.dist
-    if d.node_rank == 0 and port_in_use(d.master_addr or "127.0.0.1", d.master_port):
+    problem = bind_error(d.master_addr or "127.0.0.1", d.master_port) if d.node_rank == 0 else None
+    if problem == errno.EADDRNOTAVAIL:
+        raise not_node_0(cfg)
+    if problem == errno.EADDRINUSE:
         raise UserError(f"dist.master_port {d.master_port} is already in use on this machine (another run?); pick a "
                         f"free one, e.g. --set dist.master_port={d.master_port + 1}")
 
 
+def not_node_0(cfg: Config) -> UserError:
+    return UserError(f"dist.master_addr {cfg.dist.master_addr!r} is not an address of this machine ({HOST}), node 0, "
+                     "which hosts the rendezvous there; set it to one of node 0's addresses, as the other nodes reach "
+                     "it")
+
+
 def port_in_use(host: str, port: int) -> bool:
-    """Another program holds host:port here. (EADDRNOTAVAIL: host names another machine; nothing to check.)"""
+    """Another program holds host:port here."""
+    return bind_error(host, port) == errno.EADDRINUSE
+
+
+def bind_error(host: str, port: int) -> Optional[int]:
+    """The errno of binding host:port here, or None: EADDRINUSE (another program holds it), EADDRNOTAVAIL (host
+    is another machine's address)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
+            return e.errno
+    return None

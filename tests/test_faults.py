@@ -185,6 +185,34 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(tmp_path):
+    """At master_addr:master_port something accepts connections and never answers: another program, or rank 0's
+    process frozen (the kernel still accepts). Rank 1's TCPStore waited for its first answer for ever, whatever
+    dist.timeout_s (still waiting a minute later); now the line after dist.timeout_s."""
+    from core import process_group
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 2, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        raised = []
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(10)
+        assert not joining.is_alive(), "rank 1 still waits for an answer 10 s later"
+    store_calls_end()
+    assert isinstance(raised[0], errors.UserError) and re.match(
+        rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=2 \(DistNetworkError: "
+        r"the rendezvous store did not answer a call for 2 s: its host \(node 0\), or the network to it, is down "
+        rf"\(connect at 127.0.0.1:{port}, ", str(raised[0])), raised
+
 @pytest.mark.slow
 def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tmp_path):
     """The link to node 0 cut while rank 1 waited in the roll call (two nodes in network namespaces): TCPStore's check
@@ -216,10 +244,54 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
         assert isinstance(raised[0], errors.UserError) and re.match(
             rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
             r"\(DistNetworkError: the rendezvous store did not answer a call for 3 s: its host \(node 0\), or the "
-            r"network to it, is down\); start all 2 nodes", str(raised[0])), raised
+            rf"network to it, is down \((check|get) at 127.0.0.1:{port}, from {re.escape(socket.gethostname())}\)\); "
+            r"start all 2 nodes", str(raised[0])), raised
     finally:
         host.kill()
+        store_calls_end()
 
+
+@pytest.mark.slow
+def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(tmp_path):
+    """The roll call passed (rank 0's claim and verdict are in the store), then the store's host froze while rank 1
+    formed the group in init_process_group: its store calls, in C++, were not timed, and rank 1 waited until TCP
+    gave up (a cut link) or for ever (a frozen host). Now the same line as in the roll call, naming the call."""
+    from core import process_group, roll_call
+    from datetime import timedelta
+    port = free_port()
+    host = store_host(port)
+    try:
+        cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
+                                          "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
+        client.set("trainer-roll/rank/0", json.dumps(roll_call.roll_call_entry(cfg, 2)))
+        client.set("trainer-roll/verdict", "ok")
+        frozen, raised = [], []
+
+        def waiting(seconds, where):  # rank 1 waits in init_process_group for rank 0's address: freeze the host
+            if seconds > 0.6 and not frozen:
+                host.send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        def join():
+            try:
+                process_group.init(cfg, 1, 2, 0, waiting=waiting)
+            except Exception as e:
+                raised.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        joining.join(20)
+        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        # (torch gives up on its own calls after dist.timeout_s: unanswered a store call's time more, the host is down)
+        assert frozen and time.monotonic() - frozen[0] < 3 + 3 + 1.5
+        assert isinstance(raised[0], errors.UserError) and re.match(
+            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
+            r"\(DistNetworkError: the rendezvous store did not answer a call for 6 s: its host \(node 0\), or the "
+            rf"network to it, is down \(init_process_group at 127.0.0.1:{port}, from "
+            rf"{re.escape(socket.gethostname())}\)\); start all 2 nodes", str(raised[0])), raised
+    finally:
+        host.kill()
+        store_calls_end()
 
 def test_a_node_that_never_comes_is_named_in_one_line_that_every_rank_says_alike(tmp_path):
     """Node 1 of [2, 2] never came: node 0's rank 0 said `2 of 4 ranks arrived`, not which; its rank 1 said
@@ -482,8 +554,8 @@ def test_frozen_rank_is_named_by_the_watchdog_and_others_dump_stacks(tmp_path):
     # The timeout, a beat interval, 2 s for the others to read the verdict, the launcher's 2 s of grace, exits
     assert time.monotonic() - t0 < 3 + 7
     assert code == errors.EXIT_CRASH
-    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding at step \d+ \(their last "
-                    rf"heartbeat; rank 0 is at step \d+; none for 3 s", stderr), stderr
+    assert re.match(rf"hang detected by the watchdog: rank 1 on {HOST} stopped responding \(last heard at step \d+, "
+                    r"[34] s ago: frozen or dead; rank 0 is (at|evaluating at|saving) step \d+\)", stderr), stderr
     with open(out / "logs" / "rank0.log") as f:
         log0 = f.read()
     # Rank 0 waits in whichever collective of the loop comes next (train_step's, the log window's in log_train):
@@ -584,6 +656,28 @@ def test_a_master_addr_that_does_not_resolve_under_srun_is_one_line_at_once(tmp_
     err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: dist.master_addr 'no-such-node.invalid' "), err
     assert "does not resolve" in err, err
+
+
+def test_node_0_given_another_machines_address_is_one_line_at_once(tmp_path, capfd, monkeypatch):
+    """dist.master_addr of node 0 (ours, then srun's rank 0) names another machine: its store listened here while its
+    ranks connected there, waiting dist.timeout_s behind C++ stack frames. Node 0 can tell: the address is none of
+    its own (bind: EADDRNOTAVAIL). 192.0.2.1 is TEST-NET-1, no machine's."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(k)
+    line = (f"error: dist.master_addr '192.0.2.1' is not an address of this machine ({socket.gethostname()}), node 0, "
+            "which hosts the rendezvous there; set it to one of node 0's addresses, as the other nodes reach it")
+    for srun in (False, True):
+        if srun:
+            for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}.items():
+                monkeypatch.setenv(k, v)
+        cfg = make_config(tmp_path / f"run{srun}", dist={"strategy": "ddp", "master_addr": "192.0.2.1", "timeout_s": 3,
+                                                         **({} if srun else {"nodes": 2, "procs_per_node": 1})},
+                          train={"max_steps": 1})
+        started = time.monotonic()
+        assert main.run(cfg) == errors.EXIT_USER_ERROR
+        assert time.monotonic() - started < 2
+        assert capfd.readouterr().err.strip() == line
 
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
@@ -918,6 +1012,8 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     store, clock = DictStore(), [0.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
     w = heartbeat.Watchdog(store, SimpleNamespace(rank=0, world_size=3), timeout=4, log_path="/dev/null")
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    monkeypatch.setattr(faults.progress, "step", 7)  # (rank 0's own, as its heartbeat says)
     beats = {0: 0, 1: 0, 2: 0}
     verdict = None
     while verdict is None and clock[0] < 20:
@@ -927,9 +1023,9 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
             store[f"hb/{r}"] = f"{beats[r]} {beats[r]} {beats[r]} train host{r}"
         verdict = w._check([0, 1, 2])
         clock[0] += w.interval
-    assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding at step 2 "), \
-        verdict
-    assert "rank 0 is at step 7;" in verdict  # where the run is, beside where the silent ranks were
+    assert verdict is not None and verdict.startswith("ranks 1, 2 on host1, host2 stopped responding (last heard at "
+                                                      "step 2, "), verdict
+    assert "rank 0 is at step 7)" in verdict  # where the run is, beside where the silent ranks were
 
 
 def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
@@ -946,8 +1042,42 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
         verdict = w._check([0, 1])
         clock[0] += w.interval
     assert 4 < clock[0] - w.interval <= 4 + w.interval, clock[0]  # (the clock moved on after the verdict)
-    assert verdict.startswith("rank 1 on a host it never named stopped responding at step 0"), verdict
+    assert verdict.startswith("rank 1 on a host it never named stopped responding (last heard at step 0, "), verdict
 
+
+def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_is(monkeypatch):
+    """Rank 1 watches rank 0, whose last heartbeat said step 5; rank 1 trained on to step 40. The line said `rank 0
+    ... stopped responding at step 5 (their last heartbeat; none for 4 s ...)`: no word of where the run was, and a
+    step that reads as where rank 0 froze. Now when rank 0 was last heard, and the step of the rank that says so."""
+    from types import SimpleNamespace
+
+    store, clock = DictStore(), [0.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(faults.progress, "step", 40)
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    w = heartbeat.Watchdog(store, SimpleNamespace(rank=1, world_size=2), timeout=4, log_path="/dev/null")
+    store["hb/0"] = "9 9 5 train host0"
+    verdict = None
+    while verdict is None and clock[0] < 20:
+        verdict = w._check([0])
+        clock[0] += w.interval
+    assert verdict == ("rank 0 on host0 stopped responding (last heard at step 5, 5 s ago: frozen or dead; rank 1 is "
+                       "at step 40); see logs/rank*.log for the others' stacks"), verdict
+
+def test_the_watchdogs_own_connection_to_a_store_that_never_answers_gives_up(tmp_path):
+    """The watchdog opens a store connection of its own as training starts: a store host frozen (or a link cut) just
+    then held the rank in TCPStore's connect for ever, before its watchdog could say anything."""
+    from types import SimpleNamespace
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match=rf"did not answer a call for 1 s: its host \(rank 0, or "
+                                                        rf"torchrun's agent\).*\(connect at tcp://127.0.0.1:{port}, "):
+            heartbeat.open_store(SimpleNamespace(rendezvous=f"tcp://127.0.0.1:{port}"), op_timeout=1.0)
+        assert time.monotonic() - started < 2
+    store_calls_end()
 
 def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
@@ -979,6 +1109,7 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1.5  # the timeout, the call that found out, a beat
     finally:
         host.kill()
+        store_calls_end()
 
 
 # ==============================================================================================================
@@ -1150,6 +1281,14 @@ def test_a_stop_signal_after_the_ranks_are_gone_does_not_kill_main_py(tmp_path, 
         s.close()
         assert signal.getsignal(signal.SIGTERM) == expected
         signal.signal(signal.SIGTERM, before)
+
+
+def store_calls_end(timeout: float = 10.0) -> None:
+    """Wait for the store calls a test left waiting (StoreCall's threads) to fail, once their store is gone: their C++
+    warnings would land in a later test's captured stderr."""
+    deadline = time.monotonic() + timeout
+    for t in [t for t in threading.enumerate() if t.name == "store-call"]:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def store_host(port: int) -> subprocess.Popen:
