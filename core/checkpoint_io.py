@@ -124,11 +124,11 @@ def _files_problem(path: str, secret: Optional[bytes],
 
 
 @contextlib.contextmanager
-def fits_model(path: str, cfg=None, meta: Optional[dict] = None):
+def fits_model(path: str, cfg, meta: dict):
     """Wrap the loading of `path` into this run's model (and optimizer): if the checkpoint was made for another
     model (a changed model.* setting, another preset or task), fail in one line that names the checkpoint, the
     first mismatch, and the settings that differ from the run that saved it, instead of PyTorch's long list.
-    `meta`: its meta.json as already read (None: read here)."""
+    `meta`: its meta.json as verified."""
     try:
         yield
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
@@ -148,7 +148,7 @@ def fits_model(path: str, cfg=None, meta: Optional[dict] = None):
         details = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[:1]
         what = (details[0] if details else type(cause).__name__)[:160]
         more = f" (+{len(details) - 1} more)" if len(details) > 1 else ""
-        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(path, cfg, meta)}") \
+        raise CheckpointError(f"{path}: does not fit this model: {what}{more}{_settings_changed(cfg, meta)}") \
             from None
 
 
@@ -169,15 +169,12 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, saved: Optional
     changes += [f"{key} {was[key]} -> {now[key]}" for key in sorted(now) if key in was and was[key] != now[key]]
 
 
-def _settings_changed(path: str, cfg, meta: Optional[dict]) -> str:
+def _settings_changed(cfg, meta: dict) -> str:
     """'; saved with model.hidden=128 (now 64)': the task and model.* settings that differ from the saving run
-    (`meta`: its meta.json as read, else read here)."""
+    (`meta`: its meta.json as verified; {} where none could be read)."""
     if cfg is None:
         return ""
-    try:
-        saved = (read_meta(path) if meta is None else meta).get("config")
-    except CheckpointError:  # no (readable) meta.json: nothing to compare with
-        return ""
+    saved = meta.get("config")
     diffs = differences(saved if isinstance(saved, dict) else {}, cfg.to_dict(), ("task", "model"))
     return f"; it was saved with {', '.join(diffs)}" if diffs else ""
 
@@ -270,8 +267,8 @@ def recorded_label_names(path: str, meta: dict) -> Optional[list[str]]:
     return saved
 
 
-def load_state(model: torch.nn.Module, state: dict, path: str, meta: Optional[dict] = None) -> None:
-    """load_state_dict; under LoRA, after checking the base (meta.json; `meta`: as read, else read here) and that
+def load_state(model: torch.nn.Module, state: dict, path: str, meta: dict) -> None:
+    """load_state_dict; under LoRA, after checking the base (`meta`: meta.json as verified) and that
     `state` holds exactly the entries that train, it loads them over the base's weights (non-strictly: the base is
     not in the file)."""
     if not trains_part(model):
@@ -287,10 +284,10 @@ def load_state(model: torch.nn.Module, state: dict, path: str, meta: Optional[di
     model.load_state_dict(state, strict=False)
 
 
-def check_lora_checkpoint(model: torch.nn.Module, path: str, meta: Optional[dict] = None) -> None:
+def check_lora_checkpoint(model: torch.nn.Module, path: str, meta: dict) -> None:
     """A checkpoint's adapters are read onto the base they were trained on: the same weights (by hash; the folder
-    may have moved), else one line naming both. `meta`: meta.json as read, else read here."""
-    saved, now = (read_meta(path) if meta is None else meta).get("lora_base"), model.lora_base
+    may have moved), else one line naming both. `meta`: meta.json as verified."""
+    saved, now = meta.get("lora_base"), model.lora_base
     if not isinstance(saved, dict) or not isinstance(saved.get("sha256"), str):
         raise CheckpointError(f"{path}: holds no LoRA base reference (meta.json `lora_base`): it was not written by a "
                               "LoRA run; use it with model.lora_rank: 0")
@@ -312,11 +309,11 @@ def model_state_dict(path: str) -> dict:
 
 # ---- from one strategy's checkpoint to another's: parameters and optimizer state by whole-model name ----------
 # Replicated strategies index the optimizer's state 0, 1, ...; pipe keys it by name: names bridge the two.
-def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, meta: dict) -> None:
     """A checkpoint of any strategy into a whole (replicated) model and its optimizer: model.pt and optimizer.pt,
     or pipe's and fsdp's DCP folders of shards keyed by whole-model names, assembled here in every rank; the
-    optimizer state is then matched to this optimizer's parameters by name."""
-    load_state(model, model_state_dict(directory), directory)
+    optimizer state is then matched to this optimizer's parameters by name. `meta`: its meta.json as verified."""
+    load_state(model, model_state_dict(directory), directory, meta)
     if not os.path.isdir(os.path.join(directory, "optimizer_dcp")):
         optimizer.load_state_dict(load_file(directory, "optimizer.pt"))
     else:

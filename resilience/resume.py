@@ -200,7 +200,7 @@ def load(trainer, path: str) -> dict:
     changed = []  # the optimizer's hyperparameters that differ from the saved run's; this run's apply
     with checkpoint_io.fits_model(path, trainer.cfg, meta), \
             checkpoint_io.configured_hyperparameters(strategy.optimizer, meta.get("optimizer"), changed):
-        strategy.load(path)
+        strategy.load(path, meta)
     check_same_run(trainer, path, meta)
     state.sample_in_epoch = min(state.sample_in_epoch, trainer.sampler.n)  # a smaller training set (resume_changed)
     saved_batch = sum(meta.get("batch_sizes") or [trainer.sampler.global_batch])  # per micro-step, over all ranks

@@ -125,7 +125,8 @@ class Strategy:
         self.save(directory)
         return lambda: None
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, meta: dict) -> None:
         """Reads a checkpoint of any strategy into this rank's part of the model and optimizer (each strategy's own:
-        core/checkpoint_io.py reads the files)."""
+        core/checkpoint_io.py reads the files). `meta`: its meta.json as rank 0 verified it (resume.verified_meta):
+        what the checks read, never a rank's own read of meta.json."""
         raise NotImplementedError

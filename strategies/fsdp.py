@@ -19,7 +19,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from core import checkpoint_io
 from core.checkpoint_dcp import dcp_load
 from core.checkpoint_io import load_file
-from core.checkpoint_meta import read as read_meta
 from core.distributed import DistContext
 from core.errors import CheckpointError
 from strategies import mesh as meshes
@@ -96,14 +95,14 @@ class FSDPStrategy(Strategy):
                                            (optim_sd, "optimizer_dcp", self.save_groups[1]))]
         return lambda: [f.result() for f in futures]
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, meta: dict) -> None:
         # Load into this run's sharding (the world size may differ from the one that saved): DCP reads just
         # the pieces each rank's shards need. pipe's folders hold the same names (each stage's tensors).
         if os.path.isfile(os.path.join(directory, "model.pt")):  # none/dp/ddp/oss wrote it
-            return self.load_full(directory)
+            return self.load_full(directory, meta)
         need_dcp_folders(directory, "fsdp", "pipe")
         if trains_part(self.raw_model):
-            checkpoint_io.check_lora_checkpoint(self.raw_model, directory)
+            checkpoint_io.check_lora_checkpoint(self.raw_model, directory, meta)
         model_sd, optim_sd = self.state_dicts()
         # dcp_load, not dcp.load: DCP's own unpickling could run a crafted checkpoint's code (checkpoint_dcp.py).
         swaps = []
@@ -132,14 +131,14 @@ class FSDPStrategy(Strategy):
         part = trains_part(self.raw_model)
         return StateDictOptions(ignore_frozen_params=part, strict=not part)
 
-    def load_full(self, directory: str) -> None:
+    def load_full(self, directory: str, meta: dict) -> None:
         """A replicated strategy's model.pt and optimizer.pt: every rank reads them whole and keeps its shard of
         each tensor, cut locally (checkpoint_io.shard_like, no communication; the host holds the whole model
         meanwhile, as when it was built). The optimizer state is matched to the parameters by name."""
         mine = self.raw_model.state_dict()
         whole = checkpoint_io.load_file(directory, "model.pt")
         checkpoint_io.load_state(self.raw_model, {k: checkpoint_io.shard_like(v, mine[k]) if k in mine else v
-                                                  for k, v in whole.items()}, directory)
+                                                  for k, v in whole.items()}, directory, meta)
         by_name = checkpoint_io.optimizer_state_by_name(directory, checkpoint_io.replicated_order(self.raw_model))
         checkpoint_io.load_optimizer_by_name(self.optimizer, by_name, checkpoint_io.parameter_names(self.raw_model),
                                              directory)
@@ -162,8 +161,8 @@ class FairscaleFSDPStrategy(Strategy):
             torch.save(full, os.path.join(directory, "model.pt"))
         torch.save(self.optimizer.state_dict(), os.path.join(directory, f"optimizer-rank{self.ctx.rank}.pt"))
 
-    def load(self, directory: str) -> None:
-        saved = read_meta(directory).get("world_size")
+    def load(self, directory: str, meta: dict) -> None:
+        saved = meta.get("world_size")
         if saved != self.ctx.world_size:
             raise CheckpointError(f"{directory}: fairscale FSDP optimizer shards were written by {saved} ranks, "
                                   f"this run has {self.ctx.world_size}; resume with {saved} processes")

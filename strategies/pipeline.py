@@ -390,7 +390,7 @@ class PipeStrategy(Strategy):
         dcp.save({"state": state_in_dcp_boxes(self.optimizer_state()["state"])},
                  checkpoint_id=os.path.join(directory, "optimizer_dcp"))
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, meta: dict) -> None:
         if os.path.isfile(os.path.join(directory, "model.pt")):  # written by none/dp/ddp/oss
             return self.load_replicated(directory)
         need_dcp_folders(directory, "pipe", "fsdp")

@@ -17,9 +17,9 @@ class ReplicatedStrategy(Strategy):
     def start_save(self, directory: str):
         return start_save(self, directory)  # train.async_save: a writer thread
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, meta: dict) -> None:
         """model.pt and optimizer.pt, or a pipe or fsdp checkpoint, into the whole model."""
-        checkpoint_io.load_whole(self.raw_model, self.optimizer, directory)
+        checkpoint_io.load_whole(self.raw_model, self.optimizer, directory, meta)
 
 
 def apply_none(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:

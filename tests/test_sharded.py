@@ -382,6 +382,6 @@ def test_a_sharded_checkpoint_without_its_dcp_folders_is_one_line_under_fsdp_and
     (tmp_path / "model_dcp" / ".metadata").write_bytes(b"")
     for strategy, name, other in [(FSDPStrategy, "fsdp", "pipe"), (PipeStrategy, "pipe", "fsdp")]:
         with pytest.raises(CheckpointError) as e:
-            strategy.load(None, str(tmp_path))
+            strategy.load(None, str(tmp_path), {})
         assert str(e.value) == (f"{tmp_path}/optimizer_dcp: missing; {name} resumes from checkpoints that {name}, "
                                 f"{other} or a replicated strategy wrote (test mode reads any checkpoint)")
