@@ -1,14 +1,20 @@
 """A week-long run, compressed: what a run keeps for its whole length (or a window of it) must not drift or grow."""
 import csv
+import multiprocessing
 import os
 import shutil
 import tracemalloc
 
+import pytest
 import torch
 
+import main
 from core import checkpoint, trackers
 from core.distributed import DistContext
 from core.run_log import LossWindow
+from resilience import launcher
+
+from conftest import make_config
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 
@@ -68,3 +74,21 @@ def test_a_resumed_metrics_csv_is_copied_row_by_row(tmp_path):
     assert len(rows) == 4 * 9990 + 1 and rows[-2] == {"step": "9990", "tag": "train/ms", "value": repr(9990 / 7)}
     assert rows[-1] == {"step": "9991", "tag": "train/loss", "value": "0.5"}
     assert peak < 2 << 20, f"{peak >> 20} MB to resume a {os.path.getsize(path) >> 20} MB file"
+
+
+def says_how_data_workers_start(cfg, place) -> int:
+    """A rank's worker: writes how a DataLoader there would start its workers (the default start method)."""
+    with open(os.path.join(cfg.output_dir, f"rank{place.rank}.txt"), "w") as f:
+        f.write(multiprocessing.get_context().get_start_method())
+    return 0
+
+
+@pytest.mark.slow
+def test_the_ranks_main_py_starts_start_their_data_workers_as_torchruns_do(tmp_path):
+    # main.py's ranks are spawned, and a spawned process spawns too: each evaluation's data.num_workers started as
+    # fresh interpreters that import everything again (2 ranks, 1 worker: 4.5 s an evaluation, 0.1 s under fork).
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "procs_per_node": 2})
+    places = [main.RankPlace(rank, rank, 2, 2) for rank in range(2)]
+    assert launcher.Supervisor(cfg, places, says_how_data_workers_start).supervise() == 0
+    default = multiprocessing.get_all_start_methods()[0]  # the platform's: a torchrun rank's, a one-process run's
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [default, default]
