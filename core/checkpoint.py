@@ -5,7 +5,7 @@ file is there and on disk (each file, the directories and, after the rename, che
 with `meta.json` written last. So a crash, a power loss or a full disk during a save leaves the previous
 checkpoints untouched, and resume only ever sees complete ones. Pruning removes `meta.json` first, so a kill
 halfway leaves a directory that resume ignores. What interrupted saves and prunes leave behind is removed when the
-next run starts (run_dir.py). Files:
+next run starts (run_dir.py), a prune's failed delete at the next prune too (half_deleted). Files:
     model.pt, optimizer.pt   strategy-dependent (see strategies/base.Strategy.save); model.pt is a plain state dict
     model_dcp/, optimizer_dcp/  fsdp instead: sharded torch.distributed.checkpoint folders (docs/sharded.md)
     state.pt                 scheduler, grad scaler, RNG states of every rank
@@ -236,4 +236,17 @@ def prune(output_dir: str, keep_last: int, keep: set[int]) -> list[int]:
             fsync(path)
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(step)
+    # A delete that failed halfway (a file held open on NFS) is tried again at each prune, not left until the next
+    # run starts (run_dir.clean_stale): a week of saves would keep a checkpoint's disk per failure, without a word.
+    for path in half_deleted(output_dir, below=found[-1][0] if found else 0):
+        shutil.rmtree(path, ignore_errors=True)
     return deleted
+
+
+def half_deleted(output_dir: str, below: int) -> list[str]:
+    """The real `step-N` directories without meta.json under step `below` (the newest complete one): prunes that
+    did not finish. A newer one is not a prune's, and is left alone."""
+    base = root(output_dir)
+    paths = [(STEP_DIR.match(name), os.path.join(base, name)) for name in os.listdir(base)] \
+        if os.path.isdir(base) else []
+    return [path for m, path in paths if m and int(m.group(1)) < below and real_dir(path) and not is_complete(path)]

@@ -156,8 +156,9 @@ class LossWindow:
         self.reset()
 
     def reset(self):
-        self.loss = torch.zeros((), device=self.ctx.device)
-        self.count = torch.zeros((), device=self.ctx.device)
+        # float64: a window may span a whole run (log_every as long as it); float32 sums drift by 1% over 10^6 steps
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        self.count = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         self.samples, self.tokens, self.start = 0, None, time.perf_counter()
 
     def open_at(self, step: int) -> None:
@@ -185,7 +186,7 @@ class LossWindow:
         # One all-reduce for the sums, then one wait for the device (the .tolist() below), which reads the already
         # global count too. Every rank runs the same task, so all of them send tokens, or none.
         counted = [float(self.samples)] + ([float(self.tokens)] if self.tokens is not None else [])
-        counted = torch.tensor(counted, device=self.ctx.device)
+        counted = torch.tensor(counted, dtype=torch.float64, device=self.ctx.device)  # exact past 2^24 samples
         sums = distributed.all_reduce_sum(self.ctx, torch.cat([self.loss.reshape(1), counted]))
         loss, samples, *tokens, count = torch.cat([sums, self.count.reshape(1)]).tolist()
         elapsed = max(time.perf_counter() - self.start, 1e-9)  # after the wait: the device's work is done

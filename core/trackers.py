@@ -24,7 +24,7 @@ import os
 import re
 import stat
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from core import disk_errors, process_end
 from core.atomic_write import write_beside
@@ -224,28 +224,29 @@ class CSV:
 
     def __init__(self, path: str, step: int):
         self.path, self.last_step = path, step
-        kept = self.rows_up_to(path, step) if step and os.path.lexists(path) else []
+        resumed = bool(step) and os.path.lexists(path)
 
         def write(f):
             writer = csv.DictWriter(f, self.FIELDS)
             writer.writeheader()
-            writer.writerows(kept)
+            if resumed:  # row by row: a long run's rows, ten times the file as dicts, are never in memory at once
+                writer.writerows(self.rows_up_to(path, step))
         write_beside(path, write)  # a full disk or a kill halfway leaves the old rows, not a cut file
         with disk_errors.name_unnamed_errors(path):
             self.file = open(path, "a", newline="")
             self.writer = csv.DictWriter(self.file, self.FIELDS)
 
     @staticmethod
-    def rows_up_to(path: str, step: int) -> list[dict]:
-        """The rows of metrics.csv up to `step`, its summary left out; a file that is not ours (a symlink: read
-        from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
+    def rows_up_to(path: str, step: int) -> Iterator[dict]:
+        """The rows of metrics.csv up to `step`, its summary left out, one at a time; a file that is not ours (a
+        symlink: read from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise UserError(f"{path}: not a regular file (a symlink, FIFO or device), which a resumed run does not "
                             "read: move it away (the resumed run starts a new one)")
         try:
             with open(path, newline="") as f:
-                return [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
-                        and not r.get("tag", "").startswith("summary/")]
+                yield from (r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
+                            and not r.get("tag", "").startswith("summary/"))
         except (UnicodeDecodeError, csv.Error) as e:  # not text, or a field over csv's limit
             raise UserError(f"{path}: unreadable ({first_line(e, limit=120)}): move it away (the resumed run starts "
                             "a new one)") from None
