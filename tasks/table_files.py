@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 from collections import Counter
@@ -29,7 +30,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from core.errors import ConfigError, DataError
-from tasks.text_common import json_lines, note, read_utf8
+from tasks.text_common import json_lines, note, read_utf8, utf8_lines
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
 FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
@@ -295,12 +296,17 @@ def tsv_rows(path: str, columns: tuple[str, str]) -> Rows:
 
 
 def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
-    """A JSON lines file's rows: one object per line (blank lines skipped); where: the line."""
-    text = read_utf8(path)
-    if text.lstrip().startswith("["):
+    """A JSON lines file's rows: one object per line (blank lines skipped); where: the line. Read a line at a time."""
+    lines = utf8_lines(path)
+    head = []  # the blank lines before the first value, and that value's line
+    for line in lines:
+        head.append(line)
+        if line.strip():
+            break
+    if head and head[-1].lstrip().startswith("["):
         raise DataError(f"{path}: a JSON array; write JSON lines, one object per line (pandas: "
                         "to_json(path, orient='records', lines=True); datasets: to_json(path))")
-    for line, record in json_lines(path, text):
+    for line, record in json_lines(path, lines=itertools.chain(head, lines)):
         if not isinstance(record, dict):
             raise DataError(f"{path}:{line}: {shown(record)} is not an object; JSON lines hold one object per line")
         need_columns(f"{path}:{line}", list(record), columns)
@@ -364,44 +370,53 @@ TEXT_FILES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".parquet")
 
 
 def read_texts(path: str, text_column: str, own_column: Optional[str] = None) -> list[str]:
+    """text_stream's texts, all of them."""
+    return list(text_stream(path, text_column, own_column))
+
+
+def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:
     """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
     save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
     byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there.
-    own_column: the task's own name for its texts (sst2: `sentence`), read from a file without `text_column`."""
+    One at a time: the text formats are read a line at a time (mode predict's memory is its chunk's, whatever the
+    file's size). own_column: the task's own name for its texts (sst2: `sentence`), read from a file without
+    `text_column`."""
     folder = os.path.isfile(os.path.join(path, "state.json"))
     if not folder and not (os.path.isfile(path) and path.lower().endswith(TEXT_FILES)):
         raise DataError(f"predict.input: {path} is not a file of texts ({', '.join(TEXT_FILES)}) nor a datasets "
                         "save_to_disk folder")
     ext = os.path.splitext(path.lower())[1]
     if ext in (".csv", ".tsv"):
-        return csv_texts(path, text_column, tsv=ext == ".tsv", own_column=own_column)
+        yield from csv_texts(path, text_column, tsv=ext == ".tsv", own_column=own_column)
+        return
     if ext == ".txt":
-        return [line for line in read_utf8(path).split("\n") if line.strip()]  # a bad byte: DataError, file:line
+        yield from (line for line in utf8_lines(path) if line.strip())  # a bad byte: DataError, file:line
+        return
     reader = folder_rows if folder else READERS[ext]  # JSON lines, parquet, a save_to_disk folder: the split's
-    try:  # reader, the text column read as both
-        rows = list(reader(path, (text_column, text_column)))
-    except MissingColumn as e:
+    rows = reader(path, (text_column, text_column))  # reader, the text column read as both
+    try:
+        first = list(itertools.islice(rows, 1))
+    except MissingColumn as e:  # (its first row: the file has no such column)
         if own_column not in e.found:
             raise
-        rows, text_column = list(reader(path, (own_column, own_column))), own_column
-    texts = []
-    for text, _, where in rows:
+        rows, text_column, first = reader(path, (own_column, own_column)), own_column, []
+    for text, _, where in itertools.chain(first, rows):
         text = utf8(text, f"{path}{where}", text_column) if isinstance(text, bytes) else text
         if not isinstance(text, str):
             raise DataError(f"predict.input: {path}{where}: {text_column} is {shown(text)}; every row needs a text")
-        texts.append(text)
-    return texts
+        yield text
 
 
-def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] = None) -> list[str]:
-    text = read_utf8(path)  # a bad byte: a DataError naming the file and line
+def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] = None) -> Iterator[str]:
+    lines = (line + "\n" for line in utf8_lines(path))  # a bad byte: a DataError naming the file and line
     quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
-    records = list(csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv))
-    if not records:
+    records = csv_records(path, csv.reader(lines, strict=True, **quoting), tsv)
+    first = next(records, None)
+    if first is None:
         raise DataError(f"predict.input: {path} is empty")
-    header = records[0][1]
+    header = first[1]
     if len(header) == 1 and any(text_column in header[0].split(s) for s in (",", ";", "\t", "|")):
-        refuse_other_separator(f"{path}:{records[0][0]}", header, (text_column, text_column), tsv)  # (`id;text`)
+        refuse_other_separator(f"{path}:{first[0]}", header, (text_column, text_column), tsv)  # (`id;text`)
     if text_column in header:
         column = header.index(text_column)
     elif own_column in header:
@@ -414,9 +429,9 @@ def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] 
         also = f" nor {own_column!r}" if own_column else ""
         raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column){also} among "
                         f"{', '.join(header)[:80]}")
-    for line, row in records[1:]:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
+    for line, row in records:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
         if len(row) != len(header):
             raise DataError(f"predict.input: {path}:{line}: {len(row)} field{'s' * (len(row) != 1)} but the header "
                             f"has {len(header)} ({','.join(header)[:60]}); " +
                             ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
-    return [row[column] for _, row in records[1:]]
+        yield row[column]

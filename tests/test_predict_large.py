@@ -1,0 +1,70 @@
+"""mode: predict on large and repeated inputs (extras/predict.py): read, predicted and written a chunk at a time
+(memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
+import tracemalloc
+
+import pytest
+
+from conftest import make_config
+import main
+from core import checkpoint_io
+from extras import predict
+
+ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
+                                                                      for i in range(30)]
+WORDS = "great fine lovely day awful bad sad the a film not".split()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A csv_text run trained a few steps; its settings, for mode predict."""
+    root = tmp_path_factory.mktemp("predict_large")
+    (root / "all.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in ROWS))
+    settings = dict(task="csv_text", data={"data_dir": str(root / "all.csv"), "dev_fraction": 0.2},
+                    model={"hidden": 16, "dropout": 0.0},
+                    train={"max_steps": 20, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8,
+                           "lr": 0.05, "eval_batch_size": 16})
+    assert main.run(make_config(root / "run", **settings)) == 0
+    return root, settings
+
+
+def texts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 9)) for i in range(n)]
+
+
+def predicted(root, settings, path, **predict_settings) -> int:
+    return main.run(make_config(root / "run", **settings, mode="predict",
+                                predict={"input": str(path), "top_k": 2, **predict_settings}))
+
+
+def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch):
+    """Predict read every input before the first, and held every row: 300k lines took ~280 MB, 10M ran out of
+    memory. Now a chunk at a time: the rows are those of one chunk (a CSV with a BOM and CRLF, JSON lines, a .txt),
+    and the peak memory of a file 4 times longer is about the same."""
+    root, settings = run
+    lines = texts(300)
+    (root / "new.csv").write_bytes(("\ufefftext,id\r\n" + "".join(f'"{t}",{i}\r\n' for i, t in enumerate(lines)))
+                                   .encode())
+    (root / "new.jsonl").write_text("".join(f'{{"text": "{t}"}}\n' for t in lines))
+    (root / "new.txt").write_text("\n".join(lines))
+    for name in ("new.csv", "new.jsonl", "new.txt"):
+        written = []
+        for chunk in (10 ** 9, 40):  # all in one (as before chunks), then chunks of 32 (2 batches of 16)
+            monkeypatch.setattr(predict, "CHUNK", chunk)
+            assert predicted(root, settings, root / name) == 0
+            written.append((root / "run" / "predictions.csv").read_bytes())
+        assert written[0] == written[1] and written[0].count(b"\n") == 301, name
+        assert written[0].split(b"\n")[1].startswith(lines[0].encode() + b",")
+    monkeypatch.setattr(predict, "CHUNK", 256)
+    load = checkpoint_io.load_verified  # the peak measured from the model loaded on: the inputs' and rows' memory
+    monkeypatch.setattr(checkpoint_io, "load_verified", lambda *a, **k: (load(*a, **k), tracemalloc.reset_peak())[0])
+    peaks = []
+    for n in (1500, 6000):
+        (root / "big.txt").write_text("\n".join(texts(n)))
+        tracemalloc.start()
+        try:
+            assert predicted(root, settings, root / "big.txt") == 0
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
+    assert peaks[1] < peaks[0] * 1.3, peaks
