@@ -1,5 +1,6 @@
 """mode: predict on large and repeated inputs (extras/predict.py): read, predicted and written a chunk at a time
 (memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
+import os
 import tracemalloc
 
 import pytest
@@ -68,3 +69,25 @@ def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch)
             tracemalloc.stop()
         assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
     assert peaks[1] < peaks[0] * 1.3, peaks
+
+
+def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
+    """predictions.csv was replaced without a word; now the closing line says so. Written a chunk at a time, a
+    predict that fails after chunks were written (a bad byte at line 100, a full disk) leaves the earlier
+    predictions.csv whole, and no predictions.csv.tmp."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 32)
+    (root / "few.txt").write_text("a great day\nsuch a sad day\n")
+    assert predicted(root, settings, root / "few.txt") == 0
+    where = root / "run" / "predictions.csv"
+    assert f"wrote {where} (2 rows), replacing the earlier predictions.csv" in capsys.readouterr().out
+    earlier = where.read_bytes()
+    (root / "bad.txt").write_bytes("\n".join(texts(99)).encode() + b"\nbad \xff byte\n" + b"more\n" * 50)
+    assert predicted(root, settings, root / "bad.txt") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {root / 'bad.txt'}:100: not valid UTF-8 (byte 0xff at column 5); the file must be saved "
+                   "as UTF-8"], err
+    assert where.read_bytes() == earlier and not os.path.lexists(f"{where}.tmp")
+    where.unlink()
+    assert predicted(root, settings, root / "few.txt") == 0
+    assert f"wrote {where} (2 rows)\n" in capsys.readouterr().out  # none before: nothing replaced
