@@ -91,3 +91,26 @@ def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_s
     where.unlink()
     assert predicted(root, settings, root / "few.txt") == 0
     assert f"wrote {where} (2 rows)\n" in capsys.readouterr().out  # none before: nothing replaced
+
+
+def test_a_second_predict_on_one_output_dir_is_refused_while_training_is_not(run, capsys):
+    """Two predicts on one output_dir wrote one predictions.csv.tmp: the second deleted the first's, and the first
+    renamed the second's half-written file onto predictions.csv, saying it wrote all its rows. The second is now
+    refused in one line; a predict beside a training run (its own lock) is not."""
+    from resilience.run_dir_lock import hold_output_dir
+    root, settings = run
+    (root / "few.txt").write_text("a great day\nsuch a sad day\n")
+    out = str(root / "run")
+    held = hold_output_dir(out, "predict")  # (this test is the other predict)
+    try:
+        assert predicted(root, settings, root / "few.txt") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: output_dir {out!r} is in use by another predict (pid "
+                                                   f"{os.getpid()} on "), err
+    finally:
+        held.close()
+    training = hold_output_dir(out)
+    try:
+        assert predicted(root, settings, root / "few.txt") == 0
+    finally:
+        training.close()
