@@ -24,6 +24,7 @@ from core.atomic_write import write_beside
 from core.distributed import DistContext
 from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
+from resilience import faults
 from tasks import lora
 from tasks.base import Task
 from trainer import autocast_for
@@ -38,6 +39,7 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     need not be there (task.prepare_inference). The inputs are read, predicted and written a chunk at a time, into
     predictions.csv.tmp, renamed at the end: a predict that fails leaves the earlier predictions.csv whole."""
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
+    faults.progress.phase_starts(0, "predict")  # (a crash's line says so: there is no training step)
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:

@@ -114,3 +114,16 @@ def test_a_second_predict_on_one_output_dir_is_refused_while_training_is_not(run
         assert predicted(root, settings, root / "few.txt") == 0
     finally:
         training.close()
+
+
+def test_a_predict_that_crashes_says_it_was_predicting(run, monkeypatch, capsys):
+    """A crash or Ctrl-C in mode predict said `rank 0 on HOST failed before training (setup)`: there is no training."""
+    root, settings = run
+    (root / "few.txt").write_text("a great day\n")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a loader that breaks")
+    monkeypatch.setattr(predict, "make_loader", broken)
+    assert predicted(root, settings, root / "few.txt") == 1
+    err = capsys.readouterr().err
+    assert " failed while predicting (mode predict): RuntimeError: a loader that breaks" in err, err
