@@ -315,7 +315,13 @@ def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
 
 def parquet_rows(path: str, columns: tuple[str, str]) -> Rows:
     import pyarrow.parquet as pq
-    return table_rows(path, lambda: pq.read_table(path), columns)
+
+    def batches():
+        file = pq.ParquetFile(path)
+        yield file.schema_arrow
+        yield from file.iter_batches(batch_size=256,  # (its default, 65536 rows: many chunks of mode predict's)
+                                     columns=[c for c in dict.fromkeys(columns) if c in file.schema_arrow.names])
+    return table_rows(path, batches, columns)
 
 
 def folder_rows(path: str, columns: tuple[str, str]) -> Rows:
@@ -328,29 +334,38 @@ def folder_rows(path: str, columns: tuple[str, str]) -> Rows:
         raise DataError(f"{state_path}: not the state.json of datasets' save_to_disk (no _data_files list)") \
             from None
 
-    def read():
-        tables = []
-        for file in files:
-            with pa.OSFile(file) as source:  # read into memory: nothing stays mapped to the files
-                tables.append(pa.ipc.open_stream(source).read_all())
-        return pa.concat_tables(tables)
-    return table_rows(path, read, columns)
+    def batches():
+        if not files:
+            yield pa.schema([])
+        for i, file in enumerate(files):
+            with pa.OSFile(file) as source:  # read, not mapped: nothing stays mapped to the files
+                reader = pa.ipc.open_stream(source)
+                if i == 0:
+                    yield reader.schema
+                yield from reader
+    return table_rows(path, batches, columns)
 
 
-def table_rows(path: str, read, columns: tuple[str, str]) -> Rows:
-    """The rows of the Arrow table `read()` returns (where: `[i]`); ClassLabel ids become their names."""
+def table_rows(path: str, batches, columns: tuple[str, str]) -> Rows:
+    """The rows of the Arrow record batches `batches()` yields after their schema (where: `[i]`), a batch at a
+    time; ClassLabel ids become their names."""
     import pyarrow as pa
+    i = 0
     try:
-        table = read()
+        stream = batches()
+        schema = next(stream)
+        need_columns(path, schema.names, columns)
+        names = class_names(schema, columns[1])
+        for batch in stream:
+            texts = batch.column(columns[0]).to_pylist()
+            labels = texts if columns[1] == columns[0] else batch.column(columns[1]).to_pylist()  # (predict's)
+            if names is not None:  # -1 (no label, as in GLUE's test splits) becomes None: an empty label
+                labels = [names[j] if isinstance(j, int) and 0 <= j < len(names) else None for j in labels]
+            for text, label in zip(texts, labels):
+                yield text, label, f"[{i}]"
+                i += 1
     except (OSError, pa.ArrowException) as e:  # unreadable, truncated, not parquet/Arrow at all
         raise DataError(f"{path}: cannot read it ({' '.join(str(e).split())})") from None
-    need_columns(path, table.column_names, columns)
-    texts, labels = (table.column(c).to_pylist() for c in columns)
-    names = class_names(table.schema, columns[1])
-    if names is not None:  # -1 (no label, as in GLUE's test splits) becomes None: an empty label
-        labels = [names[i] if isinstance(i, int) and 0 <= i < len(names) else None for i in labels]
-    for i, (text, label) in enumerate(zip(texts, labels)):
-        yield text, label, f"[{i}]"
 
 
 def class_names(schema, column: str) -> Optional[list]:
@@ -378,9 +393,9 @@ def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -
     """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
     save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
     byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there.
-    One at a time: the text formats are read a line at a time (mode predict's memory is its chunk's, whatever the
-    file's size). own_column: the task's own name for its texts (sst2: `sentence`), read from a file without
-    `text_column`."""
+    One at a time: the text formats are read a line at a time, parquet and Arrow a record batch at a time (mode
+    predict's memory is its chunk's, whatever the file's size). own_column: the task's own name for its texts (sst2:
+    `sentence`), read from a file without `text_column`."""
     folder = os.path.isfile(os.path.join(path, "state.json"))
     if not folder and not (os.path.isfile(path) and path.lower().endswith(TEXT_FILES)):
         raise DataError(f"predict.input: {path} is not a file of texts ({', '.join(TEXT_FILES)}) nor a datasets "

@@ -3,6 +3,8 @@
 import os
 import tracemalloc
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_config
@@ -40,7 +42,7 @@ def predicted(root, settings, path, **predict_settings) -> int:
 def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch):
     """Predict read every input before the first, and held every row: 300k lines took ~280 MB, 10M ran out of
     memory. Now a chunk at a time: the rows are those of one chunk (a CSV with a BOM and CRLF, JSON lines, a .txt),
-    and the peak memory of a file 4 times longer is about the same."""
+    and the peak memory of a file 4 times longer is about the same (a .txt, a parquet file)."""
     root, settings = run
     lines = texts(300)
     (root / "new.csv").write_bytes(("\ufefftext,id\r\n" + "".join(f'"{t}",{i}\r\n' for i, t in enumerate(lines)))
@@ -58,17 +60,21 @@ def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch)
     monkeypatch.setattr(predict, "CHUNK", 256)
     load = checkpoint_io.load_verified  # the peak measured from the model loaded on: the inputs' and rows' memory
     monkeypatch.setattr(checkpoint_io, "load_verified", lambda *a, **k: (load(*a, **k), tracemalloc.reset_peak())[0])
-    peaks = []
-    for n in (1500, 6000):
-        (root / "big.txt").write_text("\n".join(texts(n)))
-        tracemalloc.start()
-        try:
-            assert predicted(root, settings, root / "big.txt") == 0
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
-        assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
-    assert peaks[1] < peaks[0] * 1.3, peaks
+    for name in ("big.txt", "big.parquet"):  # (parquet: a record batch at a time, its row groups of 1000)
+        peaks = []
+        for n in (1500, 6000):
+            if name.endswith(".txt"):
+                (root / name).write_text("\n".join(texts(n)))
+            else:
+                pq.write_table(pa.table({"text": [t * 20 for t in texts(n)]}), root / name, row_group_size=1000)
+            tracemalloc.start()
+            try:
+                assert predicted(root, settings, root / name) == 0
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
+        assert peaks[1] < peaks[0] * 1.3, (name, peaks)
 
 
 def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
