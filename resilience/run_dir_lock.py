@@ -44,7 +44,8 @@ def hold_output_dir(path: str, what: str = "run"):
     in one line naming the holder; two runs in one folder would resume, save and prune each other's steps.
     what="predict": one predict per output_dir (.predict.lock, beside a training run's): two would write one
     predictions.csv.tmp, each deleting or renaming the other's."""
-    f = open(os.path.join(path, ".lock" if what == "run" else f".{what}.lock"), "a+")
+    name = ".lock" if what == "run" else f".{what}.lock"
+    f = open(os.path.join(path, name), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -61,6 +62,6 @@ def hold_output_dir(path: str, what: str = "run"):
     except OSError as e:  # a full disk: said now, not at the first save
         with contextlib.suppress(OSError):  # (the unwritten line fails the close too; the file is closed)
             f.close()
-        raise UserError(f"output_dir {path!r}: {e.strerror} (writing its .lock): free some space, then run the same "
+        raise UserError(f"output_dir {path!r}: {e.strerror} (writing its {name}): free some space, then run the same "
                         "command again") from None
     return f
