@@ -1,16 +1,19 @@
 """mode: predict on large and repeated inputs (extras/predict.py): read, predicted and written a chunk at a time
 (memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
 import os
+import re
 import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import make_config
+from conftest import make_config, tmpfs
 import main
 from core import checkpoint_io
+from core.errors import UserError
 from extras import predict
+from resilience.run_dir_lock import hold_output_dir
 
 ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
                                                                       for i in range(30)]
@@ -103,7 +106,6 @@ def test_a_second_predict_on_one_output_dir_is_refused_while_training_is_not(run
     """Two predicts on one output_dir wrote one predictions.csv.tmp: the second deleted the first's, and the first
     renamed the second's half-written file onto predictions.csv, saying it wrote all its rows. The second is now
     refused in one line; a predict beside a training run (its own lock) is not."""
-    from resilience.run_dir_lock import hold_output_dir
     root, settings = run
     (root / "few.txt").write_text("a great day\nsuch a sad day\n")
     out = str(root / "run")
@@ -133,3 +135,16 @@ def test_a_predict_that_crashes_says_it_was_predicting(run, monkeypatch, capsys)
     assert predicted(root, settings, root / "few.txt") == 1
     err = capsys.readouterr().err
     assert " failed while predicting (mode predict): RuntimeError: a loader that breaks" in err, err
+
+
+def test_predict_s_lock_on_a_full_disk_names_its_file(tmp_path):
+    """A real full tmpfs (root only): predict's lock could not be written, and the line named the training run's
+    .lock."""
+    with tmpfs(tmp_path / "full", "size=64k") as folder:
+        with open(folder / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+        with pytest.raises(UserError, match=re.escape(f"output_dir {str(folder)!r}: No space left on device "
+                                                      "(writing its .predict.lock): free some space")):
+            hold_output_dir(str(folder), "predict")
