@@ -13,6 +13,7 @@ import main
 from core import checkpoint_io
 from core.errors import UserError
 from extras import predict
+from resilience.run_dir import move_run_aside
 from resilience.run_dir_lock import hold_output_dir
 
 ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
@@ -148,3 +149,13 @@ def test_predict_s_lock_on_a_full_disk_names_its_file(tmp_path):
         with pytest.raises(UserError, match=re.escape(f"output_dir {str(folder)!r}: No space left on device "
                                                       "(writing its .predict.lock): free some space")):
             hold_output_dir(str(folder), "predict")
+
+
+def test_start_over_moves_the_earlier_run_s_predictions_aside(tmp_path):
+    """train.start_over moved the earlier run's checkpoints, config and *_results.json aside but left its
+    predictions.csv: the new run's folder held the old model's labels as if they were its own."""
+    for name in ("config.yml", "predictions.csv", "dev_results.json"):
+        (tmp_path / name).write_text("earlier\n")
+    moved, aside = move_run_aside(str(tmp_path))
+    assert sorted(moved) == ["config.yml", "dev_results.json", "predictions.csv"], moved
+    assert sorted(os.listdir(aside)) == sorted(moved) and not (tmp_path / "predictions.csv").exists()
