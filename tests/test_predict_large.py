@@ -66,7 +66,7 @@ def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch)
     monkeypatch.setattr(checkpoint_io, "load_verified", lambda *a, **k: (load(*a, **k), tracemalloc.reset_peak())[0])
     for name in ("big.txt", "big.parquet"):  # (parquet: a record batch at a time, its row groups of 1000)
         peaks = []
-        for n in (1500, 6000):
+        for n in (1000, 4000):
             if name.endswith(".txt"):
                 (root / name).write_text("\n".join(texts(n)))
             else:
