@@ -22,7 +22,7 @@ import torch
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
 from core.atomic_write import write_beside
 from core.distributed import DistContext
-from core.errors import CheckpointError, DataError
+from core.errors import CheckpointError, DataError, UserError
 from data_loader import eval_shard_batches, make_loader
 from resilience import faults
 from tasks import lora
@@ -40,6 +40,9 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     predictions.csv.tmp, renamed at the end: a predict that fails leaves the earlier predictions.csv whole."""
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
     faults.progress.phase_starts(0, "predict")  # (a crash's line says so: there is no training step)
+    where = os.path.join(cfg.output_dir, "predictions.csv")
+    if os.path.isdir(where):  # (else an IsADirectoryError traceback once every input is predicted)
+        raise UserError(f"{where}: a folder, where predict writes its rows; move it away, or set another output_dir")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:
@@ -54,7 +57,6 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     log.info(f"predicting the inputs of {cfg.predict.input} with {path}{average}")
     model.to(ctx.device).eval()
     rows = predicted(cfg, ctx, task, model)
-    where = os.path.join(cfg.output_dir, "predictions.csv")
     if not ctx.is_main:  # (every rank predicts its share of each chunk; rank 0 writes them all)
         collections.deque(rows, maxlen=0)
         return where

@@ -88,7 +88,8 @@ def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_s
     root, settings = run
     monkeypatch.setattr(predict, "CHUNK", 32)
     (root / "few.txt").write_text("a great day\nsuch a sad day\n")
-    assert predicted(root, settings, root / "few.txt") == 0
+    for _ in range(2):  # (the second replaces the first's)
+        assert predicted(root, settings, root / "few.txt") == 0
     where = root / "run" / "predictions.csv"
     assert f"wrote {where} (2 rows), replacing the earlier predictions.csv" in capsys.readouterr().out
     earlier = where.read_bytes()
@@ -99,6 +100,12 @@ def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_s
                    "as UTF-8"], err
     assert where.read_bytes() == earlier and not os.path.lexists(f"{where}.tmp")
     where.unlink()
+    where.mkdir()  # a folder in its place: an IsADirectoryError traceback after every input was predicted
+    assert predicted(root, settings, root / "few.txt") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {where}: a folder, where predict writes its rows; move it away, or set another "
+                   "output_dir"], err
+    where.rmdir()
     assert predicted(root, settings, root / "few.txt") == 0
     assert f"wrote {where} (2 rows)\n" in capsys.readouterr().out  # none before: nothing replaced
 
