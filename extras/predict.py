@@ -20,9 +20,9 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
-from core.atomic_write import write_beside
+from core.atomic_write import refuse_a_folder_at, write_beside
 from core.distributed import DistContext
-from core.errors import CheckpointError, DataError, UserError
+from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
 from resilience import faults
 from tasks import lora
@@ -41,8 +41,7 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
     faults.progress.phase_starts(0, "predict")  # (a crash's line says so: there is no training step)
     where = os.path.join(cfg.output_dir, "predictions.csv")
-    if os.path.isdir(where):  # (else an IsADirectoryError traceback once every input is predicted)
-        raise UserError(f"{where}: a folder, where predict writes its rows; move it away, or set another output_dir")
+    refuse_a_folder_at(where, "predict writes its rows")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:

@@ -166,3 +166,20 @@ def test_start_over_moves_the_earlier_run_s_predictions_aside(tmp_path):
     moved, aside = move_run_aside(str(tmp_path))
     assert sorted(moved) == ["config.yml", "dev_results.json", "predictions.csv"], moved
     assert sorted(os.listdir(aside)) == sorted(moved) and not (tmp_path / "predictions.csv").exists()
+
+
+def test_a_folder_where_test_mode_writes_its_results_is_one_line(run, capsys):
+    """A folder named dev_results.json: an IsADirectoryError traceback once dev was evaluated (predict's
+    predictions.csv: test_a_failed_predict...)."""
+    root, settings = run
+    where = root / "run" / "dev_results.json"
+    if where.exists():
+        where.unlink()
+    where.mkdir()
+    try:
+        assert main.run(make_config(root / "run", **settings, mode="test")) == 2
+    finally:
+        where.rmdir()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {where}: a folder, where test mode writes the dev results; move it away, or set another "
+                   "output_dir"], err
