@@ -37,7 +37,8 @@ class Task:
     has_tp_plan = False
     """True: tp_plan() names the linear layers dist.tp > 1 splits (refused elsewhere)."""
     reads_new_inputs = False
-    """True: predict_inputs(path) reads a file of new inputs, which mode predict labels (refused elsewhere)."""
+    """True: predict_inputs(path) (or predict_chunks) reads a file of new inputs, which mode predict labels (refused
+    elsewhere)."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole Config: tasks read cfg.data and cfg.model
