@@ -372,6 +372,9 @@ class SST2Task(Task):
         texts = text_stream(path, column, own_column="sentence" if column == DataConfig.text_column else None)
         read = reach = 0
         for chunk in in_chunks(texts, size):
+            if not chunk:  # no inputs (predict says so): the tokenizer fails on none with an IndexError
+                yield chunk, []
+                continue
             stripped = [t.strip() for t in chunk]
             dataset = TokenizedSentences(stripped, [0] * len(chunk), self.tokenizer, self.cfg.data.max_length)
             reach += sum(len(ids) >= self.cfg.data.max_length for ids in dataset.ids)
