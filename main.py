@@ -68,9 +68,10 @@ def run(cfg: Config) -> int:
             return 0
         check_output_dir(cfg.output_dir)
         first = cfg.dist.node_rank == 0 if env is None else env["rank"] == 0
-        holds_the_lock = cfg.mode in ("train", "lr_find") and first  # one run per output_dir
+        holds_the_lock = cfg.mode in ("train", "lr_find", "predict") and first  # one run (predict) per output_dir
         try:
-            lock = hold_output_dir(cfg.output_dir) if holds_the_lock else contextlib.nullcontext()
+            lock = hold_output_dir(cfg.output_dir, "predict" if cfg.mode == "predict" else "run") \
+                if holds_the_lock else contextlib.nullcontext()
         except UserError as e:  # (the ranks nothing ends, srun's or other nodes', hear it at the roll call)
             code = mistake(e)
             wiring.refuse_the_other_ranks(cfg, env, str(e))

@@ -8,6 +8,7 @@ import os
 from typing import IO, Callable
 
 from core.disk_errors import name_unnamed_errors
+from core.errors import UserError
 
 
 def write_beside(path: str, write: Callable[[IO[str]], object]) -> None:
@@ -24,3 +25,10 @@ def write_beside(path: str, write: Callable[[IO[str]], object]) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
+
+
+def refuse_a_folder_at(path: str, what: str) -> None:
+    """A folder where a mode writes its file (`what`: what it writes there): one line before the work, not
+    write_beside's IsADirectoryError traceback after it (every input predicted, every split evaluated)."""
+    if os.path.isdir(path):
+        raise UserError(f"{path}: a folder, where {what}; move it away, or set another output_dir")

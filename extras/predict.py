@@ -3,35 +3,45 @@
     python main.py --params runs/images/config.yml --set mode=predict --set predict.input=new_photos/
 
 predict.input is a folder of images (image tasks) or a file of texts (text classifiers, in a split's formats or
-.txt: the task's `predict_inputs` reads it). The checkpoint (predict.checkpoint, else the run's best) is verified
-and loaded as test mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets one row per input, in
-input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label names with their
-probabilities. Under dist.strategy ddp the ranks share the inputs; a checkpoint of any other strategy is read in
-one process (main.py).
+.txt: the task's `predict_chunks` reads it, CHUNK inputs at a time). The checkpoint (predict.checkpoint, else the
+run's best) is verified and loaded as test mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets
+one row per input, in input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label
+names with their probabilities. The inputs are read, predicted and written a chunk at a time: memory is one chunk's,
+whatever the input's size. Under dist.strategy ddp the ranks share each chunk; a checkpoint of any other strategy is
+read in one process (main.py).
 """
 from __future__ import annotations
 
+import collections
 import csv
-import io
 import os
+from typing import Iterable, Iterator, Optional
 
 import torch
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
-from core.atomic_write import write_beside
+from core.atomic_write import refuse_a_folder_at, write_beside
 from core.distributed import DistContext
 from core.errors import CheckpointError, DataError
 from data_loader import eval_shard_batches, make_loader
+from resilience import faults
 from tasks import lora
 from tasks.base import Task
 from trainer import autocast_for
 
 
+CHUNK = 4096  # inputs read, predicted and written at a time (rounded to the ranks' batches): memory bounded by it
+
+
 def predict(cfg, ctx: DistContext, task: Task) -> str:
     """Write output_dir/predictions.csv; returns its path. A plain model on this rank's device, no Trainer: what
     the model needs comes from the checkpoint (an image classifier's classes: meta.json), so the training data
-    need not be there (task.prepare_inference)."""
+    need not be there (task.prepare_inference). The inputs are read, predicted and written a chunk at a time, into
+    predictions.csv.tmp, renamed at the end: a predict that fails leaves the earlier predictions.csv whole."""
     log = run_log.setup_logging(cfg.output_dir, ctx.rank)
+    faults.progress.phase_starts(0, "predict")  # (a crash's line says so: there is no training step)
+    where = os.path.join(cfg.output_dir, "predictions.csv")
+    refuse_a_folder_at(where, "predict writes its rows")
     path = cfg.predict.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log),
                                                                   "predict.checkpoint")
     if path is None:
@@ -42,48 +52,65 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     # sizes and sha256 checked first, as test mode; and the classes are the ones it was trained on
     weights = checkpoint_io.load_verified(model, path, meta, cfg, label_names=task.label_names(),
                                           vocabulary_sha256=task.vocabulary_sha256())
-    names, dataset = task.predict_inputs(cfg.predict.input)
-    if not names:
-        raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")
     average = f" (its weight average, ema.pt: {checkpoint_io.why_average(cfg)})" if weights == "ema" else ""
-    log.info(f"predicting {len(names)} inputs of {cfg.predict.input} with {path}{average}")
+    log.info(f"predicting the inputs of {cfg.predict.input} with {path}{average}")
     model.to(ctx.device).eval()
-    autocast = autocast_for(ctx.device.type, cfg.train.precision)
-    top = []
-    # Under ddp each rank predicts its contiguous piece; gathered in rank order, the pieces are the input order.
-    batches = eval_shard_batches(len(dataset), ctx.rank, ctx.world_size, cfg.train.eval_batch_size)
-    loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, False, cfg.seed)
-    with torch.no_grad():
-        for positions, batch in zip(batches, loader):
-            # data.skip_bad_images: the collate left out the inputs it names (the task logs them); no row for them
-            skipped = set(batch["skipped"].tolist()) if "skipped" in batch else set()
-            with autocast():
-                logits = task.predict_logits(model, {k: v.to(ctx.device) for k, v in batch.items()})
-            probs = torch.softmax(logits.float(), dim=-1)
-            values, indices = probs.topk(min(cfg.predict.top_k, probs.shape[-1]), dim=-1)
-            top.extend(zip([i for i in positions if i not in skipped], indices.tolist(), values.tolist()))
-    top = [row for part in distributed.gather_objects(ctx, top) for row in part]
-    if not top:
-        raise DataError(f"predict.input: none of the {len(names)} inputs of {cfg.predict.input} could be read "
-                        "(data.skip_bad_images skipped them all)")
-    where = os.path.join(cfg.output_dir, "predictions.csv")
-    if ctx.is_main:
-        classes = task.label_names() or [str(i) for i in range(model_classes(top))]  # known by number: the number
-        write_beside(where, lambda f: f.write(rows(names, top, classes, len(top[0][1]))))
-        log.info(f"wrote {where} ({len(top)} rows)")
+    rows = predicted(cfg, ctx, task, model)
+    if not ctx.is_main:  # (every rank predicts its share of each chunk; rank 0 writes them all)
+        collections.deque(rows, maxlen=0)
+        return where
+    earlier = os.path.isfile(where)
+    written = []
+    write_beside(where, lambda f: written.append(write_rows(f, rows, task.label_names())))
+    log.info(f"wrote {where} ({written[0]} rows)" + (", replacing the earlier predictions.csv" if earlier else ""))
     return where
 
 
-def model_classes(top: list) -> int:
-    return max(max(indices) for _, indices, _ in top) + 1
+def predicted(cfg, ctx: DistContext, task: Task, model) -> Iterator[tuple[str, list, list]]:
+    """(input name, predict.top_k class numbers, their probabilities) of each input, in input order, on every rank,
+    a chunk at a time. Under ddp each rank predicts its contiguous piece of a chunk; gathered in rank order, the
+    pieces are the chunk's order. No input at all, or none read, is a DataError at the end."""
+    autocast = autocast_for(ctx.device.type, cfg.train.precision)
+    step = cfg.train.eval_batch_size * ctx.world_size
+    size = step * max(1, CHUNK // step)  # whole batches: one process predicts the batches it did before chunks
+    inputs = rows = 0
+    for names, dataset in task.predict_chunks(cfg.predict.input, size):
+        for start in range(0, len(dataset), size):  # (a task's own predict_inputs gives all in one: cut here)
+            batches = [[start + i for i in batch] for batch in eval_shard_batches(
+                min(size, len(dataset) - start), ctx.rank, ctx.world_size, cfg.train.eval_batch_size)]
+            loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, False, cfg.seed)
+            top = []
+            with torch.no_grad():
+                for positions, batch in zip(batches, loader):
+                    # data.skip_bad_images: the collate left out the inputs it names (the task logs them); no row
+                    skipped = set(batch["skipped"].tolist()) if "skipped" in batch else set()
+                    with autocast():
+                        logits = task.predict_logits(model, {k: v.to(ctx.device) for k, v in batch.items()})
+                    probs = torch.softmax(logits.float(), dim=-1)
+                    values, indices = probs.topk(min(cfg.predict.top_k, probs.shape[-1]), dim=-1)
+                    top.extend(zip([i for i in positions if i not in skipped], indices.tolist(), values.tolist()))
+            for part in distributed.gather_objects(ctx, top):
+                rows += len(part)
+                yield from ((names[i], classes, probabilities) for i, classes, probabilities in part)
+        inputs += len(names)
+    if not inputs:
+        raise DataError(f"predict.input: {cfg.predict.input} holds no inputs")
+    if not rows:
+        raise DataError(f"predict.input: none of the {inputs} inputs of {cfg.predict.input} could be read "
+                        "(data.skip_bad_images skipped them all)")
 
 
-def rows(names: list, top: list, classes: list, k: int) -> str:
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["input"] + [f"{what}{'' if i == 1 else f'_{i}'}" for i in range(1, k + 1)
-                                 for what in ("label", "probability")])
-    for position, indices, values in top:
-        writer.writerow([run_log.printable(names[position])]  # (a file name's bytes that are not UTF-8: \xe9)
-                        + [x for c, p in zip(indices, values) for x in (classes[c], f"{p:.6f}")])
-    return out.getvalue()
+def write_rows(f, rows: Iterable, label_names: Optional[list]) -> int:
+    """predictions.csv's header and `rows`, written as they come; returns how many. Classes known by number only
+    (no label_names): the number."""
+    writer = csv.writer(f, lineterminator="\n")
+    count = 0
+    for name, classes, probabilities in rows:
+        if not count:
+            writer.writerow(["input"] + [f"{what}{'' if i == 1 else f'_{i}'}" for i in range(1, len(classes) + 1)
+                                         for what in ("label", "probability")])
+        writer.writerow([run_log.printable(name)]  # (a file name's bytes that are not UTF-8: \xe9)
+                        + [x for c, p in zip(classes, probabilities)
+                           for x in (label_names[c] if label_names else str(c), f"{p:.6f}")])
+        count += 1
+    return count

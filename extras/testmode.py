@@ -7,12 +7,15 @@ import json
 import os
 
 from core import checkpoint, checkpoint_io, checkpoint_meta, run_log
-from core.atomic_write import write_beside
+from core.atomic_write import refuse_a_folder_at, write_beside
 from core.errors import CheckpointError
 
 
 def test(trainer) -> dict:
     cfg, log = trainer.cfg, trainer.log
+    for split in cfg.test.splits:
+        where = os.path.join(cfg.output_dir, f"{split}_results.json")
+        refuse_a_folder_at(where, f"test mode writes the {split} results")
     path = cfg.test.checkpoint or checkpoint_meta.best_recorded(cfg.output_dir, run_log.warning_note(log))
     if path is None:
         raise CheckpointError(f"{checkpoint.root(cfg.output_dir)}: no complete checkpoint to test")

@@ -51,7 +51,8 @@ class Progress:
     def where(self) -> str:
         return {"setup": "before training (setup)", "train": f"at step {self.step}",
                 "eval": f"evaluating at step {self.step}", "save": f"saving step {self.step}",
-                "done": f"after the last step ({self.step})"}.get(self.phase, f"at step {self.step}")
+                "done": f"after the last step ({self.step})",
+                "predict": "while predicting (mode predict)"}.get(self.phase, f"at step {self.step}")
 
 
 progress = Progress()

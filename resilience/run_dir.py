@@ -86,9 +86,11 @@ def unused_path(path: str) -> str:
     return candidate
 
 
-# What belongs to one run (and *_results.json). Kept in place: logs/ (each start's log says what it did), and the
-# stores that hold many runs side by side (output_dir/wandb's run folders, mlflow.db): a new run is a new run there.
-RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml", trackers.CSV_FILE, trackers.IDS_FILE)
+# What belongs to one run (and *_results.json; predictions.csv: its checkpoint's labels). Kept in place: logs/ (each
+# start's log says what it did), and the stores that hold many runs side by side (output_dir/wandb's run folders,
+# mlflow.db): a new run is a new run there.
+RUN_FILES = ("checkpoints", "tensorboard", "profile", "export", "config.yml", "predictions.csv", trackers.CSV_FILE,
+             trackers.IDS_FILE)
 
 
 def move_run_aside(output_dir: str) -> tuple[list[str], Optional[str]]:

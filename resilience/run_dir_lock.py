@@ -38,18 +38,21 @@ def check_output_dir(path: str) -> None:
                                 f"for this run, or choose another output_dir") from None
 
 
-def hold_output_dir(path: str):
+def hold_output_dir(path: str, what: str = "run"):
     """One run per output_dir: an exclusive lock on output_dir/.lock for as long as this process lives (the
     kernel drops it when the process ends, however it ends, so a lock is never stale). A second run is refused
-    in one line naming the holder; two runs in one folder would resume, save and prune each other's steps."""
-    f = open(os.path.join(path, ".lock"), "a+")
+    in one line naming the holder; two runs in one folder would resume, save and prune each other's steps.
+    what="predict": one predict per output_dir (.predict.lock, beside a training run's): two would write one
+    predictions.csv.tmp, each deleting or renaming the other's."""
+    name = ".lock" if what == "run" else f".{what}.lock"
+    f = open(os.path.join(path, name), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise UserError(f"output_dir {path!r} is in use by another run ({holder}); wait for it to end, or use "
+        raise UserError(f"output_dir {path!r} is in use by another {what} ({holder}); wait for it to end, or use "
                         "another output_dir") from None
     try:
         f.seek(0)
@@ -59,6 +62,6 @@ def hold_output_dir(path: str):
     except OSError as e:  # a full disk: said now, not at the first save
         with contextlib.suppress(OSError):  # (the unwritten line fails the close too; the file is closed)
             f.close()
-        raise UserError(f"output_dir {path!r}: {e.strerror} (writing its .lock): free some space, then run the same "
+        raise UserError(f"output_dir {path!r}: {e.strerror} (writing its {name}): free some space, then run the same "
                         "command again") from None
     return f

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from core.errors import UserError
-from tasks.table_files import read_texts
+from tasks.base import in_chunks
+from tasks.table_files import text_stream
 from tasks.text_common import VOCABULARY, read_words
 
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1
@@ -36,7 +37,7 @@ class BagOfWordsExport:
     """What mode export's `hf` format (and mode predict) asks a task (tasks/base.py), for csv_text: its model as below, its words
     and vocabulary (`vocab`) as a tokenizer, the label names (`classes`) in config.json."""
     export_formats, hf_pipeline = ("hf", "onnx"), "text-classification"
-    reads_new_inputs = True  # predict_inputs below
+    reads_new_inputs = True  # predict_chunks below
 
     def hf_model(self, model: nn.Module):
         return hf_classifier(model, self.classes)
@@ -51,9 +52,9 @@ class BagOfWordsExport:
             return
         self.classes, self.vocab = list(label_names), word_ids(read_words(saved))
 
-    def predict_inputs(self, path):  # mode: predict: a file of texts (read_texts), encoded as training's were
-        texts = read_texts(path, self.cfg.data.text_column)
-        return texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
+    def predict_chunks(self, path, size):  # mode: predict: a file of texts (text_stream), encoded as training's were
+        for texts in in_chunks(text_stream(path, self.cfg.data.text_column), size):
+            yield texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
 
     def predict_logits(self, model, batch):
         return model(batch["ids"])

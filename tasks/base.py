@@ -10,8 +10,9 @@ optimizer step always follows the mean gradient over the global batch, whatever 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -36,7 +37,8 @@ class Task:
     has_tp_plan = False
     """True: tp_plan() names the linear layers dist.tp > 1 splits (refused elsewhere)."""
     reads_new_inputs = False
-    """True: predict_inputs(path) reads a file of new inputs, which mode predict labels (refused elsewhere)."""
+    """True: predict_inputs(path) (or predict_chunks) reads a file of new inputs, which mode predict labels (refused
+    elsewhere)."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole Config: tasks read cfg.data and cfg.model
@@ -176,8 +178,17 @@ class Task:
 
     # -----> mode: predict (extras/predict.py): a classifier's new inputs (say so: reads_new_inputs) and its logits.
     def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
-        """The inputs in predict.input `path`: their names (predictions.csv's first column) and a Dataset of them."""
-        raise NotImplementedError(f"{type(self).__name__} does not read new inputs (Task.predict_inputs)")
+        """The inputs in predict.input `path`: their names (predictions.csv's first column) and a Dataset of them.
+        The tasks here give them a chunk at a time (predict_chunks), this their one chunk of all."""
+        if type(self).predict_chunks is Task.predict_chunks:
+            raise NotImplementedError(f"{type(self).__name__} does not read new inputs (Task.predict_inputs)")
+        (names, dataset), = self.predict_chunks(path, None)
+        return names, dataset
+
+    def predict_chunks(self, path: str, size: Optional[int]) -> Iterator[tuple[list[str], Dataset]]:
+        """predict_inputs' names and Dataset, `size` inputs at a time (None: all; at least one chunk, maybe empty):
+        predict holds one chunk, so a file of millions of texts fits in memory. By default: predict_inputs' one."""
+        yield self.predict_inputs(path)
 
     def predict_logits(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's logits for a batch of `predict_inputs`' items, on the device."""
@@ -204,6 +215,17 @@ class Task:
 
     def example_inputs(self) -> tuple:
         raise NotImplementedError(f"{type(self).__name__} has no example inputs for torch.export")
+
+
+def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:
+    """`items` as lists of `size` (None: one list of all): predict_chunks' pieces; no items give one empty list."""
+    items = iter(items)
+    chunk = list(itertools.islice(items, size))
+    yield chunk
+    while size is not None and len(chunk) == size:
+        chunk = list(itertools.islice(items, size))
+        if chunk:
+            yield chunk
 
 
 class PipelineLayer(nn.Module):

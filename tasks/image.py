@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.base import PipelineLayer, Task
+from tasks.base import PipelineLayer, Task, in_chunks
 from tasks.image_folder import BAD_IMAGE, image_files, open_rgb
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
@@ -140,13 +141,14 @@ class ImageTask(Task):
     def example_inputs(self) -> tuple:
         return (torch.zeros(2, 1, self.image_size, self.image_size),)
 
-    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+    def predict_chunks(self, path: str, size: Optional[int]) -> Iterator[tuple[list[str], Dataset]]:
         """mode: predict: a folder's images, or one image, as the CNN saw its training images (gray, image_size
-        square)."""
+        square), decoded `size` at a time."""
         files, names = image_files(path)
         _, mean, std = self.pixels
-        images = np.stack([gray_square(f, self.image_size) for f in files]) if files else np.zeros((0, 1, 1))
-        return names, TensorImages(images, np.zeros(len(files)), mean, std)
+        for chunk in in_chunks(range(len(files)), size):
+            images = np.stack([gray_square(files[i], self.image_size) for i in chunk]) if chunk else np.zeros((0, 1, 1))
+            yield [names[i] for i in chunk], TensorImages(images, np.zeros(len(chunk)), mean, std)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return model(batch["images"])

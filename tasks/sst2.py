@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -29,9 +29,9 @@ from torch.utils.data import Dataset
 from core.config import DataConfig
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
-from tasks.base import PipelineLayer, Task
+from tasks.base import PipelineLayer, Task, in_chunks
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.table_files import read_texts
+from tasks.table_files import text_stream
 from tasks.text_common import (WEIGHTS_DTYPE, bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan,
                                load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8,
                                weights_from_checkpoint)
@@ -369,31 +369,42 @@ class SST2Task(Task):
         backend.normalizer = normalizers.Sequence([n for n in (backend.normalizer, normalizers.Strip()) if n])
         return tok
 
-    def predict_inputs(self, path: str) -> tuple[list[str], Dataset]:
+    def predict_chunks(self, path: str, size: Optional[int]) -> Iterator[tuple[list[str], Dataset]]:
         """mode: predict: a CSV/TSV/text file of sentences, tokenized as training's were: stripped, as read_tsv and
         scripts/prepare_text.py strip them (a byte-level BPE makes a trailing space a token of its own). A CSV/TSV
         without data.text_column's default `text` column is read by SST-2's own header, `sentence`, if it has one."""
         column = self.cfg.data.text_column
-        texts = read_texts(path, column, own_column="sentence" if column == DataConfig.text_column else None)
-        stripped = [t.strip() for t in texts]
-        dataset = TokenizedSentences(stripped, [0] * len(texts), self.tokenizer, self.cfg.data.max_length)
-        reach = sum(len(ids) >= self.cfg.data.max_length for ids in dataset.ids)
+        texts = text_stream(path, column, own_column="sentence" if column == DataConfig.text_column else None)
+        read = reach = 0
+        for chunk in in_chunks(texts, size):
+            if not chunk:  # no inputs (predict says so): the tokenizer fails on none with an IndexError
+                yield chunk, []
+                continue
+            stripped = [t.strip() for t in chunk]
+            dataset = TokenizedSentences(stripped, [0] * len(chunk), self.tokenizer, self.cfg.data.max_length)
+            reach += sum(len(ids) >= self.cfg.data.max_length for ids in dataset.ids)
+            self.check_predict_ids(path, dataset.ids, stripped, read)
+            read += len(chunk)
+            yield chunk, dataset
         if reach:  # as in training: a cut input is predicted from its start, said
-            note(f"predict.input: {path}: {reach} of {len(texts)} inputs reach data.max_length="
+            note(f"predict.input: {path}: {reach} of {read} inputs reach data.max_length="
                  f"{self.cfg.data.max_length} tokens: longer ones are cut there")
-        length, index = longest_or_largest(dataset.ids, len)
+
+    def check_predict_ids(self, path: str, ids: list, stripped: list[str], before: int) -> None:
+        """Inputs longer than the model's positions, or with a token outside its vocabulary: one line naming the
+        input (its number in the file: `before` came in earlier chunks)."""
+        length, index = longest_or_largest(ids, len)
         positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
         if positions and length > positions:  # training never fed one this long, and the model cannot take it
-            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}...) is {length} "
-                            f"tokens, more than the model's {positions} positions; set data.max_length to at most "
-                            f"{positions}")
-        top, index = longest_or_largest(dataset.ids, max)
+            raise DataError(f"predict.input: {path}: input {before + index + 1} ({stripped[index][:30]!r}...) is "
+                            f"{length} tokens, more than the model's {positions} positions; set data.max_length to "
+                            f"at most {positions}")
+        top, index = longest_or_largest(ids, max)
         vocab_size = getattr(self, "vocab_size", None)  # (check_fits; a token added to the tokenizer only)
         if vocab_size and top >= vocab_size:
-            raise DataError(f"predict.input: {path}: input {index + 1} ({stripped[index][:30]!r}) has token id {top}, "
-                            f"outside the model's vocabulary (vocab_size {vocab_size}: ids 0-{vocab_size - 1}); "
-                            "model.pretrained_dir's tokenizer and model disagree")
-        return texts, dataset
+            raise DataError(f"predict.input: {path}: input {before + index + 1} ({stripped[index][:30]!r}) has token "
+                            f"id {top}, outside the model's vocabulary (vocab_size {vocab_size}: ids "
+                            f"0-{vocab_size - 1}); model.pretrained_dir's tokenizer and model disagree")
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return self.logits(model, batch)

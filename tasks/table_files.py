@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 from collections import Counter
@@ -29,7 +30,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from core.errors import ConfigError, DataError
-from tasks.text_common import json_lines, note, read_utf8
+from tasks.text_common import json_lines, note, read_utf8, utf8_lines
 
 SPLIT_NAMES = {"train": ("train",), "dev": ("dev", "validation"), "test": ("test",)}
 FORMATS = ".csv, .tsv, .jsonl, .json, .parquet, or a datasets save_to_disk folder; dev may be named validation"
@@ -295,12 +296,17 @@ def tsv_rows(path: str, columns: tuple[str, str]) -> Rows:
 
 
 def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
-    """A JSON lines file's rows: one object per line (blank lines skipped); where: the line."""
-    text = read_utf8(path)
-    if text.lstrip().startswith("["):
+    """A JSON lines file's rows: one object per line (blank lines skipped); where: the line. Read a line at a time."""
+    lines = utf8_lines(path)
+    head = []  # the blank lines before the first value, and that value's line
+    for line in lines:
+        head.append(line)
+        if line.strip():
+            break
+    if head and head[-1].lstrip().startswith("["):
         raise DataError(f"{path}: a JSON array; write JSON lines, one object per line (pandas: "
                         "to_json(path, orient='records', lines=True); datasets: to_json(path))")
-    for line, record in json_lines(path, text):
+    for line, record in json_lines(path, lines=itertools.chain(head, lines)):
         if not isinstance(record, dict):
             raise DataError(f"{path}:{line}: {shown(record)} is not an object; JSON lines hold one object per line")
         need_columns(f"{path}:{line}", list(record), columns)
@@ -309,7 +315,13 @@ def jsonl_rows(path: str, columns: tuple[str, str]) -> Rows:
 
 def parquet_rows(path: str, columns: tuple[str, str]) -> Rows:
     import pyarrow.parquet as pq
-    return table_rows(path, lambda: pq.read_table(path), columns)
+
+    def batches():
+        file = pq.ParquetFile(path)
+        yield file.schema_arrow
+        yield from file.iter_batches(batch_size=256,  # (its default, 65536 rows: many chunks of mode predict's)
+                                     columns=[c for c in dict.fromkeys(columns) if c in file.schema_arrow.names])
+    return table_rows(path, batches, columns)
 
 
 def folder_rows(path: str, columns: tuple[str, str]) -> Rows:
@@ -322,29 +334,38 @@ def folder_rows(path: str, columns: tuple[str, str]) -> Rows:
         raise DataError(f"{state_path}: not the state.json of datasets' save_to_disk (no _data_files list)") \
             from None
 
-    def read():
-        tables = []
-        for file in files:
-            with pa.OSFile(file) as source:  # read into memory: nothing stays mapped to the files
-                tables.append(pa.ipc.open_stream(source).read_all())
-        return pa.concat_tables(tables)
-    return table_rows(path, read, columns)
+    def batches():
+        if not files:
+            yield pa.schema([])
+        for i, file in enumerate(files):
+            with pa.OSFile(file) as source:  # read, not mapped: nothing stays mapped to the files
+                reader = pa.ipc.open_stream(source)
+                if i == 0:
+                    yield reader.schema
+                yield from reader
+    return table_rows(path, batches, columns)
 
 
-def table_rows(path: str, read, columns: tuple[str, str]) -> Rows:
-    """The rows of the Arrow table `read()` returns (where: `[i]`); ClassLabel ids become their names."""
+def table_rows(path: str, batches, columns: tuple[str, str]) -> Rows:
+    """The rows of the Arrow record batches `batches()` yields after their schema (where: `[i]`), a batch at a
+    time; ClassLabel ids become their names."""
     import pyarrow as pa
+    i = 0
     try:
-        table = read()
+        stream = batches()
+        schema = next(stream)
+        need_columns(path, schema.names, columns)
+        names = class_names(schema, columns[1])
+        for batch in stream:
+            texts = batch.column(columns[0]).to_pylist()
+            labels = texts if columns[1] == columns[0] else batch.column(columns[1]).to_pylist()  # (predict's)
+            if names is not None:  # -1 (no label, as in GLUE's test splits) becomes None: an empty label
+                labels = [names[j] if isinstance(j, int) and 0 <= j < len(names) else None for j in labels]
+            for text, label in zip(texts, labels):
+                yield text, label, f"[{i}]"
+                i += 1
     except (OSError, pa.ArrowException) as e:  # unreadable, truncated, not parquet/Arrow at all
         raise DataError(f"{path}: cannot read it ({' '.join(str(e).split())})") from None
-    need_columns(path, table.column_names, columns)
-    texts, labels = (table.column(c).to_pylist() for c in columns)
-    names = class_names(table.schema, columns[1])
-    if names is not None:  # -1 (no label, as in GLUE's test splits) becomes None: an empty label
-        labels = [names[i] if isinstance(i, int) and 0 <= i < len(names) else None for i in labels]
-    for i, (text, label) in enumerate(zip(texts, labels)):
-        yield text, label, f"[{i}]"
 
 
 def class_names(schema, column: str) -> Optional[list]:
@@ -364,44 +385,53 @@ TEXT_FILES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".parquet")
 
 
 def read_texts(path: str, text_column: str, own_column: Optional[str] = None) -> list[str]:
+    """text_stream's texts, all of them."""
+    return list(text_stream(path, text_column, own_column))
+
+
+def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:
     """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
     save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
     byte-order mark dropped; TSV unquoted), so that a text predicted is the text training would have read there.
-    own_column: the task's own name for its texts (sst2: `sentence`), read from a file without `text_column`."""
+    One at a time: the text formats are read a line at a time, parquet and Arrow a record batch at a time (mode
+    predict's memory is its chunk's, whatever the file's size). own_column: the task's own name for its texts (sst2:
+    `sentence`), read from a file without `text_column`."""
     folder = os.path.isfile(os.path.join(path, "state.json"))
     if not folder and not (os.path.isfile(path) and path.lower().endswith(TEXT_FILES)):
         raise DataError(f"predict.input: {path} is not a file of texts ({', '.join(TEXT_FILES)}) nor a datasets "
                         "save_to_disk folder")
     ext = os.path.splitext(path.lower())[1]
     if ext in (".csv", ".tsv"):
-        return csv_texts(path, text_column, tsv=ext == ".tsv", own_column=own_column)
+        yield from csv_texts(path, text_column, tsv=ext == ".tsv", own_column=own_column)
+        return
     if ext == ".txt":
-        return [line for line in read_utf8(path).split("\n") if line.strip()]  # a bad byte: DataError, file:line
+        yield from (line for line in utf8_lines(path) if line.strip())  # a bad byte: DataError, file:line
+        return
     reader = folder_rows if folder else READERS[ext]  # JSON lines, parquet, a save_to_disk folder: the split's
-    try:  # reader, the text column read as both
-        rows = list(reader(path, (text_column, text_column)))
-    except MissingColumn as e:
+    rows = reader(path, (text_column, text_column))  # reader, the text column read as both
+    try:
+        first = list(itertools.islice(rows, 1))
+    except MissingColumn as e:  # (its first row: the file has no such column)
         if own_column not in e.found:
             raise
-        rows, text_column = list(reader(path, (own_column, own_column))), own_column
-    texts = []
-    for text, _, where in rows:
+        rows, text_column, first = reader(path, (own_column, own_column)), own_column, []
+    for text, _, where in itertools.chain(first, rows):
         text = utf8(text, f"{path}{where}", text_column) if isinstance(text, bytes) else text
         if not isinstance(text, str):
             raise DataError(f"predict.input: {path}{where}: {text_column} is {shown(text)}; every row needs a text")
-        texts.append(text)
-    return texts
+        yield text
 
 
-def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] = None) -> list[str]:
-    text = read_utf8(path)  # a bad byte: a DataError naming the file and line
+def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] = None) -> Iterator[str]:
+    lines = (line + "\n" for line in utf8_lines(path))  # a bad byte: a DataError naming the file and line
     quoting = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
-    records = list(csv_records(path, csv.reader(io.StringIO(text, newline=""), strict=True, **quoting), tsv))
-    if not records:
+    records = csv_records(path, csv.reader(lines, strict=True, **quoting), tsv)
+    first = next(records, None)
+    if first is None:
         raise DataError(f"predict.input: {path} is empty")
-    header = records[0][1]
+    header = first[1]
     if len(header) == 1 and any(text_column in header[0].split(s) for s in (",", ";", "\t", "|")):
-        refuse_other_separator(f"{path}:{records[0][0]}", header, (text_column, text_column), tsv)  # (`id;text`)
+        refuse_other_separator(f"{path}:{first[0]}", header, (text_column, text_column), tsv)  # (`id;text`)
     if text_column in header:
         column = header.index(text_column)
     elif own_column in header:
@@ -414,9 +444,9 @@ def csv_texts(path: str, text_column: str, tsv: bool, own_column: Optional[str] 
         also = f" nor {own_column!r}" if own_column else ""
         raise DataError(f"predict.input: {path} has no column {text_column!r} (data.text_column){also} among "
                         f"{', '.join(header)[:80]}")
-    for line, row in records[1:]:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
+    for line, row in records:  # a field more or less: an unquoted comma cut the text there, as csv_rows refuses
         if len(row) != len(header):
             raise DataError(f"predict.input: {path}:{line}: {len(row)} field{'s' * (len(row) != 1)} but the header "
                             f"has {len(header)} ({','.join(header)[:60]}); " +
                             ("a text may not hold a tab" if tsv else "quote a text that holds a comma"))
-    return [row[column] for _, row in records[1:]]
+        yield row[column]

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -286,9 +286,13 @@ def byte_level_chars() -> dict[int, str]:
     return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
-def json_lines(path: str, text: Optional[str] = None) -> Iterable[tuple[int, object]]:
-    """A JSON lines file's values with their line numbers (blank lines skipped); bad JSON names its line."""
-    for number, line in enumerate((read_utf8(path) if text is None else text).split("\n"), 1):
+def json_lines(path: str, text: Optional[str] = None, lines: Optional[Iterable[str]] = None) \
+        -> Iterable[tuple[int, object]]:
+    """A JSON lines file's values with their line numbers (blank lines skipped); bad JSON names its line. `lines`:
+    the file's lines as utf8_lines streams them (mode predict), instead of its whole `text`."""
+    if lines is None:
+        lines = (read_utf8(path) if text is None else text).split("\n")
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -320,6 +324,28 @@ def read_utf8(path: str) -> str:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}:{utf8_error_where(data, start, start + e.start, start + e.end)}") from None
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def utf8_lines(path: str) -> Iterator[str]:
+    """The lines of `path` as read_utf8 splits its text (each without its `\\n`), a line at a time: mode predict
+    holds one line, not the file. A bad byte is read_utf8's DataError, naming its line and column."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    with f:
+        number, last = 1, ""
+        for raw in f:  # (split at b"\n", which is never inside a UTF-8 character)
+            start = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                text = str(memoryview(raw)[start:], "utf-8")
+            except UnicodeDecodeError as e:
+                line, why = utf8_error_where(raw, start, start + e.start, start + e.end).split(": ", 1)
+                raise DataError(f"{path}:{number + int(line) - 1}: {why}") from None
+            *whole, last = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            yield from whole
+            number += len(whole)
+        yield last  # (after a last `\n`: the empty line read_utf8's split ends with too)
 
 
 def utf8_error_where(data: bytes, start: int, bad: int, bad_end: int) -> str:

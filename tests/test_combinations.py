@@ -39,12 +39,13 @@ def test_a_task_without_a_pipeline_chain_or_a_tp_plan_is_refused_before_the_rank
 def test_every_task_declares_what_it_overrides():
     # wiring sniffed `TASKS[t].pipeline_layers is Task.pipeline_layers` (and predict hasattr(task, "predict_inputs")):
     # now each Task says so in an attribute; one that overrides a method without it (or the reverse) would drift.
-    said = {"has_pipeline_chain": "pipeline_layers", "has_tp_plan": "tp_plan", "has_lengths": "lengths",
-            "reads_new_inputs": "predict_inputs"}
+    # (new inputs: predict_inputs all at once, or predict_chunks a chunk at a time, as the tasks here do)
+    said = {"has_pipeline_chain": ("pipeline_layers",), "has_tp_plan": ("tp_plan",), "has_lengths": ("lengths",),
+            "reads_new_inputs": ("predict_inputs", "predict_chunks")}
     for name, cls in TASKS.items():
-        for flag, method in said.items():
-            overrides = getattr(cls, method, None) is not getattr(Task, method, None)
-            assert getattr(cls, flag) is overrides, (name, flag, method)
+        for flag, methods in said.items():
+            overrides = any(getattr(cls, method, None) is not getattr(Task, method, None) for method in methods)
+            assert getattr(cls, flag) is overrides, (name, flag, methods)
         # an image classifier's export saves its preprocessing (extras/export.py): the interface names the method
         processes_images = cls.hf_image_processor is not Task.hf_image_processor
         assert processes_images == (cls.hf_pipeline == "image-classification"), name

@@ -177,6 +177,8 @@ def test_sst2_predict_reads_its_own_sentence_column_without_an_override(data, tm
     assert task.predict_inputs(str(tmp_path / "text.tsv"))[0] == ["this one"]
     (tmp_path / "sst2.jsonl").write_text('{"sentence": "a fine film", "label": 1}\n{"sentence": "awful", "idx": 2}\n')
     assert task.predict_inputs(str(tmp_path / "sst2.jsonl"))[0] == ["a fine film", "awful"]  # (GLUE's own rows)
+    (tmp_path / "blank.txt").write_text("\n \n")  # no inputs (predict says so): the tokenizer's IndexError before
+    assert task.predict_inputs(str(tmp_path / "blank.txt"))[0] == []
     cfg.data.text_column = "review"
     with pytest.raises(DataError, match=re.escape(f"predict.input: {tmp_path / 'sst2.tsv'} has no column 'review' "
                                                   "(data.text_column) among sentence, label")):

@@ -1,0 +1,185 @@
+"""mode: predict on large and repeated inputs (extras/predict.py): read, predicted and written a chunk at a time
+(memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
+import os
+import re
+import tracemalloc
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import make_config, tmpfs
+import main
+from core import checkpoint_io
+from core.errors import UserError
+from extras import predict
+from resilience.run_dir import move_run_aside
+from resilience.run_dir_lock import hold_output_dir
+
+ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
+                                                                      for i in range(30)]
+WORDS = "great fine lovely day awful bad sad the a film not".split()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A csv_text run trained a few steps; its settings, for mode predict."""
+    root = tmp_path_factory.mktemp("predict_large")
+    (root / "all.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in ROWS))
+    settings = dict(task="csv_text", data={"data_dir": str(root / "all.csv"), "dev_fraction": 0.2},
+                    model={"hidden": 16, "dropout": 0.0},
+                    train={"max_steps": 20, "epochs": 0, "eval_every": 0, "save_every": 0, "batch_size": 8,
+                           "lr": 0.05, "eval_batch_size": 16})
+    assert main.run(make_config(root / "run", **settings)) == 0
+    return root, settings
+
+
+def texts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 9)) for i in range(n)]
+
+
+def predicted(root, settings, path, **predict_settings) -> int:
+    return main.run(make_config(root / "run", **settings, mode="predict",
+                                predict={"input": str(path), "top_k": 2, **predict_settings}))
+
+
+def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch):
+    """Predict read every input before the first, and held every row: 300k lines took ~280 MB, 10M ran out of
+    memory. Now a chunk at a time: the rows are those of one chunk (a CSV with a BOM and CRLF, JSON lines, a .txt),
+    and the peak memory of a file 4 times longer is about the same (a .txt, a parquet file)."""
+    root, settings = run
+    lines = texts(300)
+    (root / "new.csv").write_bytes(("\ufefftext,id\r\n" + "".join(f'"{t}",{i}\r\n' for i, t in enumerate(lines)))
+                                   .encode())
+    (root / "new.jsonl").write_text("".join(f'{{"text": "{t}"}}\n' for t in lines))
+    (root / "new.txt").write_text("\n".join(lines))
+    for name in ("new.csv", "new.jsonl", "new.txt"):
+        written = []
+        for chunk in (10 ** 9, 40):  # all in one (as before chunks), then chunks of 32 (2 batches of 16)
+            monkeypatch.setattr(predict, "CHUNK", chunk)
+            assert predicted(root, settings, root / name) == 0
+            written.append((root / "run" / "predictions.csv").read_bytes())
+        assert written[0] == written[1] and written[0].count(b"\n") == 301, name
+        assert written[0].split(b"\n")[1].startswith(lines[0].encode() + b",")
+    monkeypatch.setattr(predict, "CHUNK", 256)
+    load = checkpoint_io.load_verified  # the peak measured from the model loaded on: the inputs' and rows' memory
+    monkeypatch.setattr(checkpoint_io, "load_verified", lambda *a, **k: (load(*a, **k), tracemalloc.reset_peak())[0])
+    for name in ("big.txt", "big.parquet"):  # (parquet: a record batch at a time, its row groups of 1000)
+        peaks = []
+        for n in (1000, 4000):
+            if name.endswith(".txt"):
+                (root / name).write_text("\n".join(texts(n)))
+            else:
+                pq.write_table(pa.table({"text": [t * 20 for t in texts(n)]}), root / name, row_group_size=1000)
+            tracemalloc.start()
+            try:
+                assert predicted(root, settings, root / name) == 0
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
+        assert peaks[1] < peaks[0] * 1.3, (name, peaks)
+
+
+def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
+    """predictions.csv was replaced without a word; now the closing line says so. Written a chunk at a time, a
+    predict that fails after chunks were written (a bad byte at line 100, a full disk) leaves the earlier
+    predictions.csv whole, and no predictions.csv.tmp."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 32)
+    (root / "few.txt").write_text("a great day\nsuch a sad day\n")
+    for _ in range(2):  # (the second replaces the first's)
+        assert predicted(root, settings, root / "few.txt") == 0
+    where = root / "run" / "predictions.csv"
+    assert f"wrote {where} (2 rows), replacing the earlier predictions.csv" in capsys.readouterr().out
+    earlier = where.read_bytes()
+    (root / "bad.txt").write_bytes("\n".join(texts(99)).encode() + b"\nbad \xff byte\n" + b"more\n" * 50)
+    assert predicted(root, settings, root / "bad.txt") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {root / 'bad.txt'}:100: not valid UTF-8 (byte 0xff at column 5); the file must be saved "
+                   "as UTF-8"], err
+    assert where.read_bytes() == earlier and not os.path.lexists(f"{where}.tmp")
+    where.unlink()
+    where.mkdir()  # a folder in its place: an IsADirectoryError traceback after every input was predicted
+    assert predicted(root, settings, root / "few.txt") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {where}: a folder, where predict writes its rows; move it away, or set another "
+                   "output_dir"], err
+    where.rmdir()
+    assert predicted(root, settings, root / "few.txt") == 0
+    assert f"wrote {where} (2 rows)\n" in capsys.readouterr().out  # none before: nothing replaced
+
+
+def test_a_second_predict_on_one_output_dir_is_refused_while_training_is_not(run, capsys):
+    """Two predicts on one output_dir wrote one predictions.csv.tmp: the second deleted the first's, and the first
+    renamed the second's half-written file onto predictions.csv, saying it wrote all its rows. The second is now
+    refused in one line; a predict beside a training run (its own lock) is not."""
+    root, settings = run
+    (root / "few.txt").write_text("a great day\nsuch a sad day\n")
+    out = str(root / "run")
+    held = hold_output_dir(out, "predict")  # (this test is the other predict)
+    try:
+        assert predicted(root, settings, root / "few.txt") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: output_dir {out!r} is in use by another predict (pid "
+                                                   f"{os.getpid()} on "), err
+    finally:
+        held.close()
+    training = hold_output_dir(out)
+    try:
+        assert predicted(root, settings, root / "few.txt") == 0
+    finally:
+        training.close()
+
+
+def test_a_predict_that_crashes_says_it_was_predicting(run, monkeypatch, capsys):
+    """A crash or Ctrl-C in mode predict said `rank 0 on HOST failed before training (setup)`: there is no training."""
+    root, settings = run
+    (root / "few.txt").write_text("a great day\n")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a loader that breaks")
+    monkeypatch.setattr(predict, "make_loader", broken)
+    assert predicted(root, settings, root / "few.txt") == 1
+    err = capsys.readouterr().err
+    assert " failed while predicting (mode predict): RuntimeError: a loader that breaks" in err, err
+
+
+def test_predict_s_lock_on_a_full_disk_names_its_file(tmp_path):
+    """A real full tmpfs (root only): predict's lock could not be written, and the line named the training run's
+    .lock."""
+    with tmpfs(tmp_path / "full", "size=64k") as folder:
+        with open(folder / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+        with pytest.raises(UserError, match=re.escape(f"output_dir {str(folder)!r}: No space left on device "
+                                                      "(writing its .predict.lock): free some space")):
+            hold_output_dir(str(folder), "predict")
+
+
+def test_start_over_moves_the_earlier_run_s_predictions_aside(tmp_path):
+    """train.start_over moved the earlier run's checkpoints, config and *_results.json aside but left its
+    predictions.csv: the new run's folder held the old model's labels as if they were its own."""
+    for name in ("config.yml", "predictions.csv", "dev_results.json"):
+        (tmp_path / name).write_text("earlier\n")
+    moved, aside = move_run_aside(str(tmp_path))
+    assert sorted(moved) == ["config.yml", "dev_results.json", "predictions.csv"], moved
+    assert sorted(os.listdir(aside)) == sorted(moved) and not (tmp_path / "predictions.csv").exists()
+
+
+def test_a_folder_where_test_mode_writes_its_results_is_one_line(run, capsys):
+    """A folder named dev_results.json: an IsADirectoryError traceback once dev was evaluated (predict's
+    predictions.csv: test_a_failed_predict...)."""
+    root, settings = run
+    where = root / "run" / "dev_results.json"
+    if where.exists():
+        where.unlink()
+    where.mkdir()
+    try:
+        assert main.run(make_config(root / "run", **settings, mode="test")) == 2
+    finally:
+        where.rmdir()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {where}: a folder, where test mode writes the dev results; move it away, or set another "
+                   "output_dir"], err
