@@ -95,16 +95,6 @@ def latest(output_dir: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
-def best(output_dir: str, best_step: Optional[int]) -> Optional[str]:
-    """The checkpoint of step `best_step` (the best on dev), or the latest where that one is gone or unknown
-    (checkpoint_meta.best_recorded reads the step from the latest checkpoint's meta.json)."""
-    last = latest(output_dir)
-    if last is None:
-        return None
-    candidate = os.path.join(root(output_dir), f"step-{best_step}")
-    return candidate if best_step is not None and is_complete(candidate) else last
-
-
 def start_write(output_dir: str, step: int, ctx: DistContext, start_files: Callable[[str], Callable[[], None]],
                 meta: dict) -> "PendingWrite":
     """Collective: every rank calls it. `start_files(tmp_dir)` starts writing this rank's files (sharded strategies

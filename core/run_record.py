@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 
-from core import checkpoint, checkpoint_signing, disk_errors, optimizers, trackers
+from core import checkpoint, checkpoint_meta, checkpoint_signing, disk_errors, optimizers, trackers
 from core.atomic_write import write_beside
 from core.config import Config, dump_yaml, procs_per_node_list
 from core.launch_env import launcher_env
@@ -117,7 +117,7 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     if s.best_step is not None and cfg.train.eval_batches:  # ranked on the subset; the last line above: whole split
         best += f" (on the dev subset of train.eval_batches={cfg.train.eval_batches})"
     params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
-    kept = checkpoint.best(out, s.best_step)  # (the latest, where the best was deleted by hand: said, as test mode says)
+    kept = checkpoint_meta.best(out, s.best_step)  # (the latest, where the best was deleted by hand: said, as test mode says)
     if kept and s.best_step is not None and kept != os.path.join(checkpoint.root(out), f"step-{s.best_step}"):
         kept += f"; the best checkpoint, step-{s.best_step}, is gone: the latest stands in"
     lines = [f"done: {s.step} steps; {best}",

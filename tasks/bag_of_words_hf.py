@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from core.errors import UserError
-from tasks.base import in_chunks
-from tasks.table_files import text_stream
+from tasks.table_files import in_chunks, text_stream
 from tasks.text_common import VOCABULARY, read_words
 
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1

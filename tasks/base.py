@@ -10,9 +10,8 @@ optimizer step always follows the mean gradient over the global batch, whatever 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -215,17 +214,6 @@ class Task:
 
     def example_inputs(self) -> tuple:
         raise NotImplementedError(f"{type(self).__name__} has no example inputs for torch.export")
-
-
-def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:
-    """`items` as lists of `size` (None: one list of all): predict_chunks' pieces; no items give one empty list."""
-    items = iter(items)
-    chunk = list(itertools.islice(items, size))
-    yield chunk
-    while size is not None and len(chunk) == size:
-        chunk = list(itertools.islice(items, size))
-        if chunk:
-            yield chunk
 
 
 class PipelineLayer(nn.Module):

@@ -17,10 +17,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
-from tasks.base import PipelineLayer, Task, in_chunks
+from tasks.base import PipelineLayer, Task
 from tasks.image_folder import BAD_IMAGE, image_files, open_rgb
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
+from tasks.table_files import in_chunks
 
 
 class Net(nn.Module):

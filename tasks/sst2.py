@@ -29,9 +29,9 @@ from torch.utils.data import Dataset
 from core.config import DataConfig
 from core.errors import ConfigError, DataError
 from tasks import lm_models, token_shards
-from tasks.base import PipelineLayer, Task, in_chunks
+from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
-from tasks.table_files import text_stream
+from tasks.table_files import in_chunks, text_stream
 from tasks.text_common import (WEIGHTS_DTYPE, bart_pipeline_layers, bert_pipeline_layers, bert_tp_plan,
                                load_or_train_tokenizer, load_report, note, pretrained_dropout, read_utf8,
                                weights_from_checkpoint)

@@ -389,6 +389,17 @@ def read_texts(path: str, text_column: str, own_column: Optional[str] = None) ->
     return list(text_stream(path, text_column, own_column))
 
 
+def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:
+    """`items` as lists of `size` (None: one list of all): predict_chunks' pieces; no items give one empty list."""
+    items = iter(items)
+    chunk = list(itertools.islice(items, size))
+    yield chunk
+    while size is not None and len(chunk) == size:
+        chunk = list(itertools.islice(items, size))
+        if chunk:
+            yield chunk
+
+
 def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:
     """The texts of a file in a split's format (its `text_column`; a CSV/TSV's only column too; a `datasets`
     save_to_disk folder) or a text file (one per line; blank lines skipped), decoded and parsed as a split is read (a
