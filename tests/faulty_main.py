@@ -26,6 +26,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import checkpoint, distributed  # noqa: E402
+from resilience import faults  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
@@ -93,7 +94,7 @@ if FAULT:
         checkpoint.shutil = types.SimpleNamespace(rmtree=rmtree)  # only core/checkpoint.py's deletes
 
 if __name__ == "__main__":
-    from resilience import faults
     import main
-    faults.ignore_late_signals = True  # as main.py's own __main__
+    faults.stop_request.catch_early()  # as main.py's own __main__
+    faults.ignore_late_signals = True
     sys.exit(main.main())
