@@ -11,6 +11,7 @@
                            "terminate called without an active exception")
     FAULT=killprune:0:N    rank 0 is SIGKILLed halfway through deleting the Nth checkpoint it prunes (meta.json
                            and one file gone, the rest still there)
+    FAULT=timing:-1:0      every rank logs `timing forward+backward` as train.batch_size auto starts timing it
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
@@ -26,6 +27,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import checkpoint, distributed  # noqa: E402
+from extras import balance  # noqa: E402
 from resilience import faults  # noqa: E402
 import trainer  # noqa: E402
 
@@ -92,6 +94,15 @@ if FAULT:
             shutil.rmtree(path, ignore_errors=ignore_errors)
 
         checkpoint.shutil = types.SimpleNamespace(rmtree=rmtree)  # only core/checkpoint.py's deletes
+
+    if kind == "timing":
+        time_forward_backward = balance.time_forward_backward
+
+        def timing(strategy, ctx, *args, **kwargs):
+            faults.report.log.info("timing forward+backward")
+            return time_forward_backward(strategy, ctx, *args, **kwargs)
+
+        balance.time_forward_backward = timing
 
 if __name__ == "__main__":
     import main

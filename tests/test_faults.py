@@ -387,6 +387,24 @@ def test_a_stop_signal_as_main_py_starts_is_a_stop_not_death_by_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stop_signal_while_batch_size_auto_times_the_ranks_stops_at_once(tmp_path):
+    """SIGTERM while train.batch_size auto (or precision auto) timed forward+backward waited for the timing to end:
+    minutes on a starved CPU (here 100000 batches). Every rank now stops after the batch it is timing, together:
+    exit 3, one line, nothing saved."""
+    out = tmp_path / "run"
+    proc = start(out, "--set", "train.batch_size=auto", "--set", "train.global_batch_size=32",
+                 "--set", "train.balance_steps=100000", fault="timing:-1:0", steps=3)
+    for rank in (0, 1):
+        wait_for_log(out, rank, r"timing forward\+backward")
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc, timeout=30)
+    assert code == errors.EXIT_STOPPED and "Traceback" not in stderr, stdout[-2000:] + stderr[-2000:]
+    assert [line for line in stdout.splitlines() if line.startswith("stopped by")] == [errors.stopped_before_training(
+        "SIGTERM", " while timing forward+backward (train.precision or train.batch_size auto)")], stdout
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
+
+
+@pytest.mark.slow
 def test_nodes_that_count_the_ranks_differently_are_one_line_not_a_hang(tmp_path):
     """The store counts arrivals only: node 0 counting 2 ranks ([1, 1]) and node 1 counting 3 ([1, 2]) met, then
     waited at DDP's first collective until dist.timeout_s (30 min by default) and ended in gloo tracebacks. Then
