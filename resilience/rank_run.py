@@ -4,6 +4,8 @@ naming the rank, its host and the step, then the group torn down where that cann
 from __future__ import annotations
 
 import contextlib
+import logging
+import logging.handlers
 import os
 import threading
 from typing import Optional
@@ -11,6 +13,7 @@ from typing import Optional
 from core import config, distributed, process_group
 from core.config import Config
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
+from core.launch_env import launcher_env
 from core.run_log import setup_logging
 from resilience import elastic, faults, heartbeat, resource_errors
 from resilience.faults import HOST, report
@@ -48,13 +51,22 @@ class RankRun:
         """This rank's log file, the process group, this rank's share of the CPU threads, and (several ranks) the
         heartbeat watchdog."""
         cfg, place = self.cfg, self.place
-        log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
+        # A rank whose process (or launcher) did not hold output_dir opens no log there before the ranks meet, when
+        # rank 0's refusal (output_dir in use by another run) would end it: its lines wait in memory until then.
+        admitted = place.rank == 0 or (launcher_env() is None and cfg.dist.node_rank == 0)
+        held = logging.handlers.BufferingHandler(capacity=10_000)
+        log = report.log = faults.stop_request.log = (setup_logging(cfg.output_dir, place.rank) if admitted else
+                                                      held_lines(place.rank, held))
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
         if self.time_used:
             log.info(f"train.time_limit counts from this torchrun launch's first start, {self.time_used:.0f} s ago: "
                      "torchrun restarted its workers")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
+        if not admitted:
+            log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
+            for record in held.buffer:
+                log.handle(record)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx
@@ -116,3 +128,14 @@ class RankRun:
         # A crash: never lost, never silent; a full disk or read-only folder is one line.
         line = resource_errors.failure_line(e, self.cfg.output_dir)
         return faults.user_error(f"error: {line}", self.watchdog) if line else faults.crash_report(e, self.watchdog)
+
+
+def held_lines(rank: int, held: logging.Handler) -> logging.Logger:
+    """A logger for rank `rank` whose lines go to `held` alone (RankRun.join_group)."""
+    log = logging.getLogger(f"trainer.rank{rank}.before_the_group")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.addHandler(held)
+    return log
