@@ -93,6 +93,14 @@ def record_exit(output_dir: str, local_rank: int, code: Optional[int], env=os.en
         pass
 
 
+def restarted_after_a_stop(output_dir: str, env=os.environ) -> bool:
+    """Whether torchrun restarted this launch's workers after they stopped and saved (the last attempt's exit code
+    3 in the launch record): a stop signal sent to them, not to torchrun, which counts the stop as a failure."""
+    if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return False
+    return (this_launchs_record(record_path(output_dir)) or {}).get("exit") == 3
+
+
 def stop_spent_restart(cfg, env=os.environ) -> bool:
     """Whether this torchrun restart comes after its launch's train.time_limit ran out (torchrun counts the time
     limit's stop, exit code 3, as a failure, and restarts): it stops at once, training nothing, else each restart

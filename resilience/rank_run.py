@@ -32,6 +32,7 @@ class RankRun:
         self.code: Optional[int] = None
         self.wait_said = False  # the line saying this rank waits for the others (waiting)
         self.time_used = 0.0  # of train.time_limit, before torchrun restarted this launch's workers
+        self.restarted_after_a_stop = False  # torchrun restarted its workers after they had stopped and saved
 
     def __enter__(self) -> "RankRun":
         faults.progress.rank = self.place.rank
@@ -42,6 +43,7 @@ class RankRun:
         if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
             limit = config.parse_duration(self.cfg.train.time_limit)
             used = elastic.time_used(self.cfg.output_dir, self.place.local_rank)  # (torchrun: the launch record)
+            self.restarted_after_a_stop = elastic.restarted_after_a_stop(self.cfg.output_dir)
             elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)
             self.time_used = used if limit else 0.0
             faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used)
@@ -62,6 +64,10 @@ class RankRun:
         if self.time_used:
             log.info(f"train.time_limit counts from this torchrun launch's first start, {self.time_used:.0f} s ago: "
                      "torchrun restarted its workers")
+        if self.restarted_after_a_stop:  # (what the stop's last line said, to run the command again, torchrun did)
+            log.info("note: torchrun restarted its workers after they stopped and saved (their exit code 3 is a "
+                     "failure to torchrun: the stop signal went to them, not to torchrun); training goes on from "
+                     "that checkpoint. To stop a torchrun run, signal torchrun itself (docs/slurm.md, section 4)")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
         if not admitted:
             log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
