@@ -65,9 +65,10 @@ class RankRun:
             log.info(f"train.time_limit counts from this torchrun launch's first start, {self.time_used:.0f} s ago: "
                      "torchrun restarted its workers")
         if self.restarted_after_a_stop:  # (what the stop's last line said, to run the command again, torchrun did)
-            log.info("note: torchrun restarted its workers after they stopped and saved (their exit code 3 is a "
-                     "failure to torchrun: the stop signal went to them, not to torchrun); training goes on from "
-                     "that checkpoint. To stop a torchrun run, signal torchrun itself (docs/slurm.md, section 4)")
+            log.info("note: torchrun restarted its workers after they stopped and saved (exit code 3): training goes "
+                     "on from that checkpoint. A stop signal sent to the workers, not to torchrun, ends so (torchrun "
+                     "counts their stop as a failure); to stop a torchrun run, signal torchrun itself (docs/slurm.md, "
+                     "section 4)")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
         if not admitted:
             log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
