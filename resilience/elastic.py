@@ -27,17 +27,19 @@ LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's tor
 PARENT_PID = os.getppid()  # at this process's start: torchrun, for its workers (it may die before they end)
 
 
-def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
+def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None,
+              record: bool = True) -> float:
     """Seconds of train.time_limit this torchrun launch used before this start. Its first start (restart count 0)
-    used none: local rank 0 records the time with the host and torchrun's pid. A restart of the same launch
-    (TORCHELASTIC_RESTART_COUNT > 0, the same torchrun on the same host) used the time since; a new command (a
-    deliberate resume, a requeued job) starts the limit anew, as does a record that is missing or not this launch's."""
+    used none: local rank 0 records the time with the host and torchrun's pid (unless `record` is False: a rank not
+    yet admitted to output_dir, rank_run.py). A restart of the same launch (TORCHELASTIC_RESTART_COUNT > 0, the same
+    torchrun on the same host) used the time since; a new command (a deliberate resume, a requeued job) starts the
+    limit anew, as does a record that is missing or not this launch's."""
     if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
         return 0.0
     now = time.time() if now is None else now
     path = record_path(output_dir)
     if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
-        if local_rank == 0:
+        if local_rank == 0 and record:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 write_record(path, {**this_launch(), "started": now})

@@ -8,6 +8,7 @@ import logging
 import logging.handlers
 import os
 import threading
+import time
 from typing import Optional
 
 from core import config, distributed, process_group
@@ -33,6 +34,10 @@ class RankRun:
         self.wait_said = False  # the line saying this rank waits for the others (waiting)
         self.time_used = 0.0  # of train.time_limit, before torchrun restarted this launch's workers
         self.restarted_after_a_stop = False  # torchrun restarted its workers after they had stopped and saved
+        # Whether this rank's process (or its launcher) holds output_dir: one that does not writes nothing there
+        # before the ranks meet, where rank 0's refusal (output_dir in use by another run) would end it.
+        self.admitted = place.rank == 0 or (launcher_env() is None and cfg.dist.node_rank == 0)
+        self.started = time.time()
 
     def __enter__(self) -> "RankRun":
         faults.progress.rank = self.place.rank
@@ -42,9 +47,10 @@ class RankRun:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
             limit = config.parse_duration(self.cfg.train.time_limit)
-            used = elastic.time_used(self.cfg.output_dir, self.place.local_rank)  # (torchrun: the launch record)
+            # (torchrun: the launch record; a rank not admitted yet writes it in join_group)
+            used = elastic.time_used(self.cfg.output_dir, self.place.local_rank, record=self.admitted)
             self.restarted_after_a_stop = elastic.restarted_after_a_stop(self.cfg.output_dir)
-            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)
+            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)  # (this launch's record only)
             self.time_used = used if limit else 0.0
             faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used)
         return self
@@ -53,12 +59,9 @@ class RankRun:
         """This rank's log file, the process group, this rank's share of the CPU threads, and (several ranks) the
         heartbeat watchdog."""
         cfg, place = self.cfg, self.place
-        # A rank whose process (or launcher) did not hold output_dir opens no log there before the ranks meet, when
-        # rank 0's refusal (output_dir in use by another run) would end it: its lines wait in memory until then.
-        admitted = place.rank == 0 or (launcher_env() is None and cfg.dist.node_rank == 0)
-        held = logging.handlers.BufferingHandler(capacity=10_000)
-        log = report.log = faults.stop_request.log = (setup_logging(cfg.output_dir, place.rank) if admitted else
-                                                      held_lines(place.rank, held))
+        held = logging.handlers.BufferingHandler(capacity=10_000)  # a rank not admitted: its lines until the ranks met
+        log = report.log = faults.stop_request.log = (setup_logging(cfg.output_dir, place.rank) if self.admitted
+                                                      else held_lines(place.rank, held))
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
         if self.time_used:
@@ -70,10 +73,12 @@ class RankRun:
                      "counts their stop as a failure); to stop a torchrun run, signal torchrun itself (docs/slurm.md, "
                      "section 4)")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
-        if not admitted:
+        if not self.admitted:
             log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
             for record in held.buffer:
                 log.handle(record)
+            if cfg.mode in ("train", "lr_find"):  # the launch's first start, which __enter__ records for the others
+                elastic.time_used(cfg.output_dir, place.local_rank, now=self.started)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx

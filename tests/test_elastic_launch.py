@@ -154,6 +154,38 @@ def test_a_torchrun_restart_after_the_workers_stopped_says_why_training_goes_on(
         assert json.loads(record.read_text())["exit"] == 0  # this attempt's, recorded as it ends
 
 
+def test_a_refused_second_torchrun_leaves_the_running_runs_launch_record_as_it_was(tmp_path, monkeypatch):
+    """A second torchrun on an output_dir in use, on the nodes of the running one: node 1's local rank 0 (rank 2)
+    wrote this host's launch record, the running run's, with its own torchrun's pid and start before rank 0's
+    refusal reached it at the roll call; the running run's restarts then counted train.time_limit anew, and its
+    workers' exit code 3 went unrecorded (no requeue). It now writes there once the ranks have met."""
+    import json
+    from conftest import make_config
+    from core import process_group
+    from core.errors import UserError
+    from main import RankPlace
+    from resilience.rank_run import RankRun
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    record = out / "logs" / f"launch-{socket.gethostname()}.json"
+    record.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid() + 1, "started": 1.0}))
+    running = {p.name: p.read_bytes() for p in (out / "logs").iterdir()}
+    for k, v in {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    def refused(*args, **kwargs):
+        raise UserError(f"output_dir {str(out)!r} is in use by another run")
+    monkeypatch.setattr(process_group, "init", refused)
+    cfg = make_config(out, dist={"strategy": "ddp", "nodes": 2, "procs_per_node": [2, 1], "node_rank": 1,
+                                 "master_addr": "127.0.0.1"})
+    with RankRun(cfg, RankPlace(2, 0, 3, 1)) as rank:
+        rank.join_group()
+    assert rank.code == 2
+    assert {p.name: p.read_bytes() for p in (out / "logs").iterdir()} == running
+
+
 @pytest.mark.slow
 def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
     """The real thing: a worker reads its agent's command line from /proc and names the command to use."""
