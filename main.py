@@ -35,18 +35,31 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
+        faults.stop_request.keep_early(stops_of(cfg, args))
         if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
             return 3
+        if faults.stop_request.reason:  # a stop signal as main.py started (catch_early): nothing to load or save
+            return faults.stopped_before_start(faults.stop_request.reason)
         import wiring  # torch, every strategy and task (seconds): loaded once the schema's mistakes are said
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         return mistake(e)
+    if faults.stop_request.reason:  # (one that came while torch loaded)
+        return faults.stopped_before_start(faults.stop_request.reason)
     if args.length_note and file_limits(args):  # said once the config holds: a mistake is one line
         print(args.length_note)
     if args.dev_run or cfg.train.dev_run:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
                            exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg))
     return run(cfg)
+
+
+def stops_of(cfg: Config, args: argparse.Namespace) -> list[str]:
+    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes and a
+    dev run end as they always did (Ctrl-C: 130; docs/faults.md)."""
+    if cfg.mode not in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
+        return []
+    return faults.stop_signals(cfg.train.stop_signal)
 
 
 def run(cfg: Config) -> int:
@@ -166,6 +179,7 @@ def file_limits(args: argparse.Namespace) -> bool:
 
 
 if __name__ == "__main__":
+    faults.stop_request.catch_early()  # first: a stop signal as main.py starts is a stop (exit 3), not death by it
     faults.ignore_late_signals = True
     code = main()
     # Whatever loaded torch (a rank torchrun or srun started, the one process of a run, the launcher of this node's

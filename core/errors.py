@@ -47,6 +47,12 @@ class Stopped(Exception):
     exit_code = EXIT_STOPPED
 
 
+def stopped_before_training(reason: str, during: str = "") -> str:
+    """The line of a run stopped by `reason` (a signal's name) before its first step: nothing to save."""
+    return (f"stopped by {reason}{during} before training began: nothing was trained, nothing needed saving; run the "
+            "same command to start again (it resumes from the last checkpoint, if there is one)")
+
+
 class Diverged(Exception):
     """Raised by the Trainer when training produced too many non-finite steps in a row (or parameters)."""
     exit_code = EXIT_DIVERGED

@@ -94,7 +94,7 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
     was_training = model.training
     model.train()
     with strategy.no_sync():
-        seconds = time_forward_backward(strategy, ctx, forward_backward, steps)
+        seconds = time_forward_backward(strategy, ctx, forward_backward, steps, trainer.hooks.stop_reason)
     model.train(was_training)
     return batch_size * steps / seconds
 
@@ -102,7 +102,8 @@ def measure_speed(trainer, batch_size: int, steps: int) -> float:
 def time_auto_settings(trainer, precision: bool, batches: bool) -> None:
     """Before the first step (wiring.RunHooks): train.precision auto on a CPU (`precision`), then train.batch_size
     auto (`batches`, timed in the chosen precision). The global batch, hence the batches per epoch and the steps,
-    stays as it is; only the sampler is rebuilt."""
+    stays as it is; only the sampler is rebuilt. A stop signal ends the timing after the batch each rank times, and
+    the run with it (rank_timing.time_forward_backward)."""
     if precision:
         choose_cpu_precision(trainer)
     if batches:
@@ -210,7 +211,7 @@ def time_precisions(trainer, steps: int) -> dict[str, float]:
     was_training = strategy.model.training
     strategy.model.train()
     with strategy.no_sync():
-        time_forward_backward(strategy, ctx, both, steps)
+        time_forward_backward(strategy, ctx, both, steps, trainer.hooks.stop_reason)
     strategy.model.train(was_training)
     return {p: statistics.median(t) for p, t in seconds.items()}
 
@@ -244,7 +245,7 @@ def replica_batch_sizes(trainer) -> tuple[list[int], str]:
     if strategy.pipelined:
         dataset = trainer.datasets["train"]
         batch = trainer.to_device(trainer.task.collate([dataset[i] for i in range(equal // unit)]))
-        seconds = strategy.seconds_per_sample(trainer.task, batch, t.balance_steps)
+        seconds = strategy.seconds_per_sample(trainer.task, batch, t.balance_steps, trainer.hooks.stop_reason)
     else:
         seconds = 1 / measure_speed(trainer, equal, t.balance_steps)
     every = distributed.gather_objects(ctx, (strategy.data_rank, seconds))

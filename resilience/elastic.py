@@ -27,17 +27,19 @@ LAUNCH_RECORD = "launch-{host}.json"  # in output_dir/logs: when this node's tor
 PARENT_PID = os.getppid()  # at this process's start: torchrun, for its workers (it may die before they end)
 
 
-def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None) -> float:
+def time_used(output_dir: str, local_rank: int, env=os.environ, now: Optional[float] = None,
+              record: bool = True) -> float:
     """Seconds of train.time_limit this torchrun launch used before this start. Its first start (restart count 0)
-    used none: local rank 0 records the time with the host and torchrun's pid. A restart of the same launch
-    (TORCHELASTIC_RESTART_COUNT > 0, the same torchrun on the same host) used the time since; a new command (a
-    deliberate resume, a requeued job) starts the limit anew, as does a record that is missing or not this launch's."""
+    used none: local rank 0 records the time with the host and torchrun's pid (unless `record` is False: a rank not
+    yet admitted to output_dir, rank_run.py). A restart of the same launch (TORCHELASTIC_RESTART_COUNT > 0, the same
+    torchrun on the same host) used the time since; a new command (a deliberate resume, a requeued job) starts the
+    limit anew, as does a record that is missing or not this launch's."""
     if "TORCHELASTIC_RESTART_COUNT" not in env:  # not torchrun's worker: nothing restarts it
         return 0.0
     now = time.time() if now is None else now
     path = record_path(output_dir)
     if env["TORCHELASTIC_RESTART_COUNT"] in ("", "0"):
-        if local_rank == 0:
+        if local_rank == 0 and record:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 write_record(path, {**this_launch(), "started": now})
@@ -91,6 +93,14 @@ def record_exit(output_dir: str, local_rank: int, code: Optional[int], env=os.en
         write_record(path, record if code is None else {**record, "exit": code})
     except OSError:  # (a full disk: the run itself says it)
         pass
+
+
+def restarted_after_a_stop(output_dir: str, env=os.environ) -> bool:
+    """Whether torchrun restarted this launch's workers after they stopped and saved (the last attempt's exit code
+    3 in the launch record): a stop signal sent to them, not to torchrun, which counts the stop as a failure."""
+    if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return False
+    return (this_launchs_record(record_path(output_dir)) or {}).get("exit") == 3
 
 
 def stop_spent_restart(cfg, env=os.environ) -> bool:

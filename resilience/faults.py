@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Optional
 
-from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line
+from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, first_line, stopped_before_training
 from core.launch_env import first_on_node, launcher_env
 
 HOST = socket.gethostname()
@@ -65,6 +65,10 @@ def stop_signals(extra_signal: Optional[str]) -> list[str]:
     return list(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP") + ((extra_signal,) if extra_signal else ())))
 
 
+# What main.py catches before its config is read: the stop signals, and every one train.stop_signal may name.
+EARLY_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+
 def already_stopping(name: str, pid: Optional[int] = None) -> str:
     """The line for a stop signal that comes while the run is already stopping (see StopRequest); `pid`: the
     process whose SIGKILL ends the whole run (main.py's launcher)."""
@@ -86,6 +90,25 @@ class StopRequest:
         self.deadline: Optional[float] = None
         self.log: Optional[logging.Logger] = None
         self.lines: queue.SimpleQueue = queue.SimpleQueue()  # (message, extra) the handler has to say
+        self.before_early: dict = {}  # signal -> its handler before catch_early (main.py), put back by keep_early
+
+    def catch_early(self) -> None:
+        """main.py's first act, before torch loads: a stop signal while it starts (the config checked, torch
+        loading, the ranks starting) is recorded, not death by it (exit 143 or 138: a crash to a job script, no
+        requeue); main.py then stops before training begins (stopped_before_start)."""
+        for name in EARLY_STOP_SIGNALS:
+            self.before_early[getattr(signal, name)] = signal.signal(getattr(signal, name), self._handle)
+
+    def keep_early(self, names: list[str]) -> None:
+        """Once the config is read: the signals caught early that do not stop this run (not in `names`) get their
+        handling back, and one of them that came meanwhile is delivered again, as if never caught."""
+        for signum, handler in self.before_early.items():
+            if signal.Signals(signum).name not in names:
+                signal.signal(signum, handler)
+                if self.reason == signal.Signals(signum).name:
+                    self.reason = None
+                    signal.raise_signal(signum)
+        self.before_early = {}
 
     def install(self, extra_signal: Optional[str], time_limit_s: Optional[float], used_s: float = 0.0) -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
@@ -183,6 +206,11 @@ class Reporter:
 
 
 report = Reporter()
+
+
+def stopped_before_start(reason: str) -> int:
+    """A stop signal (`reason`, its name) came before anything that could save was started: its one line, exit 3."""
+    return report(EXIT_STOPPED, stopped_before_training(reason))
 
 
 def console(code: int):

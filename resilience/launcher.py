@@ -104,16 +104,20 @@ class Supervisor:
     def supervise(self) -> int:
         self.previous_handlers = {n: signal.signal(n, self.forward) for n in self.signums}
         try:
-            self.spawn_ranks()
+            stopped = self.spawn_ranks()
+            if stopped:
+                return faults.stopped_before_start(stopped)
             self.watch()
             self.warn_about_teardowns()
             return self.summarize()
         finally:
             self.close()
 
-    def spawn_ranks(self) -> None:
+    def spawn_ranks(self) -> Optional[str]:
         """Start every rank. They start with the stop signals blocked (the mask is inherited) and unblock them once
-        their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits."""
+        their handlers are in (faults.StopRequest.install): a signal forwarded while a rank starts up waits. A stop
+        signal before they start (main.py's catch_early, or one forward had no rank to pass on to) starts none:
+        its name then."""
         self.report_dir = tempfile.mkdtemp(prefix="trainer-reports-")  # (in supervise's try: removed whatever happens)
         self.procs.extend(self.mpc.Process(target=rank_main, name=f"rank{place.rank}",
                                            args=(self.cfg, place, self.worker, self.report_dir, self.steps,
@@ -125,11 +129,15 @@ class Supervisor:
         resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
         try:
+            came = faults.stop_request.reason or next((signal.Signals(n).name for n in self.signals_seen), None)
+            if came:
+                return came
             with environment(rank_environment(self.cfg, len(self.places))):  # spawn: each rank starts with it
                 for p in self.procs:
                     p.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return None
 
     def forward(self, signum, frame) -> None:
         """The signal handler. The ranks run in their own process group: only we hear the terminal's Ctrl-C, and we

@@ -4,13 +4,17 @@ naming the rank, its host and the step, then the group torn down where that cann
 from __future__ import annotations
 
 import contextlib
+import logging
+import logging.handlers
 import os
 import threading
+import time
 from typing import Optional
 
 from core import config, distributed, process_group
 from core.config import Config
 from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
+from core.launch_env import launcher_env
 from core.run_log import setup_logging
 from resilience import elastic, faults, heartbeat, resource_errors
 from resilience.faults import HOST, report
@@ -29,6 +33,11 @@ class RankRun:
         self.code: Optional[int] = None
         self.wait_said = False  # the line saying this rank waits for the others (waiting)
         self.time_used = 0.0  # of train.time_limit, before torchrun restarted this launch's workers
+        self.restarted_after_a_stop = False  # torchrun restarted its workers after they had stopped and saved
+        # Whether this rank's process (or its launcher) holds output_dir: one that does not writes nothing there
+        # before the ranks meet, where rank 0's refusal (output_dir in use by another run) would end it.
+        self.admitted = place.rank == 0 or (launcher_env() is None and cfg.dist.node_rank == 0)
+        self.started = time.time()
 
     def __enter__(self) -> "RankRun":
         faults.progress.rank = self.place.rank
@@ -38,8 +47,10 @@ class RankRun:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if self.cfg.mode in ("train", "lr_find"):  # (lr_find: the sweep stops at the vote, its files written)
             limit = config.parse_duration(self.cfg.train.time_limit)
-            used = elastic.time_used(self.cfg.output_dir, self.place.local_rank)  # (torchrun: the launch record)
-            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)
+            # (torchrun: the launch record; a rank not admitted yet writes it in join_group)
+            used = elastic.time_used(self.cfg.output_dir, self.place.local_rank, record=self.admitted)
+            self.restarted_after_a_stop = elastic.restarted_after_a_stop(self.cfg.output_dir)
+            elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)  # (this launch's record only)
             self.time_used = used if limit else 0.0
             faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used)
         return self
@@ -48,13 +59,26 @@ class RankRun:
         """This rank's log file, the process group, this rank's share of the CPU threads, and (several ranks) the
         heartbeat watchdog."""
         cfg, place = self.cfg, self.place
-        log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
+        held = logging.handlers.BufferingHandler(capacity=10_000)  # a rank not admitted: its lines until the ranks met
+        log = report.log = faults.stop_request.log = (setup_logging(cfg.output_dir, place.rank) if self.admitted
+                                                      else held_lines(place.rank, held))
         log.info(f"rank {place.rank} on {HOST}: pid {os.getpid()}, local rank {place.local_rank} of "
                  f"{place.local_procs}, {place.world} ranks in all, {cfg.mode}", extra={"file_only": True})
         if self.time_used:
             log.info(f"train.time_limit counts from this torchrun launch's first start, {self.time_used:.0f} s ago: "
                      "torchrun restarted its workers")
+        if self.restarted_after_a_stop:  # (what the stop's last line said, to run the command again, torchrun did)
+            log.info("note: torchrun restarted its workers after they stopped and saved (exit code 3): training goes "
+                     "on from that checkpoint. A stop signal sent to the workers, not to torchrun, ends so (torchrun "
+                     "counts their stop as a failure); to stop a torchrun run, signal torchrun itself (docs/slurm.md, "
+                     "section 4)")
         self.ctx = process_group.init(cfg, place.rank, place.world, place.local_rank, place.rendezvous, self.waiting)
+        if not self.admitted:
+            log = report.log = faults.stop_request.log = setup_logging(cfg.output_dir, place.rank)
+            for record in held.buffer:
+                log.handle(record)
+            if cfg.mode in ("train", "lr_find"):  # the launch's first start, which __enter__ records for the others
+                elastic.time_used(cfg.output_dir, place.local_rank, now=self.started)
         self.ctx.cpu_threads = distributed.share_cores(self.ctx, place.local_procs)  # the plan prints what it chose
         self.watchdog = heartbeat.start_watchdog(cfg, self.ctx)
         return self.ctx
@@ -128,3 +152,14 @@ class RankRun:
         # A crash: never lost, never silent; a full disk or read-only folder is one line.
         line = resource_errors.failure_line(e, self.cfg.output_dir)
         return faults.user_error(f"error: {line}", self.watchdog) if line else faults.crash_report(e, self.watchdog)
+
+
+def held_lines(rank: int, held: logging.Handler) -> logging.Logger:
+    """A logger for rank `rank` whose lines go to `held` alone (RankRun.join_group)."""
+    log = logging.getLogger(f"trainer.rank{rank}.before_the_group")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.addHandler(held)
+    return log

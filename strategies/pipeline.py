@@ -315,12 +315,12 @@ class PipeStrategy(Strategy):
             out = TaskWithPlainLosses(task).eval_from_output(carry[0] if len(carry) == 1 else carry, batch)
         return out if self.reports else {}
 
-    def seconds_per_sample(self, task, batch: dict, steps: int) -> float:
+    def seconds_per_sample(self, task, batch: dict, steps: int, stop_reason=lambda: None) -> float:
         """This rank's forward + backward seconds per sample through its own stages (train.batch_size auto).
         The stages' inputs travel once, as in eval_batch; then every rank times its stages alone, `steps` times
         after an untimed pass, without the schedule: a replica's gradient all-reduce would make every pipeline
-        wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were
-        (core/rank_timing.time_forward_backward)."""
+        wait for the slowest. Gradients are dropped; dropout draws and buffers are left as they were; a stop signal
+        (`stop_reason`) ends it (core/rank_timing.time_forward_backward)."""
         inputs = {}
 
         def run(i: int, carry: tuple):
@@ -338,7 +338,7 @@ class PipeStrategy(Strategy):
             synchronize(self.ctx.device)
             return time.perf_counter() - start
 
-        seconds = time_forward_backward(self, self.ctx, forward_backward, steps)
+        seconds = time_forward_backward(self, self.ctx, forward_backward, steps, stop_reason)
         return seconds / steps / len(next(iter(batch.values())))
 
     def through_stages(self, carry: tuple, run: Callable[[int, tuple], object]) -> tuple:

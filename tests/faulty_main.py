@@ -11,6 +11,7 @@
                            "terminate called without an active exception")
     FAULT=killprune:0:N    rank 0 is SIGKILLed halfway through deleting the Nth checkpoint it prunes (meta.json
                            and one file gone, the rest still there)
+    FAULT=timing:-1:0      every rank logs `timing forward+backward` as train.batch_size auto starts timing it
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
@@ -26,6 +27,8 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import checkpoint, distributed  # noqa: E402
+from extras import balance  # noqa: E402
+from resilience import faults  # noqa: E402
 import trainer  # noqa: E402
 
 FAULT = os.environ.get("FAULT", "")
@@ -92,8 +95,17 @@ if FAULT:
 
         checkpoint.shutil = types.SimpleNamespace(rmtree=rmtree)  # only core/checkpoint.py's deletes
 
+    if kind == "timing":
+        time_forward_backward = balance.time_forward_backward
+
+        def timing(strategy, ctx, *args, **kwargs):
+            faults.report.log.info("timing forward+backward")
+            return time_forward_backward(strategy, ctx, *args, **kwargs)
+
+        balance.time_forward_backward = timing
+
 if __name__ == "__main__":
-    from resilience import faults
     import main
-    faults.ignore_late_signals = True  # as main.py's own __main__
+    faults.stop_request.catch_early()  # as main.py's own __main__
+    faults.ignore_late_signals = True
     sys.exit(main.main())

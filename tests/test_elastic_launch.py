@@ -130,6 +130,62 @@ def test_a_torchrun_restart_after_the_time_limit_stops_at_once_and_the_record_ke
     assert json.loads(record.read_text())["exit"] == 0
 
 
+def test_a_torchrun_restart_after_the_workers_stopped_says_why_training_goes_on(tmp_path, capsys, monkeypatch):
+    """A stop signal sent to the workers, not to torchrun: they stop and save (exit 3), torchrun counts it as a
+    failure and restarts them, and the restart trained on from the stop's checkpoint without a word on why the stop
+    was undone. A restart after exit 3 (the launch record's) now says it, in one line, as its rank joins."""
+    import json
+    from conftest import make_config
+    from main import RankPlace
+    from resilience.rank_run import RankRun
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    record = out / "logs" / f"launch-{socket.gethostname()}.json"
+    for count, code, said in (("1", 3, 1), ("1", 1, 0), ("0", 3, 0)):  # (0: a new command; its record is anew)
+        record.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid(),
+                                      "started": time.time() - 100, "exit": code}))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+        with RankRun(make_config(out, train={"max_steps": 1}), RankPlace(0, 0, 1, 1)) as rank:
+            rank.join_group()
+        notes = [line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("note: torchrun restarted its workers after they stopped")]
+        assert len(notes) == said and all("signal torchrun itself" in line for line in notes), (count, code, notes)
+        assert all(line in (out / "logs" / "rank0.log").read_text() for line in notes)
+        assert json.loads(record.read_text())["exit"] == 0  # this attempt's, recorded as it ends
+
+
+def test_a_refused_second_torchrun_leaves_the_running_runs_launch_record_as_it_was(tmp_path, monkeypatch):
+    """A second torchrun on an output_dir in use, on the nodes of the running one: node 1's local rank 0 (rank 2)
+    wrote this host's launch record, the running run's, with its own torchrun's pid and start before rank 0's
+    refusal reached it at the roll call; the running run's restarts then counted train.time_limit anew, and its
+    workers' exit code 3 went unrecorded (no requeue). It now writes there once the ranks have met."""
+    import json
+    from conftest import make_config
+    from core import process_group
+    from core.errors import UserError
+    from main import RankPlace
+    from resilience.rank_run import RankRun
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    record = out / "logs" / f"launch-{socket.gethostname()}.json"
+    record.write_text(json.dumps({"host": socket.gethostname(), "torchrun_pid": os.getppid() + 1, "started": 1.0}))
+    running = {p.name: p.read_bytes() for p in (out / "logs").iterdir()}
+    for k, v in {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    def refused(*args, **kwargs):
+        raise UserError(f"output_dir {str(out)!r} is in use by another run")
+    monkeypatch.setattr(process_group, "init", refused)
+    cfg = make_config(out, dist={"strategy": "ddp", "nodes": 2, "procs_per_node": [2, 1], "node_rank": 1,
+                                 "master_addr": "127.0.0.1"})
+    with RankRun(cfg, RankPlace(2, 0, 3, 1)) as rank:
+        rank.join_group()
+    assert rank.code == 2
+    assert {p.name: p.read_bytes() for p in (out / "logs").iterdir()} == running
+
+
 @pytest.mark.slow
 def test_plain_torchrun_with_restarts_exits_at_once_with_the_line(tmp_path):
     """The real thing: a worker reads its agent's command line from /proc and names the command to use."""

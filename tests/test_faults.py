@@ -416,6 +416,66 @@ def test_sigterm_to_the_launcher_while_its_ranks_start_is_a_stop_not_a_crash(tmp
     assert code == errors.EXIT_STOPPED and "died from" not in stdout + stderr, stdout[-2000:] + stderr[-2000:]
 
 
+def caught(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask, /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_as_main_py_starts_is_a_stop_not_death_by_it(tmp_path):
+    """A stop signal before the handlers were in (main.py checking the config, importing torch, holding output_dir
+    before its ranks start) ended main.py by the signal: exit 143 (SIGTERM) or 138 (SIGUSR1), which
+    scripts/slurm_job.sh reads as a crash and does not requeue. Each moment, polled, is now exit 3 and one line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "FAULT"))}
+    env["OMP_NUM_THREADS"] = "1"
+    before = ("before training began: nothing was trained, nothing needed saving; run the same command to start "
+              "again (it resumes from the last checkpoint, if there is one)")
+    for moment, name in (("caught", "SIGTERM"), ("torch loads", "SIGUSR1"), ("output_dir held", "SIGTERM")):
+        out = tmp_path / moment.replace(" ", "_")
+        proc = subprocess.Popen([sys.executable, "main.py", *args(out, steps=3)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        reached = {"caught": lambda: caught(proc.pid, signal.SIGTERM), "torch loads": lambda: loads_torch(proc.pid),
+                   "output_dir held": lambda: (out / ".lock").exists()}[moment]
+        deadline = time.monotonic() + 60
+        while not reached():
+            assert time.monotonic() < deadline and proc.poll() is None, (moment, proc.poll())
+            time.sleep(0.005)
+        proc.send_signal(getattr(signal, name))
+        code, stdout, stderr = finish(proc)
+        assert code == errors.EXIT_STOPPED and "Traceback" not in stderr, (moment, code, stdout[-2000:], stderr[-2000:])
+        lines = [line for line in stdout.splitlines() if line.startswith("stopped by")]
+        assert len(lines) == 1 and lines[0].startswith(f"stopped by {name}"), (moment, stdout)
+        if moment != "output_dir held":  # (then the ranks may have started: stopped after step 1, or as they met)
+            assert (stdout, stderr) == (f"stopped by {name} {before}\n", ""), moment
+            assert not (out / "checkpoints").exists() and not (out / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_batch_size_auto_times_the_ranks_stops_at_once(tmp_path):
+    """SIGTERM while train.batch_size auto (or precision auto) timed forward+backward waited for the timing to end:
+    minutes on a starved CPU (here 100000 batches). Every rank now stops after the batch it is timing, together:
+    exit 3, one line, nothing saved."""
+    out = tmp_path / "run"
+    proc = start(out, "--set", "train.batch_size=auto", "--set", "train.global_batch_size=32",
+                 "--set", "train.balance_steps=100000", fault="timing:-1:0", steps=3)
+    for rank in (0, 1):
+        wait_for_log(out, rank, r"timing forward\+backward")
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc, timeout=30)
+    assert code == errors.EXIT_STOPPED and "Traceback" not in stderr, stdout[-2000:] + stderr[-2000:]
+    assert [line for line in stdout.splitlines() if line.startswith("stopped by")] == [errors.stopped_before_training(
+        "SIGTERM", " while timing forward+backward (train.precision or train.batch_size auto)")], stdout
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
+
+
 @pytest.mark.slow
 def test_nodes_that_count_the_ranks_differently_are_one_line_not_a_hang(tmp_path):
     """The store counts arrivals only: node 0 counting 2 ranks ([1, 1]) and node 1 counting 3 ([1, 2]) met, then

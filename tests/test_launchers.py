@@ -65,10 +65,14 @@ def test_slurm_environment(tmp_path, spawn_reference):
 def test_srun_ranks_of_a_run_whose_output_dir_is_in_use_all_leave_with_rank_0s_line(tmp_path):
     """A second srun job on an output_dir in use: rank 0 was refused in one line, and rank 1 (srun ends no task
     for another's exit) waited at the rendezvous for dist.timeout_s (30 minutes by default), silent, holding the
-    job. Rank 0 now gives its line at the roll call: every rank leaves at once with it, exit 2."""
+    job. Rank 0 now gives its line at the roll call: every rank leaves at once with it, exit 2. And rank 1 had
+    written its first line into the running run's logs/rank1.log before it heard: nothing of it is there now."""
     from resilience.run_dir_lock import hold_output_dir
     out, port = tmp_path / "run", free_port()
-    out.mkdir()
+    (out / "logs").mkdir(parents=True)
+    for rank in range(2):  # the running run's logs, as they are before and must be after
+        (out / "logs" / f"rank{rank}.log").write_text(f"03:12:01 rank{rank} step 7/40 loss=0.51\n")
+    logs = {p.name: p.read_bytes() for p in (out / "logs").iterdir()}
     held = hold_output_dir(str(out))  # (this test is the other run)
     procs = []
     try:
@@ -91,6 +95,7 @@ def test_srun_ranks_of_a_run_whose_output_dir_is_in_use_all_leave_with_rank_0s_l
     for stdout, stderr in outputs:
         assert len(stderr.splitlines()) == 1 and stderr.startswith(line), stderr
     assert not (out / "checkpoints").exists()
+    assert {p.name: p.read_bytes() for p in (out / "logs").iterdir()} == logs
 
 
 def test_dp_runs_in_one_process(tmp_path):
