@@ -1,6 +1,7 @@
 """main.py runs unchanged under torchrun and under SLURM's srun (simulated by its environment variables), and
 dp in one process."""
 import dataclasses
+import datetime
 import os
 import subprocess
 import sys
@@ -128,8 +129,12 @@ def test_more_ranks_than_gpus_under_nccl_is_one_line_before_the_ranks_meet(tmp_p
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     gloo = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, backend="gloo"))
     ctx = process_group.init(gloo, rank=1, world_size=2, local_rank=1)
-    # (set again by the thread that joins the group: the current GPU is each thread's own)
-    assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, torch.device("cuda", 0), "group"])
+    assert (ctx.backend, str(ctx.device), touched) == ("gloo", "cuda:0", [0, "group"])
+    # (set again in the thread that forms the group: the current GPU is each thread's own)
+    monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: touched.append("formed"))
+    process_group.form_group("gloo", None, 1, 2, datetime.timedelta(seconds=5), ctx.device)
+    assert touched[2:] == [torch.device("cuda", 0), "formed"]
 
 
 def test_ranks_under_torchrun_and_srun_know_how_many_share_their_node(monkeypatch):
