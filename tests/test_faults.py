@@ -185,28 +185,40 @@ def test_joining_the_group_can_be_left_while_waiting_and_a_timeout_is_one_line(t
     assert not dist.is_initialized()
 
 
+def rank_1_joins(cfg, within_s: float, freezing=None) -> tuple[list, list]:
+    """Rank 1 joins the group in a thread (process_group.init), which must end within `within_s`; `freezing`: a store
+    host process stopped (SIGSTOP) 0.6 s into the wait. Returns (what init raised, when the host was frozen)."""
+    from core import process_group
+    frozen, raised = [], []
+
+    def waiting(seconds, where):
+        if freezing is not None and seconds > 0.6 and not frozen:
+            freezing.send_signal(signal.SIGSTOP)
+            frozen.append(time.monotonic())
+
+    def join():
+        try:
+            process_group.init(cfg, 1, 2, 0, waiting=waiting)
+        except Exception as e:
+            raised.append(e)
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    joining.join(within_s)
+    assert not joining.is_alive(), f"rank 1 still waits {within_s:g} s later"
+    return raised, frozen
+
+
 def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(tmp_path):
     """At master_addr:master_port something accepts connections and never answers: another program, or rank 0's
     process frozen (the kernel still accepts). Rank 1's TCPStore waited for its first answer for ever, whatever
     dist.timeout_s (still waiting a minute later); now the line after dist.timeout_s."""
-    from core import process_group
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
         cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 2, "nodes": 2, "procs_per_node": 1,
                                           "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
-        raised = []
-
-        def join():
-            try:
-                process_group.init(cfg, 1, 2, 0)
-            except Exception as e:
-                raised.append(e)
-        joining = threading.Thread(target=join, daemon=True)
-        joining.start()
-        joining.join(10)
-        assert not joining.is_alive(), "rank 1 still waits for an answer 10 s later"
+        raised, _ = rank_1_joins(cfg, within_s=10)
     store_calls_end()
     assert isinstance(raised[0], errors.UserError) and re.match(
         rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=2 \(DistNetworkError: "
@@ -218,28 +230,12 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
     """The link to node 0 cut while rank 1 waited in the roll call (two nodes in network namespaces): TCPStore's check
     never returned, so rank 1 waited until TCP gave up (~15 min), whatever dist.timeout_s. A frozen store host (here:
     SIGSTOP) is the same to rank 1. Now one line after min(dist.timeout_s, 60 s) without an answer."""
-    from core import process_group
     port = free_port()
     host = store_host(port)
     try:
         cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 3, "nodes": 2, "procs_per_node": 1,
                                           "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
-        frozen, raised = [], []
-
-        def waiting(seconds, where):  # rank 1 polls the store for rank 0's claim: freeze the store's host
-            if seconds > 0.6 and not frozen:
-                host.send_signal(signal.SIGSTOP)
-                frozen.append(time.monotonic())
-
-        def join():
-            try:
-                process_group.init(cfg, 1, 2, 0, waiting=waiting)
-            except Exception as e:
-                raised.append(e)
-        joining = threading.Thread(target=join, daemon=True)
-        joining.start()
-        joining.join(20)
-        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        raised, frozen = rank_1_joins(cfg, within_s=20, freezing=host)  # as it polls the store for rank 0's claim
         assert frozen and time.monotonic() - frozen[0] < 3 + 1.5
         assert isinstance(raised[0], errors.UserError) and re.match(
             rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
@@ -256,7 +252,7 @@ def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(
     """The roll call passed (rank 0's claim and verdict are in the store), then the store's host froze while rank 1
     formed the group in init_process_group: its store calls, in C++, were not timed, and rank 1 waited until TCP
     gave up (a cut link) or for ever (a frozen host). Now the same line as in the roll call, naming the call."""
-    from core import process_group, roll_call
+    from core import roll_call
     from datetime import timedelta
     port = free_port()
     host = store_host(port)
@@ -266,22 +262,7 @@ def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
         client.set("trainer-roll/rank/0", json.dumps(roll_call.roll_call_entry(cfg, 2)))
         client.set("trainer-roll/verdict", "ok")
-        frozen, raised = [], []
-
-        def waiting(seconds, where):  # rank 1 waits in init_process_group for rank 0's address: freeze the host
-            if seconds > 0.6 and not frozen:
-                host.send_signal(signal.SIGSTOP)
-                frozen.append(time.monotonic())
-
-        def join():
-            try:
-                process_group.init(cfg, 1, 2, 0, waiting=waiting)
-            except Exception as e:
-                raised.append(e)
-        joining = threading.Thread(target=join, daemon=True)
-        joining.start()
-        joining.join(20)
-        assert not joining.is_alive(), "rank 1 still waits for the frozen store 20 s later"
+        raised, frozen = rank_1_joins(cfg, within_s=20, freezing=host)  # as it waits in init_process_group
         # (torch gives up on its own calls after dist.timeout_s: unanswered a store call's time more, the host is down)
         assert frozen and time.monotonic() - frozen[0] < 3 + 3 + 1.5
         assert isinstance(raised[0], errors.UserError) and re.match(
