@@ -862,7 +862,6 @@ def test_time_limit_and_signal_config():
 # ==============================================================================================================
 def make_trainer(tmp_path, **train):
     from core import process_group
-    from wiring import build_task
     from wiring import build_trainer
     cfg = make_config(tmp_path, train={"max_steps": 10, "eval_every": 0, **train})
     return build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
