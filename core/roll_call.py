@@ -172,11 +172,16 @@ def ranks_named(ranks: list[int]) -> str:
 
 
 def not_met(d, rank: int, world_size: int, rendezvous: str, e: Exception) -> UserError:
-    """The line for ranks that did not meet: a node not started, another address or port, or (at once, not after
-    the timeout) rank 0 that cannot host the rendezvous on a port in use (srun's ranks are not checked before)."""
+    """The line for ranks that did not meet: a node not started, another address or port, rank 0's store gone
+    mid-meeting, or (at once, not after the timeout) rank 0 that cannot host the rendezvous on a port in use (srun's
+    ranks are not checked before)."""
     if "EADDRINUSE" in str(e) and rendezvous.startswith("tcp://"):
         return UserError(f"rank {rank}: dist.master_port {d.master_port} is already in use on {socket.gethostname()} "
                          f"(another run?); pick a free one, e.g. --set dist.master_port={d.master_port + 1}")
+    if any(lost in str(e) for lost in ("Broken pipe", "Connection reset")) and rendezvous.startswith("tcp://"):
+        return UserError(f"rank {rank}: the rendezvous store at {rendezvous} went away while the ranks met "
+                         f"({first_line(e)}): its host (rank 0, node 0) ended or cannot be reached; see node 0's "
+                         "output, then start every node again")
     same = {"tcp": "dist.master_addr and dist.master_port", "file": "dist.init_method, a file all of them see"}
     scheme = urlparse(rendezvous).scheme
     fix = (f"start all {d.nodes} nodes (dist.node_rank 0 to {d.nodes - 1}) with the same {same[scheme]}"

@@ -208,6 +208,22 @@ def rank_1_joins(cfg, within_s: float, freezing=None) -> tuple[list, list]:
     return raised, frozen
 
 
+def test_a_store_host_that_ends_as_the_ranks_meet_is_said_as_gone_not_as_not_started(tmp_path):
+    """Rank 0's store went away while rank 1 waited in the roll call (rank 0's process ended): the line said the ranks
+    "did not all meet within dist.timeout_s (DistNetworkError: Broken pipe)" and to start every node with the same
+    address and port, or raise dist.timeout_s: none of which it was."""
+    port = free_port()
+    host = store_host(port)
+    cfg = make_config(tmp_path, dist={"strategy": "ddp", "timeout_s": 5, "nodes": 2, "procs_per_node": 1,
+                                      "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
+    threading.Timer(1.0, host.kill).start()
+    raised, _ = rank_1_joins(cfg, within_s=20)
+    store_calls_end()
+    assert isinstance(raised[0], errors.UserError) and str(raised[0]).startswith(
+        f"rank 1: the rendezvous store at tcp://127.0.0.1:{port} went away while the ranks met "), raised
+    assert "ended or cannot be reached" in str(raised[0]) and "raise dist.timeout_s" not in str(raised[0])
+
+
 def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(tmp_path):
     """At master_addr:master_port something accepts connections and never answers: another program, or rank 0's
     process frozen (the kernel still accepts). Rank 1's TCPStore waited for its first answer for ever, whatever
