@@ -113,7 +113,7 @@ class Trainer:
         while not stop and state.step < self.total_steps:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
-            batches = [next(stream) for _ in range(self.step_micro_batches())]  # this rank's micro-batches
+            batches = [next(stream) for _ in range(self.grad_accum_this_step())]  # this rank's micro-batches
             rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
@@ -246,7 +246,7 @@ class Trainer:
                 yield batch
             state.epoch, state.batch_in_epoch, state.sample_in_epoch = state.epoch + 1, 0, 0
 
-    def step_micro_batches(self) -> int:
+    def grad_accum_this_step(self) -> int:
         """train.grad_accum_steps; an epoch-limited run's last step takes only the micro-batches left in its last
         epoch (Hugging Face's Trainer's shorter step; train_step weighs it by its samples, as any uneven batch)."""
         t, sampler = self.train_cfg, self.sampler
