@@ -228,6 +228,15 @@ def check_task(cfg: Config, fail) -> None:
     if cfg.train.compile and not TASKS[cfg.task].compiles_on_cpu and not cfg.dist.on_gpu():
         fail("train.compile", f"is refused for the {cfg.task} task on CPU: torch 2.13's inductor computes wrong "
                               "(zero) gradients for its convolutions (benchmarks/RESULTS.md); use eager, or a GPU")
+    bare, lower = str(cfg.train.best_metric).removeprefix("ema_"), TASKS[cfg.task].lower_is_better
+    split, _, ours = bare.partition("_")
+    if split in ("eval", "val", "valid", "validation") and ours in lower:  # eval_loss, val_loss: loss, of dev here
+        fail("train.best_metric", f"is {cfg.train.best_metric!r} (Hugging Face's or Lightning's name): it is {ours!r} "
+                                  "here")
+    if cfg.train.best_mode == "auto" and bare.endswith("loss") and bare not in lower:  # auto would maximise it
+        fail("train.best_metric", f"is {cfg.train.best_metric!r}, a loss, but task {cfg.task} does not list it in "
+                                  "Task.lower_is_better: best_mode auto would keep its highest; set train.best_mode: "
+                                  "min (or list it there)")
 
 
 def check_reader_keys(cfg: Config, fail) -> None:

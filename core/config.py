@@ -303,7 +303,7 @@ class TrainConfig:
     None: the task's own choice (accuracy for classification, loss for pretraining and language modelling)."""
     best_mode: Literal["auto", "max", "min"] = "auto"
     """Whether larger or smaller best_metric is better. auto: the task says (Task.lower_is_better: min for losses and
-    perplexity, max otherwise)."""
+    perplexity, max otherwise; a `*_loss` the task does not list is refused: set min)."""
     log_every: int = 20
     """Print/log training loss, lr and throughput every N steps (every rank writes the line to its own log)."""
     time_limit: Union[None, int, float, str] = None

@@ -63,18 +63,18 @@ def test_other_trainers_names_point_at_ours_in_one_line():
 
 
 def test_a_best_metric_named_as_hugging_face_does_keeps_the_run(tmp_path, capsys):
-    """best_metric eval_loss (Hugging Face's name), known wrong only at the first evaluation: with eval_every 0,
+    """best_metric eval_accuracy (Hugging Face's name), known wrong only at the first evaluation: with eval_every 0,
     the run's end, whose checkpoint was never written. Now that step is saved and its evaluation due, and the
     message names ours; the corrected command resumes there and ends as a run with the right name from the start."""
     train = {"max_steps": 3, "eval_every": 0, "save_every": 0, "schedule": "constant", "warmup": 0.5}
-    cfg = make_config(tmp_path / "named", train={**train, "best_metric": "eval_loss"})
+    cfg = make_config(tmp_path / "named", train={**train, "best_metric": "eval_accuracy"})
     assert main.run(cfg) == 2
     err = capsys.readouterr().err.strip()
-    assert "`train.best_metric` is 'eval_loss', not among the dev metrics (loss, accuracy" in err, err
-    assert "use 'loss'" in err and "step-3 is saved" in err and len(err.splitlines()) == 1, err
+    assert "`train.best_metric` is 'eval_accuracy', not among the dev metrics (loss, accuracy" in err, err
+    assert "use 'accuracy'" in err and "step-3 is saved" in err and len(err.splitlines()) == 1, err
     assert checkpoint.latest(str(tmp_path / "named")).endswith("step-3")
-    assert main.run(make_config(tmp_path / "named", train={**train, "best_metric": "loss"})) == 0
-    assert main.run(make_config(tmp_path / "right", train={**train, "best_metric": "loss"})) == 0
+    assert main.run(make_config(tmp_path / "named", train={**train, "best_metric": "accuracy"})) == 0
+    assert main.run(make_config(tmp_path / "right", train={**train, "best_metric": "accuracy"})) == 0
     for out in ("named", "right"):
         assert checkpoint_meta.best_recorded(str(tmp_path / out)).endswith("step-3")
     named, right = (checkpoint_meta.read(checkpoint.latest(str(tmp_path / out))) for out in ("named", "right"))
@@ -109,3 +109,18 @@ def test_settings_that_would_do_nothing_are_refused():
             checked_config("parameters.yml", sets)
         assert str(e.value).startswith(f"parameters.yml + --set: {start}"), str(e.value)
     assert checked_config("parameters.yml", ["train.schedule=constant", "train.eval_every=0"]).train.patience == 0
+
+
+def test_a_loss_the_task_does_not_list_is_not_maximised_unsaid():
+    """best_mode auto takes the task's lower_is_better: a metric named `*_loss` that a user's task does not list there
+    was maximised (Hugging Face takes any name ending in "loss" as lower-is-better): the worst checkpoint kept."""
+    with pytest.raises(ConfigError) as e:
+        checked_config("parameters.yml", ["train.best_metric=nll_loss"])
+    assert "is 'nll_loss', a loss, but task image does not list it in Task.lower_is_better" in str(e.value)
+    assert "train.best_mode: min" in str(e.value)
+    assert checked_config("parameters.yml", ["train.best_metric=nll_loss", "train.best_mode=min"]).train.best_mode == \
+        "min"
+    assert checked_config("parameters.yml", ["train.best_metric=ema_loss", "train.ema_decay=0.99"])  # (listed)
+    for theirs in ("eval_loss", "val_loss"):  # their names for ours: said at start, not at the first evaluation
+        with pytest.raises(ConfigError, match=f"is '{theirs}' \\(Hugging Face's or Lightning's name\\): it is 'loss'"):
+            checked_config("parameters.yml", [f"train.best_metric={theirs}"])
