@@ -37,7 +37,8 @@ def test(trainer) -> dict:
             where = os.path.join(cfg.output_dir, f"{split}_results.json")
             record = {"checkpoint": os.path.abspath(path), "weights": weights, "split": split,
                       "metrics": results[split]}
+            replacing = os.path.exists(where)  # (an earlier test's: said, as predict says its predictions.csv)
             write_beside(where, lambda f: json.dump(record, f, indent=2))
-            log.info(f"wrote {where}")
+            log.info(f"wrote {where}" + (f", replacing the earlier {split}_results.json" if replacing else ""))
     trainer.close()  # (the splits' loaders, whose workers are kept for another evaluation)
     return results

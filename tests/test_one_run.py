@@ -67,7 +67,9 @@ def test_a_fresh_start_into_another_runs_folder_is_refused_or_starts_over(tmp_pa
     logged = checkpoint_meta.read(result["checkpoint"])["metrics"]
     assert abs(result["metrics"]["loss"] - logged["loss"]) < 1e-6
     assert result["metrics"]["accuracy"] == logged["accuracy"]
-    assert f"wrote {tmp_path}/dev_results.json" in capsys.readouterr().out
+    assert f"wrote {tmp_path}/dev_results.json\n" in capsys.readouterr().out
+    assert main.main(["--params", str(tmp_path / "config.yml"), "--set", "mode=test"]) == 0  # again: said
+    assert f"wrote {tmp_path}/dev_results.json, replacing the earlier dev_results.json" in capsys.readouterr().out
 
 
 def test_resuming_another_runs_checkpoint_lists_the_differences(tmp_path, capsys):
