@@ -64,14 +64,16 @@ def saved_train(meta: dict) -> dict:
     return (meta.get("config") or {}).get("train") or {}
 
 
-def best(output_dir: str, best_step: Optional[int]) -> Optional[str]:
+def best(output_dir: str, best_step: Optional[int]) -> tuple[Optional[str], bool]:
     """The checkpoint of step `best_step` (the best on dev), or the latest where that one is gone or unknown
-    (best_recorded reads the step from the latest checkpoint's meta.json)."""
+    (best_recorded reads the step from the latest checkpoint's meta.json); and whether a best step's is gone."""
     last = checkpoint.latest(output_dir)
     if last is None:
-        return None
+        return None, False
     candidate = os.path.join(checkpoint.root(output_dir), f"step-{best_step}")
-    return candidate if best_step is not None and checkpoint.is_complete(candidate) else last
+    if best_step is not None and checkpoint.is_complete(candidate):
+        return candidate, False
+    return last, best_step is not None
 
 
 def best_recorded(output_dir: str, note: Optional[Callable[[str], None]] = None,
@@ -81,8 +83,8 @@ def best_recorded(output_dir: str, note: Optional[Callable[[str], None]] = None,
     `note` (default: a line on stderr) before the latest stands in for it; `named_by`: how to name another."""
     last = checkpoint.latest(output_dir)
     best_step = read(last)["state"].get("best_step") if last else None
-    path = best(output_dir, best_step)
-    if best_step is not None and path != os.path.join(checkpoint.root(output_dir), f"step-{best_step}"):
+    path, gone = best(output_dir, best_step)
+    if gone:
         (note or warn_on_stderr)(
             f"the best checkpoint, step-{best_step} (as {os.path.basename(last)} records it), is gone from "
             f"{checkpoint.root(output_dir)}: reading the latest, {os.path.basename(last)}, instead (to read another: "

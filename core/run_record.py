@@ -117,8 +117,8 @@ def summary(cfg: Config, state, best_metric: str, task) -> str:
     if s.best_step is not None and cfg.train.eval_batches:  # ranked on the subset; the last line above: whole split
         best += f" (on the dev subset of train.eval_batches={cfg.train.eval_batches})"
     params = shlex.quote(os.path.join(out, "config.yml"))  # this run's effective config: all the next commands need
-    kept = checkpoint_meta.best(out, s.best_step)  # (the latest, where the best was deleted by hand: said, as test mode says)
-    if kept and s.best_step is not None and kept != os.path.join(checkpoint.root(out), f"step-{s.best_step}"):
+    kept, gone = checkpoint_meta.best(out, s.best_step)  # (the latest where the best was deleted: said, as in test mode)
+    if gone:
         kept += f"; the best checkpoint, step-{s.best_step}, is gone: the latest stands in"
     lines = [f"done: {s.step} steps; {best}",
              f"  checkpoints  {checkpoint.root(out)} (best: {kept})",
