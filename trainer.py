@@ -362,7 +362,8 @@ class Trainer:
             self.log.info(f"step {self.state.step} {shown_as}: "
                           + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + subset)
             # (the last step's ranked subset: its line alone; the trackers get the whole split's, one value a tag)
-            if self.trackers and not (ranked and len(indices) != len(self.eval_indices(split, len(dataset)))):
+            at_last = ranked and self.state.step >= self.total_steps  # (before it, ranked and reported sets are one)
+            if self.trackers and not (at_last and len(indices) != len(self.eval_indices(split, len(dataset)))):
                 self.trackers.scalars(self.state.step, {f"{shown_as}/{k}": v for k, v in metrics.items()})
         return metrics
 
