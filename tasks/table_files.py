@@ -210,7 +210,7 @@ def checked(path: str, rows: Rows, columns: tuple[str, str]) -> tuple[list[str],
 
 
 class MissingColumn(DataError):
-    """need_columns' DataError; `found`: the columns the file has (read_texts then tries the task's own name)."""
+    """need_columns' DataError; `found`: the columns the file has (text_stream then tries the task's own name)."""
 
     def __init__(self, message: str, found: list):
         super().__init__(message)
@@ -382,11 +382,6 @@ READERS = {".csv": csv_rows, ".tsv": tsv_rows, ".jsonl": jsonl_rows, ".json": js
 
 # ---- mode: predict's texts (extras/predict.py): no labels --------------------------------------------------------
 TEXT_FILES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".parquet")
-
-
-def read_texts(path: str, text_column: str, own_column: Optional[str] = None) -> list[str]:
-    """text_stream's texts, all of them."""
-    return list(text_stream(path, text_column, own_column))
 
 
 def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:

@@ -323,11 +323,17 @@ def test_runs_on_json_lines_and_parquet_train_alike(tmp_path):
     assert losses["jsonl"][-1] < losses["jsonl"][0]
 
 
+def read_texts(path: str, text_column: str) -> list[str]:
+    """mode predict's texts of a file, all of them (text_stream streams them)."""
+    from tasks.table_files import text_stream
+    return list(text_stream(path, text_column))
+
+
 @pytest.mark.parametrize("fmt", ["csv", "tsv"])
 def test_predict_reads_a_file_as_training_reads_it(tmp_path, fmt):
-    """mode: predict's texts (read_texts) are the texts a split of the same file gives, byte-order mark and quotes
+    """mode: predict's texts (text_stream) are the texts a split of the same file gives, byte-order mark and quotes
     included: a TSV is not quoted, and Excel's "CSV UTF-8" starts with a BOM."""
-    from tasks.table_files import csv_rows, read_texts
+    from tasks.table_files import csv_rows
     rows = [("sentence", "sentiment"), ("A fine film", "pos"), ("", "neg"), ('"a great" film', "pos")]
     path = tmp_path / f"train.{fmt}"
     with open(path, "w", newline="", encoding="utf-8-sig") as f:  # CRLF line ends, as Excel writes them
@@ -348,7 +354,6 @@ def test_predict_reads_a_file_as_training_reads_it(tmp_path, fmt):
 def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header(tmp_path, capsys):
     """A one-column CSV of texts without a header lost its first text in silence: the line is still the header (as a
     split's is), and one line quotes it, so a user who meant it as a text sees it."""
-    from tasks.table_files import read_texts
     (tmp_path / "new.csv").write_text("a fine film\nawful\n")
     assert read_texts(str(tmp_path / "new.csv"), "text") == ["awful"]
     said = capsys.readouterr().out
@@ -366,7 +371,6 @@ def test_predict_says_when_a_one_column_file_s_first_line_is_taken_as_its_header
 def test_predict_reads_every_format_a_split_is_read_in(tmp_path, fmt):
     """predict.input in any training format (it took .csv, .tsv and .txt only): the texts of its data.text_column, as
     the split reader gives them; a file without that column is one line naming the columns it has."""
-    from tasks.table_files import read_texts
     write(tmp_path / "data", fmt, "new", ROWS["train"])
     path = str(tmp_path / "data" / ("new" if fmt == "save_to_disk" else f"new.{fmt}"))
     assert read_texts(path, "sentence") == [text for text, _ in ROWS["train"]]
@@ -380,7 +384,7 @@ def test_a_json_escape_of_half_a_surrogate_pair_is_one_line_naming_its_line(tmp_
     """JSON's "\\ud800" (half of an emoji's UTF-16 pair, a text cut inside one) is no character: sst2's predict
     crashed in the tokenizer (a TypeError traceback), csv_text read it silently; now a DataError naming the line,
     for predict.input and a split alike. A whole pair ("\\ud83d\\ude00") is its emoji."""
-    from tasks.table_files import jsonl_rows, read_texts
+    from tasks.table_files import jsonl_rows
     path = tmp_path / "new.jsonl"
     path.write_text('{"text": "fine \\ud83d\\ude00", "label": "pos"}\n\n{"text": "cut \\ud83d", "label": "neg"}\n')
     for read in (lambda: read_texts(str(path), "text"), lambda: list(jsonl_rows(str(path), ("text", "label")))):
