@@ -320,6 +320,17 @@ class TrainConfig:
     """Steps with a NaN/Inf gradient norm are skipped; this many in a row stop training (exit code 4). fp16:
     overflows count only once the loss scale has fallen below 1."""
 
+    def check_schedule(self, fail) -> None:
+        """The learning-rate schedule's settings (trainer.lr_factor_function)."""
+        if self.min_lr_ratio and self.schedule == "constant":  # (it would do nothing)
+            fail("train.min_lr_ratio", f"is {self.min_lr_ratio:g}, but train.schedule constant never decays: set "
+                                       "train.schedule linear or cosine, or train.min_lr_ratio 0")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {self.warmup}")
+        if self.warmup >= 1 and self.max_steps and self.warmup > self.max_steps:  # (epochs may end it sooner: trainer.py)
+            fail("train.warmup", f"is {self.warmup:g} steps, longer than the run (train.max_steps={self.max_steps}); "
+                                 "lower it, or give a fraction of the run (< 1)")
+
     def check(self, fail) -> None:
         in_range(fail, "train.lr", self.lr, above=0)
         in_range(fail, "train.eps", self.eps, above=0)
@@ -347,20 +358,13 @@ class TrainConfig:
         if self.patience and not self.eval_every:  # (it would do nothing)
             fail("train.patience", f"is {self.patience}, but train.eval_every is 0: the one evaluation is the run's "
                                    "last, early stopping could never stop it; set train.eval_every")
-        if self.min_lr_ratio and self.schedule == "constant":  # (it would do nothing)
-            fail("train.min_lr_ratio", f"is {self.min_lr_ratio:g}, but train.schedule constant never decays: set "
-                                       "train.schedule linear or cosine, or train.min_lr_ratio 0")
+        self.check_schedule(fail)
         betas = self.betas
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):
             fail("train.betas", f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {config_yaml.shown(betas)}")
         if self.max_steps == 0 and self.epochs == 0:
             fail("train.max_steps", "and train.epochs are both 0: set at least one")
-        if self.warmup >= 1 and self.warmup != int(self.warmup):
-            fail("train.warmup", f"must be a whole number of steps (>= 1) or a fraction (< 1), got {self.warmup}")
-        if self.warmup >= 1 and self.max_steps and self.warmup > self.max_steps:  # (epochs may end it sooner: trainer.py)
-            fail("train.warmup", f"is {self.warmup:g} steps, longer than the run (train.max_steps={self.max_steps}); "
-                                 "lower it, or give a fraction of the run (< 1)")
         try:
             limit = parse_duration(self.time_limit)
         except ValueError:
