@@ -156,7 +156,7 @@ class LossWindow:
         self.reset()
 
     def reset(self):
-        # float64: a window may span a whole run (log_every as long as it); float32 sums drift by 1% over 10^6 steps
+        # float64: a window may span a whole run (log_every as long as it), where float32 sums lose the loss's digits
         self.loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         self.count = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         self.samples, self.tokens, self.start = 0, None, time.perf_counter()

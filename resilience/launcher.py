@@ -39,8 +39,8 @@ EXIT_GRACE_S = 60.0  # a rank that is done may take this long (at most dist.hang
 def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, finished, parent_pid: int) -> None:
     """What a started rank runs: tie it to the Supervisor (die with it, report to it), then be one rank
     (`worker(cfg, place)`: wiring.worker)."""
-    # A spawned process spawns too: data.num_workers would start as fresh interpreters importing everything again,
-    # at each evaluation (4.5 s, not 0.1). The platform's default, as a torchrun rank and a one-process run have.
+    # A spawned process spawns too: data.num_workers would start as fresh interpreters, importing everything again
+    # (seconds each: benchmarks/RESULTS.md). The platform's default instead, as torchrun's ranks have.
     mp.set_start_method(None, force=True)
     set_parent_death_signal(parent_pid)
     os.setpgrp()  # out of the terminal's process group: one Ctrl-C reaches us once, forwarded by the Supervisor
