@@ -224,6 +224,15 @@ def test_a_store_host_that_ends_as_the_ranks_meet_is_said_as_gone_not_as_not_sta
     assert "ended or cannot be reached" in str(raised[0]) and "raise dist.timeout_s" not in str(raised[0])
 
 
+def assert_store_went_silent(raised: list, port: int, seconds: int, call: str) -> None:
+    """Rank 1's one line for a store (on `port`, dist.timeout_s 3) that left `call` unanswered for `seconds`."""
+    assert isinstance(raised[0], errors.UserError) and re.match(
+        rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
+        rf"\(DistNetworkError: the rendezvous store did not answer a call for {seconds} s: its host \(node 0\), or "
+        rf"the network to it, is down \({call} at 127.0.0.1:{port}, from {re.escape(socket.gethostname())}\)\); "
+        r"start all 2 nodes", str(raised[0])), raised
+
+
 def test_a_port_that_takes_connections_but_never_answers_is_one_line_not_a_hang(tmp_path):
     """At master_addr:master_port something accepts connections and never answers: another program, or rank 0's
     process frozen (the kernel still accepts). Rank 1's TCPStore waited for its first answer for ever, whatever
@@ -253,11 +262,7 @@ def test_a_store_that_stops_answering_in_the_roll_call_is_one_line_not_a_hang(tm
                                           "node_rank": 1, "master_addr": "127.0.0.1", "master_port": port})
         raised, frozen = rank_1_joins(cfg, within_s=20, freezing=host)  # as it polls the store for rank 0's claim
         assert frozen and time.monotonic() - frozen[0] < 3 + 1.5
-        assert isinstance(raised[0], errors.UserError) and re.match(
-            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
-            r"\(DistNetworkError: the rendezvous store did not answer a call for 3 s: its host \(node 0\), or the "
-            rf"network to it, is down \((check|get) at 127.0.0.1:{port}, from {re.escape(socket.gethostname())}\)\); "
-            r"start all 2 nodes", str(raised[0])), raised
+        assert_store_went_silent(raised, port, 3, "(check|get)")
     finally:
         host.kill()
         store_calls_end()
@@ -281,11 +286,7 @@ def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(
         raised, frozen = rank_1_joins(cfg, within_s=20, freezing=host)  # as it waits in init_process_group
         # (torch gives up on its own calls after dist.timeout_s: unanswered a store call's time more, the host is down)
         assert frozen and time.monotonic() - frozen[0] < 3 + 3 + 1.5
-        assert isinstance(raised[0], errors.UserError) and re.match(
-            rf"rank 1: the 2 ranks did not all meet at tcp://127.0.0.1:{port} within dist.timeout_s=3 "
-            r"\(DistNetworkError: the rendezvous store did not answer a call for 6 s: its host \(node 0\), or the "
-            rf"network to it, is down \(init_process_group at 127.0.0.1:{port}, from "
-            rf"{re.escape(socket.gethostname())}\)\); start all 2 nodes", str(raised[0])), raised
+        assert_store_went_silent(raised, port, 6, "init_process_group")
     finally:
         host.kill()
         store_calls_end()
