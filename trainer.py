@@ -165,9 +165,9 @@ class Trainer:
             count_and_vote = count_and_vote.pin_memory()
         count_and_vote = count_and_vote.to(ctx.device, non_blocking=self.pin_memory)
         global_count, stop_votes = distributed.all_reduce_sum(ctx, count_and_vote)
-        # DDP/FSDP divide the summed gradients by grad_average_over (the world size under ddp); times it, over the
-        # global count, the summed losses give the mean over the global batch, whatever each rank's share.
-        loss_weight = strategy.grad_average_over / global_count  # a tensor on the device: the host does not wait
+        # Each rank's summed loss over the global count: the ranks' gradients, summed (not averaged: DDP's hook is
+        # replicated.sum_gradients), are then the mean over the global batch, whatever each rank's share.
+        loss_weight = 1 / global_count  # a tensor on the device: the host does not wait
         # -----> the forward and backward of each micro-batch: Strategy.forward_backward (strategies/base.py); all
         # but the last run under DDP's no_sync, and the last backward all-reduces (one micro-batch by default)
         rank_loss_sum = strategy.forward_backward(self.task, [self.to_device(b) for b in batches], loss_weight,

@@ -34,9 +34,9 @@ class Strategy:
                  ctx: DistContext, scaler: Optional[torch.amp.GradScaler] = None):
         # `model` runs the forward (under ddp, the DDP wrapper around raw_model); `raw_model` is what is saved.
         self.model, self.raw_model, self.optimizer, self.ctx, self.scaler = model, raw_model, optimizer, ctx, scaler
-        # This rank reads share `data_rank` of `data_shares` of each global batch; the gradient all-reduce divides by
-        # `grad_average_over`, which the Trainer's loss weight multiplies back. Under ddp: rank, world size, world size.
-        self.data_rank, self.data_shares, self.grad_average_over = ctx.rank, ctx.world_size, ctx.world_size
+        # This rank reads share `data_rank` of `data_shares` of each global batch (under ddp: its rank, of the world
+        # size). Every strategy sums the shares' gradients (replicated.sum_gradients), never averages them.
+        self.data_rank, self.data_shares = ctx.rank, ctx.world_size
         # True: this rank's batch counts in the global count, its loss and results are reported; one rank per
         # replica (under ddp every rank; a tp group's first rank; a pipeline's first stage).
         self.counts_its_batch = True
@@ -80,11 +80,11 @@ class Strategy:
                 loss = loss_sum.float() * loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().float()
-        self.reduce_grads()  # DDP's and FSDP's hooks averaged the gradients during backward; tp and pipe do it here
+        self.reduce_grads()  # DDP's and FSDP's hooks summed the gradients during backward; tp and pipe do it here
         return total if self.counts_its_batch else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
-        """Called after a step's last backward, for strategies that average gradients themselves (tp, pipe). DDP and
+        """Called after a step's last backward, for strategies that sum gradients themselves (tp, pipe). DDP and
         FSDP reduce gradients during backward: nothing to do."""
 
     def share_buffers(self) -> None:
@@ -106,7 +106,7 @@ class Strategy:
 
     def grad_norm(self, clip_to: float) -> torch.Tensor:
         """The global gradient norm, measured every step; the gradients are also clipped to `clip_to` unless it is
-        inf. Under ddp every rank holds the averaged gradients (in raw_model's parameters, which DDP wraps and does
+        inf. Under ddp every rank holds the summed gradients (in raw_model's parameters, which DDP wraps and does
         not copy), so its own norm is the global one (fsdp, oss and pipe override this: each rank holds a part)."""
         if math.isinf(clip_to):  # measuring alone: no clipping's extra pass over the gradients
             return torch.nn.utils.get_total_norm([p.grad for p in self.raw_model.parameters() if p.grad is not None])

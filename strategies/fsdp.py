@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -42,7 +42,7 @@ class FSDPStrategy(Strategy):
         self.save_groups = None  # train.async_save: DCP's own process groups, made at the first start_save
         if mesh is not None:  # a tp group reads one share of the batch, reports once, draws the same dropout masks
             dp, tp = mesh["dp"], mesh["tp"]
-            self.data_rank, self.data_shares, self.grad_average_over = dp.get_local_rank(), dp.size(), dp.size()
+            self.data_rank, self.data_shares = dp.get_local_rank(), dp.size()
             self.counts_its_batch = tp.get_local_rank() == 0
             self.seed_offset = ctx.rank - tp.get_local_rank()  # (inside the split matrices: tp.PerRankDropout)
             self.replica_group = tp.get_group() if tp.size() > 1 else None  # balance.py times the group together
@@ -259,6 +259,7 @@ def apply_fsdp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=Non
             replace_module(model, unit, wrap(unit))
         model.register_forward_hook(join_output_grads)
         root = wrap(model)
+        root.set_gradient_divide_factors(1.0, 1.0, recursive=True)  # summed over the ranks, as every strategy's
         return FairscaleFSDPStrategy(root, root, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx))
     mesh = meshes.build_mesh(ctx, 1, d.dp_replicate) if d.dp_replicate > 1 else None  # HSDP: replicas of shards
     return shard(model, cfg, ctx, mesh, FSDPStrategy)
@@ -270,11 +271,19 @@ def shard(model: nn.Module, cfg, ctx: DistContext, mesh: Optional[meshes.Mesh], 
     d = cfg.dist
     policy, dp_mesh = fsdp2_policy(cfg.train.precision), meshes.fsdp_mesh(mesh) if mesh is not None else None
     for unit in model_blocks(model):
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+        sum_over_replicas(fully_shard(unit, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward,
+                                      mp_policy=policy))
+    sum_over_replicas(fully_shard(model, mesh=dp_mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=policy))
     # The optimizer is built after sharding, on the DTensor parameters (the same names and shapes as before).
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     return parallel(model, model, cls(groups, **kwargs), ctx, sharded_scaler(cfg, ctx), mesh)
+
+
+def sum_over_replicas(unit: FSDPModule) -> None:
+    """FSDP2's reduce-scatter sums the gradients over the ranks, as ddp's do (replicated.sum_gradients), where by
+    default it averages (a plain sum and a division by 1: gloo has no pre-multiplied sum)."""
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 class _JoinGrads(torch.autograd.Function):

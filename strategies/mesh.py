@@ -6,7 +6,7 @@ no larger than a node's devices, the all-reduces of tensor parallelism (two per 
 stay inside a node, and only the data-parallel gradient reduction crosses nodes. The two data-parallel dimensions
 together are "dp" (each index reads its own share of the global batch): fsdp shards over "dp_shard" and, with
 dist.dp_replicate > 1, keeps that many replicas of the shards (HSDP: all-gathers stay inside a replica, and only
-the gradient all-reduce crosses replicas); ddp averages over all of "dp". Under pipe, rank = (stage x pipelines +
+the gradient all-reduce crosses replicas); ddp sums over all of "dp". Under pipe, rank = (stage x pipelines +
 pipeline) x tp + tp_index: a stage's replicas stay neighbours too, and only activations cross between stages.
 """
 from __future__ import annotations

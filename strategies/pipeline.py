@@ -44,8 +44,8 @@ from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
 from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
-from strategies.fsdp import clip_mixed, fsdp2_policy, local, need_dcp_folders, state_in_dcp_boxes
-from strategies.tp import (TaskWithPlainLosses, average_grads, loss_context, parallelize_keeping_frozen,
+from strategies.fsdp import clip_mixed, fsdp2_policy, local, need_dcp_folders, state_in_dcp_boxes, sum_over_replicas
+from strategies.tp import (TaskWithPlainLosses, sum_grads, loss_context, parallelize_keeping_frozen,
                            sum_partial_grads, task_plan)
 
 # Schedules by the names users know them. The interleaved ones hold two smaller stages per rank ("looped": rank
@@ -160,10 +160,11 @@ class PipeStrategy(Strategy):
         self.forward_is_collective = self.replicas_wait_for_each_other = d.pp_dp == "fsdp" and self.pipelines > 1
         self.replica_group = mesh["tp"].get_group() if d.tp > 1 else None
         # What the Trainer reads to share out the data (see trainer.train_step): each pipeline reads its own
-        # share of the global batch; the gradient all-reduce averages over the pipelines.
-        self.data_rank, self.data_shares, self.grad_average_over = self.pipeline, self.pipelines, self.pipelines
+        # share of the global batch; the gradient all-reduce sums over the pipelines.
+        self.data_rank, self.data_shares = self.pipeline, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
-        self.averages_by_hand = d.pp_dp == "ddp" and self.pipelines > 1 and not all(isinstance(w, DDP) for w in wrapped.values())
+        self.sums_by_hand = d.pp_dp == "ddp" and self.pipelines > 1 and not all(isinstance(w, DDP)
+                                                                              for w in wrapped.values())
         self.counts_its_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
         self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
@@ -226,13 +227,13 @@ class PipeStrategy(Strategy):
 
     def reduce_grads(self) -> None:
         """ddp x tp (DDP cannot hold DTensor parameters), stages of one rank that share a parameter (DDP's hooks
-        would fire twice for it) and zero_bubble (weight gradients after the backward DDP sees): the stage's replicas average their gradients here, over the "dp" dimension
-        (DDP-wrapped stages and FSDP did it during the last backward); first, under sequence parallelism, the norms'
-        gradients are summed over the tp group."""
+        would fire twice for it) and zero_bubble (weight gradients after the backward DDP sees): the stage's replicas
+        sum their gradients here, over the "dp" dimension (DDP-wrapped stages and FSDP did it during the last
+        backward); first, under sequence parallelism, the norms' gradients are summed over the tp group."""
         if self.cfg.dist.tp > 1:
             sum_partial_grads(self.raw_model.parameters())
-        if self.averages_by_hand:
-            average_grads(self.raw_model.parameters(), self.mesh["dp"])
+        if self.sums_by_hand:
+            sum_grads(self.raw_model.parameters(), self.mesh["dp"])
 
     def step(self, task, batch: dict, loss_weight: float, autocast) -> torch.Tensor:
         """Forward and backward of one batch through the schedule: this rank's stages, all micro-batches. Returns
@@ -625,19 +626,21 @@ def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept:
 
 def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
     """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
-    DDP, or as it is (one pipeline; or ddp x tp, stages of this rank sharing a tied weight, or zero_bubble, which
-    PipeStrategy.reduce_grads averages: DDP cannot hold DTensors, nor a parameter that another DDP holds, nor
-    take weight gradients computed apart from the backward that reached the stage's input)."""
+    DDP, or as it is (one pipeline; or ddp x tp, stages of this rank sharing a tied weight, zero_bubble or
+    accumulation, which PipeStrategy.reduce_grads sums: DDP cannot hold DTensors, nor a parameter that another DDP
+    holds, nor take weight gradients computed apart from the backward that reached the stage's input; and it would
+    sum the gradients at each schedule step, adding up the earlier batches' sums again)."""
     d = cfg.dist
     if mesh["dp"].size() == 1:
         return dict(stages)
     if d.pp_dp == "fsdp":
         policy = fsdp2_policy(cfg.train.precision)
         for stage in stages.values():
-            fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward, mp_policy=policy)
+            sum_over_replicas(fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward,
+                                          mp_policy=policy))
         return dict(stages)
     held = [id(p) for s in stages.values() for p in s.parameters()]
-    if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble":
+    if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble" or cfg.train.grad_accum_steps > 1:
         return dict(stages)
     # Each micro-batch's forward goes through DDP outside no_sync, so the one-time bucket rebuild would count every
     # parameter once per backward until the next forward: with none between two (gpipe), DDP's reducer asserts.

@@ -3,6 +3,7 @@ one process, several GPUs), `ddp` (DistributedDataParallel: one process per devi
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,10 +41,9 @@ def apply_dp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None)
 
 
 def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None) -> Strategy:
-    """DistributedDataParallel: one process per device, gradients all-reduced (averaged) in buckets during
-    backward. The Trainer scales the loss so that average is the mean over the global batch. The step itself is
-    the base class's (strategies/base.py: Strategy.forward_backward). With dist.tp > 1: strategies/tp.py's
-    apply_tp_ddp."""
+    """DistributedDataParallel: one process per device, gradients all-reduced (summed: sum_gradients) in buckets
+    during backward. The step itself is the base class's (strategies/base.py: Strategy.forward_backward). With
+    dist.tp > 1: strategies/tp.py's apply_tp_ddp."""
     model = model.to(ctx.device)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)
     # `model` runs the forward (here the DDP wrapper); `raw_model` is the module itself, which is saved
@@ -53,7 +53,15 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
 
 def ddp_wrap(model: nn.Module, ctx: DistContext, group=None, rebuild_buckets: bool = True) -> nn.Module:
     """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none; `group`: the ranks, default all). Its
-    hooks all-reduce (average) the gradients in buckets while backward runs; no_sync() keeps them local.
+    hooks all-reduce the gradients in buckets while backward runs (sum_gradients); no_sync() keeps them local.
     `rebuild_buckets` False: DDP keeps its first buckets (find_unused_parameters is the switch that turns it off)."""
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group,
-               find_unused_parameters=not rebuild_buckets)
+    wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group,
+                  find_unused_parameters=not rebuild_buckets)
+    wrapped.register_comm_hook(group, sum_gradients)
+    return wrapped
+
+
+def sum_gradients(group, bucket):  # (no annotations: DDP checks them, and this file's are strings)
+    """DDP's all-reduce of one bucket (a dist.GradBucket) of gradients: a sum over the ranks (DDP's own averages).
+    Each rank's loss is already divided by the global batch's count (Trainer.train_step): the sum is its mean."""
+    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])

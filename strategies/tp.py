@@ -16,7 +16,7 @@ the LM head by vocabulary and keeps its logits a DTensor, so the cross-entropy r
 each rank holds logits for 1/tp of the vocabulary. Dropout on split data draws each rank's own masks (PerRankDropout).
 
 tp composes with a data-parallel strategy over the mesh's other dimension: fsdp (FSDP2 shards over "dp",
-strategies/fsdp.py) or ddp (DDPxTPStrategy below: gradients averaged over "dp" after the step's last backward).
+strategies/fsdp.py) or ddp (DDPxTPStrategy below: gradients summed over "dp" after the step's last backward).
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class FSDPxTPStrategy(LossParallel, FSDPStrategy):
 
 class DDPxTPStrategy(LossParallel, FSDPStrategy):
     """ddp x tp. It shards nothing over dp: it subclasses FSDPStrategy for what DTensor parameters need (the mesh's
-    data shares, clipping, DCP checkpoints any strategy reads, per-block compile). reduce_grads averages the
+    data shares, clipping, DCP checkpoints any strategy reads, per-block compile). reduce_grads sums the
     gradients over dp in one all-reduce of a flat buffer, after the step's last backward (DDP cannot hold DTensors)."""
     replicas_wait_for_each_other = False  # nothing crosses dp before reduce_grads: each tp group can be timed alone
 
@@ -177,7 +177,7 @@ class DDPxTPStrategy(LossParallel, FSDPStrategy):
     def reduce_grads(self) -> None:
         sum_partial_grads(self.raw_model.parameters())
         if self.data_shares > 1:
-            average_grads(self.raw_model.parameters(), self.mesh["dp"])
+            sum_grads(self.raw_model.parameters(), self.mesh["dp"])
 
 
 def sum_partial_grads(params) -> None:
@@ -188,12 +188,11 @@ def sum_partial_grads(params) -> None:
             p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
 
 
-def average_grads(params, dp) -> None:
-    """Average the gradients (this rank's pieces of them) over the `dp` mesh, in one all-reduce of a flat buffer."""
+def sum_grads(params, dp) -> None:
+    """Sum the gradients (this rank's pieces of them) over the `dp` mesh, in one all-reduce of a flat buffer."""
     grads = [local(p.grad) for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=dp.get_group())
-    flat /= dp.size()
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 
@@ -228,7 +227,7 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 # ---- tp first, then the data-parallel strategy over the mesh's dp dimension (wiring.STRATEGIES) ----------
 def apply_tp_ddp(model: nn.Module, cfg, ctx: DistContext, task, train_set=None) -> Strategy:
-    """ddp with dist.tp > 1: each replica is a tp group; gradients are averaged over "dp" (DDPxTPStrategy)."""
+    """ddp with dist.tp > 1: each replica is a tp group; gradients are summed over "dp" (DDPxTPStrategy)."""
     model = model.to(ctx.device)
     mesh = apply_tp(model, cfg, ctx, task)
     groups, cls, kwargs = optimizer_recipe(model, cfg.train)

@@ -51,6 +51,7 @@ def apply_oss(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
         # zero_grad(set_to_none=True) would detach, and the next step would reduce stale buffers. Unbucketed,
         # each gradient is reduced to its owner and freed elsewhere, which is also what saves the memory.
         wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
+        wrapped._world_size_scaling = 1.0  # summed over the ranks, as every strategy's (fairscale's averages)
         return OSSStrategy(wrapped, model, optimizer, ctx, sharded_scaler(cfg, ctx))
     return OSSStrategy(ddp_wrap(model, ctx), model, optimizer, ctx, make_scaler(cfg, ctx))
 
