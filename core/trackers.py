@@ -4,7 +4,8 @@ summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accur
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
-MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
+MLflow run ids are kept in output_dir/trackers.json, with the folder they belong to (a copy of output_dir starts runs
+of its own, said in one line; a folder moved goes on with its runs). wandb and mlflow are optional packages: asked for and
 missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
 output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
 telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set,
@@ -37,6 +38,7 @@ PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-sk
 SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 IDS_MAX_BYTES = 64 << 10  # ours holds two ids
+FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -108,7 +110,7 @@ class Trackers:
                  warn: Callable[[str], None] = warn_on_stderr):
         out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
-        ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
+        ids = read_ids(self.ids_path, warn) if step else {}  # a fresh start opens new tracked runs
         builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard"), step + 1),
                     "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
                     "wandb": lambda: WandB(cfg, ids.get("wandb")),
@@ -126,33 +128,7 @@ class Trackers:
         # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
         run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
         if run_ids:
-            write_beside(self.ids_path, lambda f: json.dump(run_ids, f))
-
-    def read_ids(self) -> dict:
-        """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
-        symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs."""
-        path = self.ids_path
-        try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
-                raise ValueError("not a regular file")
-            with open(path, "rb") as f:
-                ids = json.loads(f.read(IDS_MAX_BYTES))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-            self.warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
-                      "so W&B and MLflow start new runs")
-            return {}
-        if not isinstance(ids, dict):
-            self.warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
-            return {}
-        kept = {name: ids[name] for name in ("wandb", "mlflow")
-                if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
-        wrong = [name for name in ids if name not in kept]
-        if wrong:
-            self.warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
-                      "id, ignored (a tracker without one starts a new run)")
-        return kept
+            write_beside(self.ids_path, lambda f: json.dump({**run_ids, **folder_identity(out)}, f))
 
     def started(self, name: str, build: Callable[[], object]):
         """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""
@@ -202,6 +178,45 @@ class Trackers:
                     if not disk_errors.disk_problem(e, self.output_dir):
                         self.warn(f"tracker {name} was not closed ({first_line(e, limit=120)})")
         self.members = []
+
+
+def read_ids(path: str, warn: Callable[[str], None]) -> dict:
+    """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
+    symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs. So is a file
+    written in another folder, of which output_dir is a copy: continued, its runs would hold both runs' points."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
+            raise ValueError("not a regular file")
+        with open(path, "rb") as f:
+            ids = json.loads(f.read(IDS_MAX_BYTES))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+        warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
+             "so W&B and MLflow start new runs")
+        return {}
+    if not isinstance(ids, dict):
+        warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+        return {}
+    written_in = {key: ids.pop(key) for key in FOLDER_KEYS if key in ids}  # (files before it: none)
+    here = folder_identity(os.path.dirname(path))
+    if written_in and all(written_in.get(key) != here[key] for key in FOLDER_KEYS):
+        warn(f"{path}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir is a copy, "
+             "so W&B and MLflow start new runs (the copy's own)")
+        return {}
+    kept = {name: ids[name] for name in ("wandb", "mlflow")
+            if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
+    wrong = [name for name in ids if name not in kept]
+    if wrong:
+        warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
+             "id, ignored (a tracker without one starts a new run)")
+    return kept
+
+
+def folder_identity(output_dir: str) -> dict:
+    """What trackers.json records of the folder it is written in: its path, and its inode, which a folder moved
+    (or reached through another mount) keeps and a copy does not."""
+    return {"output_dir": os.path.realpath(output_dir), "output_dir_inode": os.stat(output_dir).st_ino}
 
 
 @contextlib.contextmanager

@@ -584,7 +584,7 @@ def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path
         assert len(said) == 1 and said[0].startswith(f"{ids_file}: ") and why in said[0], (content, said)
         assert "new" in said[0] and "\n" not in said[0]
         assert not ids_file.is_symlink() and json.load(open(ids_file)) == {
-            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow"}, content
+            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow", **trackers.folder_identity(out)}, content
     assert json.load(open(outside)) == {"wandb": "outside1", "mlflow": "outside2"}  # neither read nor written
     said.clear()
     trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()  # ours: continued, nothing said
@@ -693,3 +693,34 @@ def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_p
         assert new != gone and client.get_run(new).info.status == "FINISHED"
         assert len(said) == 1 and said[0].startswith(f"{tmp_path}/trackers.json: MLflow run {gone} is not an active "
                                                      f"run of {uri}") and f"a new run, {new}, goes on" in said[0], said
+
+
+def test_a_copied_output_dir_starts_its_own_tracked_runs(tmp_path, monkeypatch):
+    """`cp -r run-a run-b`, then run-b resumed: it continued run-a's W&B and MLflow runs (their ids in the copied
+    trackers.json), so in a shared store (a server, MLFLOW_TRACKING_URI) one tracked run held both runs' points. Now
+    the copy starts its own, said in one line; the original, and a folder moved (same inode), continue theirs."""
+    continued, said = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-a"), []
+
+    def start(out, step):
+        before = len(continued)
+        cfg = make_config(out, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+        trackers.Trackers(cfg, step, tensorboard=None, warn=said.append).close()
+        return [run_id for _, run_id in continued[before:]]
+    original, copy, moved = tmp_path / "run-a", tmp_path / "run-b", tmp_path / "run-c"
+    original.mkdir()
+    assert start(original, 0) == [None, None]
+    first = json.load(open(original / "trackers.json"))
+    ids = [first["wandb"], first["mlflow"]]
+    shutil.copytree(original, copy)
+    continued = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-b")  # (what a new run is named from now)
+    assert start(copy, 4) == [None, None]  # new runs
+    assert len(said) == 1 and said[0].startswith(f"{copy}/trackers.json: written in '{original}', of which this "
+                                                 "output_dir is a copy, so W&B and MLflow start new runs"), said
+    own = json.load(open(copy / "trackers.json"))
+    assert [own["wandb"], own["mlflow"]] == ["wandb-b", "mlflow-b"] and own["output_dir"] == str(copy)
+    assert start(copy, 8) == [own["wandb"], own["mlflow"]]  # the copy's own, continued
+    assert start(original, 4) == ids  # the original goes on with its own
+    os.rename(original, moved)
+    assert start(moved, 8) == ids  # moved, not copied: the same runs
+    assert len(said) == 1, said
+
