@@ -4,16 +4,17 @@ summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accur
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
-MLflow run ids are kept in output_dir/trackers.json, with the folder they belong to (a copy of output_dir starts runs
-of its own, said in one line; a folder moved goes on with its runs). wandb and mlflow are optional packages: asked for and
-missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
-output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
-telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set,
-and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
+MLflow run ids are kept in output_dir/trackers.json, with the folder they belong to (a copy of output_dir starts
+runs of its own, said in one line; a folder moved goes on with its runs). wandb and mlflow are optional packages:
+asked for and missing, the config check refuses the run in one line naming what to install. What the libraries
+would write outside output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is
+set, and MLflow's telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless
+MLFLOW_DISABLE_TELEMETRY is set, and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
-that ends in an exception closes its trackers marked failed (closed_failed_on_crash).
+that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one whose rank 0 is killed
+(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher (end_runs_left_running).
 """
 from __future__ import annotations
 
@@ -219,6 +220,21 @@ def folder_identity(output_dir: str) -> dict:
     return {"output_dir": os.path.realpath(output_dir), "output_dir_inode": os.stat(output_dir).st_ino}
 
 
+def end_runs_left_running(cfg, say: Callable[[str], None]) -> None:
+    """After rank 0 was killed (kill -9, the kernel's OOM killer; launcher.Supervisor), which closed no tracker:
+    its MLflow run, still RUNNING in its store, is ended FAILED, and said. Anything that fails here is one line."""
+    run_id = read_ids(os.path.join(cfg.output_dir, IDS_FILE), say).get("mlflow") if "mlflow" in names(cfg) else None
+    if not run_id:
+        return
+    try:
+        client = mlflow_client(cfg)
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status="FAILED")
+            say(f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED")
+    except Exception as e:  # a store gone, a server down: the crash is what matters
+        say(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death ({first_line(e, limit=100)})")
+
+
 @contextlib.contextmanager
 def closed_failed_on_crash(trainer):
     """A training run that ends in an exception (a crash, a divergence; a stop closes them itself) closes rank 0's
@@ -330,16 +346,9 @@ class MLflow:
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
-        # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-        from mlflow import MlflowClient  # optional; check_config made sure it is there
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # optional; check_config made sure it is there
         uri = mlflow_uri(cfg)
-        if uri.startswith(("http://", "https://")):
-            server_answers(uri)
-        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
+        self.client, self.step, self.logged_up_to = mlflow_client(cfg), 0, {}  # key: the last step it holds
         self.not_held = None  # what a run id the store does not hold as active is said as (Trackers)
         if run_id:
             try:
@@ -383,6 +392,19 @@ class MLflow:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def mlflow_client(cfg):
+    """An MlflowClient of mlflow_uri(cfg)'s store (a server that does not answer: ConnectionError, not 4 minutes)."""
+    # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    from mlflow import MlflowClient  # optional; check_config made sure it is there
+    uri = mlflow_uri(cfg)
+    if uri.startswith(("http://", "https://")):
+        server_answers(uri)
+    return MlflowClient(uri)
 
 
 @contextlib.contextmanager

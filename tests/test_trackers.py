@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from conftest import ROOT, free_port, make_config, save_tiny_minilm
 
 import main
 from core import trackers
+from resilience import launcher
 from wiring import checked_config
 from core.errors import ConfigError
 
@@ -724,3 +726,32 @@ def test_a_copied_output_dir_starts_its_own_tracked_runs(tmp_path, monkeypatch):
     assert start(moved, 8) == ids  # moved, not copied: the same runs
     assert len(said) == 1, said
 
+
+def killed_at_rank_0(cfg, place) -> int:
+    """A rank's worker (launcher.Supervisor): rank 0 is killed as the kernel's OOM killer does."""
+    if place.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+@pytest.mark.slow  # 8 s: MLflow's store, a spawned rank
+def test_rank_0_killed_under_main_pys_launcher_leaves_no_mlflow_run_running(tmp_path, monkeypatch, capsys):
+    """Rank 0 killed outright (kill -9, the OOM killer) closes no tracker: its MLflow run stayed RUNNING for ever.
+    The Supervisor, which outlives its ranks, ends it FAILED and says so; a run a clean end closed is left as it
+    is."""
+    import mlflow
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = make_config(tmp_path, log={"report_to": ["mlflow"], "tensorboard": None})
+    opened = trackers.Trackers(cfg, 0, tensorboard=None)  # rank 0's, as the kill finds them: open
+    run_id = opened.members[0].run_id
+    client = mlflow.MlflowClient(trackers.mlflow_uri(cfg))
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert launcher.Supervisor(cfg, [main.RankPlace(0, 0, 1, 1)], killed_at_rank_0).supervise() == 1
+    out = capsys.readouterr().out
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED" in out, out
+    client.update_run(run_id, status="FINISHED")  # a run closed, then a resume killed before its trackers started
+    said = []
+    trackers.end_runs_left_running(cfg, said.append)
+    assert said == [] and client.get_run(run_id).info.status == "FINISHED"
