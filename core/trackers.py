@@ -14,12 +14,14 @@ A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
 that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one whose rank 0 is killed
-(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher (end_runs_left_running).
+(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a
+run of one process (end_runs_left_running).
 """
 from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import importlib.util
 import json
 import os
@@ -220,9 +222,10 @@ def folder_identity(output_dir: str) -> dict:
     return {"output_dir": os.path.realpath(output_dir), "output_dir_inode": os.stat(output_dir).st_ino}
 
 
-def end_runs_left_running(cfg, say: Callable[[str], None]) -> None:
-    """After rank 0 was killed (kill -9, the kernel's OOM killer; launcher.Supervisor), which closed no tracker:
-    its MLflow run, still RUNNING in its store, is ended FAILED, and said. Anything that fails here is one line."""
+def end_runs_left_running(cfg, say: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
+    """After rank 0 was killed (kill -9, the kernel's OOM killer), which closed no tracker: its MLflow run, still
+    RUNNING in its store, is ended FAILED, and said. Called by what outlives rank 0: launcher.Supervisor, and a
+    one-process run's watcher (resource_errors.reports_a_kill). Anything that fails here is one line."""
     run_id = read_ids(os.path.join(cfg.output_dir, IDS_FILE), say).get("mlflow") if "mlflow" in names(cfg) else None
     if not run_id:
         return

@@ -111,7 +111,7 @@ class Supervisor:
             self.warn_about_teardowns()
             code = self.summarize()
             if self.rank_0_died():  # its trackers closed nothing: their runs stay open in their stores
-                trackers.end_runs_left_running(self.cfg, lambda line: print(line, flush=True))
+                trackers.end_runs_left_running(self.cfg)
             return code
         finally:
             self.close()

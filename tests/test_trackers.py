@@ -7,6 +7,7 @@ import csv
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -734,11 +735,11 @@ def killed_at_rank_0(cfg, place) -> int:
     return 0
 
 
-@pytest.mark.slow  # 8 s: MLflow's store, a spawned rank
+@pytest.mark.slow  # 12 s: MLflow's store, a spawned rank, a killed process
 def test_rank_0_killed_under_main_pys_launcher_leaves_no_mlflow_run_running(tmp_path, monkeypatch, capsys):
     """Rank 0 killed outright (kill -9, the OOM killer) closes no tracker: its MLflow run stayed RUNNING for ever.
-    The Supervisor, which outlives its ranks, ends it FAILED and says so; a run a clean end closed is left as it
-    is."""
+    What outlives it (the Supervisor; a one-process run's watcher) ends it FAILED and says so; a run a clean end
+    closed is left as it is."""
     import mlflow
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
@@ -755,3 +756,14 @@ def test_rank_0_killed_under_main_pys_launcher_leaves_no_mlflow_run_running(tmp_
     said = []
     trackers.end_runs_left_running(cfg, said.append)
     assert said == [] and client.get_run(run_id).info.status == "FINISHED"
+
+    # A run of one process (no launcher above it): the watcher that says it was killed ends its MLflow run too.
+    client.update_run(run_id, status="RUNNING")  # as the killed process leaves it
+    (tmp_path / "cfg.pickle").write_bytes(pickle.dumps(cfg))
+    code = (f"import os, pickle, signal, sys\nsys.path.insert(0, {ROOT!r})\nimport main\n"
+            f"cfg = pickle.load(open({str(tmp_path / 'cfg.pickle')!r}, 'rb'))\n"
+            "main.start_ranks(cfg, None, lambda cfg, place: os.kill(os.getpid(), signal.SIGKILL))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL and "error: the run (pid " in r.stderr, r.stderr
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert r.stdout == f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED\n", r.stdout
