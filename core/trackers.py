@@ -349,9 +349,9 @@ class MLflow:
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
+        uri, self.client = mlflow_uri(cfg), mlflow_client(cfg)  # first: MLflow reads its settings as it is imported
         from mlflow.exceptions import MlflowException  # optional; check_config made sure it is there
-        uri = mlflow_uri(cfg)
-        self.client, self.step, self.logged_up_to = mlflow_client(cfg), 0, {}  # key: the last step it holds
+        self.step, self.logged_up_to = 0, {}  # key: the last step it holds
         self.not_held = None  # what a run id the store does not hold as active is said as (Trackers)
         if run_id:
             try:
