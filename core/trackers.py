@@ -125,13 +125,13 @@ class Trackers:
                 self.members.append(self.started(name, builders[name]))
                 if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
                     warn(f"{self.ids_path}: {self.members[-1].not_held}")
+            # and the ids of trackers left out of this start: a later resume that lists them again continues them
+            run_ids = {**ids, **{n: m.run_id for n, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
+            if run_ids:
+                write_beside(self.ids_path, lambda f: json.dump({**run_ids, **folder_identity(out)}, f))
         except BaseException:
-            self.close(failed=True)  # the runs started before it never trained
+            self.close(failed=True)  # the runs started (a full disk may stop the start after them) never trained
             raise
-        # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
-        run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
-        if run_ids:
-            write_beside(self.ids_path, lambda f: json.dump({**run_ids, **folder_identity(out)}, f))
 
     def started(self, name: str, build: Callable[[], object]):
         """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""

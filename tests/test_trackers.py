@@ -4,6 +4,7 @@ the "newly initialized" report when a checkpoint's weights come next (issue 34, 
 from __future__ import annotations
 
 import csv
+import errno
 import glob
 import json
 import os
@@ -655,7 +656,7 @@ def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkey
 
 def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_path, monkeypatch):
     """MLflow refused after W&B had started its run: the run is refused in one line, and W&B's run, which never
-    trained, was closed as a success."""
+    trained, was closed as a success. Any failure after they started closes them failed."""
     closed = []
 
     class Started(trackers.CSV):
@@ -675,6 +676,19 @@ def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_pat
     with pytest.raises(trackers.UserError, match=r"mlflow could not start \(RuntimeError: the store says no\)"):
         trackers.Trackers(cfg, 0, tensorboard=None)
     assert closed == [True]
+
+    # Both started, then trackers.json met a full disk: the run stops on it, and both runs were left open (MLflow's
+    # RUNNING for ever), the Trackers never made.
+    def full_disk(path, write, real=trackers.write_beside):
+        if path.endswith(trackers.IDS_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, write)
+    monkeypatch.setattr(trackers, "MLflow", Started)
+    monkeypatch.setattr(trackers, "write_beside", full_disk)
+    closed.clear()
+    with pytest.raises(OSError, match="No space left on device"):
+        trackers.Trackers(cfg, 0, tensorboard=None)
+    assert closed == [True, True]
 
 
 @pytest.mark.slow  # MLflow's store made
