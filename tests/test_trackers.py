@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, free_port, make_config, save_tiny_minilm
 
 import main
-from core import trackers
+from core import run_record, trackers
 from resilience import launcher
 from wiring import checked_config
 from core.errors import ConfigError
@@ -690,6 +690,29 @@ def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_pat
         trackers.Trackers(cfg, 0, tensorboard=None)
     assert closed == [True, True]
 
+
+def test_a_full_disk_as_the_trackers_get_the_config_closes_them_failed(tmp_path, monkeypatch, capsys):
+    """TensorBoard's config text met a full disk as the run started: the run stopped on it in one line, and the
+    trackers already started (MLflow's run: RUNNING for ever) were never closed, the Trainer not holding them yet."""
+    closed = []
+
+    class Tracked(trackers.CSV):  # stands in for MLflow's run
+        def __init__(self, cfg, run_id):
+            self.run_id = "m1"
+            super().__init__(os.path.join(cfg.output_dir, "mlflow.csv"), 0)
+
+        def close(self, failed=False):
+            closed.append(failed)
+            super().close(failed)
+
+    def full_disk(self, values):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.folder)
+    monkeypatch.setattr(trackers, "MLflow", Tracked)
+    monkeypatch.setattr(run_record.TensorBoard, "config", full_disk)
+    assert run(tmp_path, ["tensorboard", "mlflow"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert closed == [True]
 
 @pytest.mark.slow  # MLflow's store made
 def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_path, monkeypatch):
