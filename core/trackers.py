@@ -27,6 +27,7 @@ import json
 import os
 import re
 import stat
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -42,6 +43,7 @@ SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 IDS_MAX_BYTES = 64 << 10  # ours holds two ids
 FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
+END_WAIT_S = 60.0  # how long what outlives a killed rank 0 waits for MLflow's store to end its run (MLflow: ~3 s)
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -225,17 +227,32 @@ def folder_identity(output_dir: str) -> dict:
 def end_runs_left_running(cfg, say: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
     """After rank 0 was killed (kill -9, the kernel's OOM killer), which closed no tracker: its MLflow run, still
     RUNNING in its store, is ended FAILED, and said. Called by what outlives rank 0: launcher.Supervisor, and a
-    one-process run's watcher (resource_errors.reports_a_kill). Anything that fails here is one line."""
+    one-process run's watcher (resource_errors.reports_a_kill). Anything that fails here, or a store that does not
+    answer within END_WAIT_S, is one line."""
     run_id = read_ids(os.path.join(cfg.output_dir, IDS_FILE), say).get("mlflow") if "mlflow" in names(cfg) else None
     if not run_id:
         return
-    try:
-        client = mlflow_client(cfg)
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_terminated(run_id, status="FAILED")
-            say(f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED")
-    except Exception as e:  # a store gone, a server down: the crash is what matters
-        say(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death ({first_line(e, limit=100)})")
+    said = []
+
+    def end():
+        try:
+            client = mlflow_client(cfg)
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="FAILED")
+                said.append(f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED")
+        except Exception as e:  # a store gone, a server down: the crash is what matters
+            said.append(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death "
+                        f"({first_line(e, limit=100)})")
+    # In a thread, waited for END_WAIT_S at most: a server that takes connections and never answers keeps MLflow
+    # retrying for minutes, and the launcher (or watcher) would keep the job from ending, without a word
+    ending = threading.Thread(target=end, name="end-mlflow-run", daemon=True)
+    ending.start()
+    ending.join(END_WAIT_S)
+    if ending.is_alive():
+        said.append(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death (its store, "
+                    f"{mlflow_uri(cfg)}, did not answer within {END_WAIT_S:g} s)")
+    for line in said:
+        say(line)
 
 
 @contextlib.contextmanager

@@ -714,6 +714,20 @@ def test_a_full_disk_as_the_trackers_get_the_config_closes_them_failed(tmp_path,
     assert len(err) == 1 and "No space left on device" in err[0], err
     assert closed == [True]
 
+def test_ending_a_killed_rank_0s_mlflow_run_waits_for_its_store_a_bounded_time(tmp_path, monkeypatch):
+    """After rank 0's death, a tracking server that takes connections but does not answer kept main.py's launcher
+    (or a one-process run's watcher) waiting, without a word, for MLflow's retries: minutes, the job not ending."""
+    cfg = make_config(tmp_path, log={"report_to": ["mlflow"], "tensorboard": None,
+                                     "mlflow_tracking_uri": "http://127.0.0.1:9/"})
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": "0123abcd"}))
+    monkeypatch.setattr(trackers, "mlflow_client", lambda cfg: time.sleep(30))  # no answer
+    monkeypatch.setattr(trackers, "END_WAIT_S", 0.5)
+    said, started = [], time.monotonic()
+    trackers.end_runs_left_running(cfg, said.append)
+    assert time.monotonic() - started < 5
+    assert said == ["warning: MLflow run 0123abcd was not marked FAILED after rank 0's death (its store, "
+                    "http://127.0.0.1:9/, did not answer within 0.5 s)"], said
+
 @pytest.mark.slow  # MLflow's store made
 def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_path, monkeypatch):
     """trackers.json names a run MLflow's store does not hold as an active one (deleted, or another store since):
