@@ -229,7 +229,9 @@ def end_runs_left_running(cfg, say: Callable[[str], None] = functools.partial(pr
     RUNNING in its store, is ended FAILED, and said. Called by what outlives rank 0: launcher.Supervisor, and a
     one-process run's watcher (resource_errors.reports_a_kill). Anything that fails here, or a store that does not
     answer within END_WAIT_S, is one line."""
-    run_id = read_ids(os.path.join(cfg.output_dir, IDS_FILE), say).get("mlflow") if "mlflow" in names(cfg) else None
+    # (what read_ids says of a file it does not follow is about new runs, which start here only with a resume: unsaid)
+    ids = read_ids(os.path.join(cfg.output_dir, IDS_FILE), lambda line: None) if "mlflow" in names(cfg) else {}
+    run_id = ids.get("mlflow")
     if not run_id:
         return
     said = []

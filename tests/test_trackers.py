@@ -767,6 +767,11 @@ def test_a_copied_output_dir_starts_its_own_tracked_runs(tmp_path, monkeypatch):
     first = json.load(open(original / "trackers.json"))
     ids = [first["wandb"], first["mlflow"]]
     shutil.copytree(original, copy)
+    # Its rank 0 killed before its trackers started: the original's MLflow run, which may be training, is not ended
+    ended = []
+    monkeypatch.setattr(trackers, "mlflow_client", lambda cfg: ended.append(cfg.output_dir))
+    trackers.end_runs_left_running(make_config(copy, log={"report_to": ["mlflow"]}), said.append)
+    assert ended == [] and said == [], said
     continued = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-b")  # (what a new run is named from now)
     assert start(copy, 4) == [None, None]  # new runs
     assert len(said) == 1 and said[0].startswith(f"{copy}/trackers.json: written in '{original}', of which this "
