@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from core import process_end
+from core import process_end, trackers
 from core.config import Config, config_source, procs_per_node_list, read_config
 from core.errors import UserError
 from core.launch_env import first_on_node, launcher_env
@@ -132,8 +132,9 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     if here > 1:  # one process per rank, each running launcher.rank_main, then worker(cfg, its place)
         return launcher.Supervisor(cfg, places, worker).supervise()
     # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
-    # that it was killed.
-    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank):
+    # that it was killed, nor to end the tracked runs rank 0 left open.
+    after_a_kill = (lambda say: trackers.end_runs_left_running(cfg, say)) if first_rank == 0 else None
+    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank, after_a_kill=after_a_kill):
         return worker(cfg, places[0])
 
 

@@ -26,9 +26,14 @@ def start(cfg: Config, log: logging.Logger, plan: str, step: int = 0) -> Optiona
     saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, start_over=False))
     write_beside(os.path.join(cfg.output_dir, "config.yml"), lambda f: f.write(dump_yaml(saved)))
     tracked = trackers.Trackers(cfg, step, TensorBoard, log.warning) if trackers.names(cfg) else None
-    if tracked:
-        tracked.config(saved.to_dict())
-    log.info(plan)
+    try:
+        if tracked:
+            tracked.config(saved.to_dict())
+        log.info(plan)
+    except BaseException:  # a full disk: the Trainer does not hold them yet, so they are closed here, as after a crash
+        if tracked:
+            tracked.close(failed=True)
+        raise
     return tracked
 
 

@@ -4,25 +4,30 @@ summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accur
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
-MLflow run ids are kept in output_dir/trackers.json. wandb and mlflow are optional packages: asked for and
-missing, the config check refuses the run in one line naming what to install. What the libraries would write outside
-output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is set, and MLflow's
-telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless MLFLOW_DISABLE_TELEMETRY is set,
-and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
+MLflow run ids are kept in output_dir/trackers.json, with the folder they belong to (a copy of output_dir starts
+runs of its own, said in one line; a folder moved goes on with its runs). wandb and mlflow are optional packages:
+asked for and missing, the config check refuses the run in one line naming what to install. What the libraries
+would write outside output_dir is kept in it: W&B's service logs go beside its run files unless WANDB_CACHE_DIR is
+set, and MLflow's telemetry (an id file in ~/.config/mlflow, usage sent over the network) is off unless
+MLFLOW_DISABLE_TELEMETRY is set, and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
-that ends in an exception closes its trackers marked failed (closed_failed_on_crash).
+that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one whose rank 0 is killed
+(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a
+run of one process (end_runs_left_running).
 """
 from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import importlib.util
 import json
 import os
 import re
 import stat
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -37,6 +42,8 @@ PACKAGES = {"wandb": {"wandb": "wandb==0.31.0"}, "mlflow": {"mlflow": "mlflow-sk
 SQL_PACKAGES = {"sqlalchemy": "sqlalchemy==2.1.9", "alembic": "alembic==1.20.1"}  # MLflow's sqlite store
 IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 IDS_MAX_BYTES = 64 << 10  # ours holds two ids
+FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
+END_WAIT_S = 60.0  # how long what outlives a killed rank 0 waits for MLflow's store to end its run (MLflow: ~3 s)
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -108,7 +115,7 @@ class Trackers:
                  warn: Callable[[str], None] = warn_on_stderr):
         out, self.output_dir, self.warn = cfg.output_dir, cfg.output_dir, warn
         self.ids_path = os.path.join(out, IDS_FILE)
-        ids = self.read_ids() if step else {}  # a fresh start opens new tracked runs
+        ids = read_ids(self.ids_path, warn) if step else {}  # a fresh start opens new tracked runs
         builders = {"tensorboard": lambda: tensorboard(os.path.join(out, "tensorboard"), step + 1),
                     "csv": lambda: CSV(os.path.join(out, CSV_FILE), step),
                     "wandb": lambda: WandB(cfg, ids.get("wandb")),
@@ -120,39 +127,13 @@ class Trackers:
                 self.members.append(self.started(name, builders[name]))
                 if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
                     warn(f"{self.ids_path}: {self.members[-1].not_held}")
+            # and the ids of trackers left out of this start: a later resume that lists them again continues them
+            run_ids = {**ids, **{n: m.run_id for n, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
+            if run_ids:
+                write_beside(self.ids_path, lambda f: json.dump({**run_ids, **folder_identity(out)}, f))
         except BaseException:
-            self.close(failed=True)  # the runs started before it never trained
+            self.close(failed=True)  # the runs started (a full disk may stop the start after them) never trained
             raise
-        # and the ids of trackers left out of this start: a later resume that lists them again continues their runs
-        run_ids = {**ids, **{name: m.run_id for name, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
-        if run_ids:
-            write_beside(self.ids_path, lambda f: json.dump(run_ids, f))
-
-    def read_ids(self) -> dict:
-        """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
-        symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs."""
-        path = self.ids_path
-        try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
-                raise ValueError("not a regular file")
-            with open(path, "rb") as f:
-                ids = json.loads(f.read(IDS_MAX_BYTES))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-            self.warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
-                      "so W&B and MLflow start new runs")
-            return {}
-        if not isinstance(ids, dict):
-            self.warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
-            return {}
-        kept = {name: ids[name] for name in ("wandb", "mlflow")
-                if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
-        wrong = [name for name in ids if name not in kept]
-        if wrong:
-            self.warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
-                      "id, ignored (a tracker without one starts a new run)")
-        return kept
 
     def started(self, name: str, build: Callable[[], object]):
         """build() of tracker `name`, or a UserError naming it and the fix (a full disk: disk_errors' line)."""
@@ -202,6 +183,78 @@ class Trackers:
                     if not disk_errors.disk_problem(e, self.output_dir):
                         self.warn(f"tracker {name} was not closed ({first_line(e, limit=120)})")
         self.members = []
+
+
+def read_ids(path: str, warn: Callable[[str], None]) -> dict:
+    """trackers.json's ids of W&B and MLflow runs. None: new tracked runs. Any other content (cut, edited, a
+    symlink, a FIFO) is said in one line, and the trackers whose ids it does not hold start new runs. So is a file
+    written in another folder, of which output_dir is a copy: continued, its runs would hold both runs' points."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block open(); a symlink leaves output_dir
+            raise ValueError("not a regular file")
+        with open(path, "rb") as f:
+            ids = json.loads(f.read(IDS_MAX_BYTES))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+        warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
+             "so W&B and MLflow start new runs")
+        return {}
+    if not isinstance(ids, dict):
+        warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+        return {}
+    written_in = {key: ids.pop(key) for key in FOLDER_KEYS if key in ids}  # (files before it: none)
+    here = folder_identity(os.path.dirname(path))
+    if written_in and all(written_in.get(key) != here[key] for key in FOLDER_KEYS):
+        warn(f"{path}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir is a copy, "
+             "so W&B and MLflow start new runs (the copy's own)")
+        return {}
+    kept = {name: ids[name] for name in ("wandb", "mlflow")
+            if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
+    wrong = [name for name in ids if name not in kept]
+    if wrong:
+        warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
+             "id, ignored (a tracker without one starts a new run)")
+    return kept
+
+
+def folder_identity(output_dir: str) -> dict:
+    """What trackers.json records of the folder it is written in: its path, and its inode, which a folder moved
+    (or reached through another mount) keeps and a copy does not."""
+    return {"output_dir": os.path.realpath(output_dir), "output_dir_inode": os.stat(output_dir).st_ino}
+
+
+def end_runs_left_running(cfg, say: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
+    """After rank 0 was killed (kill -9, the kernel's OOM killer), which closed no tracker: its MLflow run, still
+    RUNNING in its store, is ended FAILED, and said. Called by what outlives rank 0: launcher.Supervisor, and a
+    one-process run's watcher (resource_errors.reports_a_kill). Anything that fails here, or a store that does not
+    answer within END_WAIT_S, is one line."""
+    # (what read_ids says of a file it does not follow is about new runs, which start here only with a resume: unsaid)
+    ids = read_ids(os.path.join(cfg.output_dir, IDS_FILE), lambda line: None) if "mlflow" in names(cfg) else {}
+    run_id = ids.get("mlflow")
+    if not run_id:
+        return
+    said = []
+
+    def end():
+        try:
+            client = mlflow_client(cfg)
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="FAILED")
+                said.append(f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED")
+        except Exception as e:  # a store gone, a server down: the crash is what matters
+            said.append(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death "
+                        f"({first_line(e, limit=100)})")
+    # In a thread, waited for END_WAIT_S at most: a server that takes connections and never answers keeps MLflow
+    # retrying for minutes, and the launcher (or watcher) would keep the job from ending, without a word
+    ending = threading.Thread(target=end, name="end-mlflow-run", daemon=True)
+    ending.start()
+    ending.join(END_WAIT_S)
+    if ending.is_alive():
+        said.append(f"warning: MLflow run {run_id} was not marked FAILED after rank 0's death (its store, "
+                    f"{mlflow_uri(cfg)}, did not answer within {END_WAIT_S:g} s)")
+    for line in said:
+        say(line)
 
 
 @contextlib.contextmanager
@@ -315,22 +368,15 @@ class MLflow:
     BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, cfg, run_id: Optional[str]):
-        # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-        from mlflow import MlflowClient  # optional; check_config made sure it is there
-        from mlflow.exceptions import MlflowException
-        uri = mlflow_uri(cfg)
-        if uri.startswith(("http://", "https://")):
-            server_answers(uri)
-        self.client, self.step, self.logged_up_to = MlflowClient(uri), 0, {}  # key: the last step it holds
+        uri, self.client = mlflow_uri(cfg), mlflow_client(cfg)  # first: MLflow reads its settings as it is imported
+        from mlflow.exceptions import MlflowException  # optional; check_config made sure it is there
+        self.step, self.logged_up_to = 0, {}  # key: the last step it holds
         self.not_held = None  # what a run id the store does not hold as active is said as (Trackers)
         if run_id:
             try:
                 self.client.update_run(run_id, status="RUNNING")
-                self.logged_up_to = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
-                                     for key in self.client.get_run(run_id).data.metrics}
+                # Each key's latest point is the one of its largest step: its history (10^5 points: 5 s, 55 MB) unread
+                self.logged_up_to = {m.key: m.step for m in self.client.get_run(run_id).data.to_proto().metrics}
             except MlflowException as e:  # another store than the one it was made in, or a deleted run
                 self.not_held, run_id = f"MLflow run {run_id} is not an active run of {uri} " \
                                         f"({first_line(e, limit=100)})", None
@@ -368,6 +414,19 @@ class MLflow:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def mlflow_client(cfg):
+    """An MlflowClient of mlflow_uri(cfg)'s store (a server that does not answer: ConnectionError, not 4 minutes)."""
+    # MLflow's telemetry, started as it is imported, writes ~/.config/mlflow/telemetry.json: off unless asked for
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # and its INFO lines on stderr ("Creating initial MLflow database tables...") beside the run's own: warnings up
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    from mlflow import MlflowClient  # optional; check_config made sure it is there
+    uri = mlflow_uri(cfg)
+    if uri.startswith(("http://", "https://")):
+        server_answers(uri)
+    return MlflowClient(uri)
 
 
 @contextlib.contextmanager

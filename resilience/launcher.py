@@ -24,7 +24,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
-from core import process_end
+from core import process_end, trackers
 from core.atomic_write import write_beside
 from core.config import Config
 from core.errors import EXIT_CRASH, EXIT_OK, EXIT_STOPPED, UserError
@@ -109,7 +109,10 @@ class Supervisor:
                 return faults.stopped_before_start(stopped)
             self.watch()
             self.warn_about_teardowns()
-            return self.summarize()
+            code = self.summarize()
+            if self.rank_0_died():  # its trackers closed nothing: their runs stay open in their stores
+                trackers.end_runs_left_running(self.cfg)
+            return code
         finally:
             self.close()
 
@@ -246,6 +249,12 @@ class Supervisor:
             return max(self.exit_code(p) for p in self.procs)
         i = self.procs.index(first_failed)
         return reports[i]["code"] if i in reports else EXIT_CRASH
+
+    def rank_0_died(self) -> bool:
+        """The run's rank 0 is here and was killed before it was done (kill -9, the kernel's OOM killer, a segfault,
+        or by us after another rank failed): past every `finally`, it closed no tracker."""
+        return any(place.rank == 0 and self.finished[i] < 0 and (self.procs[i].exitcode or 0) < 0
+                   for i, place in enumerate(self.places))
 
     def read_reports(self) -> dict:
         """Rank index -> the report its rank left (faults.report), for those that left one."""

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 from core.disk_errors import chain, disk_problem
 from core.errors import first_line
@@ -113,13 +113,16 @@ _previous_unraisablehook = None  # the hook quiet_broken_loaders wraps, once it 
 
 
 # ---- a one-process run killed by the kernel -----------------------------------------------------------------
+AfterAKill = Callable[[Callable[[str], None]], None]  # what the watcher does after its line, given how to say one
+
+
 @contextlib.contextmanager
-def reports_a_kill(output_dir: str, rank: Optional[int] = None):
+def reports_a_kill(output_dir: str, rank: Optional[int] = None, after_a_kill: Optional[AfterAKill] = None):
     """Around a run in this process with no launcher above it: a forked watcher waits for this process and, if it
     ends without leaving the block (SIGKILL: the kernel's out-of-memory killer, a memory cgroup, kill -9), prints
-    the line a launcher prints for its ranks, with the step reached. `rank`: this process's rank when it is one
-    of several (a node that runs one rank of a multi-node run); None: the run's only process. Forked before torch
-    is loaded."""
+    the line a launcher prints for its ranks, with the step reached, then calls after_a_kill(a way to say a line).
+    `rank`: this process's rank when it is one of several (a node that runs one rank of a multi-node run); None:
+    the run's only process. Forked before torch is loaded."""
     if not hasattr(os, "fork"):
         yield
         return
@@ -133,7 +136,7 @@ def reports_a_kill(output_dir: str, rank: Optional[int] = None):
     pid = os.fork()
     if pid == 0:  # the watcher
         os.close(done_w)
-        watch(parent, done_r, steps, codes, kills, output_dir, rank)
+        watch(parent, done_r, steps, codes, kills, output_dir, rank, after_a_kill)
     os.close(done_r)
     previous = faults.progress.shared, faults.progress.slot, faults.progress.codes
     faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, 0, codes
@@ -148,7 +151,8 @@ def reports_a_kill(output_dir: str, rank: Optional[int] = None):
         shared.close()
 
 
-def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_dir: str, rank: Optional[int]) -> None:
+def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_dir: str, rank: Optional[int],
+          after_a_kill: Optional[AfterAKill] = None) -> None:
     """The watcher's whole life: never returns. It ignores the signals a terminal or scheduler sends the group."""
     try:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -167,6 +171,8 @@ def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_d
         who = "the run" if rank is None else f"rank {rank}"
         os.write(2, (f"error: {who} (pid {parent} on {faults.HOST}) was {why} at step {steps[0]}; see "
                      f"{os.path.join(output_dir, 'logs', f'rank{rank or 0}.log')}\n").encode(errors="replace"))
+        if after_a_kill is not None:  # its lines as the one above: os.write, not a copy of the parent's buffers
+            after_a_kill(lambda line: os.write(1, f"{line}\n".encode(errors="replace")))
     finally:
         os._exit(0)
 

@@ -4,11 +4,14 @@ the "newly initialized" report when a checkpoint's weights come next (issue 34, 
 from __future__ import annotations
 
 import csv
+import errno
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -19,7 +22,8 @@ import pytest
 from conftest import ROOT, free_port, make_config, save_tiny_minilm
 
 import main
-from core import trackers
+from core import run_record, trackers
+from resilience import launcher
 from wiring import checked_config
 from core.errors import ConfigError
 
@@ -158,6 +162,8 @@ def test_mlflow_holds_each_step_once_after_a_resume_before_the_last_checkpoint(t
     """The same crash as above: MLflow cannot delete points, so the resumed run does not send steps 3 and 4 again
     (it sent them twice before); the points it holds are the ones metrics.csv holds, and the summary is the new run's."""
     import mlflow
+    from mlflow.entities import Metric
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
     assert run(tmp_path, ["mlflow", "csv"]) == 0
@@ -171,9 +177,19 @@ def test_mlflow_holds_each_step_once_after_a_resume_before_the_last_checkpoint(t
         assert sorted(s for s, _ in held) == [2, 4]
     assert client.get_run(run_id).data.metrics["summary/steps"] == 4
 
+    # Each key's last step is read from the run, not from every point of its history (10^5 points: 5 s and 55 MB
+    # more); a step logged after a later one, as a resume before the last checkpoint does, is not the last step.
+    client.log_batch(run_id, metrics=[Metric("dev/late", 1.0, 1, 5), Metric("dev/late", 2.0, 2, 3)])
+    last_steps = {key: max(m.step for m in client.get_metric_history(run_id, key))
+                  for key in client.get_run(run_id).data.metrics}
+    history_read, real = [], SqlAlchemyStore.get_metric_history
+    monkeypatch.setattr(SqlAlchemyStore, "get_metric_history",
+                        lambda store, *a, **k: history_read.append(a) or real(store, *a, **k))
+
     # A stop at step 4 with an evaluation due there: the resumed run makes it first (eval_due), a key the run does
     # not hold at step 4 (dev/due here). MLflow skipped it: a step at or below the last one held in any key was sent.
     resumed = trackers.MLflow(make_config(tmp_path, log={"report_to": ["mlflow"]}), run_id)
+    assert history_read == [] and resumed.logged_up_to == last_steps and last_steps["dev/late"] == 5
     resumed.scalars(4, {"dev/due": 0.7, "train/loss": 9.0})
     resumed.close()
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "dev/due")] == [(4, 0.7)]
@@ -519,6 +535,7 @@ def test_a_run_with_every_tracker_writes_inside_output_dir_only_and_a_crash_clos
                         "--set", "train.log_every=1", "--set", "train.eval_every=2", "--set", "log.progress_bar=false"],
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "injected fault" in r.stderr, (r.stdout + r.stderr)[-3000:]
+    assert "INFO mlflow" not in r.stderr, r.stderr[-3000:]  # "Creating initial MLflow database tables...": its own
     outside = [str(p) for folder in (home, temp, cwd) for p in folder.rglob("*") if p.is_file()]
     assert outside == [], outside
     assert os.listdir(out) == ["run"]
@@ -572,7 +589,7 @@ def test_a_trackers_json_that_is_not_ids_is_one_line_and_never_followed(tmp_path
         assert len(said) == 1 and said[0].startswith(f"{ids_file}: ") and why in said[0], (content, said)
         assert "new" in said[0] and "\n" not in said[0]
         assert not ids_file.is_symlink() and json.load(open(ids_file)) == {
-            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow"}, content
+            "wandb": ids[0] or "new-wandb", "mlflow": ids[1] or "new-mlflow", **trackers.folder_identity(out)}, content
     assert json.load(open(outside)) == {"wandb": "outside1", "mlflow": "outside2"}  # neither read nor written
     said.clear()
     trackers.Trackers(cfg, 4, tensorboard=None, warn=said.append).close()  # ours: continued, nothing said
@@ -639,7 +656,7 @@ def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkey
 
 def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_path, monkeypatch):
     """MLflow refused after W&B had started its run: the run is refused in one line, and W&B's run, which never
-    trained, was closed as a success."""
+    trained, was closed as a success. Any failure after they started closes them failed."""
     closed = []
 
     class Started(trackers.CSV):
@@ -660,6 +677,56 @@ def test_trackers_started_before_one_that_cannot_start_are_closed_failed(tmp_pat
         trackers.Trackers(cfg, 0, tensorboard=None)
     assert closed == [True]
 
+    # Both started, then trackers.json met a full disk: the run stops on it, and both runs were left open (MLflow's
+    # RUNNING for ever), the Trackers never made.
+    def full_disk(path, write, real=trackers.write_beside):
+        if path.endswith(trackers.IDS_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, write)
+    monkeypatch.setattr(trackers, "MLflow", Started)
+    monkeypatch.setattr(trackers, "write_beside", full_disk)
+    closed.clear()
+    with pytest.raises(OSError, match="No space left on device"):
+        trackers.Trackers(cfg, 0, tensorboard=None)
+    assert closed == [True, True]
+
+
+def test_a_full_disk_as_the_trackers_get_the_config_closes_them_failed(tmp_path, monkeypatch, capsys):
+    """TensorBoard's config text met a full disk as the run started: the run stopped on it in one line, and the
+    trackers already started (MLflow's run: RUNNING for ever) were never closed, the Trainer not holding them yet."""
+    closed = []
+
+    class Tracked(trackers.CSV):  # stands in for MLflow's run
+        def __init__(self, cfg, run_id):
+            self.run_id = "m1"
+            super().__init__(os.path.join(cfg.output_dir, "mlflow.csv"), 0)
+
+        def close(self, failed=False):
+            closed.append(failed)
+            super().close(failed)
+
+    def full_disk(self, values):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.folder)
+    monkeypatch.setattr(trackers, "MLflow", Tracked)
+    monkeypatch.setattr(run_record.TensorBoard, "config", full_disk)
+    assert run(tmp_path, ["tensorboard", "mlflow"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert closed == [True]
+
+def test_ending_a_killed_rank_0s_mlflow_run_waits_for_its_store_a_bounded_time(tmp_path, monkeypatch):
+    """After rank 0's death, a tracking server that takes connections but does not answer kept main.py's launcher
+    (or a one-process run's watcher) waiting, without a word, for MLflow's retries: minutes, the job not ending."""
+    cfg = make_config(tmp_path, log={"report_to": ["mlflow"], "tensorboard": None,
+                                     "mlflow_tracking_uri": "http://127.0.0.1:9/"})
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": "0123abcd"}))
+    monkeypatch.setattr(trackers, "mlflow_client", lambda cfg: time.sleep(30))  # no answer
+    monkeypatch.setattr(trackers, "END_WAIT_S", 0.5)
+    said, started = [], time.monotonic()
+    trackers.end_runs_left_running(cfg, said.append)
+    assert time.monotonic() - started < 5
+    assert said == ["warning: MLflow run 0123abcd was not marked FAILED after rank 0's death (its store, "
+                    "http://127.0.0.1:9/, did not answer within 0.5 s)"], said
 
 @pytest.mark.slow  # MLflow's store made
 def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_path, monkeypatch):
@@ -681,3 +748,79 @@ def test_an_mlflow_run_id_the_store_does_not_hold_is_said_before_a_new_run(tmp_p
         assert new != gone and client.get_run(new).info.status == "FINISHED"
         assert len(said) == 1 and said[0].startswith(f"{tmp_path}/trackers.json: MLflow run {gone} is not an active "
                                                      f"run of {uri}") and f"a new run, {new}, goes on" in said[0], said
+
+
+def test_a_copied_output_dir_starts_its_own_tracked_runs(tmp_path, monkeypatch):
+    """`cp -r run-a run-b`, then run-b resumed: it continued run-a's W&B and MLflow runs (their ids in the copied
+    trackers.json), so in a shared store (a server, MLFLOW_TRACKING_URI) one tracked run held both runs' points. Now
+    the copy starts its own, said in one line; the original, and a folder moved (same inode), continue theirs."""
+    continued, said = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-a"), []
+
+    def start(out, step):
+        before = len(continued)
+        cfg = make_config(out, log={"report_to": ["wandb", "mlflow"], "tensorboard": None})
+        trackers.Trackers(cfg, step, tensorboard=None, warn=said.append).close()
+        return [run_id for _, run_id in continued[before:]]
+    original, copy, moved = tmp_path / "run-a", tmp_path / "run-b", tmp_path / "run-c"
+    original.mkdir()
+    assert start(original, 0) == [None, None]
+    first = json.load(open(original / "trackers.json"))
+    ids = [first["wandb"], first["mlflow"]]
+    shutil.copytree(original, copy)
+    # Its rank 0 killed before its trackers started: the original's MLflow run, which may be training, is not ended
+    ended = []
+    monkeypatch.setattr(trackers, "mlflow_client", lambda cfg: ended.append(cfg.output_dir))
+    trackers.end_runs_left_running(make_config(copy, log={"report_to": ["mlflow"]}), said.append)
+    assert ended == [] and said == [], said
+    continued = stand_ins_for_wandb_and_mlflow(monkeypatch, new_id="{}-b")  # (what a new run is named from now)
+    assert start(copy, 4) == [None, None]  # new runs
+    assert len(said) == 1 and said[0].startswith(f"{copy}/trackers.json: written in '{original}', of which this "
+                                                 "output_dir is a copy, so W&B and MLflow start new runs"), said
+    own = json.load(open(copy / "trackers.json"))
+    assert [own["wandb"], own["mlflow"]] == ["wandb-b", "mlflow-b"] and own["output_dir"] == str(copy)
+    assert start(copy, 8) == [own["wandb"], own["mlflow"]]  # the copy's own, continued
+    assert start(original, 4) == ids  # the original goes on with its own
+    os.rename(original, moved)
+    assert start(moved, 8) == ids  # moved, not copied: the same runs
+    assert len(said) == 1, said
+
+
+def killed_at_rank_0(cfg, place) -> int:
+    """A rank's worker (launcher.Supervisor): rank 0 is killed as the kernel's OOM killer does."""
+    if place.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+@pytest.mark.slow  # 12 s: MLflow's store, a spawned rank, a killed process
+def test_rank_0_killed_under_main_pys_launcher_leaves_no_mlflow_run_running(tmp_path, monkeypatch, capsys):
+    """Rank 0 killed outright (kill -9, the OOM killer) closes no tracker: its MLflow run stayed RUNNING for ever.
+    What outlives it (the Supervisor; a one-process run's watcher) ends it FAILED and says so; a run a clean end
+    closed is left as it is."""
+    import mlflow
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = make_config(tmp_path, log={"report_to": ["mlflow"], "tensorboard": None})
+    opened = trackers.Trackers(cfg, 0, tensorboard=None)  # rank 0's, as the kill finds them: open
+    run_id = opened.members[0].run_id
+    client = mlflow.MlflowClient(trackers.mlflow_uri(cfg))
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert launcher.Supervisor(cfg, [main.RankPlace(0, 0, 1, 1)], killed_at_rank_0).supervise() == 1
+    out = capsys.readouterr().out
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED" in out, out
+    client.update_run(run_id, status="FINISHED")  # a run closed, then a resume killed before its trackers started
+    said = []
+    trackers.end_runs_left_running(cfg, said.append)
+    assert said == [] and client.get_run(run_id).info.status == "FINISHED"
+
+    # A run of one process (no launcher above it): the watcher that says it was killed ends its MLflow run too.
+    client.update_run(run_id, status="RUNNING")  # as the killed process leaves it
+    (tmp_path / "cfg.pickle").write_bytes(pickle.dumps(cfg))
+    code = (f"import os, pickle, signal, sys\nsys.path.insert(0, {ROOT!r})\nimport main\n"
+            f"cfg = pickle.load(open({str(tmp_path / 'cfg.pickle')!r}, 'rb'))\n"
+            "main.start_ranks(cfg, None, lambda cfg, place: os.kill(os.getpid(), signal.SIGKILL))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL and "error: the run (pid " in r.stderr, r.stderr
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert r.stdout == f"note: MLflow run {run_id}, left RUNNING by rank 0's death, is marked FAILED\n", r.stdout
