@@ -403,6 +403,15 @@ def bad_image_line(path: str) -> str:
             "to skip such files")
 
 
+def one_image_batch_line(cfg, n_train: int) -> str:
+    """A training batch of one image (an epoch's last, or what data.skip_bad_images left of one) whose last feature
+    map is 1x1: BatchNorm has one value per channel to normalise, and nothing to learn from."""
+    return (f"a training batch of one image cannot go through the model's BatchNorm at data.image_size "
+            f"{cfg.data.image_size} (its last feature map is 1x1: one value per channel); an epoch's last batch "
+            f"must leave every rank 2 or more images ({n_train} training images): change train.batch_size or the "
+            "number of images, or set data.image_size above 32")
+
+
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -578,7 +587,12 @@ class ImageFolderTask(Task):
         return model(pixel_values=pixels).logits
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return self.loss_from_output(self.logits(model, batch), batch["labels"])
+        try:
+            return self.loss_from_output(self.logits(model, batch), batch["labels"])
+        except ValueError as e:  # torch's BatchNorm on one value per channel: a traceback at an epoch's end
+            if len(batch["labels"]) != 1 or "value per channel" not in str(e):
+                raise
+            raise DataError(one_image_batch_line(self.cfg, len(self.files["train"]))) from None
 
     def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels, reduction="sum")

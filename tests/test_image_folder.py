@@ -340,6 +340,19 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
     assert "dev: loss=" in log and "samples=5" in log  # the 6 dev images but the one skipped
 
 
+def test_a_training_batch_of_one_small_image_is_one_line_not_a_batchnorm_traceback(tmp_path, capsys):
+    """9 photos in batches of 8: the epoch's last batch is one image, whose 1x1 last feature map (data.image_size 32
+    or less, the tiny preset's) gives BatchNorm one value per channel: a ValueError traceback at the epoch's end."""
+    root = digit_folder(tmp_path / "d", train=3, val=1)
+    train = {"max_steps": 2, "eval_every": 0, "save_every": 0, "batch_size": 8}
+    assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": 0})) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: a training batch of one image cannot go through the model's BatchNorm at "
+                               "data.image_size 16") and "(9 training images)" in lines[0], lines[0]
+
+
 @pytest.mark.slow
 def test_a_truncated_dev_image_under_pipe_is_one_line(tmp_path, capsys):
     """pipe evaluates through the task's pipeline_inputs, not eval_batch: the batch that met the file is refused
