@@ -41,6 +41,7 @@ CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision
 RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 3]),
            "resnet50": ("bottleneck", [3, 4, 6, 3]), "resnet101": ("bottleneck", [3, 4, 23, 3])}
 
+ONE_PIXEL_MAP = 32  # a ResNet's last feature map is 1x1 at this image size or less (it strides by 32)
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
 
 
@@ -105,6 +106,13 @@ def check_data_config(cfg, fail) -> None:
             fail(f"data.{key}", f"must list 3 numbers (R, G, B), got {v}")
     if not all(x > 0 for x in d.image_std):
         fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
+    sizes = cfg.train.batch_size if isinstance(cfg.train.batch_size, list) else [cfg.train.batch_size]
+    if cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find") and d.image_size <= ONE_PIXEL_MAP and \
+            cfg.dist.pp_microbatches in sizes:  # (a traceback from a stage at step 1)
+        fail("train.batch_size", f"{cfg.train.batch_size} per pipeline in dist.pp_microbatches="
+                                 f"{cfg.dist.pp_microbatches} is micro-batches of one image, which the ResNet's "
+                                 f"BatchNorm cannot train on at data.image_size {d.image_size} (its last feature map "
+                                 "is 1x1: one value per channel); give each micro-batch 2 or more images")
     if d.skip_bad_images and cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find"):
         fail("data.skip_bad_images", "is not for dist.strategy: pipe in training (a skipped image shrinks its batch; "
                                      "pipeline stages take one shape every step); remove or replace the unreadable files")
@@ -409,7 +417,7 @@ def one_image_batch_line(cfg, n_train: int) -> str:
     return (f"a training batch of one image cannot go through the model's BatchNorm at data.image_size "
             f"{cfg.data.image_size} (its last feature map is 1x1: one value per channel); an epoch's last batch "
             f"must leave every rank 2 or more images ({n_train} training images): change train.batch_size or the "
-            "number of images, or set data.image_size above 32")
+            f"number of images, or set data.image_size above {ONE_PIXEL_MAP}")
 
 
 def rank() -> int:

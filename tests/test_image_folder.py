@@ -210,6 +210,10 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match="`train.compile` under dist.strategy fsdp is refused for image_folder on a CPU"):
         tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "fsdp", "procs_per_node": 2})
     tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "ddp", "procs_per_node": 2})  # (works)
+    # pipe's micro-batches of one 16 px image: the ResNet's BatchNorm on a 1x1 map (a traceback at step 1)
+    with pytest.raises(ConfigError, match=r"`train.batch_size` 4 per pipeline in dist.pp_microbatches=4 is micro-batc"):
+        tiny(tmp_path, tmp_path, train={"batch_size": 4}, dist={"strategy": "pipe", "procs_per_node": 2})
+    tiny(tmp_path, tmp_path, train={"batch_size": 8}, dist={"strategy": "pipe", "procs_per_node": 2})  # (2 each)
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
