@@ -120,15 +120,16 @@ def check_data_config(cfg, fail) -> None:
 
 # ---- the folder: splits, classes, files ---------------------------------------------------------------------------
 def split_folder(data_dir: str, split: str) -> Optional[str]:
-    """data_dir's folder for `split` (train/TRAIN, val/EVAL/dev..., test), any case; None if it has none."""
+    """data_dir's folder for `split` (train/TRAIN, val/EVAL/dev..., test), any case; None if it has none, and one
+    line if it has two."""
     try:
         names = sorted(os.listdir(data_dir))
     except OSError as e:
         raise DataError(f"data.data_dir: {data_dir} cannot be read ({e.strerror})") from None
-    for name in names:
-        if name.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, name)):
-            return os.path.join(data_dir, name)
-    return None
+    found = [n for n in names if n.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, n))]
+    if len(found) > 1:  # (the first was read, the others' images neither trained on nor evaluated)
+        raise DataError(f"{data_dir}: two {split} folders, {found[0]}/ and {found[1]}/; merge them into one")
+    return os.path.join(data_dir, found[0]) if found else None
 
 
 def walk_images(folder: str) -> tuple[list[str], int]:

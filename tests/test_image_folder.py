@@ -87,7 +87,7 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
                                   "no dev split", "no training split", "val without train", "one class",
-                                  "class all in dev"])
+                                  "class all in dev", "two dev folders", "train and TRAIN"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
     dev_fraction = 0.15
@@ -113,6 +113,12 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
             os.rename(os.path.join(root, "train", c), os.path.join(root, c))
         os.rmdir(os.path.join(root, "train"))
         expected = f"{root}/val: a dev folder without train/ beside it; put the training class folders in {root}/train/"
+    elif case == "two dev folders":  # valid/ beside val/: one of them was read, the other ignored unsaid
+        shutil.copytree(os.path.join(root, "val"), os.path.join(root, "valid"))
+        expected = f"{root}: two dev folders, val/ and valid/; merge them into one"
+    elif case == "train and TRAIN":
+        shutil.copytree(os.path.join(root, "train"), os.path.join(root, "TRAIN"))
+        expected = f"{root}: two train folders, TRAIN/ and train/; merge them into one"
     elif case == "one class":  # its loss is 0 from the first step
         for c in ("one", "two"):
             shutil.rmtree(os.path.join(root, "train", c))
