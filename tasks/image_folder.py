@@ -57,12 +57,13 @@ def check_config(cfg, fail) -> None:
         if getattr(m, key) is not None:
             fail(f"model.{key}", "is for the transformer tasks, not image_folder (model.arch and model.width shape "
                                  "its ResNet); remove it")
-    if m.sync_batchnorm and cfg.dist.strategy != "ddp":
+    training = cfg.mode in ("train", "lr_find")  # (test, predict, export: BatchNorm in eval mode, nothing to sync)
+    if m.sync_batchnorm and training and cfg.dist.strategy != "ddp":
         fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
     if m.channels_last is True and cfg.dist.strategy in ("fsdp", "pipe"):  # (auto: off there)
         fail("model.channels_last", f"is not for dist.strategy: {cfg.dist.strategy} (fsdp takes contiguous parameters "
                                     "only, pipe sends contiguous activations only); remove it")
-    if m.sync_batchnorm and not cfg.dist.on_gpu():
+    if m.sync_batchnorm and training and not cfg.dist.on_gpu():
         fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
 
 
@@ -541,7 +542,8 @@ class ImageFolderTask(Task):
             model = pretrained(self.cfg, self.classes, rank_log().info if rank() == 0 else lambda line: None)
         else:
             model = resnet(m.arch or "resnet50", m.width, self.classes)
-        if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
+        if m.sync_batchnorm and self.cfg.mode in ("train", "lr_find"):  # checked: ddp on GPUs; one set of batch
+            # statistics over all ranks (a run's folder tests, predicts and exports on a CPU too: plain BatchNorm)
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if self.channels_last:  # the same values in NHWC order: a checkpoint's state_dict loads either way
             model = model.to(memory_format=torch.channels_last)

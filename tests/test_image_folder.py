@@ -222,6 +222,22 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     tiny(tmp_path, tmp_path, train={"batch_size": 8}, dist={"strategy": "pipe", "procs_per_node": 2})  # (2 each)
 
 
+def test_a_sync_batchnorm_run_is_tested_predicted_and_exported_on_a_cpu(tmp_path):
+    """A ddp run trained with model.sync_batchnorm on GPUs, its folder copied to a laptop: test, predict and export
+    read no training batch (BatchNorm in eval mode uses its running statistics), yet its config.yml was refused there
+    ('needs GPUs ...; remove it on a CPU'). Training on a CPU still is."""
+    model = {**TINY["model"], "sync_batchnorm": True}
+    dist = {"strategy": "ddp", "procs_per_node": 2}
+    with pytest.raises(ConfigError, match="`model.sync_batchnorm` needs GPUs"):
+        tiny(tmp_path, tmp_path, model=model, dist=dist)
+    os.makedirs(tmp_path / "checkpoints")  # (test mode asks for them as it reads its config)
+    for mode in ("test", "predict", "export"):
+        task = ImageFolderTask(tiny(tmp_path, tmp_path, model=model, dist=dist, mode=mode,
+                                    predict={"input": str(tmp_path)}))
+        task.prepare_inference(["a", "b"])
+        assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in task.build_model().modules())
+
+
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
 def test_every_image_mode_becomes_the_same_rgb_tensor(tmp_path):
     """Grayscale (8 and 16 bits), palette, RGBA, CMYK, netpbm, EXIF-rotated and scikit-learn's JPEG photos decode to
