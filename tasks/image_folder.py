@@ -617,6 +617,10 @@ class ImageFolderTask(Task):
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def metrics(self, totals: dict) -> dict:
+        if not totals["count"]:  # (a split has images: data.skip_bad_images skipped them all) not accuracy=0, loss=0
+            raise DataError(f"data.skip_bad_images skipped every image of an evaluation ({len(self.skipped)} skipped "
+                            "so far on this rank, each named in its log): its metrics would be of no image; replace "
+                            f"the unreadable files in {self.cfg.data.data_dir}")
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
 
     # pipe: the ResNet's stem, each stage, then pooling and the head (transformers' ResNetForImageClassification).

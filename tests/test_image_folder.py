@@ -364,6 +364,17 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
     # evaluation names what it skips too
     assert f"skipped {bad_dev}: not a readable image (data.skip_bad_images; 2 skipped so far" in log
     assert "dev: loss=" in log and "samples=5" in log  # the 6 dev images but the one skipped
+    # every dev image skipped (and the training one: 7): "dev: loss=0 accuracy=0 ... samples=0", a best picked by it
+    for c in ("one", "two", "zero"):
+        for f in os.listdir(os.path.join(root, "val", c)):
+            open(os.path.join(root, "val", c, f), "wb").close()
+    capsys.readouterr()
+    assert main.run(tiny(tmp_path / "c", root, train={**train, "max_steps": 1, "eval_every": 1},
+                         data={"num_workers": workers, "skip_bad_images": True})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: data.skip_bad_images skipped every image of an evaluation (7 skipped so far on this "
+                   f"rank, each named in its log): its metrics would be of no image; replace the unreadable files "
+                   f"in {root}"], err
 
 
 def test_a_training_batch_of_one_small_image_is_one_line_not_a_batchnorm_traceback(tmp_path, capsys):
