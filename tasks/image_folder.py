@@ -108,12 +108,15 @@ def check_data_config(cfg, fail) -> None:
     if not all(x > 0 for x in d.image_std):
         fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
     sizes = cfg.train.batch_size if isinstance(cfg.train.batch_size, list) else [cfg.train.batch_size]
-    if cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find") and d.image_size <= ONE_PIXEL_MAP and \
-            cfg.dist.pp_microbatches in sizes:  # (a traceback from a stage at step 1)
-        fail("train.batch_size", f"{cfg.train.batch_size} per pipeline in dist.pp_microbatches="
-                                 f"{cfg.dist.pp_microbatches} is micro-batches of one image, which the ResNet's "
-                                 f"BatchNorm cannot train on at data.image_size {d.image_size} (its last feature map "
-                                 "is 1x1: one value per channel); give each micro-batch 2 or more images")
+    pipe = cfg.dist.strategy == "pipe"
+    one = cfg.dist.pp_microbatches if pipe else 1  # the batch size that gives each forward one image
+    if cfg.mode in ("train", "lr_find") and d.image_size <= ONE_PIXEL_MAP and one in sizes and \
+            (pipe or not cfg.model.pretrained_dir):  # (a traceback at step 1; pipe: a ResNet, pretrained or not)
+        per = f" per pipeline in dist.pp_microbatches={one}" if pipe else ""
+        fail("train.batch_size", f"{cfg.train.batch_size}{per} is {'micro-' if pipe else ''}batches of one image, "
+                                 f"which the ResNet's BatchNorm cannot train on at data.image_size {d.image_size} "
+                                 "(its last feature map is 1x1: one value per channel); give each "
+                                 f"{'micro-' if pipe else ''}batch 2 or more images")
     if d.skip_bad_images and cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find"):
         fail("data.skip_bad_images", "is not for dist.strategy: pipe in training (a skipped image shrinks its batch; "
                                      "pipeline stages take one shape every step); remove or replace the unreadable files")

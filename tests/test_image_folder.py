@@ -220,6 +220,8 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match=r"`train.batch_size` 4 per pipeline in dist.pp_microbatches=4 is micro-batc"):
         tiny(tmp_path, tmp_path, train={"batch_size": 4}, dist={"strategy": "pipe", "procs_per_node": 2})
     tiny(tmp_path, tmp_path, train={"batch_size": 8}, dist={"strategy": "pipe", "procs_per_node": 2})  # (2 each)
+    with pytest.raises(ConfigError, match=r"`train.batch_size` 1 is batches of one image, which the ResNet's Bat"):
+        tiny(tmp_path, tmp_path, train={"batch_size": 1})  # (the same traceback at step 1)
 
 
 def test_a_sync_batchnorm_run_is_tested_predicted_and_exported_on_a_cpu(tmp_path):
