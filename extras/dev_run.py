@@ -46,11 +46,14 @@ LM_WINDOW = 64  # tokens per language-model window
 
 def shrunk(cfg) -> tuple[list[str], list[str]]:
     """The overrides that make each step and evaluation cheap without changing the model or the strategy, and how
-    the plan line says them: the batch per rank (under pipe: one sample per micro-batch, which each pipeline batch
-    must divide into), the evaluation batch, one batch per evaluation (the last and test mode's too), the
-    accumulation, precision auto's timing on a CPU, the LM window."""
+    the plan line says them: the batch per rank (under pipe: one sample per micro-batch, or two (below), which each
+    pipeline batch must divide into), the evaluation batch, one batch per evaluation (the last and test mode's too),
+    the accumulation, precision auto's timing on a CPU, the LM window."""
     train, overrides, said = cfg.train, ["train.limit_eval_batches=1"], ["1 batch per evaluation"]
-    per_rank = cfg.dist.pp_microbatches if cfg.dist.strategy == "pipe" else SAMPLES
+    # under pipe one sample per micro-batch; two for image_folder's ResNet at 32 px or less, whose BatchNorm cannot
+    # train on one (a 1x1 last feature map: image_folder.ONE_PIXEL_MAP, not imported: main reads this before torch)
+    per_micro = 2 if cfg.task == "image_folder" and cfg.data.image_size <= 32 else 1
+    per_rank = cfg.dist.pp_microbatches * per_micro if cfg.dist.strategy == "pipe" else SAMPLES
     size = train.batch_size
     if isinstance(size, list) and max(size) > per_rank:
         overrides.append(f"train.batch_size=[{','.join(str(min(b, per_rank)) for b in size)}]")

@@ -341,10 +341,11 @@ def write_onnx(folder: str, task, model) -> str:
         head = "from transformers import AutoTokenizer\n"
     elif hf_images:
         task.hf_image_processor().save_pretrained(folder)  # the resize, crop and normalisation test mode applies
-        feed = ('pixel_values = AutoImageProcessor.from_pretrained(FOLDER)(images, return_tensors="np")'
-                '["pixel_values"]  # images: PIL images\n'
-                'logits = session.run(["logits"], {"pixel_values": pixel_values})[0]')
-        head = "from transformers import AutoImageProcessor\n"
+        # (load_image turns a phone's photo upright, as predict and pipeline() do; Image.open reads it sideways)
+        feed = ('images = [load_image(path) for path in paths]  # paths: image files\n'
+                'pixel_values = AutoImageProcessor.from_pretrained(FOLDER)(images, return_tensors="np")'
+                '["pixel_values"]\nlogits = session.run(["logits"], {"pixel_values": pixel_values})[0]')
+        head = "from transformers import AutoImageProcessor\nfrom transformers.image_utils import load_image\n"
     else:
         feed = (f'logits = session.run(["logits"], {{"images": images}})[0]\n'
                 f'# images: {task.export_config(model)["input"]}, as a float32 numpy array')

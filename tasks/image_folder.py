@@ -41,6 +41,7 @@ CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision
 RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 3]),
            "resnet50": ("bottleneck", [3, 4, 6, 3]), "resnet101": ("bottleneck", [3, 4, 23, 3])}
 
+ONE_PIXEL_MAP = 32  # a ResNet's last feature map is 1x1 at this image size or less (it strides by 32)
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
 
 
@@ -56,12 +57,13 @@ def check_config(cfg, fail) -> None:
         if getattr(m, key) is not None:
             fail(f"model.{key}", "is for the transformer tasks, not image_folder (model.arch and model.width shape "
                                  "its ResNet); remove it")
-    if m.sync_batchnorm and cfg.dist.strategy != "ddp":
+    training = cfg.mode in ("train", "lr_find")  # (test, predict, export: BatchNorm in eval mode, nothing to sync)
+    if m.sync_batchnorm and training and cfg.dist.strategy != "ddp":
         fail("model.sync_batchnorm", f"is for dist.strategy: ddp, not {cfg.dist.strategy}")
     if m.channels_last is True and cfg.dist.strategy in ("fsdp", "pipe"):  # (auto: off there)
         fail("model.channels_last", f"is not for dist.strategy: {cfg.dist.strategy} (fsdp takes contiguous parameters "
                                     "only, pipe sends contiguous activations only); remove it")
-    if m.sync_batchnorm and not cfg.dist.on_gpu():
+    if m.sync_batchnorm and training and not cfg.dist.on_gpu():
         fail("model.sync_batchnorm", "needs GPUs (torch's SyncBatchNorm computes on CUDA only); remove it on a CPU")
 
 
@@ -105,6 +107,16 @@ def check_data_config(cfg, fail) -> None:
             fail(f"data.{key}", f"must list 3 numbers (R, G, B), got {v}")
     if not all(x > 0 for x in d.image_std):
         fail("data.image_std", f"must be > 0 per channel, got {d.image_std}")
+    sizes = cfg.train.batch_size if isinstance(cfg.train.batch_size, list) else [cfg.train.batch_size]
+    pipe = cfg.dist.strategy == "pipe"
+    one = cfg.dist.pp_microbatches if pipe else 1  # the batch size that gives each forward one image
+    if cfg.mode in ("train", "lr_find") and d.image_size <= ONE_PIXEL_MAP and one in sizes and \
+            (pipe or not cfg.model.pretrained_dir):  # (a traceback at step 1; pipe: a ResNet, pretrained or not)
+        per = f" per pipeline in dist.pp_microbatches={one}" if pipe else ""
+        fail("train.batch_size", f"{cfg.train.batch_size}{per} is {'micro-' if pipe else ''}batches of one image, "
+                                 f"which the ResNet's BatchNorm cannot train on at data.image_size {d.image_size} "
+                                 "(its last feature map is 1x1: one value per channel); give each "
+                                 f"{'micro-' if pipe else ''}batch 2 or more images")
     if d.skip_bad_images and cfg.dist.strategy == "pipe" and cfg.mode in ("train", "lr_find"):
         fail("data.skip_bad_images", "is not for dist.strategy: pipe in training (a skipped image shrinks its batch; "
                                      "pipeline stages take one shape every step); remove or replace the unreadable files")
@@ -112,15 +124,16 @@ def check_data_config(cfg, fail) -> None:
 
 # ---- the folder: splits, classes, files ---------------------------------------------------------------------------
 def split_folder(data_dir: str, split: str) -> Optional[str]:
-    """data_dir's folder for `split` (train/TRAIN, val/EVAL/dev..., test), any case; None if it has none."""
+    """data_dir's folder for `split` (train/TRAIN, val/EVAL/dev..., test), any case; None if it has none, and one
+    line if it has two."""
     try:
         names = sorted(os.listdir(data_dir))
     except OSError as e:
         raise DataError(f"data.data_dir: {data_dir} cannot be read ({e.strerror})") from None
-    for name in names:
-        if name.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, name)):
-            return os.path.join(data_dir, name)
-    return None
+    found = [n for n in names if n.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, n))]
+    if len(found) > 1:  # (the first was read, the others' images neither trained on nor evaluated)
+        raise DataError(f"{data_dir}: two {split} folders, {found[0]}/ and {found[1]}/; merge them into one")
+    return os.path.join(data_dir, found[0]) if found else None
 
 
 def walk_images(folder: str) -> tuple[list[str], int]:
@@ -403,6 +416,15 @@ def bad_image_line(path: str) -> str:
             "to skip such files")
 
 
+def one_image_batch_line(cfg, n_train: int) -> str:
+    """A training batch of one image (an epoch's last, or what data.skip_bad_images left of one) whose last feature
+    map is 1x1: BatchNorm has one value per channel to normalise, and nothing to learn from."""
+    return (f"a training batch of one image cannot go through the model's BatchNorm at data.image_size "
+            f"{cfg.data.image_size} (its last feature map is 1x1: one value per channel); an epoch's last batch "
+            f"must leave every rank 2 or more images ({n_train} training images): change train.batch_size or the "
+            f"number of images, or set data.image_size above {ONE_PIXEL_MAP}")
+
+
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -523,7 +545,8 @@ class ImageFolderTask(Task):
             model = pretrained(self.cfg, self.classes, rank_log().info if rank() == 0 else lambda line: None)
         else:
             model = resnet(m.arch or "resnet50", m.width, self.classes)
-        if m.sync_batchnorm:  # checked: ddp on GPUs; one set of batch statistics over all ranks
+        if m.sync_batchnorm and self.cfg.mode in ("train", "lr_find"):  # checked: ddp on GPUs; one set of batch
+            # statistics over all ranks (a run's folder tests, predicts and exports on a CPU too: plain BatchNorm)
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if self.channels_last:  # the same values in NHWC order: a checkpoint's state_dict loads either way
             model = model.to(memory_format=torch.channels_last)
@@ -578,7 +601,12 @@ class ImageFolderTask(Task):
         return model(pixel_values=pixels).logits
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return self.loss_from_output(self.logits(model, batch), batch["labels"])
+        try:
+            return self.loss_from_output(self.logits(model, batch), batch["labels"])
+        except ValueError as e:  # torch's BatchNorm on one value per channel: a traceback at an epoch's end
+            if len(batch["labels"]) != 1 or "value per channel" not in str(e):
+                raise
+            raise DataError(one_image_batch_line(self.cfg, len(self.files["train"]))) from None
 
     def loss_from_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels, reduction="sum")
@@ -592,6 +620,10 @@ class ImageFolderTask(Task):
         return classification_batch(logits, batch["labels"], self.loss_from_output(logits, batch["labels"]))
 
     def metrics(self, totals: dict) -> dict:
+        if not totals["count"]:  # (a split has images: data.skip_bad_images skipped them all) not accuracy=0, loss=0
+            raise DataError(f"data.skip_bad_images skipped every image of an evaluation ({len(self.skipped)} skipped "
+                            "so far on this rank, each named in its log): its metrics would be of no image; replace "
+                            f"the unreadable files in {self.cfg.data.data_dir}")
         return classification_metrics(totals["preds"], totals["labels"], totals["loss_sum"], totals["count"])
 
     # pipe: the ResNet's stem, each stage, then pooling and the head (transformers' ResNetForImageClassification).

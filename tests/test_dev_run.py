@@ -107,6 +107,8 @@ def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, cap
     ("configs/gpt2_lm.yml", "ddp", ["train.batch_size=2", "train.eval_batch_size=2", "data.max_length=64",
                                     "train.grad_accum_steps=2"]),
     ("configs/gpt2_lm.yml", "pipe", ["train.batch_size=4", "train.eval_batch_size=4"]),  # 1 per micro-batch
+    # 2 per micro-batch: one 32 px image was refused (the ResNet's BatchNorm on a 1x1 map): the dev run failed
+    ("configs/image_folder_tiny.yml", "pipe", ["train.batch_size=8", "train.eval_batch_size=8"]),
     ("configs/shakespeare_char.yml", "none", ["train.batch_size=2"]),
 ])
 def test_the_dev_run_shrinks_only_what_costs_time(preset, strategy, expected):

@@ -87,7 +87,7 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
                                   "no dev split", "no training split", "val without train", "one class",
-                                  "class all in dev"])
+                                  "class all in dev", "two dev folders", "train and TRAIN"])
 def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
     root = digit_folder(tmp_path / "d", train=4, val=2)
     dev_fraction = 0.15
@@ -113,6 +113,12 @@ def test_a_broken_folder_is_one_line_naming_it(tmp_path, case):
             os.rename(os.path.join(root, "train", c), os.path.join(root, c))
         os.rmdir(os.path.join(root, "train"))
         expected = f"{root}/val: a dev folder without train/ beside it; put the training class folders in {root}/train/"
+    elif case == "two dev folders":  # valid/ beside val/: one of them was read, the other ignored unsaid
+        shutil.copytree(os.path.join(root, "val"), os.path.join(root, "valid"))
+        expected = f"{root}: two dev folders, val/ and valid/; merge them into one"
+    elif case == "train and TRAIN":
+        shutil.copytree(os.path.join(root, "train"), os.path.join(root, "TRAIN"))
+        expected = f"{root}: two train folders, TRAIN/ and train/; merge them into one"
     elif case == "one class":  # its loss is 0 from the first step
         for c in ("one", "two"):
             shutil.rmtree(os.path.join(root, "train", c))
@@ -210,6 +216,28 @@ def test_keys_of_other_tasks_are_refused_for_images(tmp_path):
     with pytest.raises(ConfigError, match="`train.compile` under dist.strategy fsdp is refused for image_folder on a CPU"):
         tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "fsdp", "procs_per_node": 2})
     tiny(tmp_path, tmp_path, train={"compile": True}, dist={"strategy": "ddp", "procs_per_node": 2})  # (works)
+    # pipe's micro-batches of one 16 px image: the ResNet's BatchNorm on a 1x1 map (a traceback at step 1)
+    with pytest.raises(ConfigError, match=r"`train.batch_size` 4 per pipeline in dist.pp_microbatches=4 is micro-batc"):
+        tiny(tmp_path, tmp_path, train={"batch_size": 4}, dist={"strategy": "pipe", "procs_per_node": 2})
+    tiny(tmp_path, tmp_path, train={"batch_size": 8}, dist={"strategy": "pipe", "procs_per_node": 2})  # (2 each)
+    with pytest.raises(ConfigError, match=r"`train.batch_size` 1 is batches of one image, which the ResNet's Bat"):
+        tiny(tmp_path, tmp_path, train={"batch_size": 1})  # (the same traceback at step 1)
+
+
+def test_a_sync_batchnorm_run_is_tested_predicted_and_exported_on_a_cpu(tmp_path):
+    """A ddp run trained with model.sync_batchnorm on GPUs, its folder copied to a laptop: test, predict and export
+    read no training batch (BatchNorm in eval mode uses its running statistics), yet its config.yml was refused there
+    ('needs GPUs ...; remove it on a CPU'). Training on a CPU still is."""
+    model = {**TINY["model"], "sync_batchnorm": True}
+    dist = {"strategy": "ddp", "procs_per_node": 2}
+    with pytest.raises(ConfigError, match="`model.sync_batchnorm` needs GPUs"):
+        tiny(tmp_path, tmp_path, model=model, dist=dist)
+    os.makedirs(tmp_path / "checkpoints")  # (test mode asks for them as it reads its config)
+    for mode in ("test", "predict", "export"):
+        task = ImageFolderTask(tiny(tmp_path, tmp_path, model=model, dist=dist, mode=mode,
+                                    predict={"input": str(tmp_path)}))
+        task.prepare_inference(["a", "b"])
+        assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in task.build_model().modules())
 
 
 # ---- decoding and preprocessing --------------------------------------------------------------------------------------
@@ -338,6 +366,30 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
     # evaluation names what it skips too
     assert f"skipped {bad_dev}: not a readable image (data.skip_bad_images; 2 skipped so far" in log
     assert "dev: loss=" in log and "samples=5" in log  # the 6 dev images but the one skipped
+    # every dev image skipped (and the training one: 7): "dev: loss=0 accuracy=0 ... samples=0", a best picked by it
+    for c in ("one", "two", "zero"):
+        for f in os.listdir(os.path.join(root, "val", c)):
+            open(os.path.join(root, "val", c, f), "wb").close()
+    capsys.readouterr()
+    assert main.run(tiny(tmp_path / "c", root, train={**train, "max_steps": 1, "eval_every": 1},
+                         data={"num_workers": workers, "skip_bad_images": True})) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: data.skip_bad_images skipped every image of an evaluation (7 skipped so far on this "
+                   f"rank, each named in its log): its metrics would be of no image; replace the unreadable files "
+                   f"in {root}"], err
+
+
+def test_a_training_batch_of_one_small_image_is_one_line_not_a_batchnorm_traceback(tmp_path, capsys):
+    """9 photos in batches of 8: the epoch's last batch is one image, whose 1x1 last feature map (data.image_size 32
+    or less, the tiny preset's) gives BatchNorm one value per channel: a ValueError traceback at the epoch's end."""
+    root = digit_folder(tmp_path / "d", train=3, val=1)
+    train = {"max_steps": 2, "eval_every": 0, "save_every": 0, "batch_size": 8}
+    assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": 0})) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: a training batch of one image cannot go through the model's BatchNorm at "
+                               "data.image_size 16") and "(9 training images)" in lines[0], lines[0]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ checkpoint's logits (1e-4) on real inputs of any batch size and, for text, any l
 import json
 import os
 import re
+import struct
 
 import numpy as np
 import onnxruntime
@@ -68,14 +69,22 @@ def test_an_image_folder_resnet_as_onnx_gives_the_checkpoints_logits_and_its_ave
     """image_folder's transformers ResNet, with its image processor beside it; test.weights: ema exports ema.pt."""
     import dataclasses
     from PIL import Image
+    from sklearn.datasets import load_sample_images
     from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
     from image_folders import digit_folder
     from test_image_folder import tiny
     images = digit_folder(tmp_path / "images", train=8, val=4)
     cfg = tiny(tmp_path / "run", images, train={"max_steps": 3, "eval_every": 0, "save_every": 0, "ema_decay": 0.5})
     assert main.run(cfg) == 0
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(images, "val")) for f in fs)[:7]
-    pictures = [Image.open(f) for f in files]  # grayscale PNGs and RGB JPEGs of several sizes
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(images, "val")) for f in fs)[:6]
+    # and a phone's portrait photo (EXIF Orientation 6): the README's snippet read it sideways (Image.open), so its
+    # answer was not predict's nor pipeline()'s
+    ifd = struct.pack("<H", 1) + struct.pack("<HHI4s", 0x0112, 3, 1, b"\x06\0\0\0") + struct.pack("<I", 0)
+    Image.fromarray(load_sample_images().images[1]).resize((60, 40)).transpose(Image.ROTATE_90).save(
+        tmp_path / "phone.jpg", exif=b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd)
+    files.append(str(tmp_path / "phone.jpg"))
+    pictures = [load_image(f) for f in files]  # grayscale PNGs and RGB JPEGs of several sizes, the photo upright
     answers = {}
     for weights in ("trained", "ema"):
         folder = tmp_path / weights
@@ -88,7 +97,7 @@ def test_an_image_folder_resnet_as_onnx_gives_the_checkpoints_logits_and_its_ave
         for n in (7, 1):  # any batch size
             np.testing.assert_allclose(onnx_logits(folder, {"pixel_values": pixels[:n].numpy()}), expected[:n],
                                        atol=1e-4)
-        scope = readme_snippet(folder, images=pictures)
+        scope = readme_snippet(folder, paths=files)
         np.testing.assert_allclose(scope["logits"], expected, atol=1e-4)
         assert list(scope["names"].values()) == ["one", "two", "zero"]
         readme = open(folder / "README.md").read()
