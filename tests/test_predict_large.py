@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_config, tmpfs
 import main
-from core import checkpoint_io
+from core import checkpoint_io, run_log
 from core.errors import UserError
 from extras import predict
 from resilience.run_dir import move_run_aside
@@ -79,6 +79,23 @@ def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch)
                 tracemalloc.stop()
             assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
         assert peaks[1] < peaks[0] * 1.3, (name, peaks)
+
+
+def test_a_long_predict_shows_it_is_alive(run, monkeypatch, capsys):
+    """A predict of millions of inputs printed nothing between its first line and its last: an hour's wait could
+    not tell progress from a hang. Now rank 0 writes a line every run_log.EVAL_LOG_EVERY_S seconds (on the console too
+    when there is no bar), its count of the inputs predicted rising to the last chunk's."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 64)  # (4 batches of 16 a chunk)
+    monkeypatch.setattr(run_log, "EVAL_LOG_EVERY_S", 0.0)  # every batch (30 s in real runs)
+    (root / "some.txt").write_text("\n".join(texts(200)))
+    assert predicted(root, settings, root / "some.txt") == 0
+    out = capsys.readouterr().out
+    line = rf"predicting {re.escape(str(root / 'some.txt'))}: (\d+) inputs, \d+ s\n"
+    counts = [int(n) for n in re.findall(line, out)]
+    assert counts == list(range(16, 200, 16)) + [200], out  # each batch's
+    log = (root / "run" / "logs" / "rank0.log").read_text()
+    assert log.count(" inputs, ") >= len(counts) and "(200 rows)" in out.splitlines()[-1]
 
 
 def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
