@@ -2,6 +2,7 @@
 (memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
 import os
 import re
+import sys
 import tracemalloc
 
 import pyarrow as pa
@@ -96,6 +97,11 @@ def test_a_long_predict_shows_it_is_alive(run, monkeypatch, capsys):
     assert counts == list(range(16, 200, 16)) + [200], out  # each batch's
     log = (root / "run" / "logs" / "rank0.log").read_text()
     assert log.count(" inputs, ") >= len(counts) and "(200 rows)" in out.splitlines()[-1]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar, and the lines in the log alone
+    assert main.run(make_config(root / "run", **settings, mode="predict", log={"progress_bar": True},
+                                predict={"input": str(root / "some.txt")})) == 0
+    out, err = capsys.readouterr()
+    assert "predict: 200 inputs [" in err and " inputs, " not in out and "(200 rows)" in out, (out, err)
 
 
 def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
