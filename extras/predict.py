@@ -64,9 +64,11 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     rows = predicted(cfg, ctx, task, model, progress)
     earlier = os.path.isfile(where)
     written = []
-    write_beside(where, lambda f: written.append(write_rows(f, rows, task.label_names())))
-    if progress.bar is not None:  # (its last count stays on the screen, above the closing line)
-        progress.bar.close()
+    try:
+        write_beside(where, lambda f: written.append(write_rows(f, rows, task.label_names())))
+    finally:  # its last count stays on the screen, its line ended: the closing line, or an error's, is one of its own
+        if progress.bar is not None:
+            progress.bar.close()
     log.info(f"wrote {where} ({written[0]} rows)" + (", replacing the earlier predictions.csv" if earlier else ""))
     return where
 

@@ -105,6 +105,11 @@ def test_a_long_predict_shows_it_is_alive(run, monkeypatch, capsys):
                                 predict={"input": str(root / "some.txt")})) == 0
     out, err = capsys.readouterr()
     assert "predict: 200 inputs [" in err and " inputs, " not in out and "(200 rows)" in out, (out, err)
+    (root / "bad.txt").write_bytes("\n".join(texts(99)).encode() + b"\nbad \xff byte\n")  # a failure under the bar
+    assert main.run(make_config(root / "run", **settings, mode="predict", log={"progress_bar": True},
+                                predict={"input": str(root / "bad.txt")})) == 2
+    err = capsys.readouterr().err
+    assert f"\nerror: {root / 'bad.txt'}:100: not valid UTF-8" in err, err  # its own line, not glued to the bar
 
 
 def test_a_file_with_old_mac_line_ends_is_streamed_too(tmp_path):
