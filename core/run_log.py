@@ -208,30 +208,32 @@ def batch_tokens(task, batches: list[dict], reports: bool) -> Optional[int]:
     return None if None in n else sum(n) if reports else 0
 
 
-EVAL_LOG_EVERY_S = 30.0  # a long evaluation writes a line this often, so that it is visibly alive
+EVAL_LOG_EVERY_S = 30.0  # a long evaluation (or predict) writes a line this often, so that it is visibly alive
 
 
 class EvalProgress:
     """An evaluation shows it is alive: a second bar under the training bar on rank 0 (when there is one), and,
     every EVAL_LOG_EVERY_S seconds, a line in each rank's log (on rank 0's console too when there is no bar).
-    `trainer`: the Trainer, for its log, its step and its bars."""
+    `trainer`: the Trainer, for its log, its step and its bars (predict, without one: started() alone)."""
 
     def __init__(self, trainer, split: str, total: int):
-        self.log, self.total, self.done = trainer.log, total, 0
-        self.what = f"evaluating {split} at step {trainer.state.step}"
-        self.bar = trainer.progress_bar(total=total, desc=split, leave=False) if total else None
+        self.started(trainer.log, f"evaluating {split} at step {trainer.state.step}", f"/{total} batches", total,
+                     trainer.progress_bar(total=total, desc=split, leave=False) if total else None)
+
+    def started(self, log: logging.Logger, what: str, unit: str, total: Optional[int], bar) -> None:
+        self.log, self.what, self.unit, self.total, self.bar, self.done = log, what, unit, total, bar, 0
         self.start = self.last = time.perf_counter()
 
-    def batch_done(self) -> None:
-        self.done += 1
+    def batch_done(self, n: int = 1) -> None:
+        self.done += n
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(n)
             if self.done == self.total:
                 self.bar.close()
         now = time.perf_counter()
-        if now - self.last >= EVAL_LOG_EVERY_S and self.done < self.total:
+        if now - self.last >= EVAL_LOG_EVERY_S and self.done != self.total:
             self.last = now
-            self.log.info(f"{self.what}: {self.done}/{self.total} batches, {now - self.start:.0f} s",
+            self.log.info(f"{self.what}: {self.done}{self.unit}, {now - self.start:.0f} s",
                           extra={"file_only": self.bar is not None})
 
 

@@ -7,8 +7,8 @@ predict.input is a folder of images (image tasks) or a file of texts (text class
 run's best) is verified and loaded as test mode loads it, whatever strategy wrote it; output_dir/predictions.csv gets
 one row per input, in input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label
 names with their probabilities. The inputs are read, predicted and written a chunk at a time: memory is one chunk's,
-whatever the input's size. Under dist.strategy ddp the ranks share each chunk; a checkpoint of any other strategy is
-read in one process (main.py).
+whatever the input's size; rank 0 shows the inputs predicted so far (a bar, a line every 30 s: Progress). Under
+dist.strategy ddp the ranks share each chunk; a checkpoint of any other strategy is read in one process (main.py).
 """
 from __future__ import annotations
 
@@ -55,29 +55,39 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     average = f" (its weight average, ema.pt: {checkpoint_io.why_average(cfg)})" if weights == "ema" else ""
     log.info(f"predicting the inputs of {cfg.predict.input} with {path}{average}")
     model.to(ctx.device).eval()
-    rows = predicted(cfg, ctx, task, model)
     if not ctx.is_main:  # (every rank predicts its share of each chunk; rank 0 writes them all)
-        collections.deque(rows, maxlen=0)
+        collections.deque(predicted(cfg, ctx, task, model), maxlen=0)
         return where
+    # alive to whoever waits an hour (a bar on a terminal, else a line every 30 s); the count alone: no total known
+    progress = Progress(log, f"predicting {cfg.predict.input}", run_log.progress_bar(
+        cfg.log.progress_bar, desc="predict", unit=" inputs"))
+    rows = predicted(cfg, ctx, task, model, progress)
     earlier = os.path.isfile(where)
     written = []
-    write_beside(where, lambda f: written.append(write_rows(f, rows, task.label_names())))
+    try:
+        write_beside(where, lambda f: written.append(write_rows(f, rows, task.label_names())))
+    finally:  # its last count stays on the screen, its line ended: the closing line, or an error's, is one of its own
+        if progress.bar is not None:
+            progress.bar.close()
     log.info(f"wrote {where} ({written[0]} rows)" + (", replacing the earlier predictions.csv" if earlier else ""))
     return where
 
 
-def predicted(cfg, ctx: DistContext, task: Task, model) -> Iterator[tuple[str, list, list]]:
+def predicted(cfg, ctx: DistContext, task: Task, model, progress: Optional[Progress] = None
+              ) -> Iterator[tuple[str, list, list]]:
     """(input name, predict.top_k class numbers, their probabilities) of each input, in input order, on every rank,
     a chunk at a time. Under ddp each rank predicts its contiguous piece of a chunk; gathered in rank order, the
-    pieces are the chunk's order. No input at all, or none read, is a DataError at the end."""
+    pieces are the chunk's order. No input at all, or none read, is a DataError at the end. `progress` (rank 0's)
+    counts the inputs predicted, each batch (under ddp: rank 0's times the ranks)."""
     autocast = autocast_for(ctx.device.type, cfg.train.precision)
     step = cfg.train.eval_batch_size * ctx.world_size
     size = step * max(1, CHUNK // step)  # whole batches: one process predicts the batches it did before chunks
     inputs = rows = 0
     for names, dataset in task.predict_chunks(cfg.predict.input, size):
         for start in range(0, len(dataset), size):  # (a task's own predict_inputs gives all in one: cut here)
+            piece = min(size, len(dataset) - start)
             batches = [[start + i for i in batch] for batch in eval_shard_batches(
-                min(size, len(dataset) - start), ctx.rank, ctx.world_size, cfg.train.eval_batch_size)]
+                piece, ctx.rank, ctx.world_size, cfg.train.eval_batch_size)]
             loader = make_loader(dataset, batches, task.collate, cfg.data.num_workers, False, cfg.seed)
             top = []
             with torch.no_grad():
@@ -89,6 +99,9 @@ def predicted(cfg, ctx: DistContext, task: Task, model) -> Iterator[tuple[str, l
                     probs = torch.softmax(logits.float(), dim=-1)
                     values, indices = probs.topk(min(cfg.predict.top_k, probs.shape[-1]), dim=-1)
                     top.extend(zip([i for i in positions if i not in skipped], indices.tolist(), values.tolist()))
+                    if progress is not None:  # (rank 0's piece is the largest: the count ends at the chunk's)
+                        uncounted = inputs + start + piece - progress.done
+                        progress.batch_done(min(len(positions) * ctx.world_size, uncounted))
             for part in distributed.gather_objects(ctx, top):
                 rows += len(part)
                 yield from ((names[i], classes, probabilities) for i, classes, probabilities in part)
@@ -98,6 +111,14 @@ def predicted(cfg, ctx: DistContext, task: Task, model) -> Iterator[tuple[str, l
     if not rows:
         raise DataError(f"predict.input: none of the {inputs} inputs of {cfg.predict.input} could be read "
                         "(data.skip_bad_images skipped them all)")
+
+
+class Progress(run_log.EvalProgress):
+    """Rank 0's count of the inputs predicted so far, as an evaluation's: `bar` moves, `log` gets a line every
+    run_log.EVAL_LOG_EVERY_S s. How many inputs there are is not known beforehand (they are read as they come)."""
+
+    def __init__(self, log, what: str, bar):
+        self.started(log, what, " inputs", None, bar)
 
 
 def write_rows(f, rows: Iterable, label_names: Optional[list]) -> int:

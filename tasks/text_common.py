@@ -328,24 +328,33 @@ def read_utf8(path: str) -> str:
 
 def utf8_lines(path: str) -> Iterator[str]:
     """The lines of `path` as read_utf8 splits its text (each without its `\\n`), a line at a time: mode predict
-    holds one line, not the file. A bad byte is read_utf8's DataError, naming its line and column."""
+    holds one line, not the file, whatever its line ends (universal newlines: a file of lone `\\r`, Excel's `CSV
+    (Macintosh)`, was one line read whole when bytes were split at `\\n`). A bad byte is read_utf8's DataError,
+    naming its line and column: decoded with surrogateescape, it stays in its line, where encoding finds it."""
     try:
-        f = open(path, "rb")
+        f = open(path, encoding="utf-8-sig", errors="surrogateescape", newline=None)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
     with f:
-        number, last = 1, ""
-        for raw in f:  # (split at b"\n", which is never inside a UTF-8 character)
-            start = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+        line = "\n"  # (an empty file: one empty line, as read_utf8's split gives)
+        for number, line in enumerate(f, 1):
             try:
-                text = str(memoryview(raw)[start:], "utf-8")
-            except UnicodeDecodeError as e:
-                line, why = utf8_error_where(raw, start, start + e.start, start + e.end).split(": ", 1)
-                raise DataError(f"{path}:{number + int(line) - 1}: {why}") from None
-            *whole, last = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-            yield from whole
-            number += len(whole)
-        yield last  # (after a last `\n`: the empty line read_utf8's split ends with too)
+                line.encode("utf-8")  # (a lone surrogate: a byte surrogateescape kept, undecoded)
+            except UnicodeEncodeError:
+                raise DataError(f"{path}:{number}: {line_error(line)}") from None
+            yield line[:-1] if line.endswith("\n") else line
+        if line.endswith("\n"):
+            yield ""  # (after a last line end: the empty line read_utf8's split ends with too)
+
+
+def line_error(line: str) -> str:
+    """utf8_error_where's words for a line utf8_lines decoded with surrogateescape: its first bad bytes."""
+    data = line.encode("utf-8", "surrogateescape")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return utf8_error_where(data, 0, e.start, e.end).split(": ", 1)[1]
+    raise AssertionError("a line without bad bytes")
 
 
 def utf8_error_where(data: bytes, start: int, bad: int, bad_end: int) -> str:

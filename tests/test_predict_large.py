@@ -1,7 +1,9 @@
 """mode: predict on large and repeated inputs (extras/predict.py): read, predicted and written a chunk at a time
 (memory bounded whatever the input's size, the rows those of one chunk), into predictions.csv only at the end."""
+import itertools
 import os
 import re
+import sys
 import tracemalloc
 
 import pyarrow as pa
@@ -10,11 +12,13 @@ import pytest
 
 from conftest import make_config, tmpfs
 import main
-from core import checkpoint_io
-from core.errors import UserError
+from core import checkpoint_io, run_log
+from core.errors import DataError, UserError
 from extras import predict
 from resilience.run_dir import move_run_aside
 from resilience.run_dir_lock import hold_output_dir
+from tasks import table_files
+from tasks.text_common import read_utf8, utf8_lines
 
 ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
                                                                       for i in range(30)]
@@ -79,6 +83,60 @@ def test_predict_streams_its_inputs_with_the_rows_of_one_chunk(run, monkeypatch)
                 tracemalloc.stop()
             assert (root / "run" / "predictions.csv").read_text().count("\n") == n + 1
         assert peaks[1] < peaks[0] * 1.3, (name, peaks)
+
+
+def test_a_long_predict_shows_it_is_alive(run, monkeypatch, capsys):
+    """A predict of millions of inputs printed nothing between its first line and its last: an hour's wait could
+    not tell progress from a hang. Now rank 0 writes a line every run_log.EVAL_LOG_EVERY_S seconds (on the console too
+    when there is no bar), its count of the inputs predicted rising to the last chunk's."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 64)  # (4 batches of 16 a chunk)
+    monkeypatch.setattr(run_log, "EVAL_LOG_EVERY_S", 0.0)  # every batch (30 s in real runs)
+    (root / "some.txt").write_text("\n".join(texts(200)))
+    assert predicted(root, settings, root / "some.txt") == 0
+    out = capsys.readouterr().out
+    line = rf"predicting {re.escape(str(root / 'some.txt'))}: (\d+) inputs, \d+ s\n"
+    counts = [int(n) for n in re.findall(line, out)]
+    assert counts == list(range(16, 200, 16)) + [200], out  # each batch's
+    log = (root / "run" / "logs" / "rank0.log").read_text()
+    assert log.count(" inputs, ") >= len(counts) and "(200 rows)" in out.splitlines()[-1]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar, and the lines in the log alone
+    assert main.run(make_config(root / "run", **settings, mode="predict", log={"progress_bar": True},
+                                predict={"input": str(root / "some.txt")})) == 0
+    out, err = capsys.readouterr()
+    assert "predict: 200 inputs [" in err and " inputs, " not in out and "(200 rows)" in out, (out, err)
+    (root / "bad.txt").write_bytes("\n".join(texts(99)).encode() + b"\nbad \xff byte\n")  # a failure under the bar
+    assert main.run(make_config(root / "run", **settings, mode="predict", log={"progress_bar": True},
+                                predict={"input": str(root / "bad.txt")})) == 2
+    err = capsys.readouterr().err
+    assert f"\nerror: {root / 'bad.txt'}:100: not valid UTF-8" in err, err  # its own line, not glued to the bar
+
+
+def test_a_file_with_old_mac_line_ends_is_streamed_too(tmp_path):
+    """Lines were split at \\n bytes, then at \\r: a file whose lines end in a lone \\r (Excel's `CSV
+    (Macintosh)`) was one line, read whole (a 70 MB file took 450 MB more). Now its memory is a line's, as for \\n; the
+    lines are read_utf8's whatever the ends (a \\r\\n across the reading buffer's edge, a BOM, no last end), and a
+    bad byte still names its line and column."""
+    lines = texts(20000)
+    peaks = {}
+    for name, end in (("lf.txt", "\n"), ("cr.txt", "\r")):
+        (tmp_path / name).write_text(end.join(lines) + end, newline="")
+        tracemalloc.start()
+        try:
+            read = table_files.text_stream(str(tmp_path / name), "text")  # (compared as read: none held)
+            assert all(a == b for a, b in itertools.zip_longest(read, lines)), name
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks["cr.txt"] < 2 * peaks["lf.txt"] + 100_000, peaks  # (before: 3 MB against 7 kB)
+    for data in (b"", b"a", b"a\n", b"\xef\xbb\xbfa\r\nb\rc\n\nd", b"x" * 8191 + b"\r\ny\r", b"\r" * 9000):
+        (tmp_path / "mixed.txt").write_bytes(data)
+        assert list(utf8_lines(str(tmp_path / "mixed.txt"))) == read_utf8(str(tmp_path / "mixed.txt")).split("\n")
+    (tmp_path / "bad.txt").write_bytes(b"a\rb\r\n\xc3\xa9t\xe9\rc")
+    with pytest.raises(DataError) as error:
+        list(utf8_lines(str(tmp_path / "bad.txt")))
+    assert str(error.value) == f"{tmp_path / 'bad.txt'}:3: not valid UTF-8 (byte 0xe9 at column 3); the file must be " \
+                               "saved as UTF-8"
 
 
 def test_a_failed_predict_leaves_the_earlier_predictions_and_a_replaced_one_is_said(run, monkeypatch, capsys):
