@@ -43,7 +43,7 @@ class TrainState:
     evals_without_improvement: int = 0
     best_k: list = field(default_factory=list)  # train.keep_best: [value, dev loss, step] of the k best, best first
     eval_due: bool = False  # a stop saved this step before its evaluation (Trainer.stop): a resume evaluates it first
-    bad_steps: int = 0  # the last steps' non-finite gradient norms in a row (count_skipped_update)
+    bad_steps: int = 0  # the last steps skipped in a row: a non-finite gradient norm, no sample (count_skipped_update)
 
 
 def finite_or_none(x):
@@ -122,8 +122,8 @@ class Trainer:
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
                 tokens = run_log.batch_tokens(self.task, batches, reports)
                 window.add(rank_loss_sum, global_count, samples=samples, tokens=tokens)
-            else:
-                self.count_skipped_update(grad_norm)  # its update was not applied; too many in a row end the run
+            else:  # its update was not applied; too many in a row end the run
+                self.count_skipped_update(grad_norm, counted=global_count > 0)
             last = state.step == self.total_steps
             if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
@@ -151,7 +151,7 @@ class Trainer:
             self.hooks.run_ends(self)  # the closing lines
         return metrics
 
-    def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, bool, bool]:
+    def train_step(self, batches: list[dict]) -> tuple[torch.Tensor, float, float, bool, bool]:
         """One optimizer step over `batches` (the accumulation micro-batches of this rank). Returns this rank's
         summed loss, the global count (samples, or tokens), the global gradient norm, whether the update was applied
         (the norm was finite), whether any rank asked to stop."""
@@ -178,10 +178,14 @@ class Trainer:
         norm_on_device = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
-        grad_norm, stop_count = torch.stack([norm_on_device.float().reshape(()), stop_votes]).tolist()
-        update = math.isfinite(grad_norm)  # NaN/Inf: no update; the step still counts, the schedule moves on
+        grad_norm, stop_count, global_count = torch.stack([norm_on_device.float().reshape(()), stop_votes,
+                                                           global_count]).tolist()
+        # NaN/Inf, or no sample at all (AdamW would still decay and move the weights): no update; the step still
+        # counts, the schedule moves on
+        update = math.isfinite(grad_norm) and global_count > 0
         if strategy.scaler:  # fp16: the scaler skips the update itself when the gradients overflowed (norm inf)
-            strategy.scaler.step(strategy.optimizer)
+            if global_count > 0:
+                strategy.scaler.step(strategy.optimizer)
             strategy.scaler.update()
         elif update:
             strategy.optimizer.step()
@@ -192,23 +196,27 @@ class Trainer:
         self.scheduler.step()
         return rank_loss_sum, global_count, grad_norm, update, stop_count > 0
 
-    def count_skipped_update(self, norm: float) -> None:
-        """The step just done had a NaN/Inf gradient norm: train_step did not apply it (it still counts as a step, and
-        the schedule moved on). Several in a row mean training has diverged: stop, keeping the checkpoints written
-        before (every rank sees the same global norm, so all stop at the same step)."""
-        if self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
+    def count_skipped_update(self, norm: float, counted: bool) -> None:
+        """The step just done had a NaN/Inf gradient norm, or no sample: train_step did not apply it (it still counts
+        as a step, and the schedule moved on). Several in a row mean training has diverged: stop, keeping the
+        checkpoints written before (every rank sees the same global norm and count: all stop at the same step)."""
+        if counted and self.strategy.scaler is not None and self.strategy.scaler.get_scale() >= 1:
             return  # fp16 overflow: the loss scaler lowers its scale and tries again; that is its job
         self.state.bad_steps += 1
-        self.log.warning(f"step {self.state.step}: gradient norm is {norm}: update skipped ({self.state.bad_steps} in "
+        why = f"gradient norm is {norm}" if counted else "its batch counts no sample (every image skipped by " \
+            "data.skip_bad_images, or no target token)"
+        self.log.warning(f"step {self.state.step}: {why}: update skipped ({self.state.bad_steps} in "
                          f"a row; train.max_bad_steps={self.train_cfg.max_bad_steps})")
         if self.state.bad_steps >= self.train_cfg.max_bad_steps:
             self.finish_save()
             last = checkpoint.latest(self.cfg.output_dir)
             distributed.barrier(self.ctx)
             raise Diverged(
-                f"training diverged: {self.state.bad_steps} steps in a row up to step {self.state.step} had a "
-                f"non-finite gradient norm ({norm}); their updates were skipped and nothing was saved after them; last "
-                f"checkpoint: {last or 'none'} (lower train.lr, set train.clip_grad_norm, or check the data)")
+                f"training {'diverged' if counted else 'stopped'}: {self.state.bad_steps} steps in a row up to step "
+                f"{self.state.step} had " + (f"a non-finite gradient norm ({norm})" if counted else "no sample") +
+                f"; their updates were skipped and nothing was saved after them; last checkpoint: {last or 'none'} ("
+                + ("lower train.lr, set train.clip_grad_norm, or check the data)" if counted else
+                   "check the data: data.skip_bad_images names each file it skipped in the log)"))
 
     def stop(self, bar) -> None:
         """Every rank asked (or was told) to stop after this step: save, and leave with Stopped. (Called before this

@@ -1,18 +1,8 @@
-"""Parts of a model that strategies and checkpoints treat apart: its blocks (what FSDP shards as units and
-activation checkpointing recomputes), and under LoRA (tasks/lora.py) the part that trains, which is all a
-checkpoint holds besides a reference to the frozen base."""
+"""Parts of a model that strategies and checkpoints treat apart: under LoRA (tasks/lora.py) the part that trains,
+which is all a checkpoint holds besides a reference to the frozen base, and what the weight average follows."""
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-
-def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks, innermost first: what FSDP shards as units of their own (one all-gather each) and
-    activation checkpointing recomputes. Every member of an nn.ModuleList, i.e. the blocks of a transformer
-    (BERT's encoder.layer, BART's encoder.layers and decoder.layers, GPT-2's h); FSDP's root takes the rest."""
-    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-    return units[::-1]
 
 
 def trains_part(model: torch.nn.Module) -> bool:

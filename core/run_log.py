@@ -174,7 +174,7 @@ class LossWindow:
         self.loss.fill_(saved["loss"])
         self.count.fill_(saved["count"])
 
-    def add(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int, tokens: Optional[int] = None):
+    def add(self, loss_sum: torch.Tensor, count: float, samples: int, tokens: Optional[int] = None):
         """tokens: this rank's input tokens (Task.tokens); None for a task without tokens (no tokens_per_s)."""
         self.loss += loss_sum
         self.count += count  # already summed over ranks; loss_sum is this rank's own

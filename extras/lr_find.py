@@ -47,7 +47,7 @@ def sweep(trainer) -> dict:
         batches = [next(stream) for _ in range(trainer.train_cfg.grad_accum_steps)]
         loss_sum, count, _, _, stop_asked = trainer.train_step(batches)
         total = distributed.all_reduce_sum(ctx, loss_sum.detach().float().reshape(1)).item()  # every rank's loss
-        loss = total / count.item()
+        loss = total / count
         average = SMOOTHING * average + (1 - SMOOTHING) * loss
         smooth = average / (1 - SMOOTHING ** (i + 1))
         lrs.append(lr), losses.append(loss), smoothed.append(smooth)

@@ -22,7 +22,8 @@ from core.checkpoint_io import load_file
 from core.distributed import DistContext
 from core.errors import CheckpointError
 from strategies import mesh as meshes
-from core.model_parts import model_blocks, trained_names, trains_part
+from strategies.activation_checkpointing import model_blocks
+from core.model_parts import trained_names, trains_part
 from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
 from strategies.fp16 import sharded_scaler

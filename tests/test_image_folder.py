@@ -379,6 +379,36 @@ def test_a_truncated_image_is_one_line_or_skipped_and_counted(tmp_path, capsys, 
                    f"in {root}"], err
 
 
+def test_a_step_whose_every_image_was_skipped_moves_no_weight_and_a_run_of_them_ends_in_one_line(tmp_path, capsys):
+    """data.skip_bad_images with every training image unreadable: each step counted no sample, yet AdamW stepped
+    (weight decay, momentum) and the run ended "done" with loss=nan. Such a step applies no update now, said in the
+    log; train.max_bad_steps of them in a row end the run in one line (exit 4), as non-finite norms do."""
+    from core import process_group
+    from test_sharded import params
+    import wiring
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    for c in os.listdir(os.path.join(root, "train")):
+        for f in os.listdir(os.path.join(root, "train", c)):
+            open(os.path.join(root, "train", c, f), "wb").close()
+    data, train = {"num_workers": 0, "skip_bad_images": True}, {"eval_every": 0, "save_every": 1, "batch_size": 18,
+                                                                 "weight_decay": 0.1}
+    cfg = tiny(tmp_path / "a", root, train={**train, "max_steps": 2}, data=data)
+    before = {k: v.clone() for k, v in wiring.build_trainer(cfg, process_group.init(cfg, 0, 1, 0))
+              .strategy.raw_model.state_dict().items()}
+    assert main.run(cfg) == 0
+    after = params(tmp_path / "a", 2)
+    # not a weight moved (nor BatchNorm's statistics: only its count of batches, which an empty one adds to)
+    assert all(torch.equal(after[k], before[k]) for k in after if after[k].is_floating_point())
+    log = open(tmp_path / "a" / "logs" / "rank0.log").read()
+    assert "step 2: its batch counts no sample (every image skipped by data.skip_bad_images" in log
+    assert "update skipped (2 in a row" in log
+    capsys.readouterr()
+    assert main.run(tiny(tmp_path / "b", root, train={**train, "max_steps": 4, "max_bad_steps": 3}, data=data)) == 4
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training ")]
+    assert len(err) == 1 and err[0].startswith("training stopped: 3 steps in a row up to step 3 had no sample"), err
+    assert "data.skip_bad_images names each file it skipped in the log" in err[0] and "diverged" not in err[0]
+
+
 def test_a_training_batch_of_one_small_image_is_one_line_not_a_batchnorm_traceback(tmp_path, capsys):
     """9 photos in batches of 8: the epoch's last batch is one image, whose 1x1 last feature map (data.image_size 32
     or less, the tiny preset's) gives BatchNorm one value per channel: a ValueError traceback at the epoch's end."""

@@ -19,7 +19,7 @@ def _compiled_masks(rank, port, cache, queue):
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
-    from core.model_parts import model_blocks
+    from strategies.activation_checkpointing import model_blocks
     from strategies.tp import PerRankDropout
     from tasks.lm_models import tp_plan
     from test_tp import _tiny
