@@ -41,6 +41,11 @@ CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision
 RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 3]),
            "resnet50": ("bottleneck", [3, 4, 6, 3]), "resnet101": ("bottleneck", [3, 4, 23, 3])}
 
+# Folders an OS or a NAS keeps beside the photos, never a class nor read: hidden ones (.thumbnails, .@__thumb,
+# .Trash-1000), a Synology's or QNAP's (@eaDir: each photo again as thumbnails; #recycle, @Recycle), Windows'
+# ($RECYCLE.BIN, System Volume Information), a macOS zip's __MACOSX, a disk's lost+found
+SYSTEM_FOLDER_STARTS = (".", "@", "#", "$")
+SYSTEM_FOLDERS = ("system volume information", "__macosx", "lost+found")
 ONE_PIXEL_MAP = 32  # a ResNet's last feature map is 1x1 at this image size or less (it strides by 32)
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
 
@@ -136,15 +141,22 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     return os.path.join(data_dir, found[0]) if found else None
 
 
+def system_folder(name: str) -> bool:
+    """A hidden or system folder (SYSTEM_FOLDER_STARTS, SYSTEM_FOLDERS): left out of the scan, counted."""
+    return name.startswith(SYSTEM_FOLDER_STARTS) or name.lower() in SYSTEM_FOLDERS
+
+
 def walk_images(folder: str) -> tuple[list[str], int]:
-    """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
-    followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
+    """The image files under `folder`, any depth, sorted (hidden files and hidden or system folders left out;
+    symlinked folders followed, as torchvision's ImageFolder does, each real folder once), and how many other files
+    and system folders there were."""
     files, others, seen = [], 0, {os.path.realpath(folder)}
     for root, dirs, names in os.walk(folder, onerror=refuse_unreadable, followlinks=True):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
-            if not d.startswith(".") and real not in seen:  # each real folder once: a link back up is not followed
+            others += system_folder(d)
+            if not system_folder(d) and real not in seen:  # each real folder once: a link back up is not followed
                 seen.add(real)
                 kept.append(d)
         dirs[:] = kept
@@ -162,9 +174,9 @@ def refuse_unreadable(error: OSError) -> None:
 
 
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int, list[str]]:
-    """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
-    left out), how many other files were ignored (hidden ones, other extensions), and the images beside the class
-    folders (in none: no class to give them)."""
+    """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden and system
+    folders left out), how many other files and system folders were ignored (hidden ones, other extensions), and the
+    images beside the class folders (in none: no class to give them)."""
     classes, ignored, loose = {}, 0, []
     try:
         listed = sorted(os.listdir(folder))
@@ -172,11 +184,11 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         refuse_unreadable(e)
     for name in listed:
         path = os.path.join(folder, name)
-        if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
+        if system_folder(name) or not os.path.isdir(path) or name.lower() in skip:
             if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
                 loose.append(path)
             else:
-                ignored += not os.path.isdir(path)
+                ignored += not os.path.isdir(path) or system_folder(name)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
             raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
@@ -247,7 +259,7 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
         return
     inside = os.path.relpath(os.path.realpath(output_dir), os.path.realpath(folder))
     top = inside.split(os.sep)[0]
-    if top == os.pardir or (inside != "." and (top.startswith(".") or top.lower() in skip)):
+    if top == os.pardir or (inside != "." and (system_folder(top) or top.lower() in skip)):
         return  # beside it, hidden, or another split's folder
     raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
                     f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
@@ -289,8 +301,8 @@ def image_files(path: str) -> tuple[list[str], list[str]]:
         raise DataError(f"predict.input: {path} is neither a folder of images nor an image file ({extensions})")
     files, others = walk_images(path)
     if others:
-        rank_log().info(f"predict.input: {others} hidden or non-image files under {path} ignored (images: "
-                        f"{extensions})")
+        rank_log().info(f"predict.input: {others} hidden or non-image files or system folders under {path} ignored "
+                        f"(images: {extensions})")
     return files, [os.path.relpath(f, path) for f in files]
 
 
@@ -528,7 +540,7 @@ class ImageFolderTask(Task):
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
-        line += f"; {ignored} hidden or non-image files ignored" if ignored else ""
+        line += f"; {ignored} hidden or non-image files or system folders ignored" if ignored else ""
         if self.loose:  # (images, yet in no class folder: said apart from the other files)
             line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
         return line
