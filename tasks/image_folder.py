@@ -4,7 +4,7 @@ image classifier folder).
     data_dir/train/<class>/*.jpg   data_dir/val/<class>/...   [data_dir/test/<class>/...]
     (also TRAIN/ and EVAL/; or data_dir/<class>/... alone, its dev split a fixed data.dev_fraction of it)
 
-Class names are the subfolder names, sorted. Images are decoded with Pillow in the DataLoader's workers and
+Class names are the subfolder names (NFC), sorted. Images are decoded with Pillow in the DataLoader's workers and
 preprocessed as the ImageNet recipes do (torch and Pillow only): training RandomResizedCrop + horizontal flip,
 evaluation resize + center crop, then mean/std. Each random crop comes from a generator seeded by (seed, epoch,
 sample), so a resumed run sees the same crops and augmentation never draws from the stream dropout uses.
@@ -198,7 +198,13 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         if not files:
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
-        classes[name] = files
+        # the class is its name composed (NFC): the `é` macOS wrote decomposed (e + U+0301) is `é` wherever copied
+        label = unicodedata.normalize("NFC", name)
+        if label in classes:  # (ascii: the two forms print alike)
+            other = os.path.relpath(classes[label][0], folder).split(os.sep)[0]
+            raise DataError(f"{folder}: two class folders name one class, {ascii(other)} and {ascii(name)} (the same "
+                            "letters in two Unicode forms); merge them into one")
+        classes[label] = files
     return classes, ignored, loose
 
 
@@ -226,9 +232,7 @@ def read_layout(data_dir: str, dev_fraction: float,
         raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
     if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
         raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
-    index = {n: i for i, n in enumerate(names)}
-    # a name macOS wrote decomposed (e + U+0301) and one written composed elsewhere are the same class
-    composed = {unicodedata.normalize("NFC", n): i for i, n in reversed(list(enumerate(names)))}
+    index = {n: i for i, n in enumerate(names)}  # (names composed: scan_classes)
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
         splits["train"], splits["dev"] = dev_from_training(train_dir, names, found["train"], dev_fraction)
@@ -243,12 +247,12 @@ def read_layout(data_dir: str, dev_fraction: float,
         if not found[split]:
             raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
                             f"*.jpg, its classes those of {train_dir})")
-        classes = {c: index.get(c, composed.get(unicodedata.normalize("NFC", c))) for c in found[split]}
-        for c, i in classes.items():
-            if i is None:
-                raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
+        for c, files in found[split].items():
+            if c not in index:
+                folder = os.path.relpath(files[0], folders[split]).split(os.sep)[0]  # (as it is spelled on disk)
+                raise DataError(f"{os.path.join(folders[split], folder)}: class {c!r} is not in "
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
-        splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
+        splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored, loose
 
 
@@ -667,8 +671,8 @@ class ImageFolderTask(Task):
     def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         if label_names is None:  # a checkpoint written before meta.json recorded them: the folders' classes
             self.build_datasets()
-        else:  # the training folders need not be there
-            self.classes = list(label_names)
+        else:  # the training folders need not be there (an older run's names composed, as a run's are now)
+            self.classes = [unicodedata.normalize("NFC", n) for n in label_names]
 
     def label_names(self) -> Optional[list[str]]:
         return self.classes

@@ -11,8 +11,8 @@ from PIL import Image
 from conftest import make_config
 from image_folders import digit_folder
 import main
-from core import checkpoint_meta
-from core.errors import DataError
+from core import checkpoint_io, checkpoint_meta
+from core.errors import CheckpointError, DataError
 from tasks import image_folder
 from tasks.image_folder import ImageFolderTask
 
@@ -65,3 +65,40 @@ def test_nas_and_system_folders_are_neither_classes_nor_images(tmp_path, caplog)
     assert len(files) == 12 and all("THUMB" not in n for n in names)
     assert f"predict.input: 14 hidden or non-image files or system folders under {root}/train ignored" in caplog.text
 
+
+def test_class_names_are_compared_and_sorted_in_one_unicode_form(tmp_path, capsys):
+    """macOS wrote `café` decomposed (e + U+0301): the label was exported as such and sorted as such (before `caff`;
+    composed, it sorts after), so the same folder copied with composed names was refused at test mode ("output 0 was
+    'café', the data names 'café'"). Names are NFC: labels, sort, the checkpoint's record. Two folders of one split
+    named alike but for the form are one line that shows the difference. A checkpoint written before, its decomposed
+    names recorded, still tests with its own folder."""
+    nfd = unicodedata.normalize("NFD", "café")
+    data = digit_folder(tmp_path / "d", classes=(nfd, "caff", "one"), train=4, val=2)
+    task = ImageFolderTask(tiny(tmp_path, data))
+    sets = task.build_datasets()
+    assert task.label_names() == ["caff", "café", "one"]  # sorted as composed: é (U+00E9) after f
+    assert all(unicodedata.is_normalized("NFC", n) for n in task.label_names())
+    assert {os.path.basename(os.path.dirname(p)): c for p, c in sets["train"].files} == {"caff": 0, nfd: 1, "one": 2}
+    run, data = tmp_path / "run", digit_folder(tmp_path / "d2", classes=(nfd, "one", "two"), train=4, val=2)
+    assert main.run(tiny(run, data)) == 0
+    meta_path = os.path.join(checkpoint_meta.best_recorded(str(run)), "meta.json")
+    assert json.load(open(meta_path))["label_names"] == ["café", "one", "two"]
+    copied = tmp_path / "copied"  # the same folder, copied by a tool that wrote the names composed
+    shutil.copytree(data, copied)
+    for split in ("train", "val"):
+        os.rename(copied / split / nfd, copied / split / "café")
+    assert main.run(tiny(run, copied, mode="test")) == 0
+    # an older checkpoint: its names recorded as the folder spelled them; with its own folder it still tests
+    meta = json.load(open(meta_path))
+    meta["label_names"] = [nfd, "one", "two"]
+    json.dump(meta, open(meta_path, "w"))
+    assert main.run(tiny(run, data, mode="test")) == 0
+    # both forms side by side in train/ (Linux keeps both): one line showing the code points that differ
+    shutil.copytree(copied / "train" / "café", copied / "train" / nfd)
+    with pytest.raises(DataError) as e:
+        ImageFolderTask(tiny(tmp_path, copied)).build_datasets()
+    assert str(e.value) == (f"{copied}/train: two class folders name one class, 'cafe\\u0301' and 'caf\\xe9' (the same "
+                            "letters in two Unicode forms); merge them into one")
+    # a checkpoint's classes that differ: the first that differs is named, not one that differs only in form
+    with pytest.raises(CheckpointError, match=r"output 1 was 'one', the data names 'six'; give"):
+        checkpoint_io.check_label_names("run/step-2", ["café", "six"], {"label_names": [nfd, "one"]})
