@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import unicodedata
 import warnings
@@ -46,6 +47,7 @@ RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 
 # ($RECYCLE.BIN, System Volume Information), a macOS zip's __MACOSX, a disk's lost+found
 SYSTEM_FOLDER_STARTS = (".", "@", "#", "$")
 SYSTEM_FOLDERS = ("system volume information", "__macosx", "lost+found")
+TWELVE_BITS = 4096  # a 16-bit image whose values stay below: 12 bits (microscopes, X-rays), near-black once / 257
 ONE_PIXEL_MAP = 32  # a ResNet's last feature map is 1x1 at this image size or less (it strides by 32)
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
 
@@ -372,8 +374,10 @@ def open_rgb(path: str) -> Image.Image:
                 image = image.transpose(EXIF_TURNS[orientation])
             if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
                 # as 32-bit I): the range onto 8 bits, where convert clips at 255
-                pixels = np.clip(np.asarray(image), 0, 65535) / 257
-                return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
+                pixels = np.clip(np.asarray(image), 0, 65535)
+                rgb = Image.fromarray((pixels / 257).round().astype(np.uint8), "L").convert("RGB")
+                rgb.info["max_16_bits"] = int(pixels.max(initial=0))  # (ImageFiles notes a 12-bit one)
+                return rgb
             if image.mode == "F":  # (convert clips floats at 255: a 0..1 image became black, unsaid)
                 raise ValueError("float pixels (mode F), which have no agreed range: save it with 8 or 16 bits")
             if image.mode == "RGB":
@@ -392,9 +396,10 @@ class ImageFiles(Dataset):
     """(path, class) pairs decoded on demand: training crops seeded by (seed, epoch, index); evaluation resize +
     center crop. A file that fails to decode comes back as {"bad": index}, for `collate` (see there)."""
 
-    def __init__(self, files: list, split: str, cfg):
+    def __init__(self, files: list, split: str, cfg, twelve_bits_noted=None):
         d = cfg.data
         self.files, self.split, self.train, self.seed, self.epoch = files, split, split == "train", cfg.seed, 0
+        self.twelve_bits_noted = twelve_bits_noted  # the run's flag, shared with the loader's worker processes
         self.size, self.resize, self.scale = d.image_size, d.resize_size, tuple(d.crop_scale)
         self.mean, self.std = torch.tensor(d.image_mean), torch.tensor(d.image_std)
 
@@ -410,6 +415,8 @@ class ImageFiles(Dataset):
             image = open_rgb(path)
         except BAD_IMAGE:
             return {"bad": (SPLITS.index(self.split), i)}
+        if 0 < image.info.get("max_16_bits", TWELVE_BITS) < TWELVE_BITS and self.twelve_bits_noted is not None:
+            note_twelve_bits(path, self.twelve_bits_noted)
         if self.train:
             rng = np.random.default_rng([self.seed, self.epoch, i])  # never the global stream (dropout's)
             box = random_resized_crop(image.width, image.height, rng, self.scale)
@@ -419,6 +426,18 @@ class ImageFiles(Dataset):
         else:
             image = resize_center_crop(image, self.resize, self.size)
         return {"pixel_values": to_tensor(image, self.mean, self.std), "labels": torch.tensor(label)}
+
+
+def note_twelve_bits(path: str, noted) -> None:
+    """The run's first 16-bit image whose values all stay below TWELVE_BITS, named once in this rank's log (`noted`:
+    a multiprocessing.Value every loader worker of the run shares). The scaling stays: 16 bits are 16 bits."""
+    with noted.get_lock():
+        if noted.value:
+            return
+        noted.value = 1
+    rank_log().warning(f"{path}: a 16-bit image whose values are all below {TWELVE_BITS} (12 bits?) is near-black on "
+                       "8 bits (its values / 257: 15 at most); if the images are 12-bit, save them scaled by 16 (said "
+                       "once a run, for the first such file)")
 
 
 def bad_image_line(path: str) -> str:
@@ -523,6 +542,7 @@ class ImageFolderTask(Task):
         super().__init__(cfg)
         self.classes, self.files, self.counts, self.ignored, self.loose, self.skipped = None, {}, {}, {}, [], set()
         self.channels_last = uses_channels_last(cfg)
+        self.twelve_bits_noted = multiprocessing.Value("b", 0)  # (note_twelve_bits; pickled to spawned workers too)
 
     def data_name(self) -> str:
         return self.cfg.data.data_dir
@@ -533,7 +553,8 @@ class ImageFolderTask(Task):
         self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
                        for split, f in files.items() if f}
         self.files = files
-        return {split: ImageFiles(f, split, self.cfg) if f else None for split, f in files.items()}
+        return {split: ImageFiles(f, split, self.cfg, self.twelve_bits_noted) if f else None
+                for split, f in files.items()}
 
     def classes_note(self) -> Optional[str]:
         """The plan's line: each class with its training count (and what was ignored)."""
@@ -659,7 +680,7 @@ class ImageFolderTask(Task):
         """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out), or one image."""
         files, names = image_files(path)
         self.files["predict"] = [(f, 0) for f in files]
-        return names, ImageFiles(self.files["predict"], "predict", self.cfg)
+        return names, ImageFiles(self.files["predict"], "predict", self.cfg, self.twelve_bits_noted)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.refuse_bad_image(batch)

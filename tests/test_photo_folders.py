@@ -2,9 +2,12 @@
 system folders beside the photos, class names macOS wrote decomposed (NFD)."""
 import json
 import os
+import re
 import shutil
+import types
 import unicodedata
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -38,7 +41,7 @@ def thumbnails(folder: str, system: str) -> None:
                                                                             f"SYNOFILE_THUMB_{size}.jpg"))
 
 
-def test_nas_and_system_folders_are_neither_classes_nor_images(tmp_path, caplog):
+def test_nas_and_system_folders_are_neither_classes_nor_images(tmp_path, monkeypatch):
     """A Synology's @eaDir in each class folder held each photo again as thumbnails: trained on, and the val photos'
     thumbnails evaluated, the dev metrics inflated unsaid. Such folders (a NAS's, Windows', macOS's) beside the class
     folders were classes. Each is ignored, counted in the plan (and in predict's log) as hidden files are."""
@@ -60,10 +63,12 @@ def test_nas_and_system_folders_are_neither_classes_nor_images(tmp_path, caplog)
     task = ImageFolderTask(tiny(tmp_path, os.path.join(root, "train"), data={**TINY["data"], "dev_fraction": 0.25,
                                                                              "data_dir": os.path.join(root, "train")}))
     assert task.build_datasets() and task.classes == ["one", "two", "zero"]
-    with caplog.at_level("INFO"):
-        files, names = image_folder.image_files(os.path.join(root, "train"))  # predict.input: the same rule
+    said = []
+    monkeypatch.setattr(image_folder, "rank_log", lambda: types.SimpleNamespace(info=said.append))
+    files, names = image_folder.image_files(os.path.join(root, "train"))  # predict.input: the same rule
     assert len(files) == 12 and all("THUMB" not in n for n in names)
-    assert f"predict.input: 14 hidden or non-image files or system folders under {root}/train ignored" in caplog.text
+    assert said[0].startswith(f"predict.input: 14 hidden or non-image files or system folders under {root}/train "
+                              "ignored (images: jpg,")
 
 
 def test_class_names_are_compared_and_sorted_in_one_unicode_form(tmp_path, capsys):
@@ -102,3 +107,22 @@ def test_class_names_are_compared_and_sorted_in_one_unicode_form(tmp_path, capsy
     # a checkpoint's classes that differ: the first that differs is named, not one that differs only in form
     with pytest.raises(CheckpointError, match=r"output 1 was 'one', the data names 'six'; give"):
         checkpoint_io.check_label_names("run/step-2", ["café", "six"], {"label_names": [nfd, "one"]})
+
+
+def test_a_12_bit_image_in_16_bits_is_noted_once_a_run(tmp_path):
+    """A microscope's 12-bit image saved as a 16-bit PNG (values 0..4095) becomes near-black (at most 15 of 255)
+    after the 16-bit range onto 8 bits, unsaid. The scaling stays; the run's log names the first such file once,
+    whichever of the loader's worker processes (training's and evaluation's) decodes it."""
+    root = digit_folder(tmp_path / "d", train=4, val=2)
+    for split, c in (("train", "one"), ("val", "two"), ("train", "zero")):
+        folder = os.path.join(root, split, c)
+        for name in sorted(os.listdir(folder)):
+            with Image.open(os.path.join(folder, name)) as image:
+                pixels = np.asarray(image.convert("L"), dtype=np.uint16) * 16  # 0..4080: 12 bits
+            os.remove(os.path.join(folder, name))
+            Image.fromarray(pixels).save(os.path.join(folder, name.rsplit(".", 1)[0] + ".png"))
+    assert main.run(tiny(tmp_path / "run", root, data={**TINY["data"], "data_dir": root, "num_workers": 2})) == 0
+    log = open(tmp_path / "run" / "logs" / "rank0.log").read()
+    assert log.count("values are all below 4096") == 1, log
+    assert re.search(rf"{re.escape(root)}/(train/(one|zero)|val/two)/\d+\.png: a 16-bit image whose values are all below "
+                     r"4096 \(12 bits\?\) is near-black on 8 bits \(its values / 257: 15 at most\)", log)
