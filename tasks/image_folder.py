@@ -164,10 +164,20 @@ def walk_images(folder: str) -> tuple[list[str], int]:
         dirs[:] = kept
         for f in sorted(names):
             if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
+                if not f.startswith("."):  # (hidden: an editor's lock file is a link to nothing)
+                    refuse_dangling_link(os.path.join(root, f))
                 others += 1
             else:
                 files.append(os.path.join(root, f))
     return files, others
+
+
+def refuse_dangling_link(path: str) -> None:
+    """A link to nothing, not named as an image (a folder on a share not mounted, os.walk lists it as a file): one
+    line, not its images left out as 'a non-image file'. (One named .jpg is an unreadable image, as it is.)"""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise DataError(f"{path}: a link to {os.readlink(path)}, which is not there (a disk or share not mounted?); "
+                        "its images would be left out: mount it, or remove the link")
 
 
 def refuse_unreadable(error: OSError) -> None:
@@ -190,6 +200,8 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
             if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
                 loose.append(path)
             else:
+                if not system_folder(name) and name.lower() not in skip:
+                    refuse_dangling_link(path)
                 ignored += not os.path.isdir(path) or system_folder(name)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes

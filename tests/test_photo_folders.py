@@ -126,3 +126,22 @@ def test_a_12_bit_image_in_16_bits_is_noted_once_a_run(tmp_path):
     assert log.count("values are all below 4096") == 1, log
     assert re.search(rf"{re.escape(root)}/(train/(one|zero)|val/two)/\d+\.png: a 16-bit image whose values are all below "
                      r"4096 \(12 bits\?\) is near-black on 8 bits \(its values / 257: 15 at most\)", log)
+
+
+def test_a_link_to_a_share_not_mounted_is_one_line_not_a_class_left_out(tmp_path):
+    """train/three -> /mnt/nas/three with the NAS not mounted: the class was left out, counted among 'hidden or
+    non-image files ignored' (its dev images then 'not in train', or no word at all); a linked subfolder of a class
+    likewise. One line naming the link and where it points. (A dangling link named .jpg stays an unreadable image.)"""
+    root = digit_folder(tmp_path / "d", train=4, val=0)
+    gone = str(tmp_path / "nas" / "three")
+    for link in (os.path.join(root, "train", "three"), os.path.join(root, "train", "one", "more")):
+        os.symlink(gone, link)
+        with pytest.raises(DataError) as e:
+            ImageFolderTask(tiny(tmp_path, root)).build_datasets()
+        assert str(e.value) == (f"{link}: a link to {gone}, which is not there (a disk or share not mounted?); its "
+                                "images would be left out: mount it, or remove the link")
+        os.remove(link)
+    for name in ("gone.jpg", ".#notes.txt"):  # an image to be decoded (and refused, or skipped); an editor's lock
+        os.symlink(gone, os.path.join(root, "train", "one", name))
+    sets = ImageFolderTask(tiny(tmp_path, root)).build_datasets()
+    assert os.path.join(root, "train", "one", "gone.jpg") in {p for s in ("train", "dev") for p, _ in sets[s].files}
