@@ -143,7 +143,7 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     return os.path.join(data_dir, found[0]) if found else None
 
 
-def system_folder(name: str) -> bool:
+def hidden_or_system_folder(name: str) -> bool:
     """A hidden or system folder (SYSTEM_FOLDER_STARTS, SYSTEM_FOLDERS): left out of the scan, counted."""
     return name.startswith(SYSTEM_FOLDER_STARTS) or name.lower() in SYSTEM_FOLDERS
 
@@ -157,8 +157,8 @@ def walk_images(folder: str) -> tuple[list[str], int]:
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
-            others += system_folder(d)
-            if not system_folder(d) and real not in seen:  # each real folder once: a link back up is not followed
+            others += hidden_or_system_folder(d)
+            if not hidden_or_system_folder(d) and real not in seen:  # each real folder once: a link back up is not followed
                 seen.add(real)
                 kept.append(d)
         dirs[:] = kept
@@ -196,13 +196,13 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         refuse_unreadable(e)
     for name in listed:
         path = os.path.join(folder, name)
-        if system_folder(name) or not os.path.isdir(path) or name.lower() in skip:
+        if hidden_or_system_folder(name) or not os.path.isdir(path) or name.lower() in skip:
             if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
                 loose.append(path)
             else:
-                if not system_folder(name) and name.lower() not in skip:
+                if not hidden_or_system_folder(name) and name.lower() not in skip:
                     refuse_dangling_link(path)
-                ignored += not os.path.isdir(path) or system_folder(name)
+                ignored += not os.path.isdir(path) or hidden_or_system_folder(name)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
             raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
@@ -277,7 +277,7 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
         return
     inside = os.path.relpath(os.path.realpath(output_dir), os.path.realpath(folder))
     top = inside.split(os.sep)[0]
-    if top == os.pardir or (inside != "." and (system_folder(top) or top.lower() in skip)):
+    if top == os.pardir or (inside != "." and (hidden_or_system_folder(top) or top.lower() in skip)):
         return  # beside it, hidden, or another split's folder
     raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
                     f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
