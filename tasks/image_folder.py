@@ -157,8 +157,9 @@ def walk_images(folder: str) -> tuple[list[str], int]:
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
-            others += hidden_or_system_folder(d)
-            if not hidden_or_system_folder(d) and real not in seen:  # each real folder once: a link back up is not followed
+            left_out = hidden_or_system_folder(d)
+            others += left_out
+            if not left_out and real not in seen:  # each real folder once: a link back up is not followed
                 seen.add(real)
                 kept.append(d)
         dirs[:] = kept

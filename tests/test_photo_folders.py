@@ -32,7 +32,8 @@ def tiny(out, data_dir, **sections):
 
 
 def thumbnails(folder: str, system: str) -> None:
-    """What a NAS keeps beside each photo of `folder`: `system`/<photo>/SYNOFILE_THUMB_*.jpg, the photo at other sizes."""
+    """What a NAS keeps beside each photo of `folder`: `system`/<photo>/SYNOFILE_THUMB_*.jpg, the photo at other
+    sizes."""
     for name in sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))):
         with Image.open(os.path.join(folder, name)) as image:
             for size in (12, 20, 30):
@@ -124,8 +125,8 @@ def test_a_12_bit_image_in_16_bits_is_noted_once_a_run(tmp_path):
     assert main.run(tiny(tmp_path / "run", root, data={**TINY["data"], "data_dir": root, "num_workers": 2})) == 0
     log = open(tmp_path / "run" / "logs" / "rank0.log").read()
     assert log.count("values are all below 4096") == 1, log
-    assert re.search(rf"{re.escape(root)}/(train/(one|zero)|val/two)/\d+\.png: a 16-bit image whose values are all below "
-                     r"4096 \(12 bits\?\) is near-black on 8 bits \(its values / 257: 15 at most\)", log)
+    assert re.search(rf"{re.escape(root)}/(train/(one|zero)|val/two)/\d+\.png: a 16-bit image whose values are all "
+                     r"below 4096 \(12 bits\?\) is near-black on 8 bits \(its values / 257: 15 at most\)", log)
 
 
 def test_a_link_to_a_share_not_mounted_is_one_line_not_a_class_left_out(tmp_path):
