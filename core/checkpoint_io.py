@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import unicodedata
 from typing import Callable, Optional
 
 import torch
@@ -232,8 +233,12 @@ def check_label_names(path: str, names: Optional[list], meta: dict) -> None:
     Refused in one line."""
     if not names:  # not a classifier
         return
-    saved, now = recorded_label_names(path, meta), [str(n) for n in names]
-    if saved is None or saved == now:  # (None: written before the names were recorded, or unverified and allowed)
+    saved = recorded_label_names(path, meta)
+    if saved is None:  # written before the names were recorded, or unverified and allowed
+        return
+    # in one Unicode form: an older image_folder run recorded the `é` macOS wrote decomposed as it was on disk
+    saved, now = composed(saved), composed([str(n) for n in names])
+    if saved == now:
         return
     i = next(i for i in range(max(len(saved), len(now))) if i >= min(len(saved), len(now)) or saved[i] != now[i])
     was, named = (repr(side[i]) if i < len(side) else "nothing" for side in (saved, now))
@@ -241,6 +246,11 @@ def check_label_names(path: str, names: Optional[list], meta: dict) -> None:
     raise CheckpointError(f"{path}: trained on {len(saved)} classes, the data now names {len(now)}: output {i} was "
                           f"{was}, the data names {named}; give the data the classes it was trained on "
                           f"({listed if len(listed) <= 80 else listed[:77] + '...'}), or train again")
+
+
+def composed(names: list) -> list:
+    """Names in one Unicode form (NFC): `é` and e + U+0301 are one name."""
+    return [unicodedata.normalize("NFC", n) for n in names]
 
 
 def check_vocabulary(path: str, sha256: Optional[str], meta: dict) -> None:

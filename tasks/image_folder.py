@@ -4,7 +4,7 @@ image classifier folder).
     data_dir/train/<class>/*.jpg   data_dir/val/<class>/...   [data_dir/test/<class>/...]
     (also TRAIN/ and EVAL/; or data_dir/<class>/... alone, its dev split a fixed data.dev_fraction of it)
 
-Class names are the subfolder names, sorted. Images are decoded with Pillow in the DataLoader's workers and
+Class names are the subfolder names (NFC), sorted. Images are decoded with Pillow in the DataLoader's workers and
 preprocessed as the ImageNet recipes do (torch and Pillow only): training RandomResizedCrop + horizontal flip,
 evaluation resize + center crop, then mean/std. Each random crop comes from a generator seeded by (seed, epoch,
 sample), so a resumed run sees the same crops and augmentation never draws from the stream dropout uses.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import unicodedata
 import warnings
@@ -41,6 +42,12 @@ CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect ratios, as torchvision
 RESNETS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet34": ("basic", [3, 4, 6, 3]),
            "resnet50": ("bottleneck", [3, 4, 6, 3]), "resnet101": ("bottleneck", [3, 4, 23, 3])}
 
+# Folders an OS or a NAS keeps beside the photos, never a class nor read: hidden ones (.thumbnails, .@__thumb,
+# .Trash-1000), a Synology's or QNAP's (@eaDir: each photo again as thumbnails; #recycle, @Recycle), Windows'
+# ($RECYCLE.BIN, System Volume Information), a macOS zip's __MACOSX, a disk's lost+found
+SYSTEM_FOLDER_STARTS = (".", "@", "#", "$")
+SYSTEM_FOLDERS = ("system volume information", "__macosx", "lost+found")
+TWELVE_BITS = 4096  # a 16-bit image whose values stay below: 12 bits (microscopes, X-rays), near-black once / 257
 ONE_PIXEL_MAP = 32  # a ResNet's last feature map is 1x1 at this image size or less (it strides by 32)
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut-off file is an error, never an image padded with grey
 
@@ -136,24 +143,42 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     return os.path.join(data_dir, found[0]) if found else None
 
 
+def hidden_or_system_folder(name: str) -> bool:
+    """A hidden or system folder (SYSTEM_FOLDER_STARTS, SYSTEM_FOLDERS): left out of the scan, counted."""
+    return name.startswith(SYSTEM_FOLDER_STARTS) or name.lower() in SYSTEM_FOLDERS
+
+
 def walk_images(folder: str) -> tuple[list[str], int]:
-    """The image files under `folder`, any depth, sorted (hidden files and folders left out; symlinked folders
-    followed, as torchvision's ImageFolder does, each real folder once), and how many other files there were."""
+    """The image files under `folder`, any depth, sorted (hidden files and hidden or system folders left out;
+    symlinked folders followed, as torchvision's ImageFolder does, each real folder once), and how many other files
+    and system folders there were."""
     files, others, seen = [], 0, {os.path.realpath(folder)}
     for root, dirs, names in os.walk(folder, onerror=refuse_unreadable, followlinks=True):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
-            if not d.startswith(".") and real not in seen:  # each real folder once: a link back up is not followed
+            left_out = hidden_or_system_folder(d)
+            others += left_out
+            if not left_out and real not in seen:  # each real folder once: a link back up is not followed
                 seen.add(real)
                 kept.append(d)
         dirs[:] = kept
         for f in sorted(names):
             if f.startswith(".") or not f.lower().endswith(IMAGE_EXTENSIONS):
+                if not f.startswith("."):  # (hidden: an editor's lock file is a link to nothing)
+                    refuse_dangling_link(os.path.join(root, f))
                 others += 1
             else:
                 files.append(os.path.join(root, f))
     return files, others
+
+
+def refuse_dangling_link(path: str) -> None:
+    """A link to nothing, not named as an image (a folder on a share not mounted, os.walk lists it as a file): one
+    line, not its images left out as 'a non-image file'. (One named .jpg is an unreadable image, as it is.)"""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise DataError(f"{path}: a link to {os.readlink(path)}, which is not there (a disk or share not mounted?); "
+                        "its images would be left out: mount it, or remove the link")
 
 
 def refuse_unreadable(error: OSError) -> None:
@@ -162,9 +187,9 @@ def refuse_unreadable(error: OSError) -> None:
 
 
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int, list[str]]:
-    """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden folders
-    left out), how many other files were ignored (hidden ones, other extensions), and the images beside the class
-    folders (in none: no class to give them)."""
+    """{class name: its image files, sorted} of `folder`'s subfolders (searched to any depth, hidden and system
+    folders left out), how many other files and system folders were ignored (hidden ones, other extensions), and the
+    images beside the class folders (in none: no class to give them)."""
     classes, ignored, loose = {}, 0, []
     try:
         listed = sorted(os.listdir(folder))
@@ -172,11 +197,13 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         refuse_unreadable(e)
     for name in listed:
         path = os.path.join(folder, name)
-        if name.startswith(".") or not os.path.isdir(path) or name.lower() in skip:
+        if hidden_or_system_folder(name) or not os.path.isdir(path) or name.lower() in skip:
             if not os.path.isdir(path) and not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
                 loose.append(path)
             else:
-                ignored += not os.path.isdir(path)
+                if not hidden_or_system_folder(name) and name.lower() not in skip:
+                    refuse_dangling_link(path)
+                ignored += not os.path.isdir(path) or hidden_or_system_folder(name)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
             raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
@@ -186,7 +213,13 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
         if not files:
             raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
                             "images); put images in it or remove it")
-        classes[name] = files
+        # the class is its name composed (NFC): the `é` macOS wrote decomposed (e + U+0301) is `é` wherever copied
+        label = unicodedata.normalize("NFC", name)
+        if label in classes:  # (ascii: the two forms print alike)
+            other = os.path.relpath(classes[label][0], folder).split(os.sep)[0]
+            raise DataError(f"{folder}: two class folders name one class, {ascii(other)} and {ascii(name)} (the same "
+                            "letters in two Unicode forms); merge them into one")
+        classes[label] = files
     return classes, ignored, loose
 
 
@@ -214,9 +247,7 @@ def read_layout(data_dir: str, dev_fraction: float,
         raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
     if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
         raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
-    index = {n: i for i, n in enumerate(names)}
-    # a name macOS wrote decomposed (e + U+0301) and one written composed elsewhere are the same class
-    composed = {unicodedata.normalize("NFC", n): i for i, n in reversed(list(enumerate(names)))}
+    index = {n: i for i, n in enumerate(names)}  # (names composed: scan_classes)
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
         splits["train"], splits["dev"] = dev_from_training(train_dir, names, found["train"], dev_fraction)
@@ -231,12 +262,12 @@ def read_layout(data_dir: str, dev_fraction: float,
         if not found[split]:
             raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
                             f"*.jpg, its classes those of {train_dir})")
-        classes = {c: index.get(c, composed.get(unicodedata.normalize("NFC", c))) for c in found[split]}
-        for c, i in classes.items():
-            if i is None:
-                raise DataError(f"{os.path.join(folders[split], c)}: class {c!r} is not in "
+        for c, files in found[split].items():
+            if c not in index:
+                folder = os.path.relpath(files[0], folders[split]).split(os.sep)[0]  # (as it is spelled on disk)
+                raise DataError(f"{os.path.join(folders[split], folder)}: class {c!r} is not in "
                                 f"{train_dir} (its classes: {', '.join(names)[:80]})")
-        splits[split] = [(p, classes[c]) for c in sorted(found[split]) for p in found[split][c]]
+        splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored, loose
 
 
@@ -247,7 +278,7 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
         return
     inside = os.path.relpath(os.path.realpath(output_dir), os.path.realpath(folder))
     top = inside.split(os.sep)[0]
-    if top == os.pardir or (inside != "." and (top.startswith(".") or top.lower() in skip)):
+    if top == os.pardir or (inside != "." and (hidden_or_system_folder(top) or top.lower() in skip)):
         return  # beside it, hidden, or another split's folder
     raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
                     f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
@@ -289,8 +320,8 @@ def image_files(path: str) -> tuple[list[str], list[str]]:
         raise DataError(f"predict.input: {path} is neither a folder of images nor an image file ({extensions})")
     files, others = walk_images(path)
     if others:
-        rank_log().info(f"predict.input: {others} hidden or non-image files under {path} ignored (images: "
-                        f"{extensions})")
+        rank_log().info(f"predict.input: {others} hidden or non-image files or system folders under {path} ignored "
+                        f"(images: {extensions})")
     return files, [os.path.relpath(f, path) for f in files]
 
 
@@ -356,8 +387,10 @@ def open_rgb(path: str) -> Image.Image:
                 image = image.transpose(EXIF_TURNS[orientation])
             if image.mode.startswith("I;16") or image.mode == "I":  # 16 bits (microscopy, X-rays; a 16-bit PGM opens
                 # as 32-bit I): the range onto 8 bits, where convert clips at 255
-                pixels = np.clip(np.asarray(image), 0, 65535) / 257
-                return Image.fromarray(pixels.round().astype(np.uint8), "L").convert("RGB")
+                pixels = np.clip(np.asarray(image), 0, 65535)
+                rgb = Image.fromarray((pixels / 257).round().astype(np.uint8), "L").convert("RGB")
+                rgb.info["max_16_bits"] = int(pixels.max(initial=0))  # (ImageFiles notes a 12-bit one)
+                return rgb
             if image.mode == "F":  # (convert clips floats at 255: a 0..1 image became black, unsaid)
                 raise ValueError("float pixels (mode F), which have no agreed range: save it with 8 or 16 bits")
             if image.mode == "RGB":
@@ -376,9 +409,10 @@ class ImageFiles(Dataset):
     """(path, class) pairs decoded on demand: training crops seeded by (seed, epoch, index); evaluation resize +
     center crop. A file that fails to decode comes back as {"bad": index}, for `collate` (see there)."""
 
-    def __init__(self, files: list, split: str, cfg):
+    def __init__(self, files: list, split: str, cfg, twelve_bits_noted=None):
         d = cfg.data
         self.files, self.split, self.train, self.seed, self.epoch = files, split, split == "train", cfg.seed, 0
+        self.twelve_bits_noted = twelve_bits_noted  # the run's flag, shared with the loader's worker processes
         self.size, self.resize, self.scale = d.image_size, d.resize_size, tuple(d.crop_scale)
         self.mean, self.std = torch.tensor(d.image_mean), torch.tensor(d.image_std)
 
@@ -394,6 +428,8 @@ class ImageFiles(Dataset):
             image = open_rgb(path)
         except BAD_IMAGE:
             return {"bad": (SPLITS.index(self.split), i)}
+        if 0 < image.info.get("max_16_bits", TWELVE_BITS) < TWELVE_BITS and self.twelve_bits_noted is not None:
+            note_twelve_bits(path, self.twelve_bits_noted)
         if self.train:
             rng = np.random.default_rng([self.seed, self.epoch, i])  # never the global stream (dropout's)
             box = random_resized_crop(image.width, image.height, rng, self.scale)
@@ -403,6 +439,18 @@ class ImageFiles(Dataset):
         else:
             image = resize_center_crop(image, self.resize, self.size)
         return {"pixel_values": to_tensor(image, self.mean, self.std), "labels": torch.tensor(label)}
+
+
+def note_twelve_bits(path: str, noted) -> None:
+    """The run's first 16-bit image whose values all stay below TWELVE_BITS, named once in this rank's log (`noted`:
+    a multiprocessing.Value every loader worker of the run shares). The scaling stays: 16 bits are 16 bits."""
+    with noted.get_lock():
+        if noted.value:
+            return
+        noted.value = 1
+    rank_log().warning(f"{path}: a 16-bit image whose values are all below {TWELVE_BITS} (12 bits?) is near-black on "
+                       "8 bits (its values / 257: 15 at most); if the images are 12-bit, save them scaled by 16 (said "
+                       "once a run, for the first such file)")
 
 
 def bad_image_line(path: str) -> str:
@@ -507,6 +555,7 @@ class ImageFolderTask(Task):
         super().__init__(cfg)
         self.classes, self.files, self.counts, self.ignored, self.loose, self.skipped = None, {}, {}, {}, [], set()
         self.channels_last = uses_channels_last(cfg)
+        self.twelve_bits_noted = multiprocessing.Value("b", 0)  # (note_twelve_bits; pickled to spawned workers too)
 
     def data_name(self) -> str:
         return self.cfg.data.data_dir
@@ -517,7 +566,8 @@ class ImageFolderTask(Task):
         self.counts = {split: np.bincount([c for _, c in f], minlength=len(self.classes)).tolist()
                        for split, f in files.items() if f}
         self.files = files
-        return {split: ImageFiles(f, split, self.cfg) if f else None for split, f in files.items()}
+        return {split: ImageFiles(f, split, self.cfg, self.twelve_bits_noted) if f else None
+                for split, f in files.items()}
 
     def classes_note(self) -> Optional[str]:
         """The plan's line: each class with its training count (and what was ignored)."""
@@ -528,7 +578,7 @@ class ImageFolderTask(Task):
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
-        line += f"; {ignored} hidden or non-image files ignored" if ignored else ""
+        line += f"; {ignored} hidden or non-image files or system folders ignored" if ignored else ""
         if self.loose:  # (images, yet in no class folder: said apart from the other files)
             line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
         return line
@@ -643,7 +693,7 @@ class ImageFolderTask(Task):
         """mode: predict: the images of a folder (any depth, sorted; hidden and other files left out), or one image."""
         files, names = image_files(path)
         self.files["predict"] = [(f, 0) for f in files]
-        return names, ImageFiles(self.files["predict"], "predict", self.cfg)
+        return names, ImageFiles(self.files["predict"], "predict", self.cfg, self.twelve_bits_noted)
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.refuse_bad_image(batch)
@@ -655,8 +705,8 @@ class ImageFolderTask(Task):
     def prepare_inference(self, label_names: Optional[list[str]]) -> None:
         if label_names is None:  # a checkpoint written before meta.json recorded them: the folders' classes
             self.build_datasets()
-        else:  # the training folders need not be there
-            self.classes = list(label_names)
+        else:  # the training folders need not be there (an older run's names composed, as a run's are now)
+            self.classes = [unicodedata.normalize("NFC", n) for n in label_names]
 
     def label_names(self) -> Optional[list[str]]:
         return self.classes

@@ -75,14 +75,14 @@ def test_hidden_and_other_files_are_ignored_and_counted(tmp_path):
     assert len(sets["train"]) == 20
     assert os.path.join(root, "train", "one", "linked", sorted(os.listdir(tmp_path / "elsewhere"))[0]) in {
         p for p, _ in sets["train"].files}
-    assert task.classes_note().endswith("; 4 hidden or non-image files ignored")
+    assert task.classes_note().endswith("; 5 hidden or non-image files or system folders ignored")  # .cache/: 1
     # images beside the class folders, not in one: no class to give them; said as images, not as 'non-image files'
     for split in ("train", "val"):
         shutil.copy(sets["train"].files[0][0], os.path.join(root, split, "stray.png"))
     task = task_for(tmp_path, root)
     task.build_datasets()
-    assert task.classes_note().endswith(f"; 4 hidden or non-image files ignored; 2 images outside the class folders "
-                                        f"ignored ({root}/train/stray.png, ...)")
+    assert task.classes_note().endswith(f"; 5 hidden or non-image files or system folders ignored; 2 images outside "
+                                        f"the class folders ignored ({root}/train/stray.png, ...)")
 
 
 @pytest.mark.parametrize("case", ["empty class", "no classes", "val class not in train", "val without classes",
@@ -807,8 +807,8 @@ def test_the_digits_cnn_predicts_a_folder_of_images(tmp_path, capsys):
         (tmp_path / "new" / other).write_bytes(b"x")
     capsys.readouterr()
     assert main.run(make_config(tmp_path, mode="predict", predict={"input": str(tmp_path / "new")})) == 0
-    assert (f"predict.input: 3 hidden or non-image files under {tmp_path / 'new'} ignored (images: jpg, jpeg, png, "
-            "bmp, gif, webp, tif, tiff, ppm, pgm)") in capsys.readouterr().out
+    assert (f"predict.input: 3 hidden or non-image files or system folders under {tmp_path / 'new'} ignored (images: "
+            "jpg, jpeg, png, bmp, gif, webp, tif, tiff, ppm, pgm)") in capsys.readouterr().out
     rows = read_csv(tmp_path / "predictions.csv")[1:]
     assert [r[0] for r in rows] == sorted(f for f in os.listdir(tmp_path / "new") if f.endswith(".png"))
     right = sum(r[1] == r[0].split("-")[1][:-4] for r in rows)
