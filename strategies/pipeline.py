@@ -30,7 +30,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint_io, distributed
 from core.checkpoint_dcp import dcp_load
@@ -42,7 +41,6 @@ from data_loader import split_proportional
 from strategies import mesh as meshes
 from core.optimizers import optimizer_recipe
 from strategies.base import Strategy
-from strategies.replicated import ddp_wrap
 from strategies.fp16 import sharded_scaler
 from strategies.fsdp import clip_mixed, fsdp2_policy, local, need_dcp_folders, state_in_dcp_boxes, sum_over_replicas
 from strategies.tp import (TaskWithPlainLosses, sum_grads, loss_context, parallelize_keeping_frozen,
@@ -146,8 +144,7 @@ class PipeStrategy(Strategy):
     replica = "pipeline"  # each pipeline reads its own share of the global batch
     drop_last = True  # a smaller last batch would change the shapes the stages expect
 
-    def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], wrapped: dict[int, nn.Module],
-                 optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
+    def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
                  replicated_order: list, layers_per_stage: list[int], stage_params: list[int], aliases: dict):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
@@ -163,8 +160,7 @@ class PipeStrategy(Strategy):
         # share of the global batch; the gradient all-reduce sums over the pipelines.
         self.data_rank, self.data_shares = self.pipeline, self.pipelines
         self.reports = self.tp_index == 0  # a tp group computes one loss: one of its ranks reports it
-        self.sums_by_hand = d.pp_dp == "ddp" and self.pipelines > 1 and not all(isinstance(w, DDP)
-                                                                              for w in wrapped.values())
+        self.sums_by_hand = d.pp_dp == "ddp" and self.pipelines > 1  # (reduce_grads)
         self.counts_its_batch = self.stage_rank == 0 and self.reports  # one rank per pipeline counts its samples
         self.seed_offset = ctx.rank - self.tp_index  # a tp group draws the same dropout masks
         self.batch_multiple = d.pp_microbatches  # a pipeline's batch is cut into this many micro-batches
@@ -184,8 +180,8 @@ class PipeStrategy(Strategy):
         pp_group = mesh["pp"].get_group()  # this rank's pipeline and tp index, one rank per stage
         # Imported here, not at the top: it loads TorchDynamo, 0.7-1 s in every rank of every run, pipe or not.
         from torch.distributed import pipelining
-        pipe_stages = [pipelining.PipelineStage(wrapped[i], i, self.n_stages, ctx.device, group=pp_group)
-                       for i in sorted(wrapped)]
+        pipe_stages = [pipelining.PipelineStage(stages[i], i, self.n_stages, ctx.device, group=pp_group)
+                       for i in sorted(stages)]
         schedule_cls = getattr(pipelining, SCHEDULES[d.pp_schedule])
         if STAGES_PER_RANK[d.pp_schedule] == 1:
             pipe_stages = pipe_stages[0]
@@ -226,10 +222,9 @@ class PipeStrategy(Strategy):
         return total if self.reports else torch.zeros_like(total)
 
     def reduce_grads(self) -> None:
-        """ddp x tp (DDP cannot hold DTensor parameters), stages of one rank that share a parameter (DDP's hooks
-        would fire twice for it) and zero_bubble (weight gradients after the backward DDP sees): the stage's replicas
-        sum their gradients here, over the "dp" dimension (DDP-wrapped stages and FSDP did it during the last
-        backward); first, under sequence parallelism, the norms' gradients are summed over the tp group."""
+        """pp_dp ddp: each stage's replicas sum their gradients here, once per step, in one all-reduce over the "dp"
+        dimension (FSDP did it during the last backward: shard_over_replicas); first, under sequence parallelism,
+        the norms' gradients are summed over the tp group."""
         if self.cfg.dist.tp > 1:
             sum_partial_grads(self.raw_model.parameters())
         if self.sums_by_hand:
@@ -518,8 +513,8 @@ def min_max_partition(cost: list[list[float]]) -> list[int]:
 
 
 def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Strategy:
-    """Build this rank's stages of the task's layer chain (build_stages), sync each over its replicas
-    (wrap_for_replicas), and make the Strategy: the optimizer over this rank's stages and the schedule."""
+    """Build this rank's stages of the task's layer chain (build_stages), shard each over its replicas under pp_dp
+    fsdp (shard_over_replicas), and make the Strategy: the optimizer over this rank's stages and the schedule."""
     d = cfg.dist
     mesh = meshes.pipe_mesh(ctx, d.pp_stages, d.tp)
     # The order in which a replicated optimizer lists the parameters, by name: reading its optimizer.pt needs it
@@ -527,14 +522,14 @@ def apply_pipe(model: nn.Module, cfg, ctx: DistContext, task, train_set) -> Stra
     order = checkpoint_io.replicated_order(model)
     aliases = {n: names[0] for names in checkpoint_io.parameter_names(model).values() for n in names[1:]}
     stages, shared, unowned, split, stage_params = build_stages(model, cfg, ctx, task, train_set, mesh)
-    wrapped = wrap_for_replicas(stages, cfg, ctx, mesh)
+    shard_over_replicas(stages, cfg, mesh)
     # Both weight-decay groups always exist (one may be empty on a stage), so every rank's optimizer and the
     # scheduler saved by rank 0 have the same number of groups.
     groups, cls, kwargs = optimizer_recipe(nn.ModuleList(stages.values()), cfg.train, keep_empty=True)
     # FSDP replaced the objects, one per stage (one object for all of a rank's stages without FSDP)
     tied = [(group, list({id(p): p for p in (stages[i].get_parameter(name) for i, name in copies)}.values()), first)
             for group, copies, first in shared]
-    return PipeStrategy(model, stages, wrapped, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
+    return PipeStrategy(model, stages, cls(groups, **kwargs), cfg, ctx, mesh, sharded_scaler(cfg, ctx),
                         tied, unowned, order, split, stage_params, aliases)
 
 
@@ -624,27 +619,16 @@ def free_other_stages(model: nn.Module, stages: dict[int, nn.Module], also_kept:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
-def wrap_for_replicas(stages: dict[int, nn.Module], cfg, ctx: DistContext, mesh: meshes.Mesh) -> dict:
-    """Each stage as its pipeline runs it: synced over its replicas ("dp") by FSDP2 (pp_dp: fsdp, in place) or
-    DDP, or as it is (one pipeline; or ddp x tp, stages of this rank sharing a tied weight, zero_bubble or
-    accumulation, which PipeStrategy.reduce_grads sums: DDP cannot hold DTensors, nor a parameter that another DDP
-    holds, nor take weight gradients computed apart from the backward that reached the stage's input; and it would
-    sum the gradients at each schedule step, adding up the earlier batches' sums again)."""
+def shard_over_replicas(stages: dict[int, nn.Module], cfg, mesh: meshes.Mesh) -> None:
+    """pp_dp fsdp over several pipelines: FSDP2 shards each stage over its replicas ("dp"), in place. (pp_dp ddp
+    wraps nothing: PipeStrategy.reduce_grads sums the replicas' gradients once per step. DDP would all-reduce at every
+    micro-batch's backward, its forward being outside no_sync, adding up the earlier sums again.)"""
     d = cfg.dist
-    if mesh["dp"].size() == 1:
-        return dict(stages)
-    if d.pp_dp == "fsdp":
+    if mesh["dp"].size() > 1 and d.pp_dp == "fsdp":
         policy = fsdp2_policy(cfg.train.precision)
         for stage in stages.values():
             sum_over_replicas(fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=d.reshard_after_forward,
                                           mp_policy=policy))
-        return dict(stages)
-    held = [id(p) for s in stages.values() for p in s.parameters()]
-    if d.tp > 1 or len(held) > len(set(held)) or d.pp_schedule == "zero_bubble" or cfg.train.grad_accum_steps > 1:
-        return dict(stages)
-    # Each micro-batch's forward goes through DDP outside no_sync, so the one-time bucket rebuild would count every
-    # parameter once per backward until the next forward: with none between two (gpipe), DDP's reducer asserts.
-    return {i: ddp_wrap(s, ctx, mesh["dp"].get_group(), rebuild_buckets=False) for i, s in stages.items()}
 
 
 def apply_stage_tp(model: nn.Module, stages: dict[int, nn.Module], task, cfg, mesh: meshes.Mesh) -> None:

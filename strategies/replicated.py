@@ -51,13 +51,11 @@ def apply_ddp(model: nn.Module, cfg, ctx: DistContext, task=None, train_set=None
                               scaler=make_scaler(cfg, ctx))  # a loss scaler for fp16 only
 
 
-def ddp_wrap(model: nn.Module, ctx: DistContext, group=None, rebuild_buckets: bool = True) -> nn.Module:
-    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none; `group`: the ranks, default all). Its
-    hooks all-reduce the gradients in buckets while backward runs (sum_gradients); no_sync() keeps them local.
-    `rebuild_buckets` False: DDP keeps its first buckets (find_unused_parameters is the switch that turns it off)."""
-    wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, process_group=group,
-                  find_unused_parameters=not rebuild_buckets)
-    wrapped.register_comm_hook(group, sum_gradients)
+def ddp_wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """The `model` of ddp and oss (GPU: device_ids names this rank's; CPU: none). Its hooks all-reduce the gradients
+    in buckets while backward runs (sum_gradients); no_sync() keeps them local."""
+    wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    wrapped.register_comm_hook(None, sum_gradients)  # None: all ranks
     return wrapped
 
 

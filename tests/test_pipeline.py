@@ -90,12 +90,14 @@ def test_zero_bubble_over_two_pipelines_trains_like_one_process(one_process, tmp
 
 
 @pytest.mark.slow
-def test_ddp_replicas_train_when_every_backward_follows_the_last_forward(one_process, tmp_path):
-    """2 stages x 2 pipelines, pp_dp ddp, gpipe, 2 micro-batches: each micro-batch's forward goes through DDP outside
-    no_sync, so DDP's one-time bucket rebuild counted every parameter once per backward until the next forward, and
-    with no forward between two backward passes step 2 ended in an internal assert of DDP's reducer (8 vs 4)."""
-    assert train(tmp_path, 8, 4, {"pp_dp": "ddp", "pp_schedule": "gpipe", "pp_microbatches": 2}) == 0
-    assert_close(params(tmp_path, STEPS), params(one_process, STEPS), TOL)
+def test_ddp_replicas_sum_once_per_step_without_accumulation_too(tmp_path):
+    """2 stages x 2 pipelines, pp_dp ddp, gpipe, 2 micro-batches, no accumulation. The stages were DDP-wrapped: each
+    micro-batch's forward went through DDP outside no_sync, so every micro-batch's backward all-reduced the whole
+    gradient again, which summed gradients would count twice (an average hid it); the replicas sum by hand now."""
+    assert train(tmp_path / "pipe", 8, 4, {"pp_dp": "ddp", "pp_schedule": "gpipe", "pp_microbatches": 2},
+                 grad_accum_steps=1) == 0
+    assert train(tmp_path / "one", 16, 1, grad_accum_steps=1) == 0
+    assert_close(params(tmp_path / "pipe", STEPS), params(tmp_path / "one", STEPS), TOL)
 
 
 @pytest.mark.parametrize("pp_dp, batch", [slow("ddp", [4, 12]), ("fsdp", 8)])
