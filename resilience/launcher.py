@@ -50,6 +50,7 @@ def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, fini
     faults.progress.codes = finished
     faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
     if cfg.mode not in ("train", "lr_find"):  # (these unblock the stop signals once their handlers are in)
+        faults.interrupt_on([name for name in stop_signals(cfg.train.stop_signal) if name != "SIGINT"])
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
     process_end.end_process(worker(cfg, place))
 

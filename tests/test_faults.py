@@ -1355,3 +1355,43 @@ def store_host(port: int) -> subprocess.Popen:
                              "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     assert host.stdout.readline().strip() == "1"
     return host
+
+
+@pytest.mark.slow  # 3 runs of main.py (one loads 2 ranks): ~20 s
+def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_path):
+    """SIGTERM (scancel, a preemption, kill) during a predict killed it: exit 143, predictions.csv.tmp left, and the
+    watcher's line blamed SIGKILL `at step 0` (under ddp: `rank N died from SIGTERM at step 0`, twice, exit 1). Test
+    mode likewise. Now it ends as Ctrl-C does: one line naming the signal and what it was doing, 128 + its number,
+    no temporary file, the earlier predictions.csv whole."""
+    from PIL import Image
+    from tasks.image import load_digits_split
+    out = tmp_path / "run"
+    assert main.run(make_config(out, train={"max_steps": 3, "epochs": 0, "eval_every": 0})) == 0
+    images = load_digits_split()[2]
+    os.makedirs(tmp_path / "new")
+    for i in range(40):
+        Image.fromarray((images[i] * 255 / 16).astype("uint8"), "L").save(tmp_path / "new" / f"{i:02d}.png")
+    (out / "predictions.csv").write_text("earlier\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "FAULT"))}
+    env.update(OMP_NUM_THREADS="1", FAULT="slowinfer:-1:300")  # every batch, and every split, 0.3 s
+    ddp = ["--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2", "--set", f"dist.master_port={free_port()}"]
+    for mode, signum, extra, doing in (("predict", signal.SIGTERM, [], "while predicting (mode predict)"),
+                                       ("predict", signal.SIGHUP, ddp, "while predicting (mode predict)"),
+                                       ("test", signal.SIGTERM, [], "while testing (mode test)")):
+        if (out / "logs" / "rank0.log").exists():
+            (out / "logs" / "rank0.log").unlink()
+        proc = subprocess.Popen([sys.executable, "tests/faulty_main.py", "--params", str(out / "config.yml"),
+                                 "--set", f"mode={mode}", "--set", f"predict.input={tmp_path / 'new'}",
+                                 "--set", "train.eval_batch_size=4", *extra], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_for_log(out, 0, "predicting the inputs of|testing ")
+        proc.send_signal(signum)  # (to main.py alone, as `kill PID`; its launcher passes it on to the ranks)
+        code, stdout, stderr = finish(proc)
+        name = signal.Signals(signum).name
+        assert (code, stderr.strip().splitlines()) == (128 + signum, [f"interrupted by {name} {doing} on {HOST}"]), \
+            (mode, extra, code, stderr)
+        assert not [name for name in os.listdir(out) if name.endswith(".tmp")], (mode, extra)
+        assert not (out / "test_results.json").exists()  # (dev's, if it was evaluated before the signal: whole)
+        assert not (out / "dev_results.json").exists() or json.loads((out / "dev_results.json").read_text())
+        assert (out / "predictions.csv").read_text() == "earlier\n"
