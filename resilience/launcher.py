@@ -50,8 +50,12 @@ def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, fini
     faults.progress.codes = finished
     faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
     if cfg.mode not in ("train", "lr_find"):  # (these unblock the stop signals once their handlers are in)
-        faults.interrupt_on([name for name in stop_signals(cfg.train.stop_signal) if name != "SIGINT"])
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
+        names = stop_signals(cfg.train.stop_signal)
+        faults.interrupt_on([name for name in names if name != "SIGINT"])
+        try:  # one forwarded while this rank started comes now: said as the rank says it (rank_run.RankRun)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, name) for name in names])
+        except KeyboardInterrupt as e:
+            process_end.end_process(faults.interrupted(e, cfg.mode))
     process_end.end_process(worker(cfg, place))
 
 

@@ -1357,7 +1357,7 @@ def store_host(port: int) -> subprocess.Popen:
     return host
 
 
-@pytest.mark.slow  # 3 runs of main.py (one loads 2 ranks): ~20 s
+@pytest.mark.slow  # 4 runs of main.py (2 start 2 ranks): ~25 s
 def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_path):
     """SIGTERM (scancel, a preemption, kill) during a predict killed it: exit 143, predictions.csv.tmp left, and the
     watcher's line blamed SIGKILL `at step 0` (under ddp: `rank N died from SIGTERM at step 0`, twice, exit 1). Test
@@ -1395,3 +1395,17 @@ def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_pa
         assert not (out / "test_results.json").exists()  # (dev's, if it was evaluated before the signal: whole)
         assert not (out / "dev_results.json").exists() or json.loads((out / "dev_results.json").read_text())
         assert (out / "predictions.csv").read_text() == "earlier\n"
+    # Under ddp, a signal as the ranks start (they start with it blocked: it comes as they unblock it) was
+    # `rank N exited with code 1 at step 0 without a report`, twice, after two KeyboardInterrupt tracebacks.
+    # (Ctrl-C alike: `interrupted while predicting`, 130.)
+    proc = subprocess.Popen([sys.executable, "tests/faulty_main.py", "--params", str(out / "config.yml"),
+                             "--set", "mode=predict", "--set", f"predict.input={tmp_path / 'new'}", *ddp],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    while not [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc)
+    assert (code, stderr.strip().splitlines()) == (
+        143, [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]), stderr
+    assert (out / "predictions.csv").read_text() == "earlier\n"
