@@ -147,7 +147,8 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
     # that it was killed, nor to end the tracked runs rank 0 left open.
     after_a_kill = (lambda say: trackers.end_runs_left_running(cfg, say)) if first_rank == 0 else None
-    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank, after_a_kill=after_a_kill):
+    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank, after_a_kill=after_a_kill,
+                        mode=cfg.mode):
         return worker(cfg, places[0])
 
 

@@ -231,6 +231,7 @@ class Supervisor:
         for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
             p = self.procs[i]
             rank = self.places[i].rank
+            where = faults.doing(self.cfg.mode) or f"at step {self.steps[i]}"  # (predict has no step)
             if i in reports:
                 code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
             elif self.exit_code(p) and self.exit_code(p) < 0:
@@ -239,12 +240,11 @@ class Supervisor:
                 # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
                 oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
                 code, detail = EXIT_CRASH, ""
-                line = (f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name}{oom} "
-                        f"at step {self.steps[i]}")
+                line = f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name}{oom} {where}"
             elif self.exit_code(p):
                 code, detail = EXIT_CRASH, ""
-                line = (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} at step {self.steps[i]} "
-                        f"without a report (see logs/rank{rank}.log)")
+                line = (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} {where} without a report "
+                        f"(see logs/rank{rank}.log)")
             else:
                 continue
             if line not in said:  # the same final word from several ranks: once

@@ -1357,7 +1357,7 @@ def store_host(port: int) -> subprocess.Popen:
     return host
 
 
-@pytest.mark.slow  # 4 runs of main.py (2 start 2 ranks): ~25 s
+@pytest.mark.slow  # 4 runs of main.py (2 start 2 ranks): ~20 s
 def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_path):
     """SIGTERM (scancel, a preemption, kill) during a predict killed it: exit 143, predictions.csv.tmp left, and the
     watcher's line blamed SIGKILL `at step 0` (under ddp: `rank N died from SIGTERM at step 0`, twice, exit 1). Test
@@ -1409,3 +1409,24 @@ def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_pa
     assert (code, stderr.strip().splitlines()) == (
         143, [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]), stderr
     assert (out / "predictions.csv").read_text() == "earlier\n"
+
+
+def test_the_launcher_says_what_a_rank_that_does_not_train_was_doing(tmp_path, capsys):
+    """A predict's rank killed without a word (kill -9, the kernel's OOM killer) was said `died from SIGKILL ... at
+    step 0`, one that exited without a report `... at step 0 without a report`: a predict has no step."""
+    from types import SimpleNamespace
+    from main import RankPlace
+    from resilience import launcher
+    cfg = make_config(tmp_path, mode="predict", predict={"input": str(tmp_path)}, dist={"strategy": "ddp"})
+    supervisor = launcher.Supervisor(cfg, [RankPlace(rank=r, local_rank=r, world=2, local_procs=2) for r in (0, 1)],
+                                     None)
+    supervisor.report_dir = str(tmp_path)  # (no rank left a report)
+    supervisor.procs = supervisor.exit_order = [SimpleNamespace(pid=11, exitcode=-signal.SIGKILL),
+                                                SimpleNamespace(pid=12, exitcode=7)]
+    supervisor.finished[0] = supervisor.finished[1] = -1
+    assert supervisor.summarize() == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"rank 0 on {HOST} (pid 11) died from SIGKILL (killed by the kernel: out of memory?, or kill -9) while "
+        "predicting (mode predict)",
+        f"rank 1 on {HOST} (pid 12) exited with code 7 while predicting (mode predict) without a report (see "
+        "logs/rank1.log)"]
