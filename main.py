@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
-        faults.stop_request.keep_early(stops_of(cfg, args))
-        faults.interrupt_on(interrupts_of(cfg, args))
+        interrupts = interrupts_of(cfg, args)  # (caught as the stops are: one that came is raised, not death by it)
+        faults.stop_request.keep_early(stops_of(cfg, args) + interrupts)
+        faults.interrupt_on(interrupts)
         if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
             return 3
         if faults.stop_request.reason:  # a stop signal as main.py started (catch_early): nothing to load or save
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         return mistake(e)
-    except faults.Interrupted as e:  # (a run that does not train: its ranks say it themselves once they started)
+    except KeyboardInterrupt as e:  # (a run that does not train: its ranks say it themselves once they started)
         return faults.interrupted(e, cfg.mode)
     if faults.stop_request.reason:  # (one that came while torch loaded)
         return faults.stopped_before_start(faults.stop_request.reason)
@@ -104,7 +105,7 @@ def run(cfg: Config) -> int:
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         return mistake(e)
-    except faults.Interrupted as e:  # before its rank started, or before an export began
+    except KeyboardInterrupt as e:  # a run that does not train, before its rank started or its export began
         return faults.interrupted(e, cfg.mode)
 
 

@@ -163,6 +163,8 @@ def interrupt_on(names: list[str]) -> None:
     predictions.csv.tmp, and a kill report that could only guess SIGKILL."""
     for name in names:
         signal.signal(getattr(signal, name), raise_interrupted)
+    if stop_request.reason in names:  # one caught as main.py started (catch_early): raised now, as keep_early does
+        signal.raise_signal(getattr(signal, stop_request.reason))
 
 
 def raise_interrupted(signum, frame) -> None:

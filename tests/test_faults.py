@@ -1430,3 +1430,29 @@ def test_the_launcher_says_what_a_rank_that_does_not_train_was_doing(tmp_path, c
         "predicting (mode predict)",
         f"rank 1 on {HOST} (pid 12) exited with code 7 while predicting (mode predict) without a report (see "
         "logs/rank1.log)"]
+
+
+def test_a_stop_signal_as_a_predict_or_test_starts_ends_it_in_one_line(tmp_path, monkeypatch, capsys):
+    """A signal main.py caught before it read the config (catch_early) was delivered again once the config said the
+    mode does not stop on it: SIGTERM then killed a predict, test or export without a word (143), Ctrl-C raised a
+    KeyboardInterrupt traceback. Now one line, as later on."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                                              signal.SIGUSR2)}
+    monkeypatch.setattr(faults, "stop_request", faults.StopRequest())
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: a background job ignores it)
+        os.makedirs(tmp_path / "checkpoints")  # (test mode and export refuse an output_dir without one)
+        for mode, signum in (("predict", signal.SIGTERM), ("test", signal.SIGINT), ("export", signal.SIGHUP)):
+            faults.stop_request.catch_early()
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # (the handler runs at the next bytecode of this thread)
+            assert faults.stop_request.reason == signal.Signals(signum).name
+            code = main.main(["--set", f"output_dir={tmp_path}", "--set", f"mode={mode}",
+                              "--set", f"predict.input={tmp_path}"])
+            by = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+            assert (code, capsys.readouterr().err.splitlines()) == (
+                128 + signum, [f"interrupted{by} {faults.doing(mode)} on {HOST}"])
+            faults.stop_request.reason = None
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
