@@ -67,11 +67,11 @@ def stops_of(cfg: Config, args: argparse.Namespace) -> list[str]:
 
 
 def interrupts_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that end test mode, a predict or an export as Ctrl-C does (faults.Interrupted), the same run's
-    stop signals but Ctrl-C's own: there is nothing to save, and death by them left temporary files unsaid."""
+    """The signals that end test mode, a predict or an export as Ctrl-C does (faults.Interrupted), the stop signals
+    of the same run's training: there is nothing to save, and death by them left temporary files, unsaid."""
     if cfg.mode in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
         return []
-    return [name for name in faults.stop_signals(cfg.train.stop_signal) if name != "SIGINT"]
+    return faults.stop_signals(cfg.train.stop_signal)
 
 
 def run(cfg: Config) -> int:

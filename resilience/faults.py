@@ -150,8 +150,9 @@ stop_request = StopRequest()
 
 
 class Interrupted(KeyboardInterrupt):
-    """A stop signal in a run that does not train (test mode, predict): nothing to save, so it ends as Ctrl-C does
-    (temporary files removed on the way out), with exit code 128 + the signal's number (docs/faults.md)."""
+    """A stop signal (Ctrl-C's included) in a run that does not train (test mode, predict, export): nothing to save,
+    so it ends as Ctrl-C does (temporary files removed on the way out), exit code 128 + the signal's number
+    (docs/faults.md)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -170,6 +171,9 @@ def interrupt_on(names: list[str]) -> None:
 def raise_interrupted(signum, frame) -> None:
     if signum == signal.SIGHUP:
         detach_hung_up_terminal()  # (its line must still be said: on a hung-up terminal, a write fails)
+    # Once: the same signal again (schedulers send two) or Ctrl-C must not raise into the cleanup and its line.
+    for name in EARLY_STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     raise Interrupted(signum)
 
 
@@ -246,7 +250,7 @@ def stopped_before_start(reason: str) -> int:
 def interrupted(e: KeyboardInterrupt, mode: str) -> int:
     """The one line of a run ended by Ctrl-C, or of one that does not train ended by a stop signal (`e`), said by
     its rank where there is one (identical from every rank: said once); returns its exit code."""
-    by = f" by {e}" if isinstance(e, Interrupted) else ""
+    by = f" by {e}" if isinstance(e, Interrupted) and str(e) != "SIGINT" else ""  # (Ctrl-C: 'interrupted')
     return report(getattr(e, "exit_code", 130), f"interrupted{by} {doing(mode) or progress.where()} on {HOST}")
 
 

@@ -51,7 +51,7 @@ def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, fini
     faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
     if cfg.mode not in ("train", "lr_find"):  # (these unblock the stop signals once their handlers are in)
         names = stop_signals(cfg.train.stop_signal)
-        faults.interrupt_on([name for name in names if name != "SIGINT"])
+        faults.interrupt_on(names)
         try:  # one forwarded while this rank started comes now: said as the rank says it (rank_run.RankRun)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, name) for name in names])
         except KeyboardInterrupt as e:
@@ -172,6 +172,8 @@ class Supervisor:
             p.join()
 
     def say_repeated_signals(self) -> None:
+        if self.cfg.mode not in ("train", "lr_find"):  # nothing to save: the ranks end at the first, and ignore these
+            return
         for signum in self.signals_seen[self.said_again:]:  # the ranks go on with their save
             print(already_stopping(signal.Signals(signum).name, os.getpid()), flush=True)
         self.said_again = max(self.said_again, len(self.signals_seen))

@@ -1386,8 +1386,11 @@ def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_pa
                                  "--set", "train.eval_batch_size=4", *extra], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         wait_for_log(out, 0, "predicting the inputs of|testing ")
-        proc.send_signal(signum)  # (to main.py alone, as `kill PID`; its launcher passes it on to the ranks)
+        for _ in range(10):  # (to main.py alone, as `kill PID`; its launcher passes it on to the ranks)
+            proc.send_signal(signum)  # again and again, as schedulers do: the second raised into the cleanup
+            time.sleep(0.001)
         code, stdout, stderr = finish(proc)
+        assert "already stopping" not in stdout  # (what a training run says of a repeat: it saves first)
         name = signal.Signals(signum).name
         assert (code, stderr.strip().splitlines()) == (128 + signum, [f"interrupted by {name} {doing} on {HOST}"]), \
             (mode, extra, code, stderr)
