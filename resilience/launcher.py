@@ -110,6 +110,8 @@ class Supervisor:
         self.previous_handlers = {n: signal.signal(n, self.forward) for n in self.signums}
         try:
             stopped = self.spawn_ranks()
+            if stopped and self.cfg.mode not in ("train", "lr_find"):  # nothing to save: as Ctrl-C ends it
+                return faults.interrupted(faults.Interrupted(getattr(signal, stopped)), self.cfg.mode)
             if stopped:
                 return faults.stopped_before_start(stopped)
             self.watch()

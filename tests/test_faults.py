@@ -1459,3 +1459,17 @@ def test_a_stop_signal_as_a_predict_or_test_starts_ends_it_in_one_line(tmp_path,
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_a_signal_as_the_launcher_starts_a_predict_s_ranks_is_no_training_stop(tmp_path, capsys):
+    """A stop signal that came as main.py's launcher was about to start a predict's ranks (none started) said
+    `stopped by SIGTERM before training began: nothing was trained`, exit 3 (a requeue): it is an interruption."""
+    from main import RankPlace
+    from resilience import launcher
+    cfg = make_config(tmp_path, mode="predict", predict={"input": str(tmp_path)}, dist={"strategy": "ddp"})
+    supervisor = launcher.Supervisor(cfg, [RankPlace(rank=r, local_rank=r, world=2, local_procs=2) for r in (0, 1)],
+                                     None)
+    supervisor.signals_seen.append(signal.SIGTERM)  # (as if forward() had heard it)
+    assert supervisor.supervise() == 143
+    assert capsys.readouterr().err.splitlines() == [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]
+    assert not supervisor.procs[0].pid and not supervisor.procs[1].pid  # none started
