@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
-        faults.stop_request.keep_early(stops_of(cfg, args))
+        interrupts = interrupts_of(cfg, args)  # (caught as the stops are: one that came is raised, not death by it)
+        faults.stop_request.keep_early(stops_of(cfg, args) + interrupts)
+        faults.interrupt_on(interrupts)
         if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
             return 3
         if faults.stop_request.reason:  # a stop signal as main.py started (catch_early): nothing to load or save
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
         wiring.check(cfg, config_source(args.params, args.set))  # the keys each strategy, task, launcher reads
     except UserError as e:
         return mistake(e)
+    except KeyboardInterrupt as e:  # (a run that does not train: its ranks say it themselves once they started)
+        return faults.interrupted(e, cfg.mode)
     if faults.stop_request.reason:  # (one that came while torch loaded)
         return faults.stopped_before_start(faults.stop_request.reason)
     if args.length_note and file_limits(args):  # said once the config holds: a mistake is one line
@@ -55,9 +59,17 @@ def main(argv=None) -> int:
 
 
 def stops_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes and a
-    dev run end as they always did (Ctrl-C: 130; docs/faults.md)."""
+    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes end as
+    Ctrl-C ends them (interrupts_of), a dev run as it always did (Ctrl-C: 130; docs/faults.md)."""
     if cfg.mode not in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
+        return []
+    return faults.stop_signals(cfg.train.stop_signal)
+
+
+def interrupts_of(cfg: Config, args: argparse.Namespace) -> list[str]:
+    """The signals that end test mode, a predict or an export as Ctrl-C does (faults.Interrupted), the stop signals
+    of the same run's training: there is nothing to save, and death by them left temporary files, unsaid."""
+    if cfg.mode in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
         return []
     return faults.stop_signals(cfg.train.stop_signal)
 
@@ -93,6 +105,8 @@ def run(cfg: Config) -> int:
             return start_ranks(cfg, env, wiring.worker)  # the lock is held until this run ends, however it ends
     except UserError as e:
         return mistake(e)
+    except KeyboardInterrupt as e:  # a run that does not train, before its rank started or its export began
+        return faults.interrupted(e, cfg.mode)
 
 
 QUIET_WAIT_S = 10.0  # how long a rank that leaves the line to its node's first rank waits before exiting
@@ -134,7 +148,8 @@ def start_ranks(cfg: Config, env: Optional[dict], worker: Callable[[Config, Rank
     # One process on this node (the run's only one, or one rank of a multi-node run): no launcher above it to say
     # that it was killed, nor to end the tracked runs rank 0 left open.
     after_a_kill = (lambda say: trackers.end_runs_left_running(cfg, say)) if first_rank == 0 else None
-    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank, after_a_kill=after_a_kill):
+    with reports_a_kill(cfg.output_dir, rank=None if world == 1 else first_rank, after_a_kill=after_a_kill,
+                        mode=cfg.mode):
         return worker(cfg, places[0])
 
 

@@ -148,6 +148,40 @@ class StopRequest:
 
 stop_request = StopRequest()
 
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C's included) in a run that does not train (test mode, predict, export): nothing to save,
+    so it ends as Ctrl-C does (temporary files removed on the way out), exit code 128 + the signal's number
+    (docs/faults.md)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def interrupt_on(names: list[str]) -> None:
+    """Each signal of `names` raises Interrupted, as Ctrl-C raises KeyboardInterrupt: death by SIGTERM left
+    predictions.csv.tmp, and a kill report that could only guess SIGKILL."""
+    for name in names:
+        signal.signal(getattr(signal, name), raise_interrupted)
+    if stop_request.reason in names:  # one caught as main.py started (catch_early): raised now, as keep_early does
+        signal.raise_signal(getattr(signal, stop_request.reason))
+
+
+def raise_interrupted(signum, frame) -> None:
+    if signum == signal.SIGHUP:
+        detach_hung_up_terminal()  # (its line must still be said: on a hung-up terminal, a write fails)
+    # Once: the same signal again (schedulers send two) or Ctrl-C must not raise into the cleanup and its line.
+    for name in EARLY_STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def doing(mode: str) -> Optional[str]:
+    """What a run that does not train was doing, for the line that ends it (no step to name); None: one that trains."""
+    return {"predict": "while predicting (mode predict)", "test": "while testing (mode test)",
+            "export": "while exporting (mode export)"}.get(mode)
+
 # Set by `python main.py`: a stop signal as the ranks are gone must not turn exit code 3 into death by SIGTERM.
 ignore_late_signals = False
 
@@ -211,6 +245,13 @@ report = Reporter()
 def stopped_before_start(reason: str) -> int:
     """A stop signal (`reason`, its name) came before anything that could save was started: its one line, exit 3."""
     return report(EXIT_STOPPED, stopped_before_training(reason))
+
+
+def interrupted(e: KeyboardInterrupt, mode: str) -> int:
+    """The one line of a run ended by Ctrl-C, or of one that does not train ended by a stop signal (`e`), said by
+    its rank where there is one (identical from every rank: said once); returns its exit code."""
+    by = f" by {e}" if isinstance(e, Interrupted) and str(e) != "SIGINT" else ""  # (Ctrl-C: 'interrupted')
+    return report(getattr(e, "exit_code", 130), f"interrupted{by} {doing(mode) or progress.where()} on {HOST}")
 
 
 def console(code: int):

@@ -50,7 +50,12 @@ def rank_main(cfg: Config, place, worker: Callable, report_dir: str, steps, fini
     faults.progress.codes = finished
     faults.report.sink = functools.partial(leave_report, report_dir, place.rank)
     if cfg.mode not in ("train", "lr_find"):  # (these unblock the stop signals once their handlers are in)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in stop_signals(cfg.train.stop_signal)])
+        names = stop_signals(cfg.train.stop_signal)
+        faults.interrupt_on(names)
+        try:  # one forwarded while this rank started comes now: said as the rank says it (rank_run.RankRun)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, name) for name in names])
+        except KeyboardInterrupt as e:
+            process_end.end_process(faults.interrupted(e, cfg.mode))
     process_end.end_process(worker(cfg, place))
 
 
@@ -105,6 +110,8 @@ class Supervisor:
         self.previous_handlers = {n: signal.signal(n, self.forward) for n in self.signums}
         try:
             stopped = self.spawn_ranks()
+            if stopped and self.cfg.mode not in ("train", "lr_find"):  # nothing to save: as Ctrl-C ends it
+                return faults.interrupted(faults.Interrupted(getattr(signal, stopped)), self.cfg.mode)
             if stopped:
                 return faults.stopped_before_start(stopped)
             self.watch()
@@ -167,6 +174,8 @@ class Supervisor:
             p.join()
 
     def say_repeated_signals(self) -> None:
+        if self.cfg.mode not in ("train", "lr_find"):  # nothing to save: the ranks end at the first, and ignore these
+            return
         for signum in self.signals_seen[self.said_again:]:  # the ranks go on with their save
             print(already_stopping(signal.Signals(signum).name, os.getpid()), flush=True)
         self.said_again = max(self.said_again, len(self.signals_seen))
@@ -226,6 +235,7 @@ class Supervisor:
         for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
             p = self.procs[i]
             rank = self.places[i].rank
+            where = faults.doing(self.cfg.mode) or f"at step {self.steps[i]}"  # (predict has no step)
             if i in reports:
                 code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
             elif self.exit_code(p) and self.exit_code(p) < 0:
@@ -234,12 +244,11 @@ class Supervisor:
                 # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
                 oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
                 code, detail = EXIT_CRASH, ""
-                line = (f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name}{oom} "
-                        f"at step {self.steps[i]}")
+                line = f"rank {rank} on {HOST} (pid {p.pid}) died from {signal.Signals(-p.exitcode).name}{oom} {where}"
             elif self.exit_code(p):
                 code, detail = EXIT_CRASH, ""
-                line = (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} at step {self.steps[i]} "
-                        f"without a report (see logs/rank{rank}.log)")
+                line = (f"rank {rank} on {HOST} (pid {p.pid}) exited with code {p.exitcode} {where} without a report "
+                        f"(see logs/rank{rank}.log)")
             else:
                 continue
             if line not in said:  # the same final word from several ranks: once

@@ -147,8 +147,8 @@ class RankRun:
             return faults.user_error(f"error: {e}", self.watchdog)
         if isinstance(e, (Stopped, Diverged)):  # every rank raised it at the same step
             return report(e.exit_code, str(e))
-        if isinstance(e, KeyboardInterrupt):  # test mode, or before the handlers were installed
-            return report(130, f"rank {self.place.rank} on {HOST}: interrupted {faults.progress.where()}")
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop signal in test mode or predict (faults.Interrupted)
+            return faults.interrupted(e, self.cfg.mode)
         # A crash: never lost, never silent; a full disk or read-only folder is one line.
         line = resource_errors.failure_line(e, self.cfg.output_dir)
         return faults.user_error(f"error: {line}", self.watchdog) if line else faults.crash_report(e, self.watchdog)

@@ -117,12 +117,14 @@ AfterAKill = Callable[[Callable[[str], None]], None]  # what the watcher does af
 
 
 @contextlib.contextmanager
-def reports_a_kill(output_dir: str, rank: Optional[int] = None, after_a_kill: Optional[AfterAKill] = None):
+def reports_a_kill(output_dir: str, rank: Optional[int] = None, after_a_kill: Optional[AfterAKill] = None,
+                   mode: str = "train"):
     """Around a run in this process with no launcher above it: a forked watcher waits for this process and, if it
     ends without leaving the block (SIGKILL: the kernel's out-of-memory killer, a memory cgroup, kill -9), prints
     the line a launcher prints for its ranks, with the step reached, then calls after_a_kill(a way to say a line).
     `rank`: this process's rank when it is one of several (a node that runs one rank of a multi-node run); None:
-    the run's only process. Forked before torch is loaded."""
+    the run's only process; `mode`: the run's (one that does not train has no step to name). Forked before torch
+    is loaded."""
     if not hasattr(os, "fork"):
         yield
         return
@@ -136,7 +138,7 @@ def reports_a_kill(output_dir: str, rank: Optional[int] = None, after_a_kill: Op
     pid = os.fork()
     if pid == 0:  # the watcher
         os.close(done_w)
-        watch(parent, done_r, steps, codes, kills, output_dir, rank, after_a_kill)
+        watch(parent, done_r, steps, codes, kills, output_dir, rank, after_a_kill, mode)
     os.close(done_r)
     previous = faults.progress.shared, faults.progress.slot, faults.progress.codes
     faults.progress.shared, faults.progress.slot, faults.progress.codes = steps, 0, codes
@@ -152,7 +154,7 @@ def reports_a_kill(output_dir: str, rank: Optional[int] = None, after_a_kill: Op
 
 
 def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_dir: str, rank: Optional[int],
-          after_a_kill: Optional[AfterAKill] = None) -> None:
+          after_a_kill: Optional[AfterAKill] = None, mode: str = "train") -> None:
     """The watcher's whole life: never returns. It ignores the signals a terminal or scheduler sends the group."""
     try:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -169,7 +171,8 @@ def watch(parent: int, done_r: int, steps, codes, kills: Optional[int], output_d
                if kills is not None and after is not None and after > kills else
                "killed without a word (SIGKILL: the kernel's out-of-memory killer?, or kill -9)")
         who = "the run" if rank is None else f"rank {rank}"
-        os.write(2, (f"error: {who} (pid {parent} on {faults.HOST}) was {why} at step {steps[0]}; see "
+        where = faults.doing(mode) or f"at step {steps[0]}"
+        os.write(2, (f"error: {who} (pid {parent} on {faults.HOST}) was {why} {where}; see "
                      f"{os.path.join(output_dir, 'logs', f'rank{rank or 0}.log')}\n").encode(errors="replace"))
         if after_a_kill is not None:  # its lines as the one above: os.write, not a copy of the parent's buffers
             after_a_kill(lambda line: os.write(1, f"{line}\n".encode(errors="replace")))

@@ -12,6 +12,8 @@
     FAULT=killprune:0:N    rank 0 is SIGKILLed halfway through deleting the Nth checkpoint it prunes (meta.json
                            and one file gone, the rest still there)
     FAULT=timing:-1:0      every rank logs `timing forward+backward` as train.batch_size auto starts timing it
+    FAULT=slowinfer:-1:MS  every rank sleeps MS milliseconds before each batch a predict predicts and before each
+                           split test mode evaluates: time to send signals to a run that does not train
 
 The patch is made at import, outside the `__main__` guard: ranks started with the spawn method import this file
 again (as __mp_main__), so they are patched too. The product has no test hook.
@@ -27,7 +29,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import checkpoint, distributed  # noqa: E402
-from extras import balance  # noqa: E402
+from extras import balance, predict  # noqa: E402
 from resilience import faults  # noqa: E402
 import trainer  # noqa: E402
 
@@ -103,6 +105,20 @@ if FAULT:
             return time_forward_backward(strategy, ctx, *args, **kwargs)
 
         balance.time_forward_backward = timing
+
+    if kind == "slowinfer":
+        make_loader, evaluate = predict.make_loader, trainer.Trainer.evaluate
+
+        def slow_loader(*args, **kwargs):
+            for batch in make_loader(*args, **kwargs):
+                time.sleep(int(fault_step) / 1000)
+                yield batch
+
+        def slow_evaluate(self, *args, **kwargs):
+            time.sleep(int(fault_step) / 1000)
+            return evaluate(self, *args, **kwargs)
+
+        predict.make_loader, trainer.Trainer.evaluate = slow_loader, slow_evaluate
 
 if __name__ == "__main__":
     import main

@@ -1355,3 +1355,121 @@ def store_host(port: int) -> subprocess.Popen:
                              "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     assert host.stdout.readline().strip() == "1"
     return host
+
+
+@pytest.mark.slow  # 4 runs of main.py (2 start 2 ranks): ~20 s
+def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_path):
+    """SIGTERM (scancel, a preemption, kill) during a predict killed it: exit 143, predictions.csv.tmp left, and the
+    watcher's line blamed SIGKILL `at step 0` (under ddp: `rank N died from SIGTERM at step 0`, twice, exit 1). Test
+    mode likewise. Now it ends as Ctrl-C does: one line naming the signal and what it was doing, 128 + its number,
+    no temporary file, the earlier predictions.csv whole."""
+    from PIL import Image
+    from tasks.image import load_digits_split
+    out = tmp_path / "run"
+    assert main.run(make_config(out, train={"max_steps": 3, "epochs": 0, "eval_every": 0})) == 0
+    images = load_digits_split()[2]
+    os.makedirs(tmp_path / "new")
+    for i in range(40):
+        Image.fromarray((images[i] * 255 / 16).astype("uint8"), "L").save(tmp_path / "new" / f"{i:02d}.png")
+    (out / "predictions.csv").write_text("earlier\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "FAULT"))}
+    env.update(OMP_NUM_THREADS="1", FAULT="slowinfer:-1:300")  # every batch, and every split, 0.3 s
+    ddp = ["--set", "dist.strategy=ddp", "--set", "dist.procs_per_node=2", "--set", f"dist.master_port={free_port()}"]
+    for mode, signum, extra, doing in (("predict", signal.SIGTERM, [], "while predicting (mode predict)"),
+                                       ("predict", signal.SIGHUP, ddp, "while predicting (mode predict)"),
+                                       ("test", signal.SIGTERM, [], "while testing (mode test)")):
+        if (out / "logs" / "rank0.log").exists():
+            (out / "logs" / "rank0.log").unlink()
+        proc = subprocess.Popen([sys.executable, "tests/faulty_main.py", "--params", str(out / "config.yml"),
+                                 "--set", f"mode={mode}", "--set", f"predict.input={tmp_path / 'new'}",
+                                 "--set", "train.eval_batch_size=4", *extra], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_for_log(out, 0, "predicting the inputs of|testing ")
+        for _ in range(10):  # (to main.py alone, as `kill PID`; its launcher passes it on to the ranks)
+            proc.send_signal(signum)  # again and again, as schedulers do: the second raised into the cleanup
+            time.sleep(0.001)
+        code, stdout, stderr = finish(proc)
+        assert "already stopping" not in stdout  # (what a training run says of a repeat: it saves first)
+        name = signal.Signals(signum).name
+        assert (code, stderr.strip().splitlines()) == (128 + signum, [f"interrupted by {name} {doing} on {HOST}"]), \
+            (mode, extra, code, stderr)
+        assert not [name for name in os.listdir(out) if name.endswith(".tmp")], (mode, extra)
+        assert not (out / "test_results.json").exists()  # (dev's, if it was evaluated before the signal: whole)
+        assert not (out / "dev_results.json").exists() or json.loads((out / "dev_results.json").read_text())
+        assert (out / "predictions.csv").read_text() == "earlier\n"
+    # Under ddp, a signal as the ranks start (they start with it blocked: it comes as they unblock it) was
+    # `rank N exited with code 1 at step 0 without a report`, twice, after two KeyboardInterrupt tracebacks.
+    # (Ctrl-C alike: `interrupted while predicting`, 130.)
+    proc = subprocess.Popen([sys.executable, "tests/faulty_main.py", "--params", str(out / "config.yml"),
+                             "--set", "mode=predict", "--set", f"predict.input={tmp_path / 'new'}", *ddp],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    while not [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc)
+    assert (code, stderr.strip().splitlines()) == (
+        143, [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]), stderr
+    assert (out / "predictions.csv").read_text() == "earlier\n"
+
+
+def test_the_launcher_says_what_a_rank_that_does_not_train_was_doing(tmp_path, capsys):
+    """A predict's rank killed without a word (kill -9, the kernel's OOM killer) was said `died from SIGKILL ... at
+    step 0`, one that exited without a report `... at step 0 without a report`: a predict has no step."""
+    from types import SimpleNamespace
+    from main import RankPlace
+    from resilience import launcher
+    cfg = make_config(tmp_path, mode="predict", predict={"input": str(tmp_path)}, dist={"strategy": "ddp"})
+    supervisor = launcher.Supervisor(cfg, [RankPlace(rank=r, local_rank=r, world=2, local_procs=2) for r in (0, 1)],
+                                     None)
+    supervisor.report_dir = str(tmp_path)  # (no rank left a report)
+    supervisor.procs = supervisor.exit_order = [SimpleNamespace(pid=11, exitcode=-signal.SIGKILL),
+                                                SimpleNamespace(pid=12, exitcode=7)]
+    supervisor.finished[0] = supervisor.finished[1] = -1
+    assert supervisor.summarize() == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"rank 0 on {HOST} (pid 11) died from SIGKILL (killed by the kernel: out of memory?, or kill -9) while "
+        "predicting (mode predict)",
+        f"rank 1 on {HOST} (pid 12) exited with code 7 while predicting (mode predict) without a report (see "
+        "logs/rank1.log)"]
+
+
+def test_a_stop_signal_as_a_predict_or_test_starts_ends_it_in_one_line(tmp_path, monkeypatch, capsys):
+    """A signal main.py caught before it read the config (catch_early) was delivered again once the config said the
+    mode does not stop on it: SIGTERM then killed a predict, test or export without a word (143), Ctrl-C raised a
+    KeyboardInterrupt traceback. Now one line, as later on."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                                              signal.SIGUSR2)}
+    monkeypatch.setattr(faults, "stop_request", faults.StopRequest())
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: a background job ignores it)
+        os.makedirs(tmp_path / "checkpoints")  # (test mode and export refuse an output_dir without one)
+        for mode, signum in (("predict", signal.SIGTERM), ("test", signal.SIGINT), ("export", signal.SIGHUP)):
+            faults.stop_request.catch_early()
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # (the handler runs at the next bytecode of this thread)
+            assert faults.stop_request.reason == signal.Signals(signum).name
+            code = main.main(["--set", f"output_dir={tmp_path}", "--set", f"mode={mode}",
+                              "--set", f"predict.input={tmp_path}"])
+            by = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+            assert (code, capsys.readouterr().err.splitlines()) == (
+                128 + signum, [f"interrupted{by} {faults.doing(mode)} on {HOST}"])
+            faults.stop_request.reason = None
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_a_signal_as_the_launcher_starts_a_predict_s_ranks_is_no_training_stop(tmp_path, capsys):
+    """A stop signal that came as main.py's launcher was about to start a predict's ranks (none started) said
+    `stopped by SIGTERM before training began: nothing was trained`, exit 3 (a requeue): it is an interruption."""
+    from main import RankPlace
+    from resilience import launcher
+    cfg = make_config(tmp_path, mode="predict", predict={"input": str(tmp_path)}, dist={"strategy": "ddp"})
+    supervisor = launcher.Supervisor(cfg, [RankPlace(rank=r, local_rank=r, world=2, local_procs=2) for r in (0, 1)],
+                                     None)
+    supervisor.signals_seen.append(signal.SIGTERM)  # (as if forward() had heard it)
+    assert supervisor.supervise() == 143
+    assert capsys.readouterr().err.splitlines() == [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]
+    assert not supervisor.procs[0].pid and not supervisor.procs[1].pid  # none started

@@ -162,3 +162,15 @@ def test_the_watcher_speaks_only_when_its_process_is_killed():
     for body, code in (("pass", 0), ("raise SystemExit(3)", 3), ("raise KeyboardInterrupt", -signal.SIGINT)):
         ended = watched(body)
         assert ended.returncode == code and "killed" not in ended.stderr, ended.stderr
+
+
+def test_the_watcher_says_what_a_run_that_does_not_train_was_doing():
+    # A predict killed by SIGKILL was said `killed ... at step 0`: it has no step.
+    code = ("import os, signal\nfrom resilience import faults, resource_errors\n"
+            "with resource_errors.reports_a_kill('/runs/x', mode='predict'):\n"
+            "    faults.progress.phase_starts(0, 'predict')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert " was killed without a word (SIGKILL" in killed.stderr and \
+        "while predicting (mode predict); see /runs/x/logs/rank0.log" in killed.stderr, killed.stderr
