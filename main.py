@@ -59,17 +59,18 @@ def main(argv=None) -> int:
 
 
 def stops_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes end as
-    Ctrl-C ends them (interrupts_of), a dev run as it always did (Ctrl-C: 130; docs/faults.md)."""
+    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes and a
+    dev run end as Ctrl-C ends them (interrupts_of; docs/faults.md)."""
     if cfg.mode not in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
         return []
     return faults.stop_signals(cfg.train.stop_signal)
 
 
 def interrupts_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that end test mode, a predict or an export as Ctrl-C does (faults.Interrupted), the stop signals
-    of the same run's training: there is nothing to save, and death by them left temporary files, unsaid."""
-    if cfg.mode in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
+    """The signals that end test mode, a predict, an export or a dev run as Ctrl-C does (faults.Interrupted), the stop
+    signals of the same run's training: there is nothing to save, and death by them left temporary files, unsaid
+    (a dev run's stage running on, orphaned)."""
+    if cfg.mode in ("train", "lr_find") and not (args.dev_run or cfg.train.dev_run):
         return []
     return faults.stop_signals(cfg.train.stop_signal)
 

@@ -11,12 +11,14 @@ micro-batches accumulated, fp32 for precision auto on a CPU (not timed), one tim
 MLflow run (as Lightning's fast_dev_run: a trial is not reported to a team's tracker); the model,
 the strategy and every stage's code stay the job's, so a GPU-sized preset's dev run also ends in under a minute on a
 CPU. Every stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept
-to read when one failed. Nothing is written to the real output_dir.
+to read when one failed or the dev run was interrupted (Ctrl-C, a stop signal: the stage running is killed).
+Nothing is written to the real output_dir.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -121,10 +123,11 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
             code, seconds, log = stage(main_py, params, overrides + RUN + own
                                        + [f"output_dir={folder}/run", f"export.dir={folder}/export"],
                                        os.path.join(folder, f"{name}.log"))
-        except KeyboardInterrupt:  # Ctrl-C reached the stage too, which ends itself (subprocess.run waits for it)
-            print(f"dev run interrupted (Ctrl-C) in stage {name!r}; the output so far is in {folder}",
+        except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (faults.Interrupted): the stage was ended (stage)
+            by = f"by {e}" if str(e) not in ("", "SIGINT") else "(Ctrl-C)"
+            print(f"dev run interrupted {by} in stage {name!r}; the output so far is in {folder}",
                   file=sys.stderr, flush=True)
-            return 130
+            return getattr(e, "exit_code", 130)
         if code == 0 and name == "resume" and not any("resumed from" in line for line in log):
             code, log = 1, log + ["dev run: the resume stage trained, but did not resume from the saved step 2"]
         if code != 0:
@@ -140,13 +143,21 @@ def run(main_py: str, params: str, overrides: list[str], output_dir: str, export
 
 
 def stage(main_py: str, params: str, overrides: list[str], log_path: str) -> tuple[int, float, list[str]]:
-    """One `python main.py`: its exit code, its seconds and its output's lines (also kept in log_path)."""
+    """One `python main.py`: its exit code, its seconds and its output's lines (also kept in log_path). Interrupted
+    (Ctrl-C, a stop signal to this process alone), the stage and the ranks it started are killed, as its own session."""
     command = [sys.executable, main_py, "--params", params]
     for item in overrides:
         command += ["--set", item]
     began = time.perf_counter()
     with open(log_path, "w") as log:
-        code = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).returncode
+        stage_run = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            code = stage_run.wait()
+        except KeyboardInterrupt:
+            os.killpg(stage_run.pid, signal.SIGKILL)  # a throwaway run: nothing of it to save
+            stage_run.wait()
+            raise
     seconds = time.perf_counter() - began
     with open(log_path, errors="replace") as log:
         return code, seconds, log.read().splitlines()

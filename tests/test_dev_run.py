@@ -5,8 +5,10 @@ import os
 import re
 import socket
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,6 +87,37 @@ def test_ctrl_c_during_a_dev_run_is_one_line_naming_the_stage_and_its_folder(tmp
     kept = err[0].rsplit(" ", 1)[-1]
     assert os.path.isdir(kept)
     shutil.rmtree(kept)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_a_dev_run_ends_it_and_its_stage_in_one_line(tmp_path):
+    """SIGTERM to `python main.py --dev-run` (a scheduler's, `kill`) killed it without a word (exit 143), and the
+    stage it had started trained on, orphaned, in a folder nobody was told of."""
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "main.py", "--dev-run", "--set", f"output_dir={tmp_path / 'real'}",
+                             "--set", "train.log_every=1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.exists(os.path.join(tmp_path, d, "run", "logs", "rank0.log"))
+                  for d in os.listdir(tmp_path) if d.startswith("dev-run-")):  # the train stage is running
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    folder = next(os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if d.startswith("dev-run-"))
+    assert proc.returncode == 143, (out, err)
+    assert err.splitlines() == [f"dev run interrupted by SIGTERM in stage 'train'; the output so far is in {folder}"]
+    time.sleep(1)
+    stages = [p for p in os.listdir("/proc") if p.isdigit() and folder.encode() in open_cmdline(p)]
+    assert not stages, stages  # the stage and whatever it started are gone
+
+
+def open_cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # (gone meanwhile)
+        return b""
 
 
 @pytest.mark.parametrize("rank", [0, 1])
