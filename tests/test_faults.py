@@ -559,6 +559,33 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
 
 
 @pytest.mark.slow
+def test_rank_0_killed_each_survivor_says_one_line_without_a_stack(tmp_path):
+    """kill -9 of rank 0, which hosts the rendezvous store: rank 1 printed torch's C++ TCPStore warning (c10 stack
+    frames) from asking the dead store which peers were silent, then its collective's Python traceback. Now each
+    survivor says one line naming rank 0 as gone, its traceback kept in its own log."""
+    out = tmp_path / "run"
+    proc = start(out, fault="slow:-1:20", steps=100000, procs=3)
+    wait_for_log(out, 2, r"step 3/")
+    ranks = ranks_of(proc, out)
+    ranks[0].kill()
+    code, _, stderr = finish(proc, timeout=30)
+    assert code == errors.EXIT_CRASH
+    assert not re.search(r"frame #|Exception raised from|Traceback|c10d", stderr), stderr
+    lines = stderr.splitlines()
+    assert any(re.match(rf"rank 0 on {HOST} \(pid {ranks[0].pid}\) died from SIGKILL .* at step \d+$", line)
+               for line in lines), stderr
+    for r in (1, 2):
+        said = [line for line in lines if line.startswith(f"rank {r} ")]
+        assert len(said) == 1 and re.match(rf"rank {r} on {HOST} failed at step \d+: lost rank 0, which is gone "
+                                           r"\(the rendezvous store it hosted closed its connections\); ",
+                                           said[0]), stderr
+        with open(out / "logs" / f"rank{r}.log") as f:
+            log = f.read()
+        assert said[0] in log and "Traceback (most recent call last)" in log  # the detail, for debugging
+    assert len(lines) == 3, stderr
+
+
+@pytest.mark.slow
 def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_path):
     # Rank 1 trains, saves, is done, then hangs closing its process group (as a stuck NCCL communicator can):
     # the launcher ends it after min(60 s, dist.hang_timeout_s) with a warning; the run's result stands.
