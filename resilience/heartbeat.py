@@ -58,6 +58,10 @@ class Watchdog:
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
+        try:  # a last beat: this rank ended (after its own report), the others do not count it lost (silent_ranks)
+            self.ask(lambda: self._write_beat("ended"), "set", 1.0)
+        except Exception:
+            pass  # the store is gone or frozen: nobody to tell
 
     def ask(self, fn, what: str, timeout_s: Optional[float] = None):
         """fn()'s value, calls to the store, given up after op_timeout (a frozen store host never answers)."""
@@ -100,9 +104,10 @@ class Watchdog:
                     self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
                 self._give_up(verdict)
 
-    def _write_beat(self) -> None:  # (TCPStore's set does not wait for an answer)
+    def _write_beat(self, phase: Optional[str] = None) -> None:  # (TCPStore's set does not wait for an answer)
         self.beat += 1
-        self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} {progress.phase} {HOST}")
+        self.store.set(f"hb/{self.ctx.rank}",
+                       f"{self.beat} {progress.ticks} {progress.step} {phase or progress.phase} {HOST}")
 
     def _beat_once(self) -> Optional[str]:
         """Write this rank's heartbeat; return the verdict in the store, or the one this rank comes to."""
@@ -245,12 +250,14 @@ class Watchdog:
         None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
+            before = [v.decode().split() for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
             time.sleep(3 * self.interval + 0.5)
-            after = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
+            after = [v.decode().split() for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
         except Exception:
             return None
-        return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
+        # (a rank that ended, after its own report, is not lost: its last beat says so, Watchdog.stop)
+        return [r for r in range(self.ctx.world_size)
+                if before[r][0] == after[r][0] and after[r][3] != "ended" and r != self.ctx.rank]
 
 
 def ranks_text(ranks) -> str:

@@ -1129,6 +1129,30 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
     assert verdict.startswith("rank 1 on a host it never named stopped responding (last heard at step 0, "), verdict
 
 
+def test_a_rank_that_ended_after_its_report_is_not_named_lost(monkeypatch):
+    """torchrun, 3 ranks, rank 0 killed: rank 2 said `lost rank 0 ...` and exited; rank 1, whose collective failed
+    a moment later, said `lost ranks 0, 2, which stopped responding (died or froze)`: rank 2 had stopped beating
+    because it had ended, after its own report. A watchdog that stops beats once more, `ended`: not lost."""
+    from types import SimpleNamespace
+
+    class Store(DictStore):
+        def set(self, key, value):
+            self[key] = value
+
+    store = Store({"hb/0": f"7 7 4 train {HOST}"})  # rank 0: dead, silent
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    ranks = [heartbeat.Watchdog(store, SimpleNamespace(rank=r, world_size=3, rendezvous=None), timeout=0.4,
+                                log_path="/dev/null") for r in (1, 2)]
+    for w in ranks:
+        w._write_beat()  # as start() does
+    ranks[1].thread.start()  # (rank 1's would watch rank 0: it stays a caller here)
+    ranks[1].stop()  # rank 2 reported and ends
+    assert store["hb/2"].split()[3] == "ended"
+    assert ranks[0].silent_ranks() == [0]
+    assert ranks[0].lost_peers(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by "
+                                            "peer")) == "lost rank 0, which stopped responding (died or froze); "
+
+
 def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_is(monkeypatch):
     """Rank 1 watches rank 0, whose last heartbeat said step 5; rank 1 trained on to step 40. The line said `rank 0
     ... stopped responding at step 5 (their last heartbeat; none for 4 s ...)`: no word of where the run was, and a
