@@ -1220,6 +1220,39 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         store_calls_end()
 
 
+def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkeypatch, capfd):
+    """The store's host killed (kill -9 of rank 0): each heartbeat's store call printed torch's C++ warning with its
+    c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
+    tells it the host is gone: no call is made, and the verdict says gone, not frozen."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+    port = free_port()
+    host = store_host(port)
+    try:
+        ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
+                               wait_for_workers=False)
+        verdicts = []
+        w = heartbeat.Watchdog(client, ctx, timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+        monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
+        w._write_beat()
+        client.set("hb/0", f"1 1 1 train {HOST}")
+        w.thread.start()
+        time.sleep(1.25)  # (between two beats: a call under way as the host dies still meets it)
+        assert not verdicts and not w.store_gone()
+        host.kill()
+        w.thread.join(timeout=15)
+        assert verdicts and verdicts[0].endswith("the process hosting it (rank 0, or torchrun's agent) is gone (it "
+                                                 "closed its connections)"), verdicts
+        with pytest.raises(dist.DistNetworkError, match="the rendezvous store is gone"):
+            w.ask(lambda: client.get("hb/0"), "get")
+    finally:
+        host.kill()
+        store_calls_end()
+    assert "frame #" not in capfd.readouterr().err
+
+
 # ==============================================================================================================
 # Repeated and hang-up signals: the save the first signal started always completes; only SIGKILL ends it sooner
 # ==============================================================================================================
