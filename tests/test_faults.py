@@ -1220,6 +1220,7 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
         store_calls_end()
 
 
+@pytest.mark.slow
 def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkeypatch, capfd):
     """The store's host killed (kill -9 of rank 0): each heartbeat's store call printed torch's C++ warning with its
     c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
