@@ -69,7 +69,7 @@ class StoreHostLine:
 
     def __init__(self, address: tuple, timeout_s: float):
         self.address, self.timeout_s = address, timeout_s
-        self.sock: Optional[socket.socket] = socket.create_connection(address, timeout=timeout_s)
+        self.sock = socket.create_connection(address, timeout=timeout_s)
         self.gone = False
         self.lock = threading.Lock()  # (asked by the watchdog's thread and by the main thread's crash report)
 
