@@ -1,7 +1,9 @@
 """A call to the rendezvous store that gives up (the roll call, the heartbeat watchdog): a frozen store host, or a cut
-link to it, never answers, and TCPStore's check, get, multi_get and add then wait for ever (torch 2.13)."""
+link to it, never answers, and TCPStore's check, get, multi_get and add then wait for ever (torch 2.13). A store
+whose host died (StoreHostLine) is known without a call: a call to it prints torch's C++ warning, stack and all."""
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from typing import Optional
@@ -58,3 +60,43 @@ class TimedStore:
                 self.unanswered = e if call.is_alive() else None  # (else the store's own error: a broken pipe)
                 raise
         return timed
+
+
+class StoreHostLine:
+    """A connection of our own to the store's port that never sends: its host closing it says the store is gone (the
+    process died, kill -9 included) before a store call meets the closed connection, which torch 2.13 says on stderr
+    with a C++ warning and its stack frames, for every call (TCPStore.cpp). `address`: (host, port)."""
+
+    def __init__(self, address: tuple, timeout_s: float):
+        self.address, self.timeout_s = address, timeout_s
+        self.sock = socket.create_connection(address, timeout=timeout_s)
+        self.gone = False
+        self.lock = threading.Lock()  # (asked by the watchdog's thread and by the main thread's crash report)
+
+    def host_gone(self) -> bool:
+        """Whether the store's host closed our connection and nothing takes a new one (it is gone, not restarted)."""
+        with self.lock:
+            return self._host_gone()
+
+    def _host_gone(self) -> bool:
+        if not self.gone and closed(self.sock, wait_s=0):
+            self.sock.close()
+            try:  # the store closed only ours, or its process restarted: watch a new connection
+                self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
+                # a dying process closes its connections one by one, its listening socket maybe last: the connection
+                # it took meanwhile is reset as it goes
+                self.gone = closed(self.sock, wait_s=0.2)
+            except OSError:  # refused: nothing listens there any more
+                self.gone = True
+        return self.gone
+
+
+def closed(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the other end closed or reset `sock`, waiting wait_s for it (it never sends: the store speaks when
+    asked)."""
+    if not select.select([sock], [], [], wait_s)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # reset
+        return True

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR, first_line, warn_on_stderr
-from core.store_call import StoreCall
+from core.store_call import StoreCall, StoreHostLine
 from resilience.faults import HOST, progress, report
 
 STORE_HOST = "rank 0, or torchrun's agent"  # who hosts the rendezvous store, said when it does not answer
@@ -38,6 +38,7 @@ class Watchdog:
         self.announced = False  # this rank wrote the verdict into the store
         self.peer_failure: Optional[str] = None  # another rank's user error (first_failure), read by the thread
         self.before_exit: Optional[Callable[[], None]] = None  # run before its os._exit (rank_run: the trackers)
+        self.host_line: Optional[StoreHostLine] = None  # tells the store's host is gone (start())
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -47,6 +48,7 @@ class Watchdog:
         op_timeout = max(2.0, min(10.0, timeout / 2))
         store = open_store(ctx, op_timeout=op_timeout)
         w = cls(store, ctx, timeout, os.path.join(cfg.output_dir, "logs", f"rank{ctx.rank}.log"), op_timeout)
+        w.host_line = open_host_line(ctx, op_timeout)
         w._write_beat()  # the first beat now: a rank frozen from here on is seen by the others (see _check)
         w.thread.start()
         return w
@@ -56,16 +58,30 @@ class Watchdog:
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.op_timeout + self.interval + 1.0)
+        try:  # a last beat: this rank ended (after its own report), the others do not count it lost (silent_ranks)
+            self.ask(lambda: self._write_beat("ended"), "set", 1.0)
+        except Exception:
+            pass  # the store is gone or frozen: nobody to tell
 
     def ask(self, fn, what: str, timeout_s: Optional[float] = None):
         """fn()'s value, calls to the store, given up after op_timeout (a frozen store host never answers)."""
+        if self.store_gone():
+            raise dist.DistNetworkError(f"the rendezvous store is gone: its host ({STORE_HOST}) closed its "
+                                        f"connections ({what} at {self.ctx.rendezvous})")
         return StoreCall(fn, what, self.ctx.rendezvous, STORE_HOST).result(timeout_s or self.op_timeout)
+
+    def store_gone(self) -> bool:
+        """Whether the store's host is gone (it died): then no store call is made (each would print torch's C++
+        warning, stack frames and all, on stderr)."""
+        return self.host_line is not None and self.host_line.host_gone()
 
     # ---- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
         call = None  # the thread of the last beat's store calls
         while not self._stop.wait(self.interval):
             try:
+                if self.store_gone():
+                    raise dist.DistNetworkError("the rendezvous store's host closed its connections")
                 if call is None or not call.is_alive():  # (else it is still waiting for the store: wait more)
                     call = StoreCall(self._beat_once, "a heartbeat", self.ctx.rendezvous, STORE_HOST)
                 verdict = call.result(self.op_timeout)
@@ -78,18 +94,20 @@ class Watchdog:
                 if now - self.unreachable_since < self.timeout or self._stop.is_set():
                     continue
                 # (no rank named: the line stays the same for every rank of this node, said once by the launcher)
+                why = ("is gone (it closed its connections)" if self.store_gone() else
+                       f"froze or died, or the network to it is down ({type(e).__name__})")
                 verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s ({self.ctx.rendezvous}, "
-                           f"seen from {HOST} {progress.where()}): the process hosting it (rank 0, or torchrun's "
-                           f"agent) froze or died, or the network to it is down ({type(e).__name__})")
+                           f"seen from {HOST} {progress.where()}): the process hosting it ({STORE_HOST}) {why}")
             if verdict and not self._stop.is_set():
                 self._close_before_exit()  # before the others leave (the launcher ends this rank GRACE_S after them)
                 if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
                     self._stop.wait(2 * self.interval + 0.5)  # the verdict, rather than a store that vanished
                 self._give_up(verdict)
 
-    def _write_beat(self) -> None:  # (TCPStore's set does not wait for an answer)
+    def _write_beat(self, phase: Optional[str] = None) -> None:  # (TCPStore's set does not wait for an answer)
         self.beat += 1
-        self.store.set(f"hb/{self.ctx.rank}", f"{self.beat} {progress.ticks} {progress.step} {progress.phase} {HOST}")
+        self.store.set(f"hb/{self.ctx.rank}",
+                       f"{self.beat} {progress.ticks} {progress.step} {phase or progress.phase} {HOST}")
 
     def _beat_once(self) -> Optional[str]:
         """Write this rank's heartbeat; return the verdict in the store, or the one this rank comes to."""
@@ -215,12 +233,16 @@ class Watchdog:
 
     def lost_peers(self, exc: BaseException) -> str:
         """'lost rank 2, which stopped responding (died or froze); ' when `exc` came from a collective whose peers
-        stopped beating (faults.crash_report), else ''."""
+        stopped beating, or whose store's host is gone (rank_run.RankRun.reported), else ''."""
         text = str(exc).lower()
         if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
                                        "timeout", "nccl", "gloo")):
             return ""
         lost = self.silent_ranks()
+        if self.store_gone():  # (rank 0 hosts it; under torchrun, rank 0 or torchrun's agent)
+            return ("lost the process hosting the rendezvous store (rank 0, or torchrun's agent), which is gone (it "
+                    "closed its connections); " if self.ctx.rendezvous == "env://" else
+                    "lost rank 0, which is gone (the rendezvous store it hosted closed its connections); ")
         return f"lost {ranks_text(lost)}, which stopped responding (died or froze); " if lost else ""
 
     def silent_ranks(self) -> Optional[list[int]]:
@@ -228,12 +250,14 @@ class Watchdog:
         None if the store cannot tell."""
         try:
             keys = [f"hb/{r}" for r in range(self.ctx.world_size)]
-            before = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
+            before = [v.decode().split() for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
             time.sleep(3 * self.interval + 0.5)
-            after = [v.split()[0] for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
+            after = [v.decode().split() for v in self.ask(lambda: self.store.multi_get(keys), "multi_get")]
         except Exception:
             return None
-        return [r for r in range(self.ctx.world_size) if before[r] == after[r] and r != self.ctx.rank]
+        # (a rank that ended, after its own report, is not lost: its last beat says so, Watchdog.stop)
+        return [r for r in range(self.ctx.world_size)
+                if before[r][0] == after[r][0] and after[r][3] != "ended" and r != self.ctx.rank]
 
 
 def ranks_text(ranks) -> str:
@@ -241,16 +265,31 @@ def ranks_text(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def store_address(ctx) -> Optional[tuple]:
+    """(host, port) of the rendezvous store over tcp:// or torchrun's env://; None for a file://."""
+    if ctx.rendezvous and ctx.rendezvous.startswith("tcp://"):
+        u = urlparse(ctx.rendezvous)
+        return u.hostname, u.port
+    if ctx.rendezvous == "env://":
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return None
+
+
+def open_host_line(ctx, op_timeout: float) -> Optional[StoreHostLine]:
+    """The watchdog's StoreHostLine to the store's host; None for a file:// rendezvous, or if it takes no connection
+    now (then a store call finds out, as before)."""
+    address = store_address(ctx)
+    try:
+        return StoreHostLine(address, op_timeout) if address is not None else None
+    except OSError:
+        return None
+
+
 def open_store(ctx, op_timeout: float):
     """A store connection of the watchdog's own, with a short timeout, so that a frozen store host makes the
     watchdog notice instead of blocking it as long as the process group's timeout (dist.timeout_s)."""
     timeout = datetime.timedelta(seconds=op_timeout)
-    address = None
-    if ctx.rendezvous and ctx.rendezvous.startswith("tcp://"):
-        u = urlparse(ctx.rendezvous)
-        address = (u.hostname, u.port)
-    elif ctx.rendezvous == "env://":
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    address = store_address(ctx)
     if address is not None:  # (a frozen store host, or a cut link, never answers the connect either)
         store = StoreCall(lambda: dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout,
                                                 wait_for_workers=False), "connect", ctx.rendezvous, STORE_HOST

@@ -9,11 +9,12 @@ import logging.handlers
 import os
 import threading
 import time
+import traceback
 from typing import Optional
 
 from core import config, distributed, process_group
 from core.config import Config
-from core.errors import EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
+from core.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
 from core.launch_env import launcher_env
 from core.run_log import setup_logging
 from resilience import elastic, faults, heartbeat, resource_errors
@@ -151,7 +152,19 @@ class RankRun:
             return faults.interrupted(e, self.cfg.mode)
         # A crash: never lost, never silent; a full disk or read-only folder is one line.
         line = resource_errors.failure_line(e, self.cfg.output_dir)
-        return faults.user_error(f"error: {line}", self.watchdog) if line else faults.crash_report(e, self.watchdog)
+        if line:
+            return faults.user_error(f"error: {line}", self.watchdog)
+        lost = self.watchdog.lost_peers(e) if self.watchdog is not None else ""
+        return self.lost_peers_reported(e, lost) if lost else faults.crash_report(e, None)  # (None: no peer lost)
+
+    def lost_peers_reported(self, e: BaseException, lost: str) -> int:
+        """A collective failed because peers died (`lost` names them): the consequence, one line; its traceback goes
+        to this rank's log alone. Returns the exit code."""
+        code = report(EXIT_CRASH, f"rank {self.place.rank} on {HOST} failed {faults.progress.where()}: {lost}"
+                                  f"{first_line(e, limit=300)}")
+        with contextlib.suppress(OSError):  # (a full disk: the line was said all the same)
+            report.log.error("".join(traceback.format_exception(e)).rstrip(), extra={"file_only": True})
+        return code
 
 
 def held_lines(rank: int, held: logging.Handler) -> logging.Logger:

@@ -559,6 +559,33 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
 
 
 @pytest.mark.slow
+def test_rank_0_killed_each_survivor_says_one_line_without_a_stack(tmp_path):
+    """kill -9 of rank 0, which hosts the rendezvous store: rank 1 printed torch's C++ TCPStore warning (c10 stack
+    frames) from asking the dead store which peers were silent, then its collective's Python traceback. Now each
+    survivor says one line naming rank 0 as gone, its traceback kept in its own log."""
+    out = tmp_path / "run"
+    proc = start(out, fault="slow:-1:20", steps=100000, procs=3)
+    wait_for_log(out, 2, r"step 3/")
+    ranks = ranks_of(proc, out)
+    ranks[0].kill()
+    code, _, stderr = finish(proc, timeout=30)
+    assert code == errors.EXIT_CRASH
+    assert not re.search(r"frame #|Exception raised from|Traceback|c10d", stderr), stderr
+    lines = stderr.splitlines()
+    assert any(re.match(rf"rank 0 on {HOST} \(pid {ranks[0].pid}\) died from SIGKILL .* at step \d+$", line)
+               for line in lines), stderr
+    for r in (1, 2):
+        said = [line for line in lines if line.startswith(f"rank {r} ")]
+        assert len(said) == 1 and re.match(rf"rank {r} on {HOST} failed at step \d+: lost rank 0, which is gone "
+                                           r"\(the rendezvous store it hosted closed its connections\); ",
+                                           said[0]), stderr
+        with open(out / "logs" / f"rank{r}.log") as f:
+            log = f.read()
+        assert said[0] in log and "Traceback (most recent call last)" in log  # the detail, for debugging
+    assert len(lines) == 3, stderr
+
+
+@pytest.mark.slow
 def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_path):
     # Rank 1 trains, saves, is done, then hangs closing its process group (as a stuck NCCL communicator can):
     # the launcher ends it after min(60 s, dist.hang_timeout_s) with a warning; the run's result stands.
@@ -1102,6 +1129,30 @@ def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
     assert verdict.startswith("rank 1 on a host it never named stopped responding (last heard at step 0, "), verdict
 
 
+def test_a_rank_that_ended_after_its_report_is_not_named_lost(monkeypatch):
+    """torchrun, 3 ranks, rank 0 killed: rank 2 said `lost rank 0 ...` and exited; rank 1, whose collective failed
+    a moment later, said `lost ranks 0, 2, which stopped responding (died or froze)`: rank 2 had stopped beating
+    because it had ended, after its own report. A watchdog that stops beats once more, `ended`: not lost."""
+    from types import SimpleNamespace
+
+    class Store(DictStore):
+        def set(self, key, value):
+            self[key] = value
+
+    store = Store({"hb/0": f"7 7 4 train {HOST}"})  # rank 0: dead, silent
+    monkeypatch.setattr(faults.progress, "phase", "train")
+    ranks = [heartbeat.Watchdog(store, SimpleNamespace(rank=r, world_size=3, rendezvous=None), timeout=0.4,
+                                log_path="/dev/null") for r in (1, 2)]
+    for w in ranks:
+        w._write_beat()  # as start() does
+    ranks[1].thread.start()  # (rank 1's would watch rank 0: it stays a caller here)
+    ranks[1].stop()  # rank 2 reported and ends
+    assert store["hb/2"].split()[3] == "ended"
+    assert ranks[0].silent_ranks() == [0]
+    assert ranks[0].lost_peers(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by "
+                                            "peer")) == "lost rank 0, which stopped responding (died or froze); "
+
+
 def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_is(monkeypatch):
     """Rank 1 watches rank 0, whose last heartbeat said step 5; rank 1 trained on to step 40. The line said `rank 0
     ... stopped responding at step 5 (their last heartbeat; none for 4 s ...)`: no word of where the run was, and a
@@ -1167,6 +1218,40 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     finally:
         host.kill()
         store_calls_end()
+
+
+@pytest.mark.slow
+def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkeypatch, capfd):
+    """The store's host killed (kill -9 of rank 0): each heartbeat's store call printed torch's C++ warning with its
+    c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
+    tells it the host is gone: no call is made, and the verdict says gone, not frozen."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+    port = free_port()
+    host = store_host(port)
+    try:
+        ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
+                               wait_for_workers=False)
+        verdicts = []
+        w = heartbeat.Watchdog(client, ctx, timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+        monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
+        w._write_beat()
+        client.set("hb/0", f"1 1 1 train {HOST}")
+        w.thread.start()
+        time.sleep(1.25)  # (between two beats: a call under way as the host dies still meets it)
+        assert not verdicts and not w.store_gone()
+        host.kill()
+        w.thread.join(timeout=15)
+        assert verdicts and verdicts[0].endswith("the process hosting it (rank 0, or torchrun's agent) is gone (it "
+                                                 "closed its connections)"), verdicts
+        with pytest.raises(dist.DistNetworkError, match="the rendezvous store is gone"):
+            w.ask(lambda: client.get("hb/0"), "get")
+    finally:
+        host.kill()
+        store_calls_end()
+    assert "frame #" not in capfd.readouterr().err
 
 
 # ==============================================================================================================
