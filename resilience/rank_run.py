@@ -12,6 +12,8 @@ import time
 import traceback
 from typing import Optional
 
+import torch.distributed
+
 from core import config, distributed, process_group
 from core.config import Config
 from core.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED, Diverged, Stopped, UserError, first_line
@@ -150,6 +152,11 @@ class RankRun:
             return report(e.exit_code, str(e))
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop signal in test mode or predict (faults.Interrupted)
             return faults.interrupted(e, self.cfg.mode)
+        reason = faults.stop_request.reason
+        if reason is not None and faults.progress.phase == "setup" and isinstance(e, torch.distributed.DistError):
+            # The stop reached rank 0 as it waited for the group, and its store left with it: not a crash of this one
+            return report(EXIT_STOPPED, f"stopped by {reason} while rank {self.place.rank} on {HOST} set up (rank 0, "
+                                        f"stopping, closed the rendezvous store): nothing was trained")
         # A crash: never lost, never silent; a full disk or read-only folder is one line.
         line = resource_errors.failure_line(e, self.cfg.output_dir)
         if line:

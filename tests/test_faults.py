@@ -414,6 +414,23 @@ def test_sigterm_to_the_launcher_while_its_ranks_start_is_a_stop_not_a_crash(tmp
     assert code == errors.EXIT_STOPPED and "died from" not in stdout + stderr, stdout[-2000:] + stderr[-2000:]
 
 
+def test_a_rank_whose_setup_fails_as_rank_0_stops_with_its_store_is_stopped_not_crashed(tmp_path, monkeypatch, capsys):
+    """The test above, lost as CI saw it once: SIGTERM reached rank 0 as it waited for the group, and rank 0 left
+    with the store; rank 1, through the meeting, then failed to reach the store for its watchdog: a crash (exit 1)
+    with a traceback, beside rank 0's stop. A store error in set-up after a stop request is the stop's consequence."""
+    from main import RankPlace
+    from resilience.rank_run import RankRun
+    monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")
+    monkeypatch.setattr(faults.progress, "phase", "setup")
+    rank = RankRun(make_config(tmp_path), RankPlace(rank=1, local_rank=1, world=2, local_procs=2))
+    error = torch.distributed.DistNetworkError("the rendezvous store did not answer a call for 10 s")
+    assert rank.reported(error) == errors.EXIT_STOPPED
+    out = capsys.readouterr()
+    assert "stopped by SIGTERM while rank 1" in out.out + out.err and "Traceback" not in out.out + out.err
+    monkeypatch.setattr(faults.stop_request, "reason", None)  # no stop asked: a crash, as ever
+    assert rank.reported(error) == errors.EXIT_CRASH
+
+
 def caught(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler for `signum` (its SigCgt mask, /proc/PID/status)."""
     with open(f"/proc/{pid}/status") as f:
