@@ -178,13 +178,13 @@ class Trainer:
         norm_on_device = strategy.grad_norm(clip_to=self.train_cfg.clip_grad_norm or math.inf)
         # The one place a step waits for the device: a NaN/Inf gradient must never reach the parameters or the
         # optimizer state, and whether to apply the update depends on the norm. The stop votes come in the same read.
-        grad_norm, stop_count, global_count = torch.stack([norm_on_device.float().reshape(()), stop_votes,
-                                                           global_count]).tolist()
+        grad_norm, stop_count, count = torch.stack([norm_on_device.float().reshape(()), stop_votes,
+                                                    global_count]).tolist()
         # NaN/Inf, or no sample at all (AdamW would still decay and move the weights): no update; the step still
         # counts, the schedule moves on
-        update = math.isfinite(grad_norm) and global_count > 0
+        update = math.isfinite(grad_norm) and count > 0
         if strategy.scaler:  # fp16: the scaler skips the update itself when the gradients overflowed (norm inf)
-            if global_count > 0:
+            if count > 0:
                 strategy.scaler.step(strategy.optimizer)
             strategy.scaler.update()
         elif update:
@@ -194,7 +194,7 @@ class Trainer:
         strategy.optimizer.zero_grad(set_to_none=True)
         self.step_lr = strategy.optimizer.param_groups[0]["lr"]  # what this step ran at: the log's lr (not the next's)
         self.scheduler.step()
-        return rank_loss_sum, global_count, grad_norm, update, stop_count > 0
+        return rank_loss_sum, count, grad_norm, update, stop_count > 0
 
     def count_skipped_update(self, norm: float, counted: bool) -> None:
         """The step just done had a NaN/Inf gradient norm, or no sample: train_step did not apply it (it still counts

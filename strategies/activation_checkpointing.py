@@ -1,7 +1,7 @@
 """model.activation_checkpointing: each block (model_blocks: the members of the model's nn.ModuleLists, i.e. the
 transformer layers, which FSDP also shards as units) keeps only its input in forward and recomputes its activations
-during backward: less memory for about one more forward pass. Dropout draws the same masks again (the RNG state is saved),
-so the gradients are the same. Applied before the strategy wraps the model: FSDP2 gathers a block's parameters
+during backward: less memory for about one more forward pass. Dropout draws the same masks again (the RNG state is
+saved), so the gradients are the same. Applied before the strategy wraps the model: FSDP2 gathers a block's parameters
 before its backward, hence before the recomputation."""
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ class PipeStrategy(Strategy):
     replica = "pipeline"  # each pipeline reads its own share of the global batch
     drop_last = True  # a smaller last batch would change the shapes the stages expect
 
-    def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], optimizer, cfg, ctx: DistContext, mesh: meshes.Mesh, scaler, tied: list, unowned: set,
+    def __init__(self, full_model: nn.Module, stages: dict[int, nn.Module], optimizer, cfg, ctx: DistContext,
+                 mesh: meshes.Mesh, scaler, tied: list, unowned: set,
                  replicated_order: list, layers_per_stage: list[int], stage_params: list[int], aliases: dict):
         local = nn.ModuleList(stages.values())  # the unwrapped stages: what eval and train()/eval() modes see
         super().__init__(local, local, optimizer, ctx, scaler)
