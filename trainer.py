@@ -639,16 +639,16 @@ def best_by(metric: Optional[str], mode: str, task: Task) -> tuple[str, str]:
     return metric, mode if mode != "auto" else ("min" if metric.removeprefix("ema_") in task.lower_is_better else "max")
 
 
-# -----> change the learning-rate schedule here: factor(step) multiplies train.lr (LambdaLR).
+# -----> change the learning-rate schedule here: factor(steps_done) multiplies train.lr (LambdaLR).
 def lr_factor_function(total: int, warmup: float, schedule: str, min_lr_ratio: float = 0.0):
-    """factor(step), `step` being the optimizer steps done: a linear warm-up, then `schedule` from 1 down to
-    min_lr_ratio, the fraction of train.lr the last step ends at."""
+    """factor(steps_done): a linear warm-up, then `schedule` from 1 down to min_lr_ratio, the fraction of train.lr
+    the last step ends at."""
     warm = warmup_steps(total, warmup)
 
-    def factor(step: int) -> float:  # step = optimizer steps done so far
-        if step < warm:
-            return (step + 1) / warm
-        progress = min(1.0, (step - warm) / max(1, total - warm))
+    def factor(steps_done: int) -> float:  # LambdaLR's count: step 1 runs at factor(0), step 2 at factor(1)
+        if steps_done < warm:
+            return (steps_done + 1) / warm
+        progress = min(1.0, (steps_done - warm) / max(1, total - warm))
         if schedule == "linear":
             decay = 1.0 - progress
         elif schedule == "cosine":
