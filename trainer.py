@@ -114,16 +114,16 @@ class Trainer:
             # -----> one optimizer step; change what happens per step in train_step().
             self.hooks.phase_starts(state.step + 1, "train")
             batches = [next(stream) for _ in range(self.grad_accum_this_step())]  # this rank's micro-batches
-            rank_loss_sum, global_count, grad_norm, updated, any_stop = self.train_step(batches)
+            rank_loss_sum, count, grad_norm, updated, any_stop = self.train_step(batches)
             state.step += 1
             if updated:
                 state.bad_steps = 0
                 reports = self.strategy.counts_its_batch  # one rank per replica counts its samples and tokens
                 samples = sum(len(next(iter(b.values()))) for b in batches) if reports else 0
                 tokens = run_log.batch_tokens(self.task, batches, reports)
-                window.add(rank_loss_sum, global_count, samples=samples, tokens=tokens)
+                window.add(rank_loss_sum, count, samples=samples, tokens=tokens)
             else:  # its update was not applied; too many in a row end the run
-                self.count_skipped_update(grad_norm, counted=global_count > 0)
+                self.count_skipped_update(grad_norm, counted=count > 0)
             last = state.step == self.total_steps
             if state.step % train_cfg.log_every == 0 or last:  # the loss window waits for the device here only
                 self.log_train(window.flush(state.step), grad_norm, bar)
