@@ -35,10 +35,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = read_config(args.params, args.set)  # the schema's own checks: instant, torch is not loaded
-        interrupts = interrupts_of(cfg, args)  # (caught as the stops are: one that came is raised, not death by it)
-        faults.stop_request.keep_early(stops_of(cfg, args) + interrupts)
-        faults.interrupt_on(interrupts)
-        if elastic.stop_spent_restart(cfg):  # (before torch loads: seconds saved at each restart torchrun has left)
+        dev = args.dev_run or cfg.train.dev_run
+        faults.listen(cfg.mode, cfg.train.stop_signal, dev_run=dev)  # which signals stop this run, and how
+        if elastic.stop_spent_restart(cfg):  # a torchrun restart after train.time_limit ran out: it trains nothing
             return 3
         if faults.stop_request.reason:  # a stop signal as main.py started (catch_early): nothing to load or save
             return faults.stopped_before_start(faults.stop_request.reason)
@@ -52,27 +51,10 @@ def main(argv=None) -> int:
         return faults.stopped_before_start(faults.stop_request.reason)
     if args.length_note and file_limits(args):  # said once the config holds: a mistake is one line
         print(args.length_note)
-    if args.dev_run or cfg.train.dev_run:
+    if dev:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
                            exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg))
     return run(cfg)
-
-
-def stops_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that stop this run after a checkpoint: a training run's or an lr sweep's. The other modes and a
-    dev run end as Ctrl-C ends them (interrupts_of; docs/faults.md)."""
-    if cfg.mode not in ("train", "lr_find") or args.dev_run or cfg.train.dev_run:
-        return []
-    return faults.stop_signals(cfg.train.stop_signal)
-
-
-def interrupts_of(cfg: Config, args: argparse.Namespace) -> list[str]:
-    """The signals that end test mode, a predict, an export or a dev run as Ctrl-C does (faults.Interrupted), the stop
-    signals of the same run's training: there is nothing to save, and death by them left temporary files, unsaid
-    (a dev run's stage running on, orphaned)."""
-    if cfg.mode in ("train", "lr_find") and not (args.dev_run or cfg.train.dev_run):
-        return []
-    return faults.stop_signals(cfg.train.stop_signal)
 
 
 def run(cfg: Config) -> int:

@@ -159,6 +159,16 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
+def listen(mode: str, extra_signal: Optional[str], dev_run: bool) -> None:
+    """Once main.py has read the config: which signals stop this run, and how. A training run or an lr sweep saves a
+    checkpoint and exits 3 (SLURM requeues it); test, predict, export and a dev run have nothing to save and end as
+    Ctrl-C ends them (docs/faults.md)."""
+    names = stop_signals(extra_signal)
+    stop_request.keep_early(names)
+    if mode not in ("train", "lr_find") or dev_run:
+        interrupt_on(names)
+
+
 def interrupt_on(names: list[str]) -> None:
     """Each signal of `names` raises Interrupted, as Ctrl-C raises KeyboardInterrupt: death by SIGTERM left
     predictions.csv.tmp, and a kill report that could only guess SIGKILL."""
