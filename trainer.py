@@ -159,8 +159,8 @@ class Trainer:
         # The update is the mean gradient over the GLOBAL batch: the summed loss divided by the global sample count.
         # The count's all-reduce also carries each rank's stop vote, so all ranks stop at the same step.
         # One rank per replica counts its batch (under ddp, every rank; a tp group's ranks share one batch).
-        n = sum(self.task.count(b) for b in batches) if strategy.counts_its_batch else 0
-        count_and_vote = torch.tensor([float(n), self.hooks.stop_vote()])  # this rank's
+        rank_count = sum(self.task.count(b) for b in batches) if strategy.counts_its_batch else 0
+        count_and_vote = torch.tensor([float(rank_count), self.hooks.stop_vote()])  # this rank's
         if self.pin_memory:  # (a GPU: the copy is queued, the host does not wait)
             count_and_vote = count_and_vote.pin_memory()
         count_and_vote = count_and_vote.to(ctx.device, non_blocking=self.pin_memory)
