@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         print(args.length_note)
     if dev:
         return dev_run.run(os.path.abspath(__file__), args.params, args.set, cfg.output_dir,
-                           exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg))
+                           exports=bool(wiring.TASKS[cfg.task].export_formats), smaller=dev_run.shrunk(cfg),
+                           nodes=cfg.dist.nodes)
     return run(cfg)
 
 

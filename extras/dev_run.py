@@ -12,7 +12,7 @@ MLflow run (as Lightning's fast_dev_run: a trial is not reported to a team's tra
 the strategy and every stage's code stay the job's, so a GPU-sized preset's dev run also ends in under a minute on a
 CPU. Every stage runs under the configured strategy; output_dir is a temporary folder, removed when all passed, kept
 to read when one failed or the dev run was interrupted (Ctrl-C, a stop signal: the stage running is killed).
-Nothing is written to the real output_dir.
+Nothing is written to the real output_dir. It runs on this machine alone: a config of several nodes is refused.
 """
 from __future__ import annotations
 
@@ -100,15 +100,20 @@ def free_port() -> int:
 
 
 def run(main_py: str, params: str, overrides: list[str], output_dir: str, exports: bool,
-        smaller: tuple[list[str], list[str]] = ([], [])) -> int:
+        smaller: tuple[list[str], list[str]] = ([], []), nodes: int = 1) -> int:
     """Run the stages one after another; 0 when all passed, else the failing stage's exit code. `smaller`: shrunk's
-    overrides and their words, after the user's --set values."""
+    overrides and their words, after the user's --set values. `nodes`: dist.nodes (more than 1 is refused)."""
     env = launcher_env()
     if env is not None:  # each rank would run its own dev run, whose stages would join the other ranks' as ranks
         launched_by = "srun" if env["launcher"] == "slurm" else env["launcher"]
         if env["rank"] == 0:
             print(f"error: --dev-run (train.dev_run) starts the stages' processes itself: run `python main.py --params "
                   f"{params} --dev-run` on its own, not under {launched_by}", file=sys.stderr, flush=True)
+        return 2
+    if nodes > 1:  # its stages would wait for other nodes' ranks, which cannot share this machine's temporary folder
+        print(f"error: --dev-run (train.dev_run) runs every stage on this machine, in a folder of its own, but "
+              f"dist.nodes is {nodes}: its stages would wait for the other nodes; add --set dist.nodes=1 (and "
+              "dist.procs_per_node for this machine)", file=sys.stderr, flush=True)
         return 2
     folder = tempfile.mkdtemp(prefix="dev-run-")
     print(f"dev run of {params} under its configured strategy, in {folder} (nothing is written to {output_dir})"

@@ -362,9 +362,12 @@ def readme(task, source: str, meta: dict, usage: list[str], weights: str) -> str
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     # test.weights ema: the plain dev metrics are the trained weights' (unless train.eval_ema: then no ema_ ones)
     beside = "; its dev metrics are the ema_ ones" if any(k.startswith("ema_") for k in metrics) else ""
+    # train.eval_ema evaluated the average alone: its metrics are not the trained weights' (test.weights trained)
+    of = " of its weight average (train.eval_ema; these trained weights were not evaluated)" if weights == "trained" \
+        and checkpoint_meta.saved_train(meta).get("eval_ema") is True else ""
     average = (f"The weights are the checkpoint's moving average of the trained weights (ema.pt, "
                f"{checkpoint_io.why_average(task.cfg)}){beside}.\n\n" if weights == "ema" else "")
     return (f"# Export of task `{task.cfg.task}`\n\nFrom checkpoint `{os.path.abspath(source)}`"
-            + (f" (step {step})" if step is not None else "") + (f"; dev: {shown}" if shown else "") + ".\n\n"
+            + (f" (step {step})" if step is not None else "") + (f"; dev{of}: {shown}" if shown else "") + ".\n\n"
             + average
             + "\n".join(usage) + "\nFOLDER is this folder's path.\n")

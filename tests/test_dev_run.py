@@ -134,6 +134,19 @@ def test_a_dev_run_under_torchrun_is_one_line_from_rank_0(rank, monkeypatch, cap
     assert capsys.readouterr().err.splitlines() == ([] if rank else said)
 
 
+def test_a_dev_run_of_a_config_of_several_nodes_is_one_line(tmp_path, monkeypatch, capsys):
+    """Its stages waited for the other nodes' ranks (up to dist.timeout_s, 30 minutes), the terminal silent: a dev
+    run's folder is this machine's own, so other nodes could never have joined it."""
+    monkeypatch.setattr(dev_run.tempfile, "mkdtemp", lambda **kw: pytest.fail("a dev run started"))
+    code = main.main(["--params", os.path.join(ROOT, "parameters.yml"), "--dev-run", "--set", "dist.nodes=2",
+                      "--set", "dist.strategy=ddp", "--set", "dist.master_addr=127.0.0.1",
+                      "--set", f"output_dir={tmp_path / 'real'}"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dist.nodes is 2" in err[0] and "--set dist.nodes=1" in err[0], err
+    assert not (tmp_path / "real").exists()
+
+
 @pytest.mark.parametrize("preset, strategy, expected", [
     ("configs/resnet50_imagefolder.yml", "none", ["train.batch_size=2", "train.eval_batch_size=2",
                                                   "train.precision=fp32"]),  # (on a CPU: auto is timed there)

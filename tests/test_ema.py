@@ -113,6 +113,18 @@ def test_eval_ema_evaluates_and_picks_the_best_by_the_average_alone(tmp_path):
         assert (results["metrics"]["loss"] == pytest.approx(last_ema, rel=1e-3)) == (read == "ema")
     assert "with its weight average (ema.pt: test.weights auto: the run picked its best by it)" in \
         open(tmp_path / "logs" / "rank0.log").read()
+    # the export's README: the dev metrics are the average's, never shown as the trained weights' (they were said
+    # as theirs, "dev: loss=...", where test.weights trained exported the weights that were not evaluated)
+    for asked in ("auto", "trained"):
+        export = dataclasses.replace(cfg, mode="export", test=dataclasses.replace(cfg.test, weights=asked),
+                                     export=dataclasses.replace(cfg.export, format="state_dict",
+                                                                dir=str(tmp_path / f"export-{asked}")))
+        assert main.run(export) == 0
+        readme = open(tmp_path / f"export-{asked}" / "README.md").read()
+        said = re.search(r"\(step 4\); (.*?): loss=(\S+),", readme)
+        assert float(said.group(2)) == pytest.approx(last_ema, rel=1e-3), readme
+        assert said.group(1) == ("dev" if asked == "auto" else
+                                 "dev of its weight average (train.eval_ema; these trained weights were not evaluated)")
 
 
 def test_best_metric_ema_loss_picks_the_lowest_loss_of_the_average(tmp_path):
