@@ -424,7 +424,7 @@ class Trainer:
             raise ConfigError(f"`train.best_metric` is {self.best_metric!r}, not among the dev metrics "
                               f"({', '.join(metrics)})" + (f"; use {bare!r}" if bare in metrics else "") +
                               f"; step-{state.step} is saved: correct it and run again to resume")
-        value, loss = metrics[self.best_metric], metrics.get("loss")
+        value, loss = metrics[self.best_metric], metrics.get("ema_loss" if "ema_" in self.best_metric else "loss")
         better = math.isfinite(value) and (  # NaN is never best
             state.best_value is None
             or (value > state.best_value if self.best_mode == "max" else value < state.best_value)

@@ -60,7 +60,8 @@ def plan(tr, notes: list[str] = ()) -> str:
         f"  {optimizers.plan_line(tr.strategy.optimizer, t)}",
         f"  {schedule_line(tr.total_steps, t)}",
         f"  best checkpoint: the {'highest' if tr.best_mode == 'max' else 'lowest'} dev {tr.best_metric}"
-        + ("" if tr.best_metric == "loss" else ", a tie to the lower dev loss"),
+        + ("" if tr.best_metric in ("loss", "ema_loss") else
+           f", a tie to the lower dev {'ema_loss' if 'ema_' in tr.best_metric else 'loss'}"),
         f"  {checkpoint_signing.plan_line(cfg.to_dict())}",
         f"  checkpoints kept: the last {t.keep_last} and the " + (f"{t.keep_best} best" if t.keep_best > 1 else "best"),
         f"  output {os.path.abspath(cfg.output_dir)}",

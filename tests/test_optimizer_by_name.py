@@ -229,3 +229,16 @@ def test_a_tie_with_a_best_of_nan_dev_loss_goes_to_the_finite_loss_as_keep_best_
         fake.state.step = step
         trainer_module.Trainer.track_best(fake, {"accuracy": 0.9, "loss": loss})
     assert fake.state.best_step == 40 and [step for _, _, step in fake.state.best_k] == [40, 20, 60]
+
+
+def test_a_tie_of_an_ema_metric_goes_to_the_lower_loss_of_the_average():
+    """best_metric ema_accuracy: a tie went to the trained weights' dev loss, so the best that test, export and predict
+    read as the average could be the one whose average had the higher loss (keep_best ranked it so too)."""
+    fake = types.SimpleNamespace(state=trainer_module.TrainState(), best_metric="ema_accuracy", best_mode="max",
+                                 train_cfg=types.SimpleNamespace(patience=0, keep_best=2))
+    for step, loss, ema_loss in ((1, 1.0, 2.0), (2, 1.5, 1.2)):
+        fake.state.step = step
+        trainer_module.Trainer.track_best(fake, {"loss": loss, "accuracy": 0.5, "ema_loss": ema_loss,
+                                                 "ema_accuracy": 0.7})
+    assert (fake.state.best_step, fake.state.best_loss) == (2, 1.2)
+    assert [step for _, _, step in fake.state.best_k] == [2, 1]
