@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import checkpoint_hashes, checkpoint_signing, ema
 from core.checkpoint_dcp import dcp_cause, dcp_model_state_dict
-from core.checkpoint import hyperparameters
+from core.checkpoint import hyperparameters, latest
 from core.checkpoint_meta import differences, read as read_meta, saved_train
 from core.distributed import DistContext, broadcast_object, gather_objects
 from core.errors import CheckpointError, Unloadable, first_line, unreadable, warn_on_stderr
@@ -107,6 +107,10 @@ def _files_problem(path: str, secret: Optional[bytes],
         raise unreadable(e, path) from None
     if link:
         return {}, ("problem", checkpoint_hashes.symlink_refused(link))
+    newest = latest(path) or (latest(os.path.dirname(path)) if os.path.basename(path) == "checkpoints" else None)
+    if meta is None and newest and not os.path.exists(os.path.join(path, "meta.json")):  # allow_unverified: no help
+        return {}, ("problem", f"{path}: a folder of checkpoints, not one: name one of its step-N folders (the "
+                               f"newest: {newest})")
     try:
         meta, why = (read_meta(path) if meta is None else meta), None
     except Unloadable as e:

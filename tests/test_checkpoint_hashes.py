@@ -356,3 +356,13 @@ def test_a_key_file_signs_and_without_a_key_the_plan_says_so(tmp_path, monkeypat
     from core import checkpoint_signing
     meta = checkpoint_meta.read(ckpt(tmp_path / "signed", 1))
     assert meta["signature"] == checkpoint_signing.signature(meta, b"from a file")
+
+
+def test_a_folder_of_checkpoints_named_as_one_is_told_which_to_name(reference, tmp_path, capsys):
+    """test.checkpoint (or export's, predict's) given checkpoints/ or the output_dir: the line advised
+    allow_unverified: true, which then failed on a missing model.pt; it names the step-N folders now."""
+    crashed_copy(reference("none"), tmp_path, 3)
+    for given in (str(tmp_path / "checkpoints"), str(tmp_path)):
+        assert main.run(make_config(tmp_path / "other", mode="test", test={"checkpoint": given})) == 2
+        assert errors(capsys) == [f"error: {given}: a folder of checkpoints, not one: name one of its step-N folders "
+                                  f"(the newest: {ckpt(tmp_path, 3)})"]
