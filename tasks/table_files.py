@@ -25,7 +25,7 @@ import itertools
 import json
 import os
 from collections import Counter
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -393,6 +393,20 @@ def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:
         chunk = list(itertools.islice(items, size))
         if chunk:
             yield chunk
+
+
+class EncodedLazily:
+    """A chunk's inputs as a Dataset whose items are encoded as a loader reads them: under ddp a rank encodes only
+    the inputs it predicts (encoded whole, every rank did the whole chunk's work, and more ranks were no faster)."""
+
+    def __init__(self, inputs: list, encode: Callable):
+        self.inputs, self.encode = inputs, encode
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int):
+        return self.encode(self.inputs[i])
 
 
 def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:

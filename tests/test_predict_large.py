@@ -9,16 +9,20 @@ import tracemalloc
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from conftest import make_config, tmpfs
 import main
 from core import checkpoint_io, run_log
+from core.distributed import DistContext
 from core.errors import DataError, UserError
 from extras import predict
 from resilience.run_dir import move_run_aside
 from resilience.run_dir_lock import hold_output_dir
-from tasks import table_files
+from tasks import csv_text, table_files
+from tasks.csv_text import words
 from tasks.text_common import read_utf8, utf8_lines
+from wiring import build_task
 
 ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
                                                                       for i in range(30)]
@@ -241,3 +245,30 @@ def test_a_folder_where_test_mode_writes_its_results_is_one_line(run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {where}: a folder, where test mode writes the dev results; move it away, or set another "
                    "output_dir"], err
+
+
+def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatch):
+    """Every rank parsed and encoded every input of each chunk, then predicted its share: N ranks did N times the
+    encoding (csv_text's was half of predict's time), and predict got no faster with ranks. Now a rank encodes its
+    share alone (texts of mixed lengths; chunks of 32 under 2 ranks, the last of 4), and its rows are one process's."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 48)
+    (root / "mixed.txt").write_text("\n".join(texts(100)))
+    cfg = make_config(root / "run", **settings, mode="predict", predict={"input": str(root / "mixed.txt")})
+    task = build_task(cfg)
+    task.prepare_inference(None)  # (the training file's classes and words)
+    model = task.build_model().eval()
+    encoded = []
+    monkeypatch.setattr(csv_text, "words", lambda text: (encoded.append(text), words(text))[1])
+    rows = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        encoded.clear()
+        ctx = DistContext(rank, world, rank, torch.device("cpu"), None)  # (no process group: the rank's own rows)
+        rows[rank, world] = list(predict.predicted(cfg, ctx, task, model))
+        assert len(encoded) == len(rows[rank, world]), (rank, world, len(encoded))
+    alone = rows[0, 1]
+    assert [r[0] for r in alone] == texts(100)
+    for rank in (0, 1):  # each chunk of 32: rank 0 its first 16 inputs, rank 1 the others; the last 4: 2 each
+        share = [i for i in range(96) if i % 32 // 16 == rank] + [96 + 2 * rank, 97 + 2 * rank]
+        assert [r[:2] for r in rows[rank, 2]] == [alone[i][:2] for i in share], rank
+        assert [r[2] for r in rows[rank, 2]] == [pytest.approx(alone[i][2], abs=1e-6) for i in share], rank
