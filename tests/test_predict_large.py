@@ -6,10 +6,12 @@ import re
 import sys
 import tracemalloc
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 
 from conftest import make_config, tmpfs
 import main
@@ -19,8 +21,9 @@ from core.errors import DataError, UserError
 from extras import predict
 from resilience.run_dir import move_run_aside
 from resilience.run_dir_lock import hold_output_dir
-from tasks import csv_text, table_files
+from tasks import csv_text, image, table_files
 from tasks.csv_text import words
+from tasks.image import gray_square
 from tasks.text_common import read_utf8, utf8_lines
 from wiring import build_task
 
@@ -272,3 +275,26 @@ def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatc
         share = [i for i in range(96) if i % 32 // 16 == rank] + [96 + 2 * rank, 97 + 2 * rank]
         assert [r[:2] for r in rows[rank, 2]] == [alone[i][:2] for i in share], rank
         assert [r[2] for r in rows[rank, 2]] == [pytest.approx(alone[i][2], abs=1e-6) for i in share], rank
+
+
+def test_under_ddp_each_rank_decodes_only_the_images_it_predicts(tmp_path, monkeypatch):
+    """The image task decoded every image of each chunk on every rank (as csv_text encoded every text): a rank now
+    decodes the images it predicts alone (5 images of mixed sizes, 2 ranks), each as one process reads it."""
+    rng = np.random.default_rng(0)
+    for i, side in enumerate((8, 30, 5, 64, 17)):
+        Image.fromarray(rng.integers(0, 256, (side, side + i), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+    cfg = make_config(tmp_path / "run", task="image", mode="predict", predict={"input": str(tmp_path), "top_k": 3},
+                      train={"eval_batch_size": 2})
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    model = task.build_model().eval()
+    decoded = []
+    monkeypatch.setattr(image, "gray_square", lambda path, size: (decoded.append(path), gray_square(path, size))[1])
+    rows = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        decoded.clear()
+        ctx = DistContext(rank, world, rank, torch.device("cpu"), None)  # (no process group: the rank's own rows)
+        rows[rank, world] = list(predict.predicted(cfg, ctx, task, model))
+        assert len(decoded) == len(rows[rank, world]), (rank, world, decoded)
+    assert [r[0] for r in rows[0, 1]] == [f"{i}.png" for i in range(5)]
+    assert rows[0, 2] + rows[1, 2] == rows[0, 1]  # one chunk: rank 0 the first 3 inputs (2 batches), rank 1 the rest
