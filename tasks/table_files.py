@@ -406,7 +406,18 @@ class EncodedLazily:
         return len(self.inputs)
 
     def __getitem__(self, i: int):
-        return self.encode(self.inputs[i])
+        try:
+            return self.encode(self.inputs[i])
+        except DataError as e:  # (an unreadable image): one line, in a loader worker (data.num_workers) too
+            raise UnreadableInput(str(e)) from None
+
+
+class UnreadableInput(DataError):
+    """An input's DataError raised in a loader worker, which torch raises again in the rank as this class of its own
+    traceback around the message: the message alone is kept (its last line, after the class's name)."""
+
+    def __init__(self, message: str):
+        super().__init__(message.rstrip().rsplit(f"{__name__}.{type(self).__name__}: ", 1)[-1])
 
 
 def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:

@@ -297,4 +297,17 @@ def test_under_ddp_each_rank_decodes_only_the_images_it_predicts(tmp_path, monke
         rows[rank, world] = list(predict.predicted(cfg, ctx, task, model))
         assert len(decoded) == len(rows[rank, world]), (rank, world, decoded)
     assert [r[0] for r in rows[0, 1]] == [f"{i}.png" for i in range(5)]
-    assert rows[0, 2] + rows[1, 2] == rows[0, 1]  # one chunk: rank 0 the first 3 inputs (2 batches), rank 1 the rest
+    ranks = rows[0, 2] + rows[1, 2]  # one chunk: rank 0 the first 3 inputs (2 batches), rank 1 the rest
+    assert [r[:2] for r in ranks] == [r[:2] for r in rows[0, 1]]  # (other batches: a last bit apart, as before)
+    assert [r[2] for r in ranks] == [pytest.approx(r[2], abs=1e-6) for r in rows[0, 1]]
+    # decoded in a loader worker now (data.num_workers), an unreadable image is still its one line, not the
+    # worker's traceback around it
+    (tmp_path / "5.png").write_bytes(b"not a png")
+    lines = []
+    for workers in (0, 2):
+        cfg.data.num_workers = workers
+        with pytest.raises(DataError) as error:
+            list(predict.predicted(cfg, DistContext(1, 2, 1, torch.device("cpu"), None), task, model))
+        lines.append(str(error.value))
+    assert lines[0] == lines[1] and lines[0].startswith(f"predict.input: {tmp_path / '5.png'}: not a readable image ("
+                                                        ) and "\n" not in lines[0], lines
