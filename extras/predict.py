@@ -8,7 +8,8 @@ run's best) is verified and loaded as test mode loads it, whatever strategy wrot
 one row per input, in input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label
 names with their probabilities. The inputs are read, predicted and written a chunk at a time: memory is one chunk's,
 whatever the input's size; rank 0 shows the inputs predicted so far (a bar, a line every 30 s: Progress). Under
-dist.strategy ddp the ranks share each chunk; a checkpoint of any other strategy is read in one process (main.py).
+dist.strategy ddp the ranks share each chunk, each encoding only its share where the task's Dataset encodes an item
+as it is read (EncodedLazily); a checkpoint of any other strategy is read in one process (main.py).
 """
 from __future__ import annotations
 
