@@ -70,7 +70,8 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     finally:  # its last count stays on the screen, its line ended: the closing line, or an error's, is one of its own
         if progress.bar is not None:
             progress.bar.close()
-    log.info(f"wrote {where} ({written[0]} rows)" + (", replacing the earlier predictions.csv" if earlier else ""))
+    log.info(f"wrote {where} ({written[0]} row{'s' * (written[0] != 1)})"
+             + (", replacing the earlier predictions.csv" if earlier else ""))
     return where
 
 

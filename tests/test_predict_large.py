@@ -250,7 +250,7 @@ def test_a_folder_where_test_mode_writes_its_results_is_one_line(run, capsys):
                    "output_dir"], err
 
 
-def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatch):
+def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatch, capsys):
     """Every rank parsed and encoded every input of each chunk, then predicted its share: N ranks did N times the
     encoding (csv_text's was half of predict's time), and predict got no faster with ranks. Now a rank encodes its
     share alone (texts of mixed lengths; chunks of 32 under 2 ranks, the last of 4), and its rows are one process's."""
@@ -275,6 +275,9 @@ def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatc
         share = [i for i in range(96) if i % 32 // 16 == rank] + [96 + 2 * rank, 97 + 2 * rank]
         assert [r[:2] for r in rows[rank, 2]] == [alone[i][:2] for i in share], rank
         assert [r[2] for r in rows[rank, 2]] == [pytest.approx(alone[i][2], abs=1e-6) for i in share], rank
+    (root / "one.txt").write_text("a great day\n")  # (and the closing line's count of one input: `1 rows`)
+    assert predicted(root, settings, root / "one.txt") == 0
+    assert f"\nwrote {root / 'run' / 'predictions.csv'} (1 row)" in capsys.readouterr().out
 
 
 def test_under_ddp_each_rank_decodes_only_the_images_it_predicts(tmp_path, monkeypatch):
