@@ -8,7 +8,8 @@ run's best) is verified and loaded as test mode loads it, whatever strategy wrot
 one row per input, in input order (an image data.skip_bad_images skips: none): the input, then predict.top_k label
 names with their probabilities. The inputs are read, predicted and written a chunk at a time: memory is one chunk's,
 whatever the input's size; rank 0 shows the inputs predicted so far (a bar, a line every 30 s: Progress). Under
-dist.strategy ddp the ranks share each chunk; a checkpoint of any other strategy is read in one process (main.py).
+dist.strategy ddp the ranks share each chunk, each encoding only its share where the task's Dataset encodes an item
+as it is read (EncodedLazily); a checkpoint of any other strategy is read in one process (main.py).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def predict(cfg, ctx: DistContext, task: Task) -> str:
     finally:  # its last count stays on the screen, its line ended: the closing line, or an error's, is one of its own
         if progress.bar is not None:
             progress.bar.close()
-    log.info(f"wrote {where} ({written[0]} rows)" + (", replacing the earlier predictions.csv" if earlier else ""))
+    log.info(f"wrote {where} ({written[0]} row{'s' * (written[0] != 1)})"
+             + (", replacing the earlier predictions.csv" if earlier else ""))
     return where
 
 

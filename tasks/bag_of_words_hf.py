@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from core.errors import UserError
-from tasks.table_files import in_chunks, text_stream
+from tasks.table_files import EncodedLazily, in_chunks, text_stream
 from tasks.text_common import VOCABULARY, read_words
 
 FLOOR = 8.0  # GELU(x) == x in float32 from about 6 on: x * Phi(x) with Phi(x) rounding to 1
@@ -51,9 +51,9 @@ class BagOfWordsExport:
             return
         self.classes, self.vocab = list(label_names), word_ids(read_words(saved))
 
-    def predict_chunks(self, path, size):  # mode: predict: a file of texts (text_stream), encoded as training's were
-        for texts in in_chunks(text_stream(path, self.cfg.data.text_column), size):
-            yield texts, self.encode("predict", texts, [self.classes[0]] * len(texts))
+    def predict_chunks(self, path, size):  # mode: predict: a file of texts (text_stream), encoded as training's were,
+        for texts in in_chunks(text_stream(path, self.cfg.data.text_column), size):  # each by the rank predicting it
+            yield texts, EncodedLazily(texts, self.encode_text)
 
     def predict_logits(self, model, batch):
         return model(batch["ids"])

@@ -21,7 +21,7 @@ from tasks.base import PipelineLayer, Task
 from tasks.image_folder import BAD_IMAGE, image_files, open_rgb
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.mnist import CLASSES, load_mnist_splits
-from tasks.table_files import in_chunks
+from tasks.table_files import EncodedLazily, in_chunks
 
 
 class Net(nn.Module):
@@ -145,12 +145,14 @@ class ImageTask(Task):
 
     def predict_chunks(self, path: str, size: Optional[int]) -> Iterator[tuple[list[str], Dataset]]:
         """mode: predict: a folder's images, or one image, as the CNN saw its training images (gray, image_size
-        square), decoded `size` at a time."""
+        square), `size` at a time, each decoded by the rank that predicts it (under ddp: its share alone)."""
         files, names = image_files(path)
-        _, mean, std = self.pixels
         for chunk in in_chunks(range(len(files)), size):
-            images = np.stack([gray_square(files[i], self.image_size) for i in chunk]) if chunk else np.zeros((0, 1, 1))
-            yield [names[i] for i in chunk], TensorImages(images, np.zeros(len(chunk)), mean, std)
+            yield [names[i] for i in chunk], EncodedLazily([files[i] for i in chunk], self.predict_item)
+
+    def predict_item(self, path: str) -> dict:
+        _, mean, std = self.pixels  # (one image normalised as TensorImages normalises a stack: the same floats)
+        return TensorImages(gray_square(path, self.image_size)[None], np.zeros(1), mean, std)[0]
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return model(batch["images"])

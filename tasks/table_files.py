@@ -25,7 +25,7 @@ import itertools
 import json
 import os
 from collections import Counter
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -393,6 +393,31 @@ def in_chunks(items: Iterable, size: Optional[int]) -> Iterator[list]:
         chunk = list(itertools.islice(items, size))
         if chunk:
             yield chunk
+
+
+class EncodedLazily:
+    """A chunk's inputs as a Dataset whose items are encoded as a loader reads them: under ddp a rank encodes only
+    the inputs it predicts (encoded whole, every rank did the whole chunk's work, and more ranks were no faster)."""
+
+    def __init__(self, inputs: list, encode: Callable):
+        self.inputs, self.encode = inputs, encode
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.encode(self.inputs[i])
+        except DataError as e:  # (an unreadable image): one line, in a loader worker (data.num_workers) too
+            raise UnreadableInput(str(e)) from None
+
+
+class UnreadableInput(DataError):
+    """An input's DataError raised in a loader worker, which torch raises again in the rank as this class of its own
+    traceback around the message: the message alone is kept (its last line, after the class's name)."""
+
+    def __init__(self, message: str):
+        super().__init__(message.rstrip().rsplit(f"{__name__}.{type(self).__name__}: ", 1)[-1])
 
 
 def text_stream(path: str, text_column: str, own_column: Optional[str] = None) -> Iterator[str]:

@@ -6,19 +6,26 @@ import re
 import sys
 import tracemalloc
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from PIL import Image
 
 from conftest import make_config, tmpfs
 import main
 from core import checkpoint_io, run_log
+from core.distributed import DistContext
 from core.errors import DataError, UserError
 from extras import predict
 from resilience.run_dir import move_run_aside
 from resilience.run_dir_lock import hold_output_dir
-from tasks import table_files
+from tasks import csv_text, image, table_files
+from tasks.csv_text import words
+from tasks.image import gray_square
 from tasks.text_common import read_utf8, utf8_lines
+from wiring import build_task
 
 ROWS = [(f"great fine lovely day {i}", "pos") for i in range(30)] + [(f"awful bad sad day {i}", "neg")
                                                                       for i in range(30)]
@@ -241,3 +248,69 @@ def test_a_folder_where_test_mode_writes_its_results_is_one_line(run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {where}: a folder, where test mode writes the dev results; move it away, or set another "
                    "output_dir"], err
+
+
+def test_under_ddp_each_rank_encodes_only_the_inputs_it_predicts(run, monkeypatch, capsys):
+    """Every rank parsed and encoded every input of each chunk, then predicted its share: N ranks did N times the
+    encoding (csv_text's was half of predict's time), and predict got no faster with ranks. Now a rank encodes its
+    share alone (texts of mixed lengths; chunks of 32 under 2 ranks, the last of 4), and its rows are one process's."""
+    root, settings = run
+    monkeypatch.setattr(predict, "CHUNK", 48)
+    (root / "mixed.txt").write_text("\n".join(texts(100)))
+    cfg = make_config(root / "run", **settings, mode="predict", predict={"input": str(root / "mixed.txt")})
+    task = build_task(cfg)
+    task.prepare_inference(None)  # (the training file's classes and words)
+    model = task.build_model().eval()
+    encoded = []
+    monkeypatch.setattr(csv_text, "words", lambda text: (encoded.append(text), words(text))[1])
+    rows = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        encoded.clear()
+        ctx = DistContext(rank, world, rank, torch.device("cpu"), None)  # (no process group: the rank's own rows)
+        rows[rank, world] = list(predict.predicted(cfg, ctx, task, model))
+        assert len(encoded) == len(rows[rank, world]), (rank, world, len(encoded))
+    alone = rows[0, 1]
+    assert [r[0] for r in alone] == texts(100)
+    for rank in (0, 1):  # each chunk of 32: rank 0 its first 16 inputs, rank 1 the others; the last 4: 2 each
+        share = [i for i in range(96) if i % 32 // 16 == rank] + [96 + 2 * rank, 97 + 2 * rank]
+        assert [r[:2] for r in rows[rank, 2]] == [alone[i][:2] for i in share], rank
+        assert [r[2] for r in rows[rank, 2]] == [pytest.approx(alone[i][2], abs=1e-6) for i in share], rank
+    (root / "one.txt").write_text("a great day\n")  # (and the closing line's count of one input: `1 rows`)
+    assert predicted(root, settings, root / "one.txt") == 0
+    assert f"\nwrote {root / 'run' / 'predictions.csv'} (1 row)" in capsys.readouterr().out
+
+
+def test_under_ddp_each_rank_decodes_only_the_images_it_predicts(tmp_path, monkeypatch):
+    """The image task decoded every image of each chunk on every rank (as csv_text encoded every text): a rank now
+    decodes the images it predicts alone (5 images of mixed sizes, 2 ranks), each as one process reads it."""
+    rng = np.random.default_rng(0)
+    for i, side in enumerate((8, 30, 5, 64, 17)):
+        Image.fromarray(rng.integers(0, 256, (side, side + i), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+    cfg = make_config(tmp_path / "run", task="image", mode="predict", predict={"input": str(tmp_path), "top_k": 3},
+                      train={"eval_batch_size": 2})
+    task = build_task(cfg)
+    task.prepare_inference(None)
+    model = task.build_model().eval()
+    decoded = []
+    monkeypatch.setattr(image, "gray_square", lambda path, size: (decoded.append(path), gray_square(path, size))[1])
+    rows = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        decoded.clear()
+        ctx = DistContext(rank, world, rank, torch.device("cpu"), None)  # (no process group: the rank's own rows)
+        rows[rank, world] = list(predict.predicted(cfg, ctx, task, model))
+        assert len(decoded) == len(rows[rank, world]), (rank, world, decoded)
+    assert [r[0] for r in rows[0, 1]] == [f"{i}.png" for i in range(5)]
+    ranks = rows[0, 2] + rows[1, 2]  # one chunk: rank 0 the first 3 inputs (2 batches), rank 1 the rest
+    assert [r[:2] for r in ranks] == [r[:2] for r in rows[0, 1]]  # (other batches: a last bit apart, as before)
+    assert [r[2] for r in ranks] == [pytest.approx(r[2], abs=1e-6) for r in rows[0, 1]]
+    # decoded in a loader worker now (data.num_workers), an unreadable image is still its one line, not the
+    # worker's traceback around it
+    (tmp_path / "5.png").write_bytes(b"not a png")
+    lines = []
+    for workers in (0, 2):
+        cfg.data.num_workers = workers
+        with pytest.raises(DataError) as error:
+            list(predict.predicted(cfg, DistContext(1, 2, 1, torch.device("cpu"), None), task, model))
+        lines.append(str(error.value))
+    assert lines[0] == lines[1] and lines[0].startswith(f"predict.input: {tmp_path / '5.png'}: not a readable image ("
+                                                        ) and "\n" not in lines[0], lines
