@@ -1,6 +1,6 @@
 """Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_record.TensorBoard), a CSV
 file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
-summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
+summary(values), close(failed, stopped). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
@@ -13,9 +13,10 @@ MLFLOW_DISABLE_TELEMETRY is set, and so are its INFO lines on stderr unless MLFL
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
 named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
-that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one whose rank 0 is killed
-(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a
-run of one process (end_runs_left_running).
+that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one stopped by a signal or the
+time limit (saved, exit 3) ends its MLflow run KILLED and its W&B run preempting with exit code 3, which its resume
+continues and ends FINISHED; one whose rank 0 is killed (kill -9, the kernel's OOM killer) has its MLflow run ended
+FAILED by main.py's launcher, or by the watcher of a run of one process (end_runs_left_running).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from typing import Callable, Iterator, Optional
 
 from core import disk_errors, process_end
 from core.atomic_write import write_beside
-from core.errors import UserError, first_line, warn_on_stderr
+from core.errors import EXIT_STOPPED, UserError, first_line, warn_on_stderr
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 # What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
@@ -122,6 +123,7 @@ class Trackers:
                     "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
         self.names = names(cfg)
         self.members = []
+        self.stopped = False  # a close is a stop's (saved, to be resumed), not the run's end: wiring.RunHooks says
         try:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
@@ -174,7 +176,7 @@ class Trackers:
         """`failed`: the run ended in an exception, which is what gets reported: each tracker is closed all the
         same, and one that cannot close is said beside it (a full disk, which the report says, is not)."""
         if not failed:
-            self.each("close", False)
+            self.each("close", False, self.stopped)
         else:
             for name, member in zip(self.names, self.members):
                 try:
@@ -316,7 +318,7 @@ class CSV:
     def summary(self, values: dict) -> None:
         self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
         with disk_errors.name_unnamed_errors(self.path):
             self.file.close()
 
@@ -353,8 +355,10 @@ class WandB:
     def summary(self, values: dict) -> None:
         self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
 
-    def close(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else None)  # W&B shows a run that exited non-zero as failed
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
+        if stopped:  # W&B shows a run that exited non-zero as failed, and one marked preempting first as preempted
+            self.run.mark_preempting()
+        self.run.finish(exit_code=1 if failed else EXIT_STOPPED if stopped else None)
         self.wandb.teardown()  # W&B's service stops here, not in its atexit handler, which end_process does not run
 
 
@@ -412,8 +416,8 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
-    def close(self, failed: bool = False) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "KILLED" if stopped else "FINISHED")
 
 
 def mlflow_client(cfg):

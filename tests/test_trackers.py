@@ -323,6 +323,47 @@ def test_wandb_offline_and_mlflow_receive_the_run_and_a_resume_continues_them(tm
     assert sorted(s for s, _ in loss) == [2, 4, 6]
 
 
+
+@pytest.mark.slow  # W&B's service and MLflow's store, a run stopped then resumed
+def test_a_run_stopped_by_a_signal_ends_its_tracked_runs_stopped_and_a_resume_finishes_them(tmp_path, monkeypatch):
+    """SIGTERM (or the time limit): the run saves and exits 3, for a requeue, and its MLflow run showed FINISHED, its
+    W&B run exit code 0: in the runs table a stopped run looked like a finished one. Now MLflow's run is KILLED and
+    W&B's is marked preempting with exit code 3; the resume continues both, and its end is FINISHED (W&B: 0)."""
+    import mlflow
+    from resilience import faults
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    votes, vote = [], faults.StopRequest.vote
+
+    def signalled_in_step_2(request):
+        votes.append(request)
+        if len(votes) == 2:
+            monkeypatch.setattr(request, "reason", "SIGTERM")  # as the signal handler sets it
+        return vote(request)
+    monkeypatch.setattr(faults.StopRequest, "vote", signalled_in_step_2)
+    assert run(tmp_path, ["wandb", "mlflow"]) == 3
+    ids = json.load(open(tmp_path / "trackers.json"))
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(ids["mlflow"]).info.status == "KILLED"
+
+    def wandb_end(file) -> tuple[bool, int]:
+        records = [r for r in wandb_records(file) if r.WhichOneof("record_type") in ("preempting", "exit")]
+        assert records[-1].WhichOneof("record_type") == "exit", records
+        return any(r.WhichOneof("record_type") == "preempting" for r in records), records[-1].exit.exit_code
+    [stopped] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert wandb_end(stopped) == (True, 3)
+
+    monkeypatch.setattr(faults.StopRequest, "vote", vote)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert run(tmp_path, ["wandb", "mlflow"]) == 0  # resumed from step 2, to its end
+    assert json.load(open(tmp_path / "trackers.json")) == ids  # the same tracked runs
+    held = client.get_run(ids["mlflow"])
+    assert held.info.status == "FINISHED" and held.data.metrics["summary/steps"] == 4
+    [resumed] = set(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) - {stopped}
+    assert wandb_run(resumed)["id"] == ids["wandb"] and wandb_end(resumed) == (False, 0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One voice: rank 0 reports; the load report only where it is true
 # ---------------------------------------------------------------------------------------------------------------
