@@ -12,11 +12,12 @@ set, and MLflow's telemetry (an id file in ~/.config/mlflow, usage sent over the
 MLFLOW_DISABLE_TELEMETRY is set, and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
-named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
-that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one stopped by a signal or the
-time limit (saved, exit 3) ends its MLflow run KILLED and its W&B run preempting with exit code 3, which its resume
-continues and ends FINISHED; one whose rank 0 is killed (kill -9, the kernel's OOM killer) has its MLflow run ended
-FAILED by main.py's launcher, or by the watcher of a run of one process (end_runs_left_running).
+named once, closed marked failed and dropped, and training goes on. A full disk or a read-only file stops the run as
+anywhere else. A run that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one
+stopped by a signal or the time limit (saved, exit 3) ends its MLflow run KILLED and its W&B run preempting with exit
+code 3, which its resume continues and ends FINISHED; one whose rank 0 is killed (kill -9, the kernel's OOM killer)
+has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a run of one process
+(end_runs_left_running).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 IDS_MAX_BYTES = 64 << 10  # ours holds two ids
 FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
 END_WAIT_S = 60.0  # how long what outlives a killed rank 0 waits for MLflow's store to end its run (MLflow: ~3 s)
+DROP_WAIT_S = 30.0  # how long training waits for a tracker dropped mid-run to close (W&B offline: ~2 s)
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -150,8 +152,9 @@ class Trackers:
                             f"{FIXES[name]}") from None
 
     def each(self, method: str, *args) -> None:
-        """`method(*args)` of every tracker. One that fails (a server gone, a full quota) is named once and
-        dropped: the training goes on without it. A full disk or a read-only file stops the run as anywhere."""
+        """`method(*args)` of every tracker. One that fails (a server gone, a full quota) is named once, closed
+        marked failed and dropped: the training goes on without it. A full disk or a read-only file stops the run
+        as anywhere."""
         for name, member in list(zip(self.names, self.members)):
             try:
                 getattr(member, method)(*args)
@@ -162,6 +165,27 @@ class Trackers:
                 self.members.remove(member)
                 self.warn(f"tracker {name} failed ({first_line(e, limit=120)}); it is dropped and training goes "
                           "on without it")
+                if method != "close":
+                    self.close_dropped(name, member)
+
+    def close_dropped(self, name: str, member) -> None:
+        """A tracker dropped mid-run, closed marked failed: left open, MLflow's run stayed RUNNING after the run's
+        end, and W&B's service ended with the process, its file without what it held. In a thread, waited for
+        DROP_WAIT_S at most: a store that does not answer is retried by MLflow's client for minutes."""
+        said = []
+
+        def close():
+            try:
+                member.close(True)
+            except Exception as e:
+                said.append(first_line(e, limit=120))
+        closing = threading.Thread(target=close, name=f"close-{name}", daemon=True)
+        closing.start()
+        closing.join(DROP_WAIT_S)
+        if closing.is_alive():
+            said.append(f"it did not close within {DROP_WAIT_S:g} s")
+        for why in said:
+            self.warn(f"tracker {name} was not closed ({why})")
 
     def config(self, values: dict) -> None:
         self.each("config", values)

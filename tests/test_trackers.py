@@ -548,6 +548,41 @@ def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, 
     assert calls == [2] and os.path.isdir(tmp_path / "checkpoints" / "step-4")  # called no more; the run ended
 
 
+@pytest.mark.slow  # W&B's service and MLflow's store, started (no training)
+def test_a_tracker_dropped_mid_run_is_closed_marked_failed(tmp_path, monkeypatch):
+    """A W&B or MLflow tracker that failed mid-run was dropped and never closed: MLflow's run stayed RUNNING after
+    the run had ended, and W&B's file lost what it held (its service ended with the process, unwritten). Now each
+    is closed marked failed as it is dropped; one that cannot be closed is said in a line of its own."""
+    import mlflow
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = make_config(tmp_path, log={"report_to": ["csv", "wandb", "mlflow"], "tensorboard": None})
+    said = []
+    tracked = trackers.Trackers(cfg, 0, tensorboard=None, warn=said.append)
+    tracked.scalars(1, {"train/loss": 2.5})
+
+    def gone(self, step, values):
+        raise ConnectionError("the tracking server went away")
+    for member in (trackers.CSV, trackers.WandB, trackers.MLflow):
+        monkeypatch.setattr(member, "scalars", gone)
+    monkeypatch.setattr(trackers.CSV, "close", lambda self, failed=False, stopped=False: gone(self, 0, {}))
+    tracked.scalars(2, {"train/loss": 2.0})
+    failed = [f"tracker {name} failed (ConnectionError: the tracking server went away); it is dropped and training "
+              "goes on without it" for name in ("csv", "wandb", "mlflow")]
+    assert said == [failed[0], "tracker csv was not closed (ConnectionError: the tracking server went away)",
+                    *failed[1:]], said
+    ids = json.load(open(tmp_path / "trackers.json"))
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(ids["mlflow"])
+    assert run.info.status == "FAILED" and run.data.metrics["train/loss"] == 2.5
+    [file] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    [end] = [r.exit for r in wandb_records(file) if r.WhichOneof("record_type") == "exit"]
+    assert end.exit_code == 1 and [row["train/loss"] for row in wandb_run(file)["history"]] == [2.5]
+    said.clear()
+    tracked.close()  # none left
+    assert said == [] and tracked.members == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A run writes inside output_dir only; a crash closes the trackers
 # ---------------------------------------------------------------------------------------------------------------
