@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Optional
 from core import disk_errors, process_end
 from core.atomic_write import write_beside
 from core.errors import EXIT_STOPPED, UserError, first_line, warn_on_stderr
+from core.file_names import shown_name
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 # What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
@@ -130,7 +131,7 @@ class Trackers:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
                 if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
-                    warn(f"{self.ids_path}: {self.members[-1].not_held}")
+                    warn(f"{shown_name(self.ids_path)}: {self.members[-1].not_held}")
             # and the ids of trackers left out of this start: a later resume that lists them again continues them
             run_ids = {**ids, **{n: m.run_id for n, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
             if run_ids:
@@ -223,24 +224,24 @@ def read_ids(path: str, warn: Callable[[str], None]) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-        warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
-             "so W&B and MLflow start new runs")
+        why = "not JSON" if isinstance(e, json.JSONDecodeError) else first_line(e)
+        warn(f"{shown_name(path)}: unreadable ({why}), so W&B and MLflow start new runs")
         return {}
     if not isinstance(ids, dict):
-        warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+        warn(f"{shown_name(path)}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
         return {}
     written_in = {key: ids.pop(key) for key in FOLDER_KEYS if key in ids}  # (files before it: none)
     here = folder_identity(os.path.dirname(path))
     if written_in and all(written_in.get(key) != here[key] for key in FOLDER_KEYS):
-        warn(f"{path}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir is a copy, "
-             "so W&B and MLflow start new runs (the copy's own)")
+        warn(f"{shown_name(path)}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir "
+             "is a copy, so W&B and MLflow start new runs (the copy's own)")
         return {}
     kept = {name: ids[name] for name in ("wandb", "mlflow")
             if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
     wrong = [name for name in ids if name not in kept]
     if wrong:
-        warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
-             "id, ignored (a tracker without one starts a new run)")
+        warn(f"{shown_name(path)}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow "
+             "run id, ignored (a tracker without one starts a new run)")
     return kept
 
 
@@ -320,15 +321,15 @@ class CSV:
         """The rows of metrics.csv up to `step`, its summary left out, one at a time; a file that is not ours (a
         symlink: read from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
         if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise UserError(f"{path}: not a regular file (a symlink, FIFO or device), which a resumed run does not "
-                            "read: move it away (the resumed run starts a new one)")
+            raise UserError(f"{shown_name(path)}: not a regular file (a symlink, FIFO or device), which a resumed run "
+                            "does not read: move it away (the resumed run starts a new one)")
         try:
             with open(path, newline="") as f:
                 yield from (r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
                             and not r.get("tag", "").startswith("summary/"))
         except (UnicodeDecodeError, csv.Error) as e:  # not text, or a field over csv's limit
-            raise UserError(f"{path}: unreadable ({first_line(e, limit=120)}): move it away (the resumed run starts "
-                            "a new one)") from None
+            raise UserError(f"{shown_name(path)}: unreadable ({first_line(e, limit=120)}): move it away (the resumed "
+                            "run starts a new one)") from None
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config

@@ -703,6 +703,20 @@ def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
 
 
 
+def test_an_output_dir_named_with_a_newline_is_shown_on_one_line(tmp_path):
+    """trackers.json cut, metrics.csv a FIFO, in an output_dir whose name holds a newline: each line broke in two."""
+    out = tmp_path / "run\nx"
+    out.mkdir()
+    (out / "trackers.json").write_text('{"wandb": "abc')
+    said = []
+    assert trackers.read_ids(str(out / "trackers.json"), said.append) == {}
+    assert said == [f"{tmp_path}/run\\nx/trackers.json: unreadable (not JSON), so W&B and MLflow start new runs"], said
+    os.mkfifo(out / "metrics.csv")
+    with pytest.raises(trackers.UserError) as e:
+        trackers.CSV(str(out / "metrics.csv"), 2)
+    assert str(e.value).startswith(f"{tmp_path}/run\\nx/metrics.csv: not a regular file"), str(e.value)
+
+
 def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
     """The run stops on the full disk, and its trackers are closed as it fails: closing metrics.csv meets the same
     full disk, which printed a second line ("the trackers were not all closed") before the error."""
