@@ -48,6 +48,7 @@ IDS_MAX_BYTES = 64 << 10  # ours holds two ids
 FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
 END_WAIT_S = 60.0  # how long what outlives a killed rank 0 waits for MLflow's store to end its run (MLflow: ~3 s)
 DROP_WAIT_S = 30.0  # how long training waits for a tracker dropped mid-run to close (W&B offline: ~2 s)
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's scheme: sqlite:, http:, databricks:, postgresql+...:
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -73,6 +74,12 @@ def check_config(cfg, fail) -> None:
             fail("log.report_to", f"lists {str(name)[:40]!r}, not a tracker ({', '.join(NAMES)})")
     if uri is not None and not uri.strip():
         fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
+    # A path is a file store to MLflow, which MLflow 3 refuses (said once torch and the model had loaded, cut short)
+    if "mlflow" in names(cfg) and uri and not SCHEME.match(uri) and ("/" in uri or uri.startswith(("~", "."))):
+        path = os.path.abspath(os.path.expanduser(uri))
+        database = path if path.endswith(".db") else os.path.join(path, "mlflow.db")
+        fail("log.mlflow_tracking_uri", f"is {uri[:80]!r}, a path: MLflow 3 keeps its runs in a database, not a "
+                                        f"folder: give sqlite:///{database} (or a server's http:// address)")
     # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
     where = os.path.abspath(cfg.output_dir)
     if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))

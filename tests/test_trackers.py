@@ -69,6 +69,10 @@ def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_i
     (["log.report_to=[tensorbord]"], ["`log.report_to` lists 'tensorbord', not a tracker", "tensorboard, csv"]),
     (["log.report_to=csv"], ["log.report_to"]),  # a list is expected
     (["log.mlflow_tracking_uri=' '"], ["`log.mlflow_tracking_uri` is empty"]),
+    # a path, which MLflow 3 refused after torch and the model had loaded, its reason cut mid-word ("Please m")
+    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=runs/mlflow.db"],
+     ["`log.mlflow_tracking_uri` is 'runs/mlflow.db', a path", f"sqlite:///{os.path.abspath('runs/mlflow.db')}"]),
+    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=./mlruns"], [f"sqlite:///{os.path.abspath('mlruns')}/mlflow.db"]),
 ])
 def test_a_wrong_report_to_is_one_line(overrides, content):
     with pytest.raises(ConfigError) as e:
