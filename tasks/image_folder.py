@@ -578,13 +578,13 @@ class ImageFolderTask(Task):
         if not self.classes:
             return None
         counts = self.counts.get("train", [])
-        shown = ", ".join(f"{c} ({n})" for c, n in zip(self.classes, counts))
+        shown = ", ".join(f"{shown_name(c)} ({n})" for c, n in zip(self.classes, counts))
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
         line += f"; {ignored} hidden or non-image files or system folders ignored" if ignored else ""
         if self.loose:  # (images, yet in no class folder: said apart from the other files)
-            line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
+            line += f"; {len(self.loose)} images outside the class folders ignored ({shown_name(self.loose[0])}, ...)"
         return line
 
     def build_model(self) -> nn.Module:

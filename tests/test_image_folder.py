@@ -364,6 +364,9 @@ def test_a_file_named_with_a_newline_or_an_escape_sequence_is_shown_on_one_line(
     folder = os.path.join(root, "train", "two")
     open(os.path.join(folder, "a\nb.png"), "wb").write(b"not an image")
     shown = os.path.join(folder, "a\\nb.png")
+    for split in ("train", "val"):  # a class named with a newline, and an image in no class folder: the plan's line
+        shutil.copytree(os.path.join(root, split, "one"), os.path.join(root, split, "new\nline"))
+    shutil.copy(os.path.join(folder, sorted(os.listdir(folder))[0]), os.path.join(root, "train", "loose\n.png"))
     train = {"max_steps": 1, "eval_every": 0, "save_every": 0, "batch_size": 18}
     assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": 0})) == 2
     err = capsys.readouterr().err.splitlines()
@@ -371,6 +374,8 @@ def test_a_file_named_with_a_newline_or_an_escape_sequence_is_shown_on_one_line(
     assert main.run(tiny(tmp_path / "b", root, train=train, data={"num_workers": 0, "skip_bad_images": True})) == 0
     skipped = [line for line in open(tmp_path / "b" / "logs" / "rank0.log").read().splitlines() if "skipped" in line]
     assert len(skipped) == 1 and f"skipped {shown}: not a readable image (data.skip_bad_images" in skipped[0], skipped
+    [plan] = [line for line in open(tmp_path / "b" / "logs" / "rank0.log").read().splitlines() if " classes: " in line]
+    assert "4 classes: new\\nline (" in plan and f"ignored ({root}/train/loose\\n.png, ...)" in plan, plan
     os.makedirs(os.path.join(root, "train", "\x1b[31mred"))
     with pytest.raises(DataError) as e:
         task_for(tmp_path, root).build_datasets()
