@@ -75,11 +75,13 @@ def check_config(cfg, fail) -> None:
     if uri is not None and not uri.strip():
         fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
     # A path is a file store to MLflow, which MLflow 3 refuses (said once torch and the model had loaded, cut short)
-    if "mlflow" in names(cfg) and uri and not SCHEME.match(uri) and ("/" in uri or uri.startswith(("~", "."))):
-        path = os.path.abspath(os.path.expanduser(uri))
+    given = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in names(cfg) and given and not SCHEME.match(given) and ("/" in given or given.startswith(("~", "."))):
+        path = os.path.abspath(os.path.expanduser(given))
         database = path if path.endswith(".db") else os.path.join(path, "mlflow.db")
-        fail("log.mlflow_tracking_uri", f"is {uri[:80]!r}, a path: MLflow 3 keeps its runs in a database, not a "
-                                        f"folder: give sqlite:///{database} (or a server's http:// address)")
+        fail("log.mlflow_tracking_uri", (f"is {uri[:80]!r}" if uri else f"is null and MLFLOW_TRACKING_URI is "
+                                         f"{given[:80]!r}") + ", a path: MLflow 3 keeps its runs in a database, not "
+                                        f"a folder: give sqlite:///{database} (or a server's http:// address)")
     # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
     where = os.path.abspath(cfg.output_dir)
     if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))

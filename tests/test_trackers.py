@@ -72,7 +72,8 @@ def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_i
     # a path, which MLflow 3 refused after torch and the model had loaded, its reason cut mid-word ("Please m")
     (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=runs/mlflow.db"],
      ["`log.mlflow_tracking_uri` is 'runs/mlflow.db', a path", f"sqlite:///{os.path.abspath('runs/mlflow.db')}"]),
-    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=./mlruns"], [f"sqlite:///{os.path.abspath('mlruns')}/mlflow.db"]),
+    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=./mlruns"],
+     [f"sqlite:///{os.path.abspath('mlruns')}/mlflow.db"]),
 ])
 def test_a_wrong_report_to_is_one_line(overrides, content):
     with pytest.raises(ConfigError) as e:
@@ -90,6 +91,12 @@ def test_an_output_dir_that_mlflows_default_store_would_misread_is_one_line(tmp_
     assert checked_config(None, [f"output_dir={tmp_path / 'runs?a'}", "log.report_to=[mlflow]",
                                  f"log.mlflow_tracking_uri={store}"]).log.mlflow_tracking_uri == store
     assert checked_config(None, [f"output_dir={tmp_path / '100%'}", "log.report_to=[mlflow]"])  # read as it is
+    # MLFLOW_TRACKING_URI a path: a folder store MLflow 3 refuses, said before torch loads (as the setting's)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    with pytest.raises(ConfigError) as e:
+        checked_config(None, ["log.report_to=[mlflow]"])
+    assert f"is null and MLFLOW_TRACKING_URI is '{tmp_path}/mlruns', a path" in str(e.value) and \
+        f"give sqlite:///{tmp_path}/mlruns/mlflow.db" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("tracker, module, pip", [
