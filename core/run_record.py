@@ -109,7 +109,7 @@ class TensorBoard:
     def summary(self, values: dict) -> None:
         pass  # the curves are the record; the summary's values are the last points of train/ and dev/
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
         with disk_errors.name_unnamed_errors(self.folder):
             self.writer.close()
 

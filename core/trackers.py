@@ -1,6 +1,6 @@
 """Where rank 0 sends a run's numbers besides its log (log.report_to): TensorBoard (run_record.TensorBoard), a CSV
 file, Weights & Biases, MLflow. Each tracker has the same four methods: config(values), scalars(step, values),
-summary(values), close(failed). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
+summary(values), close(failed, stopped). Tags are TensorBoard's: `train/loss`, `dev/accuracy`, `summary/best_step`.
 
 Runs are named after output_dir's folder. The W&B project and the MLflow experiment: WANDB_PROJECT and
 MLFLOW_EXPERIMENT_NAME, else the task's name. A resumed run continues the tracked run it resumes: the W&B and
@@ -12,10 +12,12 @@ set, and MLflow's telemetry (an id file in ~/.config/mlflow, usage sent over the
 MLFLOW_DISABLE_TELEMETRY is set, and so are its INFO lines on stderr unless MLFLOW_LOGGING_LEVEL is.
 A tracker that cannot start (a store
 MLflow refuses, no W&B login, ...) is one line naming it and the fix, before training; one that fails later is
-named once and dropped, and training goes on. A full disk or a read-only file stops the run as anywhere else. A run
-that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one whose rank 0 is killed
-(kill -9, the kernel's OOM killer) has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a
-run of one process (end_runs_left_running).
+named once, closed marked failed and dropped, and training goes on. A full disk or a read-only file stops the run as
+anywhere else. A run that ends in an exception closes its trackers marked failed (closed_failed_on_crash); one
+stopped by a signal or the time limit (saved, exit 3) ends its MLflow run KILLED and its W&B run preempting with exit
+code 3, which its resume continues and ends FINISHED; one whose rank 0 is killed (kill -9, the kernel's OOM killer)
+has its MLflow run ended FAILED by main.py's launcher, or by the watcher of a run of one process
+(end_runs_left_running).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from typing import Callable, Iterator, Optional
 
 from core import disk_errors, process_end
 from core.atomic_write import write_beside
-from core.errors import UserError, first_line, warn_on_stderr
+from core.errors import EXIT_STOPPED, UserError, first_line, warn_on_stderr
+from core.file_names import shown_name
 
 NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 # What to install for an optional tracker: the versions requirements-dev.txt pins and the tests run.
@@ -44,6 +47,8 @@ IDS_FILE = "trackers.json"  # the tracked runs' ids, for resume
 IDS_MAX_BYTES = 64 << 10  # ours holds two ids
 FOLDER_KEYS = ("output_dir", "output_dir_inode")  # and the folder it was written in (folder_identity)
 END_WAIT_S = 60.0  # how long what outlives a killed rank 0 waits for MLflow's store to end its run (MLflow: ~3 s)
+DROP_WAIT_S = 30.0  # how long training waits for a tracker dropped mid-run to close (W&B offline: ~2 s)
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's scheme: sqlite:, http:, databricks:, postgresql+...:
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # W&B's and MLflow's ids: never a path, or a file name too long
 CSV_FILE = "metrics.csv"
 FIXES = {"tensorboard": "set log.tensorboard: false to run without it",
@@ -69,6 +74,14 @@ def check_config(cfg, fail) -> None:
             fail("log.report_to", f"lists {str(name)[:40]!r}, not a tracker ({', '.join(NAMES)})")
     if uri is not None and not uri.strip():
         fail("log.mlflow_tracking_uri", "is empty: give a tracking URI, or null for sqlite:///<output_dir>/mlflow.db")
+    # A path is a file store to MLflow, which MLflow 3 refuses (said once torch and the model had loaded, cut short)
+    given = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in names(cfg) and given and not SCHEME.match(given) and ("/" in given or given.startswith(("~", "."))):
+        path = os.path.abspath(os.path.expanduser(given))
+        database = path if path.endswith(".db") else os.path.join(path, "mlflow.db")
+        fail("log.mlflow_tracking_uri", (f"is {uri[:80]!r}" if uri else f"is null and MLFLOW_TRACKING_URI is "
+                                         f"{given[:80]!r}") + ", a path: MLflow 3 keeps its runs in a database, not "
+                                        f"a folder: give sqlite:///{database} (or a server's http:// address)")
     # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
     where = os.path.abspath(cfg.output_dir)
     if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
@@ -122,11 +135,12 @@ class Trackers:
                     "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
         self.names = names(cfg)
         self.members = []
+        self.stopped = False  # a close is a stop's (saved, to be resumed), not the run's end: wiring.RunHooks says
         try:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
                 if getattr(self.members[-1], "not_held", None):  # an id of trackers.json the store does not hold
-                    warn(f"{self.ids_path}: {self.members[-1].not_held}")
+                    warn(f"{shown_name(self.ids_path)}: {self.members[-1].not_held}")
             # and the ids of trackers left out of this start: a later resume that lists them again continues them
             run_ids = {**ids, **{n: m.run_id for n, m in zip(self.names, self.members) if getattr(m, "run_id", None)}}
             if run_ids:
@@ -148,8 +162,9 @@ class Trackers:
                             f"{FIXES[name]}") from None
 
     def each(self, method: str, *args) -> None:
-        """`method(*args)` of every tracker. One that fails (a server gone, a full quota) is named once and
-        dropped: the training goes on without it. A full disk or a read-only file stops the run as anywhere."""
+        """`method(*args)` of every tracker. One that fails (a server gone, a full quota) is named once, closed
+        marked failed and dropped: the training goes on without it. A full disk or a read-only file stops the run
+        as anywhere."""
         for name, member in list(zip(self.names, self.members)):
             try:
                 getattr(member, method)(*args)
@@ -160,6 +175,27 @@ class Trackers:
                 self.members.remove(member)
                 self.warn(f"tracker {name} failed ({first_line(e, limit=120)}); it is dropped and training goes "
                           "on without it")
+                if method != "close":
+                    self.close_dropped(name, member)
+
+    def close_dropped(self, name: str, member) -> None:
+        """A tracker dropped mid-run, closed marked failed: left open, MLflow's run stayed RUNNING after the run's
+        end, and W&B's service ended with the process, its file without what it held. In a thread, waited for
+        DROP_WAIT_S at most: a store that does not answer is retried by MLflow's client for minutes."""
+        said = []
+
+        def close():
+            try:
+                member.close(True)
+            except Exception as e:
+                said.append(first_line(e, limit=120))
+        closing = threading.Thread(target=close, name=f"close-{name}", daemon=True)
+        closing.start()
+        closing.join(DROP_WAIT_S)
+        if closing.is_alive():
+            said.append(f"it did not close within {DROP_WAIT_S:g} s")
+        for why in said:
+            self.warn(f"tracker {name} was not closed ({why})")
 
     def config(self, values: dict) -> None:
         self.each("config", values)
@@ -174,7 +210,7 @@ class Trackers:
         """`failed`: the run ended in an exception, which is what gets reported: each tracker is closed all the
         same, and one that cannot close is said beside it (a full disk, which the report says, is not)."""
         if not failed:
-            self.each("close", False)
+            self.each("close", False, self.stopped)
         else:
             for name, member in zip(self.names, self.members):
                 try:
@@ -197,24 +233,24 @@ def read_ids(path: str, warn: Callable[[str], None]) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-        warn(f"{path}: unreadable ({'not JSON' if isinstance(e, json.JSONDecodeError) else first_line(e)}), "
-             "so W&B and MLflow start new runs")
+        why = "not JSON" if isinstance(e, json.JSONDecodeError) else first_line(e)
+        warn(f"{shown_name(path)}: unreadable ({why}), so W&B and MLflow start new runs")
         return {}
     if not isinstance(ids, dict):
-        warn(f"{path}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
+        warn(f"{shown_name(path)}: a JSON {type(ids).__name__}, not the runs' ids, so W&B and MLflow start new runs")
         return {}
     written_in = {key: ids.pop(key) for key in FOLDER_KEYS if key in ids}  # (files before it: none)
     here = folder_identity(os.path.dirname(path))
     if written_in and all(written_in.get(key) != here[key] for key in FOLDER_KEYS):
-        warn(f"{path}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir is a copy, "
-             "so W&B and MLflow start new runs (the copy's own)")
+        warn(f"{shown_name(path)}: written in {str(written_in.get('output_dir'))[:200]!r}, of which this output_dir "
+             "is a copy, so W&B and MLflow start new runs (the copy's own)")
         return {}
     kept = {name: ids[name] for name in ("wandb", "mlflow")
             if isinstance(ids.get(name), str) and RUN_ID.fullmatch(ids[name])}
     wrong = [name for name in ids if name not in kept]
     if wrong:
-        warn(f"{path}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow run "
-             "id, ignored (a tracker without one starts a new run)")
+        warn(f"{shown_name(path)}: {', '.join(f'`{str(name)[:20]}`' for name in wrong[:4])}: not a W&B or MLflow "
+             "run id, ignored (a tracker without one starts a new run)")
     return kept
 
 
@@ -294,15 +330,15 @@ class CSV:
         """The rows of metrics.csv up to `step`, its summary left out, one at a time; a file that is not ours (a
         symlink: read from outside output_dir; a FIFO: open() blocks) or that is unreadable is one line naming it."""
         if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise UserError(f"{path}: not a regular file (a symlink, FIFO or device), which a resumed run does not "
-                            "read: move it away (the resumed run starts a new one)")
+            raise UserError(f"{shown_name(path)}: not a regular file (a symlink, FIFO or device), which a resumed run "
+                            "does not read: move it away (the resumed run starts a new one)")
         try:
             with open(path, newline="") as f:
                 yield from (r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
                             and not r.get("tag", "").startswith("summary/"))
         except (UnicodeDecodeError, csv.Error) as e:  # not text, or a field over csv's limit
-            raise UserError(f"{path}: unreadable ({first_line(e, limit=120)}): move it away (the resumed run starts "
-                            "a new one)") from None
+            raise UserError(f"{shown_name(path)}: unreadable ({first_line(e, limit=120)}): move it away (the resumed "
+                            "run starts a new one)") from None
 
     def config(self, values: dict) -> None:
         pass  # config.yml, beside it, holds the config
@@ -316,7 +352,7 @@ class CSV:
     def summary(self, values: dict) -> None:
         self.scalars(self.last_step, {f"summary/{k}": v for k, v in values.items()})
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
         with disk_errors.name_unnamed_errors(self.path):
             self.file.close()
 
@@ -353,8 +389,10 @@ class WandB:
     def summary(self, values: dict) -> None:
         self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
 
-    def close(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else None)  # W&B shows a run that exited non-zero as failed
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
+        if stopped:  # W&B shows a run that exited non-zero as failed, and one marked preempting first as preempted
+            self.run.mark_preempting()
+        self.run.finish(exit_code=1 if failed else EXIT_STOPPED if stopped else None)
         self.wandb.teardown()  # W&B's service stops here, not in its atexit handler, which end_process does not run
 
 
@@ -412,8 +450,8 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
-    def close(self, failed: bool = False) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "KILLED" if stopped else "FINISHED")
 
 
 def mlflow_client(cfg):

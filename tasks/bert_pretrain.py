@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
+from core.file_names import shown_name
 from tasks import lm_models
 from tasks.base import PipelineLayer, Task
 from tasks.text_common import (WEIGHTS_DTYPE, bert_pipeline_layers, bert_tp_plan, check_pretrained_dir, load_report,
@@ -76,21 +77,23 @@ class HDF5Shards(Dataset):
                 with h5py.File(path, "r") as f:
                     missing = [k for k in KEYS if k not in f]
                     if missing:
-                        raise DataError(f"{path}: not a BERT pre-training shard (missing {', '.join(missing)})")
+                        raise DataError(f"{shown_name(path)}: not a BERT pre-training shard (missing "
+                                        f"{', '.join(missing)})")
                     flat = [k for k in KEYS if not isinstance(f[k], h5py.Dataset) or not f[k].shape]
                     if flat:
-                        raise DataError(f"{path}: {', '.join(flat)} must be arrays with one row per sequence")
+                        raise DataError(f"{shown_name(path)}: {', '.join(flat)} must be arrays with one row per "
+                                        "sequence")
                     n = f["input_ids"].shape[0]
                     if any(f[k].shape[0] != n for k in KEYS):
-                        raise DataError(f"{path}: datasets disagree on the number of sequences "
+                        raise DataError(f"{shown_name(path)}: datasets disagree on the number of sequences "
                                         f"({', '.join(f'{k}={f[k].shape[0]}' for k in KEYS)})")
                     length = check_shapes(path, f)
                     if self.shard_sizes and length != self.seq_length:  # a batch stacks rows of several shards
-                        raise DataError(f"{path}: sequences of {length} tokens, but {files[0]} has {self.seq_length}; "
-                                        "all shards of a split need one sequence length")
+                        raise DataError(f"{shown_name(path)}: sequences of {length} tokens, but {shown_name(files[0])} "
+                                        f"has {self.seq_length}; all shards of a split need one sequence length")
                     self.seq_length = length
             except OSError as e:
-                raise DataError(f"{path}: not a readable HDF5 file ({e})") from None
+                raise DataError(f"{shown_name(path)}: not a readable HDF5 file ({e})") from None
             self.shard_sizes.append(n)
         check_shards(files, limits)
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).tolist()
@@ -133,20 +136,21 @@ def check_shapes(path: str, f) -> int:
     """Integer arrays of the shapes __getitem__ and collate rely on. Returns the sequence length L."""
     for key in KEYS:
         if f[key].dtype.kind not in "iu":  # float ids would be truncated silently by astype(int64)
-            raise DataError(f"{path}: {key} holds {f[key].dtype} values; token ids, masks, positions and labels "
-                            "are integers")
+            raise DataError(f"{shown_name(path)}: {key} holds {f[key].dtype} values; token ids, masks, positions and "
+                            "labels are integers")
     n, shape = f["input_ids"].shape[0], lambda key: "x".join(map(str, f[key].shape))  # noqa: E731
     if len(f["input_ids"].shape) != 2:
-        raise DataError(f"{path}: input_ids is {shape('input_ids')}; expected [sequences, sequence length]")
+        raise DataError(f"{shown_name(path)}: input_ids is {shape('input_ids')}; expected [sequences, sequence length]")
     for key in ("input_mask", "segment_ids"):
         if f[key].shape != f["input_ids"].shape:
-            raise DataError(f"{path}: {key} is {shape(key)} but input_ids {shape('input_ids')}; they must match")
+            raise DataError(f"{shown_name(path)}: {key} is {shape(key)} but input_ids {shape('input_ids')}; they must "
+                            "match")
     if len(f["masked_lm_positions"].shape) != 2 or f["masked_lm_ids"].shape != f["masked_lm_positions"].shape:
-        raise DataError(f"{path}: masked_lm_positions is {shape('masked_lm_positions')} and masked_lm_ids "
+        raise DataError(f"{shown_name(path)}: masked_lm_positions is {shape('masked_lm_positions')} and masked_lm_ids "
                         f"{shape('masked_lm_ids')}; both must be [sequences, max predictions]")
     if f["next_sentence_labels"].shape not in ((n,), (n, 1)):
-        raise DataError(f"{path}: next_sentence_labels is {shape('next_sentence_labels')}; expected one label per "
-                        f"sequence ({n})")
+        raise DataError(f"{shown_name(path)}: next_sentence_labels is {shape('next_sentence_labels')}; expected one "
+                        f"label per sequence ({n})")
     return f["input_ids"].shape[1]
 
 
@@ -165,7 +169,7 @@ def check_shards(files: list[str], limits: ModelLimits) -> None:
         except DataError as e:
             found = str(e)
         except OSError as e:  # a chunk that cannot be read or decompressed
-            found = f"{path}: not a readable HDF5 file ({e})"
+            found = f"{shown_name(path)}: not a readable HDF5 file ({e})"
         if found:
             break
     if world > 1:
@@ -196,7 +200,7 @@ def check_block(path: str, b: dict, start: int, length: int, limits: ModelLimits
             where = f"{key}[{start + first[0]}]" + "".join(f"[{i}]" for i in first[1:])
             more = int(bad.sum()) - 1
             others = f" (and {more} more in rows {start}-{start + len(bad) - 1})" if more else ""
-            raise DataError(f"{path}: {where} {what.format(values[first])}{others}")
+            raise DataError(f"{shown_name(path)}: {where} {what.format(values[first])}{others}")
 
     mask, ids, segments = b["input_mask"], b["input_ids"], b["segment_ids"]
     fail_if((mask != 0) & (mask != 1), "input_mask", mask, "= {} is not 0 or 1 (1: a real token, 0: padding)")
@@ -249,8 +253,8 @@ def bert_folder_config(folder: str):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(check_pretrained_dir(folder), trust_remote_code=False)
     if config.model_type != "bert":
-        raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; bert_pretrain continues "
-                        "pre-training BERT models (model_type bert, MiniLM's too)")
+        raise DataError(f"model.pretrained_dir: {shown_name(folder)} holds a {config.model_type} model; bert_pretrain "
+                        "continues pre-training BERT models (model_type bert, MiniLM's too)")
     return config
 
 

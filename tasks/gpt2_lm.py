@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.errors import DataError
+from core.file_names import shown_name
 from tasks import lm_data, lm_models, token_shards
 from tasks.base import Task
 from tasks.lm_data import Blocks
@@ -73,8 +74,8 @@ class GPT2LMTask(Task):
         folder = d.data_dir
         if d.tokenizer != "auto" or d.dev_split not in ("auto", "files"):
             key = "data.tokenizer" if d.tokenizer != "auto" else "data.dev_split"
-            raise DataError(f"{folder}: token shards carry their tokenizer and dev split (scripts/prepare_text.py "
-                            f"--tokenizer, --dev-fraction); {key} must stay auto with them")
+            raise DataError(f"{shown_name(folder)}: token shards carry their tokenizer and dev split "
+                            f"(scripts/prepare_text.py --tokenizer, --dev-fraction); {key} must stay auto with them")
         manifest = token_shards.read_manifest(folder, "lm")
         self.tokenizer = token_shards.run_tokenizer(self.cfg, folder, manifest)
         datasets = {split: lm_data.windows(self.cfg, token_shards.TokenBlocks(folder, manifest, split, d.max_length),

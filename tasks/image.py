@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import DataError
+from core.file_names import shown_name
 from tasks.base import PipelineLayer, Task
 from tasks.image_folder import BAD_IMAGE, image_files, open_rgb
 from tasks.metrics import classification_batch, classification_metrics
@@ -169,7 +170,8 @@ def gray_square(path: str, size: int) -> np.ndarray:
         gray = open_rgb(path).convert("L")
         return np.asarray(gray.resize((size, size), Image.BILINEAR), dtype=np.float32) / 255
     except BAD_IMAGE as e:
-        raise DataError(f"predict.input: {path}: not a readable image ({str(e).splitlines()[0][:80]})") from None
+        raise DataError(f"predict.input: {shown_name(path)}: not a readable image "
+                        f"({str(e).splitlines()[0][:80]})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

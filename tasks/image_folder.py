@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from core.config import is_set
 from core.errors import ConfigError, DataError
+from core.file_names import shown_name
 from core.run_log import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
@@ -136,10 +137,11 @@ def split_folder(data_dir: str, split: str) -> Optional[str]:
     try:
         names = sorted(os.listdir(data_dir))
     except OSError as e:
-        raise DataError(f"data.data_dir: {data_dir} cannot be read ({e.strerror})") from None
+        raise DataError(f"data.data_dir: {shown_name(data_dir)} cannot be read ({e.strerror})") from None
     found = [n for n in names if n.lower() in SPLIT_FOLDERS[split] and os.path.isdir(os.path.join(data_dir, n))]
     if len(found) > 1:  # (the first was read, the others' images neither trained on nor evaluated)
-        raise DataError(f"{data_dir}: two {split} folders, {found[0]}/ and {found[1]}/; merge them into one")
+        raise DataError(f"{shown_name(data_dir)}: two {split} folders, {shown_name(found[0])}/ and "
+                        f"{shown_name(found[1])}/; merge them into one")
     return os.path.join(data_dir, found[0]) if found else None
 
 
@@ -177,13 +179,13 @@ def refuse_dangling_link(path: str) -> None:
     """A link to nothing, not named as an image (a folder on a share not mounted, os.walk lists it as a file): one
     line, not its images left out as 'a non-image file'. (One named .jpg is an unreadable image, as it is.)"""
     if os.path.islink(path) and not os.path.exists(path):
-        raise DataError(f"{path}: a link to {os.readlink(path)}, which is not there (a disk or share not mounted?); "
-                        "its images would be left out: mount it, or remove the link")
+        raise DataError(f"{shown_name(path)}: a link to {shown_name(os.readlink(path))}, which is not there (a disk or "
+                        "share not mounted?); its images would be left out: mount it, or remove the link")
 
 
 def refuse_unreadable(error: OSError) -> None:
     """os.walk's onerror: a folder it cannot list (another user's, mode 700) is one line, not skipped unsaid."""
-    raise DataError(f"{error.filename}: cannot be read ({error.strerror}); its images would be left out")
+    raise DataError(f"{shown_name(error.filename)}: cannot be read ({error.strerror}); its images would be left out")
 
 
 def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], int, list[str]]:
@@ -206,19 +208,19 @@ def scan_classes(folder: str, skip: tuple = ()) -> tuple[dict[str, list[str]], i
                 ignored += not os.path.isdir(path) or hidden_or_system_folder(name)
             continue
         if name != printable(name):  # bytes Python read as lone surrogates: no label JSON, a console or a CSV takes
-            raise DataError(f"{printable(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
+            raise DataError(f"{shown_name(path)}: a class folder whose name is not UTF-8 (Latin-1?); its name is the "
                             "class's label (checkpoints, exports, predictions.csv): rename it in UTF-8")
         files, others = walk_images(path)
         ignored += others
         if not files:
-            raise DataError(f"{path}: an empty class folder (no {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} "
-                            "images); put images in it or remove it")
+            raise DataError(f"{shown_name(path)}: an empty class folder (no "
+                            f"{'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} images); put images in it or remove it")
         # the class is its name composed (NFC): the `é` macOS wrote decomposed (e + U+0301) is `é` wherever copied
         label = unicodedata.normalize("NFC", name)
         if label in classes:  # (ascii: the two forms print alike)
             other = os.path.relpath(classes[label][0], folder).split(os.sep)[0]
-            raise DataError(f"{folder}: two class folders name one class, {ascii(other)} and {ascii(name)} (the same "
-                            "letters in two Unicode forms); merge them into one")
+            raise DataError(f"{shown_name(folder)}: two class folders name one class, {ascii(other)} and "
+                            f"{ascii(name)} (the same letters in two Unicode forms); merge them into one")
         classes[label] = files
     return classes, ignored, loose
 
@@ -228,14 +230,14 @@ def read_layout(data_dir: str, dev_fraction: float,
     """(class names, {split: [(path, class index)]}, {split: files ignored}, images beside the class folders) of
     the folder."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"data.data_dir: {data_dir} is not a folder (give one with train/<class>/ images, or "
-                        "<class>/ folders alone)")
+        raise DataError(f"data.data_dir: {shown_name(data_dir)} is not a folder (give one with train/<class>/ images, "
+                        "or <class>/ folders alone)")
     folders = {split: split_folder(data_dir, split) for split in SPLIT_FOLDERS}
     whole = folders["train"] is None
     if whole and folders["dev"]:  # (its images would be neither trained on nor evaluated)
-        raise DataError(f"{folders['dev']}: a dev folder without train/ beside it; put the training class folders in "
-                        f"{os.path.join(data_dir, 'train')}/, or remove it (the class folders alone: a "
-                        "data.dev_fraction of them is the dev split)")
+        raise DataError(f"{shown_name(folders['dev'])}: a dev folder without train/ beside it; put the training class "
+                        f"folders in {shown_name(os.path.join(data_dir, 'train'))}/, or remove it (the class folders "
+                        "alone: a data.dev_fraction of them is the dev split)")
     train_dir = data_dir if whole else folders["train"]
     every_split_name = tuple(n for names in SPLIT_FOLDERS.values() for n in names)
     for folder in (train_dir, folders["dev"], folders["test"]):
@@ -244,9 +246,9 @@ def read_layout(data_dir: str, dev_fraction: float,
     found["train"], ignored["train"], loose = scan_classes(train_dir, every_split_name if whole else ())
     names = sorted(found["train"])
     if not names:
-        raise DataError(f"{train_dir}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
+        raise DataError(f"{shown_name(train_dir)}: no class folders (expected train/<class>/*.jpg, or <class>/*.jpg)")
     if len(names) == 1:  # (its loss is 0 from the first step: nothing to learn, every answer the same)
-        raise DataError(f"{train_dir}: one class folder ({names[0]!r}); a classifier needs two or more")
+        raise DataError(f"{shown_name(train_dir)}: one class folder ({names[0]!r}); a classifier needs two or more")
     index = {n: i for i, n in enumerate(names)}  # (names composed: scan_classes)
     splits = {}
     if whole or folders["dev"] is None:  # a fixed slice of the training files, whatever the seed
@@ -260,13 +262,14 @@ def read_layout(data_dir: str, dev_fraction: float,
         found[split], ignored[split], beside = scan_classes(folders[split])
         loose += beside
         if not found[split]:
-            raise DataError(f"{folders[split]}: no class folders (expected {os.path.basename(folders[split])}/<class>/"
-                            f"*.jpg, its classes those of {train_dir})")
+            raise DataError(f"{shown_name(folders[split])}: no class folders (expected "
+                            f"{shown_name(os.path.basename(folders[split]))}/<class>/*.jpg, its classes those of "
+                            f"{shown_name(train_dir)})")
         for c, files in found[split].items():
             if c not in index:
                 folder = os.path.relpath(files[0], folders[split]).split(os.sep)[0]  # (as it is spelled on disk)
-                raise DataError(f"{os.path.join(folders[split], folder)}: class {c!r} is not in "
-                                f"{train_dir} (its classes: {', '.join(names)[:80]})")
+                raise DataError(f"{shown_name(os.path.join(folders[split], folder))}: class {c!r} is not in "
+                                f"{shown_name(train_dir)} (its classes: {', '.join(names)[:80]})")
         splits[split] = [(p, index[c]) for c in sorted(found[split]) for p in found[split][c]]
     return names, splits, ignored, loose
 
@@ -280,8 +283,8 @@ def refuse_output_among_classes(output_dir: Optional[str], folder: Optional[str]
     top = inside.split(os.sep)[0]
     if top == os.pardir or (inside != "." and (hidden_or_system_folder(top) or top.lower() in skip)):
         return  # beside it, hidden, or another split's folder
-    raise DataError(f"output_dir: {output_dir} is inside {folder}, whose subfolders are read as classes (so is "
-                    f"{'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
+    raise DataError(f"output_dir: {shown_name(output_dir)} is inside {shown_name(folder)}, whose subfolders are read "
+                    f"as classes (so is {'checkpoints' if inside == '.' else top!r}); put output_dir outside it")
 
 
 def dev_from_training(train_dir: str, names: list[str], found: dict, dev_fraction: float) -> tuple[list, list]:
@@ -291,19 +294,19 @@ def dev_from_training(train_dir: str, names: list[str], found: dict, dev_fractio
     order = np.random.default_rng(0).permutation(len(pool))
     n_dev = int(round(len(pool) * dev_fraction))
     if n_dev == 0:  # (the last step always evaluates dev: the run could not end)
-        raise DataError(f"{train_dir}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} images "
-                        "is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
+        raise DataError(f"{shown_name(train_dir)}: no dev split: data.dev_fraction {dev_fraction} of its {len(pool)} "
+                        "images is none; raise data.dev_fraction, or put the dev images in val/<class>/ beside train/")
     if n_dev == len(pool):  # (the sampler got no training set: a TypeError traceback)
-        raise DataError(f"{train_dir}: no training split: data.dev_fraction {dev_fraction} of its {len(pool)} "
-                        "images is all of them; lower data.dev_fraction, or put the dev images in val/<class>/ "
-                        "beside train/")
+        raise DataError(f"{shown_name(train_dir)}: no training split: data.dev_fraction {dev_fraction} of its "
+                        f"{len(pool)} images is all of them; lower data.dev_fraction, or put the dev images in "
+                        "val/<class>/ beside train/")
     train = [pool[i] for i in sorted(order[n_dev:])]
     untrained = sorted(set(range(len(names))) - {c for _, c in train})
     if untrained:  # as an empty class folder: an output nothing trains (torchvision's ImageFolder refuses one)
         c = names[untrained[0]]
-        raise DataError(f"{os.path.join(train_dir, c)}: its {len(found[c])} image(s) all went to the dev split "
-                        f"(data.dev_fraction {dev_fraction}), so nothing trains the class; add images to it, or put "
-                        "the dev images in val/<class>/ beside train/")
+        raise DataError(f"{shown_name(os.path.join(train_dir, c))}: its {len(found[c])} image(s) all went to the dev "
+                        f"split (data.dev_fraction {dev_fraction}), so nothing trains the class; add images to it, or "
+                        "put the dev images in val/<class>/ beside train/")
     return train, [pool[i] for i in sorted(order[:n_dev])]
 
 
@@ -315,13 +318,14 @@ def image_files(path: str) -> tuple[list[str], list[str]]:
     if os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS):
         return [path], [os.path.basename(path)]
     if not os.path.lexists(path):
-        raise DataError(f"predict.input: {path} does not exist")
+        raise DataError(f"predict.input: {shown_name(path)} does not exist")
     if not os.path.isdir(path):
-        raise DataError(f"predict.input: {path} is neither a folder of images nor an image file ({extensions})")
+        raise DataError(f"predict.input: {shown_name(path)} is neither a folder of images nor an image file "
+                        f"({extensions})")
     files, others = walk_images(path)
     if others:
-        rank_log().info(f"predict.input: {others} hidden or non-image files or system folders under {path} ignored "
-                        f"(images: {extensions})")
+        rank_log().info(f"predict.input: {others} hidden or non-image files or system folders under "
+                        f"{shown_name(path)} ignored (images: {extensions})")
     return files, [os.path.relpath(f, path) for f in files]
 
 
@@ -448,9 +452,9 @@ def note_twelve_bits(path: str, noted) -> None:
         if noted.value:
             return
         noted.value = 1
-    rank_log().warning(f"{path}: a 16-bit image whose values are all below {TWELVE_BITS} (12 bits?) is near-black on "
-                       "8 bits (its values / 257: 15 at most); if the images are 12-bit, save them scaled by 16 (said "
-                       "once a run, for the first such file)")
+    rank_log().warning(f"{shown_name(path)}: a 16-bit image whose values are all below {TWELVE_BITS} (12 bits?) is "
+                       "near-black on 8 bits (its values / 257: 15 at most); if the images are 12-bit, save them "
+                       "scaled by 16 (said once a run, for the first such file)")
 
 
 def bad_image_line(path: str) -> str:
@@ -460,8 +464,8 @@ def bad_image_line(path: str) -> str:
         why = "it could not be decoded in a loader worker"
     except BAD_IMAGE as e:
         why = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
-    return (f"{path}: not a readable image ({why}); remove or replace it, or set data.skip_bad_images: true "
-            "to skip such files")
+    return (f"{shown_name(path)}: not a readable image ({why}); remove or replace it, or set data.skip_bad_images: "
+            "true to skip such files")
 
 
 def one_image_batch_line(cfg, n_train: int) -> str:
@@ -509,8 +513,8 @@ def pretrained(cfg, classes: list[str], log) -> nn.Module:
             label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, trust_remote_code=False,
             dtype=WEIGHTS_DTYPE, **dropout)
     if had != len(classes):
-        log(f"model.pretrained_dir: {folder}'s head had {had} classes; a new head of {len(classes)} (random) "
-            "replaces it")
+        log(f"model.pretrained_dir: {shown_name(folder)}'s head had {had} classes; a new head of {len(classes)} "
+            "(random) replaces it")
     check_image_size(model, folder, cfg.data.image_size)
     return model
 
@@ -526,8 +530,8 @@ def check_image_size(model: nn.Module, folder: str, size: int) -> None:
         why = str(e).splitlines()[0][:100].rstrip(".")
         made_for = getattr(model.config, "image_size", None)
         hint = f"; it was made for {made_for}x{made_for}: set data.image_size to that" if made_for else ""
-        raise DataError(f"model.pretrained_dir: {folder} does not take {size}x{size} images (data.image_size): "
-                        f"{why}{hint}") from None
+        raise DataError(f"model.pretrained_dir: {shown_name(folder)} does not take {size}x{size} images "
+                        f"(data.image_size): {why}{hint}") from None
     finally:
         model.train(was_training)
 
@@ -574,13 +578,13 @@ class ImageFolderTask(Task):
         if not self.classes:
             return None
         counts = self.counts.get("train", [])
-        shown = ", ".join(f"{c} ({n})" for c, n in zip(self.classes, counts))
+        shown = ", ".join(f"{shown_name(c)} ({n})" for c, n in zip(self.classes, counts))
         shown = shown if len(shown) <= 100 else shown[:97].rsplit(",", 1)[0] + ", ..."
         line = f"{len(self.classes)} classes: {shown}"
         ignored = sum(self.ignored.values())
         line += f"; {ignored} hidden or non-image files or system folders ignored" if ignored else ""
         if self.loose:  # (images, yet in no class folder: said apart from the other files)
-            line += f"; {len(self.loose)} images outside the class folders ignored ({self.loose[0]}, ...)"
+            line += f"; {len(self.loose)} images outside the class folders ignored ({shown_name(self.loose[0])}, ...)"
         return line
 
     def build_model(self) -> nn.Module:
@@ -633,8 +637,8 @@ class ImageFolderTask(Task):
         for i in batch["skipped"].tolist():
             if (split, i) not in self.skipped:
                 self.skipped.add((split, i))
-                rank_log().warning(f"skipped {self.files[split][i][0]}: not a readable image (data.skip_bad_images; "
-                                   f"{len(self.skipped)} skipped so far on this rank)")
+                rank_log().warning(f"skipped {shown_name(self.files[split][i][0])}: not a readable image "
+                                   f"(data.skip_bad_images; {len(self.skipped)} skipped so far on this rank)")
 
     def count(self, batch: dict) -> int:
         self.refuse_bad_image(batch)

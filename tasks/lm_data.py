@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from core.config import DataConfig
 from core.errors import DataError
+from core.file_names import shown_name
 from tasks.text_common import json_lines, read_utf8
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".ndjson")  # what a data_dir is searched for
@@ -77,7 +78,7 @@ def read_file(path: str, text_column: str = "text") -> list[str]:
         return read_texts(path, text) if text.lstrip().startswith("[") else read_json_lines(path, text_column, text)
     text = read_utf8(path)
     if not text:
-        raise DataError(f"{path}: empty file, no text")
+        raise DataError(f"{shown_name(path)}: empty file, no text")
     return [text]
 
 
@@ -89,9 +90,9 @@ MAX_FILE_BYTES = 1 << 30
 def check_size(path: str) -> None:
     size = os.path.getsize(path)
     if size > MAX_FILE_BYTES:
-        raise DataError(f"{path}: {size / 2**30:.1f} GiB, more than the {MAX_FILE_BYTES >> 30} GiB a text file read "
-                        "in memory may hold; make token shards of it with scripts/prepare_text.py --task lm (streamed, "
-                        "any size) and set data.data_dir to their folder")
+        raise DataError(f"{shown_name(path)}: {size / 2**30:.1f} GiB, more than the {MAX_FILE_BYTES >> 30} GiB a "
+                        "text file read in memory may hold; make token shards of it with scripts/prepare_text.py "
+                        "--task lm (streamed, any size) and set data.data_dir to their folder")
 
 
 def read_texts(path: str, text: str | None = None) -> list[str]:
@@ -100,14 +101,14 @@ def read_texts(path: str, text: str | None = None) -> list[str]:
     try:
         texts = json.loads(read_utf8(path) if text is None else text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg})") from None
+        raise DataError(f"{shown_name(path)}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg})") from None
     if not isinstance(texts, list):
-        raise DataError(f"{path}: expected a JSON array of strings, got {json_kind(texts)}")
+        raise DataError(f"{shown_name(path)}: expected a JSON array of strings, got {json_kind(texts)}")
     bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
     if bad is not None:
-        raise DataError(f"{path}: expected a JSON array of strings; item {bad} is {json_kind(texts[bad])}")
+        raise DataError(f"{shown_name(path)}: expected a JSON array of strings; item {bad} is {json_kind(texts[bad])}")
     if not texts:
-        raise DataError(f"{path}: no texts")
+        raise DataError(f"{shown_name(path)}: no texts")
     check_surrogates(path, texts)
     return texts
 
@@ -120,16 +121,16 @@ def read_json_lines(path: str, field: str, text: str | None = None) -> list[str]
         if not isinstance(doc, str):
             what = f"its {field!r} is {json_kind(doc)}" if isinstance(value, dict) and field in value else \
                 f"no {field!r} field" if isinstance(value, dict) else json_kind(value)
-            raise DataError(f"{path}:{number}: expected an object with a string {field!r} (data.text_column) or a "
-                            f"string, got {what}")
+            raise DataError(f"{shown_name(path)}:{number}: expected an object with a string {field!r} "
+                            f"(data.text_column) or a string, got {what}")
         try:
             doc.encode("utf-8")
         except UnicodeEncodeError:
-            raise DataError(f"{path}:{number}: holds a lone surrogate escape (\\ud800-\\udfff), which is not "
-                            "text") from None
+            raise DataError(f"{shown_name(path)}:{number}: holds a lone surrogate escape (\\ud800-\\udfff), which "
+                            "is not text") from None
         texts.append(doc)
     if not texts:
-        raise DataError(f"{path}: no texts")
+        raise DataError(f"{shown_name(path)}: no texts")
     return texts
 
 
@@ -150,8 +151,9 @@ def check_surrogates(path: str, texts: list[str]) -> None:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise DataError(f"{path}: item {i} holds a lone surrogate \\u{ord(text[e.start]):04x} at character "
-                                f"{e.start}, which is not text; escapes \\ud800-\\udfff must come in valid pairs")
+                raise DataError(f"{shown_name(path)}: item {i} holds a lone surrogate \\u{ord(text[e.start]):04x} at "
+                                f"character {e.start}, which is not text; escapes \\ud800-\\udfff must come in valid "
+                                "pairs")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,16 +164,16 @@ def read_splits(data) -> tuple[dict, dict]:
     whole texts (the tail split cuts the token stream later: split_tail)."""
     files = {split: find_files(data, split) for split in SPLIT_NAMES}
     if not files["train"]:
-        raise DataError(f"{data.train_files or data.data_dir}: no training text. gpt2_lm reads train.txt, "
+        raise DataError(f"{shown_name(data.train_files or data.data_dir)}: no training text. gpt2_lm reads train.txt, "
                         "train.json or train.jsonl (or any .txt/.json/.jsonl file) from data.data_dir, or the "
                         "files of data.train_files")
     how = dev_source(data, bool(files["dev"]))
     if how == "files" and not files["dev"]:
-        raise DataError(f"{data.dev_files or os.path.join(data.data_dir, 'dev.*')}: no dev file, which "
-                        "data.dev_split: files needs; add one, or use dev_split tail or texts")
+        raise DataError(f"{shown_name(data.dev_files or os.path.join(data.data_dir, 'dev.*'))}: no dev file, "
+                        "which data.dev_split: files needs; add one, or use dev_split tail or texts")
     wanted = [s for s in SPLIT_NAMES if files[s] and (s != "dev" or how == "files")]
     texts = {s: [t for path in files[s] for t in read_file(path, data.text_column)] for s in wanted}
-    where = {s: files[s][0] if len(files[s]) == 1 else f"{files[s][0]} (+{len(files[s]) - 1} files)"
+    where = {s: shown_name(files[s][0]) + (f" (+{len(files[s]) - 1} files)" if len(files[s]) > 1 else "")
              for s in wanted}
     if how == "texts":
         texts["train"], texts["dev"] = hold_out_texts(texts["train"], data.dev_fraction, where["train"])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError, DataError
+from core.file_names import shown_name
 from strategies.tp import PerRankDropout
 from tasks.base import PipelineLayer
 from tasks.gpt2_tp import gpt2_plan
@@ -123,7 +124,7 @@ def load_causal_lm(cfg) -> nn.Module:
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
     if config.model_type not in classes:
-        raise DataError(f"model.pretrained_dir: {folder} holds a {config.model_type} model; gpt2_lm builds "
+        raise DataError(f"model.pretrained_dir: {shown_name(folder)} holds a {config.model_type} model; gpt2_lm builds "
                         f"{' and '.join(classes)} models")
     if cfg.model.arch not in (None, config.model_type):
         raise ConfigError(f"model.arch is {cfg.model.arch} but model.pretrained_dir holds a {config.model_type} "

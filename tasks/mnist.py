@@ -11,6 +11,7 @@ import urllib.request
 import numpy as np
 
 from core.errors import DataError
+from core.file_names import shown_name
 
 CLASSES = 10  # the digits 0-9: Net's output size, and the labels the data may hold
 MIN_IMAGE_SIZE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
@@ -33,18 +34,19 @@ def read_idx(path: str) -> np.ndarray:
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
+        raise DataError(f"{shown_name(path)}: cannot read ({e})") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in IDX_TYPES:
-        raise DataError(f"{path}: not an IDX file (bad magic number {data[:4].hex()})")
+        raise DataError(f"{shown_name(path)}: not an IDX file (bad magic number {data[:4].hex()})")
     ndim = data[3]
     if len(data) < 4 + 4 * ndim:
-        raise DataError(f"{path}: truncated IDX header")
+        raise DataError(f"{shown_name(path)}: truncated IDX header")
     shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
     dtype = np.dtype(IDX_TYPES[data[2]])
     expected = int(np.prod(shape)) * dtype.itemsize
     body = data[4 + 4 * ndim:]
     if len(body) != expected:
-        raise DataError(f"{path}: IDX header promises {shape} ({expected} bytes) but holds {len(body)} bytes")
+        raise DataError(f"{shown_name(path)}: IDX header promises {shape} ({expected} bytes) but holds {len(body)} "
+                        "bytes")
     return np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
@@ -66,13 +68,14 @@ def load_mnist(data_dir: str, split: str, download: bool = True):
         if path is None and download:
             path = download_mnist_file(data_dir, name)
         if path is None:
-            raise DataError(f"{os.path.join(data_dir, name)}[.gz]: missing. Put the MNIST IDX files "
+            raise DataError(f"{shown_name(os.path.join(data_dir, name))}[.gz]: missing. Put the MNIST IDX files "
                             f"({', '.join(MNIST_FILES)}, .gz or raw) in data.data_dir={data_dir!r}, "
                             "or run once with network access and data.download: true")
         paths.append(path)
     images, labels = read_idx(paths[0]), read_idx(paths[1])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-        raise DataError(f"{paths[0]}: {images.shape} images do not match {labels.shape} labels in {paths[1]}")
+        raise DataError(f"{shown_name(paths[0])}: {images.shape} images do not match {labels.shape} labels in "
+                        f"{shown_name(paths[1])}")
     check_images(paths[0], images)
     return images, check_labels(paths[1], labels)
 
@@ -82,7 +85,7 @@ def load_mnist_splits(data_dir: str, download: bool):
     images, labels = load_mnist(data_dir, "train", download)
     test_images, test_labels = load_mnist(data_dir, "t10k", download)
     if test_images.shape[1:] != images.shape[1:]:  # said now, not when test mode reads t10k
-        raise DataError(f"{data_dir}: t10k images are {'x'.join(map(str, test_images.shape[1:]))} but "
+        raise DataError(f"{shown_name(data_dir)}: t10k images are {'x'.join(map(str, test_images.shape[1:]))} but "
                         f"train images {'x'.join(map(str, images.shape[1:]))}; both splits need one size")
     return images, labels, test_images, test_labels
 
@@ -92,15 +95,15 @@ def check_images(path: str, images: np.ndarray) -> None:
     pooling, and finite (a float IDX file may hold NaN, which would only show up as a NaN loss mid-run)."""
     n, height, width = images.shape
     if n == 0:
-        raise DataError(f"{path}: no images")
+        raise DataError(f"{shown_name(path)}: no images")
     if height != width or width < MIN_IMAGE_SIZE:
-        raise DataError(f"{path}: images are {height}x{width}; the CNN needs square images of at least "
+        raise DataError(f"{shown_name(path)}: images are {height}x{width}; the CNN needs square images of at least "
                         f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}")
     if images.dtype.kind == "f":
         bad = ~np.isfinite(images.reshape(n, -1)).all(axis=1)
         if bad.any():
             first = int(np.argmax(bad))
-            raise DataError(f"{path}: image at index {first} holds non-finite pixels (NaN or infinity)"
+            raise DataError(f"{shown_name(path)}: image at index {first} holds non-finite pixels (NaN or infinity)"
                             f"{others(int(bad.sum()), 'images')}; pixels must be finite numbers")
 
 
@@ -112,14 +115,14 @@ def check_labels(path: str, labels: np.ndarray) -> np.ndarray:
         bad = ~np.isfinite(labels) | (labels != np.round(labels))
         if bad.any():
             first = int(np.argmax(bad))
-            raise DataError(f"{path}: label {labels[first]} at index {first} is not a whole number"
+            raise DataError(f"{shown_name(path)}: label {labels[first]} at index {first} is not a whole number"
                             f"{others(int(bad.sum()), 'labels')}; labels are classes 0-{CLASSES - 1}")
     bad = (labels < 0) | (labels >= CLASSES)
     if bad.any():
         first = int(np.argmax(bad))
         value = labels[first].item()
         value = int(value) if float(value).is_integer() else value  # 12.0 in a float file reads as 12
-        raise DataError(f"{path}: label {value} at index {first} is outside the {CLASSES} classes "
+        raise DataError(f"{shown_name(path)}: label {value} at index {first} is outside the {CLASSES} classes "
                         f"(0-{CLASSES - 1}){others(int(bad.sum()), 'labels')}")
     return labels.astype(np.int64)
 

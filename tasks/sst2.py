@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from core.config import DataConfig
 from core.errors import ConfigError, DataError
+from core.file_names import shown_name
 from tasks import lm_models, token_shards
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
@@ -65,13 +66,13 @@ def read_tsv_lines(path: str) -> tuple[list[str], list[int], list[int]]:
             continue
         # Real SST-2 lines may end with "sentence \t1": strip the space before the tab.
         if len(parts) != 2 or parts[1].strip() not in ("0", "1") or not parts[0].strip():
-            raise DataError(f"{path}:{number}: expected `sentence<TAB>label` with label 0 or 1, "
+            raise DataError(f"{shown_name(path)}:{number}: expected `sentence<TAB>label` with label 0 or 1, "
                             f"got {line[:80]!r}")
         sentences.append(parts[0].strip())
         labels.append(int(parts[1]))
         lines.append(number)
     if not sentences:
-        raise DataError(f"{path}: no examples")
+        raise DataError(f"{shown_name(path)}: no examples")
     return sentences, labels, lines
 
 
@@ -141,21 +142,21 @@ class SST2Task(Task):
         paths = {split: os.path.join(d.data_dir, f"{split}.tsv") for split in ("train", "dev", "test")}
         for split in ("train", "dev"):
             if not os.path.isfile(paths[split]):
-                raise DataError(f"{paths[split]}: missing. SST-2 needs train.tsv and dev.tsv "
+                raise DataError(f"{shown_name(paths[split])}: missing. SST-2 needs train.tsv and dev.tsv "
                                 f"(`sentence<TAB>label` lines) in data.data_dir={d.data_dir!r}")
         raw = {split: read_tsv_lines(paths[split]) for split in ("train", "dev")}
         if os.path.isfile(paths["test"]):
             if has_labels(paths["test"]):
                 raw["test"] = read_tsv_lines(paths["test"])
             else:
-                note(f"{paths['test']}: no labels (GLUE's test set); the test split is skipped")
+                note(f"{shown_name(paths['test'])}: no labels (GLUE's test set); the test split is skipped")
         self.tokenizer = with_pad_token(load_or_train_tokenizer(self.cfg, lambda: raw["train"][0], kind="bpe"))
         datasets = {split: TokenizedSentences(*raw[split][:2], self.tokenizer, d.max_length) for split in raw}
         for split, ds in datasets.items():  # a cut sentence loses its end: said, not silent
             reach = sum(len(ids) >= d.max_length for ids in ds.ids)
             if reach:
-                note(f"{paths[split]}: {reach} of {len(ds)} sentences reach data.max_length={d.max_length} tokens: "
-                     "longer ones are cut there")
+                note(f"{shown_name(paths[split])}: {reach} of {len(ds)} sentences reach data.max_length={d.max_length} "
+                     "tokens: longer ones are cut there")
         # For the checks of build_model, which name the file and line of an example that does not fit the model.
         self.datasets, self.where = datasets, {s: (paths[s], raw[s][2]) for s in raw}
         datasets.setdefault("test", None)
@@ -167,8 +168,8 @@ class SST2Task(Task):
         folder = self.cfg.data.data_dir
         manifest = token_shards.read_manifest(folder, "classification")
         if self.cfg.data.max_length > manifest["max_length"]:
-            note(f"{folder}: examples were cut at {manifest['max_length']} tokens when prepared; data.max_length="
-                 f"{self.cfg.data.max_length} does not make them longer")
+            note(f"{shown_name(folder)}: examples were cut at {manifest['max_length']} tokens when prepared; "
+                 f"data.max_length={self.cfg.data.max_length} does not make them longer")
         self.tokenizer = with_pad_token(token_shards.run_tokenizer(self.cfg, folder, manifest))
         self.num_labels = max(2, manifest["num_labels"])
         self.names = manifest.get("label_names")  # shards without --labels: numbers only, never SST-2's names
@@ -270,13 +271,13 @@ class SST2Task(Task):
             path, lines = self.where[split]
             top, index = longest_or_largest(ds.ids, max)
             if top >= config.vocab_size:
-                raise DataError(f"{path}:{lines[index]}: token id {top} is outside the model's vocabulary "
+                raise DataError(f"{shown_name(path)}:{lines[index]}: token id {top} is outside the model's vocabulary "
                                 f"(vocab_size {config.vocab_size}: ids 0-{config.vocab_size - 1}); "
                                 "model.pretrained_dir's tokenizer and model disagree")
             length, index = longest_or_largest(ds.ids, len)
             if positions and length > positions:
-                raise DataError(f"{path}:{lines[index]}: {length} tokens, more than the model's {positions} "
-                                f"positions; set data.max_length to at most {positions}")
+                raise DataError(f"{shown_name(path)}:{lines[index]}: {length} tokens, more than the model's "
+                                f"{positions} positions; set data.max_length to at most {positions}")
 
     def collate(self, samples: list) -> dict:
         # Dynamic padding: pad to the longest sentence of this batch, not to data.max_length. Under pipe, always
@@ -387,7 +388,7 @@ class SST2Task(Task):
             read += len(chunk)
             yield chunk, dataset
         if reach:  # as in training: a cut input is predicted from its start, said
-            note(f"predict.input: {path}: {reach} of {read} inputs reach data.max_length="
+            note(f"predict.input: {shown_name(path)}: {reach} of {read} inputs reach data.max_length="
                  f"{self.cfg.data.max_length} tokens: longer ones are cut there")
 
     def check_predict_ids(self, path: str, ids: list, stripped: list[str], before: int) -> None:
@@ -396,14 +397,14 @@ class SST2Task(Task):
         length, index = longest_or_largest(ids, len)
         positions = getattr(self, "positions", None)  # (a pretrained model's; check_fits)
         if positions and length > positions:  # training never fed one this long, and the model cannot take it
-            raise DataError(f"predict.input: {path}: input {before + index + 1} ({stripped[index][:30]!r}...) is "
-                            f"{length} tokens, more than the model's {positions} positions; set data.max_length to "
-                            f"at most {positions}")
+            raise DataError(f"predict.input: {shown_name(path)}: input {before + index + 1} "
+                            f"({stripped[index][:30]!r}...) is {length} tokens, more than the model's {positions} "
+                            f"positions; set data.max_length to at most {positions}")
         top, index = longest_or_largest(ids, max)
         vocab_size = getattr(self, "vocab_size", None)  # (check_fits; a token added to the tokenizer only)
         if vocab_size and top >= vocab_size:
-            raise DataError(f"predict.input: {path}: input {before + index + 1} ({stripped[index][:30]!r}) has token "
-                            f"id {top}, outside the model's vocabulary (vocab_size {vocab_size}: ids "
+            raise DataError(f"predict.input: {shown_name(path)}: input {before + index + 1} ({stripped[index][:30]!r}) "
+                            f"has token id {top}, outside the model's vocabulary (vocab_size {vocab_size}: ids "
                             f"0-{vocab_size - 1}); model.pretrained_dir's tokenizer and model disagree")
 
     def predict_logits(self, model: nn.Module, batch: dict) -> torch.Tensor:

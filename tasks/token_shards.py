@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.errors import DataError
+from core.file_names import shown_name
 from tasks.text_common import check_pretrained_dir, main_first, open_tokenizer, tokenizer_dir
 
 MANIFEST = "manifest.json"
@@ -55,20 +56,21 @@ def read_manifest(folder: str, task: str) -> dict:
     evaluates on it); anything else is a DataError."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        raise DataError(f"{folder}: the preparation of these shards has not finished (no {MANIFEST}); run the same "
-                        "scripts/prepare_text.py command again to complete it")
+        raise DataError(f"{shown_name(folder)}: the preparation of these shards has not finished (no {MANIFEST}); run "
+                        "the same scripts/prepare_text.py command again to complete it")
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable ({e})") from None
+        raise DataError(f"{shown_name(path)}: unreadable ({e})") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise DataError(f"{path}: not a {FORMAT} manifest of version {VERSION}")
+        raise DataError(f"{shown_name(path)}: not a {FORMAT} manifest of version {VERSION}")
     if manifest.get("task") != task:
-        raise DataError(f"{path}: shards prepared for --task {manifest.get('task')}, but this task reads "
+        raise DataError(f"{shown_name(path)}: shards prepared for --task {manifest.get('task')}, but this task reads "
                         f"--task {task} shards")
     if "dev" not in manifest.get("splits", {}):
-        raise DataError(f"{folder}: no dev split in these shards; prepare them with --dev or --dev-fraction")
+        raise DataError(f"{shown_name(folder)}: no dev split in these shards; prepare them with --dev or "
+                        "--dev-fraction")
     return manifest
 
 
@@ -89,7 +91,7 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
     generate.py look for it). A different tokenizer already in output_dir is an error, not a silent mix of ids."""
     if cfg.model.pretrained_dir:
         tokenizer = open_tokenizer(check_pretrained_dir(cfg.model.pretrained_dir))
-        where = f"model.pretrained_dir {cfg.model.pretrained_dir}"
+        where = f"model.pretrained_dir {shown_name(cfg.model.pretrained_dir)}"
     else:
         saved = tokenizer_dir(cfg)
 
@@ -101,7 +103,7 @@ def run_tokenizer(cfg, folder: str, manifest: dict):
         tokenizer = open_tokenizer(saved, "the saved tokenizer")
         where = saved
     if fingerprint(tokenizer) != manifest["fingerprint"]:
-        raise DataError(f"{folder}: the shards were tokenized with another tokenizer than {where}'s "
+        raise DataError(f"{shown_name(folder)}: the shards were tokenized with another tokenizer than {where}'s "
                         f"({manifest.get('tokenizer_source')}); prepare them again with --tokenizer pointing at "
                         "the one the model uses, or use a new output_dir")
     return tokenizer
@@ -112,7 +114,7 @@ class ShardSet:
 
     def __init__(self, folder: str, manifest: dict, split: str):
         if split not in manifest["splits"]:
-            raise DataError(f"{folder}: no {split} split in these shards (prepared splits: "
+            raise DataError(f"{shown_name(folder)}: no {split} split in these shards (prepared splits: "
                             f"{', '.join(manifest['splits'])})")
         info = manifest["splits"][split]
         self.folder, self.split = folder, split
@@ -134,12 +136,13 @@ class ShardSet:
             try:
                 self.open[key] = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as e:
-                raise DataError(f"{path}: cannot read ({e})") from None
+                raise DataError(f"{shown_name(path)}: cannot read ({e})") from None
             held = len(self.open[key])
             expected = {"tokens": self.tokens[s], "index": self.documents[s] + 1, "labels": self.documents[s]}[kind]
             if held != expected:  # cut short (or grown) since its preparation: its samples would come out short
                 del self.open[key]
-                raise DataError(f"{path}: holds {held} values, its manifest says {expected}; prepare the shards again")
+                raise DataError(f"{shown_name(path)}: holds {held} values, its manifest says {expected}; prepare the "
+                                "shards again")
             if len(self.open) > OPEN_SHARDS * 3:
                 self.open.popitem(last=False)
         self.open.move_to_end(key)
@@ -152,7 +155,7 @@ class TokenBlocks(Dataset):
 
     def __init__(self, folder: str, manifest: dict, split: str, block: int):
         self.shards = ShardSet(folder, manifest, split)
-        self.block, self.path = block, f"{folder} ({split})"
+        self.block, self.path = block, f"{shown_name(folder)} ({split})"
         self.starts = np.concatenate([[0], np.cumsum(self.shards.tokens, dtype=np.int64)]).tolist()
         total = self.n_tokens = self.starts[-1]
         self.n = max(0, (total - 1) // block)
@@ -188,7 +191,7 @@ class TokenExamples(Dataset):
 
     def __init__(self, folder: str, manifest: dict, split: str, max_length: int):
         self.shards = ShardSet(folder, manifest, split)
-        self.path = f"{folder} ({split})"
+        self.path = f"{shown_name(folder)} ({split})"
         self.starts = np.concatenate([[0], np.cumsum(self.shards.documents, dtype=np.int64)]).tolist()
         self.shard_sizes = list(self.shards.documents)
         self.max_length, self.suffix = max_length, manifest["special_suffix"]

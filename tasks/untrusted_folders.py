@@ -15,6 +15,7 @@ import re
 from typing import Optional
 
 from core.errors import DataError
+from core.file_names import shown_name
 
 PICKLED_WEIGHTS = ("pytorch_model", ".bin")  # transformers' names: pytorch_model.bin, pytorch_model-00001-of-2.bin
 
@@ -45,9 +46,9 @@ def refuse_custom_code(folder: str, key: str = "model.pretrained_dir") -> None:
     cls, target = next(iter(auto_map.items()))
     shown = f"{cls} -> {target}" if isinstance(target, str) else f"{cls} -> {json.dumps(target)}"
     what = f"model_type {str(model_type)[:40]!r}" if model_type is not None else "no model_type"
-    raise DataError(f"{key}: {folder} needs code of its own to load ({name}'s auto_map: {shown[:80]}; {what} is "
-                    "not one transformers knows); this trainer never runs code from a model folder: use a folder of "
-                    "a model type transformers supports")
+    raise DataError(f"{key}: {shown_name(folder)} needs code of its own to load ({name}'s auto_map: {shown[:80]}; "
+                    f"{what} is not one transformers knows); this trainer never runs code from a model folder: use a "
+                    "folder of a model type transformers supports")
 
 
 # The JSON files transformers reads from a model or tokenizer folder (and the indexes of sharded weights).
@@ -68,10 +69,10 @@ def check_json_files(folder: str, key: str = "model.pretrained_dir") -> None:
             with open(path, encoding="utf-8") as f:
                 json.load(f)
         except json.JSONDecodeError as e:
-            raise DataError(f"{key}: {path}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg}); copy the "
-                            "folder again") from None
+            raise DataError(f"{key}: {shown_name(path)}:{e.lineno}: not valid JSON at column {e.colno} ({e.msg}); "
+                            "copy the folder again") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"{key}: {path}: unreadable ({first_words(e)})") from None
+            raise DataError(f"{key}: {shown_name(path)}: unreadable ({first_words(e)})") from None
 
 
 def known_model_types() -> set:
@@ -105,7 +106,7 @@ def check_pickled_weights(folder: str, key: str = "model.pretrained_dir") -> Non
     for path in files_named(folder, lambda n: n.startswith(PICKLED_WEIGHTS[0]) and n.endswith(PICKLED_WEIGHTS[1])):
         why = pickle_problem(torch, path)
         if why:
-            raise DataError(f"{key}: {path}: refused: {why}; pickled weights are loaded only with "
+            raise DataError(f"{key}: {shown_name(path)}: refused: {why}; pickled weights are loaded only with "
                             "torch.load(weights_only=True) (or use a folder with model.safetensors)")
 
 
@@ -119,8 +120,8 @@ def check_safetensors(folder: str, key: str = "model.pretrained_dir") -> None:
             with safe_open(path, "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise DataError(f"{key}: {path}: not a readable safetensors file ({first_words(e)}); copy it again "
-                            "from where it came") from None
+            raise DataError(f"{key}: {shown_name(path)}: not a readable safetensors file ({first_words(e)}); copy it "
+                            "again from where it came") from None
 
 
 def check_weight_indexes(folder: str, key: str = "model.pretrained_dir") -> None:
@@ -135,12 +136,13 @@ def check_weight_indexes(folder: str, key: str = "model.pretrained_dir") -> None
         files = sorted({str(f) for f in weight_map.values()}) if isinstance(weight_map, dict) else []
         outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]  # ../x, /x: read from elsewhere
         if outside:
-            raise DataError(f"{key}: {os.path.join(folder, name)} names {outside[0][:80]}, outside the folder; a "
-                            "shard is a file name in the folder itself")
+            raise DataError(f"{key}: {shown_name(os.path.join(folder, name))} names {shown_name(outside[0][:80])}, "
+                            "outside the folder; a shard is a file name in the folder itself")
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
-            raise DataError(f"{key}: {os.path.join(folder, name)} names {missing[0][:80]}, which is not in the "
-                            f"folder ({len(missing)} of its {len(files)} files missing); copy the folder again")
+            raise DataError(f"{key}: {shown_name(os.path.join(folder, name))} names {shown_name(missing[0][:80])}, "
+                            f"which is not in the folder ({len(missing)} of its {len(files)} files missing); copy the "
+                            "folder again")
 
 
 def pickle_problem(torch, path: str) -> Optional[str]:

@@ -487,3 +487,27 @@ def test_csv_bad_row_through_main_is_one_line_and_exit_2(tmp_path, capsys):
     assert main.run(csv_config(tmp_path, folder)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == [f"error: {folder / 'train.csv'}:3: empty label; every row needs one"], err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A file named with a control character
+# ---------------------------------------------------------------------------------------------------------------
+def test_each_reader_shows_a_file_named_with_a_newline_on_one_line(tmp_path):
+    """A text file, an IDX file, a shard folder or a model folder named with a newline (or a terminal's escape
+    sequence) broke its reader's one-line error in two. Each names it as Python writes the control characters."""
+    from tasks import lm_data, mnist, token_shards, untrusted_folders
+    folder = tmp_path / "a\nb\x1b[0m"
+    folder.mkdir()
+    shown = f"{tmp_path}/a\\nb\\x1b[0m"
+    (folder / "train.json").write_text("[1, 2")
+    (folder / "train-images-idx3-ubyte").write_bytes(b"\0\0\x08")
+    (folder / "config.json").write_text("{")
+    cases = [(lambda: lm_data.read_file(str(folder / "train.json")), f"{shown}/train.json:1: not valid JSON"),
+             (lambda: mnist.read_idx(str(folder / "train-images-idx3-ubyte")), f"{shown}/train-images-idx3-ubyte: "),
+             (lambda: token_shards.read_manifest(str(folder), "gpt2_lm"), f"{shown}: the preparation of these shards"),
+             (lambda: untrusted_folders.check_json_files(str(folder)),
+              f"model.pretrained_dir: {shown}/config.json:1: not valid JSON")]
+    for read, expected in cases:
+        with pytest.raises(DataError) as e:
+            read()
+        assert str(e.value).startswith(expected) and len(str(e.value).splitlines()) == 1, str(e.value)

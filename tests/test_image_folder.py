@@ -20,6 +20,7 @@ from image_folders import digit_folder
 import main
 from core import checkpoint_meta
 from core.errors import ConfigError, DataError
+from core.file_names import shown_name
 from tasks import base, image_folder
 from tasks.bag_of_words_hf import word_ids
 from tasks.image_folder import ImageFolderTask
@@ -349,6 +350,36 @@ def truncate_one(root, split="train") -> str:
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
     return path
+
+
+@pytest.mark.slow  # 7 s: two runs
+def test_a_file_named_with_a_newline_or_an_escape_sequence_is_shown_on_one_line(tmp_path, capsys):
+    """An image named `a<newline>b.png` that Pillow cannot decode printed its one-line error on two lines (and the
+    log's `skipped` line too); a class folder named with a terminal's escape sequence recoloured the console. Each
+    name now shows its control characters as Python writes them; any other name is shown as it is."""
+    assert shown_name("a\nb\r\t\x1b[31m\x85\u2028.png") == "a\\nb\\r\\t\\x1b[31m\\x85\\u2028.png"
+    assert shown_name("photos/été 2024/ü x.png") == "photos/été 2024/ü x.png"
+    assert shown_name(os.fsdecode(b"b\xe9.png")) == shown_name(b"b\xe9.png") == "b\\xe9.png"  # not UTF-8
+    root = digit_folder(tmp_path / "d", train=6, val=2)
+    folder = os.path.join(root, "train", "two")
+    open(os.path.join(folder, "a\nb.png"), "wb").write(b"not an image")
+    shown = os.path.join(folder, "a\\nb.png")
+    for split in ("train", "val"):  # a class named with a newline, and an image in no class folder: the plan's line
+        shutil.copytree(os.path.join(root, split, "one"), os.path.join(root, split, "new\nline"))
+    shutil.copy(os.path.join(folder, sorted(os.listdir(folder))[0]), os.path.join(root, "train", "loose\n.png"))
+    train = {"max_steps": 1, "eval_every": 0, "save_every": 0, "batch_size": 18}
+    assert main.run(tiny(tmp_path / "a", root, train=train, data={"num_workers": 0})) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {shown}: not a readable image ("), err
+    assert main.run(tiny(tmp_path / "b", root, train=train, data={"num_workers": 0, "skip_bad_images": True})) == 0
+    skipped = [line for line in open(tmp_path / "b" / "logs" / "rank0.log").read().splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and f"skipped {shown}: not a readable image (data.skip_bad_images" in skipped[0], skipped
+    [plan] = [line for line in open(tmp_path / "b" / "logs" / "rank0.log").read().splitlines() if " classes: " in line]
+    assert "4 classes: new\\nline (" in plan and f"ignored ({root}/train/loose\\n.png, ...)" in plan, plan
+    os.makedirs(os.path.join(root, "train", "\x1b[31mred"))
+    with pytest.raises(DataError) as e:
+        task_for(tmp_path, root).build_datasets()
+    assert str(e.value).startswith(f"{root}/train/\\x1b[31mred: an empty class folder"), str(e.value)
 
 
 @pytest.mark.parametrize("workers", [1, slow(0)])

@@ -69,6 +69,11 @@ def test_report_to_defaults_to_tensorboard_and_log_tensorboard_adds_or_removes_i
     (["log.report_to=[tensorbord]"], ["`log.report_to` lists 'tensorbord', not a tracker", "tensorboard, csv"]),
     (["log.report_to=csv"], ["log.report_to"]),  # a list is expected
     (["log.mlflow_tracking_uri=' '"], ["`log.mlflow_tracking_uri` is empty"]),
+    # a path, which MLflow 3 refused after torch and the model had loaded, its reason cut mid-word ("Please m")
+    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=runs/mlflow.db"],
+     ["`log.mlflow_tracking_uri` is 'runs/mlflow.db', a path", f"sqlite:///{os.path.abspath('runs/mlflow.db')}"]),
+    (["log.report_to=[mlflow]", "log.mlflow_tracking_uri=./mlruns"],
+     [f"sqlite:///{os.path.abspath('mlruns')}/mlflow.db"]),
 ])
 def test_a_wrong_report_to_is_one_line(overrides, content):
     with pytest.raises(ConfigError) as e:
@@ -86,6 +91,12 @@ def test_an_output_dir_that_mlflows_default_store_would_misread_is_one_line(tmp_
     assert checked_config(None, [f"output_dir={tmp_path / 'runs?a'}", "log.report_to=[mlflow]",
                                  f"log.mlflow_tracking_uri={store}"]).log.mlflow_tracking_uri == store
     assert checked_config(None, [f"output_dir={tmp_path / '100%'}", "log.report_to=[mlflow]"])  # read as it is
+    # MLFLOW_TRACKING_URI a path: a folder store MLflow 3 refuses, said before torch loads (as the setting's)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    with pytest.raises(ConfigError) as e:
+        checked_config(None, ["log.report_to=[mlflow]"])
+    assert f"is null and MLFLOW_TRACKING_URI is '{tmp_path}/mlruns', a path" in str(e.value) and \
+        f"give sqlite:///{tmp_path}/mlruns/mlflow.db" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("tracker, module, pip", [
@@ -323,6 +334,47 @@ def test_wandb_offline_and_mlflow_receive_the_run_and_a_resume_continues_them(tm
     assert sorted(s for s, _ in loss) == [2, 4, 6]
 
 
+
+@pytest.mark.slow  # W&B's service and MLflow's store, a run stopped then resumed
+def test_a_run_stopped_by_a_signal_ends_its_tracked_runs_stopped_and_a_resume_finishes_them(tmp_path, monkeypatch):
+    """SIGTERM (or the time limit): the run saves and exits 3, for a requeue, and its MLflow run showed FINISHED, its
+    W&B run exit code 0: in the runs table a stopped run looked like a finished one. Now MLflow's run is KILLED and
+    W&B's is marked preempting with exit code 3; the resume continues both, and its end is FINISHED (W&B: 0)."""
+    import mlflow
+    from resilience import faults
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    votes, vote = [], faults.StopRequest.vote
+
+    def signalled_in_step_2(request):
+        votes.append(request)
+        if len(votes) == 2:
+            monkeypatch.setattr(request, "reason", "SIGTERM")  # as the signal handler sets it
+        return vote(request)
+    monkeypatch.setattr(faults.StopRequest, "vote", signalled_in_step_2)
+    assert run(tmp_path, ["wandb", "mlflow"]) == 3
+    ids = json.load(open(tmp_path / "trackers.json"))
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(ids["mlflow"]).info.status == "KILLED"
+
+    def wandb_end(file) -> tuple[bool, int]:
+        records = [r for r in wandb_records(file) if r.WhichOneof("record_type") in ("preempting", "exit")]
+        assert records[-1].WhichOneof("record_type") == "exit", records
+        return any(r.WhichOneof("record_type") == "preempting" for r in records), records[-1].exit.exit_code
+    [stopped] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert wandb_end(stopped) == (True, 3)
+
+    monkeypatch.setattr(faults.StopRequest, "vote", vote)
+    monkeypatch.setattr(faults.stop_request, "reason", None)
+    assert run(tmp_path, ["wandb", "mlflow"]) == 0  # resumed from step 2, to its end
+    assert json.load(open(tmp_path / "trackers.json")) == ids  # the same tracked runs
+    held = client.get_run(ids["mlflow"])
+    assert held.info.status == "FINISHED" and held.data.metrics["summary/steps"] == 4
+    [resumed] = set(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) - {stopped}
+    assert wandb_run(resumed)["id"] == ids["wandb"] and wandb_end(resumed) == (False, 0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One voice: rank 0 reports; the load report only where it is true
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,6 +559,41 @@ def test_a_tracker_failing_mid_run_is_named_once_and_training_goes_on(tmp_path, 
     assert calls == [2] and os.path.isdir(tmp_path / "checkpoints" / "step-4")  # called no more; the run ended
 
 
+@pytest.mark.slow  # W&B's service and MLflow's store, started (no training)
+def test_a_tracker_dropped_mid_run_is_closed_marked_failed(tmp_path, monkeypatch):
+    """A W&B or MLflow tracker that failed mid-run was dropped and never closed: MLflow's run stayed RUNNING after
+    the run had ended, and W&B's file lost what it held (its service ended with the process, unwritten). Now each
+    is closed marked failed as it is dropped; one that cannot be closed is said in a line of its own."""
+    import mlflow
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = make_config(tmp_path, log={"report_to": ["csv", "wandb", "mlflow"], "tensorboard": None})
+    said = []
+    tracked = trackers.Trackers(cfg, 0, tensorboard=None, warn=said.append)
+    tracked.scalars(1, {"train/loss": 2.5})
+
+    def gone(self, step, values):
+        raise ConnectionError("the tracking server went away")
+    for member in (trackers.CSV, trackers.WandB, trackers.MLflow):
+        monkeypatch.setattr(member, "scalars", gone)
+    monkeypatch.setattr(trackers.CSV, "close", lambda self, failed=False, stopped=False: gone(self, 0, {}))
+    tracked.scalars(2, {"train/loss": 2.0})
+    failed = [f"tracker {name} failed (ConnectionError: the tracking server went away); it is dropped and training "
+              "goes on without it" for name in ("csv", "wandb", "mlflow")]
+    assert said == [failed[0], "tracker csv was not closed (ConnectionError: the tracking server went away)",
+                    *failed[1:]], said
+    ids = json.load(open(tmp_path / "trackers.json"))
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(ids["mlflow"])
+    assert run.info.status == "FAILED" and run.data.metrics["train/loss"] == 2.5
+    [file] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    [end] = [r.exit for r in wandb_records(file) if r.WhichOneof("record_type") == "exit"]
+    assert end.exit_code == 1 and [row["train/loss"] for row in wandb_run(file)["history"]] == [2.5]
+    said.clear()
+    tracked.close()  # none left
+    assert said == [] and tracked.members == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A run writes inside output_dir only; a crash closes the trackers
 # ---------------------------------------------------------------------------------------------------------------
@@ -625,6 +712,20 @@ def test_a_resumed_metrics_csv_is_read_and_written_in_output_dir_only(tmp_path):
         assert str(e.value).startswith(f"{path}: {why}") and "move it" in str(e.value), (case, str(e.value))
         assert outside.read_text() == "step,tag,value\n1,outside,7.0\n"
 
+
+
+def test_an_output_dir_named_with_a_newline_is_shown_on_one_line(tmp_path):
+    """trackers.json cut, metrics.csv a FIFO, in an output_dir whose name holds a newline: each line broke in two."""
+    out = tmp_path / "run\nx"
+    out.mkdir()
+    (out / "trackers.json").write_text('{"wandb": "abc')
+    said = []
+    assert trackers.read_ids(str(out / "trackers.json"), said.append) == {}
+    assert said == [f"{tmp_path}/run\\nx/trackers.json: unreadable (not JSON), so W&B and MLflow start new runs"], said
+    os.mkfifo(out / "metrics.csv")
+    with pytest.raises(trackers.UserError) as e:
+        trackers.CSV(str(out / "metrics.csv"), 2)
+    assert str(e.value).startswith(f"{tmp_path}/run\\nx/metrics.csv: not a regular file"), str(e.value)
 
 
 def test_metrics_csv_on_a_full_disk_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
