@@ -231,7 +231,7 @@ class Trainer:
         self.state.eval_due = bool(self.train_cfg.eval_every) and self.state.step % self.train_cfg.eval_every == 0
         self.save_checkpoint({})
         self.finish_save()
-        self.close()
+        self.close(stopped=True)
         raise Stopped(f"stopped by {reason} at step {self.state.step}; saved step-{self.state.step}; "
                              f"run the same command to resume")
 
@@ -607,11 +607,11 @@ class Trainer:
                  "grad_norm": grad_norm, **{k: w[k] for k in ("ms_per_step", "tokens_per_s") if k in w}}
         run_log.train_line(self.log, self.trackers, bar, self.state.step, self.total_steps, stats)
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
         self.eval_loaders.clear()  # (their kept workers end)
         if self.trackers:
             self.trackers.summary(run_log.final_values(self.state, self.best_metric))
-            self.trackers.close()
+            self.trackers.close(stopped=stopped)
             self.trackers = None
 
 

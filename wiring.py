@@ -138,7 +138,6 @@ class RunHooks(Hooks):
         self.precision_asked = precision_asked  # `auto` on a CPU: timed before the first step (balance.py)
         self.plan_notes = list(plan_notes)  # what build_model says about the model (LoRA)
         self.profiler: Optional[profiling.StepProfiler] = None
-        self.tracked: Optional[trackers.Trackers] = None  # rank 0's (run_starts): told whether a close is a stop's
 
     def resume(self, trainer: Trainer) -> bool:
         return resume.resume_run(trainer)
@@ -153,19 +152,13 @@ class RunHooks(Hooks):
                                                    trainer.log)
 
     def run_starts(self, trainer: Trainer):
-        self.tracked = run_record.start(trainer.cfg, trainer.log, run_record.plan(trainer, self.plan_notes),
-                                        trainer.state.step)
-        if self.tracked is not None:  # closed before the run's "done" phase, by Trainer.stop: saved, to be resumed
-            self.tracked.stopped = True
-        return self.tracked
+        return run_record.start(trainer.cfg, trainer.log, run_record.plan(trainer, self.plan_notes), trainer.state.step)
 
     def run_ends(self, trainer: Trainer) -> None:
         trainer.log.info(run_record.summary(trainer.cfg, trainer.state, trainer.best_metric, trainer.task))
 
     def phase_starts(self, step: int, phase: str) -> None:
         faults.progress.phase_starts(step, phase)
-        if phase == "done" and self.tracked is not None:  # the run's end: its trackers close finished
-            self.tracked.stopped = False
         if self.profiler is not None and phase in ("train", "done"):
             self.profiler.before_step(step) if phase == "train" else self.profiler.stop()
 

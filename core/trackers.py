@@ -135,7 +135,6 @@ class Trackers:
                     "mlflow": lambda: MLflow(cfg, ids.get("mlflow"))}
         self.names = names(cfg)
         self.members = []
-        self.stopped = False  # a close is a stop's (saved, to be resumed), not the run's end: wiring.RunHooks says
         try:
             for name in self.names:
                 self.members.append(self.started(name, builders[name]))
@@ -206,11 +205,12 @@ class Trackers:
     def summary(self, values: dict) -> None:
         self.each("summary", values)
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
         """`failed`: the run ended in an exception, which is what gets reported: each tracker is closed all the
-        same, and one that cannot close is said beside it (a full disk, which the report says, is not)."""
+        same, and one that cannot close is said beside it (a full disk, which the report says, is not). `stopped`:
+        a stop's close (Trainer.stop: saved, to be resumed), not the run's end."""
         if not failed:
-            self.each("close", False, self.stopped)
+            self.each("close", False, stopped)
         else:
             for name, member in zip(self.names, self.members):
                 try:
