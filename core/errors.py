@@ -67,3 +67,12 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 def warn_on_stderr(text: str) -> None:
     """A warning line on stderr, where no log is at hand: what a `note`/`warn` callback does by default."""
     print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 holds it: the bytes of a file name that are not UTF-8 (a zip of Latin-1 names unpacked as
+    bytes; Python reads them as lone surrogates, which no UTF-8 file or console takes) shown as \\xe9."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name makes
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

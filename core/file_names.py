@@ -6,16 +6,13 @@ from __future__ import annotations
 import os
 import re
 
+from core.errors import printable
+
 # What splits a line (str.splitlines splits at \x1c-\x1e, \x85, \u2028 and \u2029 too) or drives a terminal (\x1b)
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def shown_name(path) -> str:
     """`path` (str, bytes or a PathLike) with its control characters as Python writes them (\\n, \\x1b, \\u2028) and
-    its bytes that are not UTF-8 as \\xe9 (as run_log.printable shows them in the log); any other name unchanged."""
-    text = os.fsdecode(path)
-    try:
-        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate no file name makes
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return CONTROL.sub(lambda found: repr(found.group())[1:-1], text)
+    its bytes that are not UTF-8 as \\xe9 (errors.printable, as the log shows them); any other name unchanged."""
+    return CONTROL.sub(lambda found: repr(found.group())[1:-1], printable(os.fsdecode(path)))

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from core import disk_errors, distributed
+from core.errors import printable
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -40,15 +41,6 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     else:
         quiet_libraries()
     return log
-
-
-def printable(text: str) -> str:
-    """`text` as UTF-8 holds it: the bytes of a file name that are not UTF-8 (a zip of Latin-1 names unpacked as
-    bytes; Python reads them as lone surrogates, which no UTF-8 file or console takes) shown as \\xe9."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate no file name makes
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class PrintableFormatter(logging.Formatter):

@@ -23,7 +23,7 @@ import torch
 from core import checkpoint, checkpoint_io, checkpoint_meta, distributed, run_log
 from core.atomic_write import refuse_a_folder_at, write_beside
 from core.distributed import DistContext
-from core.errors import CheckpointError, DataError
+from core.errors import CheckpointError, DataError, printable
 from data_loader import eval_shard_batches, make_loader
 from resilience import faults
 from tasks import lora
@@ -132,7 +132,7 @@ def write_rows(f, rows: Iterable, label_names: Optional[list]) -> int:
         if not count:
             writer.writerow(["input"] + [f"{what}{'' if i == 1 else f'_{i}'}" for i in range(1, len(classes) + 1)
                                          for what in ("label", "probability")])
-        writer.writerow([run_log.printable(name)]  # (a file name's bytes that are not UTF-8: \xe9)
+        writer.writerow([printable(name)]  # (a file name's bytes that are not UTF-8: \xe9)
                         + [x for c, p in zip(classes, probabilities)
                            for x in (label_names[c] if label_names else str(c), f"{p:.6f}")])
         count += 1

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from core.config import is_set
 from core.errors import ConfigError, DataError
 from core.file_names import shown_name
-from core.run_log import printable
+from core.errors import printable
 from tasks.base import PipelineLayer, Task
 from tasks.metrics import classification_batch, classification_metrics
 from tasks.text_common import WEIGHTS_DTYPE, load_report, plain_transformers_output, pretrained_dropout
