@@ -232,7 +232,10 @@ class Supervisor:
         reports = self.read_reports()
         first_failed = next((p for p in self.exit_order if self.exit_code(p) not in (EXIT_OK, EXIT_STOPPED)), None)
         said = set()
-        for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
+        # The cause first (a rank killed without a report, say), then its consequences in the order they were said
+        in_order = sorted(range(len(self.procs)), key=lambda j: (self.procs[j] is not first_failed,
+                                                                 reports.get(j, {}).get("time", float("inf"))))
+        for i in in_order:
             p = self.procs[i]
             rank = self.places[i].rank
             where = faults.doing(self.cfg.mode) or f"at step {self.steps[i]}"  # (predict has no step)
