@@ -573,6 +573,12 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
     assert re.match(rf"rank 1 on {HOST} \(pid {ranks[1].pid}\) died from SIGKILL \(killed by the kernel: out of "
                     r"memory\?, or kill -9\) at step \d+$", stderr.splitlines()[0]), stderr
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    # Each rank's log ends with why it ended: rank 1's with its death, rank 0's (killed by the launcher as it asked
+    # the store who was lost) with the launcher's word; both logs used to end mid-step, without a word.
+    last = [open(tmp_path / "run" / "logs" / f"rank{r}.log").read().splitlines()[-1] for r in (0, 1)]
+    assert last[1].endswith(f" rank1 {stderr.splitlines()[0]}"), last
+    assert re.search(rf" rank0 rank 0 on {HOST} \(pid {ranks[0].pid}\) was ended by the launcher at step \d+ "
+                     rf"\(SIGKILL\), as rank 1 on {HOST} had failed first$", last[0]), last
 
 
 @pytest.mark.slow
@@ -600,6 +606,8 @@ def test_rank_0_killed_each_survivor_says_one_line_without_a_stack(tmp_path):
             log = f.read()
         assert said[0] in log and "Traceback (most recent call last)" in log  # the detail, for debugging
     assert len(lines) == 3, stderr
+    with open(out / "logs" / "rank0.log") as f:  # (it ended mid-step, without a word)
+        assert f.read().splitlines()[-1].endswith(f" rank0 {lines[0]}")
 
 
 @pytest.mark.slow
@@ -610,8 +618,11 @@ def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_pa
     proc = start(out, "--set", "dist.hang_timeout_s=3", "--set", "train.save_every=3", fault="teardown:1:0", steps=3)
     code, stdout, stderr = finish(proc, timeout=60)
     assert code == 0, stderr
-    assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down 3 s "
-                     r"later; ended it$", stderr, re.M), stderr
+    warned = re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down "
+                       r"3 s later; ended it$", stderr, re.M)
+    assert warned, stderr
+    with open(out / "logs" / "rank1.log") as f:  # the same word ends its log (it ended mid-teardown)
+        assert f.read().splitlines()[-1].endswith(" rank1 " + warned.group(0))
     assert "rank 0" not in stderr  # rank 0 closed normally
     from core.checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
@@ -1575,3 +1586,23 @@ def test_a_signal_as_the_launcher_starts_a_predict_s_ranks_is_no_training_stop(t
     assert supervisor.supervise() == 143
     assert capsys.readouterr().err.splitlines() == [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]
     assert not supervisor.procs[0].pid and not supervisor.procs[1].pid  # none started
+
+
+def test_the_launcher_ends_a_killed_ranks_log_only_if_that_rank_opened_it(tmp_path):
+    """A rank killed (kill -9, the OOM killer, the launcher after another rank failed) left its log ending mid-step;
+    the launcher writes its last line, but only into a log whose last start line names that rank's pid: not one an
+    earlier run left (a rank killed before it opened its own), nor a log that is not there."""
+    from types import SimpleNamespace
+    from resilience.launcher import Supervisor
+    (tmp_path / "logs").mkdir()
+    for r, pid in ((0, 11), (1, 99)):  # rank 1's log is an earlier run's: pid 99, not 12
+        (tmp_path / "logs" / f"rank{r}.log").write_text(f"10:00:00 rank{r} rank {r} on {HOST}: pid {pid}, local rank "
+                                                         f"{r} of 3, 3 ranks in all, train\n10:00:01 rank{r} step 1\n")
+    sup = SimpleNamespace(cfg=SimpleNamespace(output_dir=str(tmp_path)),
+                          places=[SimpleNamespace(rank=r) for r in range(3)],
+                          procs=[SimpleNamespace(pid=11 + r) for r in range(3)])
+    for i in range(3):
+        Supervisor.end_log(sup, i, f"rank {i} ended")
+    assert (tmp_path / "logs" / "rank0.log").read_text().splitlines()[-1].endswith(" rank0 rank 0 ended")
+    assert (tmp_path / "logs" / "rank1.log").read_text().splitlines()[-1] == "10:00:01 rank1 step 1"
+    assert not (tmp_path / "logs" / "rank2.log").exists()
