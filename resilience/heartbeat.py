@@ -91,13 +91,18 @@ class Watchdog:
             except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
                 now = time.monotonic()
                 self.unreachable_since = self.unreachable_since or now
-                if now - self.unreachable_since < self.timeout or self._stop.is_set():
+                # A host known gone is not waited for: a store call's time, in which the main thread's collective
+                # fails and says so itself (a frozen one may come back: dist.hang_timeout_s)
+                gone = self.store_gone()
+                if now - self.unreachable_since < (min(self.op_timeout, self.timeout) if gone else self.timeout) or \
+                        self._stop.is_set():
                     continue
                 # (no rank named: the line stays the same for every rank of this node, said once by the launcher)
-                why = ("is gone (it closed its connections)" if self.store_gone() else
+                why = ("is gone (it closed its connections)" if gone else
                        f"froze or died, or the network to it is down ({type(e).__name__})")
-                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s ({self.ctx.rendezvous}, "
-                           f"seen from {HOST} {progress.where()}): the process hosting it ({STORE_HOST}) {why}")
+                verdict = (f"the rendezvous store stopped answering{'' if gone else f' for {self.timeout:g} s'} "
+                           f"({self.ctx.rendezvous}, seen from {HOST} {progress.where()}): the process hosting it "
+                           f"({STORE_HOST}) {why}")
             if verdict and not self._stop.is_set():
                 self._close_before_exit()  # before the others leave (the launcher ends this rank GRACE_S after them)
                 if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read

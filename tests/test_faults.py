@@ -1252,7 +1252,8 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
 def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkeypatch, capfd):
     """The store's host killed (kill -9 of rank 0): each heartbeat's store call printed torch's C++ warning with its
     c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
-    tells it the host is gone: no call is made, and the verdict says gone, not frozen."""
+    tells it the host is gone: no call is made, and the verdict says gone, not frozen. It came only after
+    dist.hang_timeout_s (600 s by default), waited for a store known gone: now within a store call's time."""
     from datetime import timedelta
     from types import SimpleNamespace
     port = free_port()
@@ -1262,7 +1263,8 @@ def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkey
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
-        w = heartbeat.Watchdog(client, ctx, timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w = heartbeat.Watchdog(client, ctx, timeout=60, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w.interval = 0.5  # (as a timeout of 2 s would have it)
         w.host_line = heartbeat.open_host_line(ctx, 1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
@@ -1271,9 +1273,13 @@ def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkey
         time.sleep(1.25)  # (between two beats: a call under way as the host dies still meets it)
         assert not verdicts and not w.store_gone()
         host.kill()
+        t0 = time.monotonic()
         w.thread.join(timeout=15)
+        assert time.monotonic() - t0 < 1.0 + 2 * w.interval + 1.0  # a store call's time, a beat (not 60 s)
         assert verdicts and verdicts[0].endswith("the process hosting it (rank 0, or torchrun's agent) is gone (it "
                                                  "closed its connections)"), verdicts
+        assert verdicts[0].startswith(f"the rendezvous store stopped answering (tcp://127.0.0.1:{port}, seen from "
+                                      f"{HOST} "), verdicts  # (not `for 60 s`)
         with pytest.raises(dist.DistNetworkError, match="the rendezvous store is gone"):
             w.ask(lambda: client.get("hb/0"), "get")
     finally:
