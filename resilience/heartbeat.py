@@ -243,6 +243,8 @@ class Watchdog:
         if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
                                        "timeout", "nccl", "gloo")):
             return ""
+        if self.host_line is not None:  # a dying store host closes its connections one by one, maybe ours after the
+            self.host_line.host_gone(wait_s=self.interval)  # collective's: asked first, it prints torch's C++ stack
         lost = self.silent_ranks()
         if self.store_gone():  # (rank 0 hosts it; under torchrun, rank 0 or torchrun's agent)
             return ("lost the process hosting the rendezvous store (rank 0, or torchrun's agent), which is gone (it "
