@@ -16,7 +16,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR, first_line, warn_on_stderr
 from core.store_call import StoreCall, StoreHostLine
-from resilience.faults import HOST, progress, report
+from resilience.faults import HOST, progress, report, stop_request
 
 STORE_HOST = "rank 0, or torchrun's agent"  # who hosts the rendezvous store, said when it does not answer
 
@@ -92,10 +92,11 @@ class Watchdog:
                 now = time.monotonic()
                 self.unreachable_since = self.unreachable_since or now
                 # A host known gone is not waited for: a store call's time, in which the main thread's collective
-                # fails and says so itself (a frozen one may come back: dist.hang_timeout_s)
+                # fails and says so itself (a frozen one may come back: dist.hang_timeout_s). Unless the rank is
+                # stopping: torchrun's agent, which hosts the store, died and signalled it; its save takes what it takes
                 gone = self.store_gone()
-                if now - self.unreachable_since < (min(self.op_timeout, self.timeout) if gone else self.timeout) or \
-                        self._stop.is_set():
+                patience = min(self.op_timeout, self.timeout) if gone and stop_request.reason is None else self.timeout
+                if now - self.unreachable_since < patience or self._stop.is_set():
                     continue
                 # (no rank named: the line stays the same for every rank of this node, said once by the launcher)
                 why = ("is gone (it closed its connections)" if gone else
