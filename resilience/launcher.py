@@ -276,10 +276,11 @@ class Supervisor:
         path = os.path.join(self.cfg.output_dir, "logs", f"rank{rank}.log")
         with contextlib.suppress(OSError):  # (no log, or a full disk: the console has the line all the same)
             with open(path, errors="replace") as f:
-                pids = re.findall(rf" rank{rank} rank {rank} on \S+: pid (\d+), ", f.read())
+                text = f.read()
+            pids = re.findall(rf" rank{rank} rank {rank} on \S+: pid (\d+), ", text)
             if pids and int(pids[-1]) == self.procs[i].pid:
-                with open(path, "a") as f:
-                    f.write(f"{time.strftime('%H:%M:%S')} rank{rank} {line}\n")
+                with open(path, "a") as f:  # (on a line of its own, after one the kill cut short)
+                    f.write(("" if text.endswith("\n") else "\n") + f"{time.strftime('%H:%M:%S')} rank{rank} {line}\n")
 
     def rank_0_died(self) -> bool:
         """The run's rank 0 is here and was killed before it was done (kill -9, the kernel's OOM killer, a segfault,

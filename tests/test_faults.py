@@ -1607,13 +1607,15 @@ def test_the_launcher_ends_a_killed_ranks_log_only_if_that_rank_opened_it(tmp_pa
     (tmp_path / "logs").mkdir()
     for r, pid in ((0, 11), (1, 99)):  # rank 1's log is an earlier run's: pid 99, not 12
         (tmp_path / "logs" / f"rank{r}.log").write_text(f"10:00:00 rank{r} rank {r} on {HOST}: pid {pid}, local rank "
-                                                         f"{r} of 3, 3 ranks in all, train\n10:00:01 rank{r} step 1\n")
+                                                         f"{r} of 3, 3 ranks in all, train\n10:00:01 rank{r} step 1"
+                                                         + "\n" * r)  # (rank 0's last line cut short by the kill)
     sup = SimpleNamespace(cfg=SimpleNamespace(output_dir=str(tmp_path)),
                           places=[SimpleNamespace(rank=r) for r in range(3)],
                           procs=[SimpleNamespace(pid=11 + r) for r in range(3)])
     for i in range(3):
         Supervisor.end_log(sup, i, f"rank {i} ended")
-    assert (tmp_path / "logs" / "rank0.log").read_text().splitlines()[-1].endswith(" rank0 rank 0 ended")
+    lines = (tmp_path / "logs" / "rank0.log").read_text().splitlines()
+    assert lines[-2] == "10:00:01 rank0 step 1" and lines[-1].endswith(" rank0 rank 0 ended"), lines
     assert (tmp_path / "logs" / "rank1.log").read_text().splitlines()[-1] == "10:00:01 rank1 step 1"
     assert not (tmp_path / "logs" / "rank2.log").exists()
 
