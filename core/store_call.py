@@ -73,13 +73,14 @@ class StoreHostLine:
         self.gone = False
         self.lock = threading.Lock()  # (asked by the watchdog's thread and by the main thread's crash report)
 
-    def host_gone(self) -> bool:
-        """Whether the store's host closed our connection and nothing takes a new one (it is gone, not restarted)."""
+    def host_gone(self, wait_s: float = 0.0) -> bool:
+        """Whether the store's host closed our connection and nothing takes a new one (it is gone, not restarted),
+        waiting up to wait_s for it to close."""
         with self.lock:
-            return self._host_gone()
+            return self._host_gone(wait_s)
 
-    def _host_gone(self) -> bool:
-        if not self.gone and closed(self.sock, wait_s=0):
+    def _host_gone(self, wait_s: float) -> bool:
+        if not self.gone and closed(self.sock, wait_s):
             self.sock.close()
             try:  # the store closed only ours, or its process restarted: watch a new connection
                 self.sock = socket.create_connection(self.address, timeout=self.timeout_s)

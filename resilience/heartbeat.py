@@ -16,7 +16,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from core.errors import EXIT_CRASH, EXIT_USER_ERROR, first_line, warn_on_stderr
 from core.store_call import StoreCall, StoreHostLine
-from resilience.faults import HOST, progress, report
+from resilience.faults import HOST, progress, report, stop_request
 
 STORE_HOST = "rank 0, or torchrun's agent"  # who hosts the rendezvous store, said when it does not answer
 
@@ -91,13 +91,19 @@ class Watchdog:
             except Exception as e:  # the store does not answer: its host (rank 0, or torchrun's agent) froze
                 now = time.monotonic()
                 self.unreachable_since = self.unreachable_since or now
-                if now - self.unreachable_since < self.timeout or self._stop.is_set():
+                # A host known gone is not waited for: a store call's time, in which the main thread's collective
+                # fails and says so itself (a frozen one may come back: dist.hang_timeout_s). Unless the rank is
+                # stopping: torchrun's agent, which hosts the store, died and signalled it; its save takes what it takes
+                gone = self.store_gone()
+                patience = min(self.op_timeout, self.timeout) if gone and stop_request.reason is None else self.timeout
+                if now - self.unreachable_since < patience or self._stop.is_set():
                     continue
                 # (no rank named: the line stays the same for every rank of this node, said once by the launcher)
-                why = ("is gone (it closed its connections)" if self.store_gone() else
+                why = ("is gone (it closed its connections)" if gone else
                        f"froze or died, or the network to it is down ({type(e).__name__})")
-                verdict = (f"the rendezvous store stopped answering for {self.timeout:g} s ({self.ctx.rendezvous}, "
-                           f"seen from {HOST} {progress.where()}): the process hosting it ({STORE_HOST}) {why}")
+                verdict = (f"the rendezvous store stopped answering{'' if gone else f' for {self.timeout:g} s'} "
+                           f"({self.ctx.rendezvous}, seen from {HOST} {progress.where()}): the process hosting it "
+                           f"({STORE_HOST}) {why}")
             if verdict and not self._stop.is_set():
                 self._close_before_exit()  # before the others leave (the launcher ends this rank GRACE_S after them)
                 if self.announced:  # rank 0 hosts the store (under our launchers): give the others time to read
@@ -238,6 +244,8 @@ class Watchdog:
         if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out",
                                        "timeout", "nccl", "gloo")):
             return ""
+        if self.host_line is not None:  # a dying store host closes its connections one by one, maybe ours after the
+            self.host_line.host_gone(wait_s=self.interval)  # collective's: asked first, it prints torch's C++ stack
         lost = self.silent_ranks()
         if self.store_gone():  # (rank 0 hosts it; under torchrun, rank 0 or torchrun's agent)
             return ("lost the process hosting the rendezvous store (rank 0, or torchrun's agent), which is gone (it "

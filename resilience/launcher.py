@@ -14,6 +14,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -223,8 +224,9 @@ class Supervisor:
                                                      f"exit code {p.exitcode}") + "; counted as done"
             else:
                 continue
-            print(f"warning: rank {self.places[i].rank} on {HOST} (pid {p.pid}) was done (exit code {code}) but "
-                  f"{what}", file=sys.stderr, flush=True)
+            line = f"warning: rank {self.places[i].rank} on {HOST} (pid {p.pid}) was done (exit code {code}) but {what}"
+            print(line, file=sys.stderr, flush=True)
+            self.end_log(i, line)  # (its log ended with its last line before the teardown)
 
     def summarize(self) -> int:
         """Print each distinct final word once; return the exit code of the first rank that failed (else 0, or 3
@@ -232,7 +234,10 @@ class Supervisor:
         reports = self.read_reports()
         first_failed = next((p for p in self.exit_order if self.exit_code(p) not in (EXIT_OK, EXIT_STOPPED)), None)
         said = set()
-        for i in sorted(range(len(self.procs)), key=lambda j: reports.get(j, {}).get("time", float("inf"))):
+        # The cause first (a rank killed without a report, say), then its consequences in the order they were said
+        in_order = sorted(range(len(self.procs)), key=lambda j: (self.procs[j] is not first_failed,
+                                                                 reports.get(j, {}).get("time", float("inf"))))
+        for i in in_order:
             p = self.procs[i]
             rank = self.places[i].rank
             where = faults.doing(self.cfg.mode) or f"at step {self.steps[i]}"  # (predict has no step)
@@ -240,7 +245,10 @@ class Supervisor:
                 code, line, detail = reports[i]["code"], reports[i]["line"], reports[i]["detail"]
             elif self.exit_code(p) and self.exit_code(p) < 0:
                 if first_failed is not None and p is not first_failed and p.exitcode == -signal.SIGKILL:
-                    continue  # killed by us, after another rank failed
+                    cause = self.places[self.procs.index(first_failed)].rank  # killed by us, after it failed
+                    self.end_log(i, f"rank {rank} on {HOST} (pid {p.pid}) was ended by the launcher {where} (SIGKILL), "
+                                    f"as rank {cause} on {HOST} had failed first")
+                    continue
                 # The kernel's OOM killer sends SIGKILL, and a rank that runs out of memory leaves no report.
                 oom = " (killed by the kernel: out of memory?, or kill -9)" if p.exitcode == -signal.SIGKILL else ""
                 code, detail = EXIT_CRASH, ""
@@ -251,6 +259,8 @@ class Supervisor:
                         f"(see logs/rank{rank}.log)")
             else:
                 continue
+            if i not in reports:  # its log ended without a word (kill -9, the OOM killer)
+                self.end_log(i, line)
             if line not in said:  # the same final word from several ranks: once
                 said.add(line)
                 say(code, line, detail)
@@ -258,6 +268,19 @@ class Supervisor:
             return max(self.exit_code(p) for p in self.procs)
         i = self.procs.index(first_failed)
         return reports[i]["code"] if i in reports else EXIT_CRASH
+
+    def end_log(self, i: int, line: str) -> None:
+        """`line` as the last line of rank i's log, a rank that ended without writing why (killed), in the log's
+        format; only into a log this rank opened (its last start line names its pid): not one an earlier run left."""
+        rank = self.places[i].rank
+        path = os.path.join(self.cfg.output_dir, "logs", f"rank{rank}.log")
+        with contextlib.suppress(OSError):  # (no log, or a full disk: the console has the line all the same)
+            with open(path, errors="replace") as f:
+                text = f.read()
+            pids = re.findall(rf" rank{rank} rank {rank} on \S+: pid (\d+), ", text)
+            if pids and int(pids[-1]) == self.procs[i].pid:
+                with open(path, "a") as f:  # (on a line of its own, after one the kill cut short)
+                    f.write(("" if text.endswith("\n") else "\n") + f"{time.strftime('%H:%M:%S')} rank{rank} {line}\n")
 
     def rank_0_died(self) -> bool:
         """The run's rank 0 is here and was killed before it was done (kill -9, the kernel's OOM killer, a segfault,

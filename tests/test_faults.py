@@ -573,6 +573,12 @@ def test_killed_rank_is_named_and_ends_the_run_within_10_s(tmp_path):
     assert re.match(rf"rank 1 on {HOST} \(pid {ranks[1].pid}\) died from SIGKILL \(killed by the kernel: out of "
                     r"memory\?, or kill -9\) at step \d+$", stderr.splitlines()[0]), stderr
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    # Each rank's log ends with why it ended: rank 1's with its death, rank 0's (killed by the launcher as it asked
+    # the store who was lost) with the launcher's word; both logs used to end mid-step, without a word.
+    last = [open(tmp_path / "run" / "logs" / f"rank{r}.log").read().splitlines()[-1] for r in (0, 1)]
+    assert last[1].endswith(f" rank1 {stderr.splitlines()[0]}"), last
+    assert re.search(rf" rank0 rank 0 on {HOST} \(pid {ranks[0].pid}\) was ended by the launcher at step \d+ "
+                     rf"\(SIGKILL\), as rank 1 on {HOST} had failed first$", last[0]), last
 
 
 @pytest.mark.slow
@@ -589,8 +595,8 @@ def test_rank_0_killed_each_survivor_says_one_line_without_a_stack(tmp_path):
     assert code == errors.EXIT_CRASH
     assert not re.search(r"frame #|Exception raised from|Traceback|c10d", stderr), stderr
     lines = stderr.splitlines()
-    assert any(re.match(rf"rank 0 on {HOST} \(pid {ranks[0].pid}\) died from SIGKILL .* at step \d+$", line)
-               for line in lines), stderr
+    # the cause first, then its consequences (the survivors' lines came first: they report, rank 0 left no report)
+    assert re.match(rf"rank 0 on {HOST} \(pid {ranks[0].pid}\) died from SIGKILL .* at step \d+$", lines[0]), stderr
     for r in (1, 2):
         said = [line for line in lines if line.startswith(f"rank {r} ")]
         assert len(said) == 1 and re.match(rf"rank {r} on {HOST} failed at step \d+: lost rank 0, which is gone "
@@ -600,6 +606,8 @@ def test_rank_0_killed_each_survivor_says_one_line_without_a_stack(tmp_path):
             log = f.read()
         assert said[0] in log and "Traceback (most recent call last)" in log  # the detail, for debugging
     assert len(lines) == 3, stderr
+    with open(out / "logs" / "rank0.log") as f:  # (it ended mid-step, without a word)
+        assert f.read().splitlines()[-1].endswith(f" rank0 {lines[0]}")
 
 
 @pytest.mark.slow
@@ -610,8 +618,11 @@ def test_a_rank_stuck_in_its_teardown_is_ended_and_the_run_still_succeeds(tmp_pa
     proc = start(out, "--set", "dist.hang_timeout_s=3", "--set", "train.save_every=3", fault="teardown:1:0", steps=3)
     code, stdout, stderr = finish(proc, timeout=60)
     assert code == 0, stderr
-    assert re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down 3 s "
-                     r"later; ended it$", stderr, re.M), stderr
+    warned = re.search(rf"^warning: rank 1 on {HOST} \(pid \d+\) was done \(exit code 0\) but still tearing down "
+                       r"3 s later; ended it$", stderr, re.M)
+    assert warned, stderr
+    with open(out / "logs" / "rank1.log") as f:  # the same word ends its log (it ended mid-teardown)
+        assert f.read().splitlines()[-1].endswith(" rank1 " + warned.group(0))
     assert "rank 0" not in stderr  # rank 0 closed normally
     from core.checkpoint_io import model_state_dict
     assert model_state_dict(str(out / "checkpoints" / "step-3"))
@@ -1241,7 +1252,8 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
 def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkeypatch, capfd):
     """The store's host killed (kill -9 of rank 0): each heartbeat's store call printed torch's C++ warning with its
     c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
-    tells it the host is gone: no call is made, and the verdict says gone, not frozen."""
+    tells it the host is gone: no call is made, and the verdict says gone, not frozen. It came only after
+    dist.hang_timeout_s (600 s by default), waited for a store known gone: now within a store call's time."""
     from datetime import timedelta
     from types import SimpleNamespace
     port = free_port()
@@ -1251,7 +1263,8 @@ def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkey
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
                                wait_for_workers=False)
         verdicts = []
-        w = heartbeat.Watchdog(client, ctx, timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w = heartbeat.Watchdog(client, ctx, timeout=60, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w.interval = 0.5  # (as a timeout of 2 s would have it)
         w.host_line = heartbeat.open_host_line(ctx, 1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
@@ -1259,10 +1272,18 @@ def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkey
         w.thread.start()
         time.sleep(1.25)  # (between two beats: a call under way as the host dies still meets it)
         assert not verdicts and not w.store_gone()
-        host.kill()
+        monkeypatch.setattr(faults.stop_request, "reason", "SIGTERM")  # torchrun's agent died: its workers stop and
+        host.kill()  # save, their watchdogs let them (dist.hang_timeout_s)
+        w.thread.join(timeout=2.5)
+        assert not verdicts and w.store_gone()
+        monkeypatch.setattr(faults.stop_request, "reason", None)  # no stop: not waited for
+        t0 = time.monotonic()
         w.thread.join(timeout=15)
+        assert time.monotonic() - t0 < 2 * w.interval + 1.0  # a beat: the store has been gone longer than a call's time
         assert verdicts and verdicts[0].endswith("the process hosting it (rank 0, or torchrun's agent) is gone (it "
                                                  "closed its connections)"), verdicts
+        assert verdicts[0].startswith(f"the rendezvous store stopped answering (tcp://127.0.0.1:{port}, seen from "
+                                      f"{HOST} "), verdicts  # (not `for 60 s`)
         with pytest.raises(dist.DistNetworkError, match="the rendezvous store is gone"):
             w.ask(lambda: client.get("hb/0"), "get")
     finally:
@@ -1575,3 +1596,51 @@ def test_a_signal_as_the_launcher_starts_a_predict_s_ranks_is_no_training_stop(t
     assert supervisor.supervise() == 143
     assert capsys.readouterr().err.splitlines() == [f"interrupted by SIGTERM while predicting (mode predict) on {HOST}"]
     assert not supervisor.procs[0].pid and not supervisor.procs[1].pid  # none started
+
+
+def test_the_launcher_ends_a_killed_ranks_log_only_if_that_rank_opened_it(tmp_path):
+    """A rank killed (kill -9, the OOM killer, the launcher after another rank failed) left its log ending mid-step;
+    the launcher writes its last line, but only into a log whose last start line names that rank's pid: not one an
+    earlier run left (a rank killed before it opened its own), nor a log that is not there."""
+    from types import SimpleNamespace
+    from resilience.launcher import Supervisor
+    (tmp_path / "logs").mkdir()
+    for r, pid in ((0, 11), (1, 99)):  # rank 1's log is an earlier run's: pid 99, not 12
+        (tmp_path / "logs" / f"rank{r}.log").write_text(f"10:00:00 rank{r} rank {r} on {HOST}: pid {pid}, local rank "
+                                                         f"{r} of 3, 3 ranks in all, train\n10:00:01 rank{r} step 1"
+                                                         + "\n" * r)  # (rank 0's last line cut short by the kill)
+    sup = SimpleNamespace(cfg=SimpleNamespace(output_dir=str(tmp_path)),
+                          places=[SimpleNamespace(rank=r) for r in range(3)],
+                          procs=[SimpleNamespace(pid=11 + r) for r in range(3)])
+    for i in range(3):
+        Supervisor.end_log(sup, i, f"rank {i} ended")
+    lines = (tmp_path / "logs" / "rank0.log").read_text().splitlines()
+    assert lines[-2] == "10:00:01 rank0 step 1" and lines[-1].endswith(" rank0 rank 0 ended"), lines
+    assert (tmp_path / "logs" / "rank1.log").read_text().splitlines()[-1] == "10:00:01 rank1 step 1"
+    assert not (tmp_path / "logs" / "rank2.log").exists()
+
+
+@pytest.mark.slow
+def test_a_collective_that_fails_as_the_store_host_dies_asks_the_store_nothing(tmp_path, capfd):
+    """kill -9 of rank 0: a survivor's collective failed at once, and asking the store which peers were silent met
+    the store as its host's connections were still closing: torch's C++ warning with its stack frames on stderr
+    (1 run in 25 of the 3-rank kill). The watchdog's own connection is given a moment to say the host is gone."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+    port = free_port()
+    host = store_host(port)
+    try:
+        ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
+                               wait_for_workers=False)
+        w = heartbeat.Watchdog(client, ctx, timeout=60, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+        w._write_beat()
+        client.set("hb/0", f"1 1 1 train {HOST}")
+        host.kill()  # (the collective with it fails at once; its store's connections close as it exits)
+        said = w.lost_peers(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    finally:
+        host.kill()
+        store_calls_end()
+    assert said == "lost rank 0, which is gone (the rendezvous store it hosted closed its connections); ", said
+    assert "frame #" not in capfd.readouterr().err
