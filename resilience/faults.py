@@ -91,6 +91,7 @@ class StopRequest:
         self.log: Optional[logging.Logger] = None
         self.lines: queue.SimpleQueue = queue.SimpleQueue()  # (message, extra) the handler has to say
         self.before_early: dict = {}  # signal -> its handler before catch_early (main.py), put back by keep_early
+        self.kept = "a checkpoint is saved"  # what a stop keeps (install): lr_find's sweep keeps its curve
 
     def catch_early(self) -> None:
         """main.py's first act, before torch loads: a stop signal while it starts (the config checked, torch
@@ -110,10 +111,13 @@ class StopRequest:
                     signal.raise_signal(signum)
         self.before_early = {}
 
-    def install(self, extra_signal: Optional[str], time_limit_s: Optional[float], used_s: float = 0.0) -> None:
+    def install(self, extra_signal: Optional[str], time_limit_s: Optional[float], used_s: float = 0.0,
+                kept: str = "a checkpoint is saved") -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
         the signals, which launcher.Supervisor blocks while it starts its ranks: one sent before now is handled now.
-        used_s: the time limit's seconds used before this start (elastic.time_used: torchrun's restarts)."""
+        used_s: the time limit's seconds used before this start (elastic.time_used: torchrun's restarts). `kept`:
+        what the stop keeps, as its line says it."""
+        self.kept = kept
         self.deadline = time.monotonic() + time_limit_s - used_s if time_limit_s is not None else None
         signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
         for signum in signums:
@@ -130,7 +134,7 @@ class StopRequest:
             self.lines.put((already_stopping(name), {"file_only": report.sink is not None}))
             return
         self.reason = name
-        self.lines.put((f"{name} received: stopping after the current step, once a checkpoint is saved (a stop "
+        self.lines.put((f"{name} received: stopping after the current step, once {self.kept} (a stop "
                         f"signal again does not stop it sooner; SIGKILL ends the run at once, without saving)", {}))
 
     def _say_lines(self) -> None:

@@ -76,4 +76,8 @@ def test_ctrl_c_ends_the_sweep_at_its_step_with_its_files_written(tmp_path, monk
     assert main.run(cfg) == 3
     with open(tmp_path / "lr_find.csv") as f:
         assert len(list(csv.DictReader(f))) == 20
-    assert "lr_find stopped by SIGINT after 20 of 100 steps" in open(tmp_path / "logs" / "rank0.log").read()
+    log = open(tmp_path / "logs" / "rank0.log").read()
+    assert "lr_find stopped by SIGINT after 20 of 100 steps" in log
+    # the signal's own line says what the stop keeps: the sweep saves no checkpoint (it said it would)
+    assert "SIGINT received: stopping after the current step, once the sweep so far is written to lr_find.csv" in log
+    assert "checkpoint" not in log
