@@ -53,7 +53,10 @@ class BagOfWordsExport:
 
     def predict_chunks(self, path, size):  # mode: predict: a file of texts (text_stream), encoded as training's were,
         for texts in in_chunks(text_stream(path, self.cfg.data.text_column), size):  # each by the rank predicting it
-            yield texts, EncodedLazily(texts, self.encode_text)
+            yield texts, EncodedLazily(texts, self.encode_input)
+
+    def encode_input(self, text):  # one new text, encoded as training's were (encode; its label unused)
+        return self.encode("predict", [text], [self.classes[0]])[0]
 
     def predict_logits(self, model, batch):
         return model(batch["ids"])

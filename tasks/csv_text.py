@@ -36,10 +36,8 @@ class CSVTextTask(BagOfWordsExport, Task):  # BagOfWordsExport: mode export's Hu
     def encode(self, split, texts, labels):  # word ids (0 pads, 1 is a word train lacks), class numbers
         if set(labels) - set(self.classes):
             raise DataError(f"{split} split: labels {sorted(set(labels) - set(self.classes))} are not in train's")
-        return [self.encode_text(t, self.classes.index(y)) for t, y in zip(texts, labels)]
-
-    def encode_text(self, text, label=0):  # one text's item (mode predict's: as a rank reads it, label 0 unused)
-        return {"ids": [self.vocab.get(w, 1) for w in words(text)][:self.cfg.data.max_length] or [1], "labels": label}
+        return [{"ids": [self.vocab.get(w, 1) for w in words(t)][:self.cfg.data.max_length] or [1],
+                 "labels": self.classes.index(y)} for t, y in zip(texts, labels)]
 
     def collate(self, samples):  # a batch: word ids padded with 0 to the longest text, and the labels
         return {"ids": nn.utils.rnn.pad_sequence([torch.tensor(s["ids"]) for s in samples], batch_first=True),
