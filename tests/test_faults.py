@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -274,7 +276,6 @@ def test_a_store_that_stops_answering_as_the_group_forms_is_one_line_not_a_hang(
     formed the group in init_process_group: its store calls, in C++, were not timed, and rank 1 waited until TCP
     gave up (a cut link) or for ever (a frozen host). Now the same line as in the roll call, naming the call."""
     from core import roll_call
-    from datetime import timedelta
     port = free_port()
     host = store_host(port)
     try:
@@ -1119,7 +1120,6 @@ def test_a_stop_or_end_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsy
 
 def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
     """Ranks 1 and 2 (one node) stop beating half an interval apart: the verdict names both, not the first."""
-    from types import SimpleNamespace
 
     store, clock = DictStore(), [0.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
@@ -1143,7 +1143,6 @@ def test_watchdog_names_every_rank_that_fell_silent_together(monkeypatch):
 def test_watchdog_names_a_rank_frozen_before_its_first_beat(monkeypatch):
     """Every rank beats once as its watchdog starts; a rank whose heartbeat never shows up counts as silent from
     the first look (it used to count as "still starting" for ever: a rank frozen early was never named)."""
-    from types import SimpleNamespace
 
     store, clock = DictStore(), [0.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
@@ -1161,7 +1160,6 @@ def test_a_rank_that_ended_after_its_report_is_not_named_lost(monkeypatch):
     """torchrun, 3 ranks, rank 0 killed: rank 2 said `lost rank 0 ...` and exited; rank 1, whose collective failed
     a moment later, said `lost ranks 0, 2, which stopped responding (died or froze)`: rank 2 had stopped beating
     because it had ended, after its own report. A watchdog that stops beats once more, `ended`: not lost."""
-    from types import SimpleNamespace
 
     class Store(DictStore):
         def set(self, key, value):
@@ -1185,7 +1183,6 @@ def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_
     """Rank 1 watches rank 0, whose last heartbeat said step 5; rank 1 trained on to step 40. The line said `rank 0
     ... stopped responding at step 5 (their last heartbeat; none for 4 s ...)`: no word of where the run was, and a
     step that reads as where rank 0 froze. Now when rank 0 was last heard, and the step of the rank that says so."""
-    from types import SimpleNamespace
 
     store, clock = DictStore(), [0.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
@@ -1203,7 +1200,6 @@ def test_watchdog_says_when_a_silent_rank_was_last_heard_and_where_the_reporter_
 def test_the_watchdogs_own_connection_to_a_store_that_never_answers_gives_up(tmp_path):
     """The watchdog opens a store connection of its own as training starts: a store host frozen (or a link cut) just
     then held the rank in TCPStore's connect for ever, before its watchdog could say anything."""
-    from types import SimpleNamespace
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -1219,16 +1215,11 @@ def test_watchdog_sees_a_frozen_store_host(tmp_path, monkeypatch):
     """The process hosting the rendezvous store (rank 0 under our launcher) freezes: it keeps its connections
     open and never answers, and TCPStore's own timeout does not cover that (check/get/add wait for ever; tested
     on torch 2.13). The watchdog gives its store calls a deadline of its own and says so within its timeout."""
-    from datetime import timedelta
-    from types import SimpleNamespace
     port = free_port()
     host = store_host(port)
     try:
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
-                               wait_for_workers=False)
+        client, w = watchdog_of_rank_1(tmp_path, port, timeout=2, host_line=False)
         verdicts = []
-        w = heartbeat.Watchdog(client, SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}"),
-                               timeout=2, log_path=str(tmp_path / "log"), op_timeout=1.0)
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
         client.set("hb/0", f"1 1 1 train {HOST}")
@@ -1254,18 +1245,12 @@ def test_watchdog_of_a_store_host_that_died_prints_no_cpp_stack(tmp_path, monkey
     c10 stack frames on stderr, once a beat, until the verdict. The watchdog's own connection to the store's port
     tells it the host is gone: no call is made, and the verdict says gone, not frozen. It came only after
     dist.hang_timeout_s (600 s by default), waited for a store known gone: now within a store call's time."""
-    from datetime import timedelta
-    from types import SimpleNamespace
     port = free_port()
     host = store_host(port)
     try:
-        ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
-                               wait_for_workers=False)
-        verdicts = []
-        w = heartbeat.Watchdog(client, ctx, timeout=60, log_path=str(tmp_path / "log"), op_timeout=1.0)
+        client, w = watchdog_of_rank_1(tmp_path, port, timeout=60)
         w.interval = 0.5  # (as a timeout of 2 s would have it)
-        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+        verdicts = []
         monkeypatch.setattr(w, "_give_up", lambda verdict: (verdicts.append(verdict), w._stop.set()))
         w._write_beat()
         client.set("hb/0", f"1 1 1 train {HOST}")
@@ -1471,6 +1456,17 @@ def store_calls_end(timeout: float = 10.0) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
+def watchdog_of_rank_1(tmp_path, port: int, timeout: float, host_line: bool = True):
+    """(its store client, the watchdog) of rank 1 of 2 on the store at `port`, store calls of 1 s; `host_line`: with
+    its own connection to the store's port, as training opens it."""
+    ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1), wait_for_workers=False)
+    w = heartbeat.Watchdog(client, ctx, timeout=timeout, log_path=str(tmp_path / "log"), op_timeout=1.0)
+    if host_line:
+        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+    return client, w
+
+
 def store_host(port: int) -> subprocess.Popen:
     """A process that hosts a TCPStore on `port` and then does nothing else (SIGSTOP it: a frozen store host)."""
     host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
@@ -1540,7 +1536,6 @@ def test_a_stop_signal_during_predict_or_test_mode_ends_it_as_ctrl_c_does(tmp_pa
 def test_the_launcher_says_what_a_rank_that_does_not_train_was_doing(tmp_path, capsys):
     """A predict's rank killed without a word (kill -9, the kernel's OOM killer) was said `died from SIGKILL ... at
     step 0`, one that exited without a report `... at step 0 without a report`: a predict has no step."""
-    from types import SimpleNamespace
     from main import RankPlace
     from resilience import launcher
     cfg = make_config(tmp_path, mode="predict", predict={"input": str(tmp_path)}, dist={"strategy": "ddp"})
@@ -1602,7 +1597,6 @@ def test_the_launcher_ends_a_killed_ranks_log_only_if_that_rank_opened_it(tmp_pa
     """A rank killed (kill -9, the OOM killer, the launcher after another rank failed) left its log ending mid-step;
     the launcher writes its last line, but only into a log whose last start line names that rank's pid: not one an
     earlier run left (a rank killed before it opened its own), nor a log that is not there."""
-    from types import SimpleNamespace
     from resilience.launcher import Supervisor
     (tmp_path / "logs").mkdir()
     for r, pid in ((0, 11), (1, 99)):  # rank 1's log is an earlier run's: pid 99, not 12
@@ -1625,16 +1619,10 @@ def test_a_collective_that_fails_as_the_store_host_dies_asks_the_store_nothing(t
     """kill -9 of rank 0: a survivor's collective failed at once, and asking the store which peers were silent met
     the store as its host's connections were still closing: torch's C++ warning with its stack frames on stderr
     (1 run in 25 of the 3-rank kill). The watchdog's own connection is given a moment to say the host is gone."""
-    from datetime import timedelta
-    from types import SimpleNamespace
     port = free_port()
     host = store_host(port)
     try:
-        ctx = SimpleNamespace(rank=1, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}")
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1),
-                               wait_for_workers=False)
-        w = heartbeat.Watchdog(client, ctx, timeout=60, log_path=str(tmp_path / "log"), op_timeout=1.0)
-        w.host_line = heartbeat.open_host_line(ctx, 1.0)
+        client, w = watchdog_of_rank_1(tmp_path, port, timeout=60)
         w._write_beat()
         client.set("hb/0", f"1 1 1 train {HOST}")
         host.kill()  # (the collective with it fails at once; its store's connections close as it exits)
