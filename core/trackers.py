@@ -84,7 +84,7 @@ def check_config(cfg, fail) -> None:
                                         f"a folder: give sqlite:///{database} (or a server's http:// address)")
     # In the default store's URI, SQLAlchemy ends the path at a `?` and decodes a %41: a file outside output_dir.
     where = os.path.abspath(cfg.output_dir)
-    if ("mlflow" in names(cfg) and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    if ("mlflow" in names(cfg) and not given
             and re.search(r"\?|%[0-9A-Fa-f]{2}", where)):
         fail("output_dir", f"{where[:80]!r} holds a `?` or a %XX escape, which MLflow's default store "
                            "sqlite:///<output_dir>/mlflow.db reads as another file: set log.mlflow_tracking_uri")

@@ -65,6 +65,8 @@ def stop_signals(extra_signal: Optional[str]) -> list[str]:
     return list(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP") + ((extra_signal,) if extra_signal else ())))
 
 
+A_CHECKPOINT = "a checkpoint is saved"  # what a stop keeps, as its line says it (StopRequest.kept)
+
 # What main.py catches before its config is read: the stop signals, and every one train.stop_signal may name.
 EARLY_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
@@ -91,7 +93,7 @@ class StopRequest:
         self.log: Optional[logging.Logger] = None
         self.lines: queue.SimpleQueue = queue.SimpleQueue()  # (message, extra) the handler has to say
         self.before_early: dict = {}  # signal -> its handler before catch_early (main.py), put back by keep_early
-        self.kept = "a checkpoint is saved"  # what a stop keeps (install): lr_find's sweep keeps its curve
+        self.kept = A_CHECKPOINT  # what a stop keeps (install): lr_find's sweep keeps its curve
 
     def catch_early(self) -> None:
         """main.py's first act, before torch loads: a stop signal while it starts (the config checked, torch
@@ -112,12 +114,12 @@ class StopRequest:
         self.before_early = {}
 
     def install(self, extra_signal: Optional[str], time_limit_s: Optional[float], used_s: float = 0.0,
-                kept: str = "a checkpoint is saved") -> None:
+                kept: Optional[str] = None) -> None:
         """First thing in a rank (before torch is imported), so that a signal during setup is not lost. Unblocks
         the signals, which launcher.Supervisor blocks while it starts its ranks: one sent before now is handled now.
         used_s: the time limit's seconds used before this start (elastic.time_used: torchrun's restarts). `kept`:
-        what the stop keeps, as its line says it."""
-        self.kept = kept
+        what the stop keeps, as its line says it (None: a checkpoint)."""
+        self.kept = kept or A_CHECKPOINT
         self.deadline = time.monotonic() + time_limit_s - used_s if time_limit_s is not None else None
         signums = [getattr(signal, name) for name in stop_signals(extra_signal)]
         for signum in signums:

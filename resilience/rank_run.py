@@ -56,7 +56,7 @@ class RankRun:
             elastic.record_exit(self.cfg.output_dir, self.place.local_rank, None)  # (this launch's record only)
             self.time_used = used if limit else 0.0
             faults.stop_request.install(self.cfg.train.stop_signal, limit, self.time_used, kept=(
-                "the sweep so far is written to lr_find.csv" if self.cfg.mode == "lr_find" else "a checkpoint is saved"))
+                "the sweep so far is written to lr_find.csv" if self.cfg.mode == "lr_find" else None))
         return self
 
     def join_group(self) -> distributed.DistContext:
